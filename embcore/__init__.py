@@ -1,0 +1,23 @@
+"""embcore: a software embedding accelerator for PyTorch.
+
+TensorFlow's TPU embedding system (tables, features, an engine that looks up ids and applies a
+sparse optimizer in place, checkpoints and serving) rebuilt for CPUs and GPUs. See README.md.
+"""
+
+__version__ = "0.1.0"
+
+from .checkpoint import load, save
+from .config import FeatureConfig, TableConfig
+from .engine import Embedding
+from .layer import EmbeddingLayer
+from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
+from .plan import ShardingPlan
+from .serving import serving_embedding_lookup
+
+cpu_embedding_lookup = serving_embedding_lookup
+
+__all__ = [
+    "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "Embedding", "EmbeddingLayer",
+    "FeatureConfig", "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup",
+    "load", "save", "serving_embedding_lookup", "__version__",
+]

@@ -1,0 +1,216 @@
+"""Table and feature configs: what a user declares.
+
+Both classes are frozen, keyword-only dataclasses validated on construction. The library never
+mutates them; names the user did not give are resolved by the engine (``resolve_names``) and kept
+beside the configs, not written into them. Configs compare and hash by identity: two tables with the
+same fields are still two tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Combiner = Literal["sum", "mean", "sqrtn"]
+COMBINERS = ("sum", "mean", "sqrtn")
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# Rows are initialized in blocks of this many rows, each block from its own seeded generator, so a
+# process holding any subset of a table's rows can create exactly those rows without creating the
+# rest: the same seed gives the same table however it is sharded.
+INIT_BLOCK_ROWS = 65536
+
+Initializer = Callable[[torch.Tensor], Any] | torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class TableConfig:
+    """One embedding table.
+
+    Args:
+        vocabulary_size: number of rows ``N`` (ids are in ``[0, N)``).
+        dim: embedding width ``D``.
+        initializer: ``None`` for TF's default, a truncated normal with mean 0 and stddev
+            ``1/sqrt(dim)`` cut at two stddevs; or a callable that fills a tensor in place, in the
+            style of ``torch.nn.init`` (e.g. ``functools.partial(torch.nn.init.uniform_, a=-.05,
+            b=.05)``), which must treat entries independently (it is called on blocks of rows);
+            or a ``(vocabulary_size, dim)`` tensor of initial values (pretrained embeddings).
+            Random initializers draw from a generator seeded from ``torch``'s global RNG when the
+            engine is constructed: call ``torch.manual_seed(seed)`` first (on every process) for
+            reproducible tables; the values do not depend on how the table is sharded.
+        optimizer: an embcore optimizer for this table; overrides the engine's optimizer.
+        combiner: how ids of one bag are combined: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
+        name: the table's name (checkpoint keys ``<name>/parameters``); ``None`` gives
+            ``table_<i>`` in order of first use by the features.
+        dtype: the parameters' floating dtype.
+
+    Raises:
+        ValueError / TypeError: on any invalid field, naming it and the value.
+
+    Example:
+        >>> import embcore as ec
+        >>> movies = ec.TableConfig(vocabulary_size=2048, dim=64, name="movies")
+    """
+
+    vocabulary_size: int
+    dim: int
+    initializer: Initializer | None = None
+    optimizer: Any = None
+    combiner: Combiner = "mean"
+    name: str | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        where = f"TableConfig(name={self.name!r})"
+        _check_positive_int(self.vocabulary_size, "vocabulary_size", where)
+        _check_positive_int(self.dim, "dim", where)
+        if self.combiner not in COMBINERS:
+            raise ValueError(f"{where}: combiner must be one of {COMBINERS}, got {self.combiner!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name
+                                      or "/" in self.name):
+            raise ValueError(f"{where}: name must be a non-empty string without '/', "
+                             f"got {self.name!r}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        init = self.initializer
+        if isinstance(init, torch.Tensor):
+            if tuple(init.shape) != (self.vocabulary_size, self.dim):
+                raise ValueError(f"{where}: an initializer tensor must have shape "
+                                 f"({self.vocabulary_size}, {self.dim}), got {tuple(init.shape)}")
+        elif init is not None and not callable(init):
+            raise TypeError(f"{where}: initializer must be None, a callable that fills a tensor "
+                            f"in place, or a tensor; got {type(init).__name__}")
+        if self.optimizer is not None:
+            from .optimizers import Optimizer  # local: optimizers never import config
+            if not isinstance(self.optimizer, Optimizer):
+                raise TypeError(f"{where}: optimizer must be an embcore optimizer (ec.SGD, "
+                                f"ec.Adagrad, ...), got {type(self.optimizer).__name__}")
+
+    def __repr__(self) -> str:
+        return (f"TableConfig(name={self.name!r}, vocabulary_size={self.vocabulary_size}, "
+                f"dim={self.dim}, combiner={self.combiner!r}, dtype={self.dtype})")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FeatureConfig:
+    """One input feature, looked up in ``table``.
+
+    Args:
+        table: the ``TableConfig`` it reads; several features may share one table.
+        max_sequence_length: 0 for a bag feature (ids of a row combined by the table's
+            combiner); ``S > 0`` for a sequence feature: no combining, output ``[B, S, D]``,
+            ids past ``S`` dropped, missing positions zero.
+        output_shape: the leading shape of this feature's activations (without ``D``); overrides
+            the shape given to ``build`` and the one seen at the first enqueue.
+        validate_weights_and_indices: check ids are in ``[0, vocabulary_size)`` and weights are
+            finite on every enqueue (a small cost; turn off once inputs are trusted).
+        name: the feature's name in error messages; ``None`` uses its path in the structure.
+
+    Example:
+        >>> import embcore as ec
+        >>> t = ec.TableConfig(vocabulary_size=100, dim=8)
+        >>> history = ec.FeatureConfig(table=t, max_sequence_length=20, name="history")
+    """
+
+    table: TableConfig
+    max_sequence_length: int = 0
+    output_shape: Sequence[int] | None = None
+    validate_weights_and_indices: bool = True
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        where = f"FeatureConfig(name={self.name!r})"
+        if not isinstance(self.table, TableConfig):
+            raise TypeError(f"{where}: table must be a TableConfig, got {type(self.table).__name__}")
+        if (not isinstance(self.max_sequence_length, int) or isinstance(self.max_sequence_length, bool)
+                or self.max_sequence_length < 0):
+            raise ValueError(f"{where}: max_sequence_length must be an int >= 0, "
+                             f"got {self.max_sequence_length!r}")
+        if self.output_shape is not None:
+            shape = tuple(self.output_shape)
+            if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+                raise ValueError(f"{where}: output_shape must be a non-empty sequence of positive "
+                                 f"ints, got {self.output_shape!r}")
+            object.__setattr__(self, "output_shape", shape)  # normalise once, at construction
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"{where}: name must be a non-empty string, got {self.name!r}")
+
+    def __repr__(self) -> str:
+        return (f"FeatureConfig(name={self.name!r}, table={self.table.name!r}, "
+                f"max_sequence_length={self.max_sequence_length}, "
+                f"output_shape={self.output_shape})")
+
+
+def _check_positive_int(value: Any, arg: str, where: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {arg} must be an int >= 1, got {value!r}")
+
+
+def resolve_table_names(tables_in_use_order: Sequence[TableConfig]) -> dict[TableConfig, str]:
+    """Names every table: its own name, else ``table_<i>`` with ``i`` its first-use index.
+
+    Raises:
+        ValueError: when two tables end up with the same name.
+    """
+    names: dict[TableConfig, str] = {}
+    owner: dict[str, TableConfig] = {}
+    for i, table in enumerate(tables_in_use_order):
+        name = table.name if table.name is not None else f"table_{i}"
+        if name in owner:
+            raise ValueError(f"two tables are named {name!r}; table names must be unique "
+                             f"(give each TableConfig its own name=)")
+        owner[name] = table
+        names[table] = name
+    return names
+
+
+def init_seed(base_seed: int, table_name: str, block: int) -> int:
+    """The seed of one block of a table's rows: a stable hash of (engine seed, table, block)."""
+    digest = hashlib.blake2b(f"{base_seed}:{table_name}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def default_initializer(dim: int) -> Callable[[torch.Tensor], Any]:
+    """TF's default: truncated normal, mean 0, stddev ``1/sqrt(dim)``, cut at 2 stddevs."""
+    std = 1.0 / math.sqrt(dim)
+
+    def init(t: torch.Tensor) -> None:
+        torch.nn.init.trunc_normal_(t, mean=0.0, std=std, a=-2 * std, b=2 * std)
+
+    return init
+
+
+def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tensor) -> torch.Tensor:
+    """Initial values of the given rows of a table, identical whatever subset is asked for.
+
+    Args:
+        table: the table's config.
+        name: its resolved name (part of the seed).
+        base_seed: the engine's seed.
+        rows: (R,) int64 row ids, ascending.
+
+    Returns:
+        (R, D) tensor of ``table.dtype`` on the CPU.
+    """
+    if isinstance(table.initializer, torch.Tensor):
+        return table.initializer.detach().to("cpu", table.dtype)[rows].clone()
+    init = table.initializer if table.initializer is not None else default_initializer(table.dim)
+    out = torch.empty(len(rows), table.dim, dtype=table.dtype)  # (R, D)
+    if len(rows) == 0:
+        return out
+    blocks = torch.div(rows, INIT_BLOCK_ROWS, rounding_mode="floor")
+    for b in torch.unique(blocks).tolist():
+        start = b * INIT_BLOCK_ROWS
+        n = min(INIT_BLOCK_ROWS, table.vocabulary_size - start)
+        block = torch.empty(n, table.dim, dtype=torch.float32)  # (n, D)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(init_seed(base_seed, name, b))
+            init(block)
+        sel = blocks == b
+        out[sel] = block[rows[sel] - start].to(table.dtype)
+    return out

@@ -1,0 +1,456 @@
+"""The engine (``ec.Embedding``): holds the physical tables and their optimizer slots, and composes
+inputs -> preprocess -> lookup -> gradient -> optimizer update for every step.
+
+It is the thin stateful shell over the functional core: every computation lives in inputs.py,
+preprocess.py, ops/ and optimizers.py; this file owns the tensors and the protocol
+(enqueue -> dequeue -> apply_gradients) and checks it, so that a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import __version__
+from .comm import make_communicator
+from .config import FeatureConfig, TableConfig, initial_rows, resolve_table_names
+from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
+from .nest import flatten_like, leaves_with_paths, unflatten_like
+from .ops.lookup import combine, combine_backward
+from .optimizers import Optimizer
+from .plan import ShardingPlan, make_plan
+from .preprocess import TableBatch, group_by_physical
+
+
+def is_feature(x: Any) -> bool:
+    return isinstance(x, FeatureConfig)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """An enqueued batch: ids grouped, deduplicated and ready for the lookup."""
+
+    training: bool
+    tables: list[TableBatch]
+
+
+class Embedding:
+    """The embedding engine: tables, sparse optimizer, and the enqueue / dequeue / apply protocol.
+
+    Args:
+        feature_config: a FeatureConfig or a nested dict / list / tuple of them; every features,
+            weights, activations and gradients structure mirrors it.
+        optimizer: the embcore optimizer of tables that have none of their own (``None``: such
+            tables can be looked up but not trained).
+        pipeline_execution: allow the lookup of step n+1 to be prepared before step n's update
+            (DESIGN 2.6). The protocol check (each training dequeue is followed by its
+            ``apply_gradients`` before the next training dequeue) applies either way; this
+            version still runs every lookup after the previous update, which that mode permits.
+        sharding: None, ``"auto"``, a strategy name or ``{table_name: strategy}`` (DESIGN 2.5).
+        process_group: the ``torch.distributed`` group to shard over (None: one process, or the
+            default group when one is initialized).
+        device: where tables, slots and the step's work live (default CPU).
+
+    Raises:
+        ValueError / TypeError: invalid structures, duplicate names, bad optimizers.
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> torch.manual_seed(0)  # tables are drawn from torch's global RNG at construction
+        >>> t = ec.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
+        >>> emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+        >>> emb.enqueue({"f": torch.tensor([1, 2, 2])})
+        >>> act = emb.dequeue()["f"]          # (3, 4), requires_grad for your loss
+        >>> act.sum().backward()
+        >>> emb.apply_gradients({"f": act.grad})  # row 2 moves by 2 * 0.1, row 1 by 0.1
+    """
+
+    def __init__(self, feature_config: Any, optimizer: Optimizer | None = None, *,
+                 pipeline_execution: bool = False,
+                 sharding: str | Mapping[str, str] | None = None,
+                 process_group: Any = None, device: torch.device | str | None = None) -> None:
+        self._template = feature_config
+        flat = leaves_with_paths(feature_config, is_feature)
+        if not flat:
+            raise ValueError("feature_config holds no FeatureConfig")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be an embcore optimizer (ec.SGD, ec.Adagrad, ...) or "
+                            f"None, got {type(optimizer).__name__}")
+        self._features: list[FeatureConfig] = [f for _, f in flat]
+        self._feature_names = [f.name or (p or "feature") for p, f in flat]
+        dup = {n for n in self._feature_names if self._feature_names.count(n) > 1}
+        if dup:
+            raise ValueError(f"feature names {sorted(dup)} are used twice; give features unique "
+                             f"names")
+        if len({id(f) for f in self._features}) != len(self._features):
+            raise ValueError("one FeatureConfig object appears twice in feature_config; create a "
+                             "FeatureConfig per feature (they may share a TableConfig)")
+        tables = list(dict.fromkeys(f.table for f in self._features))  # first-use order
+        self._table_names = resolve_table_names(tables)
+        self._optimizers = {t: t.optimizer if t.optimizer is not None else optimizer
+                            for t in tables}
+        self._feature_tables = [self._table_names[f.table] for f in self._features]
+        self._comm = make_communicator(process_group)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.pipeline_execution = bool(pipeline_execution)
+        self._plan = make_plan([(self._table_names[t], t, self._optimizers[t]) for t in tables],
+                               self._comm.world_size, sharding)
+        # One draw from torch's global RNG: torch.manual_seed before construction fixes tables.
+        self._seed = int(torch.randint(0, 2**62, (1,)).item())
+        self._weights: list[torch.Tensor] = []
+        self._slots: list[dict[str, torch.Tensor]] = []
+        self._shapes: list[tuple[int, ...] | None] = [None] * len(self._features)
+        self._queue: deque[_Prepared] = deque()
+        self._awaiting: _Prepared | None = None
+        self._last_dequeue_training: bool | None = None
+        self._step = 0
+
+    # ----------------------------------------------------------------------------- building
+    @property
+    def plan(self) -> ShardingPlan:
+        """The frozen placement of every table (``print(emb.plan)``)."""
+        return self._plan
+
+    @property
+    def step(self) -> int:
+        """Number of ``apply_gradients`` calls applied so far."""
+        return self._step
+
+    @property
+    def feature_config(self) -> Any:
+        return self._template
+
+    def build(self, per_replica_input_shapes: Any = None,
+              per_replica_batch_size: int | None = None) -> None:
+        """Creates the tables and, optionally, fixes the activations' shapes.
+
+        Optional: ``enqueue``, ``lookup`` and ``state_dict`` build on first use.
+
+        Args:
+            per_replica_input_shapes: a structure mirroring feature_config of input shapes whose
+                last dim counts ids per bag (``[B, 1]``, ``[B, L]``; ``[B, L, 1]`` for a dense
+                ``[B, L]`` input looked up id by id); sets each feature's output shape.
+            per_replica_batch_size: the simpler form: output ``[B]`` (``[B, L]`` for sequence
+                features of length L).
+
+        Raises:
+            ValueError: a structure mismatch, or a shape conflicting with one already fixed.
+        """
+        shapes: list[tuple[int, ...] | None] = [None] * len(self._features)
+        if per_replica_input_shapes is not None:
+            flat = flatten_like(self._template, per_replica_input_shapes, is_feature,
+                                "per_replica_input_shapes")
+            shapes = [output_shape_from_input_shape(f, tuple(s), n)
+                      for f, s, n in zip(self._features, flat, self._feature_names)]
+        elif per_replica_batch_size is not None:
+            b = int(per_replica_batch_size)
+            shapes = [(b, f.max_sequence_length) if f.max_sequence_length else (b,)
+                      for f in self._features]
+        for i, s in enumerate(shapes):
+            if s is not None and self._shapes[i] is not None and self._shapes[i] != s:
+                raise ValueError(f"feature {self._feature_names[i]!r}: build() shape {list(s)} "
+                                 f"conflicts with the shape {list(self._shapes[i] or ())} already "
+                                 f"fixed")
+        for i, s in enumerate(shapes):
+            if s is not None:
+                self._shapes[i] = s
+        self._ensure_built()
+
+    def _ensure_built(self) -> None:
+        if self._weights:
+            return
+        names_to_cfg = {n: t for t, n in self._table_names.items()}
+        for p in self._plan.physical:
+            w = torch.empty(p.rows, p.dim, dtype=p.dtype, device=self.device)  # (N_p, D)
+            for name in p.tables:
+                place = self._plan.table(name)
+                rows = torch.arange(place.rows, dtype=torch.int64)
+                w[place.row_offset:place.row_offset + place.rows] = initial_rows(
+                    names_to_cfg[name], name, self._seed, rows).to(self.device)
+            slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            slots = {s.name: torch.full((p.rows, 1 if s.rowwise else p.dim), s.initial_value,
+                                        dtype=slot_dtype, device=self.device)
+                     for s in (p.optimizer.slots if p.optimizer is not None else ())}
+            self._weights.append(w)
+            self._slots.append(slots)
+
+    # ----------------------------------------------------------------------------- the protocol
+    def enqueue(self, features: Any, weights: Any = None, training: bool = True) -> None:
+        """Hands a batch of ids to the engine; ``dequeue`` returns its activations.
+
+        Args:
+            features: mirrors feature_config; each leaf a dense, jagged or sparse COO id tensor.
+            weights: None, or mirrors feature_config with None or a weight tensor per leaf.
+            training: True when ``apply_gradients`` will follow the ``dequeue``.
+
+        Raises:
+            ValueError / TypeError: bad structures, ids, weights or shapes (naming the feature);
+                a training enqueue with a table that has no optimizer.
+            RuntimeError: enqueue again before the previous batch was dequeued.
+        """
+        limit = 2 if self.pipeline_execution else 1
+        if len(self._queue) >= limit:
+            raise RuntimeError("enqueue() called again before dequeue() of the batch already "
+                               "enqueued; call dequeue() after every enqueue()")
+        if training:
+            untrained = [self._table_names[t] for t, o in self._optimizers.items() if o is None]
+            if untrained:
+                raise ValueError(f"tables {untrained} have no optimizer, so they cannot be "
+                                 f"trained; pass optimizer= to Embedding (or to their "
+                                 f"TableConfig), or enqueue with training=False")
+        batches, shapes = self._prepare(self._template, features, weights, fixed=True)
+        for i, s in enumerate(shapes):  # only now, once the whole batch is accepted
+            if s is not None and self._shapes[i] is None and self._features[i].output_shape is None:
+                self._shapes[i] = s
+        self._queue.append(_Prepared(bool(training), batches))
+
+    def dequeue(self) -> Any:
+        """Activations of the oldest enqueued batch, mirroring feature_config.
+
+        Each activation has shape ``leading + (D,)``. After a ``training=True`` enqueue they are
+        leaf tensors with ``requires_grad=True``: compute the loss, ``backward()``, and pass their
+        ``.grad`` to ``apply_gradients`` (or use ``torch.autograd.grad``).
+
+        Raises:
+            RuntimeError: nothing enqueued, or a training batch dequeued before the previous
+                training batch's ``apply_gradients``.
+        """
+        flat = self._dequeue_flat()
+        training = self._last_dequeue_training
+        flat = [a.detach().requires_grad_(bool(training)) for a in flat]
+        return unflatten_like(self._template, flat, is_feature)
+
+    def _dequeue_flat(self) -> list[torch.Tensor]:
+        if not self._queue:
+            raise RuntimeError("dequeue() called with nothing enqueued; call enqueue(features) "
+                               "first")
+        batch = self._queue[0]
+        if batch.training and self._awaiting is not None:
+            raise RuntimeError("dequeue() of a training batch before apply_gradients() of the "
+                               "previous training batch; call apply_gradients() once per training "
+                               "dequeue()")
+        self._queue.popleft()
+        self._ensure_built()
+        flat = self._activations(batch.tables, len(self._features))
+        self._last_dequeue_training = batch.training
+        if batch.training:
+            self._awaiting = batch
+        return flat
+
+    def apply_gradients(self, gradients: Any) -> None:
+        """Applies the optimizer to the rows of the last training batch.
+
+        Args:
+            gradients: mirrors feature_config; each leaf the gradient of that feature's
+                activation (same shape), or None for a zero gradient (warned about when the
+                optimizer moves rows on a zero gradient, e.g. Adam, FTRL, momentum, decay).
+
+        Raises:
+            RuntimeError: no training batch awaits gradients (none dequeued, a training=False
+                enqueue, or apply_gradients already called for it).
+            ValueError: structure or shape mismatch, naming the feature. Nothing is changed.
+        """
+        flat = flatten_like(self._template, gradients, is_feature, "gradients")
+        self._apply_flat(flat, warn_none=True)
+
+    def _apply_flat(self, flat: list[torch.Tensor | None], warn_none: bool) -> None:
+        if self._awaiting is None:
+            if self._last_dequeue_training is False:
+                raise RuntimeError("apply_gradients() after a training=False enqueue: there are "
+                                   "no training activations to apply gradients to; enqueue with "
+                                   "training=True")
+            if self._last_dequeue_training is True:
+                raise RuntimeError("apply_gradients() called twice for one training batch; call "
+                                   "it once per dequeue()")
+            raise RuntimeError("apply_gradients() without a training batch; call "
+                               "enqueue(..., training=True) and dequeue() first")
+        batch = self._awaiting
+        grads: list[torch.Tensor | None] = [None] * len(self._features)
+        for tb in batch.tables:
+            dim = self._plan.physical[tb.physical].dim
+            for s in tb.slices:
+                g = flat[s.feature]
+                if g is None:
+                    continue
+                if not isinstance(g, torch.Tensor):
+                    raise TypeError(f"gradient of feature {self._feature_names[s.feature]!r} must "
+                                    f"be a tensor or None, got {type(g).__name__}")
+                if tuple(g.shape) != s.shape + (dim,):
+                    raise ValueError(f"gradient of feature {self._feature_names[s.feature]!r} has "
+                                     f"shape {list(g.shape)}, expected {list(s.shape + (dim,))} "
+                                     f"(the shape of its activation)")
+                grads[s.feature] = g.detach()
+        used = [tb for tb in batch.tables]
+        if warn_none:
+            noisy = sorted({self._feature_names[s.feature] for tb in used for s in tb.slices
+                            if flat[s.feature] is None and not self._physical_opt(tb)
+                            .zero_gradient_is_noop})
+            if noisy:
+                warnings.warn(f"features {noisy} got a None gradient; their optimizer changes "
+                              f"rows even on a zero gradient (momentum, Adam, FTRL, weight decay "
+                              f"or clipping), so their looked-up rows still move", stacklevel=3)
+        # Evaluate every learning rate before touching any table (a bad one rejects the call).
+        lrs: dict[int, float] = {}
+        for tb in used:
+            opt = self._physical_opt(tb)
+            if id(opt) not in lrs:
+                lrs[id(opt)] = opt.current_learning_rate()
+        for tb in used:
+            p = self._plan.physical[tb.physical]
+            grad_out = torch.zeros(tb.num_rows, p.dim, dtype=torch.float32,
+                                   device=self.device)  # (R, D)
+            for s in tb.slices:
+                g = grads[s.feature]
+                if g is not None:
+                    grad_out[s.start:s.start + s.rows] = g.reshape(s.rows, p.dim).to(self.device)
+            g_unique = combine_backward(grad_out, tb.inverse, tb.offsets, tb.scales,
+                                        tb.unique.numel())  # (U, D)
+            opt = self._physical_opt(tb)
+            self._update(tb.physical, tb.unique, g_unique, opt, lrs[id(opt)])
+        self._step += 1
+        self._awaiting = None
+
+    def _physical_opt(self, tb: TableBatch) -> Optimizer:
+        opt = self._plan.physical[tb.physical].optimizer
+        assert opt is not None, "training enqueue checked every table has an optimizer"
+        return opt
+
+    def _update(self, p: int, rows: torch.Tensor, grad: torch.Tensor, opt: Optimizer,
+                lr: float) -> None:
+        """Gathers the touched rows and slots, applies the rule, scatters them back."""
+        w, slots = self._weights[p], self._slots[p]
+        if opt.dense_update:  # every row moves, untouched ones with g = 0
+            full = torch.zeros(w.shape, dtype=grad.dtype, device=grad.device)  # (N_p, D)
+            full[rows] = grad
+            rows, grad = torch.arange(w.shape[0], device=w.device), full
+        new_w, new_slots = opt.update(w[rows], grad, {k: v[rows] for k, v in slots.items()},
+                                      lr=lr, step=self._step)
+        w.index_copy_(0, rows, new_w)
+        for k, v in new_slots.items():
+            slots[k].index_copy_(0, rows, v)
+
+    def lookup(self, features: Any, weights: Any = None) -> Any:
+        """Activations without the queue or any update (evaluation, serving).
+
+        Batches of any shape are accepted (only ``output_shape`` in a FeatureConfig applies).
+        """
+        return self._lookup(self._template, features, weights)
+
+    def _lookup(self, template: Any, features: Any, weights: Any) -> Any:
+        """Lookup of the features of ``template``, a sub-structure of this engine's features."""
+        index = {id(f): i for i, f in enumerate(self._features)}
+        flat_sub = [f for _, f in leaves_with_paths(template, is_feature)]
+        missing = [repr(f) for f in flat_sub if id(f) not in index]
+        if missing:
+            raise ValueError(f"serving_config holds features this engine does not have: {missing}")
+        self._ensure_built()
+        batches, _ = self._prepare(template, features, weights, fixed=False)
+        with torch.no_grad():
+            flat = self._activations(batches, len(self._features))
+        return unflatten_like(template, [flat[index[id(f)]] for f in flat_sub], is_feature)
+
+    def _prepare(self, template: Any, features: Any, weights: Any,
+                 fixed: bool) -> tuple[list[TableBatch], list[tuple[int, ...] | None]]:
+        """Validates and canonicalizes a batch of ``template``'s features (no state changes)."""
+        index = {id(f): i for i, f in enumerate(self._features)}
+        sub = [index[id(f)] for _, f in leaves_with_paths(template, is_feature)]
+        flat_ids = flatten_like(template, features, is_feature, "features")
+        flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
+                  else [None] * len(sub))
+        canon: list[Any] = [None] * len(self._features)
+        shapes: list[tuple[int, ...] | None] = [None] * len(self._features)
+        for i, ids, w in zip(sub, flat_ids, flat_w):
+            f, name = self._features[i], self._feature_names[i]
+            c = canonicalize(f, name, self._feature_tables[i], ids, w, self.device)
+            shapes[i] = resolve_shape(f, name, c.shape, self._shapes[i] if fixed else None)
+            canon[i] = c
+        full_shapes = [s if s is not None else () for s in shapes]
+        return group_by_physical(self._plan, self._feature_tables, canon, full_shapes), shapes
+
+    def _activations(self, batches: list[TableBatch], n: int) -> list[Any]:
+        flat: list[Any] = [None] * n
+        for tb in batches:
+            rows = self._weights[tb.physical][tb.unique]  # (U, D)
+            out = combine(rows, tb.inverse, tb.offsets, tb.scales)  # (R, D)
+            for s in tb.slices:
+                flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
+        return flat
+
+    # ----------------------------------------------------------------------------- state
+    @property
+    def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
+        """Whole logical tables, ``{TableConfig: (N, D) tensor}`` (views of the engine's state)."""
+        self._ensure_built()
+        out = {}
+        for t, name in self._table_names.items():
+            place = self._plan.table(name)
+            out[t] = self._weights[place.physical][place.row_offset:place.row_offset + place.rows]
+        return out
+
+    def table_names(self) -> dict[TableConfig, str]:
+        """Every table's resolved name."""
+        return dict(self._table_names)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``{"<table>/parameters": (N, D), "<table>/<slot>": (N, D) or (N, 1), "step": ()}``.
+
+        Values are views of the engine's tensors (whole logical tables); slot names are TF's.
+        """
+        self._ensure_built()
+        out: dict[str, torch.Tensor] = {}
+        for name in self._table_names.values():
+            place = self._plan.table(name)
+            rows = slice(place.row_offset, place.row_offset + place.rows)
+            out[f"{name}/parameters"] = self._weights[place.physical][rows]
+            for slot in place.slot_names:
+                out[f"{name}/{slot}"] = self._slots[place.physical][slot][rows]
+        out["step"] = torch.tensor(self._step, dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Copies tables, slots and the step in; with ``strict=False`` missing keys are kept.
+
+        Raises:
+            KeyError: with ``strict``, missing keys; always, unknown keys.
+            ValueError: a shape mismatch, naming the key. Nothing is changed on error.
+        """
+        own = self.state_dict()
+        unknown = sorted(set(state_dict) - set(own))
+        if unknown:
+            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(own)}")
+        missing = sorted(set(own) - set(state_dict))
+        if strict and missing:
+            raise KeyError(f"missing keys {missing} (load with strict=False for a partial load)")
+        for k, v in state_dict.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(f"{k!r}: shape {list(v.shape)} does not match the engine's "
+                                 f"{list(own[k].shape)}")
+        for k, v in state_dict.items():
+            if k == "step":
+                self._step = int(v)
+            else:
+                own[k].copy_(v)
+
+    def manifest(self) -> dict[str, Any]:
+        """JSON-able description of the configs, plan and step (for checkpoints)."""
+        tables = {}
+        for t, name in self._table_names.items():
+            opt = self._optimizers[t]
+            tables[name] = {"vocabulary_size": t.vocabulary_size, "dim": t.dim,
+                            "combiner": t.combiner, "dtype": str(t.dtype).replace("torch.", ""),
+                            "optimizer": repr(opt) if opt is not None else None,
+                            "slots": list(self._plan.table(name).slot_names)}
+        features = [{"name": n, "table": tn, "max_sequence_length": f.max_sequence_length}
+                    for n, tn, f in zip(self._feature_names, self._feature_tables, self._features)]
+        return {"embcore_version": __version__, "step": self._step, "tables": tables,
+                "features": features, "plan": self._plan.describe(),
+                "world_size": self._plan.world_size}
+
+    def __repr__(self) -> str:
+        return (f"Embedding({len(self._features)} features, {len(self._table_names)} tables, "
+                f"step={self._step}, device={self.device})")

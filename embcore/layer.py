@@ -1,0 +1,132 @@
+"""The layer (``ec.EmbeddingLayer``): the engine as a ``torch.nn.Module``.
+
+In training (module in train mode, grad enabled) the forward enqueues and dequeues one batch
+through an autograd Function whose backward hands the activation gradients to the engine, so
+``loss.backward()`` applies the engine's optimizer to the touched rows. In eval mode or under
+``torch.no_grad()`` the forward is a plain lookup. With ``optimizer=None`` the tables are ordinary
+``nn.Parameter``s and any torch optimizer trains them (TF's TPUEmbeddingV0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .config import TableConfig
+from .engine import Embedding, is_feature
+from .nest import unflatten_like
+from .optimizers import resolve_optimizer
+from .serving import ServingModule, serving_embedding_lookup
+
+
+class _EngineStep(torch.autograd.Function):
+    """Forward: enqueue + dequeue. Backward: apply_gradients with the activations' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, features: Any,
+                weights: Any) -> tuple[torch.Tensor, ...]:
+        engine.enqueue(features, weights, training=True)
+        flat = engine._dequeue_flat()
+        ctx.engine = engine
+        ctx.set_materialize_grads(False)  # unused activations come back as None: zero gradient
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
+        ctx.engine._apply_flat(list(grads), warn_none=False)
+        return None, None, None, None
+
+
+class EmbeddingLayer(torch.nn.Module):
+    """Embedding tables trained inside the engine, as a module of your model.
+
+    Args:
+        feature_config: a FeatureConfig or nested dict / list / tuple of them.
+        optimizer: an embcore optimizer; "sgd" / "adagrad" / "adam" / "ftrl"; a ``torch.optim``
+            class among SGD, Adagrad, Adam (the class, ``functools.partial(cls, lr=...)`` or
+            ``(cls, {"lr": ...})``), translated to the embcore optimizer with the same math; or
+            None: the tables are ``nn.Parameter``s trained by your own torch optimizer.
+        pipeline_execution, sharding, process_group, device: as for ``ec.Embedding``.
+
+    Each training forward must be followed by its ``backward()`` before the next training
+    forward (the engine applies the update in backward). Tables live on ``device``;
+    ``layer.to()`` does not move them.
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> t = ec.TableConfig(vocabulary_size=100, dim=8, name="items")
+        >>> layer = ec.EmbeddingLayer({"item": ec.FeatureConfig(table=t)}, ec.Adagrad(0.1))
+        >>> out = layer({"item": torch.tensor([1, 5, 7])})["item"]   # (3, 8)
+        >>> out.square().sum().backward()   # rows 1, 5 and 7 are updated by Adagrad
+    """
+
+    def __init__(self, feature_config: Any, optimizer: Any = None, *,
+                 pipeline_execution: bool = False, sharding: Any = None,
+                 process_group: Any = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.feature_config = feature_config
+        opt = resolve_optimizer(optimizer) if optimizer is not None else None
+        self.engine = Embedding(feature_config, opt, pipeline_execution=pipeline_execution,
+                                sharding=sharding, process_group=process_group, device=device)
+        self._v0 = optimizer is None
+        self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
+        if self._v0:  # tables as parameters, built now from the engine's seeded initial values
+            self.engine.build()
+            for t, name in self.engine.table_names().items():
+                values = self.engine.embedding_tables[t].detach().clone()
+                self.register_parameter(f"{name}/parameters", torch.nn.Parameter(values))
+
+    @property
+    def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
+        """``{TableConfig: (N, D)}`` — the parameters (V0 mode) or the engine's tables."""
+        if self._v0:
+            params = dict(self.named_parameters(recurse=False))
+            return {t: params[f"{n}/parameters"] for t, n in self.engine.table_names().items()}
+        return self.engine.embedding_tables
+
+    def forward(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
+        """Activations mirroring feature_config (or ``serving_config``, a subset of it)."""
+        template = serving_config if serving_config is not None else self.feature_config
+        if self._v0:
+            return serving_embedding_lookup(features, weights, self.embedding_tables, template)
+        if serving_config is not None or not (self.training and torch.is_grad_enabled()):
+            return self.engine._lookup(template, features, weights)
+        flat = _EngineStep.apply(self._anchor, self.engine, features, weights)
+        return unflatten_like(self.feature_config, list(flat), is_feature)
+
+    def for_serving(self, serving_config: Any = None) -> torch.nn.Module:
+        """A module without optimizer slots whose forward is plain torch ops.
+
+        It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
+        ``torch.export.export(module, (features,))`` accepts it with dense id inputs.
+        """
+        template = serving_config if serving_config is not None else self.feature_config
+        return ServingModule(template, self.embedding_tables, self.engine.table_names())
+
+    # state_dict / load_state_dict: the engine's flat keys under this module's prefix.
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        if self._v0:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            return
+        for k, v in self.engine.state_dict().items():
+            destination[prefix + k] = v if keep_vars else v.detach()
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
+                              local_metadata: Any, strict: bool, missing_keys: list[str],
+                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        if self._v0:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+            return
+        own = self.engine.state_dict()
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        unexpected_keys += [prefix + k for k in mine if k not in own]
+        missing_keys += [prefix + k for k in own if k not in mine]
+        try:
+            self.engine.load_state_dict({k: v for k, v in mine.items() if k in own}, strict=False)
+        except (KeyError, ValueError) as e:
+            error_msgs.append(str(e))
+

@@ -1,0 +1,92 @@
+"""Nested structures (dict / list / tuple of leaves) that mirror the user's feature_config.
+
+The feature_config is the template: every features, weights, activations and gradients structure
+is read by walking the template, so a mismatch is reported with the path where it happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def leaves_with_paths(template: Any, is_leaf: Callable[[Any], bool],
+                      prefix: str = "") -> list[tuple[str, Any]]:
+    """Flattens ``template`` depth first (dicts in insertion order) into (path, leaf) pairs."""
+    if is_leaf(template):
+        return [(prefix, template)]
+    if isinstance(template, dict):
+        items: Sequence[tuple[Any, Any]] = list(template.items())
+    elif isinstance(template, (list, tuple)):
+        items = list(enumerate(template))
+    else:
+        raise TypeError(f"feature_config{_fmt(prefix)}: expected a FeatureConfig or a dict, list or "
+                        f"tuple of them, got {type(template).__name__}")
+    out: list[tuple[str, Any]] = []
+    for key, value in items:
+        out += leaves_with_paths(value, is_leaf, f"{prefix}/{key}" if prefix else str(key))
+    return out
+
+
+def flatten_like(template: Any, value: Any, is_leaf: Callable[[Any], bool], what: str,
+                 prefix: str = "") -> list[Any]:
+    """Reads ``value`` in the order of ``template``'s leaves; ``value`` must have its structure.
+
+    Args:
+        template: the feature_config structure.
+        value: a structure of the same shape (features, weights, gradients).
+        is_leaf: tells the template's leaves.
+        what: the argument's name, for errors ("features", "weights", ...).
+
+    Raises:
+        ValueError: naming the path where ``value`` differs from the template.
+    """
+    if is_leaf(template):
+        return [value]
+    where = f"{what}{_fmt(prefix)}"
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a dict with keys {sorted(map(str, template))} "
+                             f"(the structure of feature_config), got {type(value).__name__}")
+        if set(value) != set(template):
+            missing = sorted(map(str, set(template) - set(value)))
+            extra = sorted(map(str, set(value) - set(template)))
+            raise ValueError(f"{where}: keys differ from feature_config: missing {missing}, "
+                             f"unexpected {extra}")
+        pairs = [(k, value[k]) for k in template]
+        subs = [template[k] for k in template]
+    else:
+        if not isinstance(value, (list, tuple)) or len(value) != len(template):
+            got = (f"{type(value).__name__} of length {len(value)}"
+                   if isinstance(value, (list, tuple)) else type(value).__name__)
+            raise ValueError(f"{where}: expected a sequence of length {len(template)} "
+                             f"(the structure of feature_config), got {got}")
+        pairs = list(enumerate(value))
+        subs = list(template)
+    out: list[Any] = []
+    for (key, v), sub in zip(pairs, subs):
+        out += flatten_like(sub, v, is_leaf, what, f"{prefix}/{key}" if prefix else str(key))
+    return out
+
+
+def unflatten_like(template: Any, leaves: Sequence[Any], is_leaf: Callable[[Any], bool]) -> Any:
+    """Builds a structure shaped like ``template`` from leaves in flatten order."""
+    it = iter(leaves)
+
+    def build(t: Any) -> Any:
+        if is_leaf(t):
+            return next(it)
+        if isinstance(t, dict):
+            return {k: build(v) for k, v in t.items()}
+        items = [build(v) for v in t]
+        if isinstance(t, tuple):
+            return type(t)(*items) if hasattr(t, "_fields") else tuple(items)
+        return items
+
+    out = build(template)
+    assert next(it, None) is None, "more leaves than the template holds"
+    return out
+
+
+def _fmt(prefix: str) -> str:
+    return f"[{prefix!r}]" if prefix else ""

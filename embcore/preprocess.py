@@ -1,0 +1,82 @@
+"""Preprocess (pure): canonical feature batches + plan -> one batch per physical table.
+
+All features that read one physical table (stacked tables, shared tables) are concatenated into one
+id list, their ids shifted by their table's row offset, and deduplicated once: the lookup then
+gathers each unique row once, and the update sums all occurrences of a row before touching it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .inputs import Canonical
+from .plan import ShardingPlan
+
+
+@dataclass(frozen=True)
+class FeatureSlice:
+    """Where one feature's output rows sit inside its physical table's output."""
+
+    feature: int              # index in the flat feature list
+    start: int                # first output row
+    rows: int                 # R of the feature
+    shape: tuple[int, ...]    # leading activation shape, prod == rows
+
+
+@dataclass(frozen=True)
+class TableBatch:
+    """One physical table's share of a step."""
+
+    physical: int
+    unique: torch.Tensor   # (U,) int64 physical rows, ascending
+    inverse: torch.Tensor  # (nnz,) int64, unique[inverse] == the id of each occurrence
+    offsets: torch.Tensor  # (R + 1,) int64 bag boundaries over the concatenated occurrences
+    scales: torch.Tensor   # (nnz,) float32 combiner scale times weight per occurrence
+    slices: tuple[FeatureSlice, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.numel() - 1
+
+
+def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
+                      batches: Sequence[Canonical | None],
+                      shapes: Sequence[tuple[int, ...]]) -> list[TableBatch]:
+    """Concatenates features per physical table and deduplicates their ids.
+
+    Args:
+        plan: the sharding plan.
+        feature_tables: each feature's table name (flat feature order).
+        batches: each feature's canonical batch; None skips the feature (serving subsets).
+        shapes: each feature's resolved leading activation shape.
+
+    Returns:
+        One TableBatch per physical table that at least one given feature reads.
+    """
+    members: dict[int, list[int]] = {}
+    for f, b in enumerate(batches):
+        if b is not None:
+            members.setdefault(plan.table(feature_tables[f]).physical, []).append(f)
+    out = []
+    for p, feats in members.items():
+        ids, offsets, scales, slices = [], [], [], []
+        nnz = rows = 0
+        for f in feats:
+            b = batches[f]
+            assert b is not None
+            ids.append(b.ids + plan.table(feature_tables[f]).row_offset)  # (nnz_f,)
+            offsets.append(b.offsets[:-1] + nnz)  # (R_f,)
+            scales.append(b.scales)
+            slices.append(FeatureSlice(f, rows, b.num_rows, shapes[f]))
+            nnz += b.ids.numel()
+            rows += b.num_rows
+        device = ids[0].device
+        offsets.append(torch.tensor([nnz], dtype=torch.int64, device=device))
+        all_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # (nnz,)
+        unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)  # (U,), (nnz,)
+        out.append(TableBatch(p, unique, inverse, torch.cat(offsets),
+                              torch.cat(scales) if len(scales) > 1 else scales[0], tuple(slices)))
+    return out

@@ -1,0 +1,106 @@
+"""Serving: lookups with plain torch ops on plain tensors, and the exportable serving module.
+
+``serving_embedding_lookup`` computes exactly what the engine's lookup computes (same canonical
+form, same weighted bag sum), from tables given as tensors: no engine, no optimizer, no queue. It is
+differentiable w.r.t. the tables, which is how ``EmbeddingLayer(optimizer=None)`` trains them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import FeatureConfig, TableConfig, resolve_table_names
+from .inputs import canonicalize, input_kind, resolve_shape
+from .nest import flatten_like, leaves_with_paths, unflatten_like
+
+
+def _is_feature(x: Any) -> bool:
+    return isinstance(x, FeatureConfig)
+
+
+def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: torch.Tensor,
+                   ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One feature's activation from its table tensor: ``leading shape + (D,)``."""
+    if (input_kind(ids) == "dense" and feature.max_sequence_length == 0
+            and feature.output_shape is None and weights is None
+            and torch.compiler.is_compiling()):
+        # Traced for export: one gather, no data-dependent checks (same values as below).
+        shape = ids.shape[:-1] if ids.dim() >= 2 and ids.shape[-1] == 1 else ids.shape
+        return F.embedding(ids.reshape(shape).long(), table)
+    c = canonicalize(feature, name, table_name, ids, weights, table.device)
+    shape = resolve_shape(feature, name, c.shape, None)
+    work = table if table.dtype in (torch.float32, torch.float64) else table.float()
+    out = F.embedding_bag(c.ids, work, c.offsets, mode="sum",
+                          per_sample_weights=c.scales.to(work.dtype),
+                          include_last_offset=True)  # (R, D)
+    return out.to(table.dtype).view(*shape, table.shape[1])
+
+
+def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, torch.Tensor],
+                             feature_config: Any) -> Any:
+    """Activations for ``inputs`` from plain table tensors, as the engine's lookup gives them.
+
+    Args:
+        inputs: mirrors feature_config; dense, jagged or sparse COO id tensors.
+        weights: None, or mirrors feature_config with None or weight tensors.
+        tables: ``{TableConfig: (N, D) tensor}`` (e.g. ``emb.embedding_tables``) or
+            ``{table name: tensor}``.
+        feature_config: a FeatureConfig or a nested structure of them.
+
+    Returns:
+        Activations mirroring feature_config.
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> t = ec.TableConfig(vocabulary_size=4, dim=2, combiner="sum", name="t")
+        >>> f = ec.FeatureConfig(table=t)
+        >>> table = torch.arange(8.).view(4, 2)
+        >>> ec.serving_embedding_lookup(torch.tensor([3]), None, {t: table}, f)
+        tensor([[6., 7.]])
+    """
+    flat = leaves_with_paths(feature_config, _is_feature)
+    features = [f for _, f in flat]
+    names = resolve_table_names(list(dict.fromkeys(f.table for f in features)))
+    flat_ids = flatten_like(feature_config, inputs, _is_feature, "inputs")
+    flat_w = (flatten_like(feature_config, weights, _is_feature, "weights") if weights is not None
+              else [None] * len(features))
+    out = []
+    for (path, f), ids, w in zip(flat, flat_ids, flat_w):
+        table = tables.get(f.table) if f.table in tables else tables.get(names[f.table])
+        if table is None:
+            raise KeyError(f"feature {f.name or path!r}: no tensor for table {names[f.table]!r} "
+                           f"in tables")
+        out.append(lookup_feature(f, f.name or path, names[f.table], table, ids, w))
+    return unflatten_like(feature_config, out, _is_feature)
+
+
+class ServingModule(torch.nn.Module):
+    """Tables as buffers and a forward of plain torch ops; ``torch.export``-able with dense ids.
+
+    Made by ``EmbeddingLayer.for_serving()``; holds a snapshot of the tables, no optimizer slots.
+    """
+
+    def __init__(self, feature_config: Any, tables: Mapping[TableConfig, torch.Tensor],
+                 table_names: Mapping[TableConfig, str]) -> None:
+        super().__init__()
+        self.feature_config = feature_config
+        flat = leaves_with_paths(feature_config, _is_feature)
+        self._paths = [f.name or p for p, f in flat]
+        self._table_of = [table_names[f.table] for _, f in flat]
+        for _, f in flat:
+            key = table_names[f.table]
+            if not hasattr(self, key):
+                self.register_buffer(key, tables[f.table].detach().clone())
+
+    def forward(self, features: Any, weights: Any = None) -> Any:
+        flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
+        flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
+        flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
+                  if weights is not None else [None] * len(flat))
+        out = [lookup_feature(f, n, t, getattr(self, t), ids, w)
+               for f, n, t, ids, w in zip(flat, self._paths, self._table_of, flat_ids, flat_w)]
+        return unflatten_like(self.feature_config, out, _is_feature)
