@@ -80,13 +80,13 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
     table = feature.table
     seq = feature.max_sequence_length
     if weights is not None:
-        if kind == "dense":
-            raise ValueError(f"{where}: weights were given for a dense input; dense ids are looked "
-                             f"up one by one, so weights apply only to jagged or sparse bags")
         if seq > 0:
             raise ValueError(f"{where}: weights were given for a sequence feature "
                              f"(max_sequence_length={seq}); sequence ids are not combined, so "
                              f"weights do not apply")
+        if kind == "dense":
+            raise ValueError(f"{where}: weights were given for a dense input; dense ids are looked "
+                             f"up one by one, so weights apply only to jagged or sparse bags")
         if input_kind(weights) != kind:
             raise ValueError(f"{where}: ids are {kind} but weights are {input_kind(weights)}; "
                              f"weights must mirror their ids")

@@ -1,0 +1,278 @@
+"""The engine: protocol, errors (nothing changed by a rejected call), shapes, and a comparison with
+a plain torch model doing the same math over several steps."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import embcore as ec
+
+
+def two_tables(optimizer=None, **kw):
+    torch.manual_seed(0)
+    users = ec.TableConfig(vocabulary_size=20, dim=4, combiner="sum", name="users")
+    items = ec.TableConfig(vocabulary_size=30, dim=4, combiner="mean", name="items")
+    fc = {"user": ec.FeatureConfig(table=users), "item": ec.FeatureConfig(table=items),
+          "history": ec.FeatureConfig(table=items, max_sequence_length=3)}
+    return ec.Embedding(fc, optimizer or ec.Adagrad(learning_rate=0.1), **kw), fc
+
+
+def batch(b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.randint(0, 30, (b, 5), generator=g)
+    return {"user": torch.randint(0, 20, (b,), generator=g),
+            "item": torch.nested.nested_tensor_from_jagged(torch.randint(0, 30, (2 * b,), generator=g),
+                                                           torch.arange(b + 1) * 2),
+            "history": hist}
+
+
+def snapshot(emb):
+    return {k: v.clone() for k, v in emb.state_dict().items()}
+
+
+def assert_unchanged(emb, before):
+    for k, v in emb.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_stacking_one_physical_table_for_equal_dims():
+    emb, _ = two_tables()
+    assert len(emb.plan.physical) == 1
+    assert {t.name for t in emb.plan.tables} == {"users", "items"}
+    other = ec.TableConfig(vocabulary_size=5, dim=8, name="wide")
+    emb2 = ec.Embedding({"a": ec.FeatureConfig(table=other), "b": ec.FeatureConfig(
+        table=ec.TableConfig(vocabulary_size=5, dim=4, name="narrow"))}, ec.SGD())
+    assert len(emb2.plan.physical) == 2
+    assert "wide" in str(emb2.plan)
+
+
+def test_automatic_table_names_in_first_use_order():
+    a = ec.TableConfig(vocabulary_size=3, dim=2)
+    b = ec.TableConfig(vocabulary_size=3, dim=2)
+    emb = ec.Embedding([ec.FeatureConfig(table=b), ec.FeatureConfig(table=a)])
+    assert sorted(emb.state_dict()) == ["step", "table_0/parameters", "table_1/parameters"]
+    assert emb.table_names() == {b: "table_0", a: "table_1"}
+    with pytest.raises(ValueError, match="named 'x'"):
+        ec.Embedding([ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=3, dim=2, name="x")),
+                      ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=3, dim=2, name="x"))])
+
+
+def test_same_seed_same_tables_and_initializer_options():
+    t = ec.TableConfig(vocabulary_size=70000, dim=3, name="big")
+    torch.manual_seed(5)
+    a = ec.Embedding(ec.FeatureConfig(table=t)).embedding_tables[t]
+    torch.manual_seed(5)
+    b = ec.Embedding(ec.FeatureConfig(table=t)).embedding_tables[t]
+    assert torch.equal(a, b)
+    std = 1 / 3 ** 0.5
+    assert a.abs().max() <= 2 * std + 1e-6 and abs(a.std().item() - 0.88 * std) < 0.02
+    from embcore.config import initial_rows
+    rows = torch.tensor([3, 65535, 65536, 69999])  # any subset gives the same rows
+    assert torch.equal(initial_rows(t, "big", 123, rows),
+                       initial_rows(t, "big", 123, torch.arange(70000))[rows])
+    pre = torch.arange(12.).view(4, 3)
+    t2 = ec.TableConfig(vocabulary_size=4, dim=3, initializer=pre)
+    assert torch.equal(ec.Embedding(ec.FeatureConfig(table=t2)).embedding_tables[t2], pre)
+    t3 = ec.TableConfig(vocabulary_size=4, dim=3, initializer=torch.nn.init.ones_)
+    assert torch.equal(ec.Embedding(ec.FeatureConfig(table=t3)).embedding_tables[t3],
+                       torch.ones(4, 3))
+
+
+class PlainModel(torch.nn.Module):
+    """The same math with plain torch: nn.Parameter tables, explicit lookups, manual Adagrad."""
+
+    def __init__(self, emb):
+        super().__init__()
+        self.tables = {t.name: v.detach().clone() for t, v in emb.embedding_tables.items()}
+        self.acc = {n: torch.full_like(v, 0.1) for n, v in self.tables.items()}
+
+    def step(self, feats, lr=0.1):
+        tabs = {n: v.clone().requires_grad_() for n, v in self.tables.items()}
+        u = tabs["users"][feats["user"]]
+        item = feats["item"]
+        vals, offs = item.values(), item.offsets()
+        bag = torch.repeat_interleave(torch.arange(len(offs) - 1), offs.diff())
+        cnt = offs.diff().clamp(min=1).float()[:, None]
+        it = torch.zeros(len(offs) - 1, 4).index_add(0, bag, tabs["items"][vals]) / cnt
+        h = tabs["items"][feats["history"][:, :3]]
+        loss = (u * it).sum() + (h ** 2).sum() + (u ** 2).sum()
+        loss.backward()
+        for n, p in tabs.items():
+            g = p.grad
+            touched = g.abs().sum(1) > 0
+            self.acc[n][touched] += g[touched] ** 2
+            self.tables[n][touched] -= lr * g[touched] / self.acc[n][touched].sqrt()
+        return {"user": u.detach(), "item": it.detach(), "history": h.detach()}
+
+
+def test_engine_matches_plain_torch_model_over_steps():
+    emb, _ = two_tables()
+    plain = PlainModel(emb)
+    for step in range(5):
+        feats = batch(seed=step)
+        emb.enqueue(feats)
+        acts = emb.dequeue()
+        want = plain.step(feats)
+        for k in acts:
+            torch.testing.assert_close(acts[k], want[k], rtol=1e-5, atol=1e-6)
+        loss = (acts["user"] * acts["item"]).sum() + (acts["history"] ** 2).sum() + \
+            (acts["user"] ** 2).sum()
+        loss.backward()
+        emb.apply_gradients({k: a.grad for k, a in acts.items()})
+    for t, v in emb.embedding_tables.items():
+        torch.testing.assert_close(v, plain.tables[t.name], rtol=1e-5, atol=1e-6)
+    assert emb.step == 5
+
+
+def test_protocol_errors_change_nothing():
+    emb, fc = two_tables()
+    with pytest.raises(RuntimeError, match="nothing enqueued"):
+        emb.dequeue()
+    with pytest.raises(RuntimeError, match="without a training batch"):
+        emb.apply_gradients({"user": None, "item": None, "history": None})
+    before = snapshot(emb)
+    emb.enqueue(batch())
+    with pytest.raises(RuntimeError, match="before dequeue"):
+        emb.enqueue(batch())
+    acts = emb.dequeue()
+    good = {k: torch.ones_like(v) for k, v in acts.items()}
+    with pytest.raises(ValueError, match="'user' has shape \\[3, 4\\], expected \\[4, 4\\]"):
+        emb.apply_gradients({**good, "user": torch.ones(3, 4)})
+    with pytest.raises(ValueError, match="missing \\['history'\\]"):
+        emb.apply_gradients({"user": good["user"], "item": good["item"]})
+    assert_unchanged(emb, before)
+    emb.enqueue(batch(seed=1))
+    with pytest.raises(RuntimeError, match="before apply_gradients"):
+        emb.dequeue()
+    emb.apply_gradients(good)
+    with pytest.raises(RuntimeError, match="twice"):
+        emb.apply_gradients(good)
+    emb.dequeue()
+    emb.apply_gradients(good)
+    emb.enqueue(batch(), training=False)
+    emb.dequeue()
+    with pytest.raises(RuntimeError, match="training=False"):
+        emb.apply_gradients(good)
+
+
+def test_bad_inputs_name_the_feature_and_change_nothing():
+    emb, _ = two_tables()
+    before = snapshot(emb)
+    bad = batch()
+    bad["user"] = torch.tensor([1, 2, 20, 3])
+    with pytest.raises(ValueError, match="feature 'user' has id 20 but table 'users' has "
+                                         "vocabulary_size 20"):
+        emb.enqueue(bad)
+    with pytest.raises(ValueError, match="feature 'user' has id -1"):
+        emb.enqueue({**batch(), "user": torch.tensor([-1, 0, 0, 0])})
+    with pytest.raises(TypeError, match="int32 or int64"):
+        emb.enqueue({**batch(), "user": torch.tensor([1.0, 2.0, 0.0, 0.0])})
+    w = torch.nested.nested_tensor_from_jagged(torch.tensor([1.0] * 7 + [float("nan")]),
+                                               torch.arange(5) * 2)
+    with pytest.raises(ValueError, match="feature 'item' has a non-finite weight"):
+        emb.enqueue(batch(), {"user": None, "item": w, "history": None})
+    with pytest.raises(ValueError, match="weights were given for a dense input"):
+        emb.enqueue(batch(), {"user": torch.ones(4), "item": None, "history": None})
+    with pytest.raises(ValueError, match="sequence feature"):
+        emb.enqueue(batch(), {"user": None, "item": None, "history": w})
+    with pytest.raises(ValueError, match="keys differ"):
+        emb.enqueue({"user": batch()["user"]})
+    with pytest.raises(RuntimeError, match="nothing enqueued"):
+        emb.dequeue()
+    assert_unchanged(emb, before)
+
+
+def test_shape_fixed_by_first_enqueue_build_and_output_shape():
+    emb, _ = two_tables()
+    emb.enqueue(batch(4))
+    emb.dequeue()
+    emb.apply_gradients({"user": None, "item": None, "history": None})
+    with pytest.raises(ValueError, match="feature 'user': this batch gives activations of leading "
+                                         "shape \\[3\\], but the shape was fixed at \\[4\\]"):
+        emb.enqueue(batch(3))
+    assert emb.lookup(batch(3))["user"].shape == (3, 4)  # lookup takes any batch size
+    emb2, _ = two_tables()
+    emb2.build(per_replica_batch_size=2)
+    with pytest.raises(ValueError, match="fixed at \\[2\\]"):
+        emb2.enqueue(batch(4))
+    emb3, _ = two_tables()
+    emb3.build(per_replica_input_shapes={"user": [4, 1], "item": [4, 2], "history": [4, 5]})
+    emb3.enqueue(batch(4))
+    assert emb3.dequeue()["history"].shape == (4, 3, 4)
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    emb4 = ec.Embedding({"f": ec.FeatureConfig(table=t, output_shape=[2, 3])})
+    assert emb4.lookup({"f": torch.arange(6)})["f"].shape == (2, 3, 2)
+    with pytest.raises(ValueError, match="output_shape=\\[2, 3\\] holds 6 rows"):
+        emb4.lookup({"f": torch.arange(5)})
+
+
+def test_none_gradient_warns_only_where_zero_moves_rows():
+    for opt, warns in [(ec.SGD(learning_rate=0.1), False), (ec.Adam(learning_rate=0.1), True)]:
+        emb, _ = two_tables(opt)
+        emb.enqueue(batch())
+        acts = emb.dequeue()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            emb.apply_gradients({"user": torch.ones_like(acts["user"]), "item": None,
+                                 "history": None})
+        assert any("None gradient" in str(r.message) for r in rec) == warns
+
+
+def test_table_optimizer_overrides_engine_optimizer_and_untrained_tables():
+    frozen = ec.TableConfig(vocabulary_size=5, dim=2, name="frozen", optimizer=ec.SGD(learning_rate=0.0))
+    t = ec.TableConfig(vocabulary_size=5, dim=2, name="t")
+    emb = ec.Embedding({"a": ec.FeatureConfig(table=frozen), "b": ec.FeatureConfig(table=t)},
+                       ec.SGD(learning_rate=1.0))
+    before = {k: v.clone() for k, v in emb.embedding_tables.items()}
+    emb.enqueue({"a": torch.tensor([1]), "b": torch.tensor([1])})
+    emb.dequeue()
+    emb.apply_gradients({"a": torch.ones(1, 2), "b": torch.ones(1, 2)})
+    assert torch.equal(emb.embedding_tables[frozen], before[frozen])
+    torch.testing.assert_close(emb.embedding_tables[t][1], before[t][1] - 1)
+    no_opt = ec.Embedding({"b": ec.FeatureConfig(table=t)})
+    with pytest.raises(ValueError, match="no optimizer"):
+        no_opt.enqueue({"b": torch.tensor([1])})
+
+
+def test_dense_adam_moves_untouched_rows_lazy_does_not():
+    for lazy in (True, False):
+        emb, _ = two_tables(ec.Adam(learning_rate=0.1, lazy_adam=lazy))
+        for s in range(2):
+            emb.enqueue(batch(seed=s))
+            acts = emb.dequeue()
+            emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+        before = snapshot(emb)["users/parameters"]
+        emb.enqueue({**batch(seed=2), "user": torch.tensor([0, 0, 0, 0])})
+        acts = emb.dequeue()
+        emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+        after = emb.state_dict()["users/parameters"]
+        moved = (after != before).any(1)
+        assert bool(moved[1:].any()) == (not lazy)
+
+
+def test_state_dict_round_trip():
+    emb, _ = two_tables()
+    emb.enqueue(batch())
+    acts = emb.dequeue()
+    emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+    sd = snapshot(emb)
+    assert set(sd) == {"users/parameters", "users/accumulators", "items/parameters",
+                       "items/accumulators", "step"}
+    other, _ = two_tables()
+    other.load_state_dict(sd)
+    assert_unchanged(other, sd)
+    assert other.step == 1
+    with pytest.raises(KeyError, match="missing keys"):
+        other.load_state_dict({"users/parameters": sd["users/parameters"]})
+    with pytest.raises(ValueError, match="'users/parameters': shape"):
+        other.load_state_dict({**sd, "users/parameters": torch.zeros(3, 4)})
+    other.load_state_dict({"users/parameters": torch.zeros(20, 4)}, strict=False)
+    assert torch.equal(other.state_dict()["users/parameters"], torch.zeros(20, 4))
+
+
+def test_use_gradient_accumulation_false_refused():
+    with pytest.raises(ValueError, match="use_gradient_accumulation"):
+        ec.Adagrad(learning_rate=0.1, use_gradient_accumulation=False)

@@ -1,0 +1,134 @@
+"""The fast lookup and gradient path against the readable reference (ops/reference.py)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embcore as ec
+from embcore.ops.reference import reference_lookup, reference_row_gradients
+from strategies import cases
+
+
+def row_id_table(n: int, d: int) -> torch.Tensor:
+    """Row i holds i (plus a column pattern), so a wrong row is obvious."""
+    return torch.arange(n, dtype=torch.float32)[:, None] * 10 + torch.arange(d)[None, :] * 0.1
+
+
+@st.composite
+def multi_feature(draw):
+    """2-4 features over 1-3 tables (some shared, some stackable), each with a batch."""
+    combiners = ["sum", "mean", "sqrtn"]
+    tables = [ec.TableConfig(vocabulary_size=draw(st.integers(1, 12)), dim=draw(st.sampled_from([2, 3])),
+                             combiner=draw(st.sampled_from(combiners)), name=f"t{i}")
+              for i in range(draw(st.integers(1, 3)))]
+    n = draw(st.integers(1, 4))
+    feats = [draw(cases(draw(st.sampled_from(tables)))) for _ in range(n)]
+    return tables, feats
+
+
+def make_engine(tables, feats, lr=1.0):
+    fc = {f"f{i}": c.feature for i, c in enumerate(feats)}
+    emb = ec.Embedding(fc, ec.SGD(learning_rate=lr))
+    for t, v in emb.embedding_tables.items():
+        v.copy_(row_id_table(t.vocabulary_size, t.dim))
+    ids = {f"f{i}": c.ids for i, c in enumerate(feats)}
+    w = {f"f{i}": c.weights for i, c in enumerate(feats)}
+    return emb, fc, ids, w
+
+
+@settings(max_examples=60, deadline=None)
+@given(multi_feature())
+def test_lookup_matches_reference(case):
+    tables, feats = case
+    emb, fc, ids, w = make_engine(tables, feats)
+    before = {t: v.clone() for t, v in emb.embedding_tables.items()}
+    got = emb.lookup(ids, w)
+    emb.enqueue(ids, w, training=False)
+    queued = emb.dequeue()
+    served = ec.serving_embedding_lookup(ids, w, before, fc)
+    for k, f in fc.items():
+        ref = reference_lookup(before[f.table], f, ids[k], w[k])
+        assert got[k].shape == ref.shape, k
+        torch.testing.assert_close(got[k].double(), ref, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(queued[k], got[k])
+        torch.testing.assert_close(served[k], got[k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(multi_feature(), st.integers(0, 2**31 - 1))
+def test_gradient_matches_reference(case, seed):
+    """With SGD(lr=1) a table moves by exactly minus the summed reference gradient."""
+    tables, feats = case
+    emb, fc, ids, w = make_engine(tables, feats)
+    before = {t: v.clone().double() for t, v in emb.embedding_tables.items()}
+    emb.enqueue(ids, w)
+    acts = emb.dequeue()
+    gen = torch.Generator().manual_seed(seed)
+    grads = {k: torch.randn(a.shape, generator=gen) for k, a in acts.items()}
+    emb.apply_gradients(grads)
+    expected = {t: v.clone() for t, v in before.items()}
+    for k, f in fc.items():
+        for row, g in reference_row_gradients(f, ids[k], w[k], grads[k]).items():
+            expected[f.table][row] -= torch.tensor(g, dtype=torch.float64)
+    for t, v in emb.embedding_tables.items():
+        torch.testing.assert_close(v.double(), expected[t], rtol=1e-5, atol=1e-4)
+
+
+def test_empty_bags_give_zero_vectors():
+    t = ec.TableConfig(vocabulary_size=5, dim=3, combiner="mean", name="t")
+    f = ec.FeatureConfig(table=t)
+    emb = ec.Embedding({"f": f})
+    ids = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2], dtype=torch.int64),
+                                                 torch.tensor([0, 0, 2, 2]))
+    out = emb.lookup({"f": ids})["f"]
+    assert out.shape == (3, 3)
+    assert torch.equal(out[0], torch.zeros(3)) and torch.equal(out[2], torch.zeros(3))
+
+
+def test_weights_summing_to_zero_give_zero_not_nan():
+    t = ec.TableConfig(vocabulary_size=5, dim=2, combiner="mean", name="t")
+    f = ec.FeatureConfig(table=t)
+    emb = ec.Embedding({"f": f})
+    ids = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2]), torch.tensor([0, 2]))
+    w = torch.nested.nested_tensor_from_jagged(torch.tensor([1.0, -1.0]), torch.tensor([0, 2]))
+    assert torch.equal(emb.lookup({"f": ids}, {"f": w})["f"], torch.zeros(1, 2))
+
+
+def test_rank3_sparse_one_bag_per_leading_index():
+    t = ec.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
+    f = ec.FeatureConfig(table=t)
+    emb = ec.Embedding({"f": f})
+    emb.embedding_tables[t].copy_(row_id_table(10, 2))
+    idx = torch.tensor([[0, 0, 1], [1, 1, 0], [0, 2, 1]])  # (b0, b1, position)
+    ids = torch.sparse_coo_tensor(idx, torch.tensor([3, 4, 5]), (2, 2, 3))
+    out = emb.lookup({"f": ids})["f"]
+    assert out.shape == (2, 2, 2)
+    table = row_id_table(10, 2)
+    torch.testing.assert_close(out[0, 1], table[3] + table[4])
+    torch.testing.assert_close(out[1, 0], table[5])
+    assert torch.equal(out[0, 0], torch.zeros(2))
+
+
+def test_sequence_truncates_and_pads():
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    f = ec.FeatureConfig(table=t, max_sequence_length=2)
+    emb = ec.Embedding({"f": f})
+    emb.embedding_tables[t].copy_(row_id_table(10, 2))
+    ids = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2, 3, 4]),
+                                                 torch.tensor([0, 3, 4]))
+    out = emb.lookup({"f": ids})["f"]
+    table = row_id_table(10, 2)
+    assert out.shape == (2, 2, 2)
+    torch.testing.assert_close(out[0], table[[1, 2]])  # id 3 past the length is dropped
+    torch.testing.assert_close(out[1, 0], table[4])
+    assert torch.equal(out[1, 1], torch.zeros(2))
+
+
+def test_dense_shapes():
+    t = ec.TableConfig(vocabulary_size=10, dim=3, name="t")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)})
+    assert emb.lookup({"f": torch.tensor([1, 2])})["f"].shape == (2, 3)
+    assert emb.lookup({"f": torch.tensor([[1], [2]])})["f"].shape == (2, 3)
+    assert emb.lookup({"f": torch.tensor([[1, 2, 3], [2, 3, 4]])})["f"].shape == (2, 3, 3)
