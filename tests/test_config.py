@@ -1,0 +1,65 @@
+"""Configs: validation with messages that name the field and value; frozen; identity semantics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import embcore as ec
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"vocabulary_size": 0, "dim": 4}, "vocabulary_size must be an int >= 1, got 0"),
+    ({"vocabulary_size": 10, "dim": -1}, "dim must be an int >= 1, got -1"),
+    ({"vocabulary_size": 10, "dim": 4, "combiner": "max"}, "combiner must be one of .* got 'max'"),
+    ({"vocabulary_size": 10, "dim": 4, "name": "a/b"}, "without '/'"),
+    ({"vocabulary_size": 10, "dim": 4, "initializer": torch.zeros(3, 4)}, "shape \\(10, 4\\)"),
+])
+def test_table_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ec.TableConfig(**kwargs)
+
+
+def test_table_config_type_errors():
+    with pytest.raises(TypeError, match="dtype"):
+        ec.TableConfig(vocabulary_size=3, dim=2, dtype=torch.int64)
+    with pytest.raises(TypeError, match="initializer"):
+        ec.TableConfig(vocabulary_size=3, dim=2, initializer="normal")
+    with pytest.raises(TypeError, match="embcore optimizer"):
+        ec.TableConfig(vocabulary_size=3, dim=2, optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError):
+        ec.TableConfig(10, 4)  # keyword-only
+
+
+def test_feature_config_errors_and_normalisation():
+    t = ec.TableConfig(vocabulary_size=3, dim=2)
+    with pytest.raises(TypeError, match="table must be a TableConfig"):
+        ec.FeatureConfig(table="t")
+    with pytest.raises(ValueError, match="max_sequence_length must be an int >= 0, got -1"):
+        ec.FeatureConfig(table=t, max_sequence_length=-1)
+    with pytest.raises(ValueError, match="output_shape"):
+        ec.FeatureConfig(table=t, output_shape=[0])
+    assert ec.FeatureConfig(table=t, output_shape=[2, 3]).output_shape == (2, 3)
+
+
+def test_frozen_and_identity():
+    a = ec.TableConfig(vocabulary_size=3, dim=2)
+    b = ec.TableConfig(vocabulary_size=3, dim=2)
+    assert a != b and len({a, b}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(a, "dim", 3)
+
+
+def test_engine_structure_errors():
+    t = ec.TableConfig(vocabulary_size=3, dim=2)
+    f = ec.FeatureConfig(table=t)
+    with pytest.raises(ValueError, match="appears twice"):
+        ec.Embedding([f, f])
+    with pytest.raises(ValueError, match="no FeatureConfig"):
+        ec.Embedding({})
+    with pytest.raises(TypeError, match="embcore optimizer"):
+        ec.Embedding(f, torch.optim.SGD)
+    with pytest.raises(ValueError, match="unknown sharding strategy 'diagonal'"):
+        ec.Embedding(f, sharding="diagonal")
