@@ -1,16 +1,44 @@
 """Communication between the processes that hold shards: the only file importing torch.distributed.
 
-A single process is world size 1 of the same path: ``LocalCommunicator`` answers every collective
-with its own data. The process-group communicator (ids to their owners, rows back, gradients to the
-owners, all_reduce for replicated tables) plugs in here.
+Two communicators with one interface:
+- ``LocalCommunicator``: world size 1; every collective returns its own data. A single process runs
+  the same engine code through it.
+- ``ProcessGroupCommunicator``: a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU).
+  Every collective is issued asynchronously and waited on with a timeout, so a process that died
+  or stalls makes the others raise ``CollectiveError`` (naming the collective, this rank and the
+  timeout) instead of hanging.
+
+Exchanges are of flat chunks: ``all_to_all(chunks)`` sends ``chunks[d]`` to rank ``d`` and returns
+what each rank sent here, so ids, rows and gradients of any width travel the same way.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another process probably died or stalls."""
+
+
+class Communicator(Protocol):
+    rank: int
+    world_size: int
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
+                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def barrier(self) -> None: ...
 
 
 class LocalCommunicator:
@@ -18,26 +46,117 @@ class LocalCommunicator:
 
     rank = 0
     world_size = 1
-    timeout = timedelta(minutes=5)
+    group: Any = None
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
+                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]:
+        return list(chunks)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over processes (here: the tensor itself)."""
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
+
+    def barrier(self) -> None:
+        return None
 
     def __repr__(self) -> str:
         return "LocalCommunicator(world_size=1)"
 
 
-def make_communicator(process_group: object | None) -> LocalCommunicator:
-    """The communicator for ``process_group`` (None: the default group if one is initialized).
+class ProcessGroupCommunicator:
+    """Collectives over a ``torch.distributed`` group, each waited on with ``timeout``."""
 
-    Raises:
-        NotImplementedError: for world sizes above 1, until sharding lands.
+    def __init__(self, group: Any, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout = timeout
+        self.backend = dist.get_backend(group)
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            ok = work.wait(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - every backend failure becomes one clear error
+            raise CollectiveError(
+                f"embcore: {what} failed on rank {self.rank} of {self.world_size} "
+                f"(timeout {self.timeout.total_seconds():.0f}s): another process probably died "
+                f"or stalls. Cause: {type(e).__name__}: {str(e)[:300]}") from e
+        if ok is False:
+            raise CollectiveError(f"embcore: {what} timed out after "
+                                  f"{self.timeout.total_seconds():.0f}s on rank {self.rank}")
+
+    def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
+                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]:
+        """Sends ``chunks[d]`` (rows x cols, any cols) to rank d; returns the chunks received.
+
+        Args:
+            chunks: W tensors of one dtype, each 1-D or 2-D.
+            recv_rows: rows to expect from each rank; None exchanges the counts first.
+            recv_cols: columns of what each rank sends here (int: the same for all); default the
+                width of this rank's own chunks.
+        """
+        assert len(chunks) == self.world_size
+        ref = chunks[0]
+        cols = ref.shape[1] if ref.dim() == 2 else 1
+        if recv_cols is None:
+            recv_cols = cols
+        rc = [recv_cols] * self.world_size if isinstance(recv_cols, int) else list(recv_cols)
+        if recv_rows is None:
+            sent = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+            got = torch.empty_like(sent)
+            self._wait(dist.all_to_all_single(got, sent, group=self.group, async_op=True),
+                       "all_to_all (counts)")
+            recv_rows = got.tolist()
+        send = torch.cat([c.reshape(-1) for c in chunks])
+        in_splits = [c.numel() for c in chunks]
+        out_splits = [r * c for r, c in zip(recv_rows, rc)]
+        recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
+        self._wait(dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group,
+                                          async_op=True), "all_to_all")
+        out, start = [], 0
+        for r, c, n in zip(recv_rows, rc, out_splits):
+            piece = recv[start:start + n]
+            out.append(piece.view(r, c) if ref.dim() == 2 else piece)
+            start += n
+        return out
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                   "all_reduce")
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Gathers equally shaped tensors from every rank."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
+                   "all_gather")
+        return out
+
+    def barrier(self) -> None:
+        self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroupCommunicator(rank={self.rank}, world_size={self.world_size}, "
+                f"backend={self.backend}, timeout={self.timeout.total_seconds():.0f}s)")
+
+
+def make_communicator(process_group: Any,
+                      timeout: timedelta | float | None = None) -> LocalCommunicator | ProcessGroupCommunicator:
+    """The communicator for ``process_group`` (None: the default group when one is initialized).
+
+    Args:
+        timeout: seconds (or a timedelta) every collective may take before raising
+            ``CollectiveError``; default 5 minutes.
     """
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return LocalCommunicator()
-    size = dist.get_world_size(process_group) if dist.is_available() else 1
-    if size == 1:
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
         return LocalCommunicator()
-    raise NotImplementedError(f"a process group of world size {size} was given, but sharding "
-                              f"across processes is not implemented yet")
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    return ProcessGroupCommunicator(group, timeout)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,19 +25,23 @@ from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
-from .preprocess import TableBatch, group_by_physical
+from .preprocess import Route, TableBatch, group_by_physical, route
+from .shards import from_value, gather_whole, to_sharded
 
 
 def is_feature(x: Any) -> bool:
     return isinstance(x, FeatureConfig)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
-    """An enqueued batch: ids grouped, deduplicated and ready for the lookup."""
+    """An enqueued batch: ids grouped, deduplicated, routed, ready for the lookup."""
 
     training: bool
     tables: list[TableBatch]
+    routes: list[Route | None]
+    # Filled by the lookup of a sharded table: the shard rows each rank asked this rank for.
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 class Embedding:
@@ -53,8 +58,12 @@ class Embedding:
             version still runs every lookup after the previous update, which that mode permits.
         sharding: None, ``"auto"``, a strategy name or ``{table_name: strategy}`` (DESIGN 2.5).
         process_group: the ``torch.distributed`` group to shard over (None: one process, or the
-            default group when one is initialized).
+            default group when one is initialized). With more than one process, every method
+            that touches tables (enqueue excepted) is a collective: all processes call it, in
+            the same order.
         device: where tables, slots and the step's work live (default CPU).
+        timeout: seconds (or a timedelta) any collective may wait before raising
+            ``embcore.comm.CollectiveError`` (a process died or stalls); default 300.
 
     Raises:
         ValueError / TypeError: invalid structures, duplicate names, bad optimizers.
@@ -73,7 +82,8 @@ class Embedding:
     def __init__(self, feature_config: Any, optimizer: Optimizer | None = None, *,
                  pipeline_execution: bool = False,
                  sharding: str | Mapping[str, str] | None = None,
-                 process_group: Any = None, device: torch.device | str | None = None) -> None:
+                 process_group: Any = None, device: torch.device | str | None = None,
+                 timeout: float | timedelta | None = None) -> None:
         self._template = feature_config
         flat = leaves_with_paths(feature_config, is_feature)
         if not flat:
@@ -95,13 +105,16 @@ class Embedding:
         self._optimizers = {t: t.optimizer if t.optimizer is not None else optimizer
                             for t in tables}
         self._feature_tables = [self._table_names[f.table] for f in self._features]
-        self._comm = make_communicator(process_group)
+        self._comm = make_communicator(process_group, timeout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipeline_execution = bool(pipeline_execution)
+        lookups = {self._table_names[t]: sum(f.table is t for f in self._features) for t in tables}
         self._plan = make_plan([(self._table_names[t], t, self._optimizers[t]) for t in tables],
-                               self._comm.world_size, sharding)
-        # One draw from torch's global RNG: torch.manual_seed before construction fixes tables.
-        self._seed = int(torch.randint(0, 2**62, (1,)).item())
+                               self._comm.world_size, sharding, lookups)
+        # One draw from torch's global RNG (rank 0's when sharded): torch.manual_seed before
+        # construction fixes the tables, whatever the world size and plan.
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        self._seed = int(self._comm.all_gather(seed.to(self._comm_device()))[0].item())
         self._weights: list[torch.Tensor] = []
         self._slots: list[dict[str, torch.Tensor]] = []
         self._shapes: list[tuple[int, ...] | None] = [None] * len(self._features)
@@ -161,19 +174,28 @@ class Embedding:
                 self._shapes[i] = s
         self._ensure_built()
 
+    def _comm_device(self) -> torch.device:
+        """Where collectives' tensors live: the engine's device (NCCL needs CUDA tensors)."""
+        return self.device
+
     def _ensure_built(self) -> None:
+        """Creates this rank's shard of every physical table and its slots."""
         if self._weights:
             return
         names_to_cfg = {n: t for t, n in self._table_names.items()}
+        rank, world = self._comm.rank, self._comm.world_size
         for p in self._plan.physical:
-            w = torch.empty(p.rows, p.dim, dtype=p.dtype, device=self.device)  # (N_p, D)
+            c0, c1 = p.columns[rank]
+            n_local = p.local_rows[rank]
+            w = torch.empty(n_local, c1 - c0, dtype=p.dtype, device=self.device)  # (N_r, D_r)
             for name in p.tables:
                 place = self._plan.table(name)
-                rows = torch.arange(place.rows, dtype=torch.int64)
-                w[place.row_offset:place.row_offset + place.rows] = initial_rows(
-                    names_to_cfg[name], name, self._seed, rows).to(self.device)
+                rows = place.rank_rows(rank, world)
+                start = place.local_offsets[rank]
+                values = initial_rows(names_to_cfg[name], name, self._seed, rows)  # (n, D)
+                w[start:start + len(rows)] = values[:, c0:c1].to(self.device)
             slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            slots = {s.name: torch.full((p.rows, 1 if s.rowwise else p.dim), s.initial_value,
+            slots = {s.name: torch.full((n_local, 1 if s.rowwise else c1 - c0), s.initial_value,
                                         dtype=slot_dtype, device=self.device)
                      for s in (p.optimizer.slots if p.optimizer is not None else ())}
             self._weights.append(w)
@@ -204,10 +226,11 @@ class Embedding:
                                  f"trained; pass optimizer= to Embedding (or to their "
                                  f"TableConfig), or enqueue with training=False")
         batches, shapes = self._prepare(self._template, features, weights, fixed=True)
+        routes = [route(self._plan, tb.physical, tb.unique) for tb in batches]
         for i, s in enumerate(shapes):  # only now, once the whole batch is accepted
             if s is not None and self._shapes[i] is None and self._features[i].output_shape is None:
                 self._shapes[i] = s
-        self._queue.append(_Prepared(bool(training), batches))
+        self._queue.append(_Prepared(bool(training), batches, routes))
 
     def dequeue(self) -> Any:
         """Activations of the oldest enqueued batch, mirroring feature_config.
@@ -236,7 +259,7 @@ class Embedding:
                                "dequeue()")
         self._queue.popleft()
         self._ensure_built()
-        flat = self._activations(batch.tables, len(self._features))
+        flat = self._activations(batch)
         self._last_dequeue_training = batch.training
         if batch.training:
             self._awaiting = batch
@@ -300,7 +323,7 @@ class Embedding:
             opt = self._physical_opt(tb)
             if id(opt) not in lrs:
                 lrs[id(opt)] = opt.current_learning_rate()
-        for tb in used:
+        for k, tb in enumerate(used):
             p = self._plan.physical[tb.physical]
             grad_out = torch.zeros(tb.num_rows, p.dim, dtype=torch.float32,
                                    device=self.device)  # (R, D)
@@ -311,7 +334,9 @@ class Embedding:
             g_unique = combine_backward(grad_out, tb.inverse, tb.offsets, tb.scales,
                                         tb.unique.numel())  # (U, D)
             opt = self._physical_opt(tb)
-            self._update(tb.physical, tb.unique, g_unique, opt, lrs[id(opt)])
+            rows, g = self._gradients_at_owner(tb, batch.routes[k], batch.received.get(k),
+                                               g_unique)
+            self._update(tb.physical, rows, g, opt, lrs[id(opt)])
         self._step += 1
         self._awaiting = None
 
@@ -319,6 +344,37 @@ class Embedding:
         opt = self._plan.physical[tb.physical].optimizer
         assert opt is not None, "training enqueue checked every table has an optimizer"
         return opt
+
+    def _gradients_at_owner(self, tb: TableBatch, rt: Route | None,
+                            received: list[torch.Tensor] | None,
+                            g_unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sends each unique row's gradient to its holder(s); returns the shard rows this rank
+        updates and their gradients summed over every rank's occurrences."""
+        p = self._plan.physical[tb.physical]
+        comm = self._comm
+        if comm.world_size == 1:  # rows are this shard's rows already, each once
+            return tb.unique, g_unique
+        if rt is None:  # replicated: sum the dense gradient and the touched mask over ranks
+            dense = torch.zeros(p.rows, p.dim, dtype=g_unique.dtype, device=self.device)
+            dense.index_add_(0, tb.unique, g_unique)  # (N_p, D)
+            touched = torch.zeros(p.rows, dtype=g_unique.dtype, device=self.device)
+            touched[tb.unique] = 1.0
+            comm.all_reduce_sum(dense)
+            comm.all_reduce_sum(touched)
+            rows = touched.nonzero().squeeze(1)
+            return rows, dense[rows]
+        assert received is not None, "dequeue recorded what each rank asked for"
+        if p.strategy == "column":
+            chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
+            c0, c1 = p.columns[comm.rank]
+            got = comm.all_to_all(chunks, [t.numel() for t in received], c1 - c0)
+        else:
+            g_sorted = g_unique[rt.order]  # (U, D) in send order
+            got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in received])
+        ids = torch.cat(received)  # (M,) shard rows, per source rank
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=self.device)
+        return rows, g.index_add_(0, inverse, torch.cat(got))  # summed in rank order
 
     def _update(self, p: int, rows: torch.Tensor, grad: torch.Tensor, opt: Optimizer,
                 lr: float) -> None:
@@ -350,8 +406,9 @@ class Embedding:
             raise ValueError(f"serving_config holds features this engine does not have: {missing}")
         self._ensure_built()
         batches, _ = self._prepare(template, features, weights, fixed=False)
+        routes = [route(self._plan, tb.physical, tb.unique) for tb in batches]
         with torch.no_grad():
-            flat = self._activations(batches, len(self._features))
+            flat = self._activations(_Prepared(False, batches, routes))
         return unflatten_like(template, [flat[index[id(f)]] for f in flat_sub], is_feature)
 
     def _prepare(self, template: Any, features: Any, weights: Any,
@@ -372,69 +429,134 @@ class Embedding:
         full_shapes = [s if s is not None else () for s in shapes]
         return group_by_physical(self._plan, self._feature_tables, canon, full_shapes), shapes
 
-    def _activations(self, batches: list[TableBatch], n: int) -> list[Any]:
-        flat: list[Any] = [None] * n
-        for tb in batches:
-            rows = self._weights[tb.physical][tb.unique]  # (U, D)
+    def _activations(self, batch: _Prepared) -> list[Any]:
+        flat: list[Any] = [None] * len(self._features)
+        for k, tb in enumerate(batch.tables):
+            rows = self._rows(tb, batch.routes[k], batch, k)  # (U, D)
             out = combine(rows, tb.inverse, tb.offsets, tb.scales)  # (R, D)
             for s in tb.slices:
                 flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
         return flat
 
+    def _rows(self, tb: TableBatch, rt: Route | None, batch: _Prepared, k: int) -> torch.Tensor:
+        """The (U, D) rows of a batch's unique ids, fetched from their holders."""
+        w = self._weights[tb.physical]
+        if rt is None:  # held here
+            return w[tb.unique]
+        p = self._plan.physical[tb.physical]
+        received = self._comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
+        batch.received[k] = received
+        answers = [w[ids] for ids in received]  # W x (n_s, D_r)
+        if p.strategy == "column":
+            widths = [c1 - c0 for c0, c1 in p.columns]
+            back = self._comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
+            return torch.cat(back, dim=1)
+        back = self._comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
+        rows = torch.empty(tb.unique.numel(), p.dim, dtype=w.dtype, device=self.device)
+        assert rt.order is not None
+        rows[rt.order] = torch.cat(back)
+        return rows
+
     # ----------------------------------------------------------------------------- state
     @property
     def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
-        """Whole logical tables, ``{TableConfig: (N, D) tensor}`` (views of the engine's state)."""
+        """Whole logical tables, ``{TableConfig: (N, D) tensor}``.
+
+        With one process these are views of the engine's tables (writing to them changes the
+        engine). When sharded they are gathered copies, and reading them is a collective: every
+        process must read it.
+        """
         self._ensure_built()
         out = {}
         for t, name in self._table_names.items():
             place = self._plan.table(name)
-            out[t] = self._weights[place.physical][place.row_offset:place.row_offset + place.rows]
+            out[t] = gather_whole(place, self._plan.physical[place.physical],
+                                  self._local(name, "parameters"), self._comm)
+        return out
+
+    def _local(self, name: str, key: str) -> torch.Tensor:
+        """This rank's rows of a logical table's parameters or slot (a view)."""
+        place = self._plan.table(name)
+        full = (self._weights[place.physical] if key == "parameters"
+                else self._slots[place.physical][key])
+        start = place.local_offsets[self._comm.rank]
+        return full[start:start + place.local_rows[self._comm.rank]]
+
+    def _shapes_of_state(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for name in self._table_names.values():
+            place = self._plan.table(name)
+            opt = self._plan.physical[place.physical].optimizer
+            out[f"{name}/parameters"] = (place.rows, place.dim)
+            for spec in (opt.slots if opt is not None else ()):
+                out[f"{name}/{spec.name}"] = (place.rows, 1 if spec.rowwise else place.dim)
+        out["step"] = ()
         return out
 
     def table_names(self) -> dict[TableConfig, str]:
         """Every table's resolved name."""
         return dict(self._table_names)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, Any]:
         """``{"<table>/parameters": (N, D), "<table>/<slot>": (N, D) or (N, 1), "step": ()}``.
 
-        Values are views of the engine's tensors (whole logical tables); slot names are TF's.
+        Slot names are TF's. With one process the values are views of the engine's tensors
+        (whole logical tables). When sharded this is a collective and each value is this
+        process's share as ``torch.distributed.checkpoint`` understands it: a ``ShardedTensor``
+        of contiguous blocks of the logical ``(N, C)`` table (a copy), or a plain tensor for a
+        replicated table; ``dcp.save`` / ``dcp.load`` (what ``ec.save`` / ``ec.load`` use) then
+        reshard to any other plan or world size.
         """
         self._ensure_built()
-        out: dict[str, torch.Tensor] = {}
-        for name in self._table_names.values():
-            place = self._plan.table(name)
-            rows = slice(place.row_offset, place.row_offset + place.rows)
-            out[f"{name}/parameters"] = self._weights[place.physical][rows]
-            for slot in place.slot_names:
-                out[f"{name}/{slot}"] = self._slots[place.physical][slot][rows]
+        out: dict[str, Any] = {}
+        for key, shape in self._shapes_of_state().items():
+            if key == "step":
+                continue
+            name, slot = key.split("/", 1)
+            local = self._local(name, slot)
+            if self._comm.world_size == 1:
+                out[key] = local
+            else:
+                place = self._plan.table(name)
+                out[key] = to_sharded(place, self._plan.physical[place.physical], local,
+                                      shape[1], self._comm)
         out["step"] = torch.tensor(self._step, dtype=torch.int64)
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Copies tables, slots and the step in; with ``strict=False`` missing keys are kept.
+
+        Values may be whole ``(N, C)`` tensors (each process takes its rows) or, when sharded,
+        the values of a ``state_dict()`` of this engine filled by ``dcp.load``.
 
         Raises:
             KeyError: with ``strict``, missing keys; always, unknown keys.
             ValueError: a shape mismatch, naming the key. Nothing is changed on error.
         """
-        own = self.state_dict()
-        unknown = sorted(set(state_dict) - set(own))
+        self._ensure_built()
+        shapes = self._shapes_of_state()
+        unknown = sorted(set(state_dict) - set(shapes))
         if unknown:
-            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(own)}")
-        missing = sorted(set(own) - set(state_dict))
+            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(shapes)}")
+        missing = sorted(set(shapes) - set(state_dict))
         if strict and missing:
             raise KeyError(f"missing keys {missing} (load with strict=False for a partial load)")
         for k, v in state_dict.items():
-            if tuple(v.shape) != tuple(own[k].shape):
-                raise ValueError(f"{k!r}: shape {list(v.shape)} does not match the engine's "
-                                 f"{list(own[k].shape)}")
-        for k, v in state_dict.items():
-            if k == "step":
-                self._step = int(v)
-            else:
-                own[k].copy_(v)
+            got = tuple(v.size()) if k != "step" else tuple(torch.as_tensor(v).shape)
+            if got != shapes[k]:
+                raise ValueError(f"{k!r}: shape {list(got)} does not match the engine's "
+                                 f"{list(shapes[k])}")
+        new: dict[str, torch.Tensor] = {}
+        for k, v in state_dict.items():  # all conversions (and collectives) before any write
+            if k != "step":
+                name, slot = k.split("/", 1)
+                place = self._plan.table(name)
+                new[k] = from_value(place, self._plan.physical[place.physical], v, self._comm)
+        for k, v in new.items():
+            name, slot = k.split("/", 1)
+            self._local(name, slot).copy_(v)
+        if "step" in state_dict:
+            self._step = int(state_dict["step"])
 
     def manifest(self) -> dict[str, Any]:
         """JSON-able description of the configs, plan and step (for checkpoints)."""

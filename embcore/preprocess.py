@@ -80,3 +80,45 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
         out.append(TableBatch(p, unique, inverse, torch.cat(offsets),
                               torch.cat(scales) if len(scales) > 1 else scales[0], tuple(slices)))
     return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the unique ids of one physical table are looked up when it is sharded."""
+
+    send_ids: list[torch.Tensor]  # per rank d: (n_d,) rows of d's shard to ask d for
+    order: torch.Tensor | None    # (U,) positions in ``unique`` in send order; None: all to all
+
+    @property
+    def counts(self) -> list[int]:
+        return [t.numel() for t in self.send_ids]
+
+
+def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | None:
+    """Which rank holds each unique id of a physical table, and its row in that rank's shard.
+
+    Returns:
+        None when every id is held here (world size 1, or a replicated table); for a column
+        split every id goes to every rank (order None); otherwise ids grouped by owner.
+    """
+    p = plan.physical[physical]
+    w = plan.world_size
+    if w == 1 or p.strategy == "replicated":
+        return None
+    if p.strategy == "column":  # every rank holds every row, in the global row layout
+        return Route([unique] * w, None)
+    members = [plan.table(n) for n in p.tables]
+    starts = torch.tensor([m.row_offset for m in members] + [p.rows], dtype=unique.dtype,
+                          device=unique.device)
+    bounds = torch.searchsorted(unique, starts).tolist()  # unique is sorted: members are ranges
+    owners, locals_ = [], []
+    for k, m in enumerate(members):
+        rel = unique[bounds[k]:bounds[k + 1]] - m.row_offset  # (n_k,)
+        o, loc = m.owner_and_local(rel, w)
+        owners.append(o)
+        locals_.append(loc)
+    owner = torch.cat(owners)  # (U,)
+    local = torch.cat(locals_)  # (U,)
+    order = torch.argsort(owner, stable=True)  # (U,)
+    counts = torch.bincount(owner, minlength=w).tolist()
+    return Route(list(local[order].split(counts)), order)

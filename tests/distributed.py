@@ -1,0 +1,35 @@
+"""Running a test body on W processes (gloo on CPU) from pytest."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    fn(rank, world, lambda timeout=60: dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=timeout)), *args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_on(world: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Runs ``fn(rank, world, init, *args)`` in ``world`` spawned processes; ``init()`` joins the
+    gloo group (call it after any single-process reference work). Raises if any process raises."""
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
