@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,10 +39,19 @@ class _Prepared:
     """An enqueued batch: ids grouped, deduplicated, routed, ready for the lookup."""
 
     training: bool
-    tables: list[TableBatch]
-    routes: list[Route | None]
+    tables: list[TableBatch] = field(default_factory=list)
+    routes: list[Route | None] = field(default_factory=list)
     # Filled by the lookup of a sharded table: the shard rows each rank asked this rank for.
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # Pipelined mode: the background work (grouping, and at W = 1 the lookup) and its result.
+    pending: Future | None = None
+    prefetched: list[Any] | None = None
+
+    def wait(self) -> None:
+        """Waits for the background work of this batch, if any."""
+        if self.pending is not None:
+            self.tables, self.routes, self.prefetched = self.pending.result()
+            self.pending = None
 
 
 class Embedding:
@@ -52,10 +62,13 @@ class Embedding:
             weights, activations and gradients structure mirrors it.
         optimizer: the embcore optimizer of tables that have none of their own (``None``: such
             tables can be looked up but not trained).
-        pipeline_execution: allow the lookup of step n+1 to be prepared before step n's update
-            (DESIGN 2.6). The protocol check (each training dequeue is followed by its
-            ``apply_gradients`` before the next training dequeue) applies either way; this
-            version still runs every lookup after the previous update, which that mode permits.
+        pipeline_execution: False: every lookup happens at ``dequeue`` and sees every earlier
+            update (exact). True: ``enqueue`` hands the batch's grouping, deduplication and
+            routing (and with one process the lookup itself) to a background worker, so it
+            overlaps your dense model; a batch enqueued before the previous batch's
+            ``apply_gradients`` then sees the tables from before that update (one step stale,
+            as TF's pipeline_execution_with_tensor_core). Either way each training dequeue
+            must be followed by its ``apply_gradients`` before the next training dequeue.
         sharding: None, ``"auto"``, a strategy name or ``{table_name: strategy}`` (DESIGN 2.5).
         process_group: the ``torch.distributed`` group to shard over (None: one process, or the
             default group when one is initialized). With more than one process, every method
@@ -122,6 +135,7 @@ class Embedding:
         self._awaiting: _Prepared | None = None
         self._last_dequeue_training: bool | None = None
         self._step = 0
+        self._worker: ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------------------------- building
     @property
@@ -225,12 +239,31 @@ class Embedding:
                 raise ValueError(f"tables {untrained} have no optimizer, so they cannot be "
                                  f"trained; pass optimizer= to Embedding (or to their "
                                  f"TableConfig), or enqueue with training=False")
-        batches, shapes = self._prepare(self._template, features, weights, fixed=True)
-        routes = [route(self._plan, tb.physical, tb.unique) for tb in batches]
+        canon, shapes = self._canonicalize(self._template, features, weights, fixed=True)
         for i, s in enumerate(shapes):  # only now, once the whole batch is accepted
             if s is not None and self._shapes[i] is None and self._features[i].output_shape is None:
                 self._shapes[i] = s
-        self._queue.append(_Prepared(bool(training), batches, routes))
+        item = _Prepared(bool(training))
+        if self.pipeline_execution:
+            self._ensure_built()
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcore")
+            # Collectives stay on the caller's thread (every rank must issue them in one
+            # order), so with several processes only the local preparation runs ahead.
+            ahead = self._comm.world_size == 1
+            item.pending = self._worker.submit(self._stage, canon, shapes, ahead)
+        else:
+            item.tables, item.routes = self._group(canon, shapes)
+        self._queue.append(item)
+
+    def _stage(self, canon: list[Any], shapes: list[tuple[int, ...] | None],
+               lookup: bool) -> tuple[list[TableBatch], list[Route | None], list[Any] | None]:
+        """Background part of a pipelined enqueue."""
+        tables, routes = self._group(canon, shapes)
+        if not lookup:
+            return tables, routes, None
+        with torch.no_grad():
+            return tables, routes, self._activations(_Prepared(False, tables, routes))
 
     def dequeue(self) -> Any:
         """Activations of the oldest enqueued batch, mirroring feature_config.
@@ -259,7 +292,8 @@ class Embedding:
                                "dequeue()")
         self._queue.popleft()
         self._ensure_built()
-        flat = self._activations(batch)
+        batch.wait()
+        flat = batch.prefetched if batch.prefetched is not None else self._activations(batch)
         self._last_dequeue_training = batch.training
         if batch.training:
             self._awaiting = batch
@@ -293,6 +327,8 @@ class Embedding:
             raise RuntimeError("apply_gradients() without a training batch; call "
                                "enqueue(..., training=True) and dequeue() first")
         batch = self._awaiting
+        for queued in self._queue:  # background lookups read the tables: let them finish first
+            queued.wait()
         grads: list[torch.Tensor | None] = [None] * len(self._features)
         for tb in batch.tables:
             dim = self._plan.physical[tb.physical].dim
@@ -405,14 +441,14 @@ class Embedding:
         if missing:
             raise ValueError(f"serving_config holds features this engine does not have: {missing}")
         self._ensure_built()
-        batches, _ = self._prepare(template, features, weights, fixed=False)
-        routes = [route(self._plan, tb.physical, tb.unique) for tb in batches]
+        canon, shapes = self._canonicalize(template, features, weights, fixed=False)
+        batches, routes = self._group(canon, shapes)
         with torch.no_grad():
             flat = self._activations(_Prepared(False, batches, routes))
         return unflatten_like(template, [flat[index[id(f)]] for f in flat_sub], is_feature)
 
-    def _prepare(self, template: Any, features: Any, weights: Any,
-                 fixed: bool) -> tuple[list[TableBatch], list[tuple[int, ...] | None]]:
+    def _canonicalize(self, template: Any, features: Any, weights: Any,
+                      fixed: bool) -> tuple[list[Any], list[tuple[int, ...] | None]]:
         """Validates and canonicalizes a batch of ``template``'s features (no state changes)."""
         index = {id(f): i for i, f in enumerate(self._features)}
         sub = [index[id(f)] for _, f in leaves_with_paths(template, is_feature)]
@@ -426,8 +462,14 @@ class Embedding:
             c = canonicalize(f, name, self._feature_tables[i], ids, w, self.device)
             shapes[i] = resolve_shape(f, name, c.shape, self._shapes[i] if fixed else None)
             canon[i] = c
+        return canon, shapes
+
+    def _group(self, canon: list[Any], shapes: list[tuple[int, ...] | None]
+               ) -> tuple[list[TableBatch], list[Route | None]]:
+        """Groups features per physical table, deduplicates and routes their ids (pure)."""
         full_shapes = [s if s is not None else () for s in shapes]
-        return group_by_physical(self._plan, self._feature_tables, canon, full_shapes), shapes
+        tables = group_by_physical(self._plan, self._feature_tables, canon, full_shapes)
+        return tables, [route(self._plan, tb.physical, tb.unique) for tb in tables]
 
     def _activations(self, batch: _Prepared) -> list[Any]:
         flat: list[Any] = [None] * len(self._features)

@@ -276,3 +276,36 @@ def test_state_dict_round_trip():
 def test_use_gradient_accumulation_false_refused():
     with pytest.raises(ValueError, match="use_gradient_accumulation"):
         ec.Adagrad(learning_rate=0.1, use_gradient_accumulation=False)
+
+
+def test_pipelined_lookup_is_one_step_stale_and_exact_mode_is_not():
+    """Batch 2 is enqueued before batch 1's update: pipelined, it sees the old tables."""
+    results = {}
+    for pipelined in (False, True):
+        emb, _ = two_tables(ec.SGD(learning_rate=1.0), pipeline_execution=pipelined)
+        b1, b2 = batch(seed=1), {**batch(seed=2), "user": batch(seed=1)["user"]}
+        before = emb.lookup(b2)
+        emb.enqueue(b1)
+        acts = emb.dequeue()
+        emb.enqueue(b2)
+        emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+        after = emb.lookup(b2)
+        got = emb.dequeue()
+        results[pipelined] = (got, before, after)
+        emb.apply_gradients({k: torch.ones_like(v) for k, v in got.items()})
+    got, before, after = results[True]
+    assert torch.equal(got["user"], before["user"]) and not torch.equal(got["user"], after["user"])
+    got, before, after = results[False]
+    assert torch.equal(got["user"], after["user"])
+
+
+def test_pipelined_training_matches_exact_when_not_overlapped():
+    a, _ = two_tables(pipeline_execution=True)
+    b, _ = two_tables(pipeline_execution=False)
+    for s in range(3):
+        for emb in (a, b):
+            emb.enqueue(batch(seed=s))
+            acts = emb.dequeue()
+            emb.apply_gradients({k: v.detach() * 2 for k, v in acts.items()})
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
