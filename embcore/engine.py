@@ -24,6 +24,7 @@ from .config import FeatureConfig, TableConfig, initial_rows, resolve_table_name
 from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
+from .ops.update import apply_in_place, fast_update_supported
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .preprocess import Route, TableBatch, group_by_physical, route
@@ -367,8 +368,7 @@ class Embedding:
                 g = grads[s.feature]
                 if g is not None:
                     grad_out[s.start:s.start + s.rows] = g.reshape(s.rows, p.dim).to(self.device)
-            g_unique = combine_backward(grad_out, tb.inverse, tb.offsets, tb.scales,
-                                        tb.unique.numel())  # (U, D)
+            g_unique = combine_backward(grad_out, tb)  # (U, D)
             opt = self._physical_opt(tb)
             rows, g = self._gradients_at_owner(tb, batch.routes[k], batch.received.get(k),
                                                g_unique)
@@ -416,6 +416,9 @@ class Embedding:
                 lr: float) -> None:
         """Gathers the touched rows and slots, applies the rule, scatters them back."""
         w, slots = self._weights[p], self._slots[p]
+        if fast_update_supported(opt, w):
+            apply_in_place(opt, w, slots, rows, grad, lr)
+            return
         if opt.dense_update:  # every row moves, untouched ones with g = 0
             full = torch.zeros(w.shape, dtype=grad.dtype, device=grad.device)  # (N_p, D)
             full[rows] = grad
@@ -474,17 +477,18 @@ class Embedding:
     def _activations(self, batch: _Prepared) -> list[Any]:
         flat: list[Any] = [None] * len(self._features)
         for k, tb in enumerate(batch.tables):
-            rows = self._rows(tb, batch.routes[k], batch, k)  # (U, D)
-            out = combine(rows, tb.inverse, tb.offsets, tb.scales)  # (R, D)
+            rt = batch.routes[k]
+            if rt is None:  # rows held here: read them straight from the table
+                out = combine(self._weights[tb.physical], tb.ids, tb)  # (R, D)
+            else:
+                out = combine(self._rows(tb, rt, batch, k), tb.inverse, tb)  # (R, D)
             for s in tb.slices:
                 flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
         return flat
 
-    def _rows(self, tb: TableBatch, rt: Route | None, batch: _Prepared, k: int) -> torch.Tensor:
+    def _rows(self, tb: TableBatch, rt: Route, batch: _Prepared, k: int) -> torch.Tensor:
         """The (U, D) rows of a batch's unique ids, fetched from their holders."""
         w = self._weights[tb.physical]
-        if rt is None:  # held here
-            return w[tb.unique]
         p = self._plan.physical[tb.physical]
         received = self._comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
         batch.received[k] = received

@@ -34,6 +34,7 @@ class Canonical:
     offsets: torch.Tensor  # (R + 1,) int64, bag r holds ids[offsets[r]:offsets[r+1]]
     scales: torch.Tensor   # (nnz,) float32, combiner scale times weight of each id
     shape: tuple[int, ...]  # natural leading shape of the activation (without D)
+    unit: bool = False     # every row holds exactly one id with scale 1 (dense ids): a gather
 
     @property
     def num_rows(self) -> int:
@@ -116,6 +117,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         return Canonical(values, offsets, scales, bag_shape + (seq,))
     if kind == "dense":
         scales = torch.ones(values.shape, dtype=torch.float32, device=device)
+        return Canonical(values, offsets, scales, bag_shape, unit=True)
     else:
         scales = combiner_scales(offsets, w, table.combiner, values.numel())
     return Canonical(values, offsets, scales, bag_shape)

@@ -28,18 +28,52 @@ class FeatureSlice:
 
 @dataclass(frozen=True)
 class TableBatch:
-    """One physical table's share of a step."""
+    """One physical table's share of a step.
+
+    Occurrences are the concatenated ids of every feature reading the table. Sorting them
+    (stably) by id gives the unique rows and, per unique row, its occurrences in their original
+    order: ``order[unique_offsets[u]:unique_offsets[u+1]]``. The lookup reads rows by ``ids`` (or
+    ``inverse`` into fetched unique rows); the gradient of unique row u is the scaled sum of the
+    output gradients of its occurrences, in that order (deterministic).
+    """
 
     physical: int
-    unique: torch.Tensor   # (U,) int64 physical rows, ascending
-    inverse: torch.Tensor  # (nnz,) int64, unique[inverse] == the id of each occurrence
-    offsets: torch.Tensor  # (R + 1,) int64 bag boundaries over the concatenated occurrences
-    scales: torch.Tensor   # (nnz,) float32 combiner scale times weight per occurrence
+    ids: torch.Tensor             # (nnz,) int64 physical row of each occurrence
+    offsets: torch.Tensor         # (R + 1,) int64 bag boundaries over the occurrences
+    scales: torch.Tensor          # (nnz,) float32 combiner scale times weight per occurrence
+    unique: torch.Tensor          # (U,) int64 physical rows, ascending
+    inverse: torch.Tensor         # (nnz,) int64, unique[inverse] == ids
+    order: torch.Tensor           # (nnz,) int64 occurrences sorted by row (stable)
+    unique_offsets: torch.Tensor  # (U + 1,) int64 boundaries of each row's occurrences in order
+    unit: bool                    # one id per output row, scale 1: R == nnz, bag k is id k
     slices: tuple[FeatureSlice, ...]
 
     @property
     def num_rows(self) -> int:
         return self.offsets.numel() - 1
+
+    def occurrence_rows(self) -> torch.Tensor:
+        """(nnz,) the output row (bag) of each occurrence."""
+        if self.unit:
+            return torch.arange(self.ids.numel(), device=self.ids.device)
+        lengths = self.offsets[1:] - self.offsets[:-1]  # (R,)
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=self.ids.device),
+                                       lengths, output_size=self.ids.numel())
+
+
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stable sort: (unique (U,), inverse (nnz,), order (nnz,), unique_offsets (U + 1,))."""
+    sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
+    nnz = ids.numel()
+    new = torch.ones(nnz, dtype=torch.bool, device=ids.device)  # (nnz,) first of its row
+    if nnz > 1:
+        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=new[1:])
+    starts = new.nonzero().squeeze(1)  # (U,)
+    unique = sorted_ids[starts]
+    inverse = torch.empty_like(ids)
+    inverse[order] = torch.cumsum(new, 0) - 1
+    end = torch.tensor([nnz], dtype=torch.int64, device=ids.device)
+    return unique, inverse, order, torch.cat([starts, end])
 
 
 def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
@@ -54,21 +88,24 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
         shapes: each feature's resolved leading activation shape.
 
     Returns:
-        One TableBatch per physical table that at least one given feature reads.
+        One TableBatch per physical table that at least one given feature reads, in physical
+        table order (the same order on every process).
     """
     members: dict[int, list[int]] = {}
     for f, b in enumerate(batches):
         if b is not None:
             members.setdefault(plan.table(feature_tables[f]).physical, []).append(f)
     out = []
-    for p, feats in members.items():
+    for p in sorted(members):
+        feats = members[p]
+        parts = [batches[f] for f in feats]
         ids, offsets, scales, slices = [], [], [], []
         nnz = rows = 0
-        for f in feats:
-            b = batches[f]
+        for f, b in zip(feats, parts):
             assert b is not None
-            ids.append(b.ids + plan.table(feature_tables[f]).row_offset)  # (nnz_f,)
-            offsets.append(b.offsets[:-1] + nnz)  # (R_f,)
+            offset = plan.table(feature_tables[f]).row_offset
+            ids.append(b.ids + offset if offset else b.ids)  # (nnz_f,)
+            offsets.append(b.offsets[:-1] + nnz if nnz else b.offsets[:-1])  # (R_f,)
             scales.append(b.scales)
             slices.append(FeatureSlice(f, rows, b.num_rows, shapes[f]))
             nnz += b.ids.numel()
@@ -76,9 +113,11 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
         device = ids[0].device
         offsets.append(torch.tensor([nnz], dtype=torch.int64, device=device))
         all_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # (nnz,)
-        unique, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)  # (U,), (nnz,)
-        out.append(TableBatch(p, unique, inverse, torch.cat(offsets),
-                              torch.cat(scales) if len(scales) > 1 else scales[0], tuple(slices)))
+        unique, inverse, order, unique_offsets = dedup(all_ids)
+        out.append(TableBatch(p, all_ids, torch.cat(offsets),
+                              torch.cat(scales) if len(scales) > 1 else scales[0], unique,
+                              inverse, order, unique_offsets,
+                              all(b is not None and b.unit for b in parts), tuple(slices)))
     return out
 
 

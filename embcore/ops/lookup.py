@@ -1,47 +1,56 @@
-"""Fast lookup and its gradient: weighted bag sums over deduplicated rows (torch ops)."""
+"""Fast lookup and its gradient: weighted bag sums (torch ops).
+
+Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over the occurrences
+(an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
+transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..preprocess import TableBatch
 
-def combine(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-            scales: torch.Tensor) -> torch.Tensor:
-    """Output row r = sum over its occurrences k of ``scales[k] * rows[inverse[k]]``.
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def combine(table: torch.Tensor, index: torch.Tensor, tb: TableBatch) -> torch.Tensor:
+    """Output row r = sum over its occurrences k of ``scales[k] * table[index[k]]``.
 
     Args:
-        rows: (U, D) the unique rows.
-        inverse: (nnz,) index into ``rows`` per occurrence.
-        offsets: (R + 1,) bag boundaries.
-        scales: (nnz,) per-occurrence scale.
+        table: (N, D) the rows to read: the whole local table (``index`` = ``tb.ids``) or the
+            fetched unique rows (``index`` = ``tb.inverse``).
+        index: (nnz,) row of each occurrence in ``table``.
+        tb: the batch (offsets, scales, unit).
 
     Returns:
-        (R, D) in ``rows``' dtype (computed in float32 for half types).
+        (R, D) in ``table``'s dtype (computed in float32 for half types).
     """
-    work = rows if rows.dtype in (torch.float32, torch.float64) else rows.float()
-    out = F.embedding_bag(inverse, work, offsets, mode="sum",
-                          per_sample_weights=scales.to(work.dtype),
-                          include_last_offset=True)  # (R, D)
-    return out.to(rows.dtype)
+    work = _work(table)
+    if tb.unit:
+        out = work.index_select(0, index)  # (R, D)
+    else:
+        out = F.embedding_bag(index, work, tb.offsets, mode="sum",
+                              per_sample_weights=tb.scales.to(work.dtype),
+                              include_last_offset=True)  # (R, D)
+    return out.to(table.dtype)
 
 
-def combine_backward(grad: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-                     scales: torch.Tensor, num_unique: int) -> torch.Tensor:
-    """Gradient of ``combine`` w.r.t. its rows: occurrences of a row summed.
+def combine_backward(grad: torch.Tensor, tb: TableBatch) -> torch.Tensor:
+    """Gradient of ``combine`` w.r.t. the unique rows: each row's occurrences summed in order.
 
     Args:
         grad: (R, D) gradient of the output rows.
-        inverse, offsets, scales: as for ``combine``.
-        num_unique: U.
+        tb: the batch.
 
     Returns:
         (U, D) float32 (float64 for float64 grads) summed gradient per unique row.
     """
-    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    lengths = offsets[1:] - offsets[:-1]  # (R,)
-    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths,
-                                  output_size=inverse.numel())  # (nnz,)
-    per_occurrence = grad.to(dtype)[bag] * scales.to(dtype)[:, None]  # (nnz, D)
-    out = torch.zeros(num_unique, grad.shape[1], dtype=dtype, device=grad.device)  # (U, D)
-    return out.index_add_(0, inverse, per_occurrence)
+    work = grad if grad.dtype == torch.float64 else grad.float()
+    rows = tb.order if tb.unit else tb.occurrence_rows()[tb.order]  # (nnz,) output row per occ.
+    weights = None if tb.unit else tb.scales[tb.order].to(work.dtype)
+    return F.embedding_bag(rows, work, tb.unique_offsets, mode="sum",
+                           per_sample_weights=weights, include_last_offset=True)  # (U, D)
