@@ -104,7 +104,8 @@ class ProcessGroupCommunicator:
             recv_cols = cols
         rc = [recv_cols] * self.world_size if isinstance(recv_cols, int) else list(recv_cols)
         if recv_rows is None:
-            sent = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64)
+            sent = torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64,
+                                device=ref.device)  # NCCL exchanges device tensors only
             got = torch.empty_like(sent)
             self._wait(dist.all_to_all_single(got, sent, group=self.group, async_op=True),
                        "all_to_all (counts)")
