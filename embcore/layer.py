@@ -17,7 +17,7 @@ import torch
 from .config import TableConfig
 from .engine import Embedding, is_feature
 from .nest import unflatten_like
-from .optimizers import resolve_optimizer
+from .optimizer_specs import resolve_optimizer
 from .serving import ServingModule, serving_embedding_lookup
 
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 import embcore
 import embcore.optimizers as eo
 from embcore.ops.reference_optim import reference_update, to_rows
+from embcore.optimizer_specs import resolve_optimizer
 from embcore.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer,
-                                RowwiseAdagrad, SlotSpec, resolve_optimizer)
+                                RowwiseAdagrad, SlotSpec)
 
 MAX_EXAMPLES = 50
 CLASSES = (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)
@@ -26,14 +27,17 @@ CLASSES = (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)
 # -- strategies -------------------------------------------------------------------------------
 
 def _values(low: float) -> st.SearchStrategy[float]:
-    """0, or a magnitude in [1e-3, 3] (no float32 underflow of g*g), >= low."""
+    """0 or a magnitude in [1e-3, 3] (no float32 underflow of g*g); low: -1 any sign, 0
+    non-negative, 1 positive."""
     pos = st.floats(0.001, 3).map(lambda x: float(torch.tensor(x, dtype=torch.float32)))
-    if low >= 0:
+    if low > 0:
+        return pos
+    if low == 0:
         return st.one_of(st.just(0.0), pos)
     return st.one_of(st.just(0.0), pos, pos.map(lambda x: -x))
 
 
-ANY, NONNEG = _values(-1), _values(0)
+ANY, NONNEG, POSITIVE = _values(-1), _values(0), _values(1)
 
 
 def half(step: int) -> float:
@@ -71,12 +75,13 @@ def common_kwargs(draw: st.DrawFn) -> dict:
     kw: dict = {}
     if draw(st.booleans()):
         kw["clipvalue"] = draw(st.one_of(
-            st.floats(0.05, 2),
-            st.tuples(st.one_of(st.none(), st.floats(-2, 0.5)),
+            st.floats(0.05, 2),  # bounds 0 or >= 0.01 in size: the same in float32 and float64
+            st.tuples(st.one_of(st.none(), st.just(0.0), st.floats(-2, -0.01),
+                                st.floats(0.01, 0.5)),
                       st.one_of(st.none(), st.floats(0.5, 2)))))
     if draw(st.booleans()):
-        kw["clip_weight_min"] = draw(st.one_of(st.none(), st.floats(-3, 0)))
-        kw["clip_weight_max"] = draw(st.one_of(st.none(), st.floats(0, 3)))
+        kw["clip_weight_min"] = draw(st.one_of(st.none(), st.just(0.0), st.floats(-3, -0.01)))
+        kw["clip_weight_max"] = draw(st.one_of(st.none(), st.just(0.0), st.floats(0.01, 3)))
     if draw(st.booleans()):
         kw["weight_decay_factor"] = draw(st.floats(0, 0.5))
         kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
@@ -89,7 +94,7 @@ def common_kwargs(draw: st.DrawFn) -> dict:
 def optimizers(draw: st.DrawFn) -> Optimizer:
     cls = draw(st.sampled_from(CLASSES))
     kw = draw(common_kwargs())
-    lr_low = 0.0
+    lr_positive = False
     if cls in (Adagrad, RowwiseAdagrad):
         kw["initial_accumulator_value"] = draw(st.sampled_from([0.0, 0.1, 1.0]))
     elif cls is AdagradMomentum:
@@ -113,9 +118,10 @@ def optimizers(draw: st.DrawFn) -> Optimizer:
                   multiply_linear_by_learning_rate=draw(st.booleans()),
                   allow_zero_accumulator=allow_zero)
         if not kw["multiply_linear_by_learning_rate"]:
-            lr_low = 0.01
-    rate = st.floats(lr_low, 1.0)
-    kw["learning_rate"] = draw(st.one_of(rate, st.lists(rate, min_size=4, max_size=4).map(Schedule)))
+            lr_positive = True
+    rate = st.floats(0.01, 1.0) if lr_positive else st.one_of(st.just(0.0), st.floats(0.001, 1.0))
+    schedules = st.lists(rate, min_size=4, max_size=4).map(Schedule)
+    kw["learning_rate"] = draw(st.one_of(rate, schedules))
     return cls(**kw)
 
 
@@ -131,8 +137,9 @@ def problems(draw: st.DrawFn, dtype: torch.dtype) -> tuple:
     opt = draw(optimizers())
     u, d, steps = draw(st.integers(1, 6)), draw(st.integers(1, 5)), draw(st.integers(1, 4))
     params = _tensor(draw, (u, d), ANY, dtype)
-    slots = {s.name: _tensor(draw, (u, 1 if s.rowwise else d),
-                             NONNEG if s.name in ("accumulators", "velocities") else ANY, dtype)
+    positive = isinstance(opt, FTRL) and not opt.allow_zero_accumulator
+    kinds = {"accumulators": POSITIVE if positive else NONNEG, "velocities": NONNEG}
+    slots = {s.name: _tensor(draw, (u, 1 if s.rowwise else d), kinds.get(s.name, ANY), dtype)
              for s in opt.slots}
     grads = [_tensor(draw, (u, d), ANY, dtype) for _ in range(steps)]
     return opt, params, slots, grads
@@ -257,10 +264,10 @@ def test_order_of_steps() -> None:
 
 def test_update_checks_its_arguments() -> None:
     opt = Adagrad()
-    with pytest.raises(ValueError, match="slot 'accumulators' has shape"):
+    with pytest.raises(ValueError, match=r"slots \{'accumulators': \(2, 3\)\}.*\(2, 1\)"):
         opt.update(torch.ones(2, 3), torch.ones(2, 3), {"accumulators": torch.ones(2, 1)},
                    lr=0.1, step=0)
-    with pytest.raises(ValueError, match="expected slots"):
+    with pytest.raises(ValueError, match=r"slots \{'accumulators': \(2, 3\)\}; got .*\{\}"):
         opt.update(torch.ones(2, 3), torch.ones(2, 3), {}, lr=0.1, step=0)
     with pytest.raises(ValueError, match="learning_rate.*-1"):
         opt.update(torch.ones(2, 3), torch.ones(2, 3), opt.init_slots(2, 3), lr=-1.0, step=0)
@@ -274,7 +281,8 @@ def test_update_checks_its_arguments() -> None:
     (RowwiseAdagrad(), (SlotSpec("accumulators", 0.1, rowwise=True),)),
     (AdagradMomentum(), (SlotSpec("accumulators", 0.0), SlotSpec("momenta", 0.0))),
     (Adam(), (SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0))),
-    (FTRL(initial_accumulator_value=0.2), (SlotSpec("accumulators", 0.2), SlotSpec("linears", 0.0))),
+    (FTRL(initial_accumulator_value=0.2),
+     (SlotSpec("accumulators", 0.2), SlotSpec("linears", 0.0))),
 ])
 def test_slot_specs(opt: Optimizer, slots: tuple) -> None:
     assert opt.slots == slots
@@ -524,3 +532,19 @@ def test_docstring_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(embcore, name, getattr(eo, name), raising=False)
     result = doctest.testmod(eo, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 10 and result.failed == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cls", CLASSES)
+def test_cuda_matches_cpu(cls: type) -> None:
+    opt = cls(learning_rate=0.1, clipvalue=(-1.0, None), weight_decay_factor=0.01)
+    gen = torch.Generator().manual_seed(2)
+    params, grads = (torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    slots = opt.init_slots(5, 4, dtype=torch.float64)
+    want_w, want_s = opt.update(params, grads, slots, lr=0.1, step=3)
+    got_w, got_s = opt.update(params.cuda(), grads.cuda(), {k: v.cuda() for k, v in slots.items()},
+                              lr=0.1, step=3)
+    assert got_w.is_cuda
+    torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-12, atol=1e-12)
+    for k in want_s:
+        torch.testing.assert_close(got_s[k].cpu(), want_s[k], rtol=1e-12, atol=1e-12)

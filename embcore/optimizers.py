@@ -1,0 +1,580 @@
+"""Sparse optimizers: hyper-parameters, slot specs and the update of one step's touched rows.
+
+Each optimizer is a small frozen object: TensorFlow's argument names and defaults, validated on
+construction, and ``update``, the pure math of DESIGN 2.3-2.4 on the rows a step touched. The engine
+owns the tables and slots; it gathers the touched rows, calls ``update`` and scatters the result.
+``embcore.ops.reference_optim`` is the same math as plain loops: the specification.
+
+The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
+
+    1. g = g * gradient_multiplier(step)             if gradient_multiplier
+    2. g = clip(g, lo, hi)                           if clipvalue
+    3. w = rule(w, g, slots, lr)                     the optimizer's own rule
+    4. w = w - wd * w_before                         if weight_decay_factor (wd, times lr if
+                                                     multiply_weight_decay_factor_by_learning_rate)
+    5. w = clip(w, clip_weight_min, clip_weight_max)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LearningRate = float | Callable[[], float]
+ClipValue = float | tuple[float | None, float | None] | None
+Slots = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One per-row optimizer state tensor, stored beside its table.
+
+    Args:
+        name: TF's slot name (``"accumulators"``, ``"momenta"``, ``"velocities"``, ``"linears"``),
+            also the checkpoint key ``<table>/<name>``.
+        initial_value: the value of every entry of a fresh slot.
+        rowwise: True for one value per row, shape ``(N, 1)``; else ``(N, D)`` like the table.
+    """
+
+    name: str
+    initial_value: float
+    rowwise: bool = False
+
+
+_COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
+           "multiply_weight_decay_factor_by_learning_rate", "clipvalue", "gradient_multiplier")
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Optimizer:
+    """Base of the embcore optimizers (not exported: use ec.SGD, ec.Adagrad, ...).
+
+    Common keyword-only args (TF's names and defaults):
+        use_gradient_accumulation: must stay True; embcore always sums duplicate ids' gradients.
+        clip_weight_min, clip_weight_max: clamp the weights after the update (None: unbounded).
+        weight_decay_factor: decoupled decay ``w -= wd * w_before`` of touched rows (None: off).
+        multiply_weight_decay_factor_by_learning_rate: ``wd = weight_decay_factor * lr``.
+        clipvalue: clip the gradient: ``c`` means ``(-c, c)``; ``(lo, hi)`` with None unbounded.
+        gradient_multiplier: ``step -> float`` scaling the gradient first (TF's
+            ``experimental_gradient_multiplier_fn``); ``step`` counts updates already applied.
+
+    Raises:
+        ValueError: on an invalid hyper-parameter, naming it and its value.
+    """
+
+    learning_rate: LearningRate = 0.01
+    _: KW_ONLY
+    use_gradient_accumulation: bool = True
+    clip_weight_min: float | None = None
+    clip_weight_max: float | None = None
+    weight_decay_factor: float | None = None
+    multiply_weight_decay_factor_by_learning_rate: bool | None = None
+    clipvalue: ClipValue = None
+    gradient_multiplier: Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        if type(self) is Optimizer:
+            raise TypeError("Optimizer is the abstract base; use ec.SGD, ec.Adagrad, "
+                            "ec.RowwiseAdagrad, ec.AdagradMomentum, ec.Adam or ec.FTRL")
+        if not callable(self.learning_rate):
+            self._check_lr(self._number("learning_rate", self.learning_rate))
+        if self.use_gradient_accumulation is not True:
+            raise ValueError(
+                f"{self._name}: use_gradient_accumulation={self.use_gradient_accumulation!r} is "
+                "not supported: embcore always sums the gradients of duplicate ids (across "
+                "features, examples and processes) and updates each touched row once per step, "
+                "which is use_gradient_accumulation=True; leave it at its default")
+        lo_w, hi_w = (None if v is None else self._number(arg, v) for arg, v in
+                      (("clip_weight_min", self.clip_weight_min),
+                       ("clip_weight_max", self.clip_weight_max)))
+        if lo_w is not None and hi_w is not None and lo_w > hi_w:
+            raise ValueError(f"{self._name}: clip_weight_min={self.clip_weight_min!r} is greater "
+                             f"than clip_weight_max={self.clip_weight_max!r}")
+        if self.weight_decay_factor is not None:
+            self._require("weight_decay_factor", ">= 0", lambda x: x >= 0)
+        if self.multiply_weight_decay_factor_by_learning_rate and self.weight_decay_factor is None:
+            raise ValueError(f"{self._name}: multiply_weight_decay_factor_by_learning_rate=True "
+                             "needs a weight_decay_factor")
+        clip = self.clipvalue
+        if isinstance(clip, (tuple, list)):
+            bounds = [None if c is None else self._number("clipvalue", c) for c in clip]
+            if len(bounds) != 2 or None not in bounds and bounds[0] > bounds[1]:
+                raise ValueError(f"{self._name}: clipvalue must be a number c > 0 or a pair "
+                                 f"(lo, hi) with lo <= hi, got {clip!r}")
+            object.__setattr__(self, "clipvalue", tuple(clip))  # hashable, once, at construction
+        elif clip is not None:
+            self._require("clipvalue", "> 0 (or a pair (lo, hi))", lambda x: x > 0)
+        if self.gradient_multiplier is not None and not callable(self.gradient_multiplier):
+            raise ValueError(f"{self._name}: gradient_multiplier must be a callable step -> float, "
+                             f"got {self.gradient_multiplier!r}")
+        self._check()
+
+    def _check(self) -> None:
+        """Validates the optimizer's own hyper-parameters (overridden)."""
+
+    @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _number(self, arg: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{self._name}: {arg} must be a real number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{self._name}: {arg} must be finite, got {value!r}")
+        return float(value)
+
+    def _require(self, arg: str, what: str, ok: Callable[[float], bool]) -> None:
+        value = getattr(self, arg)
+        if not ok(self._number(arg, value)):
+            raise ValueError(f"{self._name}: {arg} must be {what}, got {value!r}")
+
+    # -- what the engine reads ------------------------------------------------------------------
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        """The slot tensors kept per table (names are checkpoint keys)."""
+        return ()
+
+    @property
+    def dense_update(self) -> bool:
+        """True when every row must be updated every step (with g = 0 where untouched)."""
+        return False
+
+    @property
+    def zero_gradient_is_noop(self) -> bool:
+        """True when ``update`` with g = 0 returns the params and slots unchanged."""
+        lo, hi = self.clip_bounds
+        return (self._rule_zero_noop and not self.weight_decay_factor
+                and self.clip_weight_min is None and self.clip_weight_max is None
+                and not (lo is not None and lo > 0) and not (hi is not None and hi < 0))
+
+    _rule_zero_noop = True
+
+    @property
+    def clip_bounds(self) -> tuple[float | None, float | None]:
+        """``clipvalue`` as ``(lo, hi)``; ``(None, None)`` when the gradient is not clipped."""
+        clip = self.clipvalue
+        if clip is None:
+            return None, None
+        if isinstance(clip, tuple):
+            return clip
+        return -float(clip), float(clip)
+
+    def current_learning_rate(self) -> float:
+        """The learning rate of this step: the float, or the callable's value (checked).
+
+        Raises:
+            ValueError / TypeError: when the callable returns a negative or non-numeric value.
+        """
+        lr = self.learning_rate
+        if not callable(lr):
+            return float(lr)
+        value = lr()
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{self._name}: learning_rate callable {lr!r} returned {value!r}; "
+                            "it must return a real number")
+        value = float(value)
+        self._check_lr(value)
+        return value
+
+    def _check_lr(self, lr: float) -> None:
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"{self._name}: learning_rate must be a finite number >= 0, got "
+                             f"{lr!r}" + (f" from {self.learning_rate!r}"
+                                          if callable(self.learning_rate) else ""))
+
+    def init_slots(self, num_rows: int, dim: int, *, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None) -> dict[str, Tensor]:
+        """Fresh slots for ``num_rows`` rows of width ``dim``: ``{name: (N, D) or (N, 1)}``."""
+        return {s.name: torch.full((num_rows, 1 if s.rowwise else dim), s.initial_value,
+                                   dtype=dtype, device=device) for s in self.slots}
+
+    def update(self, params: Tensor, grads: Tensor, slots: Mapping[str, Tensor], *, lr: float,
+               step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """Applies steps 1-5 of the module docstring to the touched rows; never writes inputs.
+
+        Args:
+            params: (U, D) the touched rows, any float dtype.
+            grads: (U, D) the summed gradient of each row.
+            slots: ``{name: (U, D) or (U, 1)}`` the rows' slot values.
+            lr: the evaluated learning rate (``current_learning_rate()``).
+            step: the number of updates already applied (0 on the first).
+
+        Returns:
+            New ``(params, slots)``: params in the input dtype, slots in float32 (float64 when the
+            params are float64). The math runs in that slot dtype.
+        """
+        self._check_lr(lr)
+        shapes = {s.name: (len(params), 1 if s.rowwise else params.shape[-1]) for s in self.slots}
+        got = {name: tuple(t.shape) for name, t in slots.items()}
+        if params.dim() != 2 or grads.shape != params.shape or got != shapes:
+            raise ValueError(f"{self._name}.update: expected params and grads (U, D) and slots "
+                             f"{shapes}; got {tuple(params.shape)}, {tuple(grads.shape)}, {got}")
+        dtype = torch.float64 if params.dtype == torch.float64 else torch.float32
+        w = params.to(dtype)                                          # (U, D)
+        g = grads.to(dtype)                                           # (U, D)
+        if self.gradient_multiplier is not None:
+            g = g * float(self.gradient_multiplier(step))             # (U, D)
+        lo, hi = self.clip_bounds
+        if lo is not None or hi is not None:
+            g = g.clamp(min=lo, max=hi)                               # (U, D)
+        state = {name: t.to(dtype) for name, t in slots.items()}
+        new_w, new_state = self._rule(w, g, state, float(lr))        # (U, D), slots
+        if self.weight_decay_factor:
+            wd = self.weight_decay_factor * (
+                lr if self.multiply_weight_decay_factor_by_learning_rate else 1.0)
+            new_w = new_w - wd * w                                    # (U, D)
+        if self.clip_weight_min is not None or self.clip_weight_max is not None:
+            new_w = new_w.clamp(min=self.clip_weight_min, max=self.clip_weight_max)
+        return new_w.to(params.dtype), new_state
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        raise NotImplementedError
+
+    # -- identity -------------------------------------------------------------------------------
+    def stacking_key(self) -> tuple:
+        """Hashable; equal for optimizers with the same class and hyper-parameters (callables by
+        identity), i.e. the same math, so their tables may share one physical table."""
+        return (type(self),) + tuple((f.name, _ByIdentity.wrap(getattr(self, f.name)))
+                                     for f in fields(self) if f.name != "_")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Optimizer):
+            return NotImplemented
+        return self.stacking_key() == other.stacking_key()
+
+    def __hash__(self) -> int:
+        return hash(self.stacking_key())
+
+    def __repr__(self) -> str:
+        own = [f for f in fields(self) if f.name not in _COMMON]
+        common = [f for f in fields(self)
+                  if f.name in _COMMON and getattr(self, f.name) != f.default]
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in own + common]
+        return f"{self._name}({', '.join(shown)})"
+
+
+class _ByIdentity:
+    """Wraps a callable so that keys compare it by identity."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    @staticmethod
+    def wrap(value: Any) -> Any:
+        return _ByIdentity(value) if callable(value) else value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where ``den > 0``, else 0 (an empty accumulator takes no step)."""
+    return torch.where(den > 0, num / den, 0.0)
+
+
+_optimizer = dataclass(frozen=True, eq=False, repr=False)
+
+
+@_optimizer
+class SGD(Optimizer):
+    """Stochastic gradient descent on the touched rows; no slots.
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        (and the common keyword-only args of ``Optimizer``)
+
+    Update: ``w = w - lr * g``
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> ec.SGD(learning_rate=0.5).update(torch.ones(1, 2), torch.ones(1, 2), {}, lr=0.5,
+        ...                                  step=0)[0]
+        tensor([[0.5000, 0.5000]])
+    """
+
+    learning_rate: LearningRate = 0.01
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        return w - lr * g, {}                                         # (U, D)
+
+
+@_optimizer
+class Adagrad(Optimizer):
+    """Adagrad: a per-entry sum of squared gradients scales the step.
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        initial_accumulator_value: >= 0, the start value of slot ``accumulators``.
+
+    Update: ``a = a + g*g;  w = w - lr * g / sqrt(a)`` (no step where ``a == 0``).
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> opt = ec.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0)
+        >>> w, s = opt.update(torch.ones(1, 2), torch.full((1, 2), 2.0), opt.init_slots(1, 2),
+        ...                   lr=0.1, step=0)
+        >>> w, s["accumulators"]
+        (tensor([[0.9000, 0.9000]]), tensor([[4., 4.]]))
+    """
+
+    learning_rate: LearningRate = 0.001
+    initial_accumulator_value: float = 0.1
+
+    def _check(self) -> None:
+        self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
+
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return (SlotSpec("accumulators", float(self.initial_accumulator_value)),)
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        a = s["accumulators"] + g * g                                 # (U, D)
+        return w - lr * _safe_div(g, a.sqrt()), {"accumulators": a}   # (U, D)
+
+
+@_optimizer
+class RowwiseAdagrad(Optimizer):
+    """Adagrad with one accumulator per row, shape (N, 1): D times less slot memory.
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        initial_accumulator_value: >= 0, the start value of slot ``accumulators``.
+
+    Update: ``a = a + mean(g*g over the row's D values);  w = w - lr * g / sqrt(a)``
+    (no step where ``a == 0``).
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> opt = ec.RowwiseAdagrad(learning_rate=0.1, initial_accumulator_value=0.0)
+        >>> w, s = opt.update(torch.zeros(1, 2), torch.tensor([[3.0, 4.0]]),
+        ...                   opt.init_slots(1, 2), lr=0.1, step=0)
+        >>> s["accumulators"]
+        tensor([[12.5000]])
+    """
+
+    learning_rate: LearningRate = 0.001
+    initial_accumulator_value: float = 0.1
+
+    def _check(self) -> None:
+        self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
+
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return (SlotSpec("accumulators", float(self.initial_accumulator_value), rowwise=True),)
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        a = s["accumulators"] + (g * g).mean(dim=1, keepdim=True)     # (U, 1)
+        return w - lr * _safe_div(g, a.sqrt()), {"accumulators": a}   # (U, D)
+
+
+@_optimizer
+class AdagradMomentum(Optimizer):
+    """Adagrad scaling followed by (optionally Nesterov) momentum.
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        momentum: >= 0, the momentum decay.
+        use_nesterov: use Nesterov momentum.
+        exponent: > 0, the accumulator's root (2: square root, as Adagrad).
+        beta2: in (0, 1], the accumulator's decay; 1 keeps a plain sum.
+        epsilon: > 0, added to the accumulator before the root.
+
+    Update (slots ``accumulators`` = 0, ``momenta`` = 0)::
+
+        a = a + g*g  if beta2 == 1  else  beta2*a + (1 - beta2)*g*g
+        s = g * (a + epsilon) ** (-1/exponent)
+        m = momentum*m + s
+        w = w - lr * (momentum*m + s  if use_nesterov  else  m)
+
+    A zero gradient still rewrites ``m`` (and ``a`` if beta2 < 1): not a no-op.
+
+    Example:
+        >>> import embcore as ec
+        >>> opt = ec.AdagradMomentum(learning_rate=0.01, momentum=0.9, use_nesterov=True)
+    """
+
+    learning_rate: LearningRate = 0.001
+    momentum: float = 0.0
+    use_nesterov: bool = False
+    exponent: float = 2
+    beta2: float = 1
+    epsilon: float = 1e-10
+
+    _rule_zero_noop = False
+
+    def _check(self) -> None:
+        self._require("momentum", ">= 0", lambda x: x >= 0)
+        self._require("exponent", "> 0", lambda x: x > 0)
+        self._require("beta2", "in (0, 1]", lambda x: 0 < x <= 1)
+        self._require("epsilon", "> 0", lambda x: x > 0)
+
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return SlotSpec("accumulators", 0.0), SlotSpec("momenta", 0.0)
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        a = s["accumulators"]                                         # (U, D)
+        a = a + g * g if self.beta2 == 1 else self.beta2 * a + (1 - self.beta2) * g * g
+        scaled = g * (a + self.epsilon).pow(-1.0 / self.exponent)     # (U, D)
+        m = self.momentum * s["momenta"] + scaled                     # (U, D)
+        step = self.momentum * m + scaled if self.use_nesterov else m  # (U, D)
+        return w - lr * step, {"accumulators": a, "momenta": m}
+
+
+@_optimizer
+class Adam(Optimizer):
+    """Adam without bias correction (as on TPU); lazy by default.
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        beta_1, beta_2: in [0, 1), the moments' decays.
+        epsilon: > 0, see the update.
+        lazy_adam: True updates the touched rows only; False decays the moments and moves every
+            row every step as with g = 0 (``dense_update``), like dense Adam.
+        sum_inside_sqrt: where epsilon enters, see the update.
+
+    Update (slots ``momenta`` = 0, ``velocities`` = 0)::
+
+        m = beta_1*m + (1 - beta_1)*g
+        v = beta_2*v + (1 - beta_2)*g*g
+        w = w - lr * m / sqrt(v + epsilon**2)    if sum_inside_sqrt
+        w = w - lr * m / (sqrt(v) + epsilon)     otherwise
+
+    Bias correction is a learning-rate schedule: a callable learning rate returning
+    ``lr0 * sqrt(1 - b2**t) / (1 - b1**t)`` at the t-th update (t = 1, 2, ...).
+
+    Example:
+        >>> import itertools, math, embcore as ec
+        >>> lr0, b1, b2, updates = 0.001, 0.9, 0.999, itertools.count(1)
+        >>> def bias_corrected() -> float:   # the engine calls it once per apply_gradients
+        ...     t = next(updates)
+        ...     return lr0 * math.sqrt(1 - b2**t) / (1 - b1**t)
+        >>> opt = ec.Adam(learning_rate=bias_corrected, beta_1=b1, beta_2=b2)
+        >>> round(opt.current_learning_rate(), 8)   # t = 1
+        0.00031623
+    """
+
+    learning_rate: LearningRate = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    epsilon: float = 1e-07
+    lazy_adam: bool = True
+    sum_inside_sqrt: bool = True
+
+    _rule_zero_noop = False
+
+    def _check(self) -> None:
+        self._require("beta_1", "in [0, 1)", lambda x: 0 <= x < 1)
+        self._require("beta_2", "in [0, 1)", lambda x: 0 <= x < 1)
+        self._require("epsilon", "> 0", lambda x: x > 0)
+
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0)
+
+    @property
+    def dense_update(self) -> bool:
+        return not self.lazy_adam
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        m = self.beta_1 * s["momenta"] + (1 - self.beta_1) * g        # (U, D)
+        v = self.beta_2 * s["velocities"] + (1 - self.beta_2) * g * g  # (U, D)
+        if self.sum_inside_sqrt:
+            den = (v + self.epsilon * self.epsilon).sqrt()            # (U, D)
+        else:
+            den = v.sqrt() + self.epsilon                             # (U, D)
+        return w - lr * (m / den), {"momenta": m, "velocities": v}
+
+
+@_optimizer
+class FTRL(Optimizer):
+    """Follow-the-regularized-leader: the weights are recomputed from two slots each update.
+
+    Args:
+        learning_rate: > 0 (>= 0 with multiply_linear_by_learning_rate), or a callable.
+        learning_rate_power: <= 0; the update uses ``p = -learning_rate_power``.
+        l1_regularization_strength, l2_regularization_strength, beta: >= 0.
+        initial_accumulator_value: > 0 (>= 0 with allow_zero_accumulator).
+        multiply_linear_by_learning_rate: slot ``linears`` stores ``lr * linear``, which allows
+            a zero or fast-changing learning rate.
+        allow_zero_accumulator: allow initial_accumulator_value = 0 (entries whose quadratic
+            term ``quad`` is 0 get w = 0, never inf or NaN).
+
+    Update (slots ``accumulators`` = initial_accumulator_value, ``linears`` = 0)::
+
+        a_new = a + g*g
+        lin   = lin + g - (a_new**p - a**p) / lr * w
+        quad  = a_new**p / lr + 2*l2 + beta/lr
+        w     = (sign(lin)*l1 - lin) / quad   if |lin| > l1   else 0
+        a     = a_new
+    and with multiply_linear_by_learning_rate::
+
+        lin   = lin + lr*g - (a_new**p - a**p) * w
+        quad  = a_new**p + 2*lr*l2 + beta
+        w     = (sign(lin)*lr*l1 - lin) / quad   if |lin| > lr*l1   else 0
+
+    Example:
+        >>> import embcore as ec
+        >>> opt = ec.FTRL(learning_rate=0.05, l1_regularization_strength=0.001)
+    """
+
+    learning_rate: LearningRate = 0.001
+    learning_rate_power: float = -0.5
+    l1_regularization_strength: float = 0.0
+    l2_regularization_strength: float = 0.0
+    beta: float = 0.0
+    initial_accumulator_value: float = 0.1
+    multiply_linear_by_learning_rate: bool = False
+    allow_zero_accumulator: bool = False
+
+    _rule_zero_noop = False
+
+    def _check(self) -> None:
+        self._require("learning_rate_power", "<= 0", lambda x: x <= 0)
+        for arg in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
+            self._require(arg, ">= 0", lambda x: x >= 0)
+        if self.allow_zero_accumulator:
+            self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
+        else:
+            self._require("initial_accumulator_value",
+                          "> 0 (>= 0 with allow_zero_accumulator=True)", lambda x: x > 0)
+
+    def _check_lr(self, lr: float) -> None:
+        super()._check_lr(lr)
+        if lr == 0 and not self.multiply_linear_by_learning_rate:
+            raise ValueError(f"{self._name}: learning_rate must be > 0 (FTRL divides by it), got "
+                             f"{lr!r}; multiply_linear_by_learning_rate=True allows 0")
+
+    @property
+    def slots(self) -> tuple[SlotSpec, ...]:
+        return (SlotSpec("accumulators", float(self.initial_accumulator_value)),
+                SlotSpec("linears", 0.0))
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        p, l1 = -self.learning_rate_power, self.l1_regularization_strength
+        l2, beta = self.l2_regularization_strength, self.beta
+        a = s["accumulators"]                                         # (U, D)
+        a_new = a + g * g                                             # (U, D)
+        grown = a_new.pow(p) - a.pow(p)                               # (U, D)
+        if self.multiply_linear_by_learning_rate:
+            lin = s["linears"] + lr * g - grown * w                   # (U, D)
+            quad = a_new.pow(p) + 2 * lr * l2 + beta                  # (U, D)
+            threshold = lr * l1
+        else:
+            lin = s["linears"] + g - grown / lr * w                   # (U, D)
+            quad = a_new.pow(p) / lr + 2 * l2 + beta / lr             # (U, D)
+            threshold = l1
+        keep = (lin.abs() > threshold) & (quad > 0)                   # (U, D)
+        w = torch.where(keep, (torch.sign(lin) * threshold - lin) / quad, 0.0)  # (U, D)
+        return w, {"accumulators": a_new, "linears": lin}
