@@ -1,4 +1,5 @@
-"""README's Python examples run as written."""
+"""README's Python examples run as written (```python blocks; ```py marks fragments that need more,
+such as a torchrun launch)."""
 
 from __future__ import annotations
 
