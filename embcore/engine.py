@@ -362,12 +362,10 @@ class Embedding:
                 lrs[id(opt)] = opt.current_learning_rate()
         for k, tb in enumerate(used):
             p = self._plan.physical[tb.physical]
-            grad_out = torch.zeros(tb.num_rows, p.dim, dtype=torch.float32,
-                                   device=self.device)  # (R, D)
-            for s in tb.slices:
-                g = grads[s.feature]
-                if g is not None:
-                    grad_out[s.start:s.start + s.rows] = g.reshape(s.rows, p.dim).to(self.device)
+            parts = [grads[s.feature] for s in tb.slices]
+            parts = [g.reshape(s.rows, p.dim).to(self.device) if g is not None else
+                     torch.zeros(s.rows, p.dim, device=self.device) for g, s in zip(parts, tb.slices)]
+            grad_out = torch.cat(parts) if len(parts) > 1 else parts[0]  # (R, D)
             g_unique = combine_backward(grad_out, tb)  # (U, D)
             opt = self._physical_opt(tb)
             rows, g = self._gradients_at_owner(tb, batch.routes[k], batch.received.get(k),
@@ -453,8 +451,11 @@ class Embedding:
     def _canonicalize(self, template: Any, features: Any, weights: Any,
                       fixed: bool) -> tuple[list[Any], list[tuple[int, ...] | None]]:
         """Validates and canonicalizes a batch of ``template``'s features (no state changes)."""
-        index = {id(f): i for i, f in enumerate(self._features)}
-        sub = [index[id(f)] for _, f in leaves_with_paths(template, is_feature)]
+        if template is self._template:
+            sub = list(range(len(self._features)))
+        else:
+            index = {id(f): i for i, f in enumerate(self._features)}
+            sub = [index[id(f)] for _, f in leaves_with_paths(template, is_feature)]
         flat_ids = flatten_like(template, features, is_feature, "features")
         flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
                   else [None] * len(sub))

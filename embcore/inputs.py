@@ -31,14 +31,16 @@ class Canonical:
     """One feature's batch as a weighted bag lookup. ``R = prod(shape)`` output rows."""
 
     ids: torch.Tensor      # (nnz,) int64, ids into the feature's logical table
-    offsets: torch.Tensor  # (R + 1,) int64, bag r holds ids[offsets[r]:offsets[r+1]]
-    scales: torch.Tensor   # (nnz,) float32, combiner scale times weight of each id
+    offsets: torch.Tensor | None  # (R + 1,) int64, bag r holds ids[offsets[r]:offsets[r+1]]
+    scales: torch.Tensor | None   # (nnz,) float32, combiner scale times weight of each id
     shape: tuple[int, ...]  # natural leading shape of the activation (without D)
-    unit: bool = False     # every row holds exactly one id with scale 1 (dense ids): a gather
+    # Every row holds exactly one id with scale 1 (dense ids): a plain gather. Then offsets and
+    # scales are None (they would be arange(nnz + 1) and ones(nnz)).
+    unit: bool = False
 
     @property
     def num_rows(self) -> int:
-        return self.offsets.numel() - 1
+        return self.ids.numel() if self.offsets is None else self.offsets.numel() - 1
 
 
 def input_kind(x: torch.Tensor) -> str:
@@ -80,6 +82,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         raise TypeError(f"{where}: {e}") from None
     table = feature.table
     seq = feature.max_sequence_length
+    if kind == "dense" and ids.dim() < 1:
+        raise ValueError(f"{where}: dense ids must have rank >= 1, got a scalar")
     if weights is not None:
         if seq > 0:
             raise ValueError(f"{where}: weights were given for a sequence feature "
@@ -91,6 +95,14 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         if input_kind(weights) != kind:
             raise ValueError(f"{where}: ids are {kind} but weights are {input_kind(weights)}; "
                              f"weights must mirror their ids")
+    if kind == "dense" and seq == 0:
+        shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 and ids.shape[-1] == 1 else tuple(ids.shape)
+        if ids.dtype not in INT_DTYPES:
+            raise TypeError(f"{where}: ids must be int32 or int64, got {ids.dtype}")
+        flat = ids.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)  # (nnz,)
+        if feature.validate_weights_and_indices:
+            _validate(flat, None, table.vocabulary_size, where, table_name)
+        return Canonical(flat, None, None, shape, unit=True)
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
@@ -115,11 +127,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets = _to_sequence(values, offsets, positions, seq)
         scales = torch.ones(values.shape, dtype=torch.float32, device=device)
         return Canonical(values, offsets, scales, bag_shape + (seq,))
-    if kind == "dense":
-        scales = torch.ones(values.shape, dtype=torch.float32, device=device)
-        return Canonical(values, offsets, scales, bag_shape, unit=True)
-    else:
-        scales = combiner_scales(offsets, w, table.combiner, values.numel())
+    scales = combiner_scales(offsets, w, table.combiner, values.numel())
     return Canonical(values, offsets, scales, bag_shape)
 
 
@@ -187,18 +195,13 @@ def output_shape_from_input_shape(feature: FeatureConfig, input_shape: tuple[int
 
 
 def _dense(ids: torch.Tensor, seq: int, where: str):
-    if ids.dim() < 1:
-        raise ValueError(f"{where}: dense ids must have rank >= 1, got a scalar")
+    """A dense input of a sequence feature: rows of the last dim are sequences."""
     flat = ids.reshape(-1)  # (nnz,)
-    if seq > 0:
-        bag_shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 else tuple(ids.shape)
-        length = ids.shape[-1] if ids.dim() >= 2 else 1
-        bags = math.prod(bag_shape)
-        offsets = torch.arange(bags + 1, dtype=torch.int64) * length  # (bags + 1,)
-        return flat, offsets, bag_shape, None
-    shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 and ids.shape[-1] == 1 else tuple(ids.shape)
-    offsets = torch.arange(flat.numel() + 1, dtype=torch.int64)  # (nnz + 1,)
-    return flat, offsets, shape, None
+    bag_shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 else tuple(ids.shape)
+    length = ids.shape[-1] if ids.dim() >= 2 else 1
+    bags = math.prod(bag_shape)
+    offsets = torch.arange(bags + 1, dtype=torch.int64) * length  # (bags + 1,)
+    return flat, offsets, bag_shape, None
 
 
 def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
@@ -275,8 +278,7 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
 def _validate(ids: torch.Tensor, weights: torch.Tensor | None, vocab: int, where: str,
               table: str) -> None:
     if ids.numel():
-        lo, hi = torch.aminmax(ids)
-        lo_v, hi_v = int(lo), int(hi)
+        lo_v, hi_v = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
         if lo_v < 0 or hi_v >= vocab:
             bad = lo_v if lo_v < 0 else hi_v
             raise ValueError(f"{where} has id {bad} but table {table!r} has "

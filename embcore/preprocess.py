@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from functools import cached_property
+
 import torch
 
 from .inputs import Canonical
@@ -39,10 +41,9 @@ class TableBatch:
 
     physical: int
     ids: torch.Tensor             # (nnz,) int64 physical row of each occurrence
-    offsets: torch.Tensor         # (R + 1,) int64 bag boundaries over the occurrences
-    scales: torch.Tensor          # (nnz,) float32 combiner scale times weight per occurrence
+    offsets: torch.Tensor | None  # (R + 1,) int64 bag boundaries; None when unit
+    scales: torch.Tensor | None   # (nnz,) float32 combiner scale times weight; None when unit
     unique: torch.Tensor          # (U,) int64 physical rows, ascending
-    inverse: torch.Tensor         # (nnz,) int64, unique[inverse] == ids
     order: torch.Tensor           # (nnz,) int64 occurrences sorted by row (stable)
     unique_offsets: torch.Tensor  # (U + 1,) int64 boundaries of each row's occurrences in order
     unit: bool                    # one id per output row, scale 1: R == nnz, bag k is id k
@@ -50,30 +51,34 @@ class TableBatch:
 
     @property
     def num_rows(self) -> int:
-        return self.offsets.numel() - 1
+        return self.ids.numel() if self.offsets is None else self.offsets.numel() - 1
+
+    @cached_property
+    def inverse(self) -> torch.Tensor:
+        """(nnz,) int64, ``unique[inverse] == ids`` (for rows fetched from other processes)."""
+        counts = self.unique_offsets[1:] - self.unique_offsets[:-1]  # (U,)
+        rank = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device),
+                                       counts, output_size=self.ids.numel())  # (nnz,) sorted
+        inverse = torch.empty_like(self.ids)
+        inverse[self.order] = rank
+        return inverse
 
     def occurrence_rows(self) -> torch.Tensor:
         """(nnz,) the output row (bag) of each occurrence."""
-        if self.unit:
+        if self.offsets is None:
             return torch.arange(self.ids.numel(), device=self.ids.device)
         lengths = self.offsets[1:] - self.offsets[:-1]  # (R,)
         return torch.repeat_interleave(torch.arange(lengths.numel(), device=self.ids.device),
                                        lengths, output_size=self.ids.numel())
 
 
-def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One stable sort: (unique (U,), inverse (nnz,), order (nnz,), unique_offsets (U + 1,))."""
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stable sort: (unique (U,), order (nnz,), unique_offsets (U + 1,))."""
     sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
-    nnz = ids.numel()
-    new = torch.ones(nnz, dtype=torch.bool, device=ids.device)  # (nnz,) first of its row
-    if nnz > 1:
-        torch.ne(sorted_ids[1:], sorted_ids[:-1], out=new[1:])
-    starts = new.nonzero().squeeze(1)  # (U,)
-    unique = sorted_ids[starts]
-    inverse = torch.empty_like(ids)
-    inverse[order] = torch.cumsum(new, 0) - 1
-    end = torch.tensor([nnz], dtype=torch.int64, device=ids.device)
-    return unique, inverse, order, torch.cat([starts, end])
+    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
+    unique_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=unique_offsets[1:])
+    return unique, order, unique_offsets
 
 
 def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
@@ -99,26 +104,39 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
     for p in sorted(members):
         feats = members[p]
         parts = [batches[f] for f in feats]
+        unit = all(b is not None and b.unit for b in parts)
         ids, offsets, scales, slices = [], [], [], []
         nnz = rows = 0
         for f, b in zip(feats, parts):
             assert b is not None
             offset = plan.table(feature_tables[f]).row_offset
             ids.append(b.ids + offset if offset else b.ids)  # (nnz_f,)
-            offsets.append(b.offsets[:-1] + nnz if nnz else b.offsets[:-1])  # (R_f,)
-            scales.append(b.scales)
+            if not unit:
+                b_offsets, b_scales = _bags(b)
+                offsets.append(b_offsets[:-1] + nnz if nnz else b_offsets[:-1])  # (R_f,)
+                scales.append(b_scales)
             slices.append(FeatureSlice(f, rows, b.num_rows, shapes[f]))
             nnz += b.ids.numel()
             rows += b.num_rows
-        device = ids[0].device
-        offsets.append(torch.tensor([nnz], dtype=torch.int64, device=device))
         all_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # (nnz,)
-        unique, inverse, order, unique_offsets = dedup(all_ids)
-        out.append(TableBatch(p, all_ids, torch.cat(offsets),
-                              torch.cat(scales) if len(scales) > 1 else scales[0], unique,
-                              inverse, order, unique_offsets,
-                              all(b is not None and b.unit for b in parts), tuple(slices)))
+        unique, order, unique_offsets = dedup(all_ids)
+        if unit:
+            out.append(TableBatch(p, all_ids, None, None, unique, order, unique_offsets, True,
+                                  tuple(slices)))
+            continue
+        offsets.append(torch.tensor([nnz], dtype=torch.int64, device=all_ids.device))
+        out.append(TableBatch(p, all_ids, torch.cat(offsets), torch.cat(scales), unique, order,
+                              unique_offsets, False, tuple(slices)))
     return out
+
+
+def _bags(b: Canonical) -> tuple[torch.Tensor, torch.Tensor]:
+    """A canonical batch's offsets and scales, materialized for unit batches."""
+    if b.offsets is not None and b.scales is not None:
+        return b.offsets, b.scales
+    n = b.ids.numel()
+    return (torch.arange(n + 1, dtype=torch.int64, device=b.ids.device),
+            torch.ones(n, dtype=torch.float32, device=b.ids.device))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: to
         return F.embedding(ids.reshape(shape).long(), table)
     c = canonicalize(feature, name, table_name, ids, weights, table.device)
     shape = resolve_shape(feature, name, c.shape, None)
+    if c.offsets is None or c.scales is None:  # one id per row: a gather
+        return F.embedding(c.ids, table).view(*shape, table.shape[1])
     work = table if table.dtype in (torch.float32, torch.float64) else table.float()
     out = F.embedding_bag(c.ids, work, c.offsets, mode="sum",
                           per_sample_weights=c.scales.to(work.dtype),

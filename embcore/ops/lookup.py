@@ -33,6 +33,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, tb: TableBatch) -> torch.T
     if tb.unit:
         out = work.index_select(0, index)  # (R, D)
     else:
+        assert tb.offsets is not None and tb.scales is not None
         out = F.embedding_bag(index, work, tb.offsets, mode="sum",
                               per_sample_weights=tb.scales.to(work.dtype),
                               include_last_offset=True)  # (R, D)
@@ -51,6 +52,6 @@ def combine_backward(grad: torch.Tensor, tb: TableBatch) -> torch.Tensor:
     """
     work = grad if grad.dtype == torch.float64 else grad.float()
     rows = tb.order if tb.unit else tb.occurrence_rows()[tb.order]  # (nnz,) output row per occ.
-    weights = None if tb.unit else tb.scales[tb.order].to(work.dtype)
+    weights = None if tb.scales is None else tb.scales[tb.order].to(work.dtype)
     return F.embedding_bag(rows, work, tb.unique_offsets, mode="sum",
                            per_sample_weights=weights, include_last_offset=True)  # (U, D)

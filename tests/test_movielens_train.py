@@ -1,0 +1,155 @@
+"""The MovieLens example end to end: training, checkpoints and resume, restore, export, serving.
+
+Small on purpose (a few thousand ratings, 8-wide tables, 1-3 epochs): the quality of the default
+settings is checked by running the job itself (see examples/movielens/README.md).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import embcore as ec
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "movielens"
+sys.path.insert(0, str(EXAMPLE))
+
+import serve  # noqa: E402  (examples/movielens/serve.py)
+import train  # noqa: E402
+from model import FEATURES, ModelConfig, RankingModel, as_model_config  # noqa: E402
+
+ML100K = Path(os.environ.get("EMBCORE_ML100K", Path(__file__).parents[2] / "shared/data/ml-100k"))
+requires_data = pytest.mark.skipif(
+    not (ML100K / "u.data").is_file(),
+    reason=f"MovieLens 100K not found at {ML100K} (set EMBCORE_ML100K to the unpacked ml-100k "
+           f"directory); its license forbids shipping it with the repository")
+
+SMALL = ["--embedding-dim", "8", "--hidden", "16", "8", "--batch-size", "128", "--no-progress"]
+METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds"}
+
+
+def _check_run(out: Path, result: dict, epochs: int) -> None:
+    lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == list(range(1, epochs + 1))
+    assert all(set(r) == METRIC_KEYS for r in lines)
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"epoch-{epochs:04d}"
+    assert (out / "serving.pt2").is_file()
+    try:
+        import matplotlib  # noqa: F401
+        assert (out / "curves.png").is_file()
+    except ImportError:
+        pass
+    assert result["test_rmse"] == lines[-1]["test_rmse"] < 1.5
+    assert result["partial_restore_equal"] and result["serving_config_equal"]
+    assert result["restore_max_diff"] < 1e-6
+    assert result["serving_prediction"] == pytest.approx(result["trained_prediction"], abs=1e-6)
+    assert 1.0 <= result["serving_prediction"] <= 5.0
+
+
+@requires_data
+def test_whole_flow_on_a_slice_of_the_real_data(tmp_path, capsys):
+    out = tmp_path / "run"
+    result = train.main(["--data", str(ML100K), "--split", "u1", "--limit", "4000",
+                         "--epochs", "2", "--out", str(out), *SMALL])
+    _check_run(out, result, epochs=2)
+    printed = capsys.readouterr().out
+    for step in ("[1/4] restore", "[2/4] partial restore", "[3/4] export", "[4/4] serving_config"):
+        assert step in printed
+    assert "user 30 rates 'Fargo (1996)'" in printed
+
+
+def test_whole_flow_on_synthetic_data(tmp_path):
+    out = tmp_path / "run"
+    result = train.main(["--synthetic", "--split", "u2", "--limit", "4000", "--epochs", "1",
+                         "--out", str(out), *SMALL])
+    _check_run(out, result, epochs=1)
+
+
+def _saved_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds: tables, slots, step, MLP, its optimizer, RNG states."""
+    dense = torch.load(ckpt / "dense.pt", weights_only=True)
+    model = RankingModel(as_model_config(dense["model_config"]), ec.Adagrad(learning_rate=0.1))
+    ec.load(ckpt / "embedding", model.embedding)
+    state = {f"embedding.{k}": v for k, v in model.embedding.state_dict().items()}
+    state |= {f"head.{k}": v for k, v in dense["head"].items()}
+    for i, s in dense["optimizer"]["state"].items():
+        state |= {f"adam.{i}.{k}": torch.as_tensor(v) for k, v in s.items()}
+    state["data_order_rng"], state["torch_rng"] = dense["data_order_rng"], dense["torch_rng"]
+    return state
+
+
+def test_resume_ends_bit_identical(tmp_path):
+    args = ["--synthetic", "--limit", "2000", "--dropout", "0.5", "--no-serve", *SMALL]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    a = train.main([*args, "--epochs", "3", "--keep-checkpoints", "2", "--out", str(straight)])
+    train.main([*args, "--epochs", "1", "--out", str(stopped)])  # interrupted after epoch 1
+    b = train.main([*args, "--epochs", "3", "--resume", "--out", str(stopped)])
+
+    assert sorted(p.name for p in (straight / "checkpoints").glob("epoch-*")) == [
+        "epoch-0002", "epoch-0003"]
+    sa = _saved_state(straight / "checkpoints" / "epoch-0003")
+    sb = _saved_state(stopped / "checkpoints" / "epoch-0003")
+    assert sa.keys() == sb.keys() and "embedding.users/accumulators" in sa
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"resumed run differs in {different}"
+    assert int(sa["embedding.step"]) == 3 * (2000 // 128)
+    strip = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+    assert strip(a) == strip(b)
+    lines = [json.loads(s) for s in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in lines] == [1, 2, 3]
+
+    with pytest.raises(ValueError, match="resume with the same model flags"):
+        train.main([*args, "--epochs", "4", "--resume", "--out", str(stopped),
+                    "--embedding-dim", "4"])
+
+
+def test_fresh_run_replaces_old_checkpoints(tmp_path, capsys):
+    args = ["--synthetic", "--limit", "600", "--no-serve", "--out", str(tmp_path), *SMALL]
+    train.main([*args, "--epochs", "2", "--resume"])  # nothing to resume: starts from scratch
+    assert "no checkpoint" in capsys.readouterr().out
+    train.main([*args, "--epochs", "1"])
+    assert [p.name for p in (tmp_path / "checkpoints").glob("epoch-*")] == ["epoch-0001"]
+
+
+def _trained_tiny_model() -> RankingModel:
+    torch.manual_seed(0)
+    model = RankingModel(ModelConfig(embedding_dim=8, hidden=(16, 8)), ec.Adagrad(0.1))
+    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):  # a few steps, so that tables and MLP differ from their initial values
+        ids = {k: torch.randint(1, 1000, (64,), generator=g) for k in FEATURES}
+        loss, _ = model.compute_loss(ids, torch.randint(1, 6, (64,), generator=g).float())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_export_round_trip(tmp_path):
+    model = _trained_tiny_model()
+    path = tmp_path / "serving.pt2"
+    serve.export_serving_model(model, path)
+    served = torch.export.load(path).module()
+    g = torch.Generator().manual_seed(1)
+    for batch in (1, 5, 300):  # the batch size is dynamic
+        ids = {k: torch.randint(0, 2048, (batch,), generator=g) for k in FEATURES}
+        with torch.no_grad():
+            expected = model(ids)
+        assert torch.equal(served(**ids), expected)
+
+    # The saved program runs where embcore cannot even be imported.
+    ids = {"user_id": [30, 1], "movie_id": [100, 2]}
+    code = ("import sys; sys.modules['embcore'] = None; import torch; "
+            f"m = torch.export.load({str(path)!r}).module(); "
+            f"print(m(user_id=torch.tensor({ids['user_id']}), "
+            f"movie_id=torch.tensor({ids['movie_id']})).tolist())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    with torch.no_grad():
+        expected = model({k: torch.tensor(v) for k, v in ids.items()}).tolist()
+    assert json.loads(run.stdout) == expected
