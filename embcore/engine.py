@@ -21,6 +21,7 @@ import torch
 from . import __version__
 from .comm import make_communicator
 from .config import FeatureConfig, TableConfig, initial_rows, resolve_table_names
+from .exchange import fetch_rows, gradients_at_owner
 from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
@@ -368,8 +369,8 @@ class Embedding:
             grad_out = torch.cat(parts) if len(parts) > 1 else parts[0]  # (R, D)
             g_unique = combine_backward(grad_out, tb)  # (U, D)
             opt = self._physical_opt(tb)
-            rows, g = self._gradients_at_owner(tb, batch.routes[k], batch.received.get(k),
-                                               g_unique)
+            rows, g = gradients_at_owner(self._comm, self._plan.physical[tb.physical], tb,
+                                         batch.routes[k], batch.received.get(k), g_unique)
             self._update(tb.physical, rows, g, opt, lrs[id(opt)])
         self._step += 1
         self._awaiting = None
@@ -378,37 +379,6 @@ class Embedding:
         opt = self._plan.physical[tb.physical].optimizer
         assert opt is not None, "training enqueue checked every table has an optimizer"
         return opt
-
-    def _gradients_at_owner(self, tb: TableBatch, rt: Route | None,
-                            received: list[torch.Tensor] | None,
-                            g_unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sends each unique row's gradient to its holder(s); returns the shard rows this rank
-        updates and their gradients summed over every rank's occurrences."""
-        p = self._plan.physical[tb.physical]
-        comm = self._comm
-        if comm.world_size == 1:  # rows are this shard's rows already, each once
-            return tb.unique, g_unique
-        if rt is None:  # replicated: sum the dense gradient and the touched mask over ranks
-            dense = torch.zeros(p.rows, p.dim, dtype=g_unique.dtype, device=self.device)
-            dense.index_add_(0, tb.unique, g_unique)  # (N_p, D)
-            touched = torch.zeros(p.rows, dtype=g_unique.dtype, device=self.device)
-            touched[tb.unique] = 1.0
-            comm.all_reduce_sum(dense)
-            comm.all_reduce_sum(touched)
-            rows = touched.nonzero().squeeze(1)
-            return rows, dense[rows]
-        assert received is not None, "dequeue recorded what each rank asked for"
-        if p.strategy == "column":
-            chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
-            c0, c1 = p.columns[comm.rank]
-            got = comm.all_to_all(chunks, [t.numel() for t in received], c1 - c0)
-        else:
-            g_sorted = g_unique[rt.order]  # (U, D) in send order
-            got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in received])
-        ids = torch.cat(received)  # (M,) shard rows, per source rank
-        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=self.device)
-        return rows, g.index_add_(0, inverse, torch.cat(got))  # summed in rank order
 
     def _update(self, p: int, rows: torch.Tensor, grad: torch.Tensor, opt: Optimizer,
                 lr: float) -> None:
@@ -482,27 +452,12 @@ class Embedding:
             if rt is None:  # rows held here: read them straight from the table
                 out = combine(self._weights[tb.physical], tb.ids, tb)  # (R, D)
             else:
-                out = combine(self._rows(tb, rt, batch, k), tb.inverse, tb)  # (R, D)
+                rows, batch.received[k] = fetch_rows(self._comm, self._plan.physical[tb.physical],
+                                                     self._weights[tb.physical], tb, rt)
+                out = combine(rows, tb.inverse, tb)  # (R, D)
             for s in tb.slices:
                 flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
         return flat
-
-    def _rows(self, tb: TableBatch, rt: Route, batch: _Prepared, k: int) -> torch.Tensor:
-        """The (U, D) rows of a batch's unique ids, fetched from their holders."""
-        w = self._weights[tb.physical]
-        p = self._plan.physical[tb.physical]
-        received = self._comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
-        batch.received[k] = received
-        answers = [w[ids] for ids in received]  # W x (n_s, D_r)
-        if p.strategy == "column":
-            widths = [c1 - c0 for c0, c1 in p.columns]
-            back = self._comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
-            return torch.cat(back, dim=1)
-        back = self._comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
-        rows = torch.empty(tb.unique.numel(), p.dim, dtype=w.dtype, device=self.device)
-        assert rt.order is not None
-        rows[rt.order] = torch.cat(back)
-        return rows
 
     # ----------------------------------------------------------------------------- state
     @property

@@ -1,0 +1,86 @@
+"""Exchange (sharded tables): rows from their holders for the lookup, gradients to their owners.
+
+The data path of DESIGN 2.5 as two functions over one physical table's batch, called by the engine
+once per physical table per step, every process calling them in the same order:
+- ``fetch_rows``: each process sends its unique ids to the ranks holding them (``Route``), each
+  holder answers with the rows, and the requester puts them back in unique order (for a column
+  split it asks every rank and concatenates the column slices).
+- ``gradients_at_owner``: the same exchange backwards with the unique rows' gradients; each owner
+  sums what all processes sent for a row (in rank order: deterministic) and updates it once.
+  Replicated tables instead sum a dense gradient and a touched mask with ``all_reduce``.
+All collectives go through ``comm`` (and time out there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Communicator
+from .plan import PhysicalTable
+from .preprocess import Route, TableBatch
+
+
+def fetch_rows(comm: Communicator, p: PhysicalTable, shard: torch.Tensor, tb: TableBatch,
+               rt: Route) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The (U, D) rows of ``tb.unique`` from their holders.
+
+    Args:
+        comm: the communicator.
+        p: the physical table's placement.
+        shard: (N_r, D_r) this rank's shard of it.
+        tb: this rank's batch for it.
+        rt: where each unique id lives.
+
+    Returns:
+        (rows (U, D), received): ``received[s]`` holds the shard rows rank s asked this rank for
+        (the owner side of the later gradient exchange).
+    """
+    received = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
+    answers = [shard[ids] for ids in received]  # W x (n_s, D_r)
+    if p.strategy == "column":
+        widths = [c1 - c0 for c0, c1 in p.columns]
+        back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
+        return torch.cat(back, dim=1), received
+    back = comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
+    rows = torch.empty(tb.unique.numel(), p.dim, dtype=shard.dtype, device=shard.device)
+    assert rt.order is not None
+    rows[rt.order] = torch.cat(back)
+    return rows, received
+
+
+def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch, rt: Route | None,
+                       received: list[torch.Tensor] | None,
+                       g_unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sends each unique row's gradient to its holder(s).
+
+    Args:
+        g_unique: (U, D) this rank's summed gradient of each of its unique rows.
+
+    Returns:
+        (rows (M,), grads (M, D)): the shard rows this rank updates, each once, with their
+        gradients summed over every process's occurrences.
+    """
+    device = g_unique.device
+    if comm.world_size == 1:  # rows are this shard's rows already, each once
+        return tb.unique, g_unique
+    if rt is None:  # replicated: sum the dense gradient and the touched mask over ranks
+        dense = torch.zeros(p.rows, p.dim, dtype=g_unique.dtype, device=device)  # (N_p, D)
+        dense.index_add_(0, tb.unique, g_unique)
+        touched = torch.zeros(p.rows, dtype=g_unique.dtype, device=device)  # (N_p,)
+        touched[tb.unique] = 1.0
+        comm.all_reduce_sum(dense)
+        comm.all_reduce_sum(touched)
+        rows = touched.nonzero().squeeze(1)
+        return rows, dense[rows]
+    assert received is not None, "fetch_rows recorded what each rank asked for"
+    if p.strategy == "column":
+        chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
+        c0, c1 = p.columns[comm.rank]
+        got = comm.all_to_all(chunks, [t.numel() for t in received], c1 - c0)
+    else:
+        g_sorted = g_unique[rt.order]  # (U, D) in send order
+        got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in received])
+    ids = torch.cat(received)  # (M,) shard rows, per source rank
+    rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=device)
+    return rows, g.index_add_(0, inverse, torch.cat(got))  # summed in rank order
