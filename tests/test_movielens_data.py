@@ -59,7 +59,7 @@ def test_random_split_is_seeded_and_partitions(real):
     again, _ = ml.split(real, "random")
     assert (len(train), len(test)) == (80_000, 20_000)
     assert torch.equal(train.movie_id, again.movie_id)
-    pairs = lambda r: set(zip(r.user_id.tolist(), r.movie_id.tolist()))  # noqa: E731
+    pairs = lambda r: set(zip(r.user_id.tolist(), r.movie_id.tolist(), strict=True))  # noqa: E731
     assert pairs(train) | pairs(test) == pairs(real.ratings) and not pairs(train) & pairs(test)
 
 
@@ -105,8 +105,23 @@ def _zip_of(directory: Path, dest: Path, replace: dict[str, bytes] | None = None
     return dest.as_uri()
 
 
+@pytest.fixture
+def no_local_copy(monkeypatch):
+    """Hide $EMBCORE_ML100K and the shared copy, as on a user's machine."""
+    monkeypatch.setattr(ml, "local_copy", lambda: None)
+
+
 @requires_data
-def test_download_verifies_and_unpacks_into_cache(tmp_path):
+def test_default_data_is_the_local_copy_before_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBCORE_ML100K", str(ML100K))
+    got = ml.load_movielens(None, tmp_path / "empty-cache", url="http://127.0.0.1:9/none",
+                            log=lambda _: None)
+    assert not got.synthetic and len(got.ratings) == ml.NUM_RATINGS
+    assert not (tmp_path / "empty-cache").exists()  # no download attempted
+
+
+@requires_data
+def test_download_verifies_and_unpacks_into_cache(tmp_path, no_local_copy):
     url = _zip_of(ML100K, tmp_path / "ml-100k.zip")
     cache = tmp_path / "cache" / "ml-100k"
     got = ml.load_movielens(None, cache, url=url, log=lambda _: None)
@@ -117,7 +132,7 @@ def test_download_verifies_and_unpacks_into_cache(tmp_path):
 
 
 @requires_data
-def test_download_with_bad_checksum_falls_back_to_synthetic(tmp_path):
+def test_download_with_bad_checksum_falls_back_to_synthetic(tmp_path, no_local_copy):
     url = _zip_of(ML100K, tmp_path / "ml-100k.zip", replace={"u.data": b"1\t1\t5\t0\n"})
     cache = tmp_path / "cache"
     with pytest.raises(ml.DownloadError, match="u.data has sha256"):
@@ -128,7 +143,7 @@ def test_download_with_bad_checksum_falls_back_to_synthetic(tmp_path):
     assert "synthetic" in said[-1] and "\n" not in said[-1]
 
 
-def test_no_network_falls_back_in_one_line(tmp_path):
+def test_no_network_falls_back_in_one_line(tmp_path, no_local_copy):
     said = []
     got = ml.load_movielens(None, tmp_path, url="http://127.0.0.1:9/ml-100k.zip", timeout=2,
                             log=said.append)  # port 9 (discard) is closed: refused at once

@@ -67,6 +67,8 @@ def test_whole_flow_on_synthetic_data(tmp_path):
     result = train.main(["--synthetic", "--split", "u2", "--limit", "4000", "--epochs", "1",
                          "--out", str(out), *SMALL])
     _check_run(out, result, epochs=1)
+    again = serve.main(["--out", str(out)])  # serve.py alone, on the finished run
+    assert again["serving_prediction"] == pytest.approx(result["serving_prediction"], abs=1e-6)
 
 
 def _saved_state(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -113,6 +115,15 @@ def test_fresh_run_replaces_old_checkpoints(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().out
     train.main([*args, "--epochs", "1"])
     assert [p.name for p in (tmp_path / "checkpoints").glob("epoch-*")] == ["epoch-0001"]
+
+
+def test_runs_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    train.main(["--synthetic", "--limit", "600", "--epochs", "1", "--no-serve",
+                "--out", str(tmp_path), *SMALL, "--progress"])  # asks for a bar: tqdm is missing
+    assert "epoch 1/1: train loss" in capsys.readouterr().out
+    assert (tmp_path / "metrics.jsonl").is_file() and not (tmp_path / "curves.png").exists()
 
 
 def _trained_tiny_model() -> RankingModel:

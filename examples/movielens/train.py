@@ -1,0 +1,379 @@
+"""Trains the MovieLens 100K ranking model with embcore, then restores, exports and serves it.
+
+    python examples/movielens/train.py --data ../ml-100k --split u1      # test RMSE ~0.93
+    python examples/movielens/train.py --out runs/ml --resume            # continue a run
+
+The flow of TensorFlow's TPUEmbeddingLayer tutorial, on embcore: user and movie tables trained by
+Adagrad inside the engine, an MLP trained by a torch optimizer, a checkpoint per epoch, then (see
+serve.py) a restore on CPU without optimizer slots, a partial restore of the tables, an export of
+the whole model with ``torch.export`` and predictions from the exported program.
+
+Everything it writes goes under ``--out``:
+
+    checkpoints/epoch-0007/embedding/   ec.save: tables + Adagrad accumulators + step
+    checkpoints/epoch-0007/dense.pt     the MLP, its optimizer, the RNG states, the metrics so far
+    checkpoints/latest                  the name of the newest complete checkpoint
+    metrics.jsonl                       one line per epoch: epoch, train_loss, train_rmse,
+                                        test_rmse, seconds
+    curves.png                          the RMSE curves (when matplotlib is installed)
+    serving.pt2                         the exported serving model (torch.export)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import embcore as ec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # data.py, model.py, serve.py beside us
+from data import (  # noqa: E402
+    DEFAULT_CACHE,
+    SPLITS,
+    DataError,
+    Ratings,
+    load_movielens,
+    split,
+    synthetic,
+)
+from model import ModelConfig, RankingModel, as_model_config  # noqa: E402
+
+try:  # optional: a progress bar per epoch
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", type=Path, default=None,
+                   help="directory holding u.data (u.item, u.user, u1.base ... optional); by "
+                        "default the cache, filled by a download, else a synthetic stand-in")
+    d.add_argument("--synthetic", action="store_true",
+                   help="use the built-in synthetic stand-in (MovieLens 100K's shape, no files)")
+    d.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
+                   help="where the downloaded archive is unpacked")
+    d.add_argument("--split", choices=SPLITS, default="random",
+                   help="'random': 80/20 shuffled with seed 42 (the tutorial's); u1...u5: the "
+                        "canonical folds shipped with the data")
+    d.add_argument("--limit", type=int, default=None,
+                   help="use only the first N training and N/4 test ratings (quick runs)")
+    m = p.add_argument_group("model")
+    m.add_argument("--user-vocabulary-size", type=int, default=2048)
+    m.add_argument("--movie-vocabulary-size", type=int, default=2048)
+    m.add_argument("--embedding-dim", type=int, default=64)
+    m.add_argument("--hidden", type=int, nargs="+", default=[256, 64],
+                   help="widths of the MLP's hidden layers (its output layer has width 1)")
+    m.add_argument("--dropout", type=float, default=0.5,
+                   help="dropout on the concatenated embeddings, in training")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=15)
+    t.add_argument("--batch-size", type=int, default=1024)
+    t.add_argument("--embedding-lr", type=float, default=0.1,
+                   help="learning rate of the engine's Adagrad on the tables")
+    t.add_argument("--l2", type=float, default=0.05,
+                   help="L2 penalty on every looked-up embedding row, per occurrence")
+    t.add_argument("--lr", type=float, default=2e-3,
+                   help="the MLP's AdamW learning rate, decayed to a tenth by a cosine over the "
+                        "epochs")
+    t.add_argument("--weight-decay", type=float, default=0.0, help="the MLP's AdamW weight decay")
+    t.add_argument("--seed", type=int, default=0, help="seeds the tables, the MLP, data order")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the tables and the MLP train")
+    t.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's "
+                        "default). One suits this small model: with two, on two cores, any "
+                        "other busy process made each step about 30x slower")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("runs/movielens"),
+                   help="directory for checkpoints, metrics, curves and the serving model")
+    o.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint under --out (up to --epochs)")
+    o.add_argument("--keep-checkpoints", type=int, default=3, help="how many epochs to keep")
+    o.add_argument("--serve", action=argparse.BooleanOptionalAction, default=True,
+                   help="after training: restore on CPU, partial restore, export, serve")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a tqdm progress bar per epoch (when tqdm is installed)")
+    args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
+    for name in ("epochs", "batch_size", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.limit is not None and args.limit < 4:
+        p.error(f"--limit must be >= 4, got {args.limit}")
+    if args.synthetic and args.data is not None:
+        p.error("--synthetic and --data exclude each other")
+    return args
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(user_vocabulary_size=args.user_vocabulary_size,
+                       movie_vocabulary_size=args.movie_vocabulary_size,
+                       embedding_dim=args.embedding_dim, hidden=tuple(args.hidden),
+                       dropout=args.dropout)
+
+
+def features_of(batch: Ratings, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The model's input: MovieLens ids are used as row ids directly (row 0 stays unused)."""
+    return {"user_id": batch.user_id.to(device), "movie_id": batch.movie_id.to(device)}
+
+
+def check_ids_fit(config: ModelConfig, *parts: Ratings) -> None:
+    """A clear message when the tables are too small for the data's ids."""
+    for what, flag, size in (("user_id", "--user-vocabulary-size", config.user_vocabulary_size),
+                             ("movie_id", "--movie-vocabulary-size",
+                              config.movie_vocabulary_size)):
+        largest = max(int(getattr(r, what).max()) for r in parts)
+        if largest >= size:
+            raise ValueError(f"the data has {what} {largest} but the table has {size} rows; "
+                             f"pass {flag} {largest + 1} or more")
+
+
+# --------------------------------------------------------------------------------- one epoch
+def dense_lr(base: float, epoch: int, epochs: int, floor: float = 0.1) -> float:
+    """The MLP's learning rate in epoch ``epoch`` (1-based): a cosine from ``base`` down to
+    ``floor * base``. A pure function of the epoch, so a resumed run needs no scheduler state.
+    (The tables' Adagrad needs no schedule: its steps shrink as its accumulators grow.)"""
+    progress = (epoch - 1) / max(epochs - 1, 1)  # 0 ... 1
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_epoch(model: RankingModel, train: Ratings, dense_opt: torch.optim.Optimizer, *,
+                batch_size: int, l2: float, order: torch.Generator, device: str,
+                desc: str, progress: bool) -> tuple[float, float]:
+    """One pass over ``train`` in a shuffled order; returns (mean objective, RMSE) per example.
+
+    The engine fixes the batch shape at its first step, so the last partial batch is dropped
+    (a different one each epoch, as the order is reshuffled).
+    """
+    model.train()
+    perm = torch.randperm(len(train), generator=order)  # (R,)
+    steps = len(train) // batch_size
+    bar = tqdm(total=steps, desc=desc, unit="step", leave=False, dynamic_ncols=True,
+               disable=not progress) if tqdm is not None else None
+    objective_sum, squared_error_sum, seen = 0.0, 0.0, 0
+    for step in range(steps):
+        batch = train[perm[step * batch_size:(step + 1) * batch_size]]
+        objective, squared_error = model.compute_loss(
+            features_of(batch, device), batch.rating.to(device), l2)
+        dense_opt.zero_grad(set_to_none=True)
+        objective.backward()  # the engine updates the touched table rows here
+        dense_opt.step()  # the MLP
+        objective_sum += objective.item()
+        squared_error_sum += squared_error.sum().item()
+        seen += batch_size
+        if bar is not None:
+            bar.update()
+            if step % 10 == 0 or step == steps - 1:
+                bar.set_postfix(loss=f"{objective_sum / seen:.4f}",
+                                rmse=f"{math.sqrt(squared_error_sum / seen):.4f}")
+    if bar is not None:
+        bar.close()
+    return objective_sum / seen, math.sqrt(squared_error_sum / seen)
+
+
+@torch.no_grad()
+def evaluate(model: RankingModel, ratings: Ratings, device: str,
+             batch_size: int = 8192) -> float:
+    """RMSE over all of ``ratings`` (eval mode: no dropout, predictions clamped to 1...5)."""
+    model.eval()
+    squared_error_sum = 0.0
+    for start in range(0, len(ratings), batch_size):
+        batch = ratings[start:start + batch_size]
+        prediction = model(features_of(batch, device))  # (B,)
+        squared_error_sum += (prediction - batch.rating.to(device)).square().sum().item()
+    return math.sqrt(squared_error_sum / len(ratings))
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, epoch: int, model: RankingModel,
+                    dense_opt: torch.optim.Optimizer, order: torch.Generator,
+                    history: list[dict[str, float]], keep: int) -> Path:
+    """Writes epoch ``epoch``'s checkpoint, then points ``latest`` at it, then prunes old ones.
+
+    ``latest`` moves only once both parts are on disk, so an interrupted save leaves the previous
+    checkpoint the one ``--resume`` reads.
+    """
+    ckpt = root / f"epoch-{epoch:04d}"
+    ec.save(ckpt / "embedding", model.embedding, extra={"epoch": epoch})
+    dense = {
+        "epoch": epoch,
+        "model_config": asdict(model.config),
+        "head": model.head.state_dict(),
+        "optimizer": dense_opt.state_dict(),
+        "data_order_rng": order.get_state(),  # the shuffles of the epochs still to come
+        "torch_rng": torch.get_rng_state(),  # dropout
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "history": history,
+    }
+    _write_atomic(ckpt / "dense.pt", lambda p: torch.save(dense, p))
+    _write_atomic(root / "latest", lambda p: p.write_text(ckpt.name + "\n"))
+    for old in sorted(root.glob("epoch-*"))[:-keep]:
+        shutil.rmtree(old)
+    return ckpt
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``, or None."""
+    try:
+        name = (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return root / name
+
+
+def restore_checkpoint(ckpt: Path, model: RankingModel, dense_opt: torch.optim.Optimizer,
+                       order: torch.Generator) -> tuple[int, list[dict[str, float]]]:
+    """Restores everything ``save_checkpoint`` wrote; returns (epoch, metrics history)."""
+    dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
+    saved = as_model_config(dense["model_config"])
+    if saved != model.config:
+        raise ValueError(f"{ckpt} holds a model with {saved}, but the flags give "
+                         f"{model.config}; resume with the same model flags")
+    ec.load(ckpt / "embedding", model.embedding)  # tables, accumulators and step
+    model.head.load_state_dict(dense["head"])
+    dense_opt.load_state_dict(dense["optimizer"])
+    order.set_state(dense["data_order_rng"])
+    torch.set_rng_state(dense["torch_rng"])
+    if dense["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(dense["cuda_rng"])
+    return dense["epoch"], dense["history"]
+
+
+# --------------------------------------------------------------------------------- outputs
+def write_metrics(out: Path, history: Iterable[dict[str, float]]) -> None:
+    """metrics.jsonl, rewritten whole each epoch (after a resume it matches the checkpoint)."""
+    lines = "".join(json.dumps(record) + "\n" for record in history)
+    _write_atomic(out / "metrics.jsonl", lambda p: p.write_text(lines))
+
+
+def plot_curves(out: Path, history: list[dict[str, float]]) -> bool:
+    """curves.png: train and test RMSE per epoch. Returns False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    epochs = [r["epoch"] for r in history]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(epochs, [r["train_rmse"] for r in history], "o-", label="train RMSE (running)")
+    ax.plot(epochs, [r["test_rmse"] for r in history], "o-", label="test RMSE")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("RMSE")
+    ax.set_title("MovieLens 100K ranking model (embcore)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the job; returns the last epoch's metrics (plus the serving check's results)."""
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        return run(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called from a larger program
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    out: Path = args.out
+    root = out / "checkpoints"
+    out.mkdir(parents=True, exist_ok=True)
+
+    data = synthetic() if args.synthetic else load_movielens(args.data, args.cache_dir)
+    train, test = split(data, args.split)
+    if args.limit is not None:
+        train, test = train[:args.limit], test[:args.limit // 4]
+    if len(train) < args.batch_size:
+        raise ValueError(f"--batch-size {args.batch_size} is larger than the training set "
+                         f"({len(train)} ratings); lower it")
+    config = model_config(args)
+    check_ids_fit(config, train, test)
+    print(f"data: {data.source}, split {args.split}: {len(train):,} train / {len(test):,} test "
+          f"ratings of {data.num_users} users and {data.num_movies} movies")
+
+    torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
+    model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
+                         device=args.device)
+    model.head.init_output_bias(float(train.rating.mean()))
+    dense_opt = torch.optim.AdamW(model.head.parameters(), lr=args.lr,
+                                  weight_decay=args.weight_decay)
+    order = torch.Generator().manual_seed(args.seed)  # the data order of every epoch
+
+    done, history = 0, []  # epochs completed, their metrics
+    ckpt = latest_checkpoint(root) if args.resume else None
+    if ckpt is not None:
+        done, history = restore_checkpoint(ckpt, model, dense_opt, order)
+        print(f"resumed from {ckpt} (epoch {done})")
+    else:
+        if args.resume:
+            print(f"--resume: no checkpoint under {root}; starting from scratch")
+        if root.exists():  # a fresh run must not leave an older run's checkpoints to resume
+            shutil.rmtree(root)
+
+    for epoch in range(done + 1, args.epochs + 1):
+        start = time.perf_counter()
+        for group in dense_opt.param_groups:
+            group["lr"] = dense_lr(args.lr, epoch, args.epochs)
+        train_loss, train_rmse = train_epoch(
+            model, train, dense_opt, batch_size=args.batch_size, l2=args.l2, order=order,
+            device=args.device, desc=f"epoch {epoch}/{args.epochs}", progress=args.progress)
+        test_rmse = evaluate(model, test, args.device)
+        record = {"epoch": epoch, "train_loss": train_loss, "train_rmse": train_rmse,
+                  "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3)}
+        history.append(record)
+        ckpt = save_checkpoint(root, epoch, model, dense_opt, order, history,
+                               args.keep_checkpoints)
+        write_metrics(out, history)
+        plot_curves(out, history)
+        print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, train RMSE "
+              f"{train_rmse:.4f}, test RMSE {test_rmse:.4f} ({record['seconds']:.1f} s)",
+              flush=True)
+
+    result: dict[str, Any] = dict(history[-1]) if history else {}
+    if args.serve and ckpt is not None:
+        from serve import serving_flow
+        result.update(serving_flow(model, ckpt, out, data))
+    return result
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: ``main`` with data errors reported in one line instead of a traceback."""
+    try:
+        main(argv)
+    except DataError as e:  # a missing or malformed file: its name and line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
