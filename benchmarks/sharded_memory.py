@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, embcore {ec.__version__}, {os.cpu_count()} cores, "
           f"sharding={args.sharding}, quick={args.quick}")
-    print(f"| workload | W | tables+slots MB per process | peak RSS MB per process | "
+    print("| workload | W | tables+slots MB per process | peak RSS MB per process | "
           f"ms/step | examples/s (all processes) |")
     print("|---|---|---|---|---|---|")
     for name in args.workloads:

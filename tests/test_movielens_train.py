@@ -164,3 +164,23 @@ def test_export_round_trip(tmp_path):
     with torch.no_grad():
         expected = model({k: torch.tensor(v) for k, v in ids.items()}).tolist()
     assert json.loads(run.stdout) == expected
+
+
+def test_job_runs_sharded_under_torchrun(tmp_path):
+    """Two processes with sharded tables, end to end (data, training, checkpoint, serving)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "examples" / "movielens" / "train.py"
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+         "--synthetic", "--limit", "4000", "--epochs", "1", "--batch-size", "256",
+         "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 processes; the tables are sharded" in proc.stdout
+    assert "row_mod" in proc.stdout
+    assert (out / "serving.pt2").is_file() and (out / "metrics.jsonl").is_file()

@@ -93,12 +93,12 @@ class RankingModel(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, embedding_optimizer: Any = None, *,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, sharding: Any = None) -> None:
         super().__init__()
         self.config = config
         self.feature_config = feature_config(config)
         self.embedding = ec.EmbeddingLayer(self.feature_config, embedding_optimizer,
-                                           device=device)
+                                           device=device, sharding=sharding)
         self.head = RatingHead(config).to(device)
 
     def forward(self, features: Mapping[str, torch.Tensor],

@@ -47,6 +47,7 @@ from data import (  # noqa: E402
     split,
     synthetic,
 )
+import parallel  # noqa: E402
 from model import ModelConfig, RankingModel, as_model_config  # noqa: E402
 
 try:  # optional: a progress bar per epoch
@@ -97,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's "
                         "default). One suits this small model: with two, on two cores, any "
                         "other busy process made each step about 30x slower")
+    t.add_argument("--sharding", default="row_mod",
+                   help="how the tables are split when launched with torchrun (several "
+                        "processes): row_mod, row_div, table, column, replicated or auto")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/movielens"),
                    help="directory for checkpoints, metrics, curves and the serving model")
@@ -167,15 +171,17 @@ def train_epoch(model: RankingModel, train: Ratings, dense_opt: torch.optim.Opti
                disable=not progress) if tqdm is not None else None
     objective_sum, squared_error_sum, seen = 0.0, 0.0, 0
     for step in range(steps):
-        batch = train[perm[step * batch_size:(step + 1) * batch_size]]
+        # Under torchrun each process takes its share of the global batch.
+        batch = train[parallel.my_share(perm[step * batch_size:(step + 1) * batch_size])]
         objective, squared_error = model.compute_loss(
             features_of(batch, device), batch.rating.to(device), l2)
         dense_opt.zero_grad(set_to_none=True)
         objective.backward()  # the engine updates the touched table rows here
+        parallel.sum_grads(model.head)  # the MLP is data parallel (no-op on one process)
         dense_opt.step()  # the MLP
         objective_sum += objective.item()
         squared_error_sum += squared_error.sum().item()
-        seen += batch_size
+        seen += len(batch)
         if bar is not None:
             bar.update()
             if step % 10 == 0 or step == steps - 1:
@@ -183,6 +189,9 @@ def train_epoch(model: RankingModel, train: Ratings, dense_opt: torch.optim.Opti
                                 rmse=f"{math.sqrt(squared_error_sum / seen):.4f}")
     if bar is not None:
         bar.close()
+    totals = torch.tensor([objective_sum, squared_error_sum, float(seen)], dtype=torch.float64)
+    parallel.sum_(totals)  # over the processes (no-op on one)
+    objective_sum, squared_error_sum, seen = totals.tolist()
     return objective_sum / seen, math.sqrt(squared_error_sum / seen)
 
 
@@ -191,12 +200,14 @@ def evaluate(model: RankingModel, ratings: Ratings, device: str,
              batch_size: int = 8192) -> float:
     """RMSE over all of ``ratings`` (eval mode: no dropout, predictions clamped to 1...5)."""
     model.eval()
-    squared_error_sum = 0.0
+    squared_error_sum = torch.zeros((), dtype=torch.float64)
     for start in range(0, len(ratings), batch_size):
-        batch = ratings[start:start + batch_size]
+        index = torch.arange(start, min(start + batch_size, len(ratings)))
+        batch = ratings[parallel.my_share(index)]  # every process looks up together
         prediction = model(features_of(batch, device))  # (B,)
-        squared_error_sum += (prediction - batch.rating.to(device)).square().sum().item()
-    return math.sqrt(squared_error_sum / len(ratings))
+        squared_error_sum += (prediction - batch.rating.to(device)).square().sum().cpu()
+    parallel.sum_(squared_error_sum)
+    return math.sqrt(float(squared_error_sum) / len(ratings))
 
 
 # --------------------------------------------------------------------------------- checkpoints
@@ -215,7 +226,10 @@ def save_checkpoint(root: Path, epoch: int, model: RankingModel,
     checkpoint the one ``--resume`` reads.
     """
     ckpt = root / f"epoch-{epoch:04d}"
-    ec.save(ckpt / "embedding", model.embedding, extra={"epoch": epoch})
+    ec.save(ckpt / "embedding", model.embedding, extra={"epoch": epoch})  # every process
+    if not parallel.is_main():  # the dense part is the same on every process
+        parallel.barrier()
+        return ckpt
     dense = {
         "epoch": epoch,
         "model_config": asdict(model.config),
@@ -230,6 +244,7 @@ def save_checkpoint(root: Path, epoch: int, model: RankingModel,
     _write_atomic(root / "latest", lambda p: p.write_text(ckpt.name + "\n"))
     for old in sorted(root.glob("epoch-*"))[:-keep]:
         shutil.rmtree(old)
+    parallel.barrier()
     return ckpt
 
 
@@ -304,6 +319,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    rank, world, args.device = parallel.init(args.device)
+    try:
+        return _run(args, rank, world)
+    finally:
+        parallel.shutdown()
+
+
+def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     out: Path = args.out
     root = out / "checkpoints"
     out.mkdir(parents=True, exist_ok=True)
@@ -317,12 +340,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"({len(train)} ratings); lower it")
     config = model_config(args)
     check_ids_fit(config, train, test)
-    print(f"data: {data.source}, split {args.split}: {len(train):,} train / {len(test):,} test "
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
+                         f"processes ({world})")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"data: {data.source}, split {args.split}: {len(train):,} train / {len(test):,} test "
           f"ratings of {data.num_users} users and {data.num_movies} movies")
 
     torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
     model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
-                         device=args.device)
+                         device=args.device, sharding=args.sharding if world > 1 else None)
+    if world > 1:
+        say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
     model.head.init_output_bias(float(train.rating.mean()))
     dense_opt = torch.optim.AdamW(model.head.parameters(), lr=args.lr,
                                   weight_decay=args.weight_decay)
@@ -332,12 +361,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = latest_checkpoint(root) if args.resume else None
     if ckpt is not None:
         done, history = restore_checkpoint(ckpt, model, dense_opt, order)
-        print(f"resumed from {ckpt} (epoch {done})")
+        say(f"resumed from {ckpt} (epoch {done})")
     else:
         if args.resume:
-            print(f"--resume: no checkpoint under {root}; starting from scratch")
-        if root.exists():  # a fresh run must not leave an older run's checkpoints to resume
+            say(f"--resume: no checkpoint under {root}; starting from scratch")
+        if root.exists() and rank == 0:  # a fresh run must not resume an older run's checkpoints
             shutil.rmtree(root)
+        parallel.barrier()
 
     for epoch in range(done + 1, args.epochs + 1):
         start = time.perf_counter()
@@ -352,16 +382,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         history.append(record)
         ckpt = save_checkpoint(root, epoch, model, dense_opt, order, history,
                                args.keep_checkpoints)
-        write_metrics(out, history)
-        plot_curves(out, history)
-        print(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, train RMSE "
+        if rank == 0:
+            write_metrics(out, history)
+            plot_curves(out, history)
+        say(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, train RMSE "
               f"{train_rmse:.4f}, test RMSE {test_rmse:.4f} ({record['seconds']:.1f} s)",
               flush=True)
 
     result: dict[str, Any] = dict(history[-1]) if history else {}
     if args.serve and ckpt is not None:
-        from serve import serving_flow
-        result.update(serving_flow(model, ckpt, out, data))
+        from serve import restore_for_serving, serving_flow
+        trained = model
+        if world > 1:  # serve from one process: the W-process checkpoint restored on one
+            parallel.shutdown()
+            if rank != 0:
+                return result
+            say(f"serving from rank 0 with the {world}-process checkpoint restored on one process")
+            trained = restore_for_serving(ckpt)
+        result.update(serving_flow(trained, ckpt, out, data))
     return result
 
 
