@@ -346,7 +346,7 @@ class Embedding:
                                      f"shape {list(g.shape)}, expected {list(s.shape + (dim,))} "
                                      f"(the shape of its activation)")
                 grads[s.feature] = g.detach()
-        used = [tb for tb in batch.tables]
+        used = batch.tables
         if warn_none:
             noisy = sorted({self._feature_names[s.feature] for tb in used for s in tb.slices
                             if flat[s.feature] is None and not self._physical_opt(tb)
