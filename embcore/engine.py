@@ -26,6 +26,7 @@ from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
 from .ops.update import apply_in_place, fast_update_supported
+from .ops.workspace import Workspace
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .preprocess import Route, TableBatch, group_by_physical, route
@@ -138,6 +139,7 @@ class Embedding:
         self._last_dequeue_training: bool | None = None
         self._step = 0
         self._worker: ThreadPoolExecutor | None = None
+        self._workspace = Workspace()  # the update's temporaries, kept across steps
 
     # ----------------------------------------------------------------------------- building
     @property
@@ -363,11 +365,18 @@ class Embedding:
                 lrs[id(opt)] = opt.current_learning_rate()
         for k, tb in enumerate(used):
             p = self._plan.physical[tb.physical]
+            work = torch.float64 if p.dtype == torch.float64 else torch.float32
             parts = [grads[s.feature] for s in tb.slices]
-            parts = [g.reshape(s.rows, p.dim).to(self.device) if g is not None else
-                     torch.zeros(s.rows, p.dim, device=self.device) for g, s in zip(parts, tb.slices)]
-            grad_out = torch.cat(parts) if len(parts) > 1 else parts[0]  # (R, D)
-            g_unique = combine_backward(grad_out, tb)  # (U, D)
+            parts = [g.reshape(s.rows, p.dim).to(self.device, work) if g is not None else
+                     torch.zeros(s.rows, p.dim, dtype=work, device=self.device)
+                     for g, s in zip(parts, tb.slices)]
+            if len(parts) > 1:
+                grad_out = self._workspace.get("out_grads", (tb.num_rows, p.dim), work,
+                                               self.device)  # (R, D)
+                torch.cat(parts, out=grad_out)
+            else:
+                grad_out = parts[0]  # (R, D)
+            g_unique = combine_backward(grad_out, tb, self._workspace)  # (U, D)
             opt = self._physical_opt(tb)
             rows, g = gradients_at_owner(self._comm, self._plan.physical[tb.physical], tb,
                                          batch.routes[k], batch.received.get(k), g_unique)
@@ -385,7 +394,7 @@ class Embedding:
         """Gathers the touched rows and slots, applies the rule, scatters them back."""
         w, slots = self._weights[p], self._slots[p]
         if fast_update_supported(opt, w):
-            apply_in_place(opt, w, slots, rows, grad, lr)
+            apply_in_place(opt, w, slots, rows, grad, lr, self._workspace)
             return
         if opt.dense_update:  # every row moves, untouched ones with g = 0
             full = torch.zeros(w.shape, dtype=grad.dtype, device=grad.device)  # (N_p, D)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..preprocess import TableBatch
+from .workspace import Workspace
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -40,12 +41,15 @@ def combine(table: torch.Tensor, index: torch.Tensor, tb: TableBatch) -> torch.T
     return out.to(table.dtype)
 
 
-def combine_backward(grad: torch.Tensor, tb: TableBatch) -> torch.Tensor:
+def combine_backward(grad: torch.Tensor, tb: TableBatch,
+                     workspace: Workspace | None = None) -> torch.Tensor:
     """Gradient of ``combine`` w.r.t. the unique rows: each row's occurrences summed in order.
 
     Args:
         grad: (R, D) gradient of the output rows.
         tb: the batch.
+        workspace: where to put the result (a view valid until the workspace's next use);
+            None allocates it.
 
     Returns:
         (U, D) float32 (float64 for float64 grads) summed gradient per unique row.
@@ -53,5 +57,13 @@ def combine_backward(grad: torch.Tensor, tb: TableBatch) -> torch.Tensor:
     work = grad if grad.dtype == torch.float64 else grad.float()
     rows = tb.order if tb.unit else tb.occurrence_rows()[tb.order]  # (nnz,) output row per occ.
     weights = None if tb.scales is None else tb.scales[tb.order].to(work.dtype)
-    return F.embedding_bag(rows, work, tb.unique_offsets, mode="sum",
-                           per_sample_weights=weights, include_last_offset=True)  # (U, D)
+    if workspace is None or not work.is_contiguous():
+        return F.embedding_bag(rows, work, tb.unique_offsets, mode="sum",
+                               per_sample_weights=weights, include_last_offset=True)  # (U, D)
+    out = workspace.get("row_grads", (tb.unique.numel(), work.shape[1]), work.dtype,
+                        work.device)  # (U, D)
+    small = [torch.empty(0, dtype=torch.int64, device=work.device) for _ in range(3)]
+    torch.ops.aten._embedding_bag_forward_only.out(
+        work, rows, tb.unique_offsets, False, 0, False, weights, True, -1,
+        out0=out, out1=small[0], out2=small[1], out3=small[2])
+    return out

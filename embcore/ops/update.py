@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
+from .workspace import Workspace
 
 
 def fast_update_supported(opt: Optimizer, params: torch.Tensor) -> bool:
@@ -30,7 +31,8 @@ def fast_update_supported(opt: Optimizer, params: torch.Tensor) -> bool:
 
 
 def apply_in_place(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
-                   rows: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+                   rows: torch.Tensor, grad: torch.Tensor, lr: float,
+                   workspace: Workspace | None = None) -> None:
     """Updates ``table[rows]`` (and slots) in place; ``rows`` unique.
 
     Args:
@@ -40,18 +42,28 @@ def apply_in_place(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.T
         rows: (U,) unique row ids.
         grad: (U, D) summed gradient of each row, in the table's dtype.
         lr: the learning rate.
+        workspace: buffers for the gathered rows (None allocates them).
     """
     g = grad.to(table.dtype)
     if isinstance(opt, SGD):
         table.index_add_(0, rows, g, alpha=-lr)
         return
     acc = slots["accumulators"]
-    a = acc.index_select(0, rows)  # (U, D) or (U, 1)
+    a = _gather(acc, rows, "acc_rows", workspace)  # (U, D) or (U, 1)
     if isinstance(opt, RowwiseAdagrad):
         a.add_(g.square().mean(dim=1, keepdim=True))
     else:
         a.addcmul_(g, g)
     acc.index_copy_(0, rows, a)
-    w = table.index_select(0, rows)  # (U, D)
+    w = _gather(table, rows, "param_rows", workspace)  # (U, D)
     w.addcdiv_(g, a.sqrt_(), value=-lr)
     table.index_copy_(0, rows, w)
+
+
+def _gather(src: torch.Tensor, rows: torch.Tensor, name: str,
+            workspace: Workspace | None) -> torch.Tensor:
+    """``src[rows]``, into a workspace buffer when one is given."""
+    if workspace is None:
+        return src.index_select(0, rows)
+    out = workspace.get(name, (rows.numel(), src.shape[1]), src.dtype, src.device)
+    return torch.index_select(src, 0, rows, out=out)
