@@ -1,0 +1,140 @@
+"""What every ``sys_*.py`` shares: arguments, the timed loop and the one-line JSON result.
+
+A system module supplies ``build(workload, optimizer, grads, init) -> System`` where a System has
+``prepare(batch) -> native inputs`` (done before timing), ``step(native)`` (lookup + backward with
+the fixed upstream gradient + the optimizer update), ``tables() -> T x (N, D)`` and
+``state_bytes() -> int`` (tables + optimizer slots).
+
+A step's timing: ``warmup`` steps, then ``repeats`` timed loops of ``workload.steps`` steps each,
+cycling over ``NUM_BATCHES`` pre-generated batches; the result is the median loop's time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import (WORKLOADS, Batch, Workload, get_workload, initial_tables,  # noqa: E402
+                       make_batches, upstream_grads)
+
+THREADS = 2
+LR = 0.01
+ACC0 = 0.1            # initial accumulator value (all systems; FBGEMM's is overwritten to this)
+NUM_BATCHES = 8
+CHECK_STEPS = 3
+torch.set_num_threads(THREADS)
+
+
+class System(Protocol):
+    def prepare(self, batch: Batch) -> Any: ...
+    def step(self, native: Any) -> None: ...
+    def tables(self) -> list[torch.Tensor]: ...
+    def state_bytes(self) -> int: ...
+
+
+Build = Callable[[Workload, str, list[torch.Tensor], list[torch.Tensor] | None], System]
+
+
+def parse_args(system: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=f"One benchmark run of {system}; prints one JSON line.")
+    p.add_argument("--workload", required=True, choices=WORKLOADS)
+    p.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise"])
+    p.add_argument("--quick", action="store_true", help="smaller W2, fewer timed steps")
+    p.add_argument("--json", action="store_true", help="print only the JSON result line")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--check", metavar="PATH",
+                   help=f"no timing: {CHECK_STEPS} steps from the shared initial tables, then "
+                        f"torch.save the tables to PATH")
+    p.add_argument("--profile", action="store_true",
+                   help="also print the top 10 ops by self CPU time of 3 steps (stderr)")
+    return p.parse_args()
+
+
+def emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        for k, v in result.items():
+            print(f"{k:>16}: {v}")
+
+
+def not_installed(system: str, optimizer: str, workload: str, err: Exception) -> None:
+    """The result line of a peer that cannot be imported; exits 0 so the run goes on."""
+    print(json.dumps({"system": system, "optimizer": optimizer, "workload": workload,
+                      "status": "not installed", "error": f"{type(err).__name__}: {err}"}))
+    sys.exit(0)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS. ``ru_maxrss`` survives exec, so a child forked from a big parent
+    would report the parent's peak: prefer VmHWM, which belongs to the exec'd address space."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(ln for ln in f if ln.startswith("VmHWM:"))
+        return int(hwm.split()[1]) / 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main(system: str, build: Build, versions: dict[str, str]) -> None:
+    args = parse_args(system)
+    w = get_workload(args.workload, args.quick)
+    grads = upstream_grads(w)  # T x (B, D)
+    batches = make_batches(w, NUM_BATCHES)
+    if args.check:
+        sysm = build(w, args.optimizer, grads, initial_tables(w))
+        for b in batches[:CHECK_STEPS]:
+            sysm.step(sysm.prepare(b))
+        torch.save([t.detach().clone().contiguous() for t in sysm.tables()], args.check)
+        emit({"system": system, "optimizer": args.optimizer, "workload": w.name,
+              "status": "checked", "path": args.check}, args.json)
+        return
+    t0 = time.perf_counter()
+    sysm = build(w, args.optimizer, grads, None)
+    natives = [sysm.prepare(b) for b in batches]
+    build_s = time.perf_counter() - t0
+    for i in range(args.warmup):
+        sysm.step(natives[i % len(natives)])
+    per_step = []
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        for i in range(w.steps):
+            sysm.step(natives[i % len(natives)])
+        per_step.append((time.perf_counter() - t0) / w.steps)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / (
+        args.repeats * w.steps)  # page faults per step: fresh pages for big temporaries
+    if args.profile:
+        profile(sysm, natives)
+    s = statistics.median(per_step)
+    emit({"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
+          "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
+          "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
+          "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
+          "repeat_ms": [round(x * 1e3, 4) for x in per_step], "build_s": round(build_s, 2),
+          "minor_faults_per_step": round(faults),
+          "peak_rss_mib": round(peak_rss_mib(), 1), "state_bytes": sysm.state_bytes(),
+          "threads": torch.get_num_threads(), "note": w.note,
+          "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                       **versions}}, args.json)
+
+
+def profile(sysm: System, natives: list) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(3):
+            sysm.step(natives[i % len(natives)])
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10),
+          file=sys.stderr)

@@ -1,0 +1,77 @@
+"""Pipelined vs exact execution on W1 + a dense MLP (DESIGN 2.6).
+
+    python benchmarks/pipeline.py [--steps 20] [--batch 4096]
+
+One training loop for both modes: dequeue batch i, enqueue batch i+1, run the MLP forward and
+backward, apply the embedding gradients. With ``pipeline_execution=True`` the enqueue of batch i+1
+hands its grouping, deduplication and lookup to a background worker, which runs while the MLP
+does; its activations are then one step stale. Exact mode does the same work at dequeue time.
+Prints ms/step and examples/s of both, and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+import embcore as ec
+
+sys.path.insert(0, os.path.dirname(__file__))
+from workloads import get_workload, make_batches  # noqa: E402
+
+
+def run(pipelined: bool, steps: int, batch_size: int) -> float:
+    wl = get_workload("W1")
+    torch.manual_seed(0)
+    tables = [ec.TableConfig(vocabulary_size=wl.rows, dim=wl.dim, combiner="sum", name=f"t{i}")
+              for i in range(wl.tables)]
+    fc = {f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(tables)}
+    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), pipeline_execution=pipelined)
+    mlp = torch.nn.Sequential(torch.nn.Linear(wl.tables * wl.dim, 512), torch.nn.ReLU(),
+                              torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    batches = [{f"f{t}": ids[:batch_size] for t, ids in enumerate(b.ids)}
+               for b in make_batches(wl, 8)]
+    target = torch.randn(batch_size)
+
+    def loop(n: int) -> None:
+        emb.enqueue(batches[0])
+        for i in range(n):
+            acts = emb.dequeue()
+            if i + 1 < n:
+                emb.enqueue(batches[(i + 1) % len(batches)])  # overlaps the MLP when pipelined
+            x = torch.cat([acts[f"f{t}"] for t in range(wl.tables)], dim=1)  # (B, T*D)
+            loss = torch.nn.functional.mse_loss(mlp(x).squeeze(1), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            emb.apply_gradients({k: a.grad for k, a in acts.items()})
+
+    loop(3)  # warm-up
+    start = time.perf_counter()
+    loop(steps)
+    return (time.perf_counter() - start) / steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=4096)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    print(f"torch {torch.__version__}, embcore {ec.__version__}, {os.cpu_count()} cores, "
+          f"W1 tables + MLP 1664-512-256-1, batch {args.batch}")
+    exact = run(False, args.steps, args.batch)
+    piped = run(True, args.steps, args.batch)
+    print("| mode | ms/step | examples/s |\n|---|---|---|")
+    print(f"| exact (pipeline_execution=False) | {exact * 1e3:.1f} | {args.batch / exact:,.0f} |")
+    print(f"| pipelined (pipeline_execution=True) | {piped * 1e3:.1f} | {args.batch / piped:,.0f} |")
+    print(f"pipelined / exact throughput: {exact / piped:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
