@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, embcore {ec.__version__}, {os.cpu_count()} cores, "
           f"sharding={args.sharding}, quick={args.quick}")
     print("| workload | W | tables+slots MB per process | peak RSS MB per process | "
-          f"ms/step | examples/s (all processes) |")
+          "ms/step | examples/s (all processes) |")
     print("|---|---|---|---|---|---|")
     for name in args.workloads:
         for world in args.worlds:
