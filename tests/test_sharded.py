@@ -217,3 +217,55 @@ def test_failing_rank_makes_the_others_raise(mode, tmp_path):
     seconds, message = text.split("\n", 1)
     assert float(seconds) < 20
     assert "rank 0 of 2" in message and "another process probably died or stalls" in message
+
+
+def _reshard_worker(rank, world, init, root):
+    import torch.distributed as dist
+    from pathlib import Path
+    root = Path(root)
+    batches = [global_batch(s, world) for s in range(3)]
+    fc, strategies = config("adagrad", MIXED)
+    torch.manual_seed(7)
+    ref = ec.Embedding(fc, OPTIMIZERS["adagrad"]())  # W = 1, before joining the group
+    for s in range(2):
+        feats, w = concat(batches[s])
+        ref.enqueue(feats, w)
+        acts = ref.dequeue()
+        ref.apply_gradients(grads_for(acts, s))
+    if rank == 0:
+        ec.save(root / "w1", ref)
+    want_tables = {t.name: v.clone() for t, v in ref.embedding_tables.items()}
+    want_slots = slots_whole(ref)
+    init()
+    dist.barrier()  # rank 0's checkpoint is complete
+
+    def check(emb, tables, slots, what):
+        got = {t.name: v for t, v in emb.embedding_tables.items()}
+        for name, v in tables.items():
+            torch.testing.assert_close(got[name], v, msg=lambda m: f"{what} {name}: {m}")
+        for key, v in slots_whole(emb).items():
+            torch.testing.assert_close(v, slots[key], msg=lambda m: f"{what} {key}: {m}")
+
+    # W = 1 -> W = world, every strategy (mixed in one engine)
+    emb = ec.Embedding(fc, OPTIMIZERS["adagrad"](), sharding=strategies, timeout=60)
+    ec.load(root / "w1", emb)
+    assert emb.step == 2
+    check(emb, want_tables, want_slots, f"W=1 -> W={world} mixed")
+    # row_mod -> row_div at W = world, after one more sharded step
+    a = ec.Embedding(fc, OPTIMIZERS["adagrad"](), sharding="row_mod", timeout=60)
+    ec.load(root / "w1", a)
+    feats, w = batches[2][rank]
+    a.enqueue(feats, w)
+    acts = a.dequeue()
+    a.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+    ec.save(root / "rowmod", a)
+    a_tables = {t.name: v.clone() for t, v in a.embedding_tables.items()}
+    a_slots = slots_whole(a)
+    b = ec.Embedding(fc, OPTIMIZERS["adagrad"](), sharding="row_div", timeout=60)
+    ec.load(root / "rowmod", b)
+    assert b.step == 3
+    check(b, a_tables, a_slots, "row_mod -> row_div")
+
+
+def test_checkpoint_reshards_w1_to_w4_and_row_mod_to_row_div(tmp_path):
+    run_on(4, _reshard_worker, str(tmp_path))
