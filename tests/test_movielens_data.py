@@ -5,24 +5,16 @@ beside the checkout (or ``$EMBCORE_ML100K``); its license forbids shipping them 
 so they are skipped where it is absent.
 """
 
-import os
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "movielens"
-sys.path.insert(0, str(EXAMPLE))
+from ml100k import ML100K, requires_data  # also puts examples/movielens on sys.path
 
 import data as ml  # noqa: E402  (examples/movielens/data.py)
 
-ML100K = Path(os.environ.get("EMBCORE_ML100K", Path(__file__).parents[2] / "shared/data/ml-100k"))
-requires_data = pytest.mark.skipif(
-    not (ML100K / "u.data").is_file(),
-    reason=f"MovieLens 100K not found at {ML100K} (set EMBCORE_ML100K to the unpacked ml-100k "
-           f"directory); its license forbids shipping it with the repository")
 
 
 @pytest.fixture(scope="module")

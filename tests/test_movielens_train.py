@@ -5,7 +5,6 @@ settings is checked by running the job itself (see examples/movielens/README.md)
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,12 @@ import torch
 
 import embcore as ec
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "movielens"
-sys.path.insert(0, str(EXAMPLE))
+from ml100k import ML100K, requires_data  # also puts examples/movielens on sys.path
 
 import serve  # noqa: E402  (examples/movielens/serve.py)
 import train  # noqa: E402
 from model import FEATURES, ModelConfig, RankingModel, as_model_config  # noqa: E402
 
-ML100K = Path(os.environ.get("EMBCORE_ML100K", Path(__file__).parents[2] / "shared/data/ml-100k"))
-requires_data = pytest.mark.skipif(
-    not (ML100K / "u.data").is_file(),
-    reason=f"MovieLens 100K not found at {ML100K} (set EMBCORE_ML100K to the unpacked ml-100k "
-           f"directory); its license forbids shipping it with the repository")
 
 SMALL = ["--embedding-dim", "8", "--hidden", "16", "8", "--batch-size", "128", "--no-progress"]
 METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds"}
