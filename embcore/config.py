@@ -41,8 +41,8 @@ class TableConfig:
             b=.05)``), which must treat entries independently (it is called on blocks of rows);
             or a ``(vocabulary_size, dim)`` tensor of initial values (pretrained embeddings).
             Random initializers draw from a generator seeded from ``torch``'s global RNG when the
-            engine is constructed: call ``torch.manual_seed(seed)`` first (on every process) for
-            reproducible tables; the values do not depend on how the table is sharded.
+            engine is constructed (rank 0's draw, when sharded): call ``torch.manual_seed(seed)``
+            first for reproducible tables; the values do not depend on how the table is sharded.
         optimizer: an embcore optimizer for this table; overrides the engine's optimizer.
         combiner: how ids of one bag are combined: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
         name: the table's name (checkpoint keys ``<name>/parameters``); ``None`` gives

@@ -86,7 +86,7 @@ class Embedding:
 
     Example:
         >>> import torch, embcore as ec
-        >>> torch.manual_seed(0)  # tables are drawn from torch's global RNG at construction
+        >>> _ = torch.manual_seed(0)  # tables are drawn from torch's global RNG at construction
         >>> t = ec.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
         >>> emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
         >>> emb.enqueue({"f": torch.tensor([1, 2, 2])})
