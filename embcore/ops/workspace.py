@@ -10,7 +10,11 @@ never workspaces.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+SMALL = 1 << 20  # bytes
 
 
 class Workspace:
@@ -21,13 +25,17 @@ class Workspace:
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
-        """An uninitialised ``shape`` view of buffer ``name``; valid until its next ``get``."""
-        n = 1
-        for s in shape:
-            n *= s
-        key = (name, dtype, torch.device(device))
+        """An uninitialised ``shape`` view of buffer ``name``; valid until its next ``get``.
+
+        Requests under ``SMALL`` bytes are plain allocations: they never reach the mmap threshold,
+        and a fresh small tensor costs less than the bookkeeping.
+        """
+        n = math.prod(shape)
+        if n * dtype.itemsize < SMALL:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (name, dtype, device)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n + n // 4, 1024), dtype=dtype, device=device)
+            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
             self._buffers[key] = buf
         return buf[:n].view(shape)
