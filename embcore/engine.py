@@ -25,7 +25,8 @@ from .exchange import fetch_rows, gradients_at_owner
 from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
-from .ops.update import apply_in_place, fast_update_supported
+from .ops.update import (apply_in_place, fast_update_supported, native_rule, update_from_outputs,
+                         update_rows)
 from .ops.workspace import Workspace
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
@@ -370,6 +371,12 @@ class Embedding:
             parts = [g.reshape(s.rows, p.dim).to(self.device, work) if g is not None else
                      torch.zeros(s.rows, p.dim, dtype=work, device=self.device)
                      for g, s in zip(parts, tb.slices)]
+            opt = self._physical_opt(tb)
+            rule = native_rule(opt, self._weights[tb.physical])
+            if rule is not None and self._comm.world_size == 1:  # backward fused into the update
+                update_from_outputs(rule, opt, self._weights[tb.physical], self._slots[tb.physical],
+                                    tb, [g.contiguous() for g in parts], lrs[id(opt)], self._step)
+                continue
             if len(parts) > 1:
                 grad_out = self._workspace.get("out_grads", (tb.num_rows, p.dim), work,
                                                self.device)  # (R, D)
@@ -377,7 +384,6 @@ class Embedding:
             else:
                 grad_out = parts[0]  # (R, D)
             g_unique = combine_backward(grad_out, tb, self._workspace)  # (U, D)
-            opt = self._physical_opt(tb)
             rows, g = gradients_at_owner(self._comm, self._plan.physical[tb.physical], tb,
                                          batch.routes[k], batch.received.get(k), g_unique)
             self._update(tb.physical, rows, g, opt, lrs[id(opt)])
@@ -393,6 +399,10 @@ class Embedding:
                 lr: float) -> None:
         """Gathers the touched rows and slots, applies the rule, scatters them back."""
         w, slots = self._weights[p], self._slots[p]
+        rule = native_rule(opt, w)
+        if rule is not None:
+            update_rows(rule, opt, w, slots, rows, grad, lr, self._step)
+            return
         if fast_update_supported(opt, w):
             apply_in_place(opt, w, slots, rows, grad, lr, self._workspace)
             return

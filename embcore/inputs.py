@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import FeatureConfig
+from .ops import native
 
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -137,6 +138,9 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
 
     A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
     """
+    if native.usable(offsets) and offsets.is_contiguous() and (
+            weights is None or weights.is_contiguous()):
+        return native.combiner_scales(offsets, weights, combiner, nnz)
     w = weights if weights is not None else torch.ones(nnz, dtype=torch.float32,
                                                        device=offsets.device)  # (nnz,)
     if combiner == "sum":
@@ -278,7 +282,10 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
 def _validate(ids: torch.Tensor, weights: torch.Tensor | None, vocab: int, where: str,
               table: str) -> None:
     if ids.numel():
-        lo_v, hi_v = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
+        if native.usable(ids) and ids.is_contiguous():
+            lo_v, hi_v = native.minmax(ids)
+        else:
+            lo_v, hi_v = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
         if lo_v < 0 or hi_v >= vocab:
             bad = lo_v if lo_v < 0 else hi_v
             raise ValueError(f"{where} has id {bad} but table {table!r} has "

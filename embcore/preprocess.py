@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 
 from .inputs import Canonical
+from .ops import native
 from .plan import ShardingPlan
 
 
@@ -63,17 +64,33 @@ class TableBatch:
         inverse[self.order] = rank
         return inverse
 
-    def occurrence_rows(self) -> torch.Tensor:
-        """(nnz,) the output row (bag) of each occurrence."""
+    @cached_property
+    def bags(self) -> torch.Tensor:
+        """(nnz,) int64, the output row (bag) of each occurrence."""
         if self.offsets is None:
             return torch.arange(self.ids.numel(), device=self.ids.device)
+        if native.usable(self.offsets):
+            return native.bag_of(self.offsets, self.ids.numel())
         lengths = self.offsets[1:] - self.offsets[:-1]  # (R,)
         return torch.repeat_interleave(torch.arange(lengths.numel(), device=self.ids.device),
                                        lengths, output_size=self.ids.numel())
 
+    def occurrence_rows(self) -> torch.Tensor:
+        """(nnz,) the output row (bag) of each occurrence."""
+        return self.bags
 
-def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One stable sort: (unique (U,), order (nnz,), unique_offsets (U + 1,))."""
+
+def dedup(ids: torch.Tensor, num_rows: int | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stable sort: (unique (U,), order (nnz,), unique_offsets (U + 1,)).
+
+    Args:
+        ids: (nnz,) int64 ids.
+        num_rows: ids are below it (lets the fused kernel's radix sort skip empty digits);
+            None: unknown, torch's sort is used.
+    """
+    if num_rows is not None and native.usable(ids):
+        return native.dedup(ids.contiguous(), num_rows)
     sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
     unique_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=ids.device)
@@ -119,7 +136,7 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
             nnz += b.ids.numel()
             rows += b.num_rows
         all_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # (nnz,)
-        unique, order, unique_offsets = dedup(all_ids)
+        unique, order, unique_offsets = dedup(all_ids, plan.physical[p].rows)
         if unit:
             out.append(TableBatch(p, all_ids, None, None, unique, order, unique_offsets, True,
                                   tuple(slices)))

@@ -3,6 +3,9 @@
 Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over the occurrences
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
+On the CPU with float32 tables the forward is the fused kernel ``native.lookup`` instead (the same
+sums, in the same order, with the rows ahead prefetched); the training backward of a local table
+is fused into the optimizer update (``ops/update.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..preprocess import TableBatch
+from . import native
 from .workspace import Workspace
 
 
@@ -30,6 +34,10 @@ def combine(table: torch.Tensor, index: torch.Tensor, tb: TableBatch) -> torch.T
     Returns:
         (R, D) in ``table``'s dtype (computed in float32 for half types).
     """
+    if (table.dtype == torch.float32 and table.is_contiguous()
+            and native.usable(table, index)):
+        out = torch.empty(tb.num_rows, table.shape[1], dtype=table.dtype)  # (R, D)
+        return native.lookup(table, index.contiguous(), tb.offsets, tb.scales, out)
     work = _work(table)
     if tb.unit:
         out = work.index_select(0, index)  # (R, D)

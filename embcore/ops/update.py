@@ -6,6 +6,12 @@ that dominate recommendation training, without the extra options (gradient multi
 weight decay), this module does the same math in place on the gathered rows: two gathers, the
 arithmetic in the gathered buffers, two scatters, and no other (U, D) temporaries. It is tested
 against ``Optimizer.update`` on random inputs.
+
+On the CPU with float32 tables, SGD, Adagrad and RowwiseAdagrad (with every option: gradient
+multiplier, clipping, weight decay, weight clipping) run as one fused kernel instead
+(``native.sparse_update``): each touched row and its accumulator are read and written once, in
+place, and with a local table the summed gradient is formed from the output gradients inside the
+same pass (``update_from_outputs``), so no (U, D) temporary exists at all.
 """
 
 from __future__ import annotations
@@ -13,7 +19,59 @@ from __future__ import annotations
 import torch
 
 from ..optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
+from ..preprocess import TableBatch
+from . import native
 from .workspace import Workspace
+
+_RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWISE_ADAGRAD}
+
+
+def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
+    """The fused kernel's rule for this optimizer and table, or None when it does not apply."""
+    rule = _RULES.get(type(opt))
+    if rule is None or table.dtype != torch.float32 or not table.is_contiguous():
+        return None
+    return rule if native.usable(table) else None
+
+
+def _hyper(opt: Optimizer, lr: float, step: int) -> tuple[float, ...]:
+    """``(lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max)``."""
+    inf = float("inf")
+    gmul = 1.0 if opt.gradient_multiplier is None else float(opt.gradient_multiplier(step))
+    lo, hi = opt.clip_bounds
+    wd = float(opt.weight_decay_factor or 0.0)
+    if opt.multiply_weight_decay_factor_by_learning_rate:
+        wd *= lr
+    return (lr, gmul, -inf if lo is None else float(lo), inf if hi is None else float(hi), wd,
+            -inf if opt.clip_weight_min is None else float(opt.clip_weight_min),
+            inf if opt.clip_weight_max is None else float(opt.clip_weight_max))
+
+
+def update_from_outputs(rule: int, opt: Optimizer, table: torch.Tensor,
+                        slots: dict[str, torch.Tensor], tb: TableBatch,
+                        grads: list[torch.Tensor], lr: float, step: int) -> None:
+    """Backward and update in one pass: each of ``tb.unique``'s rows gets the scaled sum of its
+    occurrences' output gradients, then the rule, in place.
+
+    Args:
+        rule: ``native_rule(opt, table)``.
+        table: (N, D) the whole physical table (held here: one process or replicated).
+        slots: its slots.
+        tb: the batch.
+        grads: per feature slice of ``tb``, its (R_f, D) output gradient (float32, contiguous).
+        lr: the learning rate; step: updates applied so far (for the gradient multiplier).
+    """
+    starts = [s.start for s in tb.slices] + [tb.num_rows]
+    native.sparse_update(rule, table, slots.get("accumulators"), tb.unique, _hyper(opt, lr, step),
+                         grads, starts, tb.unique_offsets, tb.order,
+                         None if tb.unit else tb.bags, tb.scales)
+
+
+def update_rows(rule: int, opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
+                rows: torch.Tensor, grad: torch.Tensor, lr: float, step: int) -> None:
+    """The fused update of distinct ``rows`` with their summed (U, D) gradients, in place."""
+    native.sparse_update(rule, table, slots.get("accumulators"), rows.contiguous(),
+                         _hyper(opt, lr, step), [grad.to(torch.float32).contiguous()])
 
 
 def fast_update_supported(opt: Optimizer, params: torch.Tensor) -> bool:

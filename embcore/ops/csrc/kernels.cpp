@@ -1,0 +1,348 @@
+// embcore's fused CPU kernels: dedup, lookup, and the sparse update straight from output gradients.
+//
+// Plain C++ and OpenMP, no torch headers: the library is compiled on first use by
+// embcore/ops/native.py (seconds, cached) and called through ctypes with raw pointers of
+// contiguous tensors. Its OpenMP calls resolve to the libgomp that torch has already loaded (one
+// thread pool for torch and embcore; a second pool would make both spin against each other on
+// a small machine). Every kernel here has a torch-ops twin in ops/ and is tested against
+// ops/reference.py and ops/reference_optim.py.
+//
+// Why fused: a step is bound by random row accesses into tables far larger than the caches
+// (a TLB and cache miss per row), not by arithmetic. The torch-ops path touches each row several
+// times (gather rows, gather slots, compute into temporaries, scatter both back); here each
+// touched row and its slot row are read once and written once, in place, while the rows a few
+// iterations ahead are prefetched so that many misses are in flight at once.
+//
+// Legend: N rows, D dim, nnz id occurrences, R output rows (bags), U unique rows.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+typedef int64_t i64;
+
+namespace {
+
+#ifndef EC_PREFETCH
+#define EC_PREFETCH 8
+#endif
+constexpr i64 kPrefetch = EC_PREFETCH;     // rows ahead whose cache lines are requested early
+constexpr i64 kSerialWork = 16384;  // below this many floats touched, one thread
+
+inline void prefetch_read(const float* p, i64 d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (i64 o = 0; o < d * 4; o += 64) __builtin_prefetch(c + o, 0, 1);
+}
+
+inline void prefetch_write(const float* p, i64 d) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (i64 o = 0; o < d * 4; o += 64) __builtin_prefetch(c + o, 1, 1);
+}
+
+// Splits [0, n) into nt contiguous parts of about equal cost, cost(i) = weight[i] + i * per_item
+// for an ascending cumulative ``weight`` (nullptr: cost(i) = i). Returns the start of part t.
+inline i64 split_point(const i64* cumulative, i64 n, i64 per_item, int t, int nt) {
+  if (t <= 0) return 0;
+  if (t >= nt) return n;
+  if (cumulative == nullptr) return n * t / nt;
+  const double total = double(cumulative[n] - cumulative[0]) + double(n) * per_item;
+  const double target = total * t / nt;
+  i64 lo = 0, hi = n;
+  while (lo < hi) {  // first i whose cost reaches the target
+    i64 mid = (lo + hi) / 2;
+    double cost = double(cumulative[mid] - cumulative[0]) + double(mid) * per_item;
+    if (cost < target) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::max(nt, 1); }
+
+// Scratch kept per calling thread across calls: large per-step buffers that came back from the
+// kernel as fresh pages every step would cost page faults (DESIGN 6).
+struct Scratch {
+  std::vector<uint64_t> keys[2];
+  std::vector<i64> vals[2];
+  std::vector<i64> hist;
+};
+thread_local Scratch scratch;
+
+}  // namespace
+
+extern "C" {
+
+int ec_abi_version() { return 1; }
+
+// Stable sort of ``ids`` with run-length encoding of equal ids.
+//   ids (n,) in [0, 2^bits); order (n,) out: positions sorted by id, ties in position order;
+//   unique (<= n,) out: the distinct ids ascending; uoff (<= n + 1,) out: unique[u]'s
+//   occurrences are order[uoff[u]:uoff[u+1]]. Returns U.
+// An LSD radix sort over digits of at most 12 bits; each pass is split over threads, thread t
+// owning a contiguous part of the input, so equal digits keep their order (stable).
+i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff, int nt) {
+  if (n == 0) { uoff[0] = 0; return 0; }
+  if (n <= 64) {  // insertion sort of positions by id (stable)
+    for (i64 i = 0; i < n; ++i) {
+      i64 j = i;
+      while (j > 0 && ids[order[j - 1]] > ids[i]) {
+        order[j] = order[j - 1];
+        --j;
+      }
+      order[j] = i;
+    }
+  } else {
+    bits = std::max(bits, 1);
+    const int passes = (bits + 11) / 12;
+    const int width = (bits + passes - 1) / passes;
+    const i64 buckets = i64(1) << width;
+    const uint64_t mask = uint64_t(buckets - 1);
+    Scratch& s = scratch;
+    for (int b = 0; b < 2; ++b) {
+      if (i64(s.keys[b].size()) < n) { s.keys[b].resize(n); s.vals[b].resize(n); }
+    }
+    nt = threads_for(n * 4, nt);
+    s.hist.assign(size_t(nt) * buckets, 0);
+    uint64_t* key_in = s.keys[0].data();
+    i64* val_in = s.vals[0].data();
+    uint64_t* key_out = s.keys[1].data();
+    i64* val_out = s.vals[1].data();
+    for (i64 i = 0; i < n; ++i) { key_in[i] = uint64_t(ids[i]); val_in[i] = i; }
+    i64* hist = s.hist.data();
+    for (int p = 0; p < passes; ++p) {
+      const int shift = p * width;
+#pragma omp parallel num_threads(nt)
+      {
+        const int t = omp_get_thread_num(), m = omp_get_num_threads();
+        const i64 lo = split_point(nullptr, n, 0, t, m), hi = split_point(nullptr, n, 0, t + 1, m);
+        i64* h = hist + i64(t) * buckets;
+        std::fill(h, h + buckets, 0);
+        for (i64 i = lo; i < hi; ++i) h[(key_in[i] >> shift) & mask]++;
+#pragma omp barrier
+#pragma omp single
+        {  // exclusive prefix over (bucket, thread): thread t's items of a bucket follow t-1's
+          i64 run = 0;
+          for (i64 b = 0; b < buckets; ++b)
+            for (int q = 0; q < m; ++q) {
+              i64 c = hist[i64(q) * buckets + b];
+              hist[i64(q) * buckets + b] = run;
+              run += c;
+            }
+        }
+        for (i64 i = lo; i < hi; ++i) {
+          i64 dst = h[(key_in[i] >> shift) & mask]++;
+          key_out[dst] = key_in[i];
+          val_out[dst] = val_in[i];
+        }
+      }
+      std::swap(key_in, key_out);
+      std::swap(val_in, val_out);
+    }
+    std::memcpy(order, val_in, sizeof(i64) * n);
+  }
+  i64 u = 0;
+  uoff[0] = 0;
+  i64 prev = ids[order[0]];
+  unique[0] = prev;
+  for (i64 j = 1; j < n; ++j) {
+    i64 id = ids[order[j]];
+    if (id != prev) {
+      uoff[++u] = j;
+      unique[u] = id;
+      prev = id;
+    }
+  }
+  uoff[++u] = n;
+  return u;
+}
+
+// Weighted bag sums: out[r] = sum_{k in [offsets[r], offsets[r+1])} scales[k] * table[ids[k]].
+//   table (N, D) row-major; ids (nnz,); offsets (R + 1,) or nullptr (bag r is id r alone,
+//   scale 1); scales (nnz,) or nullptr (all 1); out (R, D).
+void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, const float* scales,
+               i64 r_rows, float* out, int nt) {
+  const i64 nnz = offsets ? offsets[r_rows] : r_rows;
+  nt = threads_for(nnz * d, nt);
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+    const i64 lo = split_point(offsets, r_rows, 1, t, m);
+    const i64 hi = split_point(offsets, r_rows, 1, t + 1, m);
+    if (offsets == nullptr) {
+      for (i64 r = lo; r < hi; ++r) {
+        if (r + kPrefetch < hi) prefetch_read(table + ids[r + kPrefetch] * d, d);
+        std::memcpy(out + r * d, table + ids[r] * d, sizeof(float) * d);
+      }
+    } else {
+      const i64 k_end = offsets[hi];
+      for (i64 r = lo; r < hi; ++r) {
+        float* o = out + r * d;
+        for (i64 c = 0; c < d; ++c) o[c] = 0.f;
+        for (i64 k = offsets[r]; k < offsets[r + 1]; ++k) {
+          if (k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
+          const float s = scales ? scales[k] : 1.f;
+          const float* row = table + ids[k] * d;
+#pragma omp simd
+          for (i64 c = 0; c < d; ++c) o[c] += s * row[c];
+        }
+      }
+    }
+  }
+}
+
+// Optimizer rules (DESIGN 2.3-2.4) of ec_sparse_update.
+enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
+
+// The hyper-parameters of one update, in a fixed order (embcore/ops/native.py packs them).
+struct Hyper {
+  double lr, gmul, clip_lo, clip_hi, wd, w_min, w_max;
+};
+
+// Sparse update of the touched rows, each exactly once, in place.
+//   w (N, D) parameters; acc (N, D) or (N, 1) accumulators (rule kAdagrad / kRowwiseAdagrad) or
+//   nullptr (kSGD); rows (U,) distinct rows to update.
+// The summed gradient of rows[u] comes from one of two sources:
+//   - occurrences (uoff != nullptr): g = sum over j in [uoff[u], uoff[u+1]) of
+//     scale(order[j]) * grad_row(bag(order[j])), in that order, where bag(k) = bags[k] (or k when
+//     bags is nullptr), scale(k) = scales[k] (or 1), and grad_row(b) is row b of the output
+//     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
+//     slices[i] (each (rows_i, D) row-major);
+//   - direct (uoff == nullptr): g = slices[0] row u.
+// Then, per row: g *= gmul; g = clip(g, clip_lo, clip_hi); the rule; w -= wd * w_before;
+// w = clip(w, w_min, w_max). Adagrad variants with a zero accumulator take no step (0 / 0).
+void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
+                      const i64* uoff, const i64* order, const i64* bags, const float* scales,
+                      const float* const* slices, const i64* starts, i64 nslices,
+                      const double* hyper_in, int nt) {
+  const Hyper h = {hyper_in[0], hyper_in[1], hyper_in[2], hyper_in[3],
+                   hyper_in[4], hyper_in[5], hyper_in[6]};
+  const float lr = float(h.lr), gmul = float(h.gmul), wd = float(h.wd);
+  const float clo = float(h.clip_lo), chi = float(h.clip_hi);
+  const float wmin = float(h.w_min), wmax = float(h.w_max);
+  const bool scaled = gmul != 1.f, clipped = std::isfinite(clo) || std::isfinite(chi);
+  const bool decayed = wd != 0.f, bounded = std::isfinite(wmin) || std::isfinite(wmax);
+  const i64 acc_d = rule == kRowwiseAdagrad ? 1 : d;
+  const i64 occurrences = uoff ? uoff[u_rows] - uoff[0] : u_rows;
+  nt = threads_for((u_rows * 2 + occurrences) * d, nt);
+
+  auto grad_row = [&](i64 b) -> const float* {
+    if (nslices == 1) return slices[0] + b * d;
+    const i64 i = std::upper_bound(starts, starts + nslices + 1, b) - starts - 1;
+    return slices[i] + (b - starts[i]) * d;
+  };
+  auto first_source = [&](i64 u) -> const float* {
+    if (!uoff) return slices[0] + u * d;
+    const i64 k = order[uoff[u]];
+    return grad_row(bags ? bags[k] : k);
+  };
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num(), m = omp_get_num_threads();
+    const i64 lo = split_point(uoff, u_rows, 2, t, m), hi = split_point(uoff, u_rows, 2, t + 1, m);
+    std::vector<float> gbuf(static_cast<size_t>(d));
+    std::vector<float> wbuf(decayed ? static_cast<size_t>(d) : 0);
+    float* g = gbuf.data();
+    for (i64 u = lo; u < hi; ++u) {
+      if (u + kPrefetch < hi) {
+        const i64 ahead = rows[u + kPrefetch];
+        prefetch_write(w + ahead * d, d);
+        if (acc) prefetch_write(acc + ahead * acc_d, acc_d);
+        prefetch_read(first_source(u + kPrefetch), d);
+      }
+      // 1. the summed gradient
+      if (uoff) {
+        for (i64 c = 0; c < d; ++c) g[c] = 0.f;
+        for (i64 j = uoff[u]; j < uoff[u + 1]; ++j) {
+          const i64 k = order[j];
+          const float s = scales ? scales[k] : 1.f;
+          const float* src = grad_row(bags ? bags[k] : k);
+#pragma omp simd
+          for (i64 c = 0; c < d; ++c) g[c] += s * src[c];
+        }
+      } else {
+        std::memcpy(g, slices[0] + u * d, sizeof(float) * d);
+      }
+      // 2. multiplier and clipping
+      if (scaled)
+        for (i64 c = 0; c < d; ++c) g[c] *= gmul;
+      if (clipped)
+        for (i64 c = 0; c < d; ++c) g[c] = std::min(std::max(g[c], clo), chi);
+      float* wr = w + rows[u] * d;
+      if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
+      // 3. the rule
+      if (rule == kSGD) {
+#pragma omp simd
+        for (i64 c = 0; c < d; ++c) wr[c] -= lr * g[c];
+      } else if (rule == kAdagrad) {
+        float* a = acc + rows[u] * d;
+#pragma omp simd
+        for (i64 c = 0; c < d; ++c) {
+          const float an = a[c] + g[c] * g[c];
+          a[c] = an;
+          wr[c] -= an > 0.f ? lr * (g[c] / std::sqrt(an)) : 0.f;
+        }
+      } else {  // kRowwiseAdagrad
+        float* a = acc + rows[u];
+        float sq = 0.f;
+        for (i64 c = 0; c < d; ++c) sq += g[c] * g[c];
+        const float an = a[0] + sq / float(d);
+        a[0] = an;
+        if (an > 0.f) {
+          const float root = std::sqrt(an);
+#pragma omp simd
+          for (i64 c = 0; c < d; ++c) wr[c] -= lr * (g[c] / root);
+        }
+      }
+      // 4-5. decoupled weight decay, weight clipping
+      if (decayed)
+        for (i64 c = 0; c < d; ++c) wr[c] -= wd * wbuf[c];
+      if (bounded)
+        for (i64 c = 0; c < d; ++c) wr[c] = std::min(std::max(wr[c], wmin), wmax);
+    }
+  }
+}
+
+// Smallest and largest id: out[0], out[1] (n > 0).
+void ec_minmax(const i64* ids, i64 n, i64* out) {
+  i64 lo = ids[0], hi = ids[0];
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+  for (i64 i = 0; i < n; ++i) {
+    lo = std::min(lo, ids[i]);
+    hi = std::max(hi, ids[i]);
+  }
+  out[0] = lo;
+  out[1] = hi;
+}
+
+// Per-id scales that make a weighted sum over each bag apply the combiner (DESIGN 2.2):
+//   combiner 0 sum: w; 1 mean: w / sum(w); 2 sqrtn: w / sqrt(sum(w^2)); a bag whose
+//   denominator is 0 gets zeros. offsets (R + 1,); weights (nnz,) or nullptr (all 1); out (nnz,).
+void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, int combiner,
+                        float* out) {
+  for (i64 r = 0; r < r_rows; ++r) {
+    const i64 k0 = offsets[r], k1 = offsets[r + 1];
+    float denom = 1.f;
+    if (combiner != 0) {
+      float acc = 0.f;
+      for (i64 k = k0; k < k1; ++k) {
+        const float w = weights ? weights[k] : 1.f;
+        acc += combiner == 1 ? w : w * w;
+      }
+      denom = combiner == 1 ? acc : std::sqrt(acc);
+    }
+    const float inv = combiner == 0 ? 1.f : (denom != 0.f ? 1.f / denom : 0.f);
+    for (i64 k = k0; k < k1; ++k) out[k] = (weights ? weights[k] : 1.f) * inv;
+  }
+}
+
+// Bag of every occurrence: bags[k] = r for k in [offsets[r], offsets[r+1]).
+void ec_bag_of(const i64* offsets, i64 r_rows, i64* bags) {
+  for (i64 r = 0; r < r_rows; ++r)
+    for (i64 k = offsets[r]; k < offsets[r + 1]; ++k) bags[k] = r;
+}
+
+}  // extern "C"

@@ -1,0 +1,283 @@
+"""The fused CPU kernels (``csrc/kernels.cpp``): built on first use, loaded with ctypes.
+
+The kernels are plain C++ with OpenMP and no torch headers, so they build in a few seconds with
+the system's C++ compiler and do not depend on torch's C++ ABI. The first call compiles them
+into a cache (``$XDG_CACHE_HOME/embcore``, else ``~/.cache/embcore``, else the temp directory),
+keyed by the source, the compiler and this CPU; later processes load the cached library. Where no
+compiler works, ``available`` is False, a ``RuntimeWarning`` says why once, and every caller
+uses its torch-ops twin (same results, slower).
+
+Every wrapper takes and returns torch tensors (contiguous CPU float32 / int64) and is tested
+against ``ops/reference.py`` and ``ops/reference_optim.py``. ``set_enabled(False)`` switches the
+kernels off for this process (tests use it to exercise the torch-ops path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+ABI_VERSION = 1
+
+# Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
+SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = True
+_error: str | None = None
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_SIGNATURES = {
+    "ec_abi_version": (ctypes.c_int, []),
+    "ec_dedup": (_I, [_P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int]),
+    "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
+    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
+                                ctypes.c_int]),
+    "ec_bag_of": (None, [_P, _I, _P]),
+    "ec_minmax": (None, [_P, _I, _P]),
+    "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
+}
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Switches the fused kernels on or off for this process; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def available() -> bool:
+    """True when the kernels are enabled and built (building them now if needed)."""
+    return _enabled and _load() is not None
+
+
+def error() -> str | None:
+    """Why the kernels could not be built, or None."""
+    _load()
+    return _error
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels apply: enabled, built, and every tensor on the CPU."""
+    return _enabled and all(t.device.type == "cpu" for t in tensors) and _load() is not None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    for root in (Path(base) / "embcore", Path(tempfile.gettempdir()) / f"embcore-{os.getuid()}"):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if os.access(root, os.W_OK):
+                return root
+        except OSError:
+            continue
+    raise OSError("no writable cache directory for embcore's kernels")
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the machine and its CPU flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {flags}"
+
+
+def _compiler() -> str:
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise OSError("no C++ compiler (c++, g++ or clang++) on PATH")
+
+
+def _build() -> Path:
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, *version,
+                                    _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kernels-{key}.so"
+    if target.exists():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=600)
+        if proc.returncode != 0:
+            raise OSError(f"{Path(cxx).name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders (torchrun ranks) each win whole
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            for name, (res, args) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = res, args
+            if lib.ec_abi_version() != ABI_VERSION:
+                raise OSError("stale kernel library (ABI version mismatch)")
+            _lib = lib
+        except (OSError, subprocess.SubprocessError, AttributeError) as e:
+            _error = f"{type(e).__name__}: {e}"
+            warnings.warn(f"embcore: the fused CPU kernels could not be built ({_error}); using "
+                          f"torch ops instead (same results, slower)", RuntimeWarning,
+                          stacklevel=3)
+        _tried = True
+    return _lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable sort with run-length encoding, as ``preprocess.dedup``.
+
+    Args:
+        ids: (nnz,) contiguous int64 CPU ids in ``[0, num_rows)``.
+        num_rows: an upper bound of the ids (sets the radix sort's passes).
+
+    Returns:
+        ``(unique (U,), order (nnz,), unique_offsets (U + 1,))``.
+    """
+    lib = _load()
+    assert lib is not None
+    n = ids.numel()
+    order = torch.empty(n, dtype=torch.int64)
+    unique = torch.empty(n, dtype=torch.int64)
+    uoff = torch.empty(n + 1, dtype=torch.int64)
+    bits = max(int(num_rows) - 1, 1).bit_length()
+    u = lib.ec_dedup(ids.data_ptr(), n, bits, order.data_ptr(), unique.data_ptr(),
+                     uoff.data_ptr(), _threads())
+    return unique[:u], order, uoff[:u + 1]
+
+
+def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
+           scales: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
+
+    Args:
+        table: (N, D) contiguous float32.
+        ids: (nnz,) int64 rows of ``table``.
+        offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
+        scales: (nnz,) float32, or None for 1.
+        out: (R, D) contiguous float32, written.
+    """
+    lib = _load()
+    assert lib is not None
+    rows = out.shape[0]
+    lib.ec_lookup(table.data_ptr(), table.shape[1], ids.data_ptr(), _ptr(offsets), _ptr(scales),
+                  rows, out.data_ptr(), _threads())
+    return out
+
+
+def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """(nnz,) int64: the bag of every occurrence."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(nnz, dtype=torch.int64)
+    lib.ec_bag_of(offsets.data_ptr(), offsets.numel() - 1, out.data_ptr())
+    return out
+
+
+def minmax(ids: torch.Tensor) -> tuple[int, int]:
+    """Smallest and largest of (n > 0,) contiguous int64 ids."""
+    lib = _load()
+    assert lib is not None
+    out = (ctypes.c_int64 * 2)()
+    lib.ec_minmax(ids.data_ptr(), ids.numel(), out)
+    return out[0], out[1]
+
+
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+
+
+def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
+                    nnz: int) -> torch.Tensor:
+    """As ``inputs.combiner_scales``: (nnz,) float32 per-id scales applying the combiner."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(nnz, dtype=torch.float32)
+    lib.ec_combiner_scales(offsets.data_ptr(), offsets.numel() - 1, _ptr(weights),
+                           COMBINERS[combiner], out.data_ptr())
+    return out
+
+
+def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows: torch.Tensor,
+                  hyper: Sequence[float], grads: Sequence[torch.Tensor],
+                  starts: Sequence[int] | None = None, unique_offsets: torch.Tensor | None = None,
+                  order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None) -> None:
+    """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once.
+
+    Args:
+        rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
+        table: (N, D) contiguous float32 parameters.
+        acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
+        rows: (U,) distinct int64 rows.
+        hyper: ``(lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max)``,
+            infinities for no bound.
+        grads: the gradient source: with ``unique_offsets``, the output gradient rows split in
+            consecutive (R_i, D) contiguous float32 parts (rows ``starts[i]:starts[i+1]``);
+            without, one (U, D) tensor, row u the summed gradient of ``rows[u]``.
+        starts: (len(grads) + 1) first output row of each part.
+        unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
+        bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
+        scales: (nnz,) float32 scale of each occurrence; None for 1.
+    """
+    lib = _load()
+    assert lib is not None
+    n = len(grads)
+    ptrs = (ctypes.c_void_p * n)(*[g.data_ptr() for g in grads])
+    st = (ctypes.c_int64 * (n + 1))(*(starts if starts is not None else [0] * (n + 1)))
+    hp = (ctypes.c_double * 7)(*[float(x) for x in hyper])
+    lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
+                         rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
+                         _ptr(scales), ptrs, st, n, hp, _threads())
+
+
+def main() -> None:
+    """``python -m embcore.ops.native``: build the kernels now and say where they are."""
+    if _load() is None:
+        print(f"embcore kernels unavailable: {_error}", file=sys.stderr)
+        sys.exit(1)
+    print(f"embcore kernels: {getattr(_lib, '_name', '?')}")
+
+
+if __name__ == "__main__":
+    main()
