@@ -185,7 +185,8 @@ def default_initializer(dim: int) -> Callable[[torch.Tensor], Any]:
     return init
 
 
-def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tensor) -> torch.Tensor:
+def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Initial values of the given rows of a table, identical whatever subset is asked for.
 
     Args:
@@ -193,16 +194,22 @@ def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tens
         name: its resolved name (part of the seed).
         base_seed: the engine's seed.
         rows: (R,) int64 row ids, ascending.
+        out: where to write them ((R, D), any device and dtype); None allocates on the CPU.
+            Writing straight into the table saves a temporary as large as the table.
 
     Returns:
-        (R, D) tensor of ``table.dtype`` on the CPU.
+        (R, D) tensor: ``out``, or a new one of ``table.dtype`` on the CPU.
     """
+    if out is None:
+        out = torch.empty(len(rows), table.dim, dtype=table.dtype)  # (R, D)
     if isinstance(table.initializer, torch.Tensor):
-        return table.initializer.detach().to("cpu", table.dtype)[rows].clone()
+        out.copy_(table.initializer.detach()[rows.to(table.initializer.device)])
+        return out
     init = table.initializer if table.initializer is not None else default_initializer(table.dim)
-    out = torch.empty(len(rows), table.dim, dtype=table.dtype)  # (R, D)
     if len(rows) == 0:
         return out
+    first, last = int(rows[0]), int(rows[-1])
+    contiguous = last - first + 1 == len(rows)  # rows first..last: write block slices directly
     blocks = torch.div(rows, INIT_BLOCK_ROWS, rounding_mode="floor")
     for b in torch.unique(blocks).tolist():
         start = b * INIT_BLOCK_ROWS
@@ -211,6 +218,10 @@ def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tens
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed(base_seed, name, b))
             init(block)
-        sel = blocks == b
-        out[sel] = block[rows[sel] - start].to(table.dtype)
+        if contiguous:
+            lo, hi = max(start, first), min(start + n, last + 1)
+            out[lo - first:hi - first] = block[lo - start:hi - start]
+        else:
+            sel = blocks == b
+            out[sel.to(out.device)] = block[rows[sel] - start].to(out.device, out.dtype)
     return out

@@ -25,6 +25,7 @@ from .exchange import fetch_rows, gradients_at_owner
 from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
 from .ops.lookup import combine, combine_backward
+from .ops.memory import empty_table
 from .ops.update import (apply_in_place, fast_update_supported, native_rule, update_from_outputs,
                          update_rows)
 from .ops.workspace import Workspace
@@ -206,16 +207,20 @@ class Embedding:
         for p in self._plan.physical:
             c0, c1 = p.columns[rank]
             n_local = p.local_rows[rank]
-            w = torch.empty(n_local, c1 - c0, dtype=p.dtype, device=self.device)  # (N_r, D_r)
+            w = empty_table((n_local, c1 - c0), p.dtype, self.device)  # (N_r, D_r)
             for name in p.tables:
                 place = self._plan.table(name)
                 rows = place.rank_rows(rank, world)
                 start = place.local_offsets[rank]
-                values = initial_rows(names_to_cfg[name], name, self._seed, rows)  # (n, D)
-                w[start:start + len(rows)] = values[:, c0:c1].to(self.device)
+                if c0 == 0 and c1 == p.dim:  # whole rows: initialised in place
+                    initial_rows(names_to_cfg[name], name, self._seed, rows,
+                                 out=w[start:start + len(rows)])
+                else:
+                    values = initial_rows(names_to_cfg[name], name, self._seed, rows)  # (n, D)
+                    w[start:start + len(rows)] = values[:, c0:c1].to(self.device)
             slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            slots = {s.name: torch.full((n_local, 1 if s.rowwise else c1 - c0), s.initial_value,
-                                        dtype=slot_dtype, device=self.device)
+            slots = {s.name: empty_table((n_local, 1 if s.rowwise else c1 - c0), slot_dtype,
+                                         self.device).fill_(s.initial_value)
                      for s in (p.optimizer.slots if p.optimizer is not None else ())}
             self._weights.append(w)
             self._slots.append(slots)

@@ -76,7 +76,12 @@ def error() -> str | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply: enabled, built, and every tensor on the CPU."""
-    return _enabled and all(t.device.type == "cpu" for t in tensors) and _load() is not None
+    if not _enabled:
+        return False
+    for t in tensors:  # a loop, not all(genexpr): this runs several times per step
+        if not t.is_cpu:
+            return False
+    return (_lib if _tried else _load()) is not None
 
 
 def _cache_dir() -> Path:
@@ -155,6 +160,18 @@ def _load() -> ctypes.CDLL | None:
                           stacklevel=3)
         _tried = True
     return _lib
+
+
+_ARRAYS: dict[tuple[type, int], type] = {}
+
+
+def _array(ctype: type, n: int) -> type:
+    """The ctypes array type ``ctype * n`` (cached: creating one costs microseconds)."""
+    key = (ctype, n)
+    t = _ARRAYS.get(key)
+    if t is None:
+        t = _ARRAYS[key] = ctype * n
+    return t
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -263,9 +280,9 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     lib = _load()
     assert lib is not None
     n = len(grads)
-    ptrs = (ctypes.c_void_p * n)(*[g.data_ptr() for g in grads])
-    st = (ctypes.c_int64 * (n + 1))(*(starts if starts is not None else [0] * (n + 1)))
-    hp = (ctypes.c_double * 7)(*[float(x) for x in hyper])
+    ptrs = _array(ctypes.c_void_p, n)(*[g.data_ptr() for g in grads])
+    st = _array(ctypes.c_int64, n + 1)(*(starts if starts is not None else [0] * (n + 1)))
+    hp = _array(ctypes.c_double, 7)(*hyper)
     lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
                          rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
                          _ptr(scales), ptrs, st, n, hp, _threads())

@@ -27,10 +27,8 @@ typedef int64_t i64;
 
 namespace {
 
-#ifndef EC_PREFETCH
-#define EC_PREFETCH 8
-#endif
-constexpr i64 kPrefetch = EC_PREFETCH;     // rows ahead whose cache lines are requested early
+constexpr i64 kPrefetch = 8;              // table rows ahead whose cache lines are requested early
+constexpr i64 kPrefetchOccurrences = 16;  // output gradient rows ahead (backward)
 constexpr i64 kSerialWork = 16384;  // below this many floats touched, one thread
 
 inline void prefetch_read(const float* p, i64 d) {
@@ -233,16 +231,12 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
     const i64 i = std::upper_bound(starts, starts + nslices + 1, b) - starts - 1;
     return slices[i] + (b - starts[i]) * d;
   };
-  auto first_source = [&](i64 u) -> const float* {
-    if (!uoff) return slices[0] + u * d;
-    const i64 k = order[uoff[u]];
-    return grad_row(bags ? bags[k] : k);
-  };
 
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num(), m = omp_get_num_threads();
     const i64 lo = split_point(uoff, u_rows, 2, t, m), hi = split_point(uoff, u_rows, 2, t + 1, m);
+    const i64 j_end = uoff ? uoff[hi] : 0;
     std::vector<float> gbuf(static_cast<size_t>(d));
     std::vector<float> wbuf(decayed ? static_cast<size_t>(d) : 0);
     float* g = gbuf.data();
@@ -251,12 +245,16 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
         const i64 ahead = rows[u + kPrefetch];
         prefetch_write(w + ahead * d, d);
         if (acc) prefetch_write(acc + ahead * acc_d, acc_d);
-        prefetch_read(first_source(u + kPrefetch), d);
+        if (!uoff) prefetch_read(slices[0] + (u + kPrefetch) * d, d);
       }
       // 1. the summed gradient
       if (uoff) {
         for (i64 c = 0; c < d; ++c) g[c] = 0.f;
         for (i64 j = uoff[u]; j < uoff[u + 1]; ++j) {
+          if (j + kPrefetchOccurrences < j_end) {  // the source row of a later occurrence
+            const i64 ka = order[j + kPrefetchOccurrences];
+            prefetch_read(grad_row(bags ? bags[ka] : ka), d);
+          }
           const i64 k = order[j];
           const float s = scales ? scales[k] : 1.f;
           const float* src = grad_row(bags ? bags[k] : k);

@@ -1,0 +1,58 @@
+"""Table memory: large CPU tables and slots on transparent huge pages.
+
+A step touches rows spread over tables of hundreds of MB to GB: with 4 KiB pages nearly every
+touched row is a TLB miss and a page walk. Asking Linux for 2 MiB pages (``madvise(MADV_HUGEPAGE)``)
+before the table is first written covers 512 times more memory per TLB entry; on W1 that made the
+fused update about a third faster (benchmarks/RESULTS.md). It is advice: where the kernel has
+transparent huge pages off, or on other systems, nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+HUGE_PAGE = 1 << 21
+MADV_HUGEPAGE = 14
+MIN_BYTES = 8 * HUGE_PAGE  # smaller tensors gain little
+
+_madvise = None
+
+
+def _libc_madvise():
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = False
+    return _madvise
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Asks for huge pages under ``t``'s storage (whole 2 MiB pages inside it); True if accepted.
+
+    Call it before the tensor is first written: pages already touched stay small.
+    """
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or t.nbytes < MIN_BYTES:
+        return False
+    fn = _libc_madvise()
+    if not fn:
+        return False
+    start = t.data_ptr()
+    first = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+    end = (start + t.nbytes) & ~(HUGE_PAGE - 1)
+    return end > first and fn(first, end - first, MADV_HUGEPAGE) == 0
+
+
+def empty_table(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty(shape)`` for a table or slot, on huge pages where the system allows."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    advise_huge_pages(t)
+    return t

@@ -1,0 +1,569 @@
+"""The fused CPU kernels (ops/native.py, ops/csrc/kernels.cpp) against torch and the references.
+
+Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
+torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
+``reference_optim.reference_update`` (with the row gradients summed here in float64), ``minmax``
+and ``combiner_scales`` against torch and the torch-ops twin in ``inputs.py``. The engine is then
+trained with the kernels on and off and must give the same tables and slots. Everything but the
+switched-off test is skipped when the kernels cannot be built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embcore as ec
+from embcore import inputs
+from embcore.ops import native
+from embcore.ops.reference import reference_lookup, reference_row_gradients
+from embcore.ops.reference_optim import reference_update
+from embcore.ops.update import _hyper
+from strategies import jagged
+
+requires_native = pytest.mark.skipif(
+    not native.available(),
+    reason=f"embcore's fused CPU kernels are unavailable: {native.error() or 'disabled'}")
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
+RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}
+NATIVE_FUNCS = ("dedup", "lookup", "sparse_update", "minmax", "combiner_scales", "bag_of")
+
+
+@contextlib.contextmanager
+def kernels(enabled: bool):
+    """``native.set_enabled(enabled)`` for the block; the previous setting is always restored."""
+    previous = native.set_enabled(enabled)
+    try:
+        yield
+    finally:
+        native.set_enabled(previous)
+
+
+@contextlib.contextmanager
+def spy_native(forbid: bool = False):
+    """Counts calls of the native wrappers (or makes them fail, ``forbid``); restores them."""
+    calls: Counter[str] = Counter()
+    saved = {name: getattr(native, name) for name in NATIVE_FUNCS}
+
+    def wrap(name, fn):
+        def wrapper(*args, **kwargs):
+            if forbid:
+                raise AssertionError(f"native.{name} called while the kernels are disabled")
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for name, fn in saved.items():
+            setattr(native, name, wrap(name, fn))
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(native, name, fn)
+
+
+def torch_dedup(ids: torch.Tensor):
+    """(unique, order, unique_offsets) by torch's stable sort + unique_consecutive."""
+    sorted_ids, order = torch.sort(ids, stable=True)
+    unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return unique, order, offsets
+
+
+def random_offsets(gen: torch.Generator, rows: int, max_len: int) -> torch.Tensor:
+    """(rows + 1,) int64 bag boundaries, lengths in [0, max_len] (empty bags included)."""
+    lengths = torch.randint(0, max_len + 1, (rows,), generator=gen)
+    offsets = torch.zeros(rows + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets
+
+
+# ------------------------------------------------------------------------------- switched off
+def test_disabled_kernels_are_not_used_and_the_engine_trains_the_same():
+    """Not skipped without the kernels: the torch-ops path alone must train correctly."""
+    initial = native.set_enabled(True)
+    native.set_enabled(initial)
+    results = {}
+    for enabled in (False, True):
+        with kernels(enabled):
+            if not enabled:
+                assert not native.usable(torch.zeros(1))
+                assert not native.available()
+                assert native.set_enabled(False) is False  # returns the previous setting
+            with spy_native(forbid=not enabled):
+                torch.manual_seed(3)
+                t = ec.TableConfig(vocabulary_size=12, dim=3, combiner="mean", name="t")
+                fc = {"d": ec.FeatureConfig(table=t), "j": ec.FeatureConfig(table=t)}
+                emb = ec.Embedding(fc, ec.SGD(learning_rate=1.0))
+                before = emb.embedding_tables[t].clone()
+                ids = {"d": torch.tensor([1, 5, 1]),
+                       "j": jagged([[5, 7, 5], [], [2]], torch.int64)}
+                w = {"d": None, "j": jagged([[0.5, 2.0, -1.0], [], [3.0]], torch.float32)}
+                emb.enqueue(ids, w)
+                acts = emb.dequeue()
+                gen = torch.Generator().manual_seed(0)
+                grads = {k: torch.randn(a.shape, generator=gen) for k, a in acts.items()}
+                emb.apply_gradients(grads)
+                results[enabled] = ({k: a.detach().clone() for k, a in acts.items()},
+                                    emb.embedding_tables[t].clone())
+        if not enabled:  # the torch-ops path against the loops of ops/reference.py
+            expected = before.double()
+            for k, f in fc.items():
+                torch.testing.assert_close(acts[k].double(),
+                                           reference_lookup(before, f, ids[k], w[k]), **TOL)
+                for row, g in reference_row_gradients(f, ids[k], w[k], grads[k]).items():
+                    expected[row] -= torch.tensor(g, dtype=torch.float64)
+            torch.testing.assert_close(emb.embedding_tables[t].double(), expected, **TOL)
+            assert not torch.equal(emb.embedding_tables[t], before)
+    for k in results[False][0]:
+        torch.testing.assert_close(results[True][0][k], results[False][0][k], **TOL)
+    torch.testing.assert_close(results[True][1], results[False][1], **TOL)
+    assert native.set_enabled(initial) == initial  # the setting was restored
+
+
+# ------------------------------------------------------------------------------------- dedup
+@st.composite
+def dedup_inputs(draw):
+    num_rows = draw(st.sampled_from([1, 2, 3, 64, 4096, 4097, 2**13 + 1, 2**24, 2**30]))
+    n = draw(st.one_of(st.sampled_from([0, 1, 2]), st.integers(3, 64), st.integers(65, 400),
+                       st.sampled_from([4096, 5000, 9000])))
+    distinct = draw(st.integers(1, 50))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return num_rows, n, distinct, seed
+
+
+@requires_native
+@settings(max_examples=80, deadline=None)
+@given(dedup_inputs())
+def test_dedup_equals_stable_sort(case):
+    num_rows, n, distinct, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, num_rows, (distinct,), generator=gen)
+    pool[0] = num_rows - 1  # the highest id: every radix digit set
+    ids = pool[torch.randint(0, distinct, (n,), generator=gen)]  # many duplicates
+    unique, order, offsets = native.dedup(ids, num_rows)
+    want_unique, want_order, want_offsets = torch_dedup(ids)
+    assert unique.dtype == order.dtype == offsets.dtype == torch.int64
+    assert torch.equal(unique, want_unique)
+    assert torch.equal(order, want_order)  # stable: ties in position order
+    assert torch.equal(offsets, want_offsets)
+
+
+@requires_native
+def test_dedup_all_distinct_and_all_equal():
+    gen = torch.Generator().manual_seed(1)
+    for n, num_rows in [(5000, 2**30), (70, 2**30), (9000, 5000), (64, 64)]:
+        ids = torch.randperm(n, generator=gen) * max(num_rows // n, 1) % num_rows
+        for case in (ids, torch.full((n,), num_rows - 1, dtype=torch.int64)):
+            got, want = native.dedup(case, num_rows), torch_dedup(case)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+
+
+# ------------------------------------------------------------------------------------ lookup
+@requires_native
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([1, 3, 8, 33]), st.integers(0, 30),
+       st.integers(0, 6), st.booleans(), st.integers(0, 2**31 - 1))
+def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen)
+    offsets = random_offsets(gen, rows, max_len)
+    nnz = int(offsets[-1])
+    ids = torch.randint(0, n, (nnz,), generator=gen)
+    scales = torch.randn(nnz, generator=gen) if scaled else None
+    out = torch.full((rows, d), float("nan"))
+    got = native.lookup(table, ids, offsets, scales, out)
+    assert got is out
+    want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
+                           include_last_offset=True)
+    torch.testing.assert_close(got, want, **TOL)
+    empty = offsets[1:] == offsets[:-1]
+    assert torch.equal(got[empty], torch.zeros(int(empty.sum()), d))
+    # offsets None: one id per output row, scale 1, an exact copy
+    unit = torch.full((nnz, d), float("nan"))
+    assert torch.equal(native.lookup(table, ids, None, None, unit), table[ids])
+
+
+@requires_native
+@pytest.mark.parametrize("scaled", [False, True])
+def test_lookup_large_batch_threaded(scaled):
+    """nnz * D above the kernel's serial threshold: the rows split over threads by cost."""
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randn(3000, 32, generator=gen)
+    offsets = random_offsets(gen, 700, 12)
+    nnz = int(offsets[-1])
+    ids = torch.randint(0, 3000, (nnz,), generator=gen)
+    scales = torch.randn(nnz, generator=gen) if scaled else None
+    got = native.lookup(table, ids, offsets, scales, torch.full((700, 32), float("nan")))
+    want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
+                           include_last_offset=True)
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(native.lookup(table, ids, None, None, torch.empty(nnz, 32)), table[ids])
+
+
+# ----------------------------------------------------------------------------- sparse update
+@st.composite
+def optimizers(draw):
+    """(kind, optimizer, lr, step) with random options.
+
+    Hyper-parameters are rounded to 3 decimals: a bound like 1e-78 is 0 in float32 (the kernels'
+    precision) but not in the float64 reference, which is not what these tests are about.
+    """
+    kind = draw(st.sampled_from(sorted(RULES)))
+
+    def num(lo, hi):
+        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+
+    lr = num(0.01, 1.0)
+    step = draw(st.integers(0, 5))
+    kw = {}
+    if draw(st.booleans()):
+        c = num(0.1, 3.0)
+        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
+    clip = draw(st.sampled_from(["none", "scalar", "lo", "hi", "both"]))
+    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
+    if clip == "scalar":
+        kw["clipvalue"] = num(0.05, 2.0)
+    elif clip == "lo":
+        kw["clipvalue"] = (a, None)
+    elif clip == "hi":
+        kw["clipvalue"] = (None, b)
+    elif clip == "both":
+        kw["clipvalue"] = (a, b)
+    if draw(st.booleans()):
+        kw["weight_decay_factor"] = num(0.0, 0.5)
+        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+    wmin, wmax = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
+    if draw(st.booleans()):
+        kw["clip_weight_min"] = wmin
+    if draw(st.booleans()):
+        kw["clip_weight_max"] = wmax
+    if kind == "sgd":
+        opt = ec.SGD(learning_rate=lr, **kw)
+    else:
+        init = draw(st.sampled_from([0.0, 0.0, 0.1, 1.0]))
+        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
+        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
+    return kind, opt, lr, step
+
+
+def make_state(kind, opt, n, d, gen):
+    """A random table and accumulators: the optimizer's initial value, grown on some rows."""
+    table = torch.randn(n, d, generator=gen)
+    if kind == "sgd":
+        return table, None
+    acc = torch.full((n, 1 if kind == "rowwise" else d), float(opt.initial_accumulator_value))
+    grown = torch.rand(n, generator=gen) < 0.5
+    acc[grown] += torch.rand(int(grown.sum()), acc.shape[1], generator=gen)
+    return table, acc
+
+
+def check_update(kind, opt, lr, step, table, acc, rows, row_grads, new_table, new_acc):
+    """``new_*`` equal ``reference_update`` on ``rows``; every other row is bit-identical."""
+    slots = {} if acc is None else {"accumulators": acc[rows]}
+    want_w, want_s = reference_update(opt, table[rows], row_grads, slots, lr=lr, step=step)
+    d = table.shape[1]
+    torch.testing.assert_close(new_table[rows].double(),
+                               torch.tensor(want_w, dtype=torch.float64).reshape(-1, d), **TOL)
+    untouched = torch.ones(table.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(new_table[untouched], table[untouched])
+    if acc is not None:
+        torch.testing.assert_close(new_acc[rows].double(),
+                                   torch.tensor(want_s["accumulators"], dtype=torch.float64)
+                                   .reshape(-1, acc.shape[1]), **TOL)
+        assert torch.equal(new_acc[untouched], acc[untouched])
+
+
+@requires_native
+@settings(max_examples=80, deadline=None)
+@given(optimizers(), st.integers(1, 30), st.sampled_from([1, 2, 5, 16]), st.data())
+def test_sparse_update_direct_equals_reference(opt_case, n, d, data):
+    kind, opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    table, acc = make_state(kind, opt, n, d, gen)
+    u = data.draw(st.integers(0, n))
+    rows = torch.randperm(n, generator=gen)[:u]
+    grads = torch.randn(u, d, generator=gen)
+    grads[torch.rand(u, generator=gen) < 0.3] = 0.0  # zero rows: 0 / 0 with a zero accumulator
+    new_table, new_acc = table.clone(), None if acc is None else acc.clone()
+    native.sparse_update(RULES[kind], new_table, new_acc, rows, _hyper(opt, lr, step), [grads])
+    check_update(kind, opt, lr, step, table, acc, rows, grads, new_table, new_acc)
+
+
+def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled):
+    """Output gradients split in slices, occurrences with ids, bags and scales, and the reference
+    row gradients (float64 sums of scale * grad_out[bag] per unique row)."""
+    rows_out = nnz if unit else sum(slice_rows)
+    if unit:  # occurrence k is output row k: one slice, or the nnz rows split at random points
+        cuts = sorted(torch.randint(0, nnz + 1, (len(slice_rows) - 1,), generator=gen).tolist())
+        slice_rows = [b - a for a, b in zip([0] + cuts, cuts + [nnz])]
+    starts = [0]
+    for r in slice_rows:
+        starts.append(starts[-1] + r)
+    assert starts[-1] == rows_out
+    grad_out = torch.randn(rows_out, d, generator=gen)
+    grad_out[torch.rand(rows_out, generator=gen) < 0.2] = 0.0
+    parts = [grad_out[a:b].clone() for a, b in zip(starts[:-1], starts[1:])]
+    ids = torch.randint(0, n, (nnz,), generator=gen)
+    bags = None if unit else torch.randint(0, max(rows_out, 1), (nnz,), generator=gen)
+    scales = None
+    if scaled:
+        scales = torch.randn(nnz, generator=gen)
+        scales[torch.rand(nnz, generator=gen) < 0.2] = 0.0
+    unique, order, unique_offsets = torch_dedup(ids)
+    bag = torch.arange(nnz) if bags is None else bags
+    scale = torch.ones(nnz, dtype=torch.float64) if scales is None else scales.double()
+    summed = torch.zeros(n, d, dtype=torch.float64)
+    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bag])
+    return dict(parts=parts, starts=starts, unique=unique, order=order,
+                unique_offsets=unique_offsets, bags=bags, scales=scales,
+                row_grads=summed[unique])
+
+
+@requires_native
+@settings(max_examples=80, deadline=None)
+@given(optimizers(), st.integers(1, 25), st.sampled_from([1, 3, 8]), st.integers(0, 60),
+       st.lists(st.integers(0, 6), min_size=1, max_size=4), st.booleans(), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_sparse_update_from_occurrences_equals_reference(opt_case, n, d, nnz, slice_rows, unit,
+                                                         scaled, seed):
+    kind, opt, lr, step = opt_case
+    if not unit and sum(slice_rows) == 0:
+        nnz = 0  # no output rows: no occurrences
+    gen = torch.Generator().manual_seed(seed)
+    table, acc = make_state(kind, opt, n, d, gen)
+    c = occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled)
+    new_table, new_acc = table.clone(), None if acc is None else acc.clone()
+    native.sparse_update(RULES[kind], new_table, new_acc, c["unique"], _hyper(opt, lr, step),
+                         c["parts"], c["starts"], c["unique_offsets"], c["order"], c["bags"],
+                         c["scales"])
+    check_update(kind, opt, lr, step, table, acc, c["unique"], c["row_grads"], new_table, new_acc)
+
+
+@requires_native
+@pytest.mark.parametrize("kind", sorted(RULES))
+@pytest.mark.parametrize("mode", ["direct", "occurrences"])
+def test_sparse_update_large_threaded(kind, mode):
+    """Enough rows for the kernel to split the update over threads by occurrence counts."""
+    kw = dict(learning_rate=0.3, clipvalue=(-0.5, None), weight_decay_factor=0.05,
+              multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=1.5,
+              gradient_multiplier=lambda s: 0.5 + s)
+    opt = {"sgd": ec.SGD, "adagrad": ec.Adagrad, "rowwise": ec.RowwiseAdagrad}[kind](**kw)
+    gen = torch.Generator().manual_seed(11)
+    n, d = 2500, 8
+    table, acc = make_state(kind, opt, n, d, gen)
+    new_table, new_acc = table.clone(), None if acc is None else acc.clone()
+    hyper = _hyper(opt, 0.3, 2)
+    if mode == "direct":
+        rows = torch.randperm(n, generator=gen)[:1500]
+        grads = torch.randn(1500, d, generator=gen)
+        native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, [grads])
+    else:
+        c = occurrence_case(gen, n, d, 4000, [900, 0, 1100, 500], unit=False, scaled=True)
+        rows, grads = c["unique"], c["row_grads"]
+        assert rows.numel() > 1000
+        native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, c["parts"],
+                             c["starts"], c["unique_offsets"], c["order"], c["bags"], c["scales"])
+    check_update(kind, opt, 0.3, 2, table, acc, rows, grads, new_table, new_acc)
+
+
+@requires_native
+def test_results_do_not_depend_on_the_thread_count():
+    """Each row's occurrences are summed in one fixed order: 1 or 2 threads give the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    opt = ec.Adagrad(learning_rate=0.2)
+    table, acc = make_state("adagrad", opt, 2500, 8, gen)
+    c = occurrence_case(gen, 2500, 8, 5000, [3000, 2000], unit=False, scaled=True)
+    offsets = random_offsets(gen, 800, 10)
+    ids = torch.randint(0, 2500, (int(offsets[-1]),), generator=gen)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            t, a = table.clone(), acc.clone()
+            native.sparse_update(native.ADAGRAD, t, a, c["unique"], _hyper(opt, 0.2, 0),
+                                 c["parts"], c["starts"], c["unique_offsets"], c["order"],
+                                 c["bags"], c["scales"])
+            out = native.lookup(table, ids, offsets, None, torch.empty(800, 8))
+            results.append((t, a, out, native.dedup(ids, 2500)))
+    finally:
+        torch.set_num_threads(threads)
+    (t1, a1, o1, d1), (t2, a2, o2, d2) = results
+    assert torch.equal(t1, t2) and torch.equal(a1, a2) and torch.equal(o1, o2)
+    assert all(torch.equal(x, y) for x, y in zip(d1, d2))
+    assert not torch.equal(t1, table)
+
+
+# ----------------------------------------------------------------------- minmax, combiner scales
+@requires_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=200))
+def test_minmax_equals_torch(values):
+    ids = torch.tensor(values, dtype=torch.int64)
+    assert native.minmax(ids) == (min(values), max(values))
+    big = ids.repeat(50)  # longer than any vector width
+    assert native.minmax(big) == (min(values), max(values))
+
+
+@st.composite
+def bag_weights(draw):
+    """Bag lengths (some empty) and per-bag weights: none, random, or summing to exactly zero."""
+    lengths = draw(st.lists(st.integers(0, 6), min_size=0, max_size=12))
+    w = st.floats(-3, 3, allow_nan=False, width=32)
+    weights = []
+    for length in lengths:
+        kind = draw(st.sampled_from(["random", "random", "cancel", "zeros"]))
+        if kind == "random":
+            weights.append([draw(w) for _ in range(length)])
+        elif kind == "zeros":
+            weights.append([0.0] * length)
+        else:  # pairs a, -a: every partial sum in order is exactly 0 (then the odd one out)
+            bag = []
+            for _ in range(length // 2):
+                a = draw(w)
+                bag += [a, -a]
+            weights.append(bag + [0.0] * (length % 2))
+    return lengths, weights
+
+
+@requires_native
+@settings(max_examples=80, deadline=None)
+@given(bag_weights(), st.sampled_from(["sum", "mean", "sqrtn"]), st.booleans())
+def test_combiner_scales_equal_torch_path(case, combiner, weighted):
+    lengths, weight_lists = case
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    nnz = int(offsets[-1])
+    weights = (torch.tensor([x for b in weight_lists for x in b], dtype=torch.float32)
+               if weighted else None)
+    got = native.combiner_scales(offsets, weights, combiner, nnz)
+    with kernels(False):
+        want = inputs.combiner_scales(offsets, weights, combiner, nnz)
+    assert got.dtype == torch.float32 and got.shape == (nnz,)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if weighted and combiner != "sum":  # a zero denominator gives zero scales, not NaN
+        for r, b in enumerate(weight_lists):
+            denom = sum(b) if combiner == "mean" else sum(x * x for x in b)
+            if b and denom == 0:
+                assert torch.equal(got[offsets[r]:offsets[r + 1]], torch.zeros(len(b)))
+
+
+@requires_native
+def test_bag_of_equals_repeat_interleave():
+    gen = torch.Generator().manual_seed(2)
+    for rows in (0, 1, 9, 300):
+        offsets = random_offsets(gen, rows, 4)
+        nnz = int(offsets[-1])
+        want = torch.repeat_interleave(torch.arange(rows), offsets.diff(), output_size=nnz)
+        assert torch.equal(native.bag_of(offsets, nnz), want)
+
+
+# -------------------------------------------------------------------------------- the engine
+def workload(seed: int):
+    """Tables (two stacked of dim 4, one of dim 3), features sharing tables, and 3 batches."""
+    a = ec.TableConfig(vocabulary_size=20, dim=4, combiner="mean", name="a")
+    b = ec.TableConfig(vocabulary_size=15, dim=4, combiner="sqrtn", name="b")
+    c = ec.TableConfig(vocabulary_size=9, dim=3, combiner="sum", name="c")
+    fc = {"a_dense": ec.FeatureConfig(table=a), "a_bags": ec.FeatureConfig(table=a),
+          "b_bags": ec.FeatureConfig(table=b), "b_grid": ec.FeatureConfig(table=b),
+          "c_bags": ec.FeatureConfig(table=c), "c_seq": ec.FeatureConfig(table=c,
+                                                                          max_sequence_length=3)}
+    gen = torch.Generator().manual_seed(seed)
+
+    def bags(vocab, weighted):
+        lengths = torch.randint(0, 5, (4,), generator=gen).tolist()  # some bags empty
+        rows = [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
+        w = None
+        if weighted:
+            w = jagged([(torch.rand(k, generator=gen) * 2 - 0.5).tolist() for k in lengths],
+                       torch.float32)
+        return jagged(rows, torch.int64), w
+
+    batches = []
+    for _ in range(3):
+        a_bags, a_w = bags(20, True)
+        b_bags, b_w = bags(15, True)
+        c_bags, _ = bags(9, False)
+        ids = {"a_dense": torch.randint(0, 20, (4,), generator=gen), "a_bags": a_bags,
+               "b_bags": b_bags, "b_grid": torch.randint(0, 15, (4, 2, 1), generator=gen),
+               "c_bags": c_bags, "c_seq": torch.randint(0, 9, (4, 5), generator=gen)}
+        weights = {"a_dense": None, "a_bags": a_w, "b_bags": b_w, "b_grid": None,
+                   "c_bags": None, "c_seq": None}
+        batches.append((ids, weights))
+    return fc, batches
+
+
+def train(fc, batches, optimizer, seed):
+    torch.manual_seed(seed)
+    emb = ec.Embedding(fc, optimizer)
+    gen = torch.Generator().manual_seed(seed + 1)
+    acts_seen = []
+    for ids, weights in batches:
+        emb.enqueue(ids, weights, training=True)
+        acts = emb.dequeue()
+        # gradients depend on the activations (a real loss) plus noise
+        grads = {k: a.detach() * 0.5 + torch.randn(a.shape, generator=gen)
+                 for k, a in acts.items()}
+        emb.apply_gradients(grads)
+        acts_seen.append({k: a.detach().clone() for k, a in acts.items()})
+    return emb, acts_seen
+
+
+ENGINE_OPTIMIZERS = {
+    "adagrad": lambda: ec.Adagrad(learning_rate=0.2),
+    "rowwise": lambda: ec.RowwiseAdagrad(learning_rate=0.3, initial_accumulator_value=0.0),
+    "sgd": lambda: ec.SGD(learning_rate=0.4, clipvalue=0.6, weight_decay_factor=0.05,
+                          clip_weight_min=-0.8),
+}
+
+
+@requires_native
+@pytest.mark.parametrize("opt_name", sorted(ENGINE_OPTIMIZERS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_native_equals_torch_ops(opt_name, seed):
+    fc, batches = workload(seed)
+    with kernels(True), spy_native() as calls:
+        emb_on, acts_on = train(fc, batches, ENGINE_OPTIMIZERS[opt_name](), seed)
+    # the kernels really ran: dedup, lookup, the fused backward + update, combiner scales
+    for name in ("dedup", "lookup", "sparse_update", "combiner_scales", "minmax"):
+        assert calls[name] > 0, name
+    with kernels(False), spy_native(forbid=True):
+        emb_off, acts_off = train(fc, batches, ENGINE_OPTIMIZERS[opt_name](), seed)
+    assert len(emb_on.plan.physical) == 2  # a and b stacked, c alone
+    for step, (on, off) in enumerate(zip(acts_on, acts_off)):
+        for k in on:
+            torch.testing.assert_close(on[k], off[k], **TOL, msg=f"step {step} {k}")
+    s_on, s_off = emb_on.state_dict(), emb_off.state_dict()
+    assert sorted(s_on) == sorted(s_off)
+    assert int(s_on["step"]) == 3
+    for k in s_on:
+        torch.testing.assert_close(s_on[k], s_off[k], **TOL, msg=k)
+    # and training moved the tables at all
+    torch.manual_seed(seed)
+    fresh = ec.Embedding(fc, ENGINE_OPTIMIZERS[opt_name]()).state_dict()
+    for name in ("a", "b", "c"):
+        assert not torch.equal(s_on[f"{name}/parameters"], fresh[f"{name}/parameters"]), name
+
+
+# ---------------------------------------------------------------------------- OpenMP runtime
+@requires_native
+def test_one_openmp_runtime_in_the_process():
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps on this system")
+    assert native.available()
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(paths) == 1, f"several OpenMP runtimes mapped: {sorted(paths)}"
