@@ -150,9 +150,9 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
                                   output_size=nnz)  # (nnz,)
     per_bag = torch.zeros(lengths.numel(), dtype=torch.float32, device=offsets.device)  # (R,)
     per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
-    denom = per_bag if combiner == "mean" else per_bag.sqrt()
-    inv = torch.where(denom != 0, 1.0 / denom, torch.zeros_like(denom))  # (R,)
-    return w * inv[seg]
+    denom = (per_bag if combiner == "mean" else per_bag.sqrt())[seg]  # (nnz,)
+    # w / denom, not w * (1 / denom): the inverse of a tiny denominator overflows
+    return torch.where(denom != 0, w / torch.where(denom != 0, denom, 1.0), 0.0)
 
 
 def resolve_shape(feature: FeatureConfig, name: str, natural: tuple[int, ...],

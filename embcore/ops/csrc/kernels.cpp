@@ -281,11 +281,15 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
         for (i64 c = 0; c < d; ++c) {
           const float an = a[c] + g[c] * g[c];
           a[c] = an;
-          wr[c] -= an > 0.f ? lr * (g[c] / std::sqrt(an)) : 0.f;
+          // an == 0 implies g == 0 (a >= 0): dividing by sqrt(0 + 1) then gives the rule's zero
+          // step; arithmetic, not a branch, keeps the loop vectorized
+          const float empty = float(an <= 0.f);
+          wr[c] -= lr * (g[c] / std::sqrt(an + empty));
         }
       } else {  // kRowwiseAdagrad
         float* a = acc + rows[u];
         float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
         for (i64 c = 0; c < d; ++c) sq += g[c] * g[c];
         const float an = a[0] + sq / float(d);
         a[0] = an;
@@ -332,8 +336,10 @@ void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, in
       }
       denom = combiner == 1 ? acc : std::sqrt(acc);
     }
-    const float inv = combiner == 0 ? 1.f : (denom != 0.f ? 1.f / denom : 0.f);
-    for (i64 k = k0; k < k1; ++k) out[k] = (weights ? weights[k] : 1.f) * inv;
+    for (i64 k = k0; k < k1; ++k) {  // w / denom, not w * (1 / denom): 1 / tiny overflows
+      const float w = weights ? weights[k] : 1.f;
+      out[k] = combiner == 0 ? w : (denom != 0.f ? w / denom : 0.f);
+    }
   }
 }
 
