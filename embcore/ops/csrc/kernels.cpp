@@ -64,7 +64,6 @@ inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::
 // kernel as fresh pages every step would cost page faults (DESIGN 6).
 struct Scratch {
   std::vector<uint64_t> keys[2];
-  std::vector<i64> vals[2];
   std::vector<i64> hist;
 };
 thread_local Scratch scratch;
@@ -79,77 +78,92 @@ int ec_abi_version() { return 1; }
 //   ids (n,) in [0, 2^bits); order (n,) out: positions sorted by id, ties in position order;
 //   unique (<= n,) out: the distinct ids ascending; uoff (<= n + 1,) out: unique[u]'s
 //   occurrences are order[uoff[u]:uoff[u+1]]. Returns U.
-// An LSD radix sort over digits of at most 12 bits; each pass is split over threads, thread t
-// owning a contiguous part of the input, so equal digits keep their order (stable).
+// Each id and its position are packed into one 64-bit word (id above the position bits) and
+// sorted by an LSD radix sort over the id's digits (at most 8 bits each). Each pass is split
+// over threads, thread t owning a contiguous part of the input and its items of a digit placed
+// after those of threads < t, so equal ids keep their order (stable).
 i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff, int nt) {
   if (n == 0) { uoff[0] = 0; return 0; }
-  if (n <= 64) {  // insertion sort of positions by id (stable)
-    for (i64 i = 0; i < n; ++i) {
-      i64 j = i;
-      while (j > 0 && ids[order[j - 1]] > ids[i]) {
-        order[j] = order[j - 1];
-        --j;
+  bits = std::max(bits, 1);
+  int pbits = 1;
+  while ((i64(1) << pbits) < n) ++pbits;
+  Scratch& s = scratch;
+  for (int b = 0; b < 2; ++b)
+    if (i64(s.keys[b].size()) < n) s.keys[b].resize(n);
+  uint64_t* key_in = s.keys[0].data();
+  if (n <= 64 || bits + pbits > 64) {  // insertion sort / std::stable_sort of positions by id
+    for (i64 i = 0; i < n; ++i) order[i] = i;
+    if (n <= 64) {
+      for (i64 i = 1; i < n; ++i) {
+        const i64 v = order[i];
+        i64 j = i;
+        for (; j > 0 && ids[order[j - 1]] > ids[v]; --j) order[j] = order[j - 1];
+        order[j] = v;
       }
-      order[j] = i;
+    } else {
+      std::stable_sort(order, order + n, [ids](i64 a, i64 b) { return ids[a] < ids[b]; });
     }
+    for (i64 j = 0; j < n; ++j) key_in[j] = uint64_t(ids[order[j]]) << pbits | uint64_t(order[j]);
   } else {
-    bits = std::max(bits, 1);
-    const int passes = (bits + 11) / 12;
+    const int passes = (bits + 7) / 8;  // 256 buckets: few enough write streams
     const int width = (bits + passes - 1) / passes;
     const i64 buckets = i64(1) << width;
     const uint64_t mask = uint64_t(buckets - 1);
-    Scratch& s = scratch;
-    for (int b = 0; b < 2; ++b) {
-      if (i64(s.keys[b].size()) < n) { s.keys[b].resize(n); s.vals[b].resize(n); }
-    }
     nt = threads_for(n * 4, nt);
     s.hist.assign(size_t(nt) * buckets, 0);
-    uint64_t* key_in = s.keys[0].data();
-    i64* val_in = s.vals[0].data();
     uint64_t* key_out = s.keys[1].data();
-    i64* val_out = s.vals[1].data();
-    for (i64 i = 0; i < n; ++i) { key_in[i] = uint64_t(ids[i]); val_in[i] = i; }
     i64* hist = s.hist.data();
     for (int p = 0; p < passes; ++p) {
-      const int shift = p * width;
+      const int shift = pbits + p * width;
 #pragma omp parallel num_threads(nt)
       {
         const int t = omp_get_thread_num(), m = omp_get_num_threads();
         const i64 lo = split_point(nullptr, n, 0, t, m), hi = split_point(nullptr, n, 0, t + 1, m);
         i64* h = hist + i64(t) * buckets;
         std::fill(h, h + buckets, 0);
-        for (i64 i = lo; i < hi; ++i) h[(key_in[i] >> shift) & mask]++;
+        if (p == 0) {
+          for (i64 i = lo; i < hi; ++i) {
+            const uint64_t k = uint64_t(ids[i]) << pbits | uint64_t(i);
+            key_out[i] = k;  // packed here, sorted from key_out below
+            h[(k >> shift) & mask]++;
+          }
+        } else {
+          for (i64 i = lo; i < hi; ++i) h[(key_in[i] >> shift) & mask]++;
+        }
 #pragma omp barrier
 #pragma omp single
-        {  // exclusive prefix over (bucket, thread): thread t's items of a bucket follow t-1's
+        {  // exclusive prefix over (digit, thread)
           i64 run = 0;
           for (i64 b = 0; b < buckets; ++b)
             for (int q = 0; q < m; ++q) {
-              i64 c = hist[i64(q) * buckets + b];
+              const i64 c = hist[i64(q) * buckets + b];
               hist[i64(q) * buckets + b] = run;
               run += c;
             }
         }
+        const uint64_t* src = p == 0 ? key_out : key_in;
+        uint64_t* dst = p == 0 ? key_in : key_out;
         for (i64 i = lo; i < hi; ++i) {
-          i64 dst = h[(key_in[i] >> shift) & mask]++;
-          key_out[dst] = key_in[i];
-          val_out[dst] = val_in[i];
+          const uint64_t k = src[i];
+          dst[h[(k >> shift) & mask]++] = k;
         }
       }
-      std::swap(key_in, key_out);
-      std::swap(val_in, val_out);
+      if (p > 0) std::swap(key_in, key_out);  // pass 0 sorted key_out into key_in
     }
-    std::memcpy(order, val_in, sizeof(i64) * n);
   }
+  // Run-length encoding over the sorted words: positions, distinct ids, run starts.
+  const uint64_t pmask = (uint64_t(1) << pbits) - 1;
   i64 u = 0;
+  uint64_t prev = key_in[0] >> pbits;
+  unique[0] = i64(prev);
   uoff[0] = 0;
-  i64 prev = ids[order[0]];
-  unique[0] = prev;
-  for (i64 j = 1; j < n; ++j) {
-    i64 id = ids[order[j]];
+  for (i64 j = 0; j < n; ++j) {
+    const uint64_t k = key_in[j];
+    order[j] = i64(k & pmask);
+    const uint64_t id = k >> pbits;
     if (id != prev) {
       uoff[++u] = j;
-      unique[u] = id;
+      unique[u] = i64(id);
       prev = id;
     }
   }
