@@ -265,7 +265,12 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
       if (uoff) {
         for (i64 c = 0; c < d; ++c) g[c] = 0.f;
         for (i64 j = uoff[u]; j < uoff[u + 1]; ++j) {
-          if (j + kPrefetchOccurrences < j_end) {  // the source row of a later occurrence
+          if (j + 2 * kPrefetchOccurrences < j_end) {  // bag and scale of a later occurrence
+            const i64 kb = order[j + 2 * kPrefetchOccurrences];
+            if (bags) __builtin_prefetch(bags + kb, 0, 1);
+            if (scales) __builtin_prefetch(scales + kb, 0, 1);
+          }
+          if (j + kPrefetchOccurrences < j_end) {  // the source row of a nearer one
             const i64 ka = order[j + kPrefetchOccurrences];
             prefetch_read(grad_row(bags ? bags[ka] : ka), d);
           }
