@@ -122,12 +122,12 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
         feats = members[p]
         parts = [batches[f] for f in feats]
         unit = all(b is not None and b.unit for b in parts)
-        ids, offsets, scales, slices = [], [], [], []
+        ids, adds, offsets, scales, slices = [], [], [], [], []
         nnz = rows = 0
         for f, b in zip(feats, parts):
             assert b is not None
-            offset = plan.table(feature_tables[f]).row_offset
-            ids.append(b.ids + offset if offset else b.ids)  # (nnz_f,)
+            ids.append(b.ids)  # (nnz_f,)
+            adds.append(plan.table(feature_tables[f]).row_offset)
             if not unit:
                 b_offsets, b_scales = _bags(b)
                 offsets.append(b_offsets[:-1] + nnz if nnz else b_offsets[:-1])  # (R_f,)
@@ -135,8 +135,13 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
             slices.append(FeatureSlice(f, rows, b.num_rows, shapes[f]))
             nnz += b.ids.numel()
             rows += b.num_rows
-        all_ids = torch.cat(ids) if len(ids) > 1 else ids[0]  # (nnz,)
-        unique, order, unique_offsets = dedup(all_ids, plan.physical[p].rows)
+        if native.usable(*ids):  # shift, concatenate and deduplicate in one kernel call
+            all_ids, unique, order, unique_offsets = native.concat_dedup(
+                [t.contiguous() for t in ids], adds, plan.physical[p].rows)
+        else:
+            shifted = [t + a if a else t for t, a in zip(ids, adds)]
+            all_ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
+            unique, order, unique_offsets = dedup(all_ids, plan.physical[p].rows)
         if unit:
             out.append(TableBatch(p, all_ids, None, None, unique, order, unique_offsets, True,
                                   tuple(slices)))

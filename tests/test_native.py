@@ -34,7 +34,7 @@ requires_native = pytest.mark.skipif(
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
 RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}
-NATIVE_FUNCS = ("dedup", "lookup", "sparse_update", "minmax", "combiner_scales", "bag_of")
+NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales", "bag_of")
 
 
 @contextlib.contextmanager
@@ -462,6 +462,22 @@ def test_combiner_scales_equal_torch_path(case, combiner, weighted):
 
 
 @requires_native
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
+def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 50
+    parts = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+    adds = [vocab * i for i in range(len(parts))]  # stacked tables, one block of rows each
+    ids, unique, order, uoff = native.concat_dedup(parts, adds, vocab * len(parts))
+    want_ids = torch.cat([p + a for p, a in zip(parts, adds)])
+    assert torch.equal(ids, want_ids)
+    w_unique, w_order, w_uoff = torch_dedup(want_ids)
+    assert torch.equal(unique, w_unique) and torch.equal(order, w_order)
+    assert torch.equal(uoff, w_uoff)
+
+
+@requires_native
 def test_bag_of_equals_repeat_interleave():
     gen = torch.Generator().manual_seed(2)
     for rows in (0, 1, 9, 300):
@@ -538,7 +554,7 @@ def test_engine_native_equals_torch_ops(opt_name, seed):
     with kernels(True), spy_native() as calls:
         emb_on, acts_on = train(fc, batches, ENGINE_OPTIMIZERS[opt_name](), seed)
     # the kernels really ran: dedup, lookup, the fused backward + update, combiner scales
-    for name in ("dedup", "lookup", "sparse_update", "combiner_scales", "minmax"):
+    for name in ("concat_dedup", "lookup", "sparse_update", "combiner_scales", "minmax"):
         assert calls[name] > 0, name
     with kernels(False), spy_native(forbid=True):
         emb_off, acts_off = train(fc, batches, ENGINE_OPTIMIZERS[opt_name](), seed)

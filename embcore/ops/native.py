@@ -47,6 +47,7 @@ _I = ctypes.c_int64
 _SIGNATURES = {
     "ec_abi_version": (ctypes.c_int, []),
     "ec_dedup": (_I, [_P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int]),
+    "ec_concat_dedup": (_I, [_P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
     "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
                                 ctypes.c_int]),
@@ -195,13 +196,39 @@ def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
     lib = _load()
     assert lib is not None
     n = ids.numel()
-    order = torch.empty(n, dtype=torch.int64)
-    unique = torch.empty(n, dtype=torch.int64)
-    uoff = torch.empty(n + 1, dtype=torch.int64)
+    buf = torch.empty(3 * n + 1, dtype=torch.int64)  # one allocation for the three outputs
+    order, unique, uoff = buf[:n], buf[n:2 * n], buf[2 * n:]
     bits = max(int(num_rows) - 1, 1).bit_length()
     u = lib.ec_dedup(ids.data_ptr(), n, bits, order.data_ptr(), unique.data_ptr(),
                      uoff.data_ptr(), _threads())
     return unique[:u], order, uoff[:u + 1]
+
+
+def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenates ``parts[i] + adds[i]`` and deduplicates the result, in one call.
+
+    Args:
+        parts: contiguous int64 CPU id tensors (one per feature).
+        adds: the row offset added to each part.
+        num_rows: an upper bound of the shifted ids.
+
+    Returns:
+        ``(ids (nnz,), unique (U,), order (nnz,), unique_offsets (U + 1,))``, views of one buffer.
+    """
+    lib = _load()
+    assert lib is not None
+    k = len(parts)
+    lens = [t.numel() for t in parts]
+    n = sum(lens)
+    buf = torch.empty(4 * n + 1, dtype=torch.int64)
+    ids, order, unique, uoff = buf[:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:]
+    bits = max(int(num_rows) - 1, 1).bit_length()
+    u = lib.ec_concat_dedup(_array(ctypes.c_void_p, k)(*[t.data_ptr() for t in parts]),
+                            _array(ctypes.c_int64, k)(*lens), _array(ctypes.c_int64, k)(*adds),
+                            k, bits, ids.data_ptr(), order.data_ptr(), unique.data_ptr(),
+                            uoff.data_ptr(), _threads())
+    return ids, unique[:u], order, uoff[:u + 1]
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,

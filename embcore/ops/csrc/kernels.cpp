@@ -171,6 +171,22 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
   return u;
 }
 
+// The ids of several features reading one physical table, each shifted by its table's first
+// row, concatenated into ids_out (sum of lens,), then deduplicated as ec_dedup. Returns U.
+i64 ec_concat_dedup(const i64* const* parts, const i64* lens, const i64* adds, i64 nparts,
+                    int bits, i64* ids_out, i64* order, i64* unique, i64* uoff, int nt) {
+  i64 n = 0;
+  for (i64 p = 0; p < nparts; ++p) {
+    const i64* src = parts[p];
+    const i64 add = adds[p], len = lens[p];
+    i64* dst = ids_out + n;
+#pragma omp simd
+    for (i64 i = 0; i < len; ++i) dst[i] = src[i] + add;
+    n += len;
+  }
+  return ec_dedup(ids_out, n, bits, order, unique, uoff, nt);
+}
+
 // Weighted bag sums: out[r] = sum_{k in [offsets[r], offsets[r+1])} scales[k] * table[ids[k]].
 //   table (N, D) row-major; ids (nnz,); offsets (R + 1,) or nullptr (bag r is id r alone,
 //   scale 1); scales (nnz,) or nullptr (all 1); out (R, D).
