@@ -49,54 +49,79 @@ except ImportError as e:  # reported as a "not installed" row
 UPDATE = os.environ.get("EMB_JAX_UPDATE", "sparse")
 
 
-def _bag_grads(g: jax.Array, seg: jax.Array | None, scale: jax.Array | None) -> jax.Array:
-    """The gradient of each id position: its bag's upstream gradient (times 1/len for mean)."""
-    if seg is None:  # bags of one id: position i is bag i
+def _combine(rows: jax.Array, seg: jax.Array | None, scale: jax.Array | None,
+             batch: int) -> jax.Array:
+    """The activations from the looked-up row of each id position: (B*L, D) -> (B, D)."""
+    if seg is None:  # bags of one id: position i is example i
+        return rows
+    if scale is not None:
+        rows = rows * scale[:, None]
+    return jax.ops.segment_sum(rows, seg, num_segments=batch, indices_are_sorted=True)
+
+
+def _position_grads(g: jax.Array, seg: jax.Array | None, scale: jax.Array | None) -> jax.Array:
+    """d loss / d row of each id position: its bag's upstream gradient (/ bag length for mean)."""
+    if seg is None:
         return g  # (B, D)
     gi = g[seg]  # (B*L, D)
     return gi if scale is None else gi * scale[:, None]
 
 
-def _lookup(w: jax.Array, ids: jax.Array, seg: jax.Array | None, scale: jax.Array | None,
-            batch: int) -> jax.Array:
-    rows = w.at[ids].get(mode="promise_in_bounds")  # (B*L, D)
-    if seg is None:
-        return rows  # (B, D)
-    if scale is not None:
-        rows = rows * scale[:, None]
-    return jax.ops.segment_sum(rows, seg, num_segments=batch, indices_are_sorted=True)  # (B, D)
-
-
-def _update_dense(w, a, ids, gi, rowwise):
-    n = w.shape[0]
-    g = jnp.zeros_like(w).at[ids].add(gi, mode="promise_in_bounds")  # (N, D), 0 on untouched rows
+def _rule(w, a, g, rowwise):
+    """Adagrad / row-wise Adagrad on rows ``w`` (R, D) with summed gradients ``g`` (R, D)."""
     if rowwise:
-        a = a + jnp.mean(g * g, axis=1)  # (N,)
+        a = a + jnp.mean(g * g, axis=1)  # (R,)
         return w - common.LR * g / jnp.sqrt(a)[:, None], a
-    del n
-    a = a + g * g  # (N, D)
+    a = a + g * g  # (R, D)
     return w - common.LR * g / jnp.sqrt(a), a
 
 
-def _update_sparse(w, a, ids, gi, rowwise):
+_IN = dict(mode="promise_in_bounds")
+
+
+def _step_sparse(w, a, last, ids, seg, scale, g, batch, rowwise):
+    """Sum the gradients of equal ids into one slot per unique id, update those rows, scatter
+    them back. No sort (XLA:CPU's sort is slow) and no (N, D) buffer: ``last`` (N,) int32 keeps,
+    for each id of this batch, one position holding it (a scatter with duplicates keeps one of
+    them; entries of ids not in the batch are stale and never read), so equal ids share a slot.
+    The lookup reads the gathered unique rows: the table's only reader then feeds its scatter,
+    and XLA updates the donated table in place (a separate ``w[ids]`` makes it copy the table)."""
     n, nnz = w.shape[0], ids.shape[0]
     pos = jnp.arange(nnz, dtype=ids.dtype)
-    sid, perm = jax.lax.sort((ids, pos), num_keys=1)  # (nnz,) sorted ids and where they came from
-    new = jnp.concatenate([jnp.ones((1,), bool), sid[1:] != sid[:-1]])  # first of each run
-    useg = jnp.cumsum(new) - 1  # (nnz,) unique slot of each sorted position
-    g = jax.ops.segment_sum(gi[perm], useg, num_segments=nnz, indices_are_sorted=True)  # (U*, D)
-    # the row of each slot; unused slots get distinct out-of-range rows n, n+1, ... (dropped)
-    rows = (n + pos).at[useg].set(sid, indices_are_sorted=True)  # (U*,) sorted, unique
-    kw = dict(indices_are_sorted=True, unique_indices=True)
-    wu = w.at[rows].get(mode="fill", fill_value=0.0, **kw)  # (U*, D)
-    au = a.at[rows].get(mode="fill", fill_value=1.0, **kw)  # (U*, D) or (U*,)
-    if rowwise:
-        au = au + jnp.mean(g * g, axis=1)
-        wu = wu - common.LR * g / jnp.sqrt(au)[:, None]
-    else:
-        au = au + g * g
-        wu = wu - common.LR * g / jnp.sqrt(au)
-    return (w.at[rows].set(wu, mode="drop", **kw), a.at[rows].set(au, mode="drop", **kw))
+    last = last.at[ids].set(pos, **_IN)  # (N,)
+    rep = last.at[ids].get(**_IN)  # (nnz,) the slot of each position: a position with its id
+    gi = _position_grads(g, seg, scale)  # (nnz, D)
+    gu = jax.ops.segment_sum(gi, rep, num_segments=nnz)  # (nnz, D) summed per slot; 0 elsewhere
+    # the row of each slot; unused slots get distinct out-of-range rows n + slot (dropped)
+    rows = (n + pos).at[rep].set(ids, **_IN)  # (nnz,) unique
+    kw = dict(unique_indices=True)
+    wu = w.at[rows].get(mode="fill", fill_value=0.0, **kw)  # (nnz, D)
+    au = a.at[rows].get(mode="fill", fill_value=1.0, **kw)  # (nnz, D) or (nnz,)
+    out = _combine(wu.at[rep].get(**_IN), seg, scale, batch)  # (B, D)
+    wu, au = _rule(wu, au, gu, rowwise)
+    return (out, w.at[rows].set(wu, mode="drop", **kw), a.at[rows].set(au, mode="drop", **kw),
+            last)
+
+
+def _step_hybrid(w, a, last, ids, seg, scale, g, batch, rowwise):
+    """Sum the gradients into a zero (N, D) buffer, read back each position's summed gradient,
+    update the rows of every position and scatter them (a duplicate id writes equal values)."""
+    gi = _position_grads(g, seg, scale)  # (nnz, D)
+    gsum = jnp.zeros_like(w).at[ids].add(gi, **_IN).at[ids].get(**_IN)  # (nnz, D) summed
+    wi = w.at[ids].get(**_IN)  # (nnz, D)
+    ai = a.at[ids].get(**_IN)
+    out = _combine(wi, seg, scale, batch)
+    wi, ai = _rule(wi, ai, gsum, rowwise)
+    return out, w.at[ids].set(wi, **_IN), a.at[ids].set(ai, **_IN), last
+
+
+def _step_dense(w, a, last, ids, seg, scale, g, batch, rowwise):
+    """Sum the gradients into a zero (N, D) buffer and apply the rule to the whole table: an
+    untouched row has g == 0, so ``a += 0; w -= 0`` leaves it bit-identical."""
+    out = _combine(w.at[ids].get(**_IN), seg, scale, batch)
+    gd = jnp.zeros_like(w).at[ids].add(_position_grads(g, seg, scale), **_IN)  # (N, D)
+    w, a = _rule(w, a, gd, rowwise)
+    return out, w, a, last
 
 
 class JaxSystem:
@@ -111,20 +136,21 @@ class JaxSystem:
         shape = (w.rows,) if rowwise else (w.rows, w.dim)
         self.accs = tuple(jnp.full(shape, common.ACC0, jnp.float32) for _ in range(w.tables))
         self.grads = tuple(jnp.asarray(g.numpy(), dtype=jnp.float32) for g in grads)  # T x (B, D)
-        update = _update_sparse if UPDATE == "sparse" else _update_dense
+        self.lasts = tuple(jnp.zeros((w.rows,), jnp.int32) for _ in range(w.tables))  # workspace
+        update = {"sparse": _step_sparse, "hybrid": _step_hybrid, "dense": _step_dense}[UPDATE]
         batch = w.batch
 
-        def step(ws, accs, ids, seg, scale, grads):
-            outs, new_ws, new_accs = [], [], []
-            for wt, at, it, gt in zip(ws, accs, ids, grads):
-                outs.append(_lookup(wt, it, seg, scale, batch))  # (B, D) activations
-                gi = _bag_grads(gt, seg, scale)  # (B*L, D) d loss / d row, per id position
-                wt, at = update(wt, at, it, gi, rowwise)
+        def step(ws, accs, lasts, ids, seg, scale, grads):
+            outs, new_ws, new_accs, new_lasts = [], [], [], []
+            for wt, at, lt, it, gt in zip(ws, accs, lasts, ids, grads):
+                out, wt, at, lt = update(wt, at, lt, it, seg, scale, gt, batch, rowwise)
+                outs.append(out)  # (B, D) activations
                 new_ws.append(wt)
                 new_accs.append(at)
-            return tuple(new_ws), tuple(new_accs), tuple(outs)
+                new_lasts.append(lt)
+            return tuple(new_ws), tuple(new_accs), tuple(new_lasts), tuple(outs)
 
-        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._step = jax.jit(step, donate_argnums=(0, 1, 2))
         self.out = None
 
     def prepare(self, batch: Batch) -> tuple:
@@ -141,9 +167,9 @@ class JaxSystem:
 
     def step(self, native: tuple) -> None:
         ids, seg, scale = native
-        self.ws, self.accs, self.out = self._step(self.ws, self.accs, ids, seg, scale,
-                                                  self.grads)
-        jax.block_until_ready((self.ws, self.accs, self.out))
+        self.ws, self.accs, self.lasts, self.out = self._step(
+            self.ws, self.accs, self.lasts, ids, seg, scale, self.grads)
+        jax.block_until_ready((self.ws, self.accs, self.lasts, self.out))
 
     def tables(self) -> list[torch.Tensor]:
         # copies: a view of a buffer that the next step donates would change under the caller
