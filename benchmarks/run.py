@@ -4,8 +4,9 @@ per system, and writes benchmarks/RESULTS.md.
     .venv/bin/python benchmarks/run.py --quick          # a few minutes
     .venv/bin/python benchmarks/run.py                  # full sizes (W2: 8 GiB per system)
 
-embcore and plain PyTorch run with this interpreter; FBGEMM and TorchRec with ``--peers-python``
-(default .venv-peers/bin/python); a peer that cannot be imported shows as "not installed".
+embcore and plain PyTorch run with this interpreter; FBGEMM, TorchRec and JAX with
+``--peers-python`` (default .venv-peers/bin/python); a peer that cannot be imported shows as
+"not installed".
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ SYSTEMS = [
     ("plain PyTorch", "sys_plain.py", "adagrad", "main"),
     ("FBGEMM TBE", "sys_fbgemm.py", "adagrad", "peers"),
     ("TorchRec", "sys_torchrec.py", "adagrad", "peers"),
+    ("JAX", "sys_jax.py", "adagrad", "peers"),
     ("embcore", "sys_embcore.py", "rowwise", "main"),
     ("FBGEMM TBE", "sys_fbgemm.py", "rowwise", "peers"),
     ("TorchRec", "sys_torchrec.py", "rowwise", "peers"),
+    ("JAX", "sys_jax.py", "rowwise", "peers"),
 ]
 BUSY_PCT = 20  # other processes' CPU use above which a run is considered disturbed
 OPT_NAME = {"adagrad": "Adagrad", "rowwise": "row-wise Adagrad"}

@@ -1,34 +1,35 @@
 """JAX on CPU: one ``jax.jit``-ed step over all tables (lookup, the gradient of the fixed upstream
-gradient, the exact Adagrad or row-wise Adagrad update of the touched rows), with the tables and
-accumulators donated so XLA updates them in place. Runs in the peers' venv (``jax``, ``jaxlib``).
+gradient, the exact Adagrad or row-wise Adagrad update of the touched rows), with the tables,
+accumulators and a per-table workspace donated so that XLA updates them in place. Runs in the
+peers' venv (``jax``, ``jaxlib``).
 
     .venv-peers/bin/python benchmarks/sys_jax.py --workload W1 [--optimizer rowwise] --json
 
 Update rule, the same as embcore's: per table, the gradients of duplicate ids are summed first,
 then for every touched row ``a += g*g; w -= lr * g / sqrt(a)`` (exact Adagrad), or
 ``a_row += mean(g*g); w -= lr * g / sqrt(a_row)`` (``--optimizer rowwise``, one accumulator per
-row); rows not in the batch do not move.
+row); rows not in the batch do not move. The activations are computed and returned by the jitted
+step (otherwise XLA would drop the lookup), and ``step`` blocks until everything is done.
 
-UPDATE selects how the touched rows are updated; both give the same tables (see check below):
-
-- ``"sparse"``: sort the ids, sum the gradients of equal ids (``segment_sum``), gather the U
-  unique rows, update them, scatter them back (static shapes: U is padded to B*L with
-  out-of-range row numbers, which the scatter drops). Work ~ touched rows.
-- ``"dense"``: sum the gradients into a zero (N, D) buffer (``.at[ids].add``) and apply the rule
-  to the whole table; an untouched row has g == 0 so ``a += 0; w -= 0`` leaves it bit-identical.
-  Work ~ N x D per table and step.
-
-The kept one is SPARSE: see the module's UPDATE comment for the measurements.
+Sparse update, kept over a dense one: equal ids share one slot (see ``_step_table``), the unique
+rows are gathered, updated and scattered back; work ~ ids per step. Tried on W3, both variants
+interleaved in one process (ms/step; this 2-core machine was shared, so the spread is large):
+W3-B16 sparse 0.23-0.26, dense 0.45-0.60; W3-B1024 sparse 0.63-0.91, dense 0.62-0.91 (within 3%
+of each other in every pairing: a tie). Dense = sum the gradients into a zero (N, D) buffer with
+``.at[ids].add`` and apply the rule to the whole table (g == 0 leaves untouched rows
+bit-identical); on W1 it would stream 26 x 100k x 64 floats several times a step. A first sparse
+version found the unique ids with ``lax.sort`` + ``jnp.cumsum``: W3-B1024 1.4 ms (XLA:CPU's sort
+is slow, and cumsum lowers to a reduce-window); reading the lookup with a separate ``w[ids]``
+made XLA copy each donated table every step.
 
 Threads: XLA:CPU ignores OMP_NUM_THREADS and has no documented setting for "N intra-op threads"
 (``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1``, from the JAX
-issue tracker, only turns multi-threading off); its Eigen pool defaults to one thread per core,
-i.e. 2 on the benchmark machine. Left at XLA's defaults.
+issue tracker, only turns multi-threading off); its Eigen pool has one thread per core, i.e. 2 on
+the benchmark machine. Left at XLA's defaults.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -45,8 +46,6 @@ try:
 except ImportError as e:  # reported as a "not installed" row
     common.not_installed("JAX", "rowwise" if "rowwise" in sys.argv else "adagrad",
                          sys.argv[sys.argv.index("--workload") + 1], e)
-
-UPDATE = os.environ.get("EMB_JAX_UPDATE", "sparse")
 
 
 def _combine(rows: jax.Array, seg: jax.Array | None, scale: jax.Array | None,
@@ -79,7 +78,7 @@ def _rule(w, a, g, rowwise):
 _IN = dict(mode="promise_in_bounds")
 
 
-def _step_sparse(w, a, last, ids, seg, scale, g, batch, rowwise):
+def _step_table(w, a, last, ids, seg, scale, g, batch, rowwise):
     """Sum the gradients of equal ids into one slot per unique id, update those rows, scatter
     them back. No sort (XLA:CPU's sort is slow) and no (N, D) buffer: ``last`` (N,) int32 keeps,
     for each id of this batch, one position holding it (a scatter with duplicates keeps one of
@@ -103,27 +102,6 @@ def _step_sparse(w, a, last, ids, seg, scale, g, batch, rowwise):
             last)
 
 
-def _step_hybrid(w, a, last, ids, seg, scale, g, batch, rowwise):
-    """Sum the gradients into a zero (N, D) buffer, read back each position's summed gradient,
-    update the rows of every position and scatter them (a duplicate id writes equal values)."""
-    gi = _position_grads(g, seg, scale)  # (nnz, D)
-    gsum = jnp.zeros_like(w).at[ids].add(gi, **_IN).at[ids].get(**_IN)  # (nnz, D) summed
-    wi = w.at[ids].get(**_IN)  # (nnz, D)
-    ai = a.at[ids].get(**_IN)
-    out = _combine(wi, seg, scale, batch)
-    wi, ai = _rule(wi, ai, gsum, rowwise)
-    return out, w.at[ids].set(wi, **_IN), a.at[ids].set(ai, **_IN), last
-
-
-def _step_dense(w, a, last, ids, seg, scale, g, batch, rowwise):
-    """Sum the gradients into a zero (N, D) buffer and apply the rule to the whole table: an
-    untouched row has g == 0, so ``a += 0; w -= 0`` leaves it bit-identical."""
-    out = _combine(w.at[ids].get(**_IN), seg, scale, batch)
-    gd = jnp.zeros_like(w).at[ids].add(_position_grads(g, seg, scale), **_IN)  # (N, D)
-    w, a = _rule(w, a, gd, rowwise)
-    return out, w, a, last
-
-
 class JaxSystem:
     def __init__(self, w: Workload, optimizer: str, grads: list[torch.Tensor],
                  init: list[torch.Tensor] | None) -> None:
@@ -136,14 +114,14 @@ class JaxSystem:
         shape = (w.rows,) if rowwise else (w.rows, w.dim)
         self.accs = tuple(jnp.full(shape, common.ACC0, jnp.float32) for _ in range(w.tables))
         self.grads = tuple(jnp.asarray(g.numpy(), dtype=jnp.float32) for g in grads)  # T x (B, D)
-        self.lasts = tuple(jnp.zeros((w.rows,), jnp.int32) for _ in range(w.tables))  # workspace
-        update = {"sparse": _step_sparse, "hybrid": _step_hybrid, "dense": _step_dense}[UPDATE]
+        # _step_table's workspace, (N,) int32 per table; not optimizer state, not in state_bytes
+        self.lasts = tuple(jnp.zeros((w.rows,), jnp.int32) for _ in range(w.tables))
         batch = w.batch
 
         def step(ws, accs, lasts, ids, seg, scale, grads):
             outs, new_ws, new_accs, new_lasts = [], [], [], []
             for wt, at, lt, it, gt in zip(ws, accs, lasts, ids, grads):
-                out, wt, at, lt = update(wt, at, lt, it, seg, scale, gt, batch, rowwise)
+                out, wt, at, lt = _step_table(wt, at, lt, it, seg, scale, gt, batch, rowwise)
                 outs.append(out)  # (B, D) activations
                 new_ws.append(wt)
                 new_accs.append(at)
@@ -180,4 +158,4 @@ class JaxSystem:
 
 
 if __name__ == "__main__":
-    common.main("JAX", JaxSystem, {"jax": jax.__version__, "update": UPDATE})
+    common.main("JAX", JaxSystem, {"jax": jax.__version__})

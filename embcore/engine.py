@@ -349,13 +349,13 @@ class Embedding:
                 if not isinstance(g, torch.Tensor):
                     raise TypeError(f"gradient of feature {self._feature_names[s.feature]!r} must "
                                     f"be a tensor or None, got {type(g).__name__}")
-                if tuple(g.shape) != s.shape + (dim,):
+                if g.shape != s.shape + (dim,):
                     raise ValueError(f"gradient of feature {self._feature_names[s.feature]!r} has "
                                      f"shape {list(g.shape)}, expected {list(s.shape + (dim,))} "
                                      f"(the shape of its activation)")
-                grads[s.feature] = g.detach()
+                grads[s.feature] = g.detach() if g.requires_grad else g
         used = batch.tables
-        if warn_none:
+        if warn_none and any(g is None for g in grads):
             noisy = sorted({self._feature_names[s.feature] for tb in used for s in tb.slices
                             if flat[s.feature] is None and not self._physical_opt(tb)
                             .zero_gradient_is_noop})
