@@ -196,12 +196,11 @@ def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
     lib = _load()
     assert lib is not None
     n = ids.numel()
-    buf = torch.empty(3 * n + 1, dtype=torch.int64)  # one allocation for the three outputs
-    order, unique, uoff = buf[:n], buf[n:2 * n], buf[2 * n:]
+    buf = torch.empty(3 * n + 1, dtype=torch.int64)  # [order | unique | unique_offsets]
+    base = buf.data_ptr()
     bits = max(int(num_rows) - 1, 1).bit_length()
-    u = lib.ec_dedup(ids.data_ptr(), n, bits, order.data_ptr(), unique.data_ptr(),
-                     uoff.data_ptr(), _threads())
-    return unique[:u], order, uoff[:u + 1]
+    u = lib.ec_dedup(ids.data_ptr(), n, bits, base, base + 8 * n, base + 16 * n, _threads())
+    return buf[n:n + u], buf[:n], buf[2 * n:2 * n + u + 1]
 
 
 def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: int
@@ -221,14 +220,14 @@ def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: i
     k = len(parts)
     lens = [t.numel() for t in parts]
     n = sum(lens)
-    buf = torch.empty(4 * n + 1, dtype=torch.int64)
-    ids, order, unique, uoff = buf[:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:]
+    buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | unique_offsets]
+    base = buf.data_ptr()
     bits = max(int(num_rows) - 1, 1).bit_length()
     u = lib.ec_concat_dedup(_array(ctypes.c_void_p, k)(*[t.data_ptr() for t in parts]),
                             _array(ctypes.c_int64, k)(*lens), _array(ctypes.c_int64, k)(*adds),
-                            k, bits, ids.data_ptr(), order.data_ptr(), unique.data_ptr(),
-                            uoff.data_ptr(), _threads())
-    return ids, unique[:u], order, uoff[:u + 1]
+                            k, bits, base, base + 8 * n, base + 16 * n, base + 24 * n,
+                            _threads())
+    return buf[:n], buf[2 * n:2 * n + u], buf[n:2 * n], buf[3 * n:3 * n + u + 1]
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,

@@ -60,11 +60,9 @@ inline i64 split_point(const i64* cumulative, i64 n, i64 per_item, int t, int nt
 
 inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::max(nt, 1); }
 
-// Scratch kept per calling thread across calls: large per-step buffers that came back from the
-// kernel as fresh pages every step would cost page faults (DESIGN 6).
+// Scratch kept per calling thread across calls (small: the radix sort's digit counts).
 struct Scratch {
-  std::vector<uint64_t> keys[2];
-  std::vector<i64> hist;
+  std::vector<i64> hist;  // per-thread digit counts of the radix sort
 };
 thread_local Scratch scratch;
 
@@ -87,10 +85,11 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
   bits = std::max(bits, 1);
   int pbits = 1;
   while ((i64(1) << pbits) < n) ++pbits;
-  Scratch& s = scratch;
-  for (int b = 0; b < 2; ++b)
-    if (i64(s.keys[b].size()) < n) s.keys[b].resize(n);
-  uint64_t* key_in = s.keys[0].data();
+  // The two radix buffers are the outputs ``order`` and ``unique`` themselves (no scratch as
+  // large as the batch): the run-length encoding below reads word j before writing order[j]
+  // and writes unique[u] only for u <= j, so either may hold the sorted words.
+  uint64_t* key_in = reinterpret_cast<uint64_t*>(unique);
+  uint64_t* key_out = reinterpret_cast<uint64_t*>(order);
   if (n <= 64 || bits + pbits > 64) {  // insertion sort / std::stable_sort of positions by id
     for (i64 i = 0; i < n; ++i) order[i] = i;
     if (n <= 64) {
@@ -104,15 +103,16 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
       std::stable_sort(order, order + n, [ids](i64 a, i64 b) { return ids[a] < ids[b]; });
     }
     for (i64 j = 0; j < n; ++j) key_in[j] = uint64_t(ids[order[j]]) << pbits | uint64_t(order[j]);
+    // key_in is ``unique``: the encoding below rewrites order[j] with the same position
   } else {
     const int passes = (bits + 7) / 8;  // 256 buckets: few enough write streams
     const int width = (bits + passes - 1) / passes;
     const i64 buckets = i64(1) << width;
     const uint64_t mask = uint64_t(buckets - 1);
     nt = threads_for(n * 4, nt);
-    s.hist.assign(size_t(nt) * buckets, 0);
-    uint64_t* key_out = s.keys[1].data();
-    i64* hist = s.hist.data();
+    std::vector<i64>& hist_buf = scratch.hist;
+    hist_buf.assign(size_t(nt) * buckets, 0);
+    i64* hist = hist_buf.data();
     for (int p = 0; p < passes; ++p) {
       const int shift = pbits + p * width;
 #pragma omp parallel num_threads(nt)
@@ -154,10 +154,12 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
   // Run-length encoding over the sorted words: positions, distinct ids, run starts.
   const uint64_t pmask = (uint64_t(1) << pbits) - 1;
   i64 u = 0;
-  uint64_t prev = key_in[0] >> pbits;
+  const uint64_t first = key_in[0];  // read before unique[0] / order[0] may overwrite it
+  uint64_t prev = first >> pbits;
+  order[0] = i64(first & pmask);
   unique[0] = i64(prev);
   uoff[0] = 0;
-  for (i64 j = 0; j < n; ++j) {
+  for (i64 j = 1; j < n; ++j) {
     const uint64_t k = key_in[j];
     order[j] = i64(k & pmask);
     const uint64_t id = k >> pbits;
