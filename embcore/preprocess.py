@@ -75,22 +75,13 @@ class TableBatch:
         return torch.repeat_interleave(torch.arange(lengths.numel(), device=self.ids.device),
                                        lengths, output_size=self.ids.numel())
 
-    def occurrence_rows(self) -> torch.Tensor:
-        """(nnz,) the output row (bag) of each occurrence."""
-        return self.bags
 
-
-def dedup(ids: torch.Tensor, num_rows: int | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dedup(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One stable sort: (unique (U,), order (nnz,), unique_offsets (U + 1,)).
 
-    Args:
-        ids: (nnz,) int64 ids.
-        num_rows: ids are below it (lets the fused kernel's radix sort skip empty digits);
-            None: unknown, torch's sort is used.
+    The torch-ops path; with the fused kernels ``native.concat_dedup`` does this (and the
+    concatenation) in one call.
     """
-    if num_rows is not None and native.usable(ids):
-        return native.dedup(ids.contiguous(), num_rows)
     sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
     unique_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=ids.device)
@@ -141,7 +132,7 @@ def group_by_physical(plan: ShardingPlan, feature_tables: Sequence[str],
         else:
             shifted = [t + a if a else t for t, a in zip(ids, adds)]
             all_ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
-            unique, order, unique_offsets = dedup(all_ids, plan.physical[p].rows)
+            unique, order, unique_offsets = dedup(all_ids)
         if unit:
             out.append(TableBatch(p, all_ids, None, None, unique, order, unique_offsets, True,
                                   tuple(slices)))

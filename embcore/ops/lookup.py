@@ -63,7 +63,7 @@ def combine_backward(grad: torch.Tensor, tb: TableBatch,
         (U, D) float32 (float64 for float64 grads) summed gradient per unique row.
     """
     work = grad if grad.dtype == torch.float64 else grad.float()
-    rows = tb.order if tb.unit else tb.occurrence_rows()[tb.order]  # (nnz,) output row per occ.
+    rows = tb.order if tb.unit else tb.bags[tb.order]  # (nnz,) output row per occ.
     weights = None if tb.scales is None else tb.scales[tb.order].to(work.dtype)
     if workspace is None or not work.is_contiguous():
         return F.embedding_bag(rows, work, tb.unique_offsets, mode="sum",

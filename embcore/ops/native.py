@@ -46,7 +46,6 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _SIGNATURES = {
     "ec_abi_version": (ctypes.c_int, []),
-    "ec_dedup": (_I, [_P, _I, ctypes.c_int, _P, _P, _P, ctypes.c_int]),
     "ec_concat_dedup": (_I, [_P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
     "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
@@ -193,14 +192,8 @@ def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
     Returns:
         ``(unique (U,), order (nnz,), unique_offsets (U + 1,))``.
     """
-    lib = _load()
-    assert lib is not None
-    n = ids.numel()
-    buf = torch.empty(3 * n + 1, dtype=torch.int64)  # [order | unique | unique_offsets]
-    base = buf.data_ptr()
-    bits = max(int(num_rows) - 1, 1).bit_length()
-    u = lib.ec_dedup(ids.data_ptr(), n, bits, base, base + 8 * n, base + 16 * n, _threads())
-    return buf[n:n + u], buf[:n], buf[2 * n:2 * n + u + 1]
+    _, unique, order, uoff = concat_dedup([ids], [0], num_rows)
+    return unique, order, uoff
 
 
 def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: int

@@ -60,11 +60,8 @@ inline i64 split_point(const i64* cumulative, i64 n, i64 per_item, int t, int nt
 
 inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::max(nt, 1); }
 
-// Scratch kept per calling thread across calls (small: the radix sort's digit counts).
-struct Scratch {
-  std::vector<i64> hist;  // per-thread digit counts of the radix sort
-};
-thread_local Scratch scratch;
+// The radix sort's per-thread digit counts, kept per calling thread across calls (small).
+thread_local std::vector<i64> radix_counts;
 
 }  // namespace
 
@@ -110,9 +107,8 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
     const i64 buckets = i64(1) << width;
     const uint64_t mask = uint64_t(buckets - 1);
     nt = threads_for(n * 4, nt);
-    std::vector<i64>& hist_buf = scratch.hist;
-    hist_buf.assign(size_t(nt) * buckets, 0);
-    i64* hist = hist_buf.data();
+    radix_counts.assign(size_t(nt) * buckets, 0);
+    i64* hist = radix_counts.data();
     for (int p = 0; p < passes; ++p) {
       const int shift = pbits + p * width;
 #pragma omp parallel num_threads(nt)
@@ -226,11 +222,6 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
 // Optimizer rules (DESIGN 2.3-2.4) of ec_sparse_update.
 enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 
-// The hyper-parameters of one update, in a fixed order (embcore/ops/native.py packs them).
-struct Hyper {
-  double lr, gmul, clip_lo, clip_hi, wd, w_min, w_max;
-};
-
 // Sparse update of the touched rows, each exactly once, in place.
 //   w (N, D) parameters; acc (N, D) or (N, 1) accumulators (rule kAdagrad / kRowwiseAdagrad) or
 //   nullptr (kSGD); rows (U,) distinct rows to update.
@@ -246,12 +237,12 @@ struct Hyper {
 void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
                       const i64* uoff, const i64* order, const i64* bags, const float* scales,
                       const float* const* slices, const i64* starts, i64 nslices,
-                      const double* hyper_in, int nt) {
-  const Hyper h = {hyper_in[0], hyper_in[1], hyper_in[2], hyper_in[3],
-                   hyper_in[4], hyper_in[5], hyper_in[6]};
-  const float lr = float(h.lr), gmul = float(h.gmul), wd = float(h.wd);
-  const float clo = float(h.clip_lo), chi = float(h.clip_hi);
-  const float wmin = float(h.w_min), wmax = float(h.w_max);
+                      const double* hyper, int nt) {
+  // hyper: (lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max), packed by
+  // embcore/ops/update.py; infinities for no bound
+  const float lr = float(hyper[0]), gmul = float(hyper[1]);
+  const float clo = float(hyper[2]), chi = float(hyper[3]), wd = float(hyper[4]);
+  const float wmin = float(hyper[5]), wmax = float(hyper[6]);
   const bool scaled = gmul != 1.f, clipped = std::isfinite(clo) || std::isfinite(chi);
   const bool decayed = wd != 0.f, bounded = std::isfinite(wmin) || std::isfinite(wmax);
   const i64 acc_d = rule == kRowwiseAdagrad ? 1 : d;
