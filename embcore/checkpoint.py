@@ -148,7 +148,7 @@ def _dcp() -> SimpleNamespace:
 def _engine_and_state(obj: Any) -> tuple[Embedding, dict[str, torch.Tensor], bool]:
     """(engine, the state dict to save / fill, whether obj is a V0 layer)."""
     if isinstance(obj, EmbeddingLayer):
-        if obj._v0:  # tables are the layer's nn.Parameters; the engine's own are unused
+        if obj.tables_are_parameters:  # the layer's nn.Parameters; the engine's are unused
             return obj.engine, {k: v.detach() for k, v in obj.state_dict().items()}, True
         return obj.engine, obj.engine.state_dict(), False
     if isinstance(obj, Embedding):
@@ -183,17 +183,17 @@ def _dcp_call(what: str) -> Iterator[None]:
 def _agreed_token(engine: Embedding) -> str:
     """A fresh name suffix, the same on every process (rank 0's)."""
     mine = torch.tensor([os.getpid(), secrets.randbits(62)], dtype=torch.int64,
-                        device=engine._comm_device())
-    pid, rand = (int(x) for x in engine._comm.all_gather(mine)[0].cpu())
+                        device=engine.device)
+    pid, rand = (int(x) for x in engine.comm.all_gather(mine)[0].cpu())
     return f"{pid}-{rand:016x}"
 
 
 def _all_ok(engine: Embedding, ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when sharded)."""
-    if engine._comm.world_size == 1:
+    if engine.comm.world_size == 1:
         return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int64, device=engine._comm_device())
-    return all(bool(f.item()) for f in engine._comm.all_gather(flag))
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=engine.device)
+    return all(bool(f.item()) for f in engine.comm.all_gather(flag))
 
 
 # --------------------------------------------------------------------------------- save
@@ -229,7 +229,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         {'epoch': 3}
     """
     engine, state, v0 = _engine_and_state(obj)  # a collective when sharded
-    comm = engine._comm
+    comm = engine.comm
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict of JSON-able values or None, got "
                         f"{type(extra).__name__}")
@@ -379,7 +379,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         4
     """
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
-    comm = engine._comm
+    comm = engine.comm
     ckpt = _resolve(Path(os.fspath(path)))
     try:
         manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))

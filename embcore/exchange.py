@@ -1,7 +1,8 @@
 """Exchange (sharded tables): rows from their holders for the lookup, gradients to their owners.
 
-The data path of DESIGN 2.5 as two functions over one physical table's batch, called by the engine
-once per physical table per step, every process calling them in the same order:
+The data path of sharded tables (docs/semantics.md section 5) as two functions over one physical
+table's batch, called by the lookup and apply_gradients verbs once per sharded physical table per
+step, every process calling them in the same order:
 - ``fetch_rows``: each process sends its unique ids to the ranks holding them (``Route``), each
   holder answers with the rows, and the requester puts them back in unique order (for a column
   split it asks every rank and concatenates the column slices).
@@ -17,38 +18,41 @@ import torch
 
 from .comm import Communicator
 from .plan import PhysicalTable
-from .preprocess import Route, TableBatch
+from .preprocess import TableBatch
+from .store import RowStore
 
 
-def fetch_rows(comm: Communicator, p: PhysicalTable, shard: torch.Tensor, tb: TableBatch,
-               rt: Route) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The (U, D) rows of ``tb.unique`` from their holders.
+def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore,
+               tb: TableBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The (U, D) rows of ``tb.dedup.unique`` from their holders.
 
     Args:
         comm: the communicator.
-        p: the physical table's placement.
-        shard: (N_r, D_r) this rank's shard of it.
-        tb: this rank's batch for it.
-        rt: where each unique id lives.
+        p: the physical table's plan.
+        store: this process's rows (answers what the others ask for).
+        tb: this rank's batch for the table (``tb.route`` says where each distinct row lives).
 
     Returns:
         (rows (U, D), received): ``received[s]`` holds the shard rows rank s asked this rank for
         (the owner side of the later gradient exchange).
     """
+    rt = tb.route
+    assert rt is not None, "a sharded table's batch is routed"
     received = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
-    answers = [shard[ids] for ids in received]  # W x (n_s, D_r)
-    if p.strategy == "column":
+    answers = [store.gather(p.index, ids) for ids in received]  # W x (n_s, D_r)
+    if p.layout.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
         back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
         return torch.cat(back, dim=1), received
     back = comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
-    rows = torch.empty(tb.unique.numel(), p.dim, dtype=shard.dtype, device=shard.device)
+    rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
+                       device=back[0].device)  # (U, D)
     assert rt.order is not None
     rows[rt.order] = torch.cat(back)
     return rows, received
 
 
-def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch, rt: Route | None,
+def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
                        received: list[torch.Tensor] | None,
                        g_unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sends each unique row's gradient to its holder(s).
@@ -61,19 +65,20 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch, rt:
         gradients summed over every process's occurrences.
     """
     device = g_unique.device
+    rt, unique = tb.route, tb.dedup.unique
     if comm.world_size == 1:  # rows are this shard's rows already, each once
-        return tb.unique, g_unique
+        return unique, g_unique
     if rt is None:  # replicated: sum the dense gradient and the touched mask over ranks
         dense = torch.zeros(p.rows, p.dim, dtype=g_unique.dtype, device=device)  # (N_p, D)
-        dense.index_add_(0, tb.unique, g_unique)
+        dense.index_add_(0, unique, g_unique)
         touched = torch.zeros(p.rows, dtype=g_unique.dtype, device=device)  # (N_p,)
-        touched[tb.unique] = 1.0
+        touched[unique] = 1.0
         comm.all_reduce_sum(dense)
         comm.all_reduce_sum(touched)
         rows = touched.nonzero().squeeze(1)
         return rows, dense[rows]
     assert received is not None, "fetch_rows recorded what each rank asked for"
-    if p.strategy == "column":
+    if p.layout.splits_columns:
         chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
         c0, c1 = p.columns[comm.rank]
         got = comm.all_to_all(chunks, [t.numel() for t in received], c1 - c0)

@@ -1,7 +1,7 @@
 """Inputs: dense / jagged / sparse COO ids -> one canonical per-feature form, and shape rules.
 
-Every feature, whatever its input kind, becomes a weighted bag lookup (``Canonical``): ``R`` output
-rows, row ``r`` being ``sum_k scales[k] * E[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``.
+Every feature, whatever its input kind, becomes a weighted bag lookup (``ops.bags.Bags``): ``R``
+output rows, row ``r`` being ``sum_k scales[k] * E[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``.
 The combiner (2.2) and the user's weights are folded into ``scales`` here, once, so the lookup and
 its gradient are the same two kernels for sum / mean / sqrtn, dense ids (bags of one id), sequence
 features (bags of zero or one id) and ragged / sparse bags. The activation is the (R, D) result
@@ -17,31 +17,13 @@ Shape rules (DESIGN 2.1), giving the *natural* leading shape of a batch:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
 from .config import FeatureConfig
 from .ops import native
+from .ops.bags import Bags
 
 INT_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True)
-class Canonical:
-    """One feature's batch as a weighted bag lookup. ``R = prod(shape)`` output rows."""
-
-    ids: torch.Tensor      # (nnz,) int64, ids into the feature's logical table
-    offsets: torch.Tensor | None  # (R + 1,) int64, bag r holds ids[offsets[r]:offsets[r+1]]
-    scales: torch.Tensor | None   # (nnz,) float32, combiner scale times weight of each id
-    shape: tuple[int, ...]  # natural leading shape of the activation (without D)
-    # Every row holds exactly one id with scale 1 (dense ids): a plain gather. Then offsets and
-    # scales are None (they would be arange(nnz + 1) and ones(nnz)).
-    unit: bool = False
-
-    @property
-    def num_rows(self) -> int:
-        return self.ids.numel() if self.offsets is None else self.offsets.numel() - 1
 
 
 def input_kind(x: torch.Tensor) -> str:
@@ -59,7 +41,7 @@ def input_kind(x: torch.Tensor) -> str:
 
 
 def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.Tensor,
-                 weights: torch.Tensor | None, device: torch.device) -> Canonical:
+                 weights: torch.Tensor | None, device: torch.device) -> Bags:
     """Turns one feature's ids (and weights) into its canonical form on ``device``.
 
     Args:
@@ -103,7 +85,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         flat = ids.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)  # (nnz,)
         if feature.validate_weights_and_indices:
             _validate(flat, None, table.vocabulary_size, where, table_name)
-        return Canonical(flat, None, None, shape, unit=True)
+        return Bags(flat, None, None, shape)
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
@@ -127,9 +109,9 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             positions = positions.to(device=device, non_blocking=True)
         values, offsets = _to_sequence(values, offsets, positions, seq)
         scales = torch.ones(values.shape, dtype=torch.float32, device=device)
-        return Canonical(values, offsets, scales, bag_shape + (seq,))
+        return Bags(values, offsets, scales, bag_shape + (seq,))
     scales = combiner_scales(offsets, w, table.combiner, values.numel())
-    return Canonical(values, offsets, scales, bag_shape)
+    return Bags(values, offsets, scales, bag_shape)
 
 
 def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from .config import TableConfig
-from .engine import Embedding, is_feature
-from .nest import unflatten_like
+from .engine import Embedding
+from .features import is_feature
+from .nest import flatten_like, unflatten_like
 from .optimizer_specs import resolve_optimizer
 from .serving import ServingModule, serving_embedding_lookup
 
@@ -28,14 +29,17 @@ class _EngineStep(torch.autograd.Function):
     def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, features: Any,
                 weights: Any) -> tuple[torch.Tensor, ...]:
         engine.enqueue(features, weights, training=True)
-        flat = engine._dequeue_flat()
+        acts = engine.dequeue()
         ctx.engine = engine
         ctx.set_materialize_grads(False)  # unused activations come back as None: zero gradient
-        return tuple(flat)
+        return tuple(a.detach() for a in flatten_like(engine.feature_config, acts, is_feature,
+                                                      "activations"))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        ctx.engine._apply_flat(list(grads), warn_none=False)
+        engine = ctx.engine
+        engine.apply_gradients(unflatten_like(engine.feature_config, list(grads), is_feature),
+                               warn_on_none=False)
         return None, None, None, None
 
 
@@ -70,18 +74,24 @@ class EmbeddingLayer(torch.nn.Module):
         opt = resolve_optimizer(optimizer) if optimizer is not None else None
         self.engine = Embedding(feature_config, opt, pipeline_execution=pipeline_execution,
                                 sharding=sharding, process_group=process_group, device=device)
-        self._v0 = optimizer is None
+        self._parameters_mode = optimizer is None
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
-        if self._v0:  # tables as parameters, built now from the engine's seeded initial values
+        if self.tables_are_parameters:  # tables as parameters, built now from the engine's seeded initial values
             self.engine.build()
             for t, name in self.engine.table_names().items():
                 values = self.engine.embedding_tables[t].detach().clone()
                 self.register_parameter(f"{name}/parameters", torch.nn.Parameter(values))
 
     @property
+    def tables_are_parameters(self) -> bool:
+        """True with ``optimizer=None`` (TF's TPUEmbeddingV0): the tables are this module's
+        ``nn.Parameter``s, trained by the user's torch optimizer; the engine has no optimizer."""
+        return self._parameters_mode
+
+    @property
     def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
         """``{TableConfig: (N, D)}`` — the parameters (V0 mode) or the engine's tables."""
-        if self._v0:
+        if self.tables_are_parameters:
             params = dict(self.named_parameters(recurse=False))
             return {t: params[f"{n}/parameters"] for t, n in self.engine.table_names().items()}
         return self.engine.embedding_tables
@@ -89,10 +99,10 @@ class EmbeddingLayer(torch.nn.Module):
     def forward(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
         """Activations mirroring feature_config (or ``serving_config``, a subset of it)."""
         template = serving_config if serving_config is not None else self.feature_config
-        if self._v0:
+        if self.tables_are_parameters:
             return serving_embedding_lookup(features, weights, self.embedding_tables, template)
         if serving_config is not None or not (self.training and torch.is_grad_enabled()):
-            return self.engine._lookup(template, features, weights)
+            return self.engine.lookup(features, weights, serving_config=serving_config)
         flat = _EngineStep.apply(self._anchor, self.engine, features, weights)
         return unflatten_like(self.feature_config, list(flat), is_feature)
 
@@ -108,7 +118,7 @@ class EmbeddingLayer(torch.nn.Module):
     # state_dict / load_state_dict: the engine's flat keys under this module's prefix.
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:
-        if self._v0:
+        if self.tables_are_parameters:
             super()._save_to_state_dict(destination, prefix, keep_vars)
             return
         for k, v in self.engine.state_dict().items():
@@ -117,7 +127,7 @@ class EmbeddingLayer(torch.nn.Module):
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        if self._v0:
+        if self.tables_are_parameters:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
             return

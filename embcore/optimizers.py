@@ -191,10 +191,14 @@ class Optimizer:
                                           if callable(self.learning_rate) else ""))
 
     def init_slots(self, num_rows: int, dim: int, *, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str | None = None) -> dict[str, Tensor]:
+                   device: torch.device | str | None = None,
+                   allocate: Callable[..., Tensor] | None = None) -> dict[str, Tensor]:
         """Fresh slots for ``num_rows`` rows of width ``dim``: ``{name: (N, D) or (N, 1)}``."""
-        return {s.name: torch.full((num_rows, 1 if s.rowwise else dim), s.initial_value,
-                                   dtype=dtype, device=device) for s in self.slots}
+        if allocate is None:
+            return {s.name: torch.full((num_rows, 1 if s.rowwise else dim), s.initial_value,
+                                       dtype=dtype, device=device) for s in self.slots}
+        return {s.name: allocate((num_rows, 1 if s.rowwise else dim), dtype, device)
+                .fill_(s.initial_value) for s in self.slots}
 
     def update(self, params: Tensor, grads: Tensor, slots: Mapping[str, Tensor], *, lr: float,
                step: int) -> tuple[Tensor, dict[str, Tensor]]:

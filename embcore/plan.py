@@ -26,17 +26,13 @@ import torch
 
 from .config import TableConfig
 from .optimizers import Optimizer
+from .placement import Placement, make_placement, split_sizes
+from .placement import STRATEGIES as _PLACEMENTS
 
 Strategy = Literal["replicated", "table", "row_div", "row_mod", "column"]
-STRATEGIES: tuple[str, ...] = ("replicated", "table", "row_div", "row_mod", "column")
+STRATEGIES: tuple[str, ...] = tuple(_PLACEMENTS)
 # "auto" replicates tables whose parameters and slots take less than this.
 AUTO_REPLICATE_BYTES = 1 << 20
-
-
-def split_sizes(n: int, parts: int) -> tuple[int, ...]:
-    """``n`` split in ``parts`` contiguous blocks, the first ``n % parts`` one longer."""
-    q, rem = divmod(n, parts)
-    return tuple(q + 1 if i < rem else q for i in range(parts))
 
 
 @dataclass(frozen=True)
@@ -50,43 +46,22 @@ class TablePlacement:
     rows: int            # N
     dim: int             # D
     slot_names: tuple[str, ...]
-    owner: int = 0       # the owner process for "table"
+    layout: Placement    # how its rows and columns are spread over the processes
     local_rows: tuple[int, ...] = ()     # rows of this table held by each rank
     local_offsets: tuple[int, ...] = ()  # where they start in each rank's physical shard
 
-    def rank_rows(self, rank: int, world_size: int) -> torch.Tensor:
+    @property
+    def owner(self) -> int:
+        """The owner process of a ``"table"`` table (0 for the other strategies)."""
+        return getattr(self.layout, "owner", 0)
+
+    def rank_rows(self, rank: int, world_size: int | None = None) -> torch.Tensor:
         """Row ids (0..N-1) of this table held by ``rank``, in local order."""
-        n = self.rows
-        if self.strategy in ("replicated", "column") or world_size == 1:
-            return torch.arange(n)
-        if self.strategy == "table":
-            return torch.arange(n) if rank == self.owner else torch.arange(0)
-        if self.strategy == "row_mod":
-            return torch.arange(rank, n, world_size)
-        sizes = split_sizes(n, world_size)
-        start = sum(sizes[:rank])
-        return torch.arange(start, start + sizes[rank])
+        return self.layout.local_rows(rank)
 
-    def owner_and_local(self, rel: torch.Tensor, world_size: int) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
-        """For row ids ``rel`` (0..N-1): their owner rank and their row in its physical shard.
-
-        Only for "table", "row_div" and "row_mod" (the others are held by every rank).
-        """
-        if self.strategy == "table":
-            owner = torch.full_like(rel, self.owner)
-            local = rel
-        elif self.strategy == "row_mod":
-            owner, local = rel % world_size, torch.div(rel, world_size, rounding_mode="floor")
-        else:  # row_div
-            q, rem = divmod(self.rows, world_size)
-            boundary = rem * (q + 1)
-            big = rel < boundary
-            owner_big = torch.div(rel, q + 1, rounding_mode="floor")
-            owner_small = rem + torch.div(rel - boundary, max(q, 1), rounding_mode="floor")
-            owner = torch.where(big, owner_big, owner_small)
-            start = torch.where(big, owner * (q + 1), boundary + (owner - rem) * q)
-            local = rel - start
+    def owner_and_local(self, rel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For row ids ``rel`` (0..N-1): their owner rank and their row in its physical shard."""
+        owner, local = self.layout.owner_of(rel)
         offsets = torch.tensor(self.local_offsets, dtype=rel.dtype, device=rel.device)
         return owner, local + offsets[owner]
 
@@ -102,6 +77,7 @@ class PhysicalTable:
     dtype: torch.dtype
     strategy: str
     optimizer: Optimizer | None
+    layout: Placement    # its first member's placement (all members share the strategy)
     local_rows: tuple[int, ...] = ()   # rows of the shard on each rank
     columns: tuple[tuple[int, int], ...] = ()  # column range held by each rank
 
@@ -246,15 +222,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     """
     strategies = table_strategies(tables, world_size, sharding)
     for name, cfg, opt in tables:
-        if strategies[name] == "column" and cfg.dim < world_size:
-            raise ValueError(f"table {name!r}: a column split over {world_size} processes needs "
-                             f"dim >= {world_size}, but dim is {cfg.dim}; choose another strategy "
-                             f"for it")
-        if (strategies[name] == "column" and world_size > 1 and opt is not None
-                and any(s.rowwise for s in opt.slots)):
-            raise ValueError(f"table {name!r}: {type(opt).__name__} keeps one accumulator per "
-                             f"row over all D columns, which a column split cannot hold; "
-                             f"choose another strategy for it")
+        _PLACEMENTS[strategies[name]].check(name, cfg.dim, opt, world_size)
     owners = _owners(tables, strategies, world_size, lookups or {})
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
@@ -267,22 +235,20 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         index, offset = len(physical), 0
         shard_rows = [0] * world_size
         strategy = strategies[members[0][0]]
+        layouts = []
         for name, cfg, opt in members:
             slots = tuple(s.name for s in opt.slots) if opt is not None else ()
-            draft = TablePlacement(name, strategy, index, offset, cfg.vocabulary_size, cfg.dim,
-                                   slots, owners.get(name, 0))
-            rows = tuple(len(draft.rank_rows(r, world_size)) for r in range(world_size))
+            layout = make_placement(strategy, cfg.vocabulary_size, cfg.dim, world_size,
+                                    owners.get(name, 0))
+            layouts.append(layout)
+            rows = tuple(len(layout.local_rows(r)) for r in range(world_size))
             placements[name] = TablePlacement(name, strategy, index, offset, cfg.vocabulary_size,
-                                              cfg.dim, slots, owners.get(name, 0), rows,
-                                              tuple(shard_rows))
+                                              cfg.dim, slots, layout, rows, tuple(shard_rows))
             shard_rows = [a + b for a, b in zip(shard_rows, rows)]
             offset += cfg.vocabulary_size
         _, cfg0, opt0 = members[0]
-        if strategy == "column":
-            widths = split_sizes(cfg0.dim, world_size)
-            columns = tuple((sum(widths[:r]), sum(widths[:r + 1])) for r in range(world_size))
-        else:
-            columns = tuple((0, cfg0.dim) for _ in range(world_size))
+        columns = tuple(layouts[0].columns(r) for r in range(world_size))
         physical.append(PhysicalTable(index, tuple(n for n, _, _ in members), offset, cfg0.dim,
-                                      cfg0.dtype, strategy, opt0, tuple(shard_rows), columns))
+                                      cfg0.dtype, strategy, opt0, layouts[0], tuple(shard_rows),
+                                      columns))
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))

@@ -1,8 +1,9 @@
 """Serving: lookups with plain torch ops on plain tensors, and the exportable serving module.
 
-``serving_embedding_lookup`` computes exactly what the engine's lookup computes (same canonical
-form, same weighted bag sum), from tables given as tensors: no engine, no optimizer, no queue. It is
-differentiable w.r.t. the tables, which is how ``EmbeddingLayer(optimizer=None)`` trains them.
+``serving_embedding_lookup`` computes exactly what the engine's lookup computes (the same bags from
+inputs.py, the same ``combine`` from ops/combine.py), from tables given as tensors: no engine, no
+optimizer, no queue. It is differentiable w.r.t. the tables, which is how
+``EmbeddingLayer(optimizer=None)`` trains them.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import FeatureConfig, TableConfig, resolve_table_names
+from .config import TableConfig, resolve_table_names
+from .features import is_feature as _is_feature
 from .inputs import canonicalize, input_kind, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like
-
-
-def _is_feature(x: Any) -> bool:
-    return isinstance(x, FeatureConfig)
+from .ops.combine import combine
 
 
 def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: torch.Tensor,
@@ -31,15 +30,9 @@ def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: to
         # Traced for export: one gather, no data-dependent checks (same values as below).
         shape = ids.shape[:-1] if ids.dim() >= 2 and ids.shape[-1] == 1 else ids.shape
         return F.embedding(ids.reshape(shape).long(), table)
-    c = canonicalize(feature, name, table_name, ids, weights, table.device)
-    shape = resolve_shape(feature, name, c.shape, None)
-    if c.offsets is None or c.scales is None:  # one id per row: a gather
-        return F.embedding(c.ids, table).view(*shape, table.shape[1])
-    work = table if table.dtype in (torch.float32, torch.float64) else table.float()
-    out = F.embedding_bag(c.ids, work, c.offsets, mode="sum",
-                          per_sample_weights=c.scales.to(work.dtype),
-                          include_last_offset=True)  # (R, D)
-    return out.to(table.dtype).view(*shape, table.shape[1])
+    bags = canonicalize(feature, name, table_name, ids, weights, table.device)
+    shape = resolve_shape(feature, name, bags.shape, None)
+    return combine(table, bags.ids, bags).view(*shape, table.shape[1])  # shape + (D,)
 
 
 def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, torch.Tensor],

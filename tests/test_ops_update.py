@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.ops.update import apply_in_place, fast_update_supported
+from embcore.ops.update import apply_in_place, in_place_supported
 
 
 @settings(max_examples=60, deadline=None)
@@ -25,7 +25,7 @@ def test_in_place_update_equals_pure_update(kind, n, d, lr, dtype, seed):
     grad = torch.randn(len(rows), d, generator=gen, dtype=dtype)
     want_w, want_s = opt.update(table[rows], grad, {k: v[rows] for k, v in slots.items()},
                                 lr=lr, step=0)
-    assert fast_update_supported(opt, table)
+    assert in_place_supported(opt, table)
     before = table.clone()
     apply_in_place(opt, table, slots, rows, grad, lr)
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
@@ -39,7 +39,7 @@ def test_in_place_update_equals_pure_update(kind, n, d, lr, dtype, seed):
 
 def test_options_fall_back_to_the_pure_path():
     w = torch.zeros(2, 2)
-    assert not fast_update_supported(ec.Adagrad(learning_rate=0.1, clipvalue=1.0), w)
-    assert not fast_update_supported(ec.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0), w)
-    assert not fast_update_supported(ec.Adam(learning_rate=0.1), w)
-    assert not fast_update_supported(ec.SGD(learning_rate=0.1), w.half())
+    assert not in_place_supported(ec.Adagrad(learning_rate=0.1, clipvalue=1.0), w)
+    assert not in_place_supported(ec.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0), w)
+    assert not in_place_supported(ec.Adam(learning_rate=0.1), w)
+    assert not in_place_supported(ec.SGD(learning_rate=0.1), w.half())

@@ -100,7 +100,7 @@ def slots_whole(emb):
         place = emb.plan.table(name)
         for slot in place.slot_names:
             out[f"{name}/{slot}"] = gather_whole(place, emb.plan.physical[place.physical],
-                                                 emb._local(name, slot), emb._comm)
+                                                 emb._store.local(name, slot), emb.comm)
     return out
 
 

@@ -1,17 +1,23 @@
-"""Fast in-place optimizer updates of the touched rows (torch ops).
+"""The update: one entry point (``update``) for every optimizer, kernel and gradient source.
 
-``Optimizer.update`` is the readable, pure form of every rule (it returns new rows and never
-writes its inputs); the engine gathers rows, calls it and scatters the result. For the optimizers
-that dominate recommendation training, without the extra options (gradient multiplier, clipping,
-weight decay), this module does the same math in place on the gathered rows: two gathers, the
-arithmetic in the gathered buffers, two scatters, and no other (U, D) temporaries. It is tested
-against ``Optimizer.update`` on random inputs.
+``update(table, slots, rows, grad, optimizer, lr, step)`` applies the optimizer to distinct rows of
+a table held here, in place (docs/semantics.md section 3). The gradient comes either summed per row
+(a ``(U, D)`` tensor: sharded tables, after the exchange) or as the output rows' gradients
+(``OutputGrads``: a table held here, whose row gradients can be formed inside the update). The
+kernel is chosen here and nowhere else:
 
-On the CPU with float32 tables, SGD, Adagrad and RowwiseAdagrad (with every option: gradient
-multiplier, clipping, weight decay, weight clipping) run as one fused kernel instead
-(``native.sparse_update``): each touched row and its accumulator are read and written once, in
-place, and with a local table the summed gradient is formed from the output gradients inside the
-same pass (``update_from_outputs``), so no (U, D) temporary exists at all.
+1. the fused CPU kernel (``native.sparse_update``): SGD, Adagrad and RowwiseAdagrad with every
+   option, float32 tables on the CPU; each touched row and its accumulator are read and written
+   once, and from ``OutputGrads`` the row gradients are summed in the same pass (no ``(U, D)``
+   temporary at all);
+2. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
+   arithmetic in the gathered buffers, two scatters);
+3. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
+   dtype, any device; the rows are gathered, updated and written back. ``Adam(lazy_adam=False)``
+   updates every row, untouched ones with a zero gradient.
+
+Hyper-parameters reach the kernel by name (``native.Hyper``, mirrored by ``EcHyper`` in C++).
+Every path is tested against ``ops/reference_optim.py`` (tests/test_ops_update.py, test_native.py).
 """
 
 from __future__ import annotations
@@ -19,11 +25,52 @@ from __future__ import annotations
 import torch
 
 from ..optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
-from ..preprocess import TableBatch
 from . import native
+from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
 
 _RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWISE_ADAGRAD}
+
+
+def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
+           grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
+           workspace: Workspace | None = None) -> None:
+    """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
+
+    Args:
+        table: (N, D) parameters held here.
+        slots: ``{name: (N, D) or (N, 1)}`` the optimizer's slots of ``table``.
+        rows: (U,) distinct rows (``grad.dedup.unique`` for ``OutputGrads``).
+        grad: (U, D) summed gradient of each row, or the output rows' gradients.
+        optimizer: its rule and options; lr: this step's learning rate; step: updates so far.
+        workspace: buffers for the temporaries, kept across steps (None allocates them).
+    """
+    rule = native_rule(optimizer, table)
+    if rule is not None:
+        acc = slots.get("accumulators")
+        if isinstance(grad, OutputGrads):  # the backward fused into the update
+            g = grad
+            native.sparse_update(rule, table, acc, g.dedup.unique, _hyper(optimizer, lr, step),
+                                 [p.contiguous() for p in g.parts], g.starts,
+                                 g.dedup.unique_offsets, g.dedup.order,
+                                 None if g.bags.unit else g.bags.bag_of, g.bags.scales)
+        else:
+            native.sparse_update(rule, table, acc, rows.contiguous(), _hyper(optimizer, lr, step),
+                                 [grad.to(torch.float32).contiguous()])
+        return
+    summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
+    if in_place_supported(optimizer, table):
+        apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
+        return
+    if optimizer.dense_update:  # every row moves, untouched ones with g = 0
+        full = torch.zeros(table.shape, dtype=summed.dtype, device=summed.device)  # (N, D)
+        full[rows] = summed
+        rows, summed = torch.arange(table.shape[0], device=table.device), full
+    new_w, new_slots = optimizer.update(table[rows], summed,
+                                        {k: v[rows] for k, v in slots.items()}, lr=lr, step=step)
+    table.index_copy_(0, rows, new_w)
+    for k, v in new_slots.items():
+        slots[k].index_copy_(0, rows, v)
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
@@ -47,34 +94,7 @@ def _hyper(opt: Optimizer, lr: float, step: int) -> tuple[float, ...]:
             inf if opt.clip_weight_max is None else float(opt.clip_weight_max))
 
 
-def update_from_outputs(rule: int, opt: Optimizer, table: torch.Tensor,
-                        slots: dict[str, torch.Tensor], tb: TableBatch,
-                        grads: list[torch.Tensor], lr: float, step: int) -> None:
-    """Backward and update in one pass: each of ``tb.unique``'s rows gets the scaled sum of its
-    occurrences' output gradients, then the rule, in place.
-
-    Args:
-        rule: ``native_rule(opt, table)``.
-        table: (N, D) the whole physical table (held here: one process or replicated).
-        slots: its slots.
-        tb: the batch.
-        grads: per feature slice of ``tb``, its (R_f, D) output gradient (float32, contiguous).
-        lr: the learning rate; step: updates applied so far (for the gradient multiplier).
-    """
-    starts = [s.start for s in tb.slices] + [tb.num_rows]
-    native.sparse_update(rule, table, slots.get("accumulators"), tb.unique, _hyper(opt, lr, step),
-                         grads, starts, tb.unique_offsets, tb.order,
-                         None if tb.unit else tb.bags, tb.scales)
-
-
-def update_rows(rule: int, opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
-                rows: torch.Tensor, grad: torch.Tensor, lr: float, step: int) -> None:
-    """The fused update of distinct ``rows`` with their summed (U, D) gradients, in place."""
-    native.sparse_update(rule, table, slots.get("accumulators"), rows.contiguous(),
-                         _hyper(opt, lr, step), [grad.to(torch.float32).contiguous()])
-
-
-def fast_update_supported(opt: Optimizer, params: torch.Tensor) -> bool:
+def in_place_supported(opt: Optimizer, params: torch.Tensor) -> bool:
     """Whether ``apply_in_place`` handles this optimizer and table dtype."""
     if type(opt) not in (SGD, Adagrad, RowwiseAdagrad):
         return False
@@ -91,14 +111,14 @@ def fast_update_supported(opt: Optimizer, params: torch.Tensor) -> bool:
 def apply_in_place(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
                    rows: torch.Tensor, grad: torch.Tensor, lr: float,
                    workspace: Workspace | None = None) -> None:
-    """Updates ``table[rows]`` (and slots) in place; ``rows`` unique.
+    """Updates ``table[rows]`` (and slots) in place with torch ops; ``rows`` distinct.
 
     Args:
-        opt: SGD, Adagrad or RowwiseAdagrad (see ``fast_update_supported``).
+        opt: SGD, Adagrad or RowwiseAdagrad (see ``in_place_supported``).
         table: (N, D) parameters.
         slots: ``{"accumulators": (N, D) or (N, 1)}`` (none for SGD).
-        rows: (U,) unique row ids.
-        grad: (U, D) summed gradient of each row, in the table's dtype.
+        rows: (U,) distinct row ids.
+        grad: (U, D) summed gradient of each row.
         lr: the learning rate.
         workspace: buffers for the gathered rows (None allocates them).
     """

@@ -1,0 +1,143 @@
+"""The features of an engine: their structure, names, tables, shapes, and a batch's bags.
+
+``Features`` is what an engine knows of its ``feature_config``: the nested structure (the template
+every features / weights / activations / gradients structure mirrors), the flat list of
+FeatureConfigs with their resolved names, the tables they read and each feature's fixed activation
+shape (docs/semantics.md section 1). ``bags`` turns a user's batch into one ``Bags`` per feature
+(inputs.py), validated as a whole before anything changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .config import FeatureConfig, TableConfig, resolve_table_names
+from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
+from .nest import flatten_like, leaves_with_paths, unflatten_like
+from .ops.bags import Bags
+from .optimizers import Optimizer
+
+
+def is_feature(x: Any) -> bool:
+    return isinstance(x, FeatureConfig)
+
+
+class Features:
+    """The flat view of a feature_config, and the shapes fixed so far.
+
+    Raises:
+        ValueError / TypeError: an empty or malformed structure, duplicate feature names, one
+            FeatureConfig used twice, a bad optimizer.
+    """
+
+    def __init__(self, feature_config: Any, optimizer: Optimizer | None) -> None:
+        self.template = feature_config
+        flat = leaves_with_paths(feature_config, is_feature)
+        if not flat:
+            raise ValueError("feature_config holds no FeatureConfig")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be an embcore optimizer (ec.SGD, ec.Adagrad, ...) or "
+                            f"None, got {type(optimizer).__name__}")
+        self.configs: list[FeatureConfig] = [f for _, f in flat]
+        self.names = [f.name or (p or "feature") for p, f in flat]
+        dup = {n for n in self.names if self.names.count(n) > 1}
+        if dup:
+            raise ValueError(f"feature names {sorted(dup)} are used twice; give features unique "
+                             f"names")
+        if len({id(f) for f in self.configs}) != len(self.configs):
+            raise ValueError("one FeatureConfig object appears twice in feature_config; create a "
+                             "FeatureConfig per feature (they may share a TableConfig)")
+        tables = list(dict.fromkeys(f.table for f in self.configs))  # first-use order
+        self.table_names: dict[TableConfig, str] = resolve_table_names(tables)
+        self.optimizers = {t: t.optimizer if t.optimizer is not None else optimizer
+                           for t in tables}
+        self.tables = [self.table_names[f.table] for f in self.configs]  # per feature
+        self.shapes: list[tuple[int, ...] | None] = [None] * len(self.configs)
+        self._index = {id(f): i for i, f in enumerate(self.configs)}
+
+    def __len__(self) -> int:
+        return len(self.configs)
+
+    def table_specs(self) -> list[tuple[str, TableConfig, Optimizer | None]]:
+        """(name, config, effective optimizer) of every table, in first-use order (for the plan)."""
+        return [(n, t, self.optimizers[t]) for t, n in self.table_names.items()]
+
+    def lookups_per_table(self) -> dict[str, int]:
+        return {n: self.tables.count(n) for n in self.table_names.values()}
+
+    def untrained_tables(self) -> list[str]:
+        return [self.table_names[t] for t, o in self.optimizers.items() if o is None]
+
+    def fix_shapes(self, per_replica_input_shapes: Any = None,
+                   per_replica_batch_size: int | None = None) -> None:
+        """``build()``'s shapes (docs/semantics.md section 1); a conflict changes nothing.
+
+        Raises:
+            ValueError: a structure mismatch, or a shape conflicting with one already fixed.
+        """
+        shapes: list[tuple[int, ...] | None] = [None] * len(self)
+        if per_replica_input_shapes is not None:
+            flat = flatten_like(self.template, per_replica_input_shapes, is_feature,
+                                "per_replica_input_shapes")
+            shapes = [output_shape_from_input_shape(f, tuple(s), n)
+                      for f, s, n in zip(self.configs, flat, self.names)]
+        elif per_replica_batch_size is not None:
+            b = int(per_replica_batch_size)
+            shapes = [(b, f.max_sequence_length) if f.max_sequence_length else (b,)
+                      for f in self.configs]
+        for i, s in enumerate(shapes):
+            if s is not None and self.shapes[i] is not None and self.shapes[i] != s:
+                raise ValueError(f"feature {self.names[i]!r}: build() shape {list(s)} conflicts "
+                                 f"with the shape {list(self.shapes[i] or ())} already fixed")
+        for i, s in enumerate(shapes):
+            if s is not None:
+                self.shapes[i] = s
+
+    def subset(self, template: Any) -> list[int]:
+        """Flat indices of the features of ``template``, a sub-structure of this one's features.
+
+        Raises:
+            ValueError: ``template`` holds a feature this engine does not have.
+        """
+        if template is self.template:
+            return list(range(len(self)))
+        flat_sub = [f for _, f in leaves_with_paths(template, is_feature)]
+        missing = [repr(f) for f in flat_sub if id(f) not in self._index]
+        if missing:
+            raise ValueError(f"serving_config holds features this engine does not have: "
+                             f"{missing}")
+        return [self._index[id(f)] for f in flat_sub]
+
+    def bags(self, template: Any, features: Any, weights: Any, device: torch.device,
+             fixed: bool) -> list[Bags | None]:
+        """One ``Bags`` per feature of ``template`` (None for the others), shapes resolved.
+
+        With ``fixed`` (an enqueued batch) shapes must match the ones fixed so far, and the batch
+        fixes the shapes of features that had none; otherwise (``lookup``) any shape is taken.
+        Nothing changes unless the whole batch is valid.
+
+        Raises:
+            ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
+        """
+        sub = self.subset(template)
+        flat_ids = flatten_like(template, features, is_feature, "features")
+        flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
+                  else [None] * len(sub))
+        out: list[Bags | None] = [None] * len(self)
+        for i, ids, w in zip(sub, flat_ids, flat_w):
+            f, name = self.configs[i], self.names[i]
+            b = canonicalize(f, name, self.tables[i], ids, w, device)
+            shape = resolve_shape(f, name, b.shape, self.shapes[i] if fixed else None)
+            out[i] = b if shape == b.shape else replace(b, shape=shape)
+        if fixed:
+            for i, b in enumerate(out):
+                if b is not None and self.shapes[i] is None and self.configs[i].output_shape is None:
+                    self.shapes[i] = b.shape
+        return out
+
+    def unflatten(self, template: Any, flat: list[Any]) -> Any:
+        """A structure like ``template`` from per-feature values (flat order of this engine)."""
+        return unflatten_like(template, [flat[i] for i in self.subset(template)], is_feature)

@@ -1,0 +1,116 @@
+"""Combine: the weighted bag sums of a lookup, and their gradient (the one combine of embcore).
+
+The engine's lookup, the serving lookup and ``EmbeddingLayer(optimizer=None)`` all produce
+activations with ``combine``.
+
+Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over the occurrences
+(an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
+transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
+On the CPU with float32 tables the forward is the fused kernel ``native.lookup`` instead (the same
+sums, in the same order, with the rows ahead prefetched); the training backward of a local table
+is fused into the optimizer update (``ops/update.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .bags import Bags, Dedup
+from .workspace import Workspace
+
+
+def _work(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _differentiable(table: torch.Tensor) -> bool:
+    """Whether autograd or a tracer (torch.export / compile) must see the computation."""
+    return (table.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
+
+
+def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """Output row r = sum over its occurrences k of ``scales[k] * table[index[k]]``.
+
+    Args:
+        table: (N, D) the rows to read: a whole table (``index`` = ``bags.ids``) or the rows
+            fetched in unique order (``index`` = ``dedup.inverse``).
+        index: (nnz,) row of each occurrence in ``table``.
+        bags: offsets and scales of the bags.
+
+    Returns:
+        (R, D) in ``table``'s dtype (computed in float32 for half types); differentiable with
+        respect to ``table`` when it requires grad.
+    """
+    if (table.dtype == torch.float32 and table.is_contiguous() and not _differentiable(table)
+            and native.usable(table, index)):
+        out = torch.empty(bags.num_rows, table.shape[1], dtype=table.dtype)  # (R, D)
+        return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
+    work = _work(table)
+    if bags.offsets is None or bags.scales is None:
+        out = F.embedding(index, work)  # (R, D)
+    else:
+        out = F.embedding_bag(index, work, bags.offsets, mode="sum",
+                              per_sample_weights=bags.scales.to(work.dtype),
+                              include_last_offset=True)  # (R, D)
+    return out.to(table.dtype)
+
+
+def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,
+                     workspace: Workspace | None = None) -> torch.Tensor:
+    """Gradient of ``combine`` w.r.t. the unique rows: each row's occurrences summed in order.
+
+    Args:
+        grad: (R, D) gradient of the output rows.
+        bags, dedup: the batch and its distinct rows.
+        workspace: where to put the result (a view valid until the workspace's next use);
+            None allocates it.
+
+    Returns:
+        (U, D) float32 (float64 for float64 grads) summed gradient per unique row.
+    """
+    work = grad if grad.dtype == torch.float64 else grad.float()
+    rows = dedup.order if bags.unit else bags.bag_of[dedup.order]  # (nnz,) output row per occ.
+    weights = None if bags.scales is None else bags.scales[dedup.order].to(work.dtype)
+    if workspace is None or not work.is_contiguous():
+        return F.embedding_bag(rows, work, dedup.unique_offsets, mode="sum",
+                               per_sample_weights=weights, include_last_offset=True)  # (U, D)
+    out = workspace.get("row_grads", (dedup.unique.numel(), work.shape[1]), work.dtype,
+                        work.device)  # (U, D)
+    small = [torch.empty(0, dtype=torch.int64, device=work.device) for _ in range(3)]
+    torch.ops.aten._embedding_bag_forward_only.out(
+        work, rows, dedup.unique_offsets, False, 0, False, weights, True, -1,
+        out0=out, out1=small[0], out2=small[1], out3=small[2])
+    return out
+
+
+@dataclass(frozen=True)
+class OutputGrads:
+    """The gradient of a physical table's output rows, as the features' parts (no copy).
+
+    ``parts[i]`` is the (R_i, D) contiguous gradient of output rows ``starts[i]:starts[i+1]``; the
+    rows' gradients are the ``combine_backward`` of their concatenation (``row_gradients``), or
+    are formed inside the fused update (ops/update.py) without it.
+    """
+
+    parts: list[torch.Tensor]   # per feature, (R_i, D) float32 / float64
+    starts: list[int]           # (len(parts) + 1,) first output row of each part, then R
+    bags: Bags
+    dedup: Dedup
+
+
+def row_gradients(grads: OutputGrads, workspace: Workspace | None = None) -> torch.Tensor:
+    """(U, D) summed gradient of each distinct row (``combine_backward`` of the parts)."""
+    parts = grads.parts
+    if len(parts) == 1:
+        out = parts[0]  # (R, D)
+    elif workspace is None:
+        out = torch.cat(parts)
+    else:
+        out = workspace.get("out_grads", (grads.starts[-1], parts[0].shape[1]), parts[0].dtype,
+                            parts[0].device)  # (R, D)
+        torch.cat(parts, out=out)
+    return combine_backward(out, grads.bags, grads.dedup, workspace)

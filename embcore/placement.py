@@ -1,0 +1,150 @@
+"""Placements: how one logical table's rows and columns are spread over W processes.
+
+One small class per sharding strategy (docs/semantics.md section 5). Everything that depends on a
+strategy is a method here, so the plan, the routing of ids, the exchange and the checkpoint layout
+ask the placement instead of testing strategy names:
+
+- ``local_rows(rank)``: the table's row ids held by ``rank``, in the order of its shard;
+- ``columns(rank)``: the column range ``[c0, c1)`` held by ``rank``;
+- ``owner_of(rows)``: the rank holding each row and its index in that rank's rows of the table;
+- ``held_everywhere`` / ``splits_columns``: whether a lookup needs no exchange (every process
+  holds every row) or asks every process for a column slice of every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def split_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """``n`` split in ``parts`` contiguous blocks, the first ``n % parts`` one longer."""
+    q, rem = divmod(n, parts)
+    return tuple(q + 1 if i < rem else q for i in range(parts))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Base: a table of ``rows`` x ``dim`` over ``world`` processes (every rank holds it all)."""
+
+    rows: int
+    dim: int
+    world: int
+    strategy = "replicated"
+    replicated = True        # every rank holds every row and column
+    splits_columns = False   # every rank holds every row, a slice of the columns
+
+    @property
+    def held_everywhere(self) -> bool:
+        """Whether every process holds every row and column (no exchange for a lookup)."""
+        return self.replicated or self.world == 1
+
+    @classmethod
+    def check(cls, table: str, dim: int, optimizer: Any, world: int) -> None:
+        """Raises ValueError when the strategy cannot hold this table (at plan time)."""
+
+    def local_rows(self, rank: int) -> torch.Tensor:
+        """(n_r,) int64 row ids held by ``rank``, in local order."""
+        return torch.arange(self.rows)
+
+    def columns(self, rank: int) -> tuple[int, int]:
+        return 0, self.dim
+
+    def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For row ids ``rows``: (owner rank, index among the owner's ``local_rows``)."""
+        return torch.zeros_like(rows), rows
+
+
+class Replicated(Placement):
+    """Every process holds the whole table; gradients are summed across processes."""
+
+
+@dataclass(frozen=True)
+class WholeTable(Placement):
+    """The whole table on one process, ``owner``."""
+
+    owner: int = 0
+    strategy = "table"
+    replicated = False
+
+    def local_rows(self, rank: int) -> torch.Tensor:
+        return torch.arange(self.rows if rank == self.owner else 0)
+
+    def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full_like(rows, self.owner), rows
+
+
+class RowDiv(Placement):
+    """Rows in W contiguous blocks, the first ``rows % W`` blocks one row longer."""
+
+    strategy = "row_div"
+    replicated = False
+
+    def local_rows(self, rank: int) -> torch.Tensor:
+        sizes = split_sizes(self.rows, self.world)
+        start = sum(sizes[:rank])
+        return torch.arange(start, start + sizes[rank])
+
+    def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, rem = divmod(self.rows, self.world)
+        boundary = rem * (q + 1)
+        big = rows < boundary
+        owner = torch.where(big, torch.div(rows, q + 1, rounding_mode="floor"),
+                            rem + torch.div(rows - boundary, max(q, 1), rounding_mode="floor"))
+        start = torch.where(big, owner * (q + 1), boundary + (owner - rem) * q)
+        return owner, rows - start
+
+
+class RowMod(Placement):
+    """Row i on process ``i % W``, at local index ``i // W`` (TF's "mod")."""
+
+    strategy = "row_mod"
+    replicated = False
+
+    def local_rows(self, rank: int) -> torch.Tensor:
+        return torch.arange(rank, self.rows, self.world)
+
+    def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows % self.world, torch.div(rows, self.world, rounding_mode="floor")
+
+
+class ColumnSplit(Placement):
+    """Every process holds every row and a contiguous slice of the D columns (the first
+    ``dim % W`` slices one column wider)."""
+
+    strategy = "column"
+    replicated = False
+    splits_columns = True
+
+    @classmethod
+    def check(cls, table: str, dim: int, optimizer: Any, world: int) -> None:
+        if dim < world:
+            raise ValueError(f"table {table!r}: a column split over {world} processes needs "
+                             f"dim >= {world}, but dim is {dim}; choose another strategy for it")
+        if world > 1 and optimizer is not None and any(s.rowwise for s in optimizer.slots):
+            raise ValueError(f"table {table!r}: {type(optimizer).__name__} keeps one accumulator "
+                             f"per row over all D columns, which a column split cannot hold; "
+                             f"choose another strategy for it")
+
+    def columns(self, rank: int) -> tuple[int, int]:
+        widths = split_sizes(self.dim, self.world)
+        return sum(widths[:rank]), sum(widths[:rank + 1])
+
+
+STRATEGIES: dict[str, type[Placement]] = {
+    cls.strategy: cls for cls in (Replicated, WholeTable, RowDiv, RowMod, ColumnSplit)}
+
+
+def make_placement(strategy: str, rows: int, dim: int, world: int,
+                   owner: int = 0) -> Placement:
+    """The placement of a ``rows`` x ``dim`` table by ``strategy`` over ``world`` processes.
+
+    With one process every strategy holds the whole table, so it is ``Replicated`` in effect;
+    the strategy's name is kept for the plan's description.
+    """
+    cls = STRATEGIES[strategy]
+    if cls is WholeTable:
+        return WholeTable(rows, dim, world, owner)
+    return cls(rows, dim, world)

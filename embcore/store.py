@@ -1,0 +1,139 @@
+"""The row store: this process's rows of every physical table and their optimizer slots.
+
+The step reads and writes rows only through three methods, so that other stores (a raw-id map,
+a cache over a slow tier) can stand behind the same verbs:
+
+- ``combine(p, index, bags)``: rows out, combined into bags (the lookup of rows held here);
+- ``gather(p, rows)``: rows out, as they are (answers to other processes' lookups);
+- ``update(p, rows, grad, optimizer, lr, step)``: the optimizer applied to rows, in place.
+
+``RowStore`` keeps every row in memory (host memory on the CPU, on huge pages where the system
+allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
+table's rows on this process (``local``), whole tables (``whole``) and the checkpoint view
+(``state_dict`` / ``load_state_dict``), through the plan's placements and ``shards.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .comm import Communicator
+from .config import TableConfig, initial_rows
+from .ops.bags import Bags
+from .ops.combine import OutputGrads, combine
+from .ops.memory import empty_table
+from .ops.update import update
+from .ops.workspace import Workspace
+from .optimizers import Optimizer
+from .plan import ShardingPlan
+from .shards import from_value, gather_whole, to_sharded
+
+
+class RowStore:
+    """Every physical table's shard on this process, with its slots, in fast memory.
+
+    Args:
+        plan: the sharding plan.
+        configs: ``{table name: TableConfig}`` (initializers).
+        seed: the engine's seed (initial values depend on it, the table and the row only).
+        comm: the communicator (its rank picks the shard).
+        device: where tables and slots live.
+    """
+
+    def __init__(self, plan: ShardingPlan, configs: Mapping[str, TableConfig], seed: int,
+                 comm: Communicator, device: torch.device) -> None:
+        self.plan, self.comm, self.device = plan, comm, device
+        self.workspace = Workspace()  # the update's temporaries, kept across steps
+        self.tables: list[torch.Tensor] = []
+        self.slots: list[dict[str, torch.Tensor]] = []
+        rank = comm.rank
+        for p in plan.physical:
+            c0, c1 = p.columns[rank]
+            n_local = p.local_rows[rank]
+            w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
+            for name in p.tables:
+                place = plan.table(name)
+                rows = place.rank_rows(rank)
+                start = place.local_offsets[rank]
+                if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
+                    initial_rows(configs[name], name, seed, rows, out=w[start:start + len(rows)])
+                else:
+                    values = initial_rows(configs[name], name, seed, rows)  # (n, D)
+                    w[start:start + len(rows)] = values[:, c0:c1].to(device)
+            slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            opt = p.optimizer
+            self.tables.append(w)
+            self.slots.append(opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
+                                             allocate=empty_table) if opt is not None else {})
+
+    # ------------------------------------------------------------------------ the step's rows
+    def combine(self, p: int, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+        """(R, D) bags of rows ``index`` (shard rows of physical table ``p``) combined."""
+        return combine(self.tables[p], index, bags)
+
+    def gather(self, p: int, rows: torch.Tensor) -> torch.Tensor:
+        """(n, D_r) the shard rows ``rows`` of physical table ``p``."""
+        return self.tables[p][rows]
+
+    def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
+               optimizer: Optimizer, lr: float, step: int) -> None:
+        """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py)."""
+        update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace)
+
+    # ------------------------------------------------------------------------ outside the step
+    def local(self, name: str, key: str = "parameters") -> torch.Tensor:
+        """This process's rows of a logical table's parameters or slot ``key`` (a view)."""
+        place = self.plan.table(name)
+        full = self.tables[place.physical] if key == "parameters" else \
+            self.slots[place.physical][key]
+        start = place.local_offsets[self.comm.rank]
+        return full[start:start + place.local_rows[self.comm.rank]]
+
+    def whole(self, name: str, key: str = "parameters") -> torch.Tensor:
+        """The whole ``(N, C)`` logical table: a view with one process, else a gathered copy (a
+        collective)."""
+        place = self.plan.table(name)
+        return gather_whole(place, self.plan.physical[place.physical], self.local(name, key),
+                            self.comm)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{"<table>/<parameters or slot>": (N, C)}`` of every logical table."""
+        out: dict[str, tuple[int, ...]] = {}
+        for place in self.plan.tables:
+            opt = self.plan.physical[place.physical].optimizer
+            out[f"{place.name}/parameters"] = (place.rows, place.dim)
+            for spec in (opt.slots if opt is not None else ()):
+                out[f"{place.name}/{spec.name}"] = (place.rows, 1 if spec.rowwise else place.dim)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Views of whole logical tables with one process; checkpoint shards when sharded (a
+        collective: see ``Embedding.state_dict``)."""
+        out: dict[str, Any] = {}
+        for key, shape in self.state_shapes().items():
+            name, slot = key.split("/", 1)
+            local = self.local(name, slot)
+            if self.comm.world_size == 1:
+                out[key] = local
+            else:
+                place = self.plan.table(name)
+                out[key] = to_sharded(place, self.plan.physical[place.physical], local,
+                                      shape[1], self.comm)
+        return out
+
+    def load_state_dict(self, values: Mapping[str, Any]) -> None:
+        """Copies ``{key: whole tensor or state_dict() value}`` in; shapes checked by the caller.
+
+        Every value is converted (collectives included) before the first write.
+        """
+        new: dict[str, torch.Tensor] = {}
+        for k, v in values.items():
+            name, _ = k.split("/", 1)
+            place = self.plan.table(name)
+            new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
+        for k, v in new.items():
+            name, slot = k.split("/", 1)
+            self.local(name, slot).copy_(v)
