@@ -15,6 +15,8 @@ Two communicators with one interface:
   or stalls makes the others raise ``CollectiveError`` (naming the collective, this rank and the
   timeout) instead of hanging.
 
+What users can rely on (timeouts, ``CollectiveError``): docs/semantics.md section 5.
+
 Exchanges are of flat chunks: ``all_to_all(chunks)`` sends ``chunks[d]`` to rank ``d`` and returns
 what each rank sent here, so ids, rows and gradients of any width travel the same way.
 """

@@ -5,7 +5,8 @@ type raises ``TypeError``, a field of the right type with a wrong value ``ValueE
 the field and the value. The library never mutates them; table names the user did not give are
 resolved by ``resolve_table_names`` (called by the engine and by ``serving_embedding_lookup``) and
 kept beside the configs, not written into them. Configs compare and hash by identity: two tables
-with the same fields are still two tables.
+with the same fields are still two tables. How features' inputs become activations:
+docs/semantics.md sections 1-2.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Sparse optimizers: hyper-parameters, slot specs and the update of one step's touched rows.
 
 Each optimizer is a small frozen object: TensorFlow's argument names and defaults, validated on
-construction, and ``update``, the pure math of DESIGN 2.3-2.4 on the rows a step touched. The engine
-owns the tables and slots; it gathers the touched rows, calls ``update`` and scatters the result.
+construction, and ``update``, the pure math of docs/semantics.md sections 3-4 on the rows a step
+touched. The engine owns the tables and slots; it gathers the touched rows, calls ``update`` and
+scatters the result.
 ``embcore.ops.reference_optim`` is the same math as plain loops: the specification.
 
 The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
