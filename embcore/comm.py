@@ -147,8 +147,8 @@ class ProcessGroupCommunicator:
                 f"backend={self.backend}, timeout={self.timeout.total_seconds():.0f}s)")
 
 
-def make_communicator(process_group: Any,
-                      timeout: timedelta | float | None = None) -> LocalCommunicator | ProcessGroupCommunicator:
+def make_communicator(process_group: Any, timeout: timedelta | float | None = None
+                      ) -> LocalCommunicator | ProcessGroupCommunicator:
     """The communicator for ``process_group`` (None: the default group when one is initialized).
 
     Args:

@@ -139,7 +139,8 @@ class FeatureConfig:
     def __post_init__(self) -> None:
         where = f"FeatureConfig(name={self.name!r})"
         if not isinstance(self.table, TableConfig):
-            raise TypeError(f"{where}: table must be a TableConfig, got {type(self.table).__name__}")
+            raise TypeError(f"{where}: table must be a TableConfig, got "
+                            f"{type(self.table).__name__}")
         _check_int(self.max_sequence_length, "max_sequence_length", where, minimum=0)
         if self.output_shape is not None:
             what = "output_shape must be a non-empty sequence of positive ints"

@@ -1,4 +1,4 @@
-"""The communicator: the local one is the identity; timeouts are checked before any group is used."""
+"""The communicator: the local one is the identity; timeouts are checked before a group is used."""
 
 from __future__ import annotations
 
