@@ -1,4 +1,11 @@
-"""Communication between the processes that hold shards: the only file importing torch.distributed.
+"""Communication between the processes that hold shards: where embcore issues its collectives.
+
+Every collective of embcore's own (the exchanges of a step, the gathers of whole tables and
+checkpoint shards, the agreements of a save) is issued here and nowhere else, each waited on with
+a timeout. Other files import ``torch.distributed`` without issuing collectives of their own:
+shards.py for the ``ShardedTensor`` classes, checkpoint.py for ``torch.distributed.checkpoint``,
+whose ``save`` / ``load`` run their own collectives over the same group (under the process
+group's timeout, not this module's).
 
 Two communicators with one interface:
 - ``LocalCommunicator``: world size 1; every collective returns its own data. A single process runs
@@ -8,12 +15,16 @@ Two communicators with one interface:
   or stalls makes the others raise ``CollectiveError`` (naming the collective, this rank and the
   timeout) instead of hanging.
 
+What users can rely on (timeouts, ``CollectiveError``): docs/semantics.md section 5.
+
 Exchanges are of flat chunks: ``all_to_all(chunks)`` sends ``chunks[d]`` to rank ``d`` and returns
 what each rank sent here, so ids, rows and gradients of any width travel the same way.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -30,6 +41,7 @@ class CollectiveError(RuntimeError):
 class Communicator(Protocol):
     rank: int
     world_size: int
+    group: Any  # the torch.distributed group (None for the local communicator)
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
                    recv_cols: list[int] | int | None = None) -> list[torch.Tensor]: ...
@@ -37,8 +49,6 @@ class Communicator(Protocol):
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
-
-    def barrier(self) -> None: ...
 
 
 class LocalCommunicator:
@@ -57,9 +67,6 @@ class LocalCommunicator:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
-
-    def barrier(self) -> None:
-        return None
 
     def __repr__(self) -> str:
         return "LocalCommunicator(world_size=1)"
@@ -135,29 +142,44 @@ class ProcessGroupCommunicator:
                    "all_gather")
         return out
 
-    def barrier(self) -> None:
-        self._wait(dist.barrier(group=self.group, async_op=True), "barrier")
-
     def __repr__(self) -> str:
         return (f"ProcessGroupCommunicator(rank={self.rank}, world_size={self.world_size}, "
                 f"backend={self.backend}, timeout={self.timeout.total_seconds():.0f}s)")
 
 
-def make_communicator(process_group: Any,
-                      timeout: timedelta | float | None = None) -> LocalCommunicator | ProcessGroupCommunicator:
+def make_communicator(process_group: Any, timeout: timedelta | float | None = None
+                      ) -> LocalCommunicator | ProcessGroupCommunicator:
     """The communicator for ``process_group`` (None: the default group when one is initialized).
 
     Args:
+        process_group: a ``torch.distributed`` group, or None.
         timeout: seconds (or a timedelta) every collective may take before raising
             ``CollectiveError``; default 5 minutes.
+
+    Raises:
+        TypeError: ``timeout`` is neither a real number nor a timedelta.
+        ValueError: ``timeout`` is not a finite number of seconds > 0.
     """
+    timeout = _as_timeout(timeout)
     if process_group is None and not (dist.is_available() and dist.is_initialized()):
         return LocalCommunicator()
     group = process_group if process_group is not None else dist.group.WORLD
     if dist.get_world_size(group) == 1:
         return LocalCommunicator()
-    if timeout is None:
-        timeout = DEFAULT_TIMEOUT
-    elif not isinstance(timeout, timedelta):
-        timeout = timedelta(seconds=float(timeout))
     return ProcessGroupCommunicator(group, timeout)
+
+
+def _as_timeout(timeout: timedelta | float | None) -> timedelta:
+    """``timeout`` as a positive timedelta (None: ``DEFAULT_TIMEOUT``)."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a number of seconds or a datetime.timedelta, got "
+                        f"{type(timeout).__name__} {timeout!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)

@@ -1,9 +1,12 @@
 """Table and feature configs: what a user declares.
 
-Both classes are frozen, keyword-only dataclasses validated on construction. The library never
-mutates them; names the user did not give are resolved by the engine (``resolve_names``) and kept
-beside the configs, not written into them. Configs compare and hash by identity: two tables with the
-same fields are still two tables.
+Both classes are frozen, keyword-only dataclasses validated on construction: a field of the wrong
+type raises ``TypeError``, a field of the right type with a wrong value ``ValueError``, each naming
+the field and the value. The library never mutates them; table names the user did not give are
+resolved by ``resolve_table_names`` (called by the engine and by ``serving_embedding_lookup``) and
+kept beside the configs, not written into them. Configs compare and hash by identity: two tables
+with the same fields are still two tables. How features' inputs become activations:
+docs/semantics.md sections 1-2.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ class TableConfig:
         dtype: the parameters' floating dtype.
 
     Raises:
-        ValueError / TypeError: on any invalid field, naming it and the value.
+        TypeError: a field of the wrong type (a non-int size, a non-string combiner or name, a
+            dtype that is not floating point, an initializer or optimizer of another kind).
+        ValueError: a field of the right type with a wrong value (a size < 1, an unknown
+            combiner, an empty name or one holding '/', an initializer tensor of another shape).
 
     Example:
         >>> import embcore as ec
@@ -67,15 +73,16 @@ class TableConfig:
 
     def __post_init__(self) -> None:
         where = f"TableConfig(name={self.name!r})"
-        _check_positive_int(self.vocabulary_size, "vocabulary_size", where)
-        _check_positive_int(self.dim, "dim", where)
+        _check_int(self.vocabulary_size, "vocabulary_size", where, minimum=1)
+        _check_int(self.dim, "dim", where, minimum=1)
+        if not isinstance(self.combiner, str):
+            raise TypeError(f"{where}: combiner must be a string, one of {COMBINERS}, got "
+                            f"{type(self.combiner).__name__} {self.combiner!r}")
         if self.combiner not in COMBINERS:
             raise ValueError(f"{where}: combiner must be one of {COMBINERS}, got {self.combiner!r}")
-        if self.name is not None and (not isinstance(self.name, str) or not self.name
-                                      or "/" in self.name):
-            raise ValueError(f"{where}: name must be a non-empty string without '/', "
-                             f"got {self.name!r}")
-        if self.dtype not in FLOAT_DTYPES:
+        if self.name is not None:
+            _check_name(self.name, where, allow_slash=False)
+        if self.dtype not in FLOAT_DTYPES:  # the element type: a non-float one is a TypeError
             raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
         init = self.initializer
         if isinstance(init, torch.Tensor):
@@ -111,6 +118,12 @@ class FeatureConfig:
             finite on every enqueue (a small cost; turn off once inputs are trusted).
         name: the feature's name in error messages; ``None`` uses its path in the structure.
 
+    Raises:
+        TypeError: a field of the wrong type (table, a non-int max_sequence_length, an
+            output_shape that is not a sequence of ints, a non-string name).
+        ValueError: a negative max_sequence_length, an empty output_shape or one with an entry
+            < 1, an empty name.
+
     Example:
         >>> import embcore as ec
         >>> t = ec.TableConfig(vocabulary_size=100, dim=8)
@@ -126,19 +139,22 @@ class FeatureConfig:
     def __post_init__(self) -> None:
         where = f"FeatureConfig(name={self.name!r})"
         if not isinstance(self.table, TableConfig):
-            raise TypeError(f"{where}: table must be a TableConfig, got {type(self.table).__name__}")
-        if (not isinstance(self.max_sequence_length, int) or isinstance(self.max_sequence_length, bool)
-                or self.max_sequence_length < 0):
-            raise ValueError(f"{where}: max_sequence_length must be an int >= 0, "
-                             f"got {self.max_sequence_length!r}")
+            raise TypeError(f"{where}: table must be a TableConfig, got "
+                            f"{type(self.table).__name__}")
+        _check_int(self.max_sequence_length, "max_sequence_length", where, minimum=0)
         if self.output_shape is not None:
+            what = "output_shape must be a non-empty sequence of positive ints"
+            if not isinstance(self.output_shape, Sequence) or isinstance(self.output_shape, str):
+                raise TypeError(f"{where}: {what}, got {type(self.output_shape).__name__} "
+                                f"{self.output_shape!r}")
             shape = tuple(self.output_shape)
-            if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
-                raise ValueError(f"{where}: output_shape must be a non-empty sequence of positive "
-                                 f"ints, got {self.output_shape!r}")
+            if any(not isinstance(s, int) or isinstance(s, bool) for s in shape):
+                raise TypeError(f"{where}: {what}, got {self.output_shape!r}")
+            if not shape or any(s < 1 for s in shape):
+                raise ValueError(f"{where}: {what}, got {self.output_shape!r}")
             object.__setattr__(self, "output_shape", shape)  # normalise once, at construction
-        if self.name is not None and (not isinstance(self.name, str) or not self.name):
-            raise ValueError(f"{where}: name must be a non-empty string, got {self.name!r}")
+        if self.name is not None:
+            _check_name(self.name, where, allow_slash=True)
 
     def __repr__(self) -> str:
         return (f"FeatureConfig(name={self.name!r}, table={self.table.name!r}, "
@@ -146,9 +162,22 @@ class FeatureConfig:
                 f"output_shape={self.output_shape})")
 
 
-def _check_positive_int(value: Any, arg: str, where: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}: {arg} must be an int >= 1, got {value!r}")
+def _check_int(value: Any, arg: str, where: str, minimum: int) -> None:
+    """``TypeError`` unless ``value`` is an int (bool is not), ``ValueError`` if below minimum."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{where}: {arg} must be an int >= {minimum}, got "
+                        f"{type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{where}: {arg} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_name(name: Any, where: str, allow_slash: bool) -> None:
+    """``TypeError`` unless ``name`` is a string, ``ValueError`` if empty (or holding '/')."""
+    what = "name must be a non-empty string" + ("" if allow_slash else " without '/'")
+    if not isinstance(name, str):
+        raise TypeError(f"{where}: {what}, got {type(name).__name__} {name!r}")
+    if not name or (not allow_slash and "/" in name):
+        raise ValueError(f"{where}: {what}, got {name!r}")
 
 
 def resolve_table_names(tables_in_use_order: Sequence[TableConfig]) -> dict[TableConfig, str]:

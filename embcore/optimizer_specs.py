@@ -141,7 +141,12 @@ def _from_torch(cls: type, kwargs: dict[str, Any]) -> Optimizer:
     if cls is torch.optim.Adagrad:
         return Adagrad(learning_rate=lr,
                        initial_accumulator_value=args["initial_accumulator_value"])
-    b1, b2 = (b.item() if isinstance(b, Tensor) else b for b in args["betas"])
+    betas = args["betas"]
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(f"{name}(betas={betas!r}): betas must be a pair (beta_1, beta_2)")
+    if len(betas) != 2:
+        raise ValueError(f"{name}(betas={betas!r}): betas must be a pair (beta_1, beta_2)")
+    b1, b2 = (b.item() if isinstance(b, Tensor) else b for b in betas)
     Adam(learning_rate=lr, beta_1=b1, beta_2=b2, epsilon=args["eps"])  # validates the values
     return Adam(learning_rate=_TorchAdamLearningRate(lr, b1, b2), beta_1=b1, beta_2=b2,
                 epsilon=args["eps"], lazy_adam=False, sum_inside_sqrt=False)

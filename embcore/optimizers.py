@@ -1,8 +1,9 @@
 """Sparse optimizers: hyper-parameters, slot specs and the update of one step's touched rows.
 
 Each optimizer is a small frozen object: TensorFlow's argument names and defaults, validated on
-construction, and ``update``, the pure math of DESIGN 2.3-2.4 on the rows a step touched. The engine
-owns the tables and slots; it gathers the touched rows, calls ``update`` and scatters the result.
+construction, and ``update``, the pure math of docs/semantics.md sections 3-4 on the rows a step
+touched. The engine owns the tables and slots; it gathers the touched rows, calls ``update`` and
+scatters the result.
 ``embcore.ops.reference_optim`` is the same math as plain loops: the specification.
 
 The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
@@ -29,6 +30,8 @@ from torch import Tensor
 LearningRate = float | Callable[[], float]
 ClipValue = float | tuple[float | None, float | None] | None
 Slots = dict[str, Tensor]
+# (shape, dtype, device) -> an uninitialized tensor: how init_slots gets its memory.
+Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device | None], Tensor]
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,11 @@ class Optimizer:
             ``experimental_gradient_multiplier_fn``); ``step`` counts updates already applied.
 
     Raises:
-        ValueError: on an invalid hyper-parameter, naming it and its value.
+        TypeError: a hyper-parameter of the wrong type (a number that is not a real number, a
+            gradient_multiplier that is not callable, a non-bool use_gradient_accumulation),
+            naming it and its value.
+        ValueError: a hyper-parameter of the right type with an invalid value (out of range,
+            not finite, inconsistent with another), naming it and its value.
     """
 
     learning_rate: LearningRate = 0.01
@@ -84,7 +91,10 @@ class Optimizer:
                             "ec.RowwiseAdagrad, ec.AdagradMomentum, ec.Adam or ec.FTRL")
         if not callable(self.learning_rate):
             self._check_lr(self._number("learning_rate", self.learning_rate))
-        if self.use_gradient_accumulation is not True:
+        if not isinstance(self.use_gradient_accumulation, bool):
+            raise TypeError(f"{self._name}: use_gradient_accumulation must be a bool, got "
+                            f"{self.use_gradient_accumulation!r}")
+        if not self.use_gradient_accumulation:
             raise ValueError(
                 f"{self._name}: use_gradient_accumulation={self.use_gradient_accumulation!r} is "
                 "not supported: embcore always sums the gradients of duplicate ids (across "
@@ -111,7 +121,7 @@ class Optimizer:
         elif clip is not None:
             self._require("clipvalue", "> 0 (or a pair (lo, hi))", lambda x: x > 0)
         if self.gradient_multiplier is not None and not callable(self.gradient_multiplier):
-            raise ValueError(f"{self._name}: gradient_multiplier must be a callable step -> float, "
+            raise TypeError(f"{self._name}: gradient_multiplier must be a callable step -> float, "
                              f"got {self.gradient_multiplier!r}")
         self._check()
 
@@ -169,7 +179,9 @@ class Optimizer:
         """The learning rate of this step: the float, or the callable's value (checked).
 
         Raises:
-            ValueError / TypeError: when the callable returns a negative or non-numeric value.
+            TypeError: the callable returns something other than a real number.
+            ValueError: the callable returns a negative or non-finite number (or 0 for FTRL
+                without multiply_linear_by_learning_rate).
         """
         lr = self.learning_rate
         if not callable(lr):
@@ -192,12 +204,24 @@ class Optimizer:
 
     def init_slots(self, num_rows: int, dim: int, *, dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None,
-                   allocate: Callable[..., Tensor] | None = None) -> dict[str, Tensor]:
-        """Fresh slots for ``num_rows`` rows of width ``dim``: ``{name: (N, D) or (N, 1)}``."""
+                   allocate: Allocator | None = None) -> dict[str, Tensor]:
+        """Fresh slots for ``num_rows`` rows of width ``dim``: ``{name: (N, D) or (N, 1)}``.
+
+        Args:
+            num_rows: ``N``.
+            dim: ``D`` (row-wise slots are ``(N, 1)`` whatever it is).
+            dtype: the slots' dtype.
+            device: where they live (None: torch's default device).
+            allocate: how to get the memory of each slot: ``allocate(shape, dtype, device)``
+                returns an uninitialized tensor of that shape, dtype and device, which is
+                then filled with the slot's initial value (e.g. an allocator placing large
+                slots on huge pages). None: ``torch.full``.
+        """
         if allocate is None:
             return {s.name: torch.full((num_rows, 1 if s.rowwise else dim), s.initial_value,
                                        dtype=dtype, device=device) for s in self.slots}
-        return {s.name: allocate((num_rows, 1 if s.rowwise else dim), dtype, device)
+        where = torch.device(device) if device is not None else None
+        return {s.name: allocate((num_rows, 1 if s.rowwise else dim), dtype, where)
                 .fill_(s.initial_value) for s in self.slots}
 
     def update(self, params: Tensor, grads: Tensor, slots: Mapping[str, Tensor], *, lr: float,

@@ -33,6 +33,38 @@ def test_table_config_type_errors():
         ec.TableConfig(10, 4)  # keyword-only
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"vocabulary_size": 10.0, "dim": 4}, "vocabulary_size must be an int >= 1, got float 10.0"),
+    ({"vocabulary_size": "10", "dim": 4}, "vocabulary_size must be an int >= 1, got str '10'"),
+    ({"vocabulary_size": 10, "dim": True}, "dim must be an int >= 1, got bool True"),
+    ({"vocabulary_size": 10, "dim": None}, "dim must be an int >= 1, got NoneType None"),
+    ({"vocabulary_size": 10, "dim": 4, "combiner": 1}, "combiner must be a string"),
+    ({"vocabulary_size": 10, "dim": 4, "name": 3}, "name must be a non-empty string"),
+])
+def test_table_config_wrong_types(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        ec.TableConfig(**kwargs)
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        ec.TableConfig(vocabulary_size=3, dim=2, name="")
+
+
+def test_feature_config_wrong_types():
+    t = ec.TableConfig(vocabulary_size=3, dim=2)
+    for kwargs, match in [({"max_sequence_length": 2.0}, "max_sequence_length must be an int"),
+                          ({"max_sequence_length": None}, "max_sequence_length must be an int"),
+                          ({"output_shape": 4}, "output_shape must be a non-empty sequence"),
+                          ({"output_shape": "ab"}, "output_shape must be a non-empty sequence"),
+                          ({"output_shape": [2, 1.5]}, r"output_shape .* got \[2, 1\.5\]"),
+                          ({"name": b"f"}, "name must be a non-empty string")]:
+        with pytest.raises(TypeError, match=match):
+            ec.FeatureConfig(table=t, **kwargs)
+    for kwargs, match in [({"output_shape": []}, "output_shape"), ({"name": ""}, "name")]:
+        with pytest.raises(ValueError, match=match):
+            ec.FeatureConfig(table=t, **kwargs)
+    assert ec.FeatureConfig(table=t, output_shape=torch.Size([4])).output_shape == (4,)
+    assert ec.FeatureConfig(table=t, name="a/b").name == "a/b"  # '/' is refused in table names only
+
+
 def test_feature_config_errors_and_normalisation():
     t = ec.TableConfig(vocabulary_size=3, dim=2)
     with pytest.raises(TypeError, match="table must be a TableConfig"):

@@ -404,7 +404,6 @@ def test_identity_repr_and_immutability() -> None:
     (lambda: SGD(clipvalue=-1.0), r"clipvalue.*-1\.0"),
     (lambda: SGD(clipvalue=(1.0, -1.0)), r"clipvalue.*\(1\.0, -1\.0\)"),
     (lambda: SGD(clipvalue=(1.0, 2.0, 3.0)), r"clipvalue.*\(1\.0, 2\.0, 3\.0\)"),
-    (lambda: SGD(gradient_multiplier=2.0), r"gradient_multiplier.*2\.0"),
     (lambda: Adagrad(use_gradient_accumulation=False),
      r"use_gradient_accumulation=False.*sums the gradients of duplicate ids"),
 ])
@@ -418,6 +417,39 @@ def test_hyper_parameter_of_wrong_type() -> None:
         SGD(learning_rate="0.1")
     with pytest.raises(TypeError, match=r"momentum must be a real number, got None"):
         AdagradMomentum(momentum=None)
+    with pytest.raises(TypeError, match=r"gradient_multiplier.*2\.0"):   # was ValueError
+        SGD(gradient_multiplier=2.0)
+    with pytest.raises(TypeError, match=r"use_gradient_accumulation must be a bool, got 1"):
+        Adagrad(use_gradient_accumulation=1)
+    with pytest.raises(TypeError, match=r"clip_weight_min must be a real number, got '0'"):
+        SGD(clip_weight_min="0")
+    with pytest.raises(TypeError, match=r"clipvalue must be a real number, got '1'"):
+        SGD(clipvalue=(None, "1"))
+    with pytest.raises(TypeError, match=r"beta_1 must be a real number, got True"):
+        Adam(beta_1=True)
+
+
+def test_init_slots_with_an_allocator() -> None:
+    calls = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device | None) -> torch.Tensor:
+        calls.append((shape, dtype, device))
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)  # filled afterwards
+
+    opt = FTRL(initial_accumulator_value=0.25)
+    slots = opt.init_slots(4, 3, dtype=torch.float64, device="cpu", allocate=allocate)
+    assert calls == [((4, 3), torch.float64, torch.device("cpu"))] * 2
+    assert torch.equal(slots["accumulators"], torch.full((4, 3), 0.25, dtype=torch.float64))
+    assert torch.equal(slots["linears"], torch.zeros(4, 3, dtype=torch.float64))
+    calls.clear()
+    rowwise = RowwiseAdagrad(initial_accumulator_value=0.5).init_slots(2, 7, allocate=allocate)
+    assert calls == [((2, 1), torch.float32, None)]
+    assert torch.equal(rowwise["accumulators"], torch.full((2, 1), 0.5))
+    assert SGD().init_slots(3, 2, allocate=allocate) == {}
+    for opt in (Adagrad(), Adam(), AdagradMomentum()):  # the default: the same values
+        a, b = opt.init_slots(3, 2), opt.init_slots(3, 2, allocate=allocate)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # -- resolve_optimizer ------------------------------------------------------------------------
