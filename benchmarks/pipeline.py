@@ -1,4 +1,4 @@
-"""Pipelined vs exact execution on W1 + a dense MLP (DESIGN 2.6).
+"""Pipelined vs exact execution on W1 + a dense MLP (docs/semantics.md section 6).
 
     python benchmarks/pipeline.py [--steps 20] [--batch 4096]
 

@@ -1,5 +1,5 @@
-"""Runs DESIGN section 6's workloads for embcore and every peer, side by side, one fresh subprocess
-per system, and writes benchmarks/RESULTS.md.
+"""Runs the standard workloads (benchmarks/README.md) for embcore and every peer, side by side, one
+fresh subprocess per system, and writes benchmarks/RESULTS.md.
 
     .venv/bin/python benchmarks/run.py --quick          # a few minutes
     .venv/bin/python benchmarks/run.py                  # full sizes (W2: 8 GiB per system)
@@ -322,7 +322,7 @@ def write_results(args, command, mach, load0, bw, results, lines, checks, prof, 
         "throughput / the fastest non-embcore system with the same optimizer; `vs plain` = "
         "throughput / plain PyTorch (exact Adagrad). `% of bound`: see benchmarks/bound.py. "
         "Page faults/step: minor faults per timed step (fresh pages for large per-step "
-        "temporaries, see DESIGN 6). Peak RSS is the whole subprocess (batches included)."
+        "temporaries, see ops/workspace.py). Peak RSS is the whole subprocess (batches included)."
         + (f" Each system ran {args.rounds} times; the table keeps its fastest undisturbed run."
            if args.rounds > 1 else ""),
         "",

@@ -1,4 +1,4 @@
-"""The standard workloads of DESIGN section 6, and their deterministic batches.
+"""The standard workloads (benchmarks/README.md), and their deterministic batches.
 
 Every system script builds the same batches from the same seeds, so all systems see identical ids
 and identical upstream gradients. Ids follow Zipf(1.05) over the vocabulary (inverse CDF over ranks

@@ -8,10 +8,7 @@ changes nothing), pipelining and the public API (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,23 +24,8 @@ from .nest import flatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .preprocess import Prepared, preprocess
+from .protocol import StepQueue
 from .store import RowStore
-
-
-@dataclass
-class _Queued:
-    """An enqueued batch: prepared now, or by the pipeline's worker (with, at W = 1, its
-    activations)."""
-
-    training: bool
-    prepared: Prepared | Future
-    activations: list[Any] | None = None
-    received: Received = ()
-
-    def wait(self) -> Prepared:
-        if isinstance(self.prepared, Future):
-            self.prepared, self.activations, self.received = self.prepared.result()
-        return self.prepared
 
 
 class Embedding:
@@ -101,11 +83,8 @@ class Embedding:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         self._seed = int(self._comm.all_gather(seed.to(self.device))[0].item())
         self._store: RowStore | None = None
-        self._queue: deque[_Queued] = deque()
-        self._awaiting: _Queued | None = None
-        self._last_dequeue_training: bool | None = None
+        self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
-        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def plan(self) -> ShardingPlan:
@@ -169,35 +148,28 @@ class Embedding:
                 a training enqueue with a table that has no optimizer.
             RuntimeError: enqueue again before the previous batch was dequeued.
         """
-        if len(self._queue) >= (2 if self.pipeline_execution else 1):
-            raise RuntimeError("enqueue() called again before dequeue() of the batch already "
-                               "enqueued; call dequeue() after every enqueue()")
+        self._queue.check_room()
         untrained = self._features.untrained_tables() if training else []
         if untrained:
             raise ValueError(f"tables {untrained} have no optimizer, so they cannot be trained; "
                              f"pass optimizer= to Embedding (or to their TableConfig), or "
                              f"enqueue with training=False")
+        training = bool(training)
         bags = self._features.bags(self.feature_config, features, weights, self.device, True)
-        f = self._features
+        tables = self._features.tables
         if not self.pipeline_execution:
-            self._queue.append(_Queued(bool(training), preprocess(bags, f.tables, self._plan,
-                                                                  bool(training))))
+            self._queue.put(training, preprocess(bags, tables, self._plan, training))
             return
         store = self._built()
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcore")
-        # Collectives stay on the caller's thread (every rank must issue them in one order), so
-        # with several processes only the preprocessing runs ahead.
-        ahead = self._comm.world_size == 1
 
         def stage() -> tuple[Prepared, list[Any] | None, Received]:
-            prepared = preprocess(bags, f.tables, self._plan, bool(training))
-            if not ahead:
+            prepared = preprocess(bags, tables, self._plan, training)
+            if self._comm.world_size > 1:  # collectives stay on the caller's thread, in order
                 return prepared, None, ()
             with torch.no_grad():
                 return (prepared, *lookup(prepared, store, self._comm))
 
-        self._queue.append(_Queued(bool(training), self._worker.submit(stage)))
+        self._queue.put(training, background=stage)
 
     def dequeue(self) -> Any:
         """Activations of the oldest enqueued batch, mirroring feature_config.
@@ -210,22 +182,11 @@ class Embedding:
             RuntimeError: nothing enqueued, or a training batch dequeued before the previous
                 training batch's ``apply_gradients``.
         """
-        if not self._queue:
-            raise RuntimeError("dequeue() called with nothing enqueued; call enqueue(features) "
-                               "first")
-        item = self._queue[0]
-        if item.training and self._awaiting is not None:
-            raise RuntimeError("dequeue() of a training batch before apply_gradients() of the "
-                               "previous training batch; call apply_gradients() once per training "
-                               "dequeue()")
-        self._queue.popleft()
+        item = self._queue.take()
         prepared = item.wait()
         if item.activations is None:
             with torch.no_grad():
                 item.activations, item.received = lookup(prepared, self._built(), self._comm)
-        self._last_dequeue_training = item.training
-        if item.training:
-            self._awaiting = item
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
         return self._features.unflatten(self.feature_config, flat)
 
@@ -244,25 +205,16 @@ class Embedding:
             ValueError / TypeError: structure, type or shape mismatch, naming the feature.
                 Nothing is changed.
         """
-        if self._awaiting is None:
-            raise RuntimeError({
-                False: "apply_gradients() after a training=False enqueue: there are no training "
-                       "activations to apply gradients to; enqueue with training=True",
-                True: "apply_gradients() called twice for one training batch; call it once per "
-                      "dequeue()",
-                None: "apply_gradients() without a training batch; call enqueue(..., "
-                      "training=True) and dequeue() first"}[self._last_dequeue_training])
-        item = self._awaiting
+        item = self._queue.awaiting()
         prepared = item.wait()
         flat = flatten_like(self.feature_config, gradients, is_feature, "gradients")
         grads = check_gradients(prepared, flat, self._features.names, self._plan, warn_on_none)
         lrs = learning_rates(prepared, self._plan)  # may raise: before any write
-        for queued in self._queue:  # background lookups read the tables: let them finish first
-            queued.wait()
+        self._queue.wait_all()  # background lookups read the tables: let them finish first
         apply_gradients(prepared, item.received, grads, self._built(), self._comm, lrs,
                         self._step)
         self._step += 1
-        self._awaiting = None
+        self._queue.applied()
 
     def lookup(self, features: Any, weights: Any = None, *, serving_config: Any = None) -> Any:
         """Activations without the queue or any update (evaluation, serving).
@@ -314,35 +266,14 @@ class Embedding:
             KeyError: with ``strict``, missing keys; always, unknown keys.
             ValueError: a shape mismatch, naming the key. Nothing is changed on error.
         """
-        store = self._built()
-        shapes = {**store.state_shapes(), "step": ()}
-        unknown = sorted(set(state_dict) - set(shapes))
-        if unknown:
-            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(shapes)}")
-        missing = sorted(set(shapes) - set(state_dict))
-        if strict and missing:
-            raise KeyError(f"missing keys {missing} (load with strict=False for a partial load)")
-        for k, v in state_dict.items():
-            got = tuple(v.size()) if k != "step" else tuple(torch.as_tensor(v).shape)
-            if got != shapes[k]:
-                raise ValueError(f"{k!r}: shape {list(got)} does not match the engine's "
-                                 f"{list(shapes[k])}")
-        store.load_state_dict({k: v for k, v in state_dict.items() if k != "step"})
+        self._built().load_state_dict(state_dict, strict)
         if "step" in state_dict:
             self._step = int(state_dict["step"])
 
     def manifest(self) -> dict[str, Any]:
         """JSON-able description of the configs, plan and step (for checkpoints)."""
-        f = self._features
-        tables = {name: {"vocabulary_size": t.vocabulary_size, "dim": t.dim,
-                         "combiner": t.combiner, "dtype": str(t.dtype).replace("torch.", ""),
-                         "optimizer": repr(f.optimizers[t]) if f.optimizers[t] is not None else None,
-                         "slots": list(self._plan.table(name).slot_names)}
-                  for t, name in f.table_names.items()}
-        features = [{"name": n, "table": tn, "max_sequence_length": c.max_sequence_length}
-                    for n, tn, c in zip(f.names, f.tables, f.configs)]
-        return {"embcore_version": __version__, "step": self._step, "tables": tables,
-                "features": features, "plan": self._plan.describe(),
+        return {"embcore_version": __version__, "step": self._step,
+                **self._features.describe(self._plan), "plan": self._plan.describe(),
                 "world_size": self._plan.world_size}
 
     def __repr__(self) -> str:

@@ -138,6 +138,18 @@ class Features:
                     self.shapes[i] = b.shape
         return out
 
+    def describe(self, plan: Any) -> dict[str, Any]:
+        """``{"tables": {name: {...}}, "features": [...]}``, JSON-able (checkpoint manifests)."""
+        tables = {name: {"vocabulary_size": t.vocabulary_size, "dim": t.dim,
+                         "combiner": t.combiner, "dtype": str(t.dtype).replace("torch.", ""),
+                         "optimizer": None if self.optimizers[t] is None
+                         else repr(self.optimizers[t]),
+                         "slots": list(plan.table(name).slot_names)}
+                  for t, name in self.table_names.items()}
+        features = [{"name": n, "table": tn, "max_sequence_length": c.max_sequence_length}
+                    for n, tn, c in zip(self.names, self.tables, self.configs)]
+        return {"tables": tables, "features": features}
+
     def unflatten(self, template: Any, flat: list[Any]) -> Any:
         """A structure like ``template`` from per-feature values (flat order of this engine)."""
         return unflatten_like(template, [flat[i] for i in self.subset(template)], is_feature)

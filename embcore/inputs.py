@@ -7,7 +7,7 @@ its gradient are the same two kernels for sum / mean / sqrtn, dense ids (bags of
 features (bags of zero or one id) and ragged / sparse bags. The activation is the (R, D) result
 viewed as ``shape + (D,)``.
 
-Shape rules (DESIGN 2.1), giving the *natural* leading shape of a batch:
+Shape rules (docs/semantics.md section 1), giving the *natural* leading shape of a batch:
 - dense ids of shape ``S + [1]`` or ``S``: ``S`` (every id alone);
 - jagged ``[B, None]``: ``[B]``; sparse of rank k: ``shape[:-1]`` (one bag per leading index);
 - sequence features (``max_sequence_length = L > 0``): the bag shape (dense: all but the last dim)
@@ -116,7 +116,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
 
 def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
                     nnz: int) -> torch.Tensor:
-    """Per-id scale so that a weighted sum over each bag applies the combiner (DESIGN 2.2).
+    """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md section 2).
 
     A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
     """

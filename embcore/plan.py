@@ -6,7 +6,7 @@ optimizer update per physical table rather than per table or per feature. Combin
 initializers do not matter for stacking: combining is folded into per-id scales (inputs.py) and
 initial values are made per table.
 
-Strategies (DESIGN 2.5), each applied to every logical table on its own:
+Strategies (docs/semantics.md section 5), each applied to every logical table on its own:
 - ``replicated``: every process holds the whole table; gradients are summed across processes.
 - ``table``: the whole table on one owner process (chosen to balance memory, then lookups).
 - ``row_div``: rows in W contiguous blocks, the first ``N % W`` blocks one row longer.

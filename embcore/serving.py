@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import TableConfig, resolve_table_names
+from .config import FeatureConfig, TableConfig, resolve_table_names
 from .features import is_feature as _is_feature
 from .inputs import canonicalize, input_kind, resolve_shape
 from .nest import flatten_like, leaves_with_paths, unflatten_like

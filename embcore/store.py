@@ -124,16 +124,34 @@ class RowStore:
                                       shape[1], self.comm)
         return out
 
-    def load_state_dict(self, values: Mapping[str, Any]) -> None:
-        """Copies ``{key: whole tensor or state_dict() value}`` in; shapes checked by the caller.
+    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
+        """Copies ``{key: whole tensor or state_dict() value}`` in (``"step"`` is the caller's).
 
-        Every value is converted (collectives included) before the first write.
+        Keys and shapes are checked and every value is converted (collectives included) before
+        the first write: an error changes nothing.
+
+        Raises:
+            KeyError: with ``strict``, missing keys; always, unknown keys.
+            ValueError: a shape mismatch, naming the key.
         """
+        shapes = {**self.state_shapes(), "step": ()}
+        unknown = sorted(set(values) - set(shapes))
+        if unknown:
+            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(shapes)}")
+        missing = sorted(set(shapes) - set(values))
+        if strict and missing:
+            raise KeyError(f"missing keys {missing} (load with strict=False for a partial load)")
+        for k, v in values.items():
+            got = tuple(v.size()) if k != "step" else tuple(torch.as_tensor(v).shape)
+            if got != shapes[k]:
+                raise ValueError(f"{k!r}: shape {list(got)} does not match the engine's "
+                                 f"{list(shapes[k])}")
         new: dict[str, torch.Tensor] = {}
         for k, v in values.items():
-            name, _ = k.split("/", 1)
-            place = self.plan.table(name)
-            new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
+            if k != "step":
+                name, _ = k.split("/", 1)
+                place = self.plan.table(name)
+                new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
         for k, v in new.items():
             name, slot = k.split("/", 1)
             self.local(name, slot).copy_(v)

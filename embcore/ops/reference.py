@@ -82,7 +82,7 @@ def _at(nested: list, index: tuple[int, ...]):
 
 
 def bag_scale(bag: Bag, combiner: str, combine: bool) -> list[float]:
-    """The factor each (id, weight) of a bag contributes with (DESIGN 2.2)."""
+    """The factor each (id, weight) of a bag contributes with (docs/semantics.md section 2)."""
     if not combine:
         return [w for _, w in bag]
     if combiner == "sum":

@@ -1,4 +1,5 @@
-"""The readable oracle of the optimizers: DESIGN 2.3 steps 1-5 and the rules of 2.4 as plain loops.
+"""The readable oracle of the optimizers: docs/semantics.md sections 3-4 (the order of the steps
+and every rule) as plain loops.
 
 Everything here runs on Python floats, one row and one column at a time, with no vectorisation and
 no torch math: it is the specification that ``Optimizer.update`` is tested against. Hyper-parameters

@@ -1,0 +1,100 @@
+"""The mid-level API's protocol: ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, checked.
+
+``StepQueue`` holds the enqueued batches and the training batch awaiting its gradients, and says
+exactly what is wrong when a call breaks the order (docs/semantics.md section 6). A refused call
+raises before anything changes. With ``pipeline_execution`` a batch may be prepared by a
+background worker (``Queued.prepared`` is then a Future) and up to two batches may be queued.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .preprocess import Prepared
+
+
+@dataclass
+class Queued:
+    """An enqueued batch: prepared now, or by the pipeline's worker (which, with one process,
+    also looks it up)."""
+
+    training: bool
+    prepared: Prepared | Future
+    activations: list[torch.Tensor | None] | None = None
+    received: tuple[Any, ...] = ()
+
+    def wait(self) -> Prepared:
+        """The prepared batch, once the background work (if any) is done."""
+        if isinstance(self.prepared, Future):
+            self.prepared, self.activations, self.received = self.prepared.result()
+        return self.prepared
+
+
+class StepQueue:
+    """Enqueued batches in order, and the training batch that awaits ``apply_gradients``."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.limit = 2 if pipelined else 1
+        self._worker: ThreadPoolExecutor | None = None
+        self._queue: deque[Queued] = deque()
+        self._awaiting: Queued | None = None
+        self._last_training: bool | None = None
+
+    def check_room(self) -> None:
+        if len(self._queue) >= self.limit:
+            raise RuntimeError("enqueue() called again before dequeue() of the batch already "
+                               "enqueued; call dequeue() after every enqueue()")
+
+    def put(self, training: bool, prepared: Prepared | None = None,
+            background: Callable[[], tuple[Prepared, Any, Any]] | None = None) -> None:
+        """Queues a batch ``prepared`` now, or by ``background()`` on the pipeline's worker
+        (returning ``(prepared, activations or None, received)``)."""
+        self.check_room()
+        if background is None:
+            assert prepared is not None
+            self._queue.append(Queued(training, prepared))
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcore")
+        self._queue.append(Queued(training, self._worker.submit(background)))
+
+    def take(self) -> Queued:
+        """The oldest batch, for ``dequeue``."""
+        if not self._queue:
+            raise RuntimeError("dequeue() called with nothing enqueued; call enqueue(features) "
+                               "first")
+        if self._queue[0].training and self._awaiting is not None:
+            raise RuntimeError("dequeue() of a training batch before apply_gradients() of the "
+                               "previous training batch; call apply_gradients() once per training "
+                               "dequeue()")
+        item = self._queue.popleft()
+        self._last_training = item.training
+        if item.training:
+            self._awaiting = item
+        return item
+
+    def awaiting(self) -> Queued:
+        """The training batch whose gradients are due, for ``apply_gradients``."""
+        if self._awaiting is None:
+            raise RuntimeError({
+                False: "apply_gradients() after a training=False enqueue: there are no training "
+                       "activations to apply gradients to; enqueue with training=True",
+                True: "apply_gradients() called twice for one training batch; call it once per "
+                      "dequeue()",
+                None: "apply_gradients() without a training batch; call enqueue(..., "
+                      "training=True) and dequeue() first"}[self._last_training])
+        return self._awaiting
+
+    def applied(self) -> None:
+        self._awaiting = None
+
+    def wait_all(self) -> None:
+        """Lets the background work of every queued batch finish (it reads the tables)."""
+        for item in self._queue:
+            item.wait()
