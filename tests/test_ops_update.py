@@ -1,4 +1,5 @@
-"""The in-place fast update against the pure optimizer math (Optimizer.update)."""
+"""The update entry point (ops/update.py) on its torch-ops paths against the optimizers' math and
+the loop reference (ops/reference_optim.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.ops.update import apply_in_place, in_place_supported
+from embcore.ops import native
+from embcore.ops.bags import Bags, dedup
+from embcore.ops.combine import OutputGrads
+from embcore.ops.reference_optim import reference_update
+from embcore.ops.update import apply_in_place, in_place_supported, update
 
 
 @settings(max_examples=60, deadline=None)
@@ -43,3 +48,125 @@ def test_options_fall_back_to_the_pure_path():
     assert not in_place_supported(ec.Adagrad(learning_rate=0.1, initial_accumulator_value=0.0), w)
     assert not in_place_supported(ec.Adam(learning_rate=0.1), w)
     assert not in_place_supported(ec.SGD(learning_rate=0.1), w.half())
+
+
+# --------------------------------------------------------------------------------------------
+# The update entry point on its torch-ops paths (fused kernels off) against the loop reference,
+# every optimizer with random options: the same sweep as the fused kernel's (test_native.py).
+
+@st.composite
+def any_optimizer(draw):
+    """(optimizer, lr, step): every embcore optimizer, its own hyper-parameters and the common
+    options drawn at random (rounded to 3 decimals, as in test_native.py)."""
+    def num(lo, hi):
+        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+
+    lr = num(0.01, 1.0)
+    kw = {}
+    if draw(st.booleans()):
+        c = num(0.1, 3.0)
+        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
+    clip = draw(st.sampled_from(["none", "scalar", "both"]))
+    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
+    if clip == "scalar":
+        kw["clipvalue"] = num(0.05, 2.0)
+    elif clip == "both":
+        kw["clipvalue"] = (a, b)
+    if draw(st.booleans()):
+        kw["weight_decay_factor"] = num(0.0, 0.5)
+        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+    if draw(st.booleans()):
+        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
+    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
+    init = draw(st.sampled_from([0.0, 0.1, 1.0]))
+    if kind == "sgd":
+        opt = ec.SGD(learning_rate=lr, **kw)
+    elif kind in ("adagrad", "rowwise"):
+        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
+        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
+    elif kind == "momentum":
+        opt = ec.AdagradMomentum(learning_rate=lr, momentum=num(0.0, 0.99),
+                                 use_nesterov=draw(st.booleans()), exponent=num(1.0, 4.0),
+                                 beta2=draw(st.sampled_from([1.0, 0.9])), **kw)
+    elif kind == "adam":
+        opt = ec.Adam(learning_rate=lr, beta_1=num(0.0, 0.95), beta_2=num(0.5, 0.999),
+                      lazy_adam=draw(st.booleans()), sum_inside_sqrt=draw(st.booleans()), **kw)
+    else:
+        opt = ec.FTRL(learning_rate=lr, l1_regularization_strength=num(0.0, 0.1),
+                      l2_regularization_strength=num(0.0, 0.1), beta=num(0.0, 0.5),
+                      initial_accumulator_value=max(init, 0.1),
+                      multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
+    return opt, lr, draw(st.integers(0, 5))
+
+
+def occurrences(gen, n, d, nnz, unit):
+    """Output gradients of ``nnz`` occurrences of random rows (bags of them unless ``unit``), as
+    the entry point's ``OutputGrads``, and the float64 summed gradient of each distinct row."""
+    ids = torch.randint(0, n, (nnz,), generator=gen)
+    if unit:
+        bags = Bags(ids, None, None)
+    else:
+        r = max(1, nnz // 2)
+        cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
+        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
+        bags = Bags(ids, offsets, torch.randn(nnz, generator=gen))
+    rows_out = bags.num_rows
+    grad_out = torch.randn(rows_out, d, generator=gen)
+    split = rows_out // 2
+    parts = [grad_out[:split].clone(), grad_out[split:].clone()]
+    dd = dedup(ids)
+    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
+             else bags.scales.double())
+    summed = torch.zeros(n, d, dtype=torch.float64)
+    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
+    return OutputGrads(parts, [0, split, rows_out], bags, dd), summed[dd.unique]
+
+
+@settings(max_examples=120, deadline=None)
+@given(any_optimizer(), st.integers(1, 20), st.sampled_from([1, 3, 8]),
+       st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["summed", "outputs"]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, source, unit,
+                                                       seed):
+    opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen, dtype=dtype)
+    slots = {s.name: (torch.full((n, 1 if s.rowwise else d), s.initial_value, dtype=dtype)
+                      + (torch.rand(n, 1 if s.rowwise else d, generator=gen, dtype=dtype)
+                         if s.name in ("accumulators", "velocities") else 0.0))
+             for s in opt.slots}
+    if source == "summed":
+        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
+        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
+        grad = row_grads.to(dtype)
+    else:
+        grad, row_grads = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
+                                                                   generator=gen)), unit)
+        grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
+        rows = grad.dedup.unique
+    new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
+    previous = native.set_enabled(False)
+    try:
+        update(new_table, new_slots, rows, grad, opt, lr, step)
+    finally:
+        native.set_enabled(previous)
+    touched = rows
+    if opt.dense_update:  # every row moves; untouched ones with a zero gradient
+        full = torch.zeros(n, d, dtype=torch.float64)
+        full[rows] = row_grads
+        touched, row_grads = torch.arange(n), full
+    want_w, want_s = reference_update(opt, table[touched], row_grads,
+                                      {k: v[touched] for k, v in slots.items()}, lr=lr, step=step)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9,
+                                                                        "atol": 1e-9}
+    torch.testing.assert_close(new_table[touched].double(),
+                               torch.tensor(want_w, dtype=torch.float64).reshape(-1, d), **tol)
+    for k, v in want_s.items():
+        torch.testing.assert_close(new_slots[k][touched].double(),
+                                   torch.tensor(v, dtype=torch.float64)
+                                   .reshape(slots[k][touched].shape), **tol)
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[touched] = False
+    assert torch.equal(new_table[untouched], table[untouched])
+    for k in slots:
+        assert torch.equal(new_slots[k][untouched], slots[k][untouched])
