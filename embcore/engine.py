@@ -155,7 +155,7 @@ class Embedding:
                              f"pass optimizer= to Embedding (or to their TableConfig), or "
                              f"enqueue with training=False")
         training = bool(training)
-        bags = self._features.bags(self.feature_config, features, weights, self.device, True)
+        bags = self._features.bags(self._features.template, features, weights, self.device, True)
         tables = self._features.tables
         if not self.pipeline_execution:
             self._queue.put(training, preprocess(bags, tables, self._plan, training))
@@ -184,11 +184,10 @@ class Embedding:
         """
         item = self._queue.take()
         prepared = item.wait()
-        if item.activations is None:
-            with torch.no_grad():
-                item.activations, item.received = lookup(prepared, self._built(), self._comm)
+        if item.activations is None:  # (combine builds no graph: the store's tables need none)
+            item.activations, item.received = lookup(prepared, self._built(), self._comm)
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
-        return self._features.unflatten(self.feature_config, flat)
+        return self._features.unflatten(self._features.template, flat)
 
     def apply_gradients(self, gradients: Any, *, warn_on_none: bool = True) -> None:
         """Applies the optimizer to the rows of the last training batch.
@@ -207,7 +206,7 @@ class Embedding:
         """
         item = self._queue.awaiting()
         prepared = item.wait()
-        flat = flatten_like(self.feature_config, gradients, is_feature, "gradients")
+        flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
         grads = check_gradients(prepared, flat, self._features.names, self._plan, warn_on_none)
         lrs = learning_rates(prepared, self._plan)  # may raise: before any write
         self._queue.wait_all()  # background lookups read the tables: let them finish first

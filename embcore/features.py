@@ -57,6 +57,7 @@ class Features:
         self.tables = [self.table_names[f.table] for f in self.configs]  # per feature
         self.shapes: list[tuple[int, ...] | None] = [None] * len(self.configs)
         self._index = {id(f): i for i, f in enumerate(self.configs)}
+        self._all = list(range(len(self.configs)))
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -103,7 +104,7 @@ class Features:
             ValueError: ``template`` holds a feature this engine does not have.
         """
         if template is self.template:
-            return list(range(len(self)))
+            return self._all
         flat_sub = [f for _, f in leaves_with_paths(template, is_feature)]
         missing = [repr(f) for f in flat_sub if id(f) not in self._index]
         if missing:
@@ -126,7 +127,7 @@ class Features:
         flat_ids = flatten_like(template, features, is_feature, "features")
         flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
                   else [None] * len(sub))
-        out: list[Bags | None] = [None] * len(self)
+        out: list[Bags | None] = [None] * len(self._all)
         for i, ids, w in zip(sub, flat_ids, flat_w):
             f, name = self.configs[i], self.names[i]
             b = canonicalize(f, name, self.tables[i], ids, w, device)

@@ -54,7 +54,7 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
                 raise ValueError(f"gradient of feature {names[s.feature]!r} has shape "
                                  f"{list(g.shape)}, expected {list(s.shape + (p.dim,))} (the "
                                  f"shape of its activation)")
-            out[s.feature] = g.detach()
+            out[s.feature] = g.detach() if g.requires_grad else g
     if warn_none and not quiet_none:
         noisy = sorted({names[s.feature] for tb in prepared.tables for s in tb.slices
                         if grads[s.feature] is None and not _optimizer(plan, tb.physical)
@@ -94,9 +94,8 @@ def apply_gradients(prepared: Prepared, received: Received,
     for tb, got in zip(prepared.tables, received):
         p = plan.physical[tb.physical]
         work = torch.float64 if p.dtype == torch.float64 else torch.float32
-        parts = [g.reshape(s.rows, p.dim).to(store.device, work) if g is not None else
-                 torch.zeros(s.rows, p.dim, dtype=work, device=store.device)
-                 for g, s in ((grads[s.feature], s) for s in tb.slices)]  # (R_f, D) each
+        parts = [_rows(grads[s.feature], s.rows, p.dim, work, store.device)
+                 for s in tb.slices]  # (R_f, D) each
         outputs = OutputGrads(parts, [s.start for s in tb.slices] + [tb.bags.num_rows],
                               tb.bags, tb.dedup)
         opt = _optimizer(plan, tb.physical)
@@ -106,6 +105,14 @@ def apply_gradients(prepared: Prepared, received: Received,
         g_unique = row_gradients(outputs, store.workspace)  # (U, D)
         rows, g = gradients_at_owner(comm, p, tb, got, g_unique)
         store.update(tb.physical, rows, g, opt, lrs[tb.physical], step)
+
+
+def _rows(g: torch.Tensor | None, rows: int, dim: int, dtype: torch.dtype,
+          device: torch.device) -> torch.Tensor:
+    """A feature's activation gradient as (R_f, D) rows (zeros for None)."""
+    if g is None:
+        return torch.zeros(rows, dim, dtype=dtype, device=device)
+    return g.reshape(rows, dim).to(device, dtype)
 
 
 def _optimizer(plan: ShardingPlan, physical: int) -> Optimizer:

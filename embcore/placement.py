@@ -104,7 +104,7 @@ class RowMod(Placement):
     replicated = False
 
     def local_rows(self, rank: int) -> torch.Tensor:
-        return torch.arange(rank, self.rows, self.world)
+        return torch.arange(rank, max(rank, self.rows), self.world)  # empty when rank >= rows
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rows % self.world, torch.div(rows, self.world, rounding_mode="floor")
