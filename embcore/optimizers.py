@@ -372,7 +372,7 @@ class Adagrad(Optimizer):
 
 
 @_optimizer
-class RowwiseAdagrad(Optimizer):
+class RowwiseAdagrad(Adagrad):
     """Adagrad with one accumulator per row, shape (N, 1): D times less slot memory.
 
     Args:
@@ -390,12 +390,6 @@ class RowwiseAdagrad(Optimizer):
         >>> s["accumulators"]
         tensor([[12.5000]])
     """
-
-    learning_rate: LearningRate = 0.001
-    initial_accumulator_value: float = 0.1
-
-    def _check(self) -> None:
-        self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
 
     @property
     def slots(self) -> tuple[SlotSpec, ...]:

@@ -92,13 +92,7 @@ def _rule(opt: Optimizer, w: list[float], g: list[float], s: dict[str, list[floa
     """Step 3 on one row: returns the new weights, updates the row's slot lists in place."""
     if isinstance(opt, SGD):
         return [w[c] - lr * g[c] for c in range(len(w))]
-    if isinstance(opt, Adagrad):
-        a = s["accumulators"]
-        for c in range(len(w)):
-            a[c] = a[c] + g[c] * g[c]
-            w[c] = w[c] - lr * (g[c] / math.sqrt(a[c]) if a[c] > 0 else 0.0)
-        return w
-    if isinstance(opt, RowwiseAdagrad):
+    if isinstance(opt, RowwiseAdagrad):  # before Adagrad, its base class
         a = s["accumulators"]                                  # one value per row
         total = 0.0
         for c in range(len(w)):
@@ -106,6 +100,12 @@ def _rule(opt: Optimizer, w: list[float], g: list[float], s: dict[str, list[floa
         a[0] = a[0] + total / len(w)
         for c in range(len(w)):
             w[c] = w[c] - lr * (g[c] / math.sqrt(a[0]) if a[0] > 0 else 0.0)
+        return w
+    if isinstance(opt, Adagrad):
+        a = s["accumulators"]
+        for c in range(len(w)):
+            a[c] = a[c] + g[c] * g[c]
+            w[c] = w[c] - lr * (g[c] / math.sqrt(a[c]) if a[c] > 0 else 0.0)
         return w
     if isinstance(opt, AdagradMomentum):
         a, m = s["accumulators"], s["momenta"]
