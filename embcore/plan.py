@@ -62,7 +62,7 @@ class TablePlacement:
         if self.strategy == "table":
             return torch.arange(n) if rank == self.owner else torch.arange(0)
         if self.strategy == "row_mod":
-            return torch.arange(rank, n, world_size)
+            return torch.arange(min(rank, n), n, world_size)  # none when rank >= n
         sizes = split_sizes(n, world_size)
         start = sum(sizes[:rank])
         return torch.arange(start, start + sizes[rank])
