@@ -528,10 +528,11 @@ class Embedding:
 
         Slot names are TF's. With one process the values are views of the engine's tensors
         (whole logical tables). When sharded this is a collective and each value is this
-        process's share as ``torch.distributed.checkpoint`` understands it: a ``ShardedTensor``
-        of contiguous blocks of the logical ``(N, C)`` table (a copy), or a plain tensor for a
-        replicated table; ``dcp.save`` / ``dcp.load`` (what ``ec.save`` / ``ec.load`` use) then
-        reshard to any other plan or world size.
+        process's share as ``torch.distributed.checkpoint`` understands it: a ``DTensor``
+        placed ``Shard(0)`` on the engine's process group, whose local tensor is this process's
+        ``torch.chunk`` block of full rows of the logical ``(N, C)`` table (a copy), or a plain
+        tensor for a replicated table; ``dcp.save`` / ``dcp.load`` (what ``ec.save`` /
+        ``ec.load`` use) then reshard to any other plan or world size.
         """
         self._ensure_built()
         out: dict[str, Any] = {}
