@@ -26,7 +26,7 @@ import torch
 
 from .config import TableConfig
 from .optimizers import Optimizer
-from .placement import Placement, make_placement, split_sizes
+from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
 
 Strategy = Literal["replicated", "table", "row_div", "row_mod", "column"]
@@ -55,7 +55,7 @@ class TablePlacement:
         """The owner process of a ``"table"`` table (0 for the other strategies)."""
         return getattr(self.layout, "owner", 0)
 
-    def rank_rows(self, rank: int, world_size: int | None = None) -> torch.Tensor:
+    def rank_rows(self, rank: int) -> torch.Tensor:
         """Row ids (0..N-1) of this table held by ``rank``, in local order."""
         return self.layout.local_rows(rank)
 

@@ -1,141 +1,161 @@
 """Shards <-> whole tables: the layouts a logical table takes outside the step.
 
-A rank holds each logical table in its plan's native layout (contiguous row blocks, strided rows
-for row_mod, column slices, the whole table, or nothing). Outside the step the engine shows it as:
+A rank holds each logical table in its plan's native layout: some of its rows, in local order,
+and a range of its columns (contiguous row blocks, strided rows for row_mod, column slices, the
+whole table, or nothing). ``_held`` is the one function here that reads a layout; the rest is
+generic. Outside the step the engine shows a table as:
 - whole tables (``embedding_tables``, ``state_dict`` at world size 1): ``gather_whole``;
-- checkpoint shards (``state_dict`` when sharded): a ``ShardedTensor`` whose shards are contiguous
-  blocks of the ``(N, C)`` table, which ``torch.distributed.checkpoint`` saves and reloads into any
-  other layout. Row blocks, column slices and whole tables are already contiguous; row_mod rows are
-  first moved into the row_div block layout (``to_blocks`` / ``from_blocks``).
+- checkpoint shards (``state_dict`` when sharded): a ``DTensor`` placed ``Shard(0)`` on the
+  communicator's process group, so that rank ``r`` holds chunk ``r`` of the ``(N, C)`` table as
+  ``torch.chunk`` cuts it (``ceil(N / W)`` full rows each, the last chunks smaller or empty).
+  ``torch.distributed.checkpoint`` saves that and reloads it into any other layout or world size.
+  ``to_sharded`` moves the native rows and columns into the chunks with one all_to_all, and
+  ``from_value`` moves them back.
 Every function here is a collective when the world size is above 1 (collectives through comm.py).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+from types import SimpleNamespace
+from typing import Any
+
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 
 from .comm import Communicator
-from .plan import PhysicalTable, TablePlacement, split_sizes
+from .plan import PhysicalTable, TablePlacement
 
 
-def _block_owner(rel: torch.Tensor, n: int, world: int) -> torch.Tensor:
-    q, rem = divmod(n, world)
-    boundary = rem * (q + 1)
-    return torch.where(rel < boundary, torch.div(rel, q + 1, rounding_mode="floor"),
-                       rem + torch.div(rel - boundary, max(q, 1), rounding_mode="floor"))
+def _held(place: TablePlacement, phys: PhysicalTable, rank: int, world: int,
+          cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """What ``rank`` holds of a logical table's ``(N, cols)`` tensor: (the row ids 0..N-1, in
+    its local order; the column range ``(c0, c1)``). The only facts about layouts used here.
+
+    ``phys.columns`` splits the D columns of the parameters and of D-wide slots; a tensor of
+    another width (a row-wise slot, one column per row) is held whole wherever its rows are
+    (plans never split those by columns).
+    """
+    rows = place.layout.local_rows(rank)
+    c0, c1 = place.layout.columns(rank)
+    if cols != phys.dim:
+        if (c0, c1) != (0, phys.dim):
+            raise ValueError(f"table {place.name!r}: a tensor {cols} columns wide cannot follow "
+                             f"a split of its {phys.dim} columns")
+        c0, c1 = 0, cols
+    return rows, (c0, c1)
 
 
-def _exchange_rows(comm: Communicator, rel: torch.Tensor, values: torch.Tensor,
-                   dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sends each row (id ``rel``, ``values``) to rank ``dest``; returns the rows received."""
-    order = torch.argsort(dest, stable=True)
-    counts = torch.bincount(dest, minlength=comm.world_size).tolist()
-    ids = comm.all_to_all(list(rel[order].split(counts)))
-    vals = comm.all_to_all(list(values[order].split(counts)), [t.numel() for t in ids],
-                           values.shape[1])
-    return torch.cat(ids), torch.cat(vals)
+@functools.cache
+def _dt() -> SimpleNamespace:
+    """torch.distributed.tensor, imported on first use (it takes about half a second, more than
+    the rest of ``import embcore``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    return SimpleNamespace(DTensor=DTensor, Shard=Shard, DeviceMesh=DeviceMesh)
 
 
-def to_blocks(place: TablePlacement, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """row_mod rows of this rank -> this rank's contiguous row_div block (ascending rows)."""
-    rel = place.rank_rows(comm.rank, comm.world_size).to(local.device)
-    got_rel, got = _exchange_rows(comm, rel, local, _block_owner(rel, place.rows,
-                                                                   comm.world_size))
-    start = sum(split_sizes(place.rows, comm.world_size)[:comm.rank])
-    out = torch.empty_like(got)
-    out[got_rel - start] = got
-    return out
+def _is_dtensor(value: Any) -> bool:
+    # No DTensor can exist before torch.distributed.tensor is imported.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
 
 
-def from_blocks(place: TablePlacement, block: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Inverse of ``to_blocks``: a row_div block -> this rank's row_mod rows (local order)."""
-    sizes = split_sizes(place.rows, comm.world_size)
-    start = sum(sizes[:comm.rank])
-    rel = torch.arange(start, start + sizes[comm.rank], device=block.device)
-    got_rel, got = _exchange_rows(comm, rel, block, rel % comm.world_size)
-    out = torch.empty_like(got)
-    out[torch.div(got_rel, comm.world_size, rounding_mode="floor")] = got
-    return out
-
-
-def _blocks(place: TablePlacement, phys: PhysicalTable, cols: int,
-            world: int) -> list[tuple[int, int, int, int] | None]:
-    """Per rank: (row0, rows, col0, cols) of the contiguous block it writes, or None."""
-    out: list[tuple[int, int, int, int] | None] = []
-    sizes = split_sizes(place.rows, world)
+def _chunks(n: int, world: int) -> list[tuple[int, int]]:
+    """Per rank: (first row, rows) of its ``Shard(0)`` chunk of ``n`` rows, as DTensor has it."""
+    out = []
     for r in range(world):
-        if place.strategy == "table":
-            out.append((0, place.rows, 0, cols) if r == place.owner else None)
-        elif place.strategy == "column":
-            c0, c1 = phys.columns[r]
-            out.append((0, place.rows, c0, c1 - c0))
-        else:  # row_div, and row_mod once moved to blocks
-            out.append((sum(sizes[:r]), sizes[r], 0, cols) if sizes[r] else None)
+        size, start = _dt().Shard.local_shard_size_and_offset(n, world, r)
+        out.append((int(start), int(size)))
     return out
+
+
+def _chunk_of(rows: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """The rank whose chunk holds each of ``rows``."""
+    ends = torch.tensor([s + k for s, k in chunks], dtype=rows.dtype, device=rows.device)
+    return torch.bucketize(rows, ends, right=True)  # empty chunks hold nothing
 
 
 def to_sharded(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor, cols: int,
-               comm: Communicator) -> ShardedTensor | torch.Tensor:
-    """This rank's share of an ``(N, cols)`` table as DCP understands it (a copy).
+               comm: Communicator) -> Any:
+    """This rank's share of an ``(N, cols)`` table as DCP understands it (a copy): a ``DTensor``
+    placed ``Shard(0)`` whose local tensor is this rank's ``torch.chunk`` block of full rows.
 
-    Replicated tables come back as plain tensors (DCP saves them once).
+    Every rank sends each other rank its column slice of the rows of that rank's chunk it holds
+    (one all_to_all); the receiver assembles its full rows. Replicated tables, and any table at
+    world size 1, come back as plain tensors (DCP saves them once).
     """
-    if place.strategy == "replicated":
+    rank, world = comm.rank, comm.world_size
+    if place.layout.held_everywhere:
         return local.clone()
-    data = to_blocks(place, local, comm) if place.strategy == "row_mod" else local.clone()
-    blocks = _blocks(place, phys, cols, comm.world_size)
-    metas = [ShardMetadata([b[0], b[2]], [b[1], b[3]], f"rank:{r}/{local.device}")
-             for r, b in enumerate(blocks) if b is not None]
-    mine = blocks[comm.rank]
-    shards = [Shard(data, metas[[m.placement.rank() for m in metas].index(comm.rank)])
-              ] if mine is not None and data.numel() else []
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(metas, torch.Size([place.rows, cols]), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, meta, process_group=getattr(comm, "group", None))
+    dev = local.device
+    chunks = _chunks(place.rows, world)
+    start, size = chunks[rank]
+    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    # Send: per destination, my rows in its chunk (in my local order, my columns).
+    dest = _chunk_of(held[rank][0].to(dev), chunks)
+    counts = torch.bincount(dest, minlength=world).tolist()
+    send = list(local[torch.argsort(dest, stable=True)].split(counts))
+    # Receive: from each source, its rows in my chunk (in its local order, its columns).
+    picks = [rows[(rows >= start) & (rows < start + size)].to(dev) - start for rows, _ in held]
+    widths = [c1 - c0 for _, (c0, c1) in held]
+    if sum(p.numel() * w for p, w in zip(picks, widths)) != size * cols:
+        raise RuntimeError(f"table {place.name!r}: the ranks' shards do not tile the rows "
+                           f"{start}..{start + size - 1} of its {cols} columns exactly once")
+    got = comm.all_to_all(send, [p.numel() for p in picks], widths)
+    block = torch.empty(size, cols, dtype=local.dtype, device=dev)
+    for p, (_, (c0, c1)), g in zip(picks, held, got):
+        block[p, c0:c1] = g
+    dt = _dt()
+    mesh = dt.DeviceMesh.from_group(comm.group, dev.type)
+    return dt.DTensor.from_local(block, mesh, [dt.Shard(0)], run_check=False,
+                                 shape=torch.Size([place.rows, cols]), stride=(cols, 1))
 
 
 def from_value(place: TablePlacement, phys: PhysicalTable, value: torch.Tensor,
                comm: Communicator) -> torch.Tensor:
-    """This rank's native-layout rows from a whole ``(N, C)`` tensor or a ``to_sharded`` value."""
+    """This rank's native-layout rows from a whole ``(N, C)`` tensor, or from a ``to_sharded``
+    DTensor (e.g. filled by ``dcp.load``: then the inverse exchange of ``to_sharded``)."""
     rank, world = comm.rank, comm.world_size
-    if isinstance(value, ShardedTensor):
-        local = value.local_shards()
-        block = local[0].tensor if local else torch.empty(0, value.size(1), dtype=value.dtype)
-        if place.strategy == "row_mod":
-            return from_blocks(place, block, comm)
-        return block
-    if place.strategy == "column":
-        c0, c1 = phys.columns[rank]
-        return value[:, c0:c1]
-    return value[place.rank_rows(rank, world).to(value.device)]
+    if not _is_dtensor(value):
+        rows, (c0, c1) = _held(place, phys, rank, world, value.shape[1])
+        return value[:, c0:c1][rows.to(value.device)]
+    block = value.to_local()
+    n, cols = value.shape
+    dev = block.device
+    chunks = _chunks(n, world)
+    start, size = chunks[rank]
+    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    # Send: per destination, the rows of my chunk it holds (in its local order, its columns).
+    send = []
+    for rows, (c0, c1) in held:
+        rows = rows.to(dev)
+        send.append(block[rows[(rows >= start) & (rows < start + size)] - start, c0:c1])
+    # Receive: from each source, my rows in its chunk (in my local order, my columns).
+    rows, (c0, c1) = held[rank]
+    src = _chunk_of(rows.to(dev), chunks)
+    got = comm.all_to_all(send, torch.bincount(src, minlength=world).tolist(), c1 - c0)
+    out = torch.empty(rows.numel(), c1 - c0, dtype=block.dtype, device=dev)
+    out[torch.argsort(src, stable=True)] = torch.cat(got)
+    return out
 
 
 def gather_whole(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor,
                  comm: Communicator) -> torch.Tensor:
     """The whole ``(N, C)`` logical table from every rank's native-layout rows (a collective)."""
-    world = comm.world_size
-    if world == 1 or place.strategy == "replicated":
+    rank, world = comm.rank, comm.world_size
+    if place.layout.held_everywhere:
         return local
-    if place.strategy == "column":
-        width = max(c1 - c0 for c0, c1 in phys.columns)
-        padded = torch.zeros(place.rows, width, dtype=local.dtype, device=local.device)
-        padded[:, :local.shape[1]] = local
-        parts = comm.all_gather(padded)
-        return torch.cat([p[:, :c1 - c0] for p, (c0, c1) in zip(parts, phys.columns)], dim=1)
-    most = max(place.local_rows)
-    padded = torch.zeros(most, local.shape[1], dtype=local.dtype, device=local.device)
-    padded[:local.shape[0]] = local
-    parts = comm.all_gather(padded)
-    out = torch.empty(place.rows, local.shape[1], dtype=local.dtype, device=local.device)
-    for r, part in enumerate(parts):
-        rows = place.rank_rows(r, world).to(local.device)
-        out[rows] = part[:rows.numel()]
+    _, (c0, c1) = _held(place, phys, rank, world, phys.dim)
+    cols = phys.dim if local.shape[1] == c1 - c0 else local.shape[1]  # else a row-wise slot
+    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    most = max(rows.numel() * (c1 - c0) for rows, (c0, c1) in held)
+    flat = torch.zeros(most, dtype=local.dtype, device=local.device)
+    flat[:local.numel()] = local.reshape(-1)
+    parts = comm.all_gather(flat)
+    out = torch.empty(place.rows, cols, dtype=local.dtype, device=local.device)
+    for part, (rows, (c0, c1)) in zip(parts, held):
+        k = rows.numel()
+        out[rows.to(local.device), c0:c1] = part[:k * (c1 - c0)].view(k, c1 - c0)
     return out
