@@ -60,6 +60,7 @@ def _reversed_held(real):
 
 
 def _check(comm, root, reverse=False):
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -94,7 +95,7 @@ def _check(comm, root, reverse=False):
         dcp.save(state, checkpoint_id=f"{root}/W{world}{reverse}-{s}",
                  process_group=comm.group)
         saved[s] = set(state)
-    comm.barrier()
+    dist.barrier(group=comm.group)
     # Every checkpoint into every strategy's to_sharded values (as ec.load fills state_dict()).
     for src in strategies:
         for s, plan in plans.items():
