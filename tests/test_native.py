@@ -11,6 +11,7 @@ switched-off test is skipped when the kernels cannot be built.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from collections import Counter
 
@@ -404,6 +405,105 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(t1, t2) and torch.equal(a1, a2) and torch.equal(o1, o2)
     assert all(torch.equal(x, y) for x, y in zip(d1, d2))
     assert not torch.equal(t1, table)
+
+
+# ------------------------------------------------------------------ Hyper (the kernels' EcHyper)
+HYPER_FIELDS = ["learning_rate", "gradient_multiplier", "clip_min", "clip_max", "weight_decay",
+                "weight_min", "weight_max"]
+INF = float("inf")
+
+
+def test_hyper_by_name_with_option_off_defaults():
+    h = native.Hyper(learning_rate=0.25)
+    assert [name for name, _ in native.Hyper._fields_] == HYPER_FIELDS
+    assert h.as_dict() == dict(learning_rate=0.25, gradient_multiplier=1.0, clip_min=-INF,
+                               clip_max=INF, weight_decay=0.0, weight_min=-INF, weight_max=INF)
+    h = native.Hyper(learning_rate=0.5, clip_max=2, weight_decay=0.125)
+    assert (h.learning_rate, h.clip_max, h.weight_decay, h.clip_min) == (0.5, 2.0, 0.125, -INF)
+    assert h == native.Hyper(0.5, clip_max=2.0, weight_decay=0.125) != native.Hyper(0.5)
+    with pytest.raises(TypeError):
+        native.Hyper()  # the learning rate has no default
+    with pytest.raises(TypeError):
+        native.Hyper(0.1, 1.0)  # the options are keyword-only
+    with pytest.raises(TypeError):
+        native.Hyper(0.1, clip_lo=0.0)  # no such field
+
+
+def test_hyper_from_the_optimizer_by_name():
+    opt = ec.SGD(learning_rate=0.3, clipvalue=(-0.5, None), weight_decay_factor=0.1,
+                 multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=1.5,
+                 gradient_multiplier=lambda s: 0.5 + s)
+    assert _hyper(opt, 0.2, 2) == native.Hyper(
+        learning_rate=0.2, gradient_multiplier=2.5, clip_min=-0.5, clip_max=INF,
+        weight_decay=0.1 * 0.2, weight_min=-INF, weight_max=1.5)
+    assert _hyper(ec.Adagrad(learning_rate=0.1), 0.1, 0) == native.Hyper(learning_rate=0.1)
+
+
+@requires_native
+def test_hyper_layout_agrees_with_the_kernels():
+    """Same size and field names in order, and every field round-trips by name (C++ reads it at
+    ``offsetof(EcHyper, name)``); ``_load`` runs the same check."""
+    lib = native._load()
+    assert native.hyper_layout_errors(lib) == []
+    assert lib.ec_hyper_size() == ctypes.sizeof(native.Hyper) == 8 * len(HYPER_FIELDS)
+    names = [lib.ec_hyper_field_name(i).decode() for i in range(len(HYPER_FIELDS))]
+    assert names == HYPER_FIELDS and lib.ec_hyper_field_name(len(HYPER_FIELDS)) is None
+    values = dict(zip(HYPER_FIELDS, [0.125, 3.0, -INF, 7.5, 1e-300, -2.0, INF]))
+    h = native.Hyper(**values)
+    for i, name in enumerate(names):
+        assert lib.ec_hyper_field(h, i) == values[name] == getattr(h, name), name
+
+
+@requires_native
+def test_hyper_layout_check_reports_mismatches():
+    lib = native._load()
+
+    def struct(names, ctype=ctypes.c_double):
+        return type("S", (ctypes.Structure,), {"_fields_": [(n, ctype) for n in names]})
+
+    swapped = HYPER_FIELDS[:]
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    errors = native.hyper_layout_errors(lib, struct(swapped))
+    assert any("fields" in e for e in errors)
+    assert any("'gradient_multiplier' does not round-trip" in e for e in errors)
+    assert native.hyper_layout_errors(lib, struct(["lr"] + HYPER_FIELDS[1:]))
+    assert "size" in native.hyper_layout_errors(lib, struct(HYPER_FIELDS[:-1]))[0]
+    assert native.hyper_layout_errors(lib, struct(HYPER_FIELDS + ["x"] * 7, ctypes.c_float))
+
+
+@requires_native
+def test_load_refuses_a_library_whose_hyper_disagrees(monkeypatch):
+    """A layout mismatch at load is a stale / broken library: warned, and the torch ops used."""
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_error", None)
+    monkeypatch.setattr(native, "hyper_layout_errors", lambda lib: ["field 'x' differs"])
+    with pytest.warns(RuntimeWarning, match="EcHyper disagree: field 'x' differs"):
+        assert native._load() is None
+    assert not native.usable(torch.zeros(1))
+
+
+@requires_native
+def test_sparse_update_reads_each_hyper_field_by_name():
+    """SGD on one row w = 1 with gradient 1: each option changes the step as its name says."""
+    cases = [
+        (dict(), 0.9),                                # w - lr * g
+        (dict(gradient_multiplier=2.0), 0.8),         # g * 2
+        (dict(clip_max=0.5), 0.95),                   # g clipped to 0.5
+        (dict(clip_min=1.5), 0.85),                   # g clipped up to 1.5
+        (dict(weight_decay=0.25), 0.65),              # 0.9 - 0.25 * 1
+        (dict(weight_max=0.5), 0.5),                  # w clipped down
+        (dict(weight_min=0.95), 0.95),                # w clipped up
+    ]
+    for options, want in cases:
+        table = torch.ones(3, 4)
+        native.sparse_update(native.SGD, table, None, torch.tensor([1]),
+                             native.Hyper(learning_rate=0.1, **options), [torch.ones(1, 4)])
+        torch.testing.assert_close(table[1], torch.full((4,), want), msg=str(options))
+        assert torch.equal(table[[0, 2]], torch.ones(2, 4))
+    with pytest.raises(TypeError, match="native.Hyper"):
+        native.sparse_update(native.SGD, table, None, torch.tensor([1]),
+                             (0.1, 1.0, -INF, INF, 0.0, -INF, INF), [torch.ones(1, 4)])
 
 
 # ----------------------------------------------------------------------- minmax, combiner scales

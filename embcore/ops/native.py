@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -31,10 +32,58 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 1
+ABI_VERSION = 2  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
+
+class Hyper(ctypes.Structure):
+    """The optimizer hyper-parameters of ``sparse_update``, by name: kernels.cpp's ``EcHyper``.
+
+    The fields (doubles, in this order, as the C++ struct; ``_load`` checks that both sides
+    agree) and their "option off" defaults:
+
+    - ``learning_rate``: required;
+    - ``gradient_multiplier``: the gradient is multiplied by it first (default 1.0);
+    - ``clip_min``, ``clip_max``: then clipped to ``[clip_min, clip_max]`` (default -inf, +inf);
+    - ``weight_decay``: after the rule, ``w -= weight_decay * w_before`` (default 0.0);
+    - ``weight_min``, ``weight_max``: then the weights are clipped (default -inf, +inf).
+
+    Example: ``Hyper(learning_rate=0.1, clip_min=-1.0, clip_max=1.0)``.
+    """
+
+    _fields_ = [
+        ("learning_rate", ctypes.c_double),
+        ("gradient_multiplier", ctypes.c_double),
+        ("clip_min", ctypes.c_double),
+        ("clip_max", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("weight_min", ctypes.c_double),
+        ("weight_max", ctypes.c_double),
+    ]
+
+    def __init__(self, learning_rate: float, *, gradient_multiplier: float = 1.0,
+                 clip_min: float = -math.inf, clip_max: float = math.inf,
+                 weight_decay: float = 0.0, weight_min: float = -math.inf,
+                 weight_max: float = math.inf) -> None:
+        super().__init__(float(learning_rate), float(gradient_multiplier), float(clip_min),
+                         float(clip_max), float(weight_decay), float(weight_min),
+                         float(weight_max))
+
+    def as_dict(self) -> dict[str, float]:
+        """``{field name: value}`` in field order."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+    def __repr__(self) -> str:
+        return "Hyper(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Hyper):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # mutable, like every ctypes.Structure
+
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -44,11 +93,15 @@ _error: str | None = None
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_HP = ctypes.POINTER(Hyper)
 _SIGNATURES = {
     "ec_abi_version": (ctypes.c_int, []),
+    "ec_hyper_size": (_I, []),
+    "ec_hyper_field_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ec_hyper_field": (ctypes.c_double, [_HP, ctypes.c_int]),
     "ec_concat_dedup": (_I, [_P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
-    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P,
+    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _HP,
                                 ctypes.c_int]),
     "ec_bag_of": (None, [_P, _I, _P]),
     "ec_minmax": (None, [_P, _I, _P]),
@@ -152,6 +205,9 @@ def _load() -> ctypes.CDLL | None:
                 fn.restype, fn.argtypes = res, args
             if lib.ec_abi_version() != ABI_VERSION:
                 raise OSError("stale kernel library (ABI version mismatch)")
+            mismatch = hyper_layout_errors(lib)
+            if mismatch:
+                raise OSError("Hyper and the kernels' EcHyper disagree: " + "; ".join(mismatch))
             _lib = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             _error = f"{type(e).__name__}: {e}"
@@ -160,6 +216,37 @@ def _load() -> ctypes.CDLL | None:
                           stacklevel=3)
         _tried = True
     return _lib
+
+
+def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -> list[str]:
+    """How ``cls`` (``Hyper``) and the library's ``EcHyper`` disagree; empty when they agree.
+
+    Compares the sizes and the field names in order, then writes a distinct value into every
+    field of ``cls`` by name and reads each back in C++ by the same name (``ec_hyper_field``
+    reads ``offsetof(EcHyper, name)``). Microseconds: done at every load.
+    """
+    if lib.ec_hyper_size() != ctypes.sizeof(cls):  # nothing more to compare safely
+        return [f"size {ctypes.sizeof(cls)} in Python, {lib.ec_hyper_size()} in C++"]
+    if any(t is not ctypes.c_double for _, t in cls._fields_):
+        return [f"fields {cls._fields_} in Python, doubles only in C++"]
+    errors = []
+    names = [name for name, _ in cls._fields_]
+    cpp = []
+    while len(cpp) <= len(names):  # one past the Python side's last: None unless C++ has more
+        name = lib.ec_hyper_field_name(len(cpp))
+        if name is None:
+            break
+        cpp.append(name.decode())
+    if cpp != names:
+        errors.append(f"fields {names} in Python, {cpp} in C++")
+    h = cls.from_buffer_copy(bytes(ctypes.sizeof(cls)))  # zeros, without __init__
+    for i, name in enumerate(names):
+        setattr(h, name, 1.5 + i)
+    ptr = ctypes.cast(ctypes.pointer(h), _HP)
+    for i, name in enumerate(cpp):
+        if name in names and lib.ec_hyper_field(ptr, i) != getattr(h, name):
+            errors.append(f"field {name!r} does not round-trip")
+    return errors
 
 
 _ARRAYS: dict[tuple[type, int], type] = {}
@@ -275,7 +362,7 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
 
 
 def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows: torch.Tensor,
-                  hyper: Sequence[float], grads: Sequence[torch.Tensor],
+                  hyper: Hyper, grads: Sequence[torch.Tensor],
                   starts: Sequence[int] | None = None, unique_offsets: torch.Tensor | None = None,
                   order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
                   scales: torch.Tensor | None = None) -> None:
@@ -286,8 +373,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         table: (N, D) contiguous float32 parameters.
         acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
         rows: (U,) distinct int64 rows.
-        hyper: ``(lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max)``,
-            infinities for no bound.
+        hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
         grads: the gradient source: with ``unique_offsets``, the output gradient rows split in
             consecutive (R_i, D) contiguous float32 parts (rows ``starts[i]:starts[i+1]``);
             without, one (U, D) tensor, row u the summed gradient of ``rows[u]``.
@@ -301,10 +387,11 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     n = len(grads)
     ptrs = _array(ctypes.c_void_p, n)(*[g.data_ptr() for g in grads])
     st = _array(ctypes.c_int64, n + 1)(*(starts if starts is not None else [0] * (n + 1)))
-    hp = _array(ctypes.c_double, 7)(*hyper)
+    if not isinstance(hyper, Hyper):
+        raise TypeError(f"hyper must be a native.Hyper, got {type(hyper).__name__}")
     lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
                          rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
-                         _ptr(scales), ptrs, st, n, hp, _threads())
+                         _ptr(scales), ptrs, st, n, ctypes.byref(hyper), _threads())
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ def reference_bags(feature: FeatureConfig, ids: torch.Tensor,
         bag_shape = shape[:-1]
         dense_ids = ids.to_dense().tolist()
         mask = torch.zeros(shape, dtype=torch.bool)
-        idx = ids._indices()
+        idx = ids.coalesce().indices()  # the stored positions (public API)
         mask[tuple(idx)] = True
         dense_w = weights.to_dense().tolist() if weights is not None else None
         rows = []

@@ -81,17 +81,20 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     return rule if native.usable(table) else None
 
 
-def _hyper(opt: Optimizer, lr: float, step: int) -> tuple[float, ...]:
-    """``(lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max)``."""
+def _hyper(opt: Optimizer, lr: float, step: int) -> native.Hyper:
+    """The fused kernel's hyper-parameters of ``opt`` at ``step``, by name."""
     inf = float("inf")
     gmul = 1.0 if opt.gradient_multiplier is None else float(opt.gradient_multiplier(step))
     lo, hi = opt.clip_bounds
     wd = float(opt.weight_decay_factor or 0.0)
     if opt.multiply_weight_decay_factor_by_learning_rate:
         wd *= lr
-    return (lr, gmul, -inf if lo is None else float(lo), inf if hi is None else float(hi), wd,
-            -inf if opt.clip_weight_min is None else float(opt.clip_weight_min),
-            inf if opt.clip_weight_max is None else float(opt.clip_weight_max))
+    return native.Hyper(
+        learning_rate=lr, gradient_multiplier=gmul,
+        clip_min=-inf if lo is None else float(lo), clip_max=inf if hi is None else float(hi),
+        weight_decay=wd,
+        weight_min=-inf if opt.clip_weight_min is None else float(opt.clip_weight_min),
+        weight_max=inf if opt.clip_weight_max is None else float(opt.clip_weight_max))
 
 
 def in_place_supported(opt: Optimizer, params: torch.Tensor) -> bool:

@@ -19,13 +19,39 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 typedef int64_t i64;
 
+// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/ops/native.py's
+// ``Hyper`` (ctypes.Structure: same names, same order). Infinities mean no bound; the options'
+// "off" values are gradient_multiplier 1, clip_min / weight_min -inf, clip_max / weight_max +inf,
+// weight_decay 0. native.py checks at load time that both sides agree (ec_hyper_size,
+// ec_hyper_field_name, ec_hyper_field); a change here bumps ec_abi_version.
+struct EcHyper {
+  double learning_rate, gradient_multiplier, clip_min, clip_max, weight_decay, weight_min,
+      weight_max;
+};
+
 namespace {
+
+struct HyperField {
+  const char* name;
+  size_t offset;
+};
+#define EC_HYPER_FIELD(f) HyperField{#f, offsetof(EcHyper, f)}
+// Every field of EcHyper, in declaration order: its name and where it lives.
+constexpr HyperField kHyperFields[] = {
+    EC_HYPER_FIELD(learning_rate), EC_HYPER_FIELD(gradient_multiplier), EC_HYPER_FIELD(clip_min),
+    EC_HYPER_FIELD(clip_max),      EC_HYPER_FIELD(weight_decay),        EC_HYPER_FIELD(weight_min),
+    EC_HYPER_FIELD(weight_max)};
+#undef EC_HYPER_FIELD
+constexpr int kHyperFieldCount = int(sizeof(kHyperFields) / sizeof(kHyperFields[0]));
+static_assert(sizeof(EcHyper) == kHyperFieldCount * sizeof(double),
+              "kHyperFields must list every field of EcHyper");
 
 constexpr i64 kPrefetch = 8;              // table rows ahead whose cache lines are requested early
 constexpr i64 kPrefetchOccurrences = 16;  // output gradient rows ahead (backward)
@@ -67,7 +93,23 @@ thread_local std::vector<i64> radix_counts;
 
 extern "C" {
 
-int ec_abi_version() { return 1; }
+int ec_abi_version() { return 2; }
+
+// sizeof(EcHyper), for native.py's layout check.
+i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
+
+// The name of EcHyper's field i (declaration order), nullptr past the last one.
+const char* ec_hyper_field_name(int i) {
+  return i >= 0 && i < kHyperFieldCount ? kHyperFields[i].name : nullptr;
+}
+
+// The value of EcHyper's field i in *h, read by the field's name (offsetof), NaN past the last.
+double ec_hyper_field(const EcHyper* h, int i) {
+  if (i < 0 || i >= kHyperFieldCount) return std::nan("");
+  double v;
+  std::memcpy(&v, reinterpret_cast<const char*>(h) + kHyperFields[i].offset, sizeof(double));
+  return v;
+}
 
 // Stable sort of ``ids`` with run-length encoding of equal ids.
 //   ids (n,) in [0, 2^bits); order (n,) out: positions sorted by id, ties in position order;
@@ -232,17 +274,18 @@ enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 //     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
 //     slices[i] (each (rows_i, D) row-major);
 //   - direct (uoff == nullptr): g = slices[0] row u.
-// Then, per row: g *= gmul; g = clip(g, clip_lo, clip_hi); the rule; w -= wd * w_before;
-// w = clip(w, w_min, w_max). Adagrad variants with a zero accumulator take no step (0 / 0).
+// Then, per row, with the fields of *hyper (EcHyper, built by embcore/ops/update.py):
+// g *= gradient_multiplier; g = clip(g, clip_min, clip_max); the rule (learning_rate);
+// w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
+// accumulator take no step (0 / 0).
 void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
                       const i64* uoff, const i64* order, const i64* bags, const float* scales,
                       const float* const* slices, const i64* starts, i64 nslices,
-                      const double* hyper, int nt) {
-  // hyper: (lr, gradient multiplier, clip lo, clip hi, weight decay, w min, w max), packed by
-  // embcore/ops/update.py; infinities for no bound
-  const float lr = float(hyper[0]), gmul = float(hyper[1]);
-  const float clo = float(hyper[2]), chi = float(hyper[3]), wd = float(hyper[4]);
-  const float wmin = float(hyper[5]), wmax = float(hyper[6]);
+                      const EcHyper* hyper, int nt) {
+  const float lr = float(hyper->learning_rate), gmul = float(hyper->gradient_multiplier);
+  const float clo = float(hyper->clip_min), chi = float(hyper->clip_max);
+  const float wd = float(hyper->weight_decay);
+  const float wmin = float(hyper->weight_min), wmax = float(hyper->weight_max);
   const bool scaled = gmul != 1.f, clipped = std::isfinite(clo) || std::isfinite(chi);
   const bool decayed = wd != 0.f, bounded = std::isfinite(wmin) || std::isfinite(wmax);
   const i64 acc_d = rule == kRowwiseAdagrad ? 1 : d;
