@@ -7,9 +7,11 @@ package. Each private use here is a small function that
   API exists (and applies to these arguments), and
 - otherwise takes a public path that returns the same results (exceptions are documented).
 
-Each function's docstring records what its private path was measured to gain, if anything:
-``embedding_bag_sum_into``'s does not pay on torch 2.13 (see there). Measured on torch 2.13 CPU,
-AMD EPYC, 2 cores shared with other jobs: ``timeit``, the best of 7 or more repeats, the CPU
+Each function's docstring records what its private path was measured to gain. (One candidate
+was measured and dropped: ``torch.ops.aten._embedding_bag_forward_only.out``, which wrote the
+backward of a combine into a kept buffer, is about twice as slow as the public
+``F.embedding_bag`` on torch 2.13, so ops/combine.py uses the public op.) Measured on torch 2.13
+CPU, AMD EPYC, 2 cores shared with other jobs: ``timeit``, the best of 7 or more repeats, the CPU
 time of one thread unless said. Tests run every function with the switch on and off
 (``set_private_fast_paths``) and compare.
 """
@@ -17,7 +19,6 @@ time of one thread unless said. Tests run every function with the switch on and 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 _private = True
 
@@ -115,70 +116,3 @@ def sparse_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not x.is_coalesced():
         x = x.coalesce()
     return x.indices(), x.values()
-
-
-# ---------------------------------------------------------------------------- embedding bag
-def _embedding_bag_out_op():
-    """``torch.ops.aten._embedding_bag_forward_only.out``, or None where this torch lacks it."""
-    try:
-        return torch.ops.aten._embedding_bag_forward_only.out
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_EMBEDDING_BAG_OUT = _embedding_bag_out_op()
-
-
-def embedding_bag_sum_into(out: torch.Tensor, weight: torch.Tensor, indices: torch.Tensor,
-                           offsets: torch.Tensor,
-                           per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[b] = sum_k per_sample_weights[k] * weight[indices[k]]`` over bag ``b``; returns out.
-
-    ``F.embedding_bag(indices, weight, offsets, mode="sum", include_last_offset=True)`` (bag
-    ``b`` is ``indices[offsets[b]:offsets[b+1]]``), written into a kept buffer.
-
-    Args:
-        out: (B, D) written, with ``B = offsets.numel() - 1``.
-        weight: (N, D) the rows.
-        indices: (nnz,) rows of ``weight``; offsets: (B + 1,) of the same integer dtype.
-        per_sample_weights: (nnz,) in ``weight``'s dtype, or None for 1.
-
-    Private path: ``torch.ops.aten._embedding_bag_forward_only.out`` writes the sums straight
-    into ``out`` (guard: the op exists, ``out`` is contiguous with ``weight``'s dtype, device and
-    the result's shape, and no input needs autograd: an ``out=`` op has none). Public fallback:
-    ``out.copy_(F.embedding_bag(...))``, the same kernel into a new tensor, then a copy.
-    Identical results, bit for bit (tests/test_compat.py; also checked at the W2 shape below).
-
-    Measured per call at ``ops/lookup.py::combine_backward``'s W2 shape (weight = the (2048,
-    128) output gradient, 40960 occurrences, per-sample weights), best (median) of 31:
-
-    =========================  ==============  ==============  ==============================
-    case                       private (.out)  public (copy_)  ``F.embedding_bag`` alone
-    =========================  ==============  ==============  ==============================
-    U 29880 (uniform ids), 1t  2.11 (2.59) ms  2.08 (2.39) ms  0.88 (1.12) ms
-    U 14660 (W2's ids), 1t     0.67 (0.90) ms  0.59 (0.82) ms  0.33 (0.41) ms
-    U 29880, 2 threads, wall   1.87 (3.19) ms  1.69 (2.82) ms  0.29 (1.22) ms
-    U 14660, 2 threads, wall   0.38 (1.50) ms  0.41 (1.39) ms  0.20 (0.33) ms
-    =========================  ==============  ==============  ==============================
-
-    So on torch 2.13 CPU the private path does not pay: the ``.out`` overload itself is about
-    twice as slow as the functional op (float32 and float64 alike), which costs it what the
-    kept buffer saves. Where a fresh (B, D) result is acceptable, ``F.embedding_bag``'s own
-    result is the fastest of the three, and needs no private API.
-    """
-    if (_private and _EMBEDDING_BAG_OUT is not None and out.is_contiguous()
-            and out.dtype == weight.dtype and out.device == weight.device
-            and out.dim() == 2 and out.shape[0] == offsets.numel() - 1
-            and out.shape[1] == weight.shape[1]
-            and not (torch.is_grad_enabled() and (
-                weight.requires_grad or out.requires_grad
-                or (per_sample_weights is not None and per_sample_weights.requires_grad)))):
-        small = [indices.new_empty(0) for _ in range(3)]  # offset2bag, bag_size, max_indices
-        # (weight, indices, offsets, scale_grad_by_freq, mode 0 = sum, sparse,
-        #  per_sample_weights, include_last_offset, padding_idx -1 = none)
-        _EMBEDDING_BAG_OUT(weight, indices, offsets, False, 0, False, per_sample_weights, True,
-                           -1, out0=out, out1=small[0], out2=small[1], out3=small[2])
-        return out
-    return out.copy_(F.embedding_bag(indices, weight, offsets, mode="sum",
-                                     per_sample_weights=per_sample_weights,
-                                     include_last_offset=True))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import torch
 
+from .compat import jagged_parts, sparse_parts
 from .config import FeatureConfig
 from .ops import native
 from .ops.bags import Bags
@@ -190,26 +191,13 @@ def _dense(ids: torch.Tensor, seq: int, where: str):
     return flat, offsets, bag_shape, None
 
 
-def _jagged_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(values, offsets, lengths) of a jagged nested tensor.
-
-    Reads the NestedTensor's fields directly where they exist: the public ``values()`` and
-    ``offsets()`` go through torch's Python dispatch and cost ~80 us each, more than the whole
-    lookup of a small batch.
-    """
-    values, offsets = getattr(x, "_values", None), getattr(x, "_offsets", None)
-    if isinstance(values, torch.Tensor) and isinstance(offsets, torch.Tensor):
-        return values, offsets, getattr(x, "_lengths", None)
-    return x.values(), x.offsets(), x.lengths()
-
-
 def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     if ids.layout != torch.jagged:
         raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got {ids.layout}")
-    if getattr(ids, "_ragged_idx", None) != 1 or ids.dim() != 2:
-        raise ValueError(f"{where}: jagged ids must have shape [B, None] (rank 2, ragged dim 1), "
-                         f"got rank {ids.dim()}")
-    values, offsets, lengths = _jagged_parts(ids)
+    if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
+        raise ValueError(f"{where}: jagged ids must have shape [B, None] (rank 2), got rank "
+                         f"{ids.dim()}")
+    values, offsets, lengths = jagged_parts(ids)
     if lengths is not None:
         raise ValueError(f"{where}: jagged tensors with holes (lengths) are not supported; "
                          f"build them with torch.nested.nested_tensor_from_jagged(values, offsets)")
@@ -218,7 +206,7 @@ def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
         if weights.layout != torch.jagged:
             raise ValueError(f"{where}: weights must be a jagged tensor with the same offsets as "
                              f"the ids")
-        w, w_offsets, w_lengths = _jagged_parts(weights)
+        w, w_offsets, w_lengths = jagged_parts(weights)
         if w_lengths is not None or not (w_offsets is offsets or torch.equal(
                 w_offsets.to(offsets.device), offsets)):
             raise ValueError(f"{where}: weights must be a jagged tensor with the same offsets as "
@@ -231,7 +219,7 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
         raise ValueError(f"{where}: sparse ids must have rank >= 2, got rank {ids.dim()}")
     if ids.dense_dim() != 0:
         raise ValueError(f"{where}: sparse ids must be hybrid-free (dense_dim 0)")
-    indices, values = ids._indices(), ids._values()  # (k, nnz), (nnz,)
+    indices, values = sparse_parts(ids)  # (k, nnz), (nnz,) in stored order
     shape = tuple(ids.shape)
     # Order by (bag, position); stable so an uncoalesced input keeps its order of equal keys.
     order = None
@@ -252,7 +240,7 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
         if weights.layout != torch.sparse_coo or tuple(weights.shape) != shape:
             raise ValueError(f"{where}: weights must be a sparse COO tensor of the ids' shape "
                              f"{list(shape)}")
-        w_idx, w = weights._indices(), weights._values()
+        w_idx, w = sparse_parts(weights)
         if order is not None:
             w_idx, w = w_idx[:, order], w[order]
         if not torch.equal(w_idx, indices):

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -200,106 +199,6 @@ def test_sparse_parts_switched_off_calls_no_private_accessor(monkeypatch):
         compat.sparse_parts(x)
 
 
-# ---------------------------------------------------------------------------- embedding bag
-@st.composite
-def bag_cases(draw):
-    n = draw(st.integers(1, 12))
-    d = draw(st.sampled_from([1, 3, 8, 17]))
-    lengths = draw(st.lists(st.integers(0, 6), max_size=8))
-    nnz = sum(lengths)
-    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    idx_dtype = draw(st.sampled_from([torch.int32, torch.int64]))
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, d, generator=g, dtype=dtype)
-    indices = torch.randint(0, n, (nnz,), generator=g).to(idx_dtype)
-    offsets = torch.tensor([0] + lengths).cumsum(0).to(idx_dtype)
-    psw = None
-    if draw(st.booleans()):
-        psw = torch.randn(nnz, generator=g, dtype=dtype)
-    return weight, indices, offsets, psw
-
-
-def reference_bags(weight, indices, offsets, psw):
-    out = torch.zeros(offsets.numel() - 1, weight.shape[1], dtype=torch.float64)
-    w = torch.ones(indices.numel(), dtype=torch.float64) if psw is None else psw.double()
-    for b in range(offsets.numel() - 1):
-        for k in range(int(offsets[b]), int(offsets[b + 1])):
-            out[b] += w[k] * weight[int(indices[k])].double()
-    return out
-
-
-@settings(max_examples=80, deadline=None)
-@given(bag_cases())
-def test_embedding_bag_sum_into_private_equals_public(case):
-    weight, indices, offsets, psw = case
-    outs = []
-    for enabled in (True, False):
-        out = torch.full((offsets.numel() - 1, weight.shape[1]), float("nan"), dtype=weight.dtype)
-        with private(enabled):
-            assert compat.embedding_bag_sum_into(out, weight, indices, offsets, psw) is out
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])  # the same ATen kernel: the same bits
-    torch.testing.assert_close(outs[0].double(), reference_bags(weight, indices, offsets, psw),
-                               rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture
-def spy_out_op(monkeypatch):
-    """Counts calls of the private ``.out`` op (still delegating to it)."""
-    calls = []
-    real = compat._EMBEDDING_BAG_OUT
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(compat, "_EMBEDDING_BAG_OUT", spy)
-    return calls
-
-
-def small_bags(dtype=torch.float32):
-    g = torch.Generator().manual_seed(0)
-    weight = torch.randn(6, 4, generator=g, dtype=dtype)
-    indices, offsets = torch.tensor([0, 5, 5, 2, 1]), torch.tensor([0, 2, 2, 5])
-    want = F.embedding_bag(indices, weight, offsets, mode="sum", include_last_offset=True)
-    return weight, indices, offsets, want
-
-
-def test_embedding_bag_guards(spy_out_op, monkeypatch):
-    weight, indices, offsets, want = small_bags()
-    out = torch.empty(3, 4)
-    compat.embedding_bag_sum_into(out, weight, indices, offsets)
-    assert len(spy_out_op) == 1 and torch.equal(out, want)  # the private path
-    with private(False):
-        compat.embedding_bag_sum_into(out.zero_(), weight, indices, offsets)
-    assert len(spy_out_op) == 1 and torch.equal(out, want)
-    # buffers the private op would reshape or could not write: the fallback, the same result
-    cases = [torch.empty(4, 3).T,                 # not contiguous
-             torch.empty(3, 4, dtype=torch.float64),  # another dtype (copy_ converts)
-             torch.empty(2, 4)]                   # another shape: copy_ raises, as torch does
-    for buf in cases[:2]:
-        compat.embedding_bag_sum_into(buf, weight, indices, offsets)
-        torch.testing.assert_close(buf, want.to(buf.dtype))
-    with pytest.raises(RuntimeError):
-        compat.embedding_bag_sum_into(cases[2], weight, indices, offsets)
-    assert len(spy_out_op) == 1
-    # autograd: an out= op has none; the fallback records the sum into ``out``
-    w = weight.clone().requires_grad_()
-    out = torch.empty(3, 4)
-    compat.embedding_bag_sum_into(out, w, indices, offsets)
-    assert len(spy_out_op) == 1 and out.requires_grad
-    out.sum().backward()
-    assert w.grad is not None
-    with torch.no_grad():
-        compat.embedding_bag_sum_into(torch.empty(3, 4), w, indices, offsets)
-    assert len(spy_out_op) == 2  # no grad mode: the private path again
-    # a torch without the op
-    monkeypatch.setattr(compat, "_EMBEDDING_BAG_OUT", None)
-    out = torch.empty(3, 4)
-    assert torch.equal(compat.embedding_bag_sum_into(out, weight, indices, offsets), want)
-
-
 # ------------------------------------------------------------------------------- the rule
 PRIVATE_TORCH = re.compile(
     r"torch\._[A-Za-z]"                                     # torch._C, torch._nested_..., ...
@@ -307,7 +206,7 @@ PRIVATE_TORCH = re.compile(
     r"|\._(values|offsets|lengths|indices|ragged_idx|nnz)\b"  # private tensor accessors
     r"|getattr\([^)]*[\"']_(values|offsets|lengths|ragged_idx)[\"']")
 # Files that still hold a private use, to be switched to compat.py (then removed from here).
-PENDING = {"inputs.py", "ops/lookup.py"}
+PENDING: set[str] = set()  # files still to move onto compat.py
 
 
 def test_no_torch_private_api_outside_compat():

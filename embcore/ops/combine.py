@@ -59,32 +59,24 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
     return out.to(table.dtype)
 
 
-def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,
-                     workspace: Workspace | None = None) -> torch.Tensor:
-    """Gradient of ``combine`` w.r.t. the unique rows: each row's occurrences summed in order.
+def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tensor:
+    """Gradient of ``combine`` w.r.t. the distinct rows: each row's occurrences summed in order.
 
     Args:
         grad: (R, D) gradient of the output rows.
         bags, dedup: the batch and its distinct rows.
-        workspace: where to put the result (a view valid until the workspace's next use);
-            None allocates it.
 
     Returns:
-        (U, D) float32 (float64 for float64 grads) summed gradient per unique row.
+        (U, D) float32 (float64 for float64 grads) summed gradient per distinct row: the same
+        ``embedding_bag``, with the occurrences sorted by row as the bags and ``grad`` as the
+        table. (Writing it into a kept buffer with the private ``.out`` overload was measured
+        twice as slow on torch 2.13: compat.py.)
     """
     work = grad if grad.dtype == torch.float64 else grad.float()
     rows = dedup.order if bags.unit else bags.bag_of[dedup.order]  # (nnz,) output row per occ.
     weights = None if bags.scales is None else bags.scales[dedup.order].to(work.dtype)
-    if workspace is None or not work.is_contiguous():
-        return F.embedding_bag(rows, work, dedup.unique_offsets, mode="sum",
-                               per_sample_weights=weights, include_last_offset=True)  # (U, D)
-    out = workspace.get("row_grads", (dedup.unique.numel(), work.shape[1]), work.dtype,
-                        work.device)  # (U, D)
-    small = [torch.empty(0, dtype=torch.int64, device=work.device) for _ in range(3)]
-    torch.ops.aten._embedding_bag_forward_only.out(
-        work, rows, dedup.unique_offsets, False, 0, False, weights, True, -1,
-        out0=out, out1=small[0], out2=small[1], out3=small[2])
-    return out
+    return F.embedding_bag(rows, work, dedup.unique_offsets, mode="sum",
+                           per_sample_weights=weights, include_last_offset=True)  # (U, D)
 
 
 @dataclass(frozen=True)
@@ -113,4 +105,4 @@ def row_gradients(grads: OutputGrads, workspace: Workspace | None = None) -> tor
         out = workspace.get("out_grads", (grads.starts[-1], parts[0].shape[1]), parts[0].dtype,
                             parts[0].device)  # (R, D)
         torch.cat(parts, out=out)
-    return combine_backward(out, grads.bags, grads.dedup, workspace)
+    return combine_backward(out, grads.bags, grads.dedup)
