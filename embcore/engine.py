@@ -129,19 +129,41 @@ class Embedding:
         self._features.fix_shapes(per_replica_input_shapes, per_replica_batch_size)
         self._built()
 
+    def to(self, device: torch.device | str) -> Embedding:
+        """Moves the tables, slots and the step's work to ``device`` (one process only: a
+        sharded engine's device is chosen at construction, with its process group).
+
+        Raises:
+            ValueError: sharded, or a batch is enqueued or awaits its gradients.
+        """
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        if self._comm.world_size > 1:
+            raise ValueError(f"a sharded engine cannot move from {self.device} to {device}; "
+                             f"pass device= when constructing it (each process its own device)")
+        self._queue.check_idle()
+        if self._store is not None:
+            self._store.to(device)
+        self.device = device
+        return self
+
     def _built(self) -> RowStore:
         if self._store is None:
             configs = {n: t for t, n in self._features.table_names.items()}
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device)
         return self._store
 
-    def enqueue(self, features: Any, weights: Any = None, training: bool = True) -> None:
+    def enqueue(self, features: Any, weights: Any = None, training: bool = True,
+                name: str | None = None, device: Any = None) -> None:
         """Hands a batch of ids to the engine; ``dequeue`` returns its activations.
 
         Args:
             features: mirrors feature_config; each leaf a dense, jagged or sparse COO id tensor.
             weights: None, or mirrors feature_config with None or a weight tensor per leaf.
             training: True when ``apply_gradients`` will follow the ``dequeue``.
+            name, device: accepted for TF's signature and ignored (there is no op name here,
+                and inputs are moved to the engine's ``device``).
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes (naming the feature);
@@ -171,8 +193,9 @@ class Embedding:
 
         self._queue.put(training, background=stage)
 
-    def dequeue(self) -> Any:
-        """Activations of the oldest enqueued batch, mirroring feature_config.
+    def dequeue(self, name: str | None = None) -> Any:
+        """Activations of the oldest enqueued batch, mirroring feature_config (``name``: TF's,
+        ignored).
 
         Each activation has shape ``leading + (D,)``. After a ``training=True`` enqueue they are
         leaf tensors with ``requires_grad=True``: compute the loss, ``backward()``, and pass their
@@ -189,12 +212,14 @@ class Embedding:
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
         return self._features.unflatten(self._features.template, flat)
 
-    def apply_gradients(self, gradients: Any, *, warn_on_none: bool = True) -> None:
+    def apply_gradients(self, gradients: Any, name: str | None = None, *,
+                        warn_on_none: bool = True) -> None:
         """Applies the optimizer to the rows of the last training batch.
 
         Args:
             gradients: mirrors feature_config; each leaf the gradient of that feature's
                 activation (same shape), or None for a zero gradient.
+            name: TF's, ignored.
             warn_on_none: warn when a None gradient still moves rows (the optimizer changes rows
                 on a zero gradient: Adam, FTRL, momentum, decay); ``EmbeddingLayer`` turns it off.
 
@@ -205,15 +230,40 @@ class Embedding:
                 Nothing is changed.
         """
         item = self._queue.awaiting()
-        prepared = item.wait()
+        self._apply(item.wait(), item.received, gradients, warn_on_none)
+        self._queue.applied()
+
+    def _apply(self, prepared: Prepared, received: Received, gradients: Any,
+               warn_on_none: bool) -> None:
+        """Checks everything, then applies a training batch's gradients (one step)."""
         flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
         grads = check_gradients(prepared, flat, self._features.names, self._plan, warn_on_none)
         lrs = learning_rates(prepared, self._plan)  # may raise: before any write
         self._queue.wait_all()  # background lookups read the tables: let them finish first
-        apply_gradients(prepared, item.received, grads, self._built(), self._comm, lrs,
-                        self._step)
+        apply_gradients(prepared, received, grads, self._built(), self._comm, lrs, self._step)
         self._step += 1
-        self._queue.applied()
+
+    def training_step(self, features: Any, weights: Any = None) -> TrainingStep:
+        """A training batch looked up now, outside the queue: the step of ``EmbeddingLayer``.
+
+        ``step.activations`` mirrors feature_config; ``step.apply(gradients)`` applies its
+        gradients once, whenever it comes (a step never applied changes nothing and blocks
+        nothing). Shapes are checked against those fixed by ``output_shape`` or ``build`` but
+        batches fix none, so the batch size may vary (a partial last batch).
+
+        Raises:
+            ValueError / TypeError: as ``enqueue`` (nothing changes).
+        """
+        untrained = self._features.untrained_tables()
+        if untrained:
+            raise ValueError(f"tables {untrained} have no optimizer, so they cannot be trained; "
+                             f"pass optimizer= to Embedding (or to their TableConfig)")
+        template = self._features.template
+        bags = self._features.bags(template, features, weights, self.device, True, learn=False)
+        prepared = preprocess(bags, self._features.tables, self._plan, True)
+        self._queue.wait_all()
+        flat, received = lookup(prepared, self._built(), self._comm)
+        return TrainingStep(self, prepared, received, self._features.unflatten(template, flat))
 
     def lookup(self, features: Any, weights: Any = None, *, serving_config: Any = None) -> Any:
         """Activations without the queue or any update (evaluation, serving).
@@ -278,3 +328,25 @@ class Embedding:
     def __repr__(self) -> str:
         return (f"Embedding({len(self._features)} features, {len(self._features.table_names)} "
                 f"tables, step={self._step}, device={self.device})")
+
+
+class TrainingStep:
+    """A training batch of ``Embedding.training_step``: its activations, and ``apply`` once."""
+
+    def __init__(self, engine: Embedding, prepared: Prepared, received: Received,
+                 activations: Any) -> None:
+        self._engine, self._prepared, self._received = engine, prepared, received
+        self.activations = activations
+        self.applied = False
+
+    def apply(self, gradients: Any, *, warn_on_none: bool = True) -> None:
+        """Applies this batch's gradients (as ``Embedding.apply_gradients``), once.
+
+        Raises:
+            RuntimeError: applied already. ValueError / TypeError: as ``apply_gradients``.
+        """
+        if self.applied:
+            raise RuntimeError("this training step's gradients were applied already (a second "
+                               "backward through the same forward?)")
+        self._engine._apply(self._prepared, self._received, gradients, warn_on_none)
+        self.applied = True

@@ -113,12 +113,12 @@ class Features:
         return [self._index[id(f)] for f in flat_sub]
 
     def bags(self, template: Any, features: Any, weights: Any, device: torch.device,
-             fixed: bool) -> list[Bags | None]:
+             fixed: bool, learn: bool = True) -> list[Bags | None]:
         """One ``Bags`` per feature of ``template`` (None for the others), shapes resolved.
 
-        With ``fixed`` (an enqueued batch) shapes must match the ones fixed so far, and the batch
-        fixes the shapes of features that had none; otherwise (``lookup``) any shape is taken.
-        Nothing changes unless the whole batch is valid.
+        With ``fixed`` (an enqueued batch) shapes must match the ones fixed so far, and with
+        ``learn`` the batch fixes the shapes of features that had none; without ``fixed``
+        (``lookup``) any shape is taken. Nothing changes unless the whole batch is valid.
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
@@ -133,7 +133,7 @@ class Features:
             b = canonicalize(f, name, self.tables[i], ids, w, device)
             shape = resolve_shape(f, name, b.shape, self.shapes[i] if fixed else None)
             out[i] = b if shape == b.shape else replace(b, shape=shape)
-        if fixed:
+        if fixed and learn:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and self.configs[i].output_shape is None:
                     self.shapes[i] = b.shape

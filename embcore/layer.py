@@ -1,15 +1,18 @@
 """The layer (``ec.EmbeddingLayer``): the engine as a ``torch.nn.Module``.
 
-In training (module in train mode, grad enabled) the forward enqueues and dequeues one batch
-through an autograd Function whose backward hands the activation gradients to the engine, so
-``loss.backward()`` applies the engine's optimizer to the touched rows. In eval mode or under
+In training (module in train mode, grad enabled) the forward looks up one batch as an engine
+``training_step`` inside an autograd Function whose backward hands the activation gradients to
+that step, so ``loss.backward()`` applies the engine's optimizer to the touched rows. Each forward
+carries its own step (docs/semantics.md section 6): a forward never backpropagated applies nothing
+and blocks nothing; two forwards then one backward over both apply both. In eval mode or under
 ``torch.no_grad()`` the forward is a plain lookup. With ``optimizer=None`` the tables are ordinary
 ``nn.Parameter``s and any torch optimizer trains them (TF's TPUEmbeddingV0).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,23 +26,19 @@ from .serving import ServingModule, serving_embedding_lookup
 
 
 class _EngineStep(torch.autograd.Function):
-    """Forward: enqueue + dequeue. Backward: apply_gradients with the activations' gradients."""
+    """Forward: a training step's lookup. Backward: that step's apply, with the gradients."""
 
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, features: Any,
                 weights: Any) -> tuple[torch.Tensor, ...]:
-        engine.enqueue(features, weights, training=True)
-        acts = engine.dequeue()
-        ctx.engine = engine
+        step = engine.training_step(features, weights)
+        ctx.step, ctx.template = step, engine.feature_config
         ctx.set_materialize_grads(False)  # unused activations come back as None: zero gradient
-        return tuple(a.detach() for a in flatten_like(engine.feature_config, acts, is_feature,
-                                                      "activations"))
+        return tuple(flatten_like(ctx.template, step.activations, is_feature, "activations"))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        engine = ctx.engine
-        engine.apply_gradients(unflatten_like(engine.feature_config, list(grads), is_feature),
-                               warn_on_none=False)
+        ctx.step.apply(unflatten_like(ctx.template, list(grads), is_feature), warn_on_none=False)
         return None, None, None, None
 
 
@@ -52,11 +51,13 @@ class EmbeddingLayer(torch.nn.Module):
             class among SGD, Adagrad, Adam (the class, ``functools.partial(cls, lr=...)`` or
             ``(cls, {"lr": ...})``), translated to the embcore optimizer with the same math; or
             None: the tables are ``nn.Parameter``s trained by your own torch optimizer.
-        pipeline_execution, sharding, process_group, device: as for ``ec.Embedding``.
+        pipeline_execution, sharding, process_group, device, timeout: as for ``ec.Embedding``.
 
-    Each training forward must be followed by its ``backward()`` before the next training
-    forward (the engine applies the update in backward). Tables live on ``device``;
-    ``layer.to()`` does not move them.
+    A training forward's ``backward()`` applies its batch's update (each forward carries its own
+    step; a forward never backpropagated changes nothing). The batch size may vary between
+    training forwards unless ``build`` or ``output_shape`` fixed it. Tables live on ``device``;
+    ``layer.to(device)`` moves them (with one process), ``layer.to(dtype)`` leaves their dtype
+    (``TableConfig.dtype``).
 
     Example:
         >>> import torch, embcore as ec
@@ -68,12 +69,14 @@ class EmbeddingLayer(torch.nn.Module):
 
     def __init__(self, feature_config: Any, optimizer: Any = None, *,
                  pipeline_execution: bool = False, sharding: Any = None,
-                 process_group: Any = None, device: torch.device | str | None = None) -> None:
+                 process_group: Any = None, device: torch.device | str | None = None,
+                 timeout: float | timedelta | None = None) -> None:
         super().__init__()
         self.feature_config = feature_config
         opt = resolve_optimizer(optimizer) if optimizer is not None else None
         self.engine = Embedding(feature_config, opt, pipeline_execution=pipeline_execution,
-                                sharding=sharding, process_group=process_group, device=device)
+                                sharding=sharding, process_group=process_group, device=device,
+                                timeout=timeout)
         self._parameters_mode = optimizer is None
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
         if self.tables_are_parameters:  # tables as parameters, built now from the engine's seeded initial values
@@ -105,6 +108,17 @@ class EmbeddingLayer(torch.nn.Module):
             return self.engine.lookup(features, weights, serving_config=serving_config)
         flat = _EngineStep.apply(self._anchor, self.engine, features, weights)
         return unflatten_like(self.feature_config, list(flat), is_feature)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
+               **kwargs: Any) -> EmbeddingLayer:
+        """``.to()`` / ``.cuda()`` / ``.cpu()`` also move the engine's tables and slots (the
+        target device is read off ``fn`` applied to a probe; dtype conversions leave them)."""
+        out = super()._apply(fn, *args, **kwargs)
+        if not self.tables_are_parameters:
+            target = fn(torch.empty(0, device=self.engine.device)).device
+            if target != self.engine.device:
+                self.engine.to(target)
+        return out
 
     def for_serving(self, serving_config: Any = None) -> torch.nn.Module:
         """A module without optimizer slots whose forward is plain torch ops.

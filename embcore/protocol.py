@@ -91,6 +91,12 @@ class StepQueue:
                       "training=True) and dequeue() first"}[self._last_training])
         return self._awaiting
 
+    def check_idle(self) -> None:
+        """Raises ValueError while a batch is queued or awaits its gradients."""
+        if self._queue or self._awaiting is not None:
+            raise ValueError("the engine has an enqueued batch or one awaiting apply_gradients(); "
+                             "finish the step before moving it")
+
     def applied(self) -> None:
         self._awaiting = None
 

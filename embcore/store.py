@@ -83,6 +83,12 @@ class RowStore:
         """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py)."""
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace)
 
+    def to(self, device: torch.device) -> None:
+        """Moves every table and slot to ``device`` (the workspaces are dropped)."""
+        self.tables = [t.to(device) for t in self.tables]
+        self.slots = [{k: v.to(device) for k, v in s.items()} for s in self.slots]
+        self.device, self.workspace = device, Workspace()
+
     # ------------------------------------------------------------------------ outside the step
     def local(self, name: str, key: str = "parameters") -> torch.Tensor:
         """This process's rows of a logical table's parameters or slot ``key`` (a view)."""

@@ -124,7 +124,7 @@ def test_toy_problem_loss_goes_down():
     assert sum(losses[-20:]) / 20 < 0.5 * sum(losses[:20]) / 20
 
 
-def test_eval_and_no_grad_do_not_update_and_forward_twice_is_an_error():
+def test_eval_and_no_grad_do_not_update_and_a_forward_without_backward_blocks_nothing():
     m = Model("sgd")
     before = tables(m)
     feats, _ = data(0)
@@ -135,9 +135,85 @@ def test_eval_and_no_grad_do_not_update_and_forward_twice_is_an_error():
         m(feats)
     assert all(torch.equal(v, before[k]) for k, v in tables(m).items())
     m.train()
-    m(feats)
-    with pytest.raises(RuntimeError, match="before apply_gradients"):
-        m(feats)  # the previous forward's backward never ran
+    m(feats)  # a training forward whose backward never runs (a skipped NaN loss, logging)
+    assert all(torch.equal(v, before[k]) for k, v in tables(m).items())
+    feats2, y2 = data(1)
+    torch.nn.functional.mse_loss(m(feats2), y2).backward()  # the next step is not blocked
+    ref = Model("sgd")
+    torch.nn.functional.mse_loss(ref(feats2), y2).backward()
+    for k, v in tables(ref).items():  # the skipped forward applied nothing
+        assert torch.equal(tables(m)[k], v), k
+
+
+def linear_loss(acts, seed):
+    """A loss linear in the activations: its gradient does not depend on the tables."""
+    g = torch.Generator().manual_seed(seed)
+    return sum((a * torch.randn(a.shape, generator=g)).sum() for a in acts.values())
+
+
+def test_two_forwards_then_one_backward_apply_both_each_once():
+    torch.manual_seed(0)
+    layer = ec.EmbeddingLayer(config(), ec.SGD(learning_rate=0.5))
+    torch.manual_seed(0)
+    engine = ec.Embedding(config(), ec.SGD(learning_rate=0.5))
+    (f1, _), (f2, _) = data(0), data(1)
+    (linear_loss(layer(f1), 1) + linear_loss(layer(f2), 2)).backward()
+    for feats, seed in ((f1, 1), (f2, 2)):  # the same two steps through the queue
+        engine.enqueue(feats)
+        acts = engine.dequeue()
+        linear_loss(acts, seed).backward()
+        engine.apply_gradients({k: a.grad for k, a in acts.items()})
+    assert layer.engine.step == engine.step == 2
+    want = engine.state_dict()
+    for k, v in layer.engine.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=1e-6)
+
+
+def test_backward_twice_through_one_forward_is_an_error_and_changes_nothing_more():
+    layer = ec.EmbeddingLayer(config(), ec.SGD(learning_rate=0.5))
+    loss = linear_loss(layer(data(0)[0]), 1)
+    loss.backward(retain_graph=True)
+    after = {t: v.clone() for t, v in layer.embedding_tables.items()}
+    with pytest.raises(RuntimeError, match="applied already"):
+        loss.backward()
+    assert all(torch.equal(v, after[t]) for t, v in layer.embedding_tables.items())
+
+
+def test_partial_last_batch_trains_unless_the_shape_is_fixed():
+    layer = ec.EmbeddingLayer(config(), "adagrad")
+    for b in (8, 8, 3):  # a DataLoader without drop_last
+        linear_loss(layer(data(b, b=b)[0]), b).backward()
+    assert layer.engine.step == 3
+    fixed = ec.EmbeddingLayer(config(), "adagrad")
+    fixed.engine.build(per_replica_batch_size=8)
+    with pytest.raises(ValueError, match="fixed at \\[8\\]"):
+        fixed(data(0, b=3)[0])
+    assert fixed.engine.step == 0
+
+
+def test_to_moves_tables_and_refuses_a_busy_engine():
+    layer = ec.EmbeddingLayer(config(), "sgd")
+    before = {t: v.clone() for t, v in layer.embedding_tables.items()}
+    assert layer.to("cpu") is layer and layer.engine.device == torch.device("cpu")
+    layer.to(torch.float64)  # a dtype conversion leaves the tables (TableConfig.dtype)
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[t])
+               for t, v in layer.embedding_tables.items())
+    layer.engine.enqueue(data(0)[0])
+    with pytest.raises(ValueError, match="finish the step"):
+        layer.engine.to("meta")
+    layer.engine.dequeue()
+    layer.engine.apply_gradients({"user": None, "item": None})
+    layer.engine.to("meta")  # (the one other device every machine has)
+    assert all(v.device.type == "meta" for v in layer.engine.embedding_tables.values())
+
+
+def test_tf_keyword_arguments_are_accepted():
+    emb = ec.Embedding(config(), ec.SGD(learning_rate=0.1))
+    emb.enqueue(data(0)[0], name="enqueue", device="cpu")
+    acts = emb.dequeue(name="dequeue")
+    emb.apply_gradients({k: torch.ones_like(a) for k, a in acts.items()}, name="apply")
+    assert emb.step == 1
+    assert ec.EmbeddingLayer(config(), "sgd", timeout=30).engine.step == 0
 
 
 def test_serving_config_subset_and_for_serving_export(tmp_path):
