@@ -8,6 +8,7 @@ changes nothing), pipelining and the public API (docs/architecture.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from .nest import flatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .preprocess import Prepared, preprocess
-from .protocol import StepQueue
+from .protocol import StepQueue, TrainingStep
 from .store import RowStore
 
 
@@ -263,7 +264,8 @@ class Embedding:
         prepared = preprocess(bags, self._features.tables, self._plan, True)
         self._queue.wait_all()
         flat, received = lookup(prepared, self._built(), self._comm)
-        return TrainingStep(self, prepared, received, self._features.unflatten(template, flat))
+        return TrainingStep(functools.partial(self._apply, prepared, received),
+                            self._features.unflatten(template, flat))
 
     def lookup(self, features: Any, weights: Any = None, *, serving_config: Any = None) -> Any:
         """Activations without the queue or any update (evaluation, serving).
@@ -329,24 +331,3 @@ class Embedding:
         return (f"Embedding({len(self._features)} features, {len(self._features.table_names)} "
                 f"tables, step={self._step}, device={self.device})")
 
-
-class TrainingStep:
-    """A training batch of ``Embedding.training_step``: its activations, and ``apply`` once."""
-
-    def __init__(self, engine: Embedding, prepared: Prepared, received: Received,
-                 activations: Any) -> None:
-        self._engine, self._prepared, self._received = engine, prepared, received
-        self.activations = activations
-        self.applied = False
-
-    def apply(self, gradients: Any, *, warn_on_none: bool = True) -> None:
-        """Applies this batch's gradients (as ``Embedding.apply_gradients``), once.
-
-        Raises:
-            RuntimeError: applied already. ValueError / TypeError: as ``apply_gradients``.
-        """
-        if self.applied:
-            raise RuntimeError("this training step's gradients were applied already (a second "
-                               "backward through the same forward?)")
-        self._engine._apply(self._prepared, self._received, gradients, warn_on_none)
-        self.applied = True

@@ -1,4 +1,5 @@
-"""The mid-level API's protocol: ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, checked.
+"""The mid-level API's protocol: ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, checked; and
+the layer's self-contained ``TrainingStep``.
 
 ``StepQueue`` holds the enqueued batches and the training batch awaiting its gradients, and says
 exactly what is wrong when a call breaks the order (docs/semantics.md section 6). A refused call
@@ -104,3 +105,25 @@ class StepQueue:
         """Lets the background work of every queued batch finish (it reads the tables)."""
         for item in self._queue:
             item.wait()
+
+
+class TrainingStep:
+    """A training batch of ``Embedding.training_step`` (the layer's forward): its activations,
+    and ``apply`` its gradients once, whenever they come."""
+
+    def __init__(self, apply: Callable[[Any, bool], None], activations: Any) -> None:
+        self._apply = apply
+        self.activations = activations
+        self.applied = False
+
+    def apply(self, gradients: Any, *, warn_on_none: bool = True) -> None:
+        """Applies this batch's gradients (as ``Embedding.apply_gradients``), once.
+
+        Raises:
+            RuntimeError: applied already. ValueError / TypeError: as ``apply_gradients``.
+        """
+        if self.applied:
+            raise RuntimeError("this training step's gradients were applied already (a second "
+                               "backward through the same forward?)")
+        self._apply(gradients, warn_on_none)
+        self.applied = True
