@@ -384,7 +384,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
                                args.keep_checkpoints)
         if rank == 0:
             write_metrics(out, history)
-            plot_curves(out, history)
+            if not plot_curves(out, history) and epoch == 1:
+                say("curves.png is not written: matplotlib is not installed (pip install "
+                    "matplotlib, or the examples extra)", flush=True)
         say(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, train RMSE "
               f"{train_rmse:.4f}, test RMSE {test_rmse:.4f} ({record['seconds']:.1f} s)",
               flush=True)
