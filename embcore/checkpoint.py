@@ -173,9 +173,9 @@ def _dcp_call(what: str) -> Iterator[None]:
             if not errors:
                 raise RuntimeError(f"{what} failed: {e}") from e
             first = errors[0]
-            if isinstance(first, (ValueError, OSError, pickle.UnpicklingError, MemoryError)) or \
-                    not isinstance(first, Exception):
-                raise first from e
+            if (isinstance(first, (ValueError, OSError, pickle.UnpicklingError, MemoryError))
+                    and not isinstance(first, UnicodeError)) or not isinstance(first, Exception):
+                raise first from e  # (a UnicodeDecodeError is a corrupt file: reworded below)
             raise ValueError(f"{what} failed: the checkpoint is corrupt or truncated "
                              f"({type(first).__name__}: {first})") from first
 

@@ -9,9 +9,10 @@ changes nothing), pipelining and the public API (docs/architecture.md).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -27,6 +28,20 @@ from .plan import ShardingPlan, make_plan
 from .preprocess import Prepared, preprocess
 from .protocol import StepQueue, TrainingStep
 from .store import RowStore
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _serialized(method: F) -> F:
+    """One call at a time per engine: a method holding the engine's lock runs alone, so threads
+    sharing an engine see each call whole (the protocol's order is still theirs to keep; a call
+    out of order raises as usual)."""
+    @functools.wraps(method)
+    def wrapper(self: Embedding, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(F, wrapper)
 
 
 class Embedding:
@@ -73,6 +88,7 @@ class Embedding:
                  sharding: str | Mapping[str, str] | None = None,
                  process_group: Any = None, device: torch.device | str | None = None,
                  timeout: float | timedelta | None = None) -> None:
+        self._lock = threading.RLock()  # see _serialized
         self._features = Features(feature_config, optimizer)
         self._comm = make_communicator(process_group, timeout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -111,6 +127,7 @@ class Embedding:
         """Every table's resolved name."""
         return dict(self._features.table_names)
 
+    @_serialized
     def build(self, per_replica_input_shapes: Any = None,
               per_replica_batch_size: int | None = None) -> None:
         """Creates the tables and, optionally, fixes the activations' shapes.
@@ -130,6 +147,7 @@ class Embedding:
         self._features.fix_shapes(per_replica_input_shapes, per_replica_batch_size)
         self._built()
 
+    @_serialized
     def to(self, device: torch.device | str) -> Embedding:
         """Moves the tables, slots and the step's work to ``device`` (one process only: a
         sharded engine's device is chosen at construction, with its process group).
@@ -155,6 +173,7 @@ class Embedding:
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device)
         return self._store
 
+    @_serialized
     def enqueue(self, features: Any, weights: Any = None, training: bool = True,
                 name: str | None = None, device: Any = None) -> None:
         """Hands a batch of ids to the engine; ``dequeue`` returns its activations.
@@ -194,6 +213,7 @@ class Embedding:
 
         self._queue.put(training, background=stage)
 
+    @_serialized
     def dequeue(self, name: str | None = None) -> Any:
         """Activations of the oldest enqueued batch, mirroring feature_config (``name``: TF's,
         ignored).
@@ -213,6 +233,7 @@ class Embedding:
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
         return self._features.unflatten(self._features.template, flat)
 
+    @_serialized
     def apply_gradients(self, gradients: Any, name: str | None = None, *,
                         warn_on_none: bool = True) -> None:
         """Applies the optimizer to the rows of the last training batch.
@@ -234,6 +255,7 @@ class Embedding:
         self._apply(item.wait(), item.received, gradients, warn_on_none)
         self._queue.applied()
 
+    @_serialized
     def _apply(self, prepared: Prepared, received: Received, gradients: Any,
                warn_on_none: bool) -> None:
         """Checks everything, then applies a training batch's gradients (one step)."""
@@ -244,6 +266,7 @@ class Embedding:
         apply_gradients(prepared, received, grads, self._built(), self._comm, lrs, self._step)
         self._step += 1
 
+    @_serialized
     def training_step(self, features: Any, weights: Any = None) -> TrainingStep:
         """A training batch looked up now, outside the queue: the step of ``EmbeddingLayer``.
 
@@ -267,6 +290,7 @@ class Embedding:
         return TrainingStep(functools.partial(self._apply, prepared, received),
                             self._features.unflatten(template, flat))
 
+    @_serialized
     def lookup(self, features: Any, weights: Any = None, *, serving_config: Any = None) -> Any:
         """Activations without the queue or any update (evaluation, serving).
 
@@ -283,6 +307,7 @@ class Embedding:
         return self._features.unflatten(template, flat)
 
     @property
+    @_serialized
     def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
         """Whole logical tables, ``{TableConfig: (N, D) tensor}``.
 
@@ -293,6 +318,7 @@ class Embedding:
         store = self._built()
         return {t: store.whole(n) for t, n in self._features.table_names.items()}
 
+    @_serialized
     def state_dict(self) -> dict[str, Any]:
         """``{"<table>/parameters": (N, D), "<table>/<slot>": (N, D) or (N, 1), "step": ()}``.
 
@@ -307,6 +333,7 @@ class Embedding:
         out["step"] = torch.tensor(self._step, dtype=torch.int64)
         return out
 
+    @_serialized
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Copies tables, slots and the step in; with ``strict=False`` missing keys are kept.
 

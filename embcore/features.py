@@ -25,6 +25,20 @@ def is_feature(x: Any) -> bool:
     return isinstance(x, FeatureConfig)
 
 
+def _sizes(shape: Any, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 1 (TypeError for non-ints, ValueError below 1)."""
+    if isinstance(shape, torch.Size):
+        shape = tuple(shape)
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(shape).__name__}")
+    for s in shape:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{what}: {s!r} is not an int (sizes are ints >= 1)")
+        if s < 1:
+            raise ValueError(f"{what}: {s} is below 1 (sizes are ints >= 1)")
+    return tuple(shape)
+
+
 class Features:
     """The flat view of a feature_config, and the shapes fixed so far.
 
@@ -77,16 +91,18 @@ class Features:
         """``build()``'s shapes (docs/semantics.md section 1); a conflict changes nothing.
 
         Raises:
-            ValueError: a structure mismatch, or a shape conflicting with one already fixed.
+            TypeError: a size that is not an int. ValueError: a size below 1, a structure
+                mismatch, or a shape conflicting with one already fixed.
         """
         shapes: list[tuple[int, ...] | None] = [None] * len(self)
         if per_replica_input_shapes is not None:
             flat = flatten_like(self.template, per_replica_input_shapes, is_feature,
                                 "per_replica_input_shapes")
-            shapes = [output_shape_from_input_shape(f, tuple(s), n)
+            shapes = [output_shape_from_input_shape(f, _sizes(s, f"feature {n!r}: "
+                                                                 f"per_replica_input_shapes"), n)
                       for f, s, n in zip(self.configs, flat, self.names)]
         elif per_replica_batch_size is not None:
-            b = int(per_replica_batch_size)
+            (b,) = _sizes((per_replica_batch_size,), "per_replica_batch_size")
             shapes = [(b, f.max_sequence_length) if f.max_sequence_length else (b,)
                       for f in self.configs]
         for i, s in enumerate(shapes):

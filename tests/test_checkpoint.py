@@ -295,6 +295,32 @@ def test_failed_read_leaves_target_untouched(tmp_path, trained):
     assert fresh.step == 0
 
 
+def test_flipped_bytes_are_a_corrupt_checkpoint_error(tmp_path, trained):
+    """64 bytes flipped at 40 places of a data file: each load succeeds (flips inside tensor
+    values) or raises a clear error (ValueError saying the checkpoint is corrupt, or the
+    restricted unpickler's UnpicklingError), never a raw UnicodeDecodeError; a failed load
+    leaves the target untouched."""
+    import pickle
+    ec.save(tmp_path / "ck", trained)
+    data = tmp_path / "ck" / "__0_0.distcp"
+    original = data.read_bytes()
+    fresh = engine(3)
+    before = snapshot(fresh)
+    corrupt = 0
+    for at in range(0, len(original) - 64, max(1, (len(original) - 64) // 40)):
+        raw = bytearray(original)
+        raw[at:at + 64] = bytes(b ^ 0xFF for b in raw[at:at + 64])
+        data.write_bytes(bytes(raw))
+        try:
+            ec.load(tmp_path / "ck", fresh)
+            fresh.load_state_dict({k: v.clone() for k, v in before.items()})
+        except (ValueError, pickle.UnpicklingError) as e:
+            assert not isinstance(e, UnicodeError), f"flip at {at}: {e!r}"
+            corrupt += "corrupt" in str(e)
+            assert_state_equal(snapshot(fresh), before)
+    assert corrupt > 0
+
+
 # ----------------------------------------------------------------------------------- safety
 class _RunsCode:
     def __init__(self, marker: Path) -> None:

@@ -309,3 +309,61 @@ def test_pipelined_training_matches_exact_when_not_overlapped():
             emb.apply_gradients({k: v.detach() * 2 for k, v in acts.items()})
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_threads_sharing_an_engine_never_lose_or_double_an_update(pipelined):
+    """One thread runs the protocol while another keeps calling apply_gradients: calls are
+    serialized, so each dequeued training batch is applied at most once, every apply that
+    returned is counted in the step, and out-of-order calls raise RuntimeError, nothing else."""
+    import threading
+    from embcore.ops import native
+    t = ec.TableConfig(vocabulary_size=8, dim=64, combiner="sum", name="t")
+    previous = native.set_enabled(False)  # the torch-ops path, where updates were lost before
+    try:
+        emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.01),
+                           pipeline_execution=pipelined)
+        emb.embedding_tables[t].zero_()
+        ids = {"f": torch.tensor([1, 2, 2] * 2000)}  # big enough for torch to drop the GIL
+        grad = {"f": torch.ones(6000, 64)}
+        counts = {"dequeued": 0, "a": 0, "b": 0}
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def trainer():
+            for _ in range(100):
+                try:
+                    emb.enqueue(ids)
+                    emb.dequeue()
+                    counts["dequeued"] += 1
+                    emb.apply_gradients(grad)
+                    counts["a"] += 1
+                except RuntimeError:
+                    pass
+                except Exception as e:  # noqa: BLE001 - anything else is a bug
+                    errors.append(e)
+            done.set()
+
+        def applier():
+            while not done.is_set():
+                try:
+                    emb.apply_gradients(grad)
+                    counts["b"] += 1
+                except RuntimeError:
+                    pass
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+
+        threads = [threading.Thread(target=trainer), threading.Thread(target=applier)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors[:3]
+        n = emb.step
+        assert n == counts["a"] + counts["b"] <= counts["dequeued"], (n, counts)
+        table = emb.embedding_tables[t]
+        torch.testing.assert_close(table[1], torch.full((64,), -0.01 * 2000 * n))
+        torch.testing.assert_close(table[2], torch.full((64,), -0.02 * 2000 * n))
+    finally:
+        native.set_enabled(previous)
