@@ -42,7 +42,9 @@ class TableConfig:
             ``1/sqrt(dim)`` cut at two stddevs; or a callable that fills a tensor in place, in the
             style of ``torch.nn.init`` (e.g. ``functools.partial(torch.nn.init.uniform_, a=-.05,
             b=.05)``), which must treat entries independently (it is called on blocks of rows);
-            or a ``(vocabulary_size, dim)`` tensor of initial values (pretrained embeddings).
+            or, TF's convention, a callable ``(shape, dtype) -> tensor`` of that shape; or a
+            finite floating ``(vocabulary_size, dim)`` tensor of initial values (pretrained
+            embeddings). An initializer that leaves values unset is an error at build.
             Random initializers draw from a generator seeded from ``torch``'s global RNG when the
             engine is constructed (rank 0's draw, when sharded): call ``torch.manual_seed(seed)``
             first for reproducible tables; the values do not depend on how the table is sharded.
@@ -89,6 +91,11 @@ class TableConfig:
             if tuple(init.shape) != (self.vocabulary_size, self.dim):
                 raise ValueError(f"{where}: an initializer tensor must have shape "
                                  f"({self.vocabulary_size}, {self.dim}), got {tuple(init.shape)}")
+            if not init.is_floating_point():
+                raise TypeError(f"{where}: an initializer tensor must be floating point, got "
+                                f"{init.dtype}")
+            if not bool(torch.isfinite(init).all()):
+                raise ValueError(f"{where}: the initializer tensor holds NaN or infinite values")
         elif init is not None and not callable(init):
             raise TypeError(f"{where}: initializer must be None, a callable that fills a tensor "
                             f"in place, or a tensor; got {type(init).__name__}")
@@ -246,7 +253,7 @@ def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tens
         block = torch.empty(n, table.dim, dtype=torch.float32)  # (n, D)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(init_seed(base_seed, name, b))
-            init(block)
+            _fill(init, block, name)
         if contiguous:
             lo, hi = max(start, first), min(start + n, last + 1)
             out[lo - first:hi - first] = block[lo - start:hi - start]
@@ -254,3 +261,28 @@ def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tens
             sel = blocks == b
             out[sel.to(out.device)] = block[rows[sel] - start].to(out.device, out.dtype)
     return out
+
+
+def _fill(init: Callable[..., Any], block: torch.Tensor, table: str) -> None:
+    """Runs an initializer on one block of rows: ``init(block)`` filling it in place (torch's
+    ``nn.init`` convention) or, when it takes ``(shape, dtype)``, TF's convention of returning the
+    values. A block left with NaN or infinite values (an initializer that does not fill its
+    argument) is a ValueError naming the table."""
+    block.fill_(float("nan"))
+    try:
+        init(block)
+    except TypeError as torch_style:
+        try:
+            values = init(tuple(block.shape), block.dtype)
+        except TypeError:
+            raise torch_style from None
+        if not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(block.shape):
+            raise TypeError(f"table {table!r}: initializer({tuple(block.shape)}, {block.dtype}) "
+                            f"returned {type(values).__name__} "
+                            f"{tuple(getattr(values, 'shape', ()))}, not a tensor of that "
+                            f"shape") from None
+        block.copy_(values)
+    if not bool(torch.isfinite(block).all()):
+        raise ValueError(f"table {table!r}: its initializer left NaN or infinite values; it must "
+                         f"fill the tensor it is given in place (like torch.nn.init.uniform_) or "
+                         f"take (shape, dtype) and return the values")

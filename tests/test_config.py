@@ -95,3 +95,20 @@ def test_engine_structure_errors():
         ec.Embedding(f, torch.optim.SGD)
     with pytest.raises(ValueError, match="unknown sharding strategy 'diagonal'"):
         ec.Embedding(f, sharding="diagonal")
+
+
+def test_initializers_tf_convention_and_ones_that_do_not_fill():
+    def tf_style(shape, dtype):  # TF's convention: (shape, dtype) -> values
+        return torch.full(shape, 0.5, dtype=dtype)
+
+    t = ec.TableConfig(vocabulary_size=5, dim=3, name="t", initializer=tf_style)
+    assert torch.equal(ec.Embedding(ec.FeatureConfig(table=t)).embedding_tables[t],
+                       torch.full((5, 3), 0.5))
+    for leaves_unset in (lambda x: None, lambda x: x[:2].zero_()):
+        bad = ec.TableConfig(vocabulary_size=5, dim=3, name="bad", initializer=leaves_unset)
+        with pytest.raises(ValueError, match="table 'bad': its initializer left NaN"):
+            ec.Embedding(ec.FeatureConfig(table=bad)).build()
+    with pytest.raises(TypeError, match="must be floating point"):
+        ec.TableConfig(vocabulary_size=5, dim=3, initializer=torch.zeros(5, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        ec.TableConfig(vocabulary_size=5, dim=3, initializer=torch.full((5, 3), float("nan")))
