@@ -55,7 +55,8 @@ def resolve_optimizer(spec: Any) -> Optimizer:
     Args:
         spec: an embcore optimizer (returned as is); ``"sgd"``, ``"adagrad"``, ``"adam"`` or
             ``"ftrl"`` (any case, TF's defaults); or ``torch.optim.SGD``, ``Adagrad`` or ``Adam``
-            as the class, ``functools.partial(cls, **kwargs)`` or ``(cls, kwargs)``, translated
+            as the class, ``functools.partial(cls, **kwargs)``, ``(cls, kwargs)`` or an instance
+            (its hyper-parameters; the parameters it was given are not used), translated
             to the embcore optimizer with the same math (torch's defaults apply):
 
             - ``SGD(lr)`` -> ``ec.SGD(learning_rate=lr)``.
@@ -89,10 +90,20 @@ def resolve_optimizer(spec: Any) -> Optimizer:
             return _BY_NAME[spec.lower()]()
         raise ValueError(f"unknown optimizer name {spec!r}: use 'sgd', 'adagrad', 'adam' or "
                          "'ftrl', or an optimizer object such as ec.Adagrad(learning_rate=0.1)")
-    if isinstance(spec, torch.optim.Optimizer):
-        raise TypeError(f"got a {type(spec).__name__} instance; pass the class (with keyword "
-                        f"arguments), e.g. functools.partial(torch.optim.{type(spec).__name__}, "
-                        "lr=0.1): embcore owns the tables, so there are no params to give it")
+    if isinstance(spec, torch.optim.Optimizer):  # an instance: its hyper-parameters
+        cls = type(spec)
+        if cls not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam):
+            raise ValueError(f"torch.optim.{cls.__name__} cannot be translated; embcore "
+                             "translates torch.optim.SGD, Adagrad and Adam")
+        names = set(inspect.signature(cls).parameters) - {"params"}
+        kwargs = {k: v for k, v in spec.defaults.items() if k in names}
+        for group in spec.param_groups:
+            differ = sorted(k for k in kwargs if k in group and group[k] != kwargs[k])
+            if differ:
+                raise ValueError(f"the torch.optim.{cls.__name__} instance has parameter "
+                                 f"groups with their own {differ}; embcore applies one set of "
+                                 f"hyper-parameters per table: pass the class with them instead")
+        return _from_torch(cls, kwargs)
     cls, kwargs = _class_and_kwargs(spec)
     if issubclass(cls, Optimizer):
         return cls(**kwargs)

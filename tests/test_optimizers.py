@@ -497,9 +497,16 @@ def test_resolve_torch_classes() -> None:
     ((torch.optim.Adam, {"maximize": True}), ValueError, r"maximize=True.*gradient_multiplier"),
     ((torch.optim.Adam, {"eps": 0.0}), ValueError, r"epsilon.*0\.0"),
     (functools.partial(torch.optim.SGD, [torch.zeros(1)]), TypeError, "positional"),
-    (torch.optim.SGD([torch.zeros(1, requires_grad=True)]), TypeError, "pass the class"),
+    (torch.optim.SGD([torch.zeros(1, requires_grad=True)], momentum=0.9), ValueError,
+     r"SGD\(momentum=0\.9\)"),
+    (torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": 0.5},
+                      {"params": [torch.zeros(1, requires_grad=True)]}], lr=0.1), ValueError,
+     r"parameter groups with their own \['lr'\]"),
+    (torch.optim.RMSprop([torch.zeros(1, requires_grad=True)]), ValueError, "cannot be translated"),
 ])
 def test_resolve_errors(spec, error: type, match: str) -> None:
+    """(A torch.optim instance is translated from its hyper-parameters, as TF takes a Keras
+    optimizer instance; its parameter groups must agree.)"""
     with pytest.raises(error, match=match):
         resolve_optimizer(spec)
 
@@ -580,3 +587,13 @@ def test_cuda_matches_cpu(cls: type) -> None:
     torch.testing.assert_close(got_w.cpu(), want_w, rtol=1e-12, atol=1e-12)
     for k in want_s:
         torch.testing.assert_close(got_s[k].cpu(), want_s[k], rtol=1e-12, atol=1e-12)
+
+
+def test_torch_optimizer_instance_is_translated_like_its_class():
+    p = [torch.zeros(1, requires_grad=True)]
+    assert resolve_optimizer(torch.optim.Adagrad(p, lr=0.2, initial_accumulator_value=0.5)) == \
+        resolve_optimizer(functools.partial(torch.optim.Adagrad, lr=0.2,
+                                            initial_accumulator_value=0.5))
+    assert resolve_optimizer(torch.optim.SGD(p, lr=0.3)) == SGD(learning_rate=0.3)
+    adam = resolve_optimizer(torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.9)))
+    assert isinstance(adam, Adam) and (adam.beta_1, adam.beta_2) == (0.8, 0.9)
