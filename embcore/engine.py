@@ -22,7 +22,7 @@ from .config import TableConfig
 from .features import Features, is_feature
 from .gradients import apply_gradients, check_gradients, learning_rates
 from .lookup import Received, lookup
-from .nest import flatten_like
+from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .preprocess import Prepared, preprocess
@@ -197,7 +197,7 @@ class Embedding:
                              f"pass optimizer= to Embedding (or to their TableConfig), or "
                              f"enqueue with training=False")
         training = bool(training)
-        bags = self._features.bags(self._features.template, features, weights, self.device, True)
+        bags = self._features.bags(features, weights, self.device)
         tables = self._features.tables
         if not self.pipeline_execution:
             self._queue.put(training, preprocess(bags, tables, self._plan, training))
@@ -231,7 +231,7 @@ class Embedding:
         if item.activations is None:  # (combine builds no graph: the store's tables need none)
             item.activations, item.received = lookup(prepared, self._built(), self._comm)
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
-        return self._features.unflatten(self._features.template, flat)
+        return self._features.unflatten(flat)
 
     @_serialized
     def apply_gradients(self, gradients: Any, name: str | None = None, *,
@@ -282,29 +282,28 @@ class Embedding:
         if untrained:
             raise ValueError(f"tables {untrained} have no optimizer, so they cannot be trained; "
                              f"pass optimizer= to Embedding (or to their TableConfig)")
-        template = self._features.template
-        bags = self._features.bags(template, features, weights, self.device, True, learn=False)
+        bags = self._features.bags(features, weights, self.device, learn=False)
         prepared = preprocess(bags, self._features.tables, self._plan, True)
         self._queue.wait_all()
         flat, received = lookup(prepared, self._built(), self._comm)
         return TrainingStep(functools.partial(self._apply, prepared, received),
-                            self._features.unflatten(template, flat))
+                            self._features.unflatten(flat))
 
     @_serialized
     def lookup(self, features: Any, weights: Any = None, *, serving_config: Any = None) -> Any:
         """Activations without the queue or any update (evaluation, serving).
 
         Batches of any shape are accepted (only ``output_shape`` in a FeatureConfig applies).
-        ``serving_config``: a sub-structure of this engine's features to look up (default all);
-        ``features`` and the result mirror it.
+        ``serving_config``: the features to look up (default all of this engine's): some of its
+        FeatureConfigs, or others reading its tables (TF's serving_config); ``features`` and the
+        result mirror it.
         """
         template = self.feature_config if serving_config is None else serving_config
         store = self._built()
-        bags = self._features.bags(template, features, weights, self.device, False)
+        bags, tables = self._features.serving_bags(template, features, weights, self.device)
         with torch.no_grad():
-            flat, _ = lookup(preprocess(bags, self._features.tables, self._plan, False), store,
-                             self._comm)
-        return self._features.unflatten(template, flat)
+            flat, _ = lookup(preprocess(bags, tables, self._plan, False), store, self._comm)
+        return unflatten_like(template, flat, is_feature)
 
     @property
     @_serialized

@@ -71,7 +71,7 @@ class Features:
         self.tables = [self.table_names[f.table] for f in self.configs]  # per feature
         self.shapes: list[tuple[int, ...] | None] = [None] * len(self.configs)
         self._index = {id(f): i for i, f in enumerate(self.configs)}
-        self._all = list(range(len(self.configs)))
+        self._all = range(len(self.configs))
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -113,43 +113,57 @@ class Features:
             if s is not None:
                 self.shapes[i] = s
 
-    def subset(self, template: Any) -> list[int]:
-        """Flat indices of the features of ``template``, a sub-structure of this one's features.
+    def serving_bags(self, template: Any, features: Any, weights: Any,
+                     device: torch.device) -> tuple[list[Bags | None], list[str]]:
+        """Bags of a lookup through ``template`` (default: this engine's features), any shape.
+
+        ``template`` may hold this engine's FeatureConfigs or other FeatureConfigs reading this
+        engine's tables (TF's ``serving_config``: the same tables, other batch shapes).
+
+        Returns:
+            (one ``Bags`` per leaf of ``template``, each leaf's table name), in flatten order.
 
         Raises:
-            ValueError: ``template`` holds a feature this engine does not have.
+            ValueError: a feature reading a table this engine does not have.
         """
-        if template is self.template:
-            return self._all
-        flat_sub = [f for _, f in leaves_with_paths(template, is_feature)]
-        missing = [repr(f) for f in flat_sub if id(f) not in self._index]
-        if missing:
-            raise ValueError(f"serving_config holds features this engine does not have: "
-                             f"{missing}")
-        return [self._index[id(f)] for f in flat_sub]
+        leaves = leaves_with_paths(template, is_feature)
+        flat_ids = flatten_like(template, features, is_feature, "features")
+        flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
+                  else [None] * len(leaves))
+        out, tables = [], []
+        for (path, f), ids, w in zip(leaves, flat_ids, flat_w):
+            i = self._index.get(id(f))
+            if i is None and f.table not in self.table_names:
+                raise ValueError(f"serving_config: feature {f.name or path!r} reads table "
+                                 f"{f.table.name!r}, which this engine does not have; its "
+                                 f"tables: {sorted(self.table_names.values())}")
+            name = self.names[i] if i is not None else (f.name or path or "feature")
+            table = self.table_names[f.table]
+            b = canonicalize(f, name, table, ids, w, device)
+            shape = resolve_shape(f, name, b.shape, None)
+            out.append(b if shape == b.shape else replace(b, shape=shape))
+            tables.append(table)
+        return out, tables
 
-    def bags(self, template: Any, features: Any, weights: Any, device: torch.device,
-             fixed: bool, learn: bool = True) -> list[Bags | None]:
-        """One ``Bags`` per feature of ``template`` (None for the others), shapes resolved.
-
-        With ``fixed`` (an enqueued batch) shapes must match the ones fixed so far, and with
-        ``learn`` the batch fixes the shapes of features that had none; without ``fixed``
-        (``lookup``) any shape is taken. Nothing changes unless the whole batch is valid.
+    def bags(self, features: Any, weights: Any, device: torch.device,
+             learn: bool = True) -> list[Bags | None]:
+        """One ``Bags`` per feature of a training batch, its shapes checked against those fixed
+        so far (``learn``: the batch fixes the shapes of features that had none). Nothing
+        changes unless the whole batch is valid.
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
         """
-        sub = self.subset(template)
-        flat_ids = flatten_like(template, features, is_feature, "features")
-        flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
-                  else [None] * len(sub))
+        flat_ids = flatten_like(self.template, features, is_feature, "features")
+        flat_w = (flatten_like(self.template, weights, is_feature, "weights")
+                  if weights is not None else [None] * len(self._all))
         out: list[Bags | None] = [None] * len(self._all)
-        for i, ids, w in zip(sub, flat_ids, flat_w):
+        for i, ids, w in zip(self._all, flat_ids, flat_w):
             f, name = self.configs[i], self.names[i]
             b = canonicalize(f, name, self.tables[i], ids, w, device)
-            shape = resolve_shape(f, name, b.shape, self.shapes[i] if fixed else None)
+            shape = resolve_shape(f, name, b.shape, self.shapes[i])
             out[i] = b if shape == b.shape else replace(b, shape=shape)
-        if fixed and learn:
+        if learn:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and self.configs[i].output_shape is None:
                     self.shapes[i] = b.shape
@@ -167,6 +181,6 @@ class Features:
                     for n, tn, c in zip(self.names, self.tables, self.configs)]
         return {"tables": tables, "features": features}
 
-    def unflatten(self, template: Any, flat: list[Any]) -> Any:
-        """A structure like ``template`` from per-feature values (flat order of this engine)."""
-        return unflatten_like(template, [flat[i] for i in self.subset(template)], is_feature)
+    def unflatten(self, flat: list[Any]) -> Any:
+        """The feature_config structure from per-feature values (flat order)."""
+        return unflatten_like(self.template, flat, is_feature)

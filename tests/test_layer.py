@@ -255,3 +255,22 @@ def test_optimizer_spec_errors():
         ec.EmbeddingLayer(config(), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))
     with pytest.raises(TypeError):
         ec.EmbeddingLayer(config(), 3)
+
+
+def test_tutorial_serving_config_fresh_features_on_the_same_tables():
+    """TF's tutorial serves through new FeatureConfigs on the training tables (another batch
+    shape): the engine-backed layer accepts them, as for_serving and serving_embedding_lookup do."""
+    m = Model("adagrad")
+    train(m, 2, torch.optim.SGD(m.mlp.parameters(), lr=0.1))
+    tables_by_name = {t.name: t for t in m.emb.embedding_tables}
+    serving = {"user": ec.FeatureConfig(table=tables_by_name["users"], output_shape=[2, 2])}
+    ids = {"user": torch.tensor([1, 2, 3, 4])}
+    m.eval()
+    got = m.emb(ids, serving_config=serving)["user"]
+    assert got.shape == (2, 2, 4)
+    want = ec.serving_embedding_lookup(ids, None, m.emb.embedding_tables, serving)["user"]
+    assert torch.equal(got, want)
+    assert torch.equal(m.emb.for_serving(serving)(ids)["user"], want)
+    other = ec.TableConfig(vocabulary_size=3, dim=4, name="other")
+    with pytest.raises(ValueError, match="reads table 'other', which this engine does not have"):
+        m.emb(ids, serving_config={"user": ec.FeatureConfig(table=other)})
