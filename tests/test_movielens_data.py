@@ -203,3 +203,9 @@ def test_cli_reports_bad_file_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == f"error: {tmp_path / 'u.data'}:3: expected 4 tab-separated fields (user id, " \
                   f"item id, rating, timestamp), got 2: '2\\t20'\n"
+
+
+def test_embcore_ml100k_naming_a_missing_folder_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBCORE_ML100K", str(tmp_path / "no-such-folder"))
+    with pytest.raises(ml.DataError, match="EMBCORE_ML100K"):
+        ml.load_movielens(cache_dir=tmp_path / "cache")

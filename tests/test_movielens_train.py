@@ -22,7 +22,7 @@ from model import FEATURES, ModelConfig, RankingModel, as_model_config  # noqa: 
 
 
 SMALL = ["--embedding-dim", "8", "--hidden", "16", "8", "--batch-size", "128", "--no-progress"]
-METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds"}
+METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds", "data"}
 
 
 def _check_run(out: Path, result: dict, epochs: int) -> None:
@@ -108,6 +108,31 @@ def test_fresh_run_replaces_old_checkpoints(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().out
     train.main([*args, "--epochs", "1"])
     assert [p.name for p in (tmp_path / "checkpoints").glob("epoch-*")] == ["epoch-0001"]
+
+
+def test_resume_refuses_other_data_flags_or_nothing_to_do(tmp_path, capsys):
+    args = ["--synthetic", "--limit", "600", "--no-serve", "--out", str(tmp_path), *SMALL]
+    train.main([*args, "--epochs", "2"])
+    printed = capsys.readouterr().out
+    assert printed.count("SYNTHETIC DATA") == 2  # at the start and in the summary
+    lines = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {r["data"] for r in lines} == {"SYNTHETIC"}
+    for other in (["--split", "u1"], ["--limit", "800"], ["--seed", "1"]):
+        with pytest.raises(ValueError, match="other data or flags"):
+            train.main([*args, "--epochs", "3", "--resume", *other])
+    with pytest.raises(ValueError, match="trained 2 epochs already and --epochs is 1"):
+        train.main([*args, "--epochs", "1", "--resume"])
+    assert train.cli([*args, "--epochs", "3", "--resume", "--split", "u1"]) == 1
+    assert "error: " in capsys.readouterr().err  # one line, no traceback
+    train.main([*args, "--epochs", "3", "--resume"])  # the same data and flags: it goes on
+    train.main([*args, "--epochs", "1"])  # a fresh run says it removes the old checkpoints
+    assert "removing the previous run's checkpoints" in capsys.readouterr().out
+
+
+def test_unknown_sharding_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--sharding", "bogus"])
+    assert "invalid choice: 'bogus'" in capsys.readouterr().err
 
 
 def test_runs_without_tqdm_and_matplotlib(tmp_path, monkeypatch, capsys):

@@ -39,11 +39,19 @@ SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "ml-100k"
 
 
 def local_copy() -> Path | None:
-    """$EMBCORE_ML100K, else the shared copy beside the checkout, when it holds u.data."""
-    for candidate in (os.environ.get("EMBCORE_ML100K"), SHARED):
-        if candidate and (Path(candidate) / "u.data").is_file():
-            return Path(candidate)
-    return None
+    """$EMBCORE_ML100K, else the shared copy beside the checkout, when it holds u.data.
+
+    Raises:
+        DataError: $EMBCORE_ML100K is set but names no folder holding u.data (a typo must not
+            fall back to other data silently).
+    """
+    named = os.environ.get("EMBCORE_ML100K")
+    if named:
+        if not (Path(named) / "u.data").is_file():
+            raise DataError(f"$EMBCORE_ML100K is {named!r}, which holds no u.data; point it at "
+                            f"the MovieLens 100K folder, or unset it")
+        return Path(named)
+    return SHARED if (SHARED / "u.data").is_file() else None
 NUM_USERS, NUM_MOVIES, NUM_RATINGS = 943, 1682, 100_000
 SPLITS = ("random", "u1", "u2", "u3", "u4", "u5")
 

@@ -73,16 +73,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--limit", type=int, default=None,
                    help="use only the first N training and N/4 test ratings (quick runs)")
     m = p.add_argument_group("model")
-    m.add_argument("--user-vocabulary-size", type=int, default=2048)
-    m.add_argument("--movie-vocabulary-size", type=int, default=2048)
-    m.add_argument("--embedding-dim", type=int, default=64)
+    m.add_argument("--user-vocabulary-size", type=int, default=2048, help="rows of the user table")
+    m.add_argument("--movie-vocabulary-size", type=int, default=2048,
+                   help="rows of the movie table")
+    m.add_argument("--embedding-dim", type=int, default=64, help="D of both tables")
     m.add_argument("--hidden", type=int, nargs="+", default=[256, 64],
                    help="widths of the MLP's hidden layers (its output layer has width 1)")
     m.add_argument("--dropout", type=float, default=0.5,
                    help="dropout on the concatenated embeddings, in training")
     t = p.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=15)
-    t.add_argument("--batch-size", type=int, default=1024)
+    t.add_argument("--epochs", type=int, default=15, help="total epochs (a resumed run continues to it)")
+    t.add_argument("--batch-size", type=int, default=1024, help="examples per step, all processes")
     t.add_argument("--embedding-lr", type=float, default=0.1,
                    help="learning rate of the engine's Adagrad on the tables")
     t.add_argument("--l2", type=float, default=0.05,
@@ -98,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's "
                         "default). One suits this small model: with two, on two cores, any "
                         "other busy process made each step about 30x slower")
-    t.add_argument("--sharding", default="row_mod",
+    t.add_argument("--sharding", default="row_mod", choices=[*ec.plan.STRATEGIES, "auto"],
                    help="how the tables are split when launched with torchrun (several "
                         "processes): row_mod, row_div, table, column, replicated or auto")
     o = p.add_argument_group("output")
@@ -122,6 +123,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.synthetic and args.data is not None:
         p.error("--synthetic and --data exclude each other")
     return args
+
+
+SYNTHETIC_WARNING = (
+    "*** SYNTHETIC DATA: these ratings are drawn from a built-in latent-factor model, not "
+    "MovieLens; their RMSE says nothing about MovieLens (real u1: about 0.93). Point --data or "
+    "$EMBCORE_ML100K at the MovieLens 100K files for real results. ***")
+
+
+def run_identity(args: argparse.Namespace, data: Any) -> dict[str, Any]:
+    """What a resumed run must share with the run it continues: the data and the flags that
+    decide which ratings are trained and tested on, and in which order."""
+    return {"data": "synthetic" if data.synthetic else str(data.source), "split": args.split,
+            "limit": args.limit, "seed": args.seed, "batch_size": args.batch_size}
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -219,7 +233,8 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def save_checkpoint(root: Path, epoch: int, model: RankingModel,
                     dense_opt: torch.optim.Optimizer, order: torch.Generator,
-                    history: list[dict[str, float]], keep: int) -> Path:
+                    history: list[dict[str, float]], keep: int,
+                    identity: dict[str, Any] | None = None) -> Path:
     """Writes epoch ``epoch``'s checkpoint, then points ``latest`` at it, then prunes old ones.
 
     ``latest`` moves only once both parts are on disk, so an interrupted save leaves the previous
@@ -239,6 +254,7 @@ def save_checkpoint(root: Path, epoch: int, model: RankingModel,
         "torch_rng": torch.get_rng_state(),  # dropout
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "history": history,
+        "run": identity,
     }
     _write_atomic(ckpt / "dense.pt", lambda p: torch.save(dense, p))
     _write_atomic(root / "latest", lambda p: p.write_text(ckpt.name + "\n"))
@@ -258,9 +274,22 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def restore_checkpoint(ckpt: Path, model: RankingModel, dense_opt: torch.optim.Optimizer,
-                       order: torch.Generator) -> tuple[int, list[dict[str, float]]]:
-    """Restores everything ``save_checkpoint`` wrote; returns (epoch, metrics history)."""
+                       order: torch.Generator, identity: dict[str, Any] | None = None
+                       ) -> tuple[int, list[dict[str, float]]]:
+    """Restores everything ``save_checkpoint`` wrote; returns (epoch, metrics history).
+
+    Raises:
+        ValueError: ``identity`` (``run_identity``: data source, split, ...) differs from the
+            run that wrote the checkpoint, or the model flags differ. Nothing is restored.
+    """
     dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
+    saved = dense.get("run") or {}  # (checkpoints of older versions recorded nothing)
+    if identity is not None and saved != identity:
+        differ = ", ".join(f"{k}: {saved.get(k, 'unrecorded')!r} there, {v!r} now"
+                           for k, v in identity.items() if saved.get(k, "unrecorded") != v)
+        raise ValueError(f"{ckpt} was written by a run with other data or flags ({differ}); "
+                         f"resuming would train and test on other ratings. Resume with the same "
+                         f"data and flags, or leave out --resume for a fresh run")
     saved = as_model_config(dense["model_config"])
     if saved != model.config:
         raise ValueError(f"{ckpt} holds a model with {saved}, but the flags give "
@@ -346,6 +375,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"data: {data.source}, split {args.split}: {len(train):,} train / {len(test):,} test "
           f"ratings of {data.num_users} users and {data.num_movies} movies")
+    if data.synthetic:
+        say(SYNTHETIC_WARNING)
 
     torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
     model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
@@ -358,14 +389,21 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     order = torch.Generator().manual_seed(args.seed)  # the data order of every epoch
 
     done, history = 0, []  # epochs completed, their metrics
+    identity = run_identity(args, data)
     ckpt = latest_checkpoint(root) if args.resume else None
     if ckpt is not None:
-        done, history = restore_checkpoint(ckpt, model, dense_opt, order)
+        done, history = restore_checkpoint(ckpt, model, dense_opt, order, identity)
+        if done >= args.epochs:
+            raise ValueError(f"{ckpt} has trained {done} epochs already and --epochs is "
+                             f"{args.epochs}: nothing to do; pass --epochs above {done} to "
+                             f"train on, or leave out --resume for a fresh run")
         say(f"resumed from {ckpt} (epoch {done})")
     else:
         if args.resume:
             say(f"--resume: no checkpoint under {root}; starting from scratch")
         if root.exists() and rank == 0:  # a fresh run must not resume an older run's checkpoints
+            say(f"a fresh run: removing the previous run's checkpoints in {root} (--resume "
+                f"continues a run instead)")
             shutil.rmtree(root)
         parallel.barrier()
 
@@ -378,10 +416,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
             device=args.device, desc=f"epoch {epoch}/{args.epochs}", progress=args.progress)
         test_rmse = evaluate(model, test, args.device)
         record = {"epoch": epoch, "train_loss": train_loss, "train_rmse": train_rmse,
-                  "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3)}
+                  "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3),
+                  "data": "SYNTHETIC" if data.synthetic else data.source}
         history.append(record)
         ckpt = save_checkpoint(root, epoch, model, dense_opt, order, history,
-                               args.keep_checkpoints)
+                               args.keep_checkpoints, identity)
         if rank == 0:
             write_metrics(out, history)
             if not plot_curves(out, history) and epoch == 1:
@@ -392,6 +431,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
               flush=True)
 
     result: dict[str, Any] = dict(history[-1]) if history else {}
+    if data.synthetic:
+        say(SYNTHETIC_WARNING)
     if args.serve and ckpt is not None:
         from serve import restore_for_serving, serving_flow
         trained = model
@@ -409,7 +450,7 @@ def cli(argv: list[str] | None = None) -> int:
     """The command line: ``main`` with data errors reported in one line instead of a traceback."""
     try:
         main(argv)
-    except DataError as e:  # a missing or malformed file: its name and line
+    except (DataError, ValueError) as e:  # a bad file (name and line) or flag: one line
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
