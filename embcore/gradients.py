@@ -9,7 +9,12 @@ table's optimizer where the row is held:
 - sharded: ``combine_backward`` gives this process's (U, D) row gradients, ``gradients_at_owner``
   sums them at the processes holding the rows (exchange.py), and those update them.
 
-``check_gradients`` and ``learning_rates`` run first and raise before any table is written.
+Everything that can reject a call runs before the first table is written: ``check_gradients``
+(kinds, dtypes and shapes of the gradients) and ``learning_rates`` in the engine, then, at the start
+of ``apply_gradients``, each optimizer's ``gradient_multiplier(step)`` (``gradient_multipliers``)
+and the gradients' conversion to the tables' device and working dtype. ``apply_gradients`` also
+skips, as a whole, the tables of an optimizer with ``skip_nonfinite_gradients`` whose gradients hold
+NaN or inf (docs/semantics.md section 3).
 """
 
 from __future__ import annotations
@@ -29,15 +34,30 @@ from .preprocess import Prepared
 from .store import RowStore
 
 
+class Gradients(list):
+    """What ``check_gradients`` returns: a list of the flat gradients (per feature its detached
+    gradient, or None for zero), with ``nonfinite``: ``{physical table: [feature names]}`` of the
+    features whose gradient holds a NaN or inf on this process, recorded only for tables whose
+    optimizer has ``skip_nonfinite_gradients``."""
+
+    nonfinite: dict[int, list[str]]
+
+
 def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence[str],
-                    plan: ShardingPlan, warn_none: bool) -> list[torch.Tensor | None]:
-    """Validates the flat gradients of a batch; returns them detached.
+                    plan: ShardingPlan, warn_none: bool) -> Gradients:
+    """Validates the flat gradients of a batch; returns them detached (see ``Gradients``).
+
+    A gradient is None or a dense (``torch.strided``, not nested) floating-point tensor holding
+    values (not on the meta device), of its activation's shape, on any device (it is moved to the
+    tables' at the update).
 
     Raises:
-        TypeError / ValueError: a gradient that is not a tensor or None, or of the wrong shape,
+        TypeError: a gradient that is not a tensor or None, a sparse, nested or other non-strided
+            tensor, or a tensor whose dtype is not floating point (integer, bool, complex),
             naming the feature.
+        ValueError: a gradient on the meta device or of the wrong shape, naming the feature.
     """
-    out: list[torch.Tensor | None] = [None] * prepared.num_features
+    out = Gradients([None] * prepared.num_features)
     quiet_none = True
     for tb in prepared.tables:
         p = plan.physical[tb.physical]
@@ -47,14 +67,9 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
                 assert p.optimizer is not None, "a training batch has optimizers"
                 quiet_none = quiet_none and p.optimizer.zero_gradient_is_noop
                 continue
-            if not isinstance(g, torch.Tensor):
-                raise TypeError(f"gradient of feature {names[s.feature]!r} must be a tensor or "
-                                f"None, got {type(g).__name__}")
-            if g.shape != s.shape + (p.dim,):
-                raise ValueError(f"gradient of feature {names[s.feature]!r} has shape "
-                                 f"{list(g.shape)}, expected {list(s.shape + (p.dim,))} (the "
-                                 f"shape of its activation)")
+            _check_gradient(g, names[s.feature], s.shape + (p.dim,))
             out[s.feature] = g.detach() if g.requires_grad else g
+    out.nonfinite = nonfinite_gradients(prepared, out, names, plan)
     if warn_none and not quiet_none:
         noisy = sorted({names[s.feature] for tb in prepared.tables for s in tb.slices
                         if grads[s.feature] is None and not _optimizer(plan, tb.physical)
@@ -62,6 +77,51 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
         warnings.warn(f"features {noisy} got a None gradient; their optimizer changes rows even "
                       f"on a zero gradient (momentum, Adam, FTRL, weight decay or clipping), so "
                       f"their looked-up rows still move", stacklevel=3)
+    return out
+
+
+def _check_gradient(g: object, name: str, shape: tuple[int, ...]) -> None:
+    """Raises unless ``g`` is a dense floating-point tensor with values, of ``shape``."""
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"gradient of feature {name!r} must be a tensor or None, got "
+                        f"{type(g).__name__}")
+    if g.is_nested or g.layout != torch.strided:
+        kind = f"is a nested tensor (layout {g.layout})" if g.is_nested else \
+            f"has layout {g.layout}"
+        raise TypeError(f"gradient of feature {name!r} {kind}; a gradient must be a dense "
+                        f"(torch.strided) tensor of its activation's shape {list(shape)}, e.g. "
+                        f"the activation's .grad (a sparse one: .to_dense())")
+    if g.device.type == "meta":
+        raise ValueError(f"gradient of feature {name!r} is on the meta device, so it holds no "
+                         f"values; pass the gradient itself (e.g. the activation's .grad)")
+    if not g.is_floating_point():
+        raise TypeError(f"gradient of feature {name!r} has dtype {g.dtype}; a gradient must be "
+                        f"floating point (float32, float64, float16 or bfloat16)")
+    if g.shape != shape:
+        raise ValueError(f"gradient of feature {name!r} has shape {list(g.shape)}, expected "
+                         f"{list(shape)} (the shape of its activation)")
+
+
+def nonfinite_gradients(prepared: Prepared, grads: Sequence[torch.Tensor | None],
+                        names: Sequence[str], plan: ShardingPlan) -> dict[int, list[str]]:
+    """``{physical table: [feature names]}``: the features whose (checked) gradient holds a NaN
+    or inf on this process, among the tables whose optimizer has ``skip_nonfinite_gradients``
+    (one ``isfinite().all()`` pass per such gradient, in its table's working dtype, so a float64
+    value beyond a float32 table's range counts as inf)."""
+    out: dict[int, list[str]] = {}
+    for tb in prepared.tables:
+        p = plan.physical[tb.physical]
+        if not _optimizer(plan, tb.physical).skip_nonfinite_gradients:
+            continue
+        work = _work_dtype(p.dtype)
+        for s in tb.slices:
+            g = grads[s.feature]
+            if g is None:
+                continue
+            if g.dtype == torch.float64 and work != torch.float64:
+                g = g.to(work)  # (the values the update would see)
+            if not bool(torch.isfinite(g).all()):
+                out.setdefault(tb.physical, []).append(names[s.feature])
     return out
 
 
@@ -78,33 +138,106 @@ def learning_rates(prepared: Prepared, plan: ShardingPlan) -> dict[int, float]:
     return out
 
 
+def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
+                         step: int) -> dict[int, float | None]:
+    """``{physical table: gradient multiplier}``, each optimizer's ``gradient_multiplier(step)``
+    evaluated once and checked (None where it has none): a bad value, or an exception of the
+    callable, raises here, before any table is written."""
+    by_optimizer: dict[int, float | None] = {}
+    out = {}
+    for tb in prepared.tables:
+        opt = _optimizer(plan, tb.physical)
+        if id(opt) not in by_optimizer:
+            by_optimizer[id(opt)] = opt.current_gradient_multiplier(step)
+        out[tb.physical] = by_optimizer[id(opt)]
+    return out
+
+
 def apply_gradients(prepared: Prepared, received: Received,
                     grads: Sequence[torch.Tensor | None], store: RowStore, comm: Communicator,
                     lrs: Mapping[int, float], step: int) -> None:
     """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
-    table is sharded).
+    table is sharded, or when an optimizer has ``skip_nonfinite_gradients`` and W > 1).
+
+    Before the first write: the gradient multipliers are evaluated (and may raise), the skipped
+    tables decided (``skip_nonfinite_gradients``, with a warning) and every gradient converted to
+    the tables' device and working dtype.
 
     Args:
         prepared: the training batch; received: what its lookup's exchange recorded.
-        grads: per feature (flat order) its activation's gradient, or None for zero.
+        grads: ``check_gradients``' result: per feature (flat order) its activation's gradient,
+            or None for zero.
         store: the rows; comm: the communicator.
         lrs: ``learning_rates(prepared, plan)``; step: updates applied so far.
     """
     plan = store.plan
-    for tb, got in zip(prepared.tables, received):
+    multipliers = gradient_multipliers(prepared, plan, step)  # may raise: before any write
+    nonfinite = getattr(grads, "nonfinite", None)
+    if nonfinite is None:  # not from check_gradients
+        nonfinite = nonfinite_gradients(prepared, grads,
+                                        [f"#{i}" for i in range(prepared.num_features)], plan)
+    skipped = _skipped(prepared, plan, nonfinite, comm, store.device)
+    todo = [(tb, got) for tb, got in zip(prepared.tables, received) if tb.physical not in skipped]
+    parts = {}  # physical table -> (R_f, D) per feature, in the update's device and dtype
+    for tb, _ in todo:
         p = plan.physical[tb.physical]
-        work = torch.float64 if p.dtype == torch.float64 else torch.float32
-        parts = [_rows(grads[s.feature], s.rows, p.dim, work, store.device)
-                 for s in tb.slices]  # (R_f, D) each
-        outputs = OutputGrads(parts, [s.start for s in tb.slices] + [tb.bags.num_rows],
-                              tb.bags, tb.dedup)
+        parts[tb.physical] = [_rows(grads[s.feature], s.rows, p.dim, _work_dtype(p.dtype),
+                                    store.device) for s in tb.slices]
+    for tb, got in todo:
+        p = plan.physical[tb.physical]
+        outputs = OutputGrads(parts.pop(tb.physical),
+                              [s.start for s in tb.slices] + [tb.bags.num_rows], tb.bags,
+                              tb.dedup)
         opt = _optimizer(plan, tb.physical)
+        lr, gmul = lrs[tb.physical], multipliers[tb.physical]
         if tb.route is None and comm.world_size == 1:
-            store.update(tb.physical, tb.dedup.unique, outputs, opt, lrs[tb.physical], step)
+            store.update(tb.physical, tb.dedup.unique, outputs, opt, lr, step,
+                         gradient_multiplier=gmul)
             continue
         g_unique = row_gradients(outputs, store.workspace)  # (U, D)
         rows, g = gradients_at_owner(comm, p, tb, got, g_unique)
-        store.update(tb.physical, rows, g, opt, lrs[tb.physical], step)
+        store.update(tb.physical, rows, g, opt, lr, step, gradient_multiplier=gmul)
+
+
+def _skipped(prepared: Prepared, plan: ShardingPlan, nonfinite: Mapping[int, list[str]],
+             comm: Communicator, device: torch.device) -> set[int]:
+    """The physical tables this step leaves alone: every table of an optimizer object with
+    ``skip_nonfinite_gradients`` that got a NaN or inf gradient on any process (one
+    ``all_reduce`` of a flag per such optimizer when W > 1); warns naming the features."""
+    groups: dict[int, list[int]] = {}  # id(optimizer) -> its physical tables, in table order
+    opts: dict[int, Optimizer] = {}
+    for tb in prepared.tables:
+        opt = _optimizer(plan, tb.physical)
+        if opt.skip_nonfinite_gradients:
+            groups.setdefault(id(opt), []).append(tb.physical)
+            opts[id(opt)] = opt
+    if not groups:
+        return set()
+    keys = list(groups)  # the same order on every process
+    local = [any(p in nonfinite for p in groups[k]) for k in keys]
+    if comm.world_size > 1:  # every process skips the same tables (their collectives included)
+        flags = comm.all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
+        bad = [bool(f) for f in flags.tolist()]
+    else:
+        bad = local
+    out: set[int] = set()
+    for k, skip in zip(keys, bad):
+        if not skip:
+            continue
+        out.update(groups[k])
+        tables = [t for p in groups[k] for t in plan.physical[p].tables]
+        features = [f for p in groups[k] for f in nonfinite.get(p, ())]
+        where = (f"the gradients of features {features} hold" if features else
+                 "a gradient on another process holds")
+        warnings.warn(f"{type(opts[k]).__name__} with skip_nonfinite_gradients=True: {where} "
+                      f"NaN or inf, so this step's update of tables {tables} is skipped (their "
+                      f"rows and slots are unchanged)", RuntimeWarning, stacklevel=4)
+    return out
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the update computes in for a table of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows(g: torch.Tensor | None, rows: int, dim: int, dtype: torch.dtype,

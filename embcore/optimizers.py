@@ -51,7 +51,8 @@ class SlotSpec:
 
 
 _COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
-           "multiply_weight_decay_factor_by_learning_rate", "clipvalue", "gradient_multiplier")
+           "multiply_weight_decay_factor_by_learning_rate", "clipvalue", "gradient_multiplier",
+           "skip_nonfinite_gradients")
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -65,12 +66,25 @@ class Optimizer:
         multiply_weight_decay_factor_by_learning_rate: ``wd = weight_decay_factor * lr``.
         clipvalue: clip the gradient: ``c`` means ``(-c, c)``; ``(lo, hi)`` with None unbounded.
         gradient_multiplier: ``step -> float`` scaling the gradient first (TF's
-            ``experimental_gradient_multiplier_fn``); ``step`` counts updates already applied.
+            ``experimental_gradient_multiplier_fn``); ``step`` counts the ``apply_gradients``
+            calls already completed (the engine's ``step``).
+            The engine calls it once per ``apply_gradients`` per optimizer object, before any
+            table changes; a value that is not a finite real number rejects the call
+            (``current_gradient_multiplier``).
+        skip_nonfinite_gradients: not TF's (TF does not check). False (the default): NaN and
+            inf gradients are applied like any other value. True: before any table changes,
+            ``apply_gradients`` checks every gradient reaching this optimizer's tables (one
+            ``isfinite().all()`` pass each, in the table's working dtype); if one holds a NaN
+            or inf, on any process, the step is skipped for every table this optimizer object
+            trains: their rows and slots stay as they were, a ``RuntimeWarning`` names the
+            features, and the call otherwise completes (the batch is consumed, ``step`` counts
+            the call, tables of other optimizers are updated). For loss scaling in mixed
+            precision, where an overflowed step is dropped (docs/semantics.md section 3).
 
     Raises:
         TypeError: a hyper-parameter of the wrong type (a number that is not a real number, a
-            gradient_multiplier that is not callable, a non-bool use_gradient_accumulation),
-            naming it and its value.
+            gradient_multiplier that is not callable, a non-bool use_gradient_accumulation or
+            skip_nonfinite_gradients), naming it and its value.
         ValueError: a hyper-parameter of the right type with an invalid value (out of range,
             not finite, inconsistent with another), naming it and its value.
     """
@@ -84,6 +98,7 @@ class Optimizer:
     multiply_weight_decay_factor_by_learning_rate: bool | None = None
     clipvalue: ClipValue = None
     gradient_multiplier: Callable[[int], float] | None = None
+    skip_nonfinite_gradients: bool = False
 
     def __post_init__(self) -> None:
         if type(self) is Optimizer:
@@ -123,6 +138,9 @@ class Optimizer:
         if self.gradient_multiplier is not None and not callable(self.gradient_multiplier):
             raise TypeError(f"{self._name}: gradient_multiplier must be a callable step -> float, "
                              f"got {self.gradient_multiplier!r}")
+        if not isinstance(self.skip_nonfinite_gradients, bool):
+            raise TypeError(f"{self._name}: skip_nonfinite_gradients must be a bool, got "
+                            f"{self.skip_nonfinite_gradients!r}")
         self._check()
 
     def _check(self) -> None:
@@ -196,6 +214,40 @@ class Optimizer:
         self._check_lr(value)
         return value
 
+    def current_gradient_multiplier(self, step: int) -> float | None:
+        """``gradient_multiplier(step)``, checked; None when the optimizer has no multiplier.
+
+        Args:
+            step: the number of updates already applied (0 on the first).
+
+        Raises:
+            TypeError: the callable returns something other than a real number (a bool, a
+                string, a tensor of more than one element, ...).
+            ValueError: the callable returns NaN or inf.
+            Whatever the callable raises, unchanged, with a note naming this optimizer.
+        """
+        fn = self.gradient_multiplier
+        if fn is None:
+            return None
+        try:
+            value = fn(step)
+        except Exception as e:
+            e.add_note(f"raised by the gradient_multiplier {fn!r} of {self._name} at step {step}")
+            raise
+        return self._check_multiplier(value, f"gradient_multiplier {fn!r} returned {value!r} "
+                                             f"at step {step}")
+
+    def _check_multiplier(self, value: Any, what: str) -> float:
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{self._name}: {what}; a gradient multiplier must be a real number "
+                            "(not a bool)")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{self._name}: {what}; a gradient multiplier must be finite")
+        return value
+
     def _check_lr(self, lr: float) -> None:
         if not (math.isfinite(lr) and lr >= 0):
             raise ValueError(f"{self._name}: learning_rate must be a finite number >= 0, got "
@@ -225,7 +277,8 @@ class Optimizer:
                 .fill_(s.initial_value) for s in self.slots}
 
     def update(self, params: Tensor, grads: Tensor, slots: Mapping[str, Tensor], *, lr: float,
-               step: int) -> tuple[Tensor, dict[str, Tensor]]:
+               step: int, gradient_multiplier: float | None = None
+               ) -> tuple[Tensor, dict[str, Tensor]]:
         """Applies steps 1-5 of the module docstring to the touched rows; never writes inputs.
 
         Args:
@@ -234,6 +287,10 @@ class Optimizer:
             slots: ``{name: (U, D) or (U, 1)}`` the rows' slot values.
             lr: the evaluated learning rate (``current_learning_rate()``).
             step: the number of updates already applied (0 on the first).
+            gradient_multiplier: the multiplier of step 1, already evaluated (the engine calls
+                ``current_gradient_multiplier(step)`` once per step, before any write): used
+                instead of calling ``self.gradient_multiplier``. None (the default): this
+                method evaluates ``current_gradient_multiplier(step)`` itself.
 
         Returns:
             New ``(params, slots)``: params in the input dtype, slots in float32 (float64 when the
@@ -248,8 +305,13 @@ class Optimizer:
         dtype = torch.float64 if params.dtype == torch.float64 else torch.float32
         w = params.to(dtype)                                          # (U, D)
         g = grads.to(dtype)                                           # (U, D)
-        if self.gradient_multiplier is not None:
-            g = g * float(self.gradient_multiplier(step))             # (U, D)
+        if gradient_multiplier is None:
+            gradient_multiplier = self.current_gradient_multiplier(step)
+        else:
+            gradient_multiplier = self._check_multiplier(
+                gradient_multiplier, f"update got gradient_multiplier={gradient_multiplier!r}")
+        if gradient_multiplier is not None:
+            g = g * gradient_multiplier                               # (U, D)
         lo, hi = self.clip_bounds
         if lo is not None or hi is not None:
             g = g.clamp(min=lo, max=hi)                               # (U, D)

@@ -79,9 +79,12 @@ class RowStore:
         return self.tables[p][rows]
 
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
-               optimizer: Optimizer, lr: float, step: int) -> None:
-        """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py)."""
-        update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace)
+               optimizer: Optimizer, lr: float, step: int, *,
+               gradient_multiplier: float | None = None) -> None:
+        """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py;
+        ``gradient_multiplier``: the optimizer's, already evaluated for ``step``)."""
+        update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
+               gradient_multiplier=gradient_multiplier)
 
     def to(self, device: torch.device) -> None:
         """Moves every table and slot to ``device`` (the workspaces are dropped)."""

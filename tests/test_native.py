@@ -38,6 +38,11 @@ RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE
 NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales", "bag_of")
 
 
+def hyper_at(opt, lr, step):
+    """The kernel's hyper-parameters of ``opt`` at ``step``, as ``ops.update.update`` forms them."""
+    return _hyper(opt, lr, gradient_multiplier=opt.current_gradient_multiplier(step))
+
+
 @contextlib.contextmanager
 def kernels(enabled: bool):
     """``native.set_enabled(enabled)`` for the block; the previous setting is always restored."""
@@ -298,7 +303,8 @@ def test_sparse_update_direct_equals_reference(opt_case, n, d, data):
     grads = torch.randn(u, d, generator=gen)
     grads[torch.rand(u, generator=gen) < 0.3] = 0.0  # zero rows: 0 / 0 with a zero accumulator
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
-    native.sparse_update(RULES[kind], new_table, new_acc, rows, _hyper(opt, lr, step), [grads])
+    native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper_at(opt, lr, step),
+                         [grads])
     check_update(kind, opt, lr, step, table, acc, rows, grads, new_table, new_acc)
 
 
@@ -346,7 +352,7 @@ def test_sparse_update_from_occurrences_equals_reference(opt_case, n, d, nnz, sl
     table, acc = make_state(kind, opt, n, d, gen)
     c = occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled)
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
-    native.sparse_update(RULES[kind], new_table, new_acc, c["unique"], _hyper(opt, lr, step),
+    native.sparse_update(RULES[kind], new_table, new_acc, c["unique"], hyper_at(opt, lr, step),
                          c["parts"], c["starts"], c["unique_offsets"], c["order"], c["bags"],
                          c["scales"])
     check_update(kind, opt, lr, step, table, acc, c["unique"], c["row_grads"], new_table, new_acc)
@@ -365,7 +371,7 @@ def test_sparse_update_large_threaded(kind, mode):
     n, d = 2500, 8
     table, acc = make_state(kind, opt, n, d, gen)
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
-    hyper = _hyper(opt, 0.3, 2)
+    hyper = hyper_at(opt, 0.3, 2)
     if mode == "direct":
         rows = torch.randperm(n, generator=gen)[:1500]
         grads = torch.randn(1500, d, generator=gen)
@@ -394,7 +400,7 @@ def test_results_do_not_depend_on_the_thread_count():
         for nt in (1, 2):
             torch.set_num_threads(nt)
             t, a = table.clone(), acc.clone()
-            native.sparse_update(native.ADAGRAD, t, a, c["unique"], _hyper(opt, 0.2, 0),
+            native.sparse_update(native.ADAGRAD, t, a, c["unique"], hyper_at(opt, 0.2, 0),
                                  c["parts"], c["starts"], c["unique_offsets"], c["order"],
                                  c["bags"], c["scales"])
             out = native.lookup(table, ids, offsets, None, torch.empty(800, 8))
@@ -433,10 +439,14 @@ def test_hyper_from_the_optimizer_by_name():
     opt = ec.SGD(learning_rate=0.3, clipvalue=(-0.5, None), weight_decay_factor=0.1,
                  multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=1.5,
                  gradient_multiplier=lambda s: 0.5 + s)
-    assert _hyper(opt, 0.2, 2) == native.Hyper(
-        learning_rate=0.2, gradient_multiplier=2.5, clip_min=-0.5, clip_max=INF,
-        weight_decay=0.1 * 0.2, weight_min=-INF, weight_max=1.5)
-    assert _hyper(ec.Adagrad(learning_rate=0.1), 0.1, 0) == native.Hyper(learning_rate=0.1)
+    want = native.Hyper(learning_rate=0.2, gradient_multiplier=2.5, clip_min=-0.5, clip_max=INF,
+                        weight_decay=0.1 * 0.2, weight_min=-INF, weight_max=1.5)
+    assert hyper_at(opt, 0.2, 2) == want
+    # the multiplier is taken as given (evaluated once by the engine), not called again
+    assert _hyper(opt, 0.2, gradient_multiplier=2.5) == want
+    assert _hyper(opt, 0.2, gradient_multiplier=0.75).gradient_multiplier == 0.75
+    assert _hyper(ec.Adagrad(learning_rate=0.1), 0.1, gradient_multiplier=None) == \
+        native.Hyper(learning_rate=0.1)
 
 
 @requires_native

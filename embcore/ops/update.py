@@ -4,7 +4,9 @@
 a table held here, in place (docs/semantics.md section 3). The gradient comes either summed per row
 (a ``(U, D)`` tensor: sharded tables, after the exchange) or as the output rows' gradients
 (``OutputGrads``: a table held here, whose row gradients can be formed inside the update). The
-kernel is chosen here and nowhere else:
+gradient multiplier is evaluated once per call, or given already evaluated
+(``gradient_multiplier=``: the engine evaluates it once per step, before any write), and every
+kernel uses that value. The kernel is chosen here and nowhere else:
 
 1. the fused CPU kernel (``native.sparse_update``): SGD, Adagrad and RowwiseAdagrad with every
    option, float32 tables on the CPU; each touched row and its accumulator are read and written
@@ -34,7 +36,8 @@ _RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWI
 
 def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
            grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
-           workspace: Workspace | None = None) -> None:
+           workspace: Workspace | None = None, *,
+           gradient_multiplier: float | None = None) -> None:
     """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
 
     Args:
@@ -44,22 +47,28 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         grad: (U, D) summed gradient of each row, or the output rows' gradients.
         optimizer: its rule and options; lr: this step's learning rate; step: updates so far.
         workspace: buffers for the temporaries, kept across steps (None allocates them).
+        gradient_multiplier: ``optimizer.current_gradient_multiplier(step)`` already evaluated
+            (the engine evaluates it once per step, before any write), used by every kernel;
+            None: evaluated here, once.
     """
+    if gradient_multiplier is None:
+        gradient_multiplier = optimizer.current_gradient_multiplier(step)  # None: it has none
     rule = native_rule(optimizer, table)
     if rule is not None:
         acc = slots.get("accumulators")
+        hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
         if isinstance(grad, OutputGrads):  # the backward fused into the update
             g = grad
-            native.sparse_update(rule, table, acc, g.dedup.unique, _hyper(optimizer, lr, step),
+            native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
                                  [p.contiguous() for p in g.parts], g.starts,
                                  g.dedup.unique_offsets, g.dedup.order,
                                  None if g.bags.unit else g.bags.bag_of, g.bags.scales)
         else:
-            native.sparse_update(rule, table, acc, rows.contiguous(), _hyper(optimizer, lr, step),
+            native.sparse_update(rule, table, acc, rows.contiguous(), hyper,
                                  [grad.to(torch.float32).contiguous()])
         return
     summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
-    if in_place_supported(optimizer, table):
+    if gradient_multiplier is None and in_place_supported(optimizer, table):
         apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
         return
     if optimizer.dense_update:  # every row moves, untouched ones with g = 0
@@ -67,7 +76,8 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         full[rows] = summed
         rows, summed = torch.arange(table.shape[0], device=table.device), full
     new_w, new_slots = optimizer.update(table[rows], summed,
-                                        {k: v[rows] for k, v in slots.items()}, lr=lr, step=step)
+                                        {k: v[rows] for k, v in slots.items()}, lr=lr, step=step,
+                                        gradient_multiplier=gradient_multiplier)
     table.index_copy_(0, rows, new_w)
     for k, v in new_slots.items():
         slots[k].index_copy_(0, rows, v)
@@ -81,10 +91,11 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     return rule if native.usable(table) else None
 
 
-def _hyper(opt: Optimizer, lr: float, step: int) -> native.Hyper:
-    """The fused kernel's hyper-parameters of ``opt`` at ``step``, by name."""
+def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> native.Hyper:
+    """The fused kernel's hyper-parameters of ``opt`` by name, with this step's learning rate and
+    evaluated gradient multiplier (``opt.current_gradient_multiplier(step)``; None: 1)."""
     inf = float("inf")
-    gmul = 1.0 if opt.gradient_multiplier is None else float(opt.gradient_multiplier(step))
+    gmul = 1.0 if gradient_multiplier is None else float(gradient_multiplier)
     lo, hi = opt.clip_bounds
     wd = float(opt.weight_decay_factor or 0.0)
     if opt.multiply_weight_decay_factor_by_learning_rate:
