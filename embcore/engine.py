@@ -20,7 +20,7 @@ from . import __version__
 from .comm import Communicator, make_communicator
 from .config import TableConfig
 from .features import Features, is_feature
-from .gradients import apply_gradients, check_gradients, learning_rates
+from .gradients import apply_gradients, check_gradients, gradient_multipliers, learning_rates
 from .lookup import Received, lookup
 from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
@@ -261,9 +261,11 @@ class Embedding:
         """Checks everything, then applies a training batch's gradients (one step)."""
         flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
         grads = check_gradients(prepared, flat, self._features.names, self._plan, warn_on_none)
-        lrs = learning_rates(prepared, self._plan)  # may raise: before any write
+        gmul = gradient_multipliers(prepared, self._plan, self._step)  # these may raise: before
+        lrs = learning_rates(prepared, self._plan)  # any write (and lrs last: they may count)
         self._queue.wait_all()  # background lookups read the tables: let them finish first
-        apply_gradients(prepared, received, grads, self._built(), self._comm, lrs, self._step)
+        apply_gradients(prepared, received, grads, self._built(), self._comm, lrs, self._step,
+                        gmul)
         self._step += 1
 
     @_serialized

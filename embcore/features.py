@@ -165,7 +165,7 @@ class Features:
             out[i] = b if shape == b.shape else replace(b, shape=shape)
         if learn:
             for i, b in enumerate(out):
-                if b is not None and self.shapes[i] is None and self.configs[i].output_shape is None:
+                if b is not None and self.shapes[i] is None and not self.configs[i].output_shape:
                     self.shapes[i] = b.shape
         return out
 

@@ -155,7 +155,8 @@ def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
 
 def apply_gradients(prepared: Prepared, received: Received,
                     grads: Sequence[torch.Tensor | None], store: RowStore, comm: Communicator,
-                    lrs: Mapping[int, float], step: int) -> None:
+                    lrs: Mapping[int, float], step: int,
+                    multipliers: Mapping[int, float] | None = None) -> None:
     """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
     table is sharded, or when an optimizer has ``skip_nonfinite_gradients`` and W > 1).
 
@@ -169,9 +170,13 @@ def apply_gradients(prepared: Prepared, received: Received,
             or None for zero.
         store: the rows; comm: the communicator.
         lrs: ``learning_rates(prepared, plan)``; step: updates applied so far.
+        multipliers: ``gradient_multipliers(prepared, plan, step)`` when the caller evaluated
+            them already (before the learning rates, so that a bad multiplier raises before a
+            stateful learning-rate callable advances); None evaluates them here.
     """
     plan = store.plan
-    multipliers = gradient_multipliers(prepared, plan, step)  # may raise: before any write
+    if multipliers is None:
+        multipliers = gradient_multipliers(prepared, plan, step)  # may raise: before any write
     nonfinite = getattr(grads, "nonfinite", None)
     if nonfinite is None:  # not from check_gradients
         nonfinite = nonfinite_gradients(prepared, grads,
