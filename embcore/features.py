@@ -16,7 +16,8 @@ import torch
 
 from .config import FeatureConfig, TableConfig, resolve_table_names
 from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
-from .nest import flatten_like, leaves_with_paths, unflatten_like
+from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
+                   unflatten_like)
 from .ops.bags import Bags
 from .optimizers import Optimizer
 
@@ -127,6 +128,8 @@ class Features:
             ValueError: a feature reading a table this engine does not have.
         """
         leaves = leaves_with_paths(template, is_feature)
+        if is_keyed_jagged(features):
+            features, weights = from_keyed_jagged(template, features)
         flat_ids = flatten_like(template, features, is_feature, "features")
         flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
                   else [None] * len(leaves))
@@ -154,6 +157,8 @@ class Features:
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
         """
+        if is_keyed_jagged(features):
+            features, weights = from_keyed_jagged(self.template, features)
         flat_ids = flatten_like(self.template, features, is_feature, "features")
         flat_w = (flatten_like(self.template, weights, is_feature, "weights")
                   if weights is not None else [None] * len(self._all))

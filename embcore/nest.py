@@ -90,3 +90,48 @@ def unflatten_like(template: Any, leaves: Sequence[Any], is_leaf: Callable[[Any]
 
 def _fmt(prefix: str) -> str:
     return f"[{prefix!r}]" if prefix else ""
+
+
+def is_keyed_jagged(x: Any) -> bool:
+    """Whether ``x`` looks like TorchRec's ``KeyedJaggedTensor`` (duck-typed: torchrec is not a
+    dependency): ``keys()``, ``values()``, ``offsets()`` and ``weights_or_none()``."""
+    return not isinstance(x, (dict, list, tuple)) and all(
+        callable(getattr(x, m, None))
+        for m in ("keys", "values", "offsets", "weights_or_none", "stride"))
+
+
+def from_keyed_jagged(template: Any, kjt: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A ``KeyedJaggedTensor`` as ``({key: jagged ids}, {key: jagged weights} or None)``.
+
+    Its keys must be the keys of ``template``, a dict of features. Key ``k``'s bags are rows
+    ``[i*B, (i+1)*B)`` of the KJT (``i`` its position in ``keys()``, ``B = stride()``).
+
+    Raises:
+        ValueError: a template that is not a dict, keys that differ, or variable batch sizes
+            per key.
+    """
+    keys = list(kjt.keys())
+    if not isinstance(template, dict):
+        raise ValueError("a KeyedJaggedTensor input needs a feature_config that is a dict keyed "
+                         "by its keys")
+    if set(keys) != set(template):
+        raise ValueError(f"the KeyedJaggedTensor's keys {sorted(keys)} differ from "
+                         f"feature_config's {sorted(map(str, template))}")
+    if callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key():
+        raise ValueError("a KeyedJaggedTensor with a batch size per key (variable stride) is not "
+                         "supported; give every key the same batch size")
+    import torch  # (nest.py is otherwise torch-free)
+
+    values, offsets, weights, b = kjt.values(), kjt.offsets(), kjt.weights_or_none(), kjt.stride()
+    if offsets.numel() != len(keys) * b + 1:
+        raise ValueError(f"the KeyedJaggedTensor has {offsets.numel()} offsets for {len(keys)} "
+                         f"keys of {b} bags; expected {len(keys) * b + 1}")
+    ids, ws = {}, {}
+    for i, k in enumerate(keys):
+        o = offsets[i * b:(i + 1) * b + 1]  # (B + 1,)
+        lo, hi = int(o[0]), int(o[-1])
+        local = (o - lo).to(torch.int64)
+        ids[k] = torch.nested.nested_tensor_from_jagged(values[lo:hi], local)
+        if weights is not None:
+            ws[k] = torch.nested.nested_tensor_from_jagged(weights[lo:hi], local)
+    return ids, (ws if weights is not None else None)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from .config import FeatureConfig, TableConfig, resolve_table_names
 from .features import is_feature as _is_feature
 from .inputs import canonicalize, input_kind, resolve_shape
-from .nest import flatten_like, leaves_with_paths, unflatten_like
+from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
+                   unflatten_like)
 from .ops.combine import combine
 
 
@@ -58,6 +59,8 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
         tensor([[6., 7.]])
     """
     flat = leaves_with_paths(feature_config, _is_feature)
+    if is_keyed_jagged(inputs):
+        inputs, weights = from_keyed_jagged(feature_config, inputs)
     features = [f for _, f in flat]
     names = resolve_table_names(list(dict.fromkeys(f.table for f in features)))
     flat_ids = flatten_like(feature_config, inputs, _is_feature, "inputs")
@@ -93,6 +96,8 @@ class ServingModule(torch.nn.Module):
 
     def forward(self, features: Any, weights: Any = None) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
+        if is_keyed_jagged(features):
+            features, weights = from_keyed_jagged(self.feature_config, features)
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,3 +164,59 @@ def test_dense_shapes():
     assert emb.lookup({"f": torch.tensor([1, 2])})["f"].shape == (2, 3)
     assert emb.lookup({"f": torch.tensor([[1], [2]])})["f"].shape == (2, 3)
     assert emb.lookup({"f": torch.tensor([[1, 2, 3], [2, 3, 4]])})["f"].shape == (2, 3, 3)
+
+
+class FakeKeyedJaggedTensor:
+    """TorchRec's KeyedJaggedTensor as far as embcore reads it (torchrec is not a dependency;
+    benchmarks/sys_torchrec.py uses the real one)."""
+
+    def __init__(self, keys, values, lengths, weights=None):
+        self._keys, self._values, self._weights = keys, values, weights
+        self._offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        self._stride = lengths.numel() // len(keys)
+
+    def keys(self):
+        return self._keys
+
+    def values(self):
+        return self._values
+
+    def offsets(self):
+        return self._offsets
+
+    def weights_or_none(self):
+        return self._weights
+
+    def stride(self):
+        return self._stride
+
+
+def test_keyed_jagged_tensor_equals_the_same_batch_as_jagged_tensors():
+    items = ec.TableConfig(vocabulary_size=20, dim=3, combiner="mean", name="items")
+    users = ec.TableConfig(vocabulary_size=10, dim=3, combiner="sum", name="users")
+    fc = {"history": ec.FeatureConfig(table=items), "user": ec.FeatureConfig(table=users)}
+    lengths = torch.tensor([2, 0, 3, 1, 1, 1])  # history: 3 bags, then user: 3 bags
+    values = torch.tensor([1, 2, 5, 6, 7, 9, 3, 4])
+    weights = torch.rand(8)
+    kjt = FakeKeyedJaggedTensor(["history", "user"], values, lengths, weights)
+
+    def jag(x, lo, hi, off):
+        return torch.nested.nested_tensor_from_jagged(x[lo:hi], torch.tensor(off))
+    ids = {"history": jag(values, 0, 5, [0, 2, 2, 5]), "user": jag(values, 5, 8, [0, 1, 2, 3])}
+    w = {"history": jag(weights, 0, 5, [0, 2, 2, 5]), "user": jag(weights, 5, 8, [0, 1, 2, 3])}
+    torch.manual_seed(0)
+    emb = ec.Embedding(fc, ec.SGD(learning_rate=0.5))
+    want = emb.lookup(ids, w)
+    got = emb.lookup(kjt)
+    for k in fc:
+        torch.testing.assert_close(got[k], want[k])
+    served = ec.serving_embedding_lookup(kjt, None, emb.embedding_tables, fc)  # its weights
+    for k in fc:
+        torch.testing.assert_close(served[k], want[k])
+    emb.enqueue(kjt)  # training through the queue and through the layer's step
+    acts = emb.dequeue()
+    emb.apply_gradients({k: torch.ones_like(a) for k, a in acts.items()})
+    step = emb.training_step(kjt)
+    assert step.activations["history"].shape == (3, 3)
+    with pytest.raises(ValueError, match="keys \\['history', 'user'\\] differ"):
+        emb.lookup(kjt, serving_config={"history": fc["history"]})
