@@ -18,8 +18,8 @@ Atomicity. ``save`` writes into a temporary sibling ``<path>.tmp-<pid>-<random>`
 swaps it in: an existing ``<path>`` is renamed to ``<path>.old``, the temporary directory to
 ``<path>``, and ``<path>.old`` is removed. ``<path>`` therefore only ever appears complete; if a
 writer is killed between the two renames, ``load(path)`` finds ``<path>.old``, the previous
-checkpoint. A leftover temporary directory (a writer killed while writing) is never read; it can
-be deleted.
+checkpoint. A leftover temporary directory (a writer killed while writing) is never read; the
+next ``save`` to the same path removes it once its writer's process is gone.
 
 Safety. Loading never runs code stored in the files. DCP stores its index with ``pickle``; this
 module reads it with a restricted unpickler that resolves only the few classes a DCP index holds
@@ -254,6 +254,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     lead = comm.rank == 0  # creates the directory, writes the manifest and swaps it in
     error: BaseException | None = None
     if lead:
+        _remove_stale_temporaries(path)
         try:
             tmp.mkdir(parents=True)
         except OSError as e:
@@ -283,6 +284,21 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if not _all_ok(engine, error is None):
         raise error or RuntimeError(f"rank 0 failed to complete the checkpoint {path}; see its "
                                     f"error")
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Removes ``<path>.tmp-<pid>-<token>`` directories of writers that died on this machine (their
+    pid no longer runs): what a killed save leaves. A live writer's directory is kept."""
+    for tmp in path.parent.glob(f"{path.name}.tmp-*-*") if path.parent.is_dir() else ():
+        pid = tmp.name[len(path.name) + len(".tmp-"):].split("-", 1)[0]
+        if not pid.isdigit() or not tmp.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: does the process exist?
+        except ProcessLookupError:
+            _remove_tree(tmp, missing_ok=True)
+        except (PermissionError, OSError):
+            continue  # it exists (another user's) or cannot be told: keep it
 
 
 def _swap_in(tmp: Path, path: Path) -> None:

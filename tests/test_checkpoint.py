@@ -575,3 +575,24 @@ def test_reshard_w1_to_w2_to_w1(helper_results):
     assert sorted(got) == sorted(want)
     for k in got:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+def test_save_removes_temporaries_of_dead_writers_only(tmp_path, trained):
+    dead = subprocess_pid_that_exited()
+    stale = tmp_path / f"ck.tmp-{dead}-00ff"
+    live = tmp_path / f"ck.tmp-{os.getpid()}-00aa"  # a writer still running (this process)
+    other = tmp_path / "ck-other.tmp-1-00bb"  # another checkpoint's: not ours to touch
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"partial")
+    ec.save(tmp_path / "ck", trained)
+    assert not stale.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", live.name, other.name])
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)
