@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .comm import CollectiveError
 from .engine import Embedding
 from .layer import EmbeddingLayer
 
@@ -157,12 +158,18 @@ def _engine_and_state(obj: Any) -> tuple[Embedding, dict[str, torch.Tensor], boo
                     f"{type(obj).__name__}")
 
 
+def _group(comm: Any) -> Any:
+    """The process group DCP coordinates on: the communicator's, with its timeout (comm.py)."""
+    return comm.checkpoint_group() if comm.world_size > 1 else None
+
+
 @contextlib.contextmanager
-def _dcp_call(what: str) -> Iterator[None]:
+def _dcp_call(what: str, world_size: int = 1) -> Iterator[None]:
     """Runs a DCP call: silences its warning that no process group is used (W = 1), and
     re-raises the error DCP wraps in its ``CheckpointException`` (a BaseException, which
     ``except Exception`` would miss) as itself, or, for a decoding error, as a ValueError saying
-    that the checkpoint is corrupt."""
+    that the checkpoint is corrupt; a failed collective with several processes becomes a
+    ``CollectiveError``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
                                 "or uninitialized", category=UserWarning)
@@ -178,6 +185,13 @@ def _dcp_call(what: str) -> Iterator[None]:
                 raise first from e  # (a UnicodeDecodeError is a corrupt file: reworded below)
             raise ValueError(f"{what} failed: the checkpoint is corrupt or truncated "
                              f"({type(first).__name__}: {first})") from first
+        except RuntimeError as e:  # a collective of DCP's failed: another process died or stalls
+            if world_size == 1 or isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(f"embcore: {what} failed in a collective of "
+                                  f"torch.distributed.checkpoint ({world_size} processes): "
+                                  f"another process probably died or stalls. Cause: "
+                                  f"{type(e).__name__}: {str(e)[:300]}") from e
 
 
 def _agreed_token(engine: Embedding) -> str:
@@ -263,9 +277,10 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         raise error or RuntimeError(f"rank 0 could not create {tmp}; see its error")
     try:
         d = _dcp()
-        with _dcp_call(f"writing {tmp}"):  # each process writes its shards; rank 0 the index
+        # each process writes its shards; rank 0 the index
+        with _dcp_call(f"writing {tmp}", comm.world_size):
             d.dcp.save(state, storage_writer=d.Writer(tmp, sync_files=True),
-                       process_group=comm.group, no_dist=comm.world_size == 1)
+                       process_group=_group(comm), no_dist=comm.world_size == 1)
     except BaseException:
         if lead:
             _remove_tree(tmp, missing_ok=True)
@@ -425,9 +440,9 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     fresh = {k: torch.empty_like(target[k]) if type(target[k]) is torch.Tensor else target[k]
              for k in keys}
     if fresh:
-        with _dcp_call(f"reading {ckpt}"):
+        with _dcp_call(f"reading {ckpt}", comm.world_size):
             d.dcp.load(fresh, storage_reader=d.Reader(ckpt), planner=d.Planner(),
-                       process_group=comm.group, no_dist=comm.world_size == 1)
+                       process_group=_group(comm), no_dist=comm.world_size == 1)
     if v0:
         obj.load_state_dict(fresh, strict=False)
     else:

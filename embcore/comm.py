@@ -81,6 +81,19 @@ class ProcessGroupCommunicator:
         self.world_size = dist.get_world_size(group)
         self.timeout = timeout
         self.backend = dist.get_backend(group)
+        self._checkpoint_group: Any = None
+
+    def checkpoint_group(self) -> Any:
+        """A gloo group of the same processes whose collectives time out after ``timeout``, for
+        ``torch.distributed.checkpoint`` (which issues its own collectives on the group it is
+        given): a process that dies or stalls inside ``ec.save`` / ``ec.load`` then makes the
+        others fail within the timeout instead of the default group's (30 minutes). Created on
+        first use, by every process of the group (``ec.save`` / ``ec.load`` are collectives)."""
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(self.group), timeout=self.timeout,
+                backend="gloo", use_local_synchronization=True)
+        return self._checkpoint_group
 
     def _wait(self, work: Any, what: str) -> None:
         try:

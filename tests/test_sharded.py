@@ -269,3 +269,38 @@ def _reshard_worker(rank, world, init, root):
 
 def test_checkpoint_reshards_w1_to_w4_and_row_mod_to_row_div(tmp_path):
     run_on(4, _reshard_worker, str(tmp_path))
+
+
+def _stalled_save_worker(rank, world, init, mode, root, result_dir):
+    init()
+    import torch.distributed.checkpoint as dcp_module
+    t = ec.TableConfig(vocabulary_size=40, dim=4, name="t")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                       sharding="row_mod", timeout=3)
+    if rank == 1:  # dies or stalls inside DCP's write phase, after the checkpoint began
+        real = dcp_module.FileSystemWriter.write_data
+
+        def write_data(self, *args, **kwargs):
+            if mode == "die":
+                os._exit(0)
+            time.sleep(12)
+            return real(self, *args, **kwargs)
+        dcp_module.FileSystemWriter.write_data = write_data
+    start = time.time()
+    try:
+        ec.save(os.path.join(root, "ck"), emb)
+    except CollectiveError as e:
+        with open(os.path.join(result_dir, f"error{rank}.txt"), "w") as f:
+            f.write(f"{time.time() - start:.1f}\n{e}")
+    os._exit(0)
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_failing_rank_inside_a_checkpoint_makes_the_others_raise(mode, tmp_path):
+    try:
+        run_on(2, _stalled_save_worker, mode, str(tmp_path), str(tmp_path))
+    except Exception:  # noqa: BLE001 - the processes exit abruptly on purpose
+        pass
+    seconds, message = (tmp_path / "error0.txt").read_text().split("\n", 1)
+    assert float(seconds) < 10, seconds  # the 3 s timeout, not the group's 30 minutes
+    assert "another process probably died or stalls" in message
