@@ -121,8 +121,11 @@ class FeatureConfig:
             ids past ``S`` dropped, missing positions zero.
         output_shape: the leading shape of this feature's activations (without ``D``); overrides
             the shape given to ``build`` and the one seen at the first enqueue.
-        validate_weights_and_indices: check ids are in ``[0, vocabulary_size)`` and weights are
-            finite on every enqueue (a small cost; turn off once inputs are trusted).
+        validate_weights_and_indices: also check that weights are finite (a pass over the
+            weights; turn off once inputs are trusted). The checks that keep every read and
+            write inside the table run whatever this says: ids in ``[0, vocabulary_size)``
+            (one min / max pass), jagged offsets and sparse indices consistent with their
+            values and shape, weights matching their ids.
         name: the feature's name in error messages; ``None`` uses its path in the structure.
 
     Raises:

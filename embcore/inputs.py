@@ -76,16 +76,20 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         if kind == "dense":
             raise ValueError(f"{where}: weights were given for a dense input; dense ids are looked "
                              f"up one by one, so weights apply only to jagged or sparse bags")
-        if input_kind(weights) != kind:
-            raise ValueError(f"{where}: ids are {kind} but weights are {input_kind(weights)}; "
+        try:
+            w_kind = input_kind(weights)
+        except TypeError as e:
+            raise TypeError(f"{where}: weights: {e}") from None
+        if w_kind != kind:
+            raise ValueError(f"{where}: ids are {kind} but weights are {w_kind}; "
                              f"weights must mirror their ids")
     if kind == "dense" and seq == 0:
         shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 and ids.shape[-1] == 1 else tuple(ids.shape)
         if ids.dtype not in INT_DTYPES:
             raise TypeError(f"{where}: ids must be int32 or int64, got {ids.dtype}")
-        flat = ids.reshape(-1).to(device=device, dtype=torch.int64, non_blocking=True)  # (nnz,)
-        if feature.validate_weights_and_indices:
-            _validate(flat, None, table.vocabulary_size, where, table_name)
+        flat = ids.reshape(-1).to(device=device, dtype=torch.int64,
+                                  non_blocking=True).contiguous()  # (nnz,)
+        check_ids(flat, table.vocabulary_size, where, table_name)  # always: memory safety
         return Bags(flat, None, None, shape)
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
@@ -97,14 +101,16 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets, bag_shape, w, positions = _sparse(ids, weights, where)
     if values.dtype not in INT_DTYPES:
         raise TypeError(f"{where}: ids must be int32 or int64, got {values.dtype}")
-    values = values.to(device=device, dtype=torch.int64, non_blocking=True)
-    offsets = offsets.to(device=device, dtype=torch.int64, non_blocking=True)
+    # contiguous: the fused kernels read these through raw pointers
+    values = values.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
+    offsets = offsets.to(device=device, dtype=torch.int64, non_blocking=True).contiguous()
     if w is not None:
         if not w.is_floating_point():
             raise TypeError(f"{where}: weights must be floating point, got {w.dtype}")
-        w = w.to(device=device, dtype=torch.float32, non_blocking=True)
-    if feature.validate_weights_and_indices:
-        _validate(values, w, table.vocabulary_size, where, table_name)
+        w = w.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
+    check_ids(values, table.vocabulary_size, where, table_name)  # always: memory safety
+    if w is not None and feature.validate_weights_and_indices:
+        check_weights(w, where)
     if seq > 0:
         if positions is not None:
             positions = positions.to(device=device, non_blocking=True)
@@ -197,20 +203,33 @@ def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
         raise ValueError(f"{where}: jagged ids must have shape [B, None] (rank 2), got rank "
                          f"{ids.dim()}")
-    values, offsets, lengths = jagged_parts(ids)
+    values, given, lengths = jagged_parts(ids)
     if lengths is not None:
         raise ValueError(f"{where}: jagged tensors with holes (lengths) are not supported; "
                          f"build them with torch.nested.nested_tensor_from_jagged(values, offsets)")
+    if values.dim() != 1:  # (rank 2 means 1-D values; kept as a guard for the raw reads)
+        raise ValueError(f"{where}: jagged ids must hold 1-D values, got shape "
+                         f"{list(values.shape)}")
+    offsets = check_offsets(given, values.numel(), where)  # (B + 1,) int64, contiguous
     w = None
     if weights is not None:
-        if weights.layout != torch.jagged:
-            raise ValueError(f"{where}: weights must be a jagged tensor with the same offsets as "
-                             f"the ids")
+        same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
+        if weights.layout != torch.jagged or weights.dim() != 2:
+            raise ValueError(same)
         w, w_offsets, w_lengths = jagged_parts(weights)
-        if w_lengths is not None or not (w_offsets is offsets or torch.equal(
-                w_offsets.to(offsets.device), offsets)):
-            raise ValueError(f"{where}: weights must be a jagged tensor with the same offsets as "
-                             f"the ids")
+        if w_lengths is not None:
+            raise ValueError(same)
+        if w_offsets is not given:
+            if w_offsets.dtype not in INT_DTYPES:
+                raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
+                                f"{w_offsets.dtype}; {same}")
+            if tuple(w_offsets.shape) != tuple(offsets.shape) or not torch.equal(
+                    w_offsets.to(device=offsets.device, dtype=torch.int64), offsets):
+                raise ValueError(same)
+        if w.dim() != 1 or w.shape[0] != values.numel():
+            raise ValueError(f"{where}: weights hold {w.numel()} values of shape "
+                             f"{list(w.shape)} but the ids hold {values.numel()}; {same} and "
+                             f"one weight per id")
     return values, offsets, (offsets.numel() - 1,), w
 
 
@@ -219,11 +238,15 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
         raise ValueError(f"{where}: sparse ids must have rank >= 2, got rank {ids.dim()}")
     if ids.dense_dim() != 0:
         raise ValueError(f"{where}: sparse ids must be hybrid-free (dense_dim 0)")
-    indices, values = sparse_parts(ids)  # (k, nnz), (nnz,) in stored order
     shape = tuple(ids.shape)
+    # (k, nnz), (nnz,) in stored order, their range checked before anything indexes with them
+    indices, values = sparse_parts(
+        ids, lambda i, v: check_sparse_indices(i, v, shape, where))
+    indices = indices.to(torch.int64).contiguous()  # (as checked: no copy)
     # Order by (bag, position); stable so an uncoalesced input keeps its order of equal keys.
+    # A tensor marked coalesced whose indices do not strictly increase is sorted the same way.
     order = None
-    if not ids.is_coalesced():
+    if not (ids.is_coalesced() and strictly_increasing(indices, shape)):
         strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
                                dtype=torch.int64, device=indices.device)
         order = torch.argsort((indices * strides[:, None]).sum(0), stable=True)
@@ -237,10 +260,15 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     torch.cumsum(counts, 0, out=offsets[1:])
     w = None
     if weights is not None:
-        if weights.layout != torch.sparse_coo or tuple(weights.shape) != shape:
+        if (weights.layout != torch.sparse_coo or tuple(weights.shape) != shape
+                or weights.dense_dim() != 0):
             raise ValueError(f"{where}: weights must be a sparse COO tensor of the ids' shape "
                              f"{list(shape)}")
-        w_idx, w = sparse_parts(weights)
+        w_idx, w = sparse_parts(
+            weights, lambda i, v: check_sparse_indices(i, v, shape, f"{where} (weights)"))
+        if tuple(w_idx.shape) != tuple(indices.shape) or tuple(w.shape) != tuple(values.shape):
+            raise ValueError(f"{where}: weights hold {w.numel()} entries but the ids hold "
+                             f"{values.numel()}; weights must have the same indices as the ids")
         if order is not None:
             w_idx, w = w_idx[:, order], w[order]
         if not torch.equal(w_idx, indices):
@@ -252,9 +280,12 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
                  seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bags -> ``seq`` output rows per bag, row p holding the id at position p (if any)."""
     bags = offsets.numel() - 1
-    lengths = offsets[1:] - offsets[:-1]  # (bags,)
-    bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths,
-                                  output_size=values.numel())  # (nnz,)
+    if native.usable(offsets):  # (offsets checked: contiguous, rising from 0 to nnz)
+        bag = native.bag_of(offsets, values.numel())  # (nnz,)
+    else:
+        lengths = offsets[1:] - offsets[:-1]  # (bags,)
+        bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths,
+                                      output_size=values.numel())  # (nnz,)
     if positions is None:
         positions = torch.arange(values.numel(), device=values.device) - offsets[bag]  # (nnz,)
     keep = positions < seq
@@ -265,8 +296,99 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
     return values, out
 
 
-def _validate(ids: torch.Tensor, weights: torch.Tensor | None, vocab: int, where: str,
-              table: str) -> None:
+_JAGGED_FIX = ("build jagged ids with torch.nested.nested_tensor_from_jagged(values, offsets), "
+               "offsets = [0, cumsum of the bag lengths] (B + 1 entries, the last = len(values))")
+
+
+def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
+    """Jagged offsets as (B + 1,) contiguous int64, after one pass checking that they start at 0,
+    never decrease and end at ``nnz`` (so every bag lies inside the values).
+
+    Raises:
+        TypeError: offsets that are not int32 / int64.
+        ValueError: any other inconsistency, naming the first bad entry.
+    """
+    if offsets.dtype not in INT_DTYPES:
+        raise TypeError(f"{where}: jagged offsets must be int32 or int64, got {offsets.dtype}; "
+                        f"{_JAGGED_FIX}")
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"{where}: jagged offsets must be 1-D with B + 1 >= 1 entries, got shape "
+                         f"{list(offsets.shape)}; {_JAGGED_FIX}")
+    offsets = offsets.to(torch.int64).contiguous()
+    n = offsets.numel()
+    if native.usable(offsets):
+        bad = native.offsets_error(offsets, nnz)
+    else:
+        falls = offsets[1:] < offsets[:-1]  # (B,)
+        first, fall, last = torch.stack([offsets[0] != 0, falls.any(),
+                                         offsets[-1] != nnz]).tolist()  # one host sync
+        bad = 0 if first else (int(falls.nonzero()[0]) + 1 if fall else (n - 1 if last else -1))
+    if bad < 0:
+        return offsets
+    if bad == 0 and int(offsets[0]) != 0:
+        what = f"must start at 0, got offsets[0] = {int(offsets[0])}"
+    elif bad > 0 and int(offsets[bad]) < int(offsets[bad - 1]):
+        what = (f"must never decrease, got offsets[{bad}] = {int(offsets[bad])} < "
+                f"offsets[{bad - 1}] = {int(offsets[bad - 1])}")
+    else:
+        what = (f"must end at the number of values ({nnz}), got offsets[{n - 1}] = "
+                f"{int(offsets[-1])}")
+    raise ValueError(f"{where}: jagged offsets {what}; {_JAGGED_FIX}")
+
+
+def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...],
+                         where: str) -> torch.Tensor:
+    """A COO tensor's (k, nnz) indices as contiguous int64, after one min / max pass per dim
+    checking ``0 <= indices[d] < shape[d]`` (and that indices and values agree in size).
+
+    Raises:
+        TypeError: indices that are not int32 / int64.
+        ValueError: an index outside the shape, naming it and its dim.
+    """
+    if indices.dtype not in INT_DTYPES:
+        raise TypeError(f"{where}: sparse indices must be int64 (or int32), got {indices.dtype}")
+    k = len(shape)
+    if (indices.dim() != 2 or indices.shape[0] != k or values.dim() != 1
+            or values.shape[0] != indices.shape[1]):
+        raise ValueError(f"{where}: a sparse COO tensor of shape {list(shape)} must hold "
+                         f"({k}, nnz) indices and (nnz,) values, got {list(indices.shape)} and "
+                         f"{list(values.shape)}")
+    indices = indices.to(torch.int64).contiguous()
+    if indices.shape[1] == 0:
+        return indices
+    if native.usable(indices):
+        bounds = [native.minmax(indices[d]) for d in range(k)]
+    else:
+        lo, hi = torch.aminmax(indices, dim=1)  # (k,), (k,)
+        bounds = list(zip(*torch.stack([lo, hi]).tolist()))  # one host sync
+    for d, (lo_v, hi_v) in enumerate(bounds):
+        if lo_v < 0 or hi_v >= shape[d]:
+            raise ValueError(f"{where}: sparse index {lo_v if lo_v < 0 else hi_v} in dim {d} is "
+                             f"outside the tensor's shape {list(shape)}; indices in dim {d} must "
+                             f"be in [0, {shape[d]}) (build sparse ids with "
+                             f"torch.sparse_coo_tensor(indices, values, size, "
+                             f"check_invariants=True) to catch this where they are made)")
+    return indices
+
+
+def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether the columns of (k, nnz) contiguous int64 indices, in range of ``shape``, strictly
+    increase (a really coalesced tensor: sorted, no duplicates); one pass."""
+    nnz = indices.shape[1]
+    if nnz < 2:
+        return True
+    if native.usable(indices):
+        return native.first_unordered(indices) < 0
+    # In-range indices: lexicographic order is the order of the linearized index.
+    strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
+                           dtype=torch.int64, device=indices.device)
+    lin = (indices * strides[:, None]).sum(0)  # (nnz,)
+    return not bool((lin[1:] <= lin[:-1]).any())
+
+
+def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
+    """Ids in ``[0, vocab)``: one min / max pass, done whatever ``validate_weights_and_indices``
+    says, since the lookups and updates read and write ``table + id * D`` unchecked."""
     if ids.numel():
         if native.usable(ids) and ids.is_contiguous():
             lo_v, hi_v = native.minmax(ids)
@@ -276,6 +398,10 @@ def _validate(ids: torch.Tensor, weights: torch.Tensor | None, vocab: int, where
             bad = lo_v if lo_v < 0 else hi_v
             raise ValueError(f"{where} has id {bad} but table {table!r} has "
                              f"vocabulary_size {vocab}; ids must be in [0, {vocab})")
-    if weights is not None and weights.numel() and not bool(torch.isfinite(weights).all()):
+
+
+def check_weights(weights: torch.Tensor, where: str) -> None:
+    """Finite weights (the optional check of ``validate_weights_and_indices``)."""
+    if weights.numel() and not bool(torch.isfinite(weights).all()):
         bad = weights[~torch.isfinite(weights)][0].item()
         raise ValueError(f"{where} has a non-finite weight ({bad}); weights must be finite")

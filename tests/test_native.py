@@ -35,7 +35,8 @@ requires_native = pytest.mark.skipif(
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
 RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}
-NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales", "bag_of")
+NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales",
+                "bag_of", "offsets_error", "first_unordered")
 
 
 def hyper_at(opt, lr, step):

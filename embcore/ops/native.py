@@ -105,6 +105,8 @@ _SIGNATURES = {
                                 ctypes.c_int]),
     "ec_bag_of": (None, [_P, _I, _P]),
     "ec_minmax": (None, [_P, _I, _P]),
+    "ec_offsets_error": (_I, [_P, _I, _I]),
+    "ec_first_unordered": (_I, [_P, _I, _I]),
     "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
 }
 
@@ -345,6 +347,24 @@ def minmax(ids: torch.Tensor) -> tuple[int, int]:
     out = (ctypes.c_int64 * 2)()
     lib.ec_minmax(ids.data_ptr(), ids.numel(), out)
     return out[0], out[1]
+
+
+def offsets_error(offsets: torch.Tensor, nnz: int) -> int:
+    """-1 when (n >= 1,) contiguous int64 ``offsets`` start at 0, never decrease and end at
+    ``nnz``; else the first entry breaking that (0: the first is not 0; i: ``offsets[i] <
+    offsets[i - 1]``; n - 1: the last is not ``nnz``)."""
+    lib = _load()
+    assert lib is not None
+    return lib.ec_offsets_error(offsets.data_ptr(), offsets.numel(), nnz)
+
+
+def first_unordered(indices: torch.Tensor) -> int:
+    """-1 when the columns of (k, n) contiguous int64 ``indices`` strictly increase in
+    lexicographic order (a coalesced COO tensor's indices); else the first column j >= 1 that is
+    not greater than column j - 1 (out of order, or a duplicate)."""
+    lib = _load()
+    assert lib is not None
+    return lib.ec_first_unordered(indices.data_ptr(), indices.shape[0], indices.shape[1])
 
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
