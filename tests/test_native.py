@@ -694,3 +694,15 @@ def test_one_openmp_runtime_in_the_process():
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(paths) == 1, f"several OpenMP runtimes mapped: {sorted(paths)}"
+
+
+def test_command_line_builds_the_kernels():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "embcore", "kernels"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == (0 if native.available() else 1), proc.stderr
+    assert "RuntimeWarning" not in proc.stderr
+    helped = subprocess.run([sys.executable, "-m", "embcore", "--help"], capture_output=True,
+                            text=True, timeout=60)
+    assert helped.returncode == 0 and "kernels" in helped.stdout

@@ -179,6 +179,8 @@ def _build() -> Path:
     target = _cache_dir() / f"kernels-{key}.so"
     if target.exists():
         return target
+    print(f"embcore: compiling the fused CPU kernels into {target.parent} (once per machine and "
+          f"version, a few seconds)", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -414,13 +416,10 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
                          _ptr(scales), ptrs, st, n, ctypes.byref(hyper), _threads())
 
 
-def main() -> None:
-    """``python -m embcore.ops.native``: build the kernels now and say where they are."""
+def main() -> int:
+    """Builds the kernels now and says where they are (``python -m embcore kernels``)."""
     if _load() is None:
         print(f"embcore kernels unavailable: {_error}", file=sys.stderr)
-        sys.exit(1)
+        return 1
     print(f"embcore kernels: {getattr(_lib, '_name', '?')}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0
