@@ -91,7 +91,7 @@ def _check_gradient(g: object, name: str, shape: tuple[int, ...]) -> None:
         raise TypeError(f"gradient of feature {name!r} {kind}; a gradient must be a dense "
                         f"(torch.strided) tensor of its activation's shape {list(shape)}, e.g. "
                         f"the activation's .grad (a sparse one: .to_dense())")
-    if g.device.type == "meta":
+    if g.is_meta:
         raise ValueError(f"gradient of feature {name!r} is on the meta device, so it holds no "
                          f"values; pass the gradient itself (e.g. the activation's .grad)")
     if not g.is_floating_point():
