@@ -49,6 +49,12 @@ class SlotSpec:
     initial_value: float
     rowwise: bool = False
 
+    @property
+    def nonnegative(self) -> bool:
+        """Whether every value must be >= 0: accumulated squares (``accumulators`` of the
+        Adagrad family and FTRL, Adam's ``velocities``), whose square roots the rules take."""
+        return self.name in ("accumulators", "velocities")
+
 
 _COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
            "multiply_weight_decay_factor_by_learning_rate", "clipvalue", "gradient_multiplier",

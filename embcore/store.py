@@ -141,7 +141,7 @@ class RowStore:
 
         Raises:
             KeyError: with ``strict``, missing keys; always, unknown keys.
-            ValueError: a shape mismatch, naming the key.
+            ValueError: a shape mismatch, or negative accumulated squares, naming the key.
         """
         shapes = {**self.state_shapes(), "step": ()}
         unknown = sorted(set(values) - set(shapes))
@@ -161,6 +161,14 @@ class RowStore:
                 name, _ = k.split("/", 1)
                 place = self.plan.table(name)
                 new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
+        for k, v in new.items():  # accumulated squares must stay >= 0 (the rules take roots)
+            name, slot = k.split("/", 1)
+            opt = self.plan.physical[self.plan.table(name).physical].optimizer
+            spec = next((sp for sp in (opt.slots if opt is not None else ()) if sp.name == slot),
+                        None)
+            if spec is not None and spec.nonnegative and v.numel() and bool((v < 0).any()):
+                raise ValueError(f"{k!r} holds negative values (min {v.min().item()}); "
+                                 f"{type(opt).__name__}'s {slot} are sums of squares, >= 0")
         for k, v in new.items():
             name, slot = k.split("/", 1)
             self.local(name, slot).copy_(v)

@@ -367,3 +367,19 @@ def test_threads_sharing_an_engine_never_lose_or_double_an_update(pipelined):
         torch.testing.assert_close(table[2], torch.full((64,), -0.02 * 2000 * n))
     finally:
         native.set_enabled(previous)
+
+
+def test_load_state_dict_refuses_negative_accumulators_and_changes_nothing():
+    t = ec.TableConfig(vocabulary_size=6, dim=2, name="t")
+    for opt in (ec.Adagrad(learning_rate=0.1), ec.RowwiseAdagrad(learning_rate=0.1),
+                ec.Adam(learning_rate=0.1), ec.FTRL(learning_rate=0.1)):
+        emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, opt)
+        before = {k: v.clone() for k, v in emb.state_dict().items()}
+        key = "t/velocities" if isinstance(opt, ec.Adam) else "t/accumulators"
+        bad = {k: v.clone() for k, v in before.items()}
+        bad["t/parameters"] += 1.0
+        bad[key][2] = -0.5
+        with pytest.raises(ValueError, match=f"'{key}' holds negative values"):
+            emb.load_state_dict(bad)
+        assert all(torch.equal(v, before[k]) for k, v in emb.state_dict().items())
+        emb.load_state_dict({k: v.abs() if k == key else v for k, v in bad.items()})
