@@ -79,8 +79,8 @@ class EmbeddingLayer(torch.nn.Module):
                                 timeout=timeout)
         self._parameters_mode = optimizer is None
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
-        if self.tables_are_parameters:  # tables as parameters, built now from the engine's seeded initial values
-            self.engine.build()
+        self.engine.build()  # now, not inside the first (maybe compiled) forward
+        if self.tables_are_parameters:  # the engine's seeded initial values, as parameters
             for t, name in self.engine.table_names().items():
                 values = self.engine.embedding_tables[t].detach().clone()
                 self.register_parameter(f"{name}/parameters", torch.nn.Parameter(values))

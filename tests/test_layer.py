@@ -274,3 +274,23 @@ def test_tutorial_serving_config_fresh_features_on_the_same_tables():
     other = ec.TableConfig(vocabulary_size=3, dim=4, name="other")
     with pytest.raises(ValueError, match="reads table 'other', which this engine does not have"):
         m.emb(ids, serving_config={"user": ec.FeatureConfig(table=other)})
+
+
+def test_a_compiled_model_trains_like_the_eager_one():
+    """torch.compile around a model with the layer (the tables are built at construction, so no
+    first-forward build runs inside the compiled region; the engine step is a graph break)."""
+    results = []
+    for compile_it in (False, True):
+        torch.manual_seed(0)
+        t = ec.TableConfig(vocabulary_size=50, dim=4, name="t")
+        layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+        mlp = torch.nn.Linear(4, 1)
+
+        def model(ids, layer=layer, mlp=mlp):
+            return mlp(layer({"f": ids})["f"]).sum()
+        run = torch.compile(model, backend="eager") if compile_it else model
+        for i in range(3):
+            run(torch.tensor([1, 2, 3 + i])).backward()
+        results.append((layer.engine.step, layer.embedding_tables[t].clone()))
+    assert results[0][0] == results[1][0] == 3
+    torch.testing.assert_close(results[0][1], results[1][1])
