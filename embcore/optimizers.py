@@ -210,13 +210,9 @@ class Optimizer:
         lr = self.learning_rate
         if not callable(lr):
             return float(lr)
-        value = lr()
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{self._name}: learning_rate callable {lr!r} returned {value!r}; "
-                            "it must return a real number")
-        value = float(value)
+        raw = lr()
+        value = self._real(raw, f"learning_rate callable {lr!r} returned {raw!r}",
+                           "it must return a real number")
         self._check_lr(value)
         return value
 
@@ -238,21 +234,27 @@ class Optimizer:
         try:
             value = fn(step)
         except Exception as e:
-            e.add_note(f"raised by the gradient_multiplier {fn!r} of {self._name} at step {step}")
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(f"raised by the gradient_multiplier {fn!r} of {self._name} at step "
+                           f"{step}")
             raise
-        return self._check_multiplier(value, f"gradient_multiplier {fn!r} returned {value!r} "
-                                             f"at step {step}")
+        return self._multiplier(value, f"gradient_multiplier {fn!r} returned {value!r} at step "
+                                       f"{step}")
 
-    def _check_multiplier(self, value: Any, what: str) -> float:
-        if isinstance(value, Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{self._name}: {what}; a gradient multiplier must be a real number "
-                            "(not a bool)")
-        value = float(value)
+    def _multiplier(self, value: Any, what: str) -> float:
+        """A gradient multiplier's value as a finite float (TypeError / ValueError otherwise)."""
+        value = self._real(value, what, "a gradient multiplier must be a real number (not a bool)")
         if not math.isfinite(value):
             raise ValueError(f"{self._name}: {what}; a gradient multiplier must be finite")
         return value
+
+    def _real(self, value: Any, what: str, rule: str) -> float:
+        """A callable's result as a float (a one-element tensor too); TypeError otherwise."""
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{self._name}: {what}; {rule}")
+        return float(value)
 
     def _check_lr(self, lr: float) -> None:
         if not (math.isfinite(lr) and lr >= 0):
@@ -314,7 +316,7 @@ class Optimizer:
         if gradient_multiplier is None:
             gradient_multiplier = self.current_gradient_multiplier(step)
         else:
-            gradient_multiplier = self._check_multiplier(
+            gradient_multiplier = self._multiplier(
                 gradient_multiplier, f"update got gradient_multiplier={gradient_multiplier!r}")
         if gradient_multiplier is not None:
             g = g * gradient_multiplier                               # (U, D)
