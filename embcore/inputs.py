@@ -17,6 +17,8 @@ Shape rules (docs/semantics.md section 1), giving the *natural* leading shape of
 from __future__ import annotations
 
 import math
+from typing import Any
+
 import torch
 
 from .compat import jagged_parts, sparse_parts
@@ -27,8 +29,14 @@ from .ops.bags import Bags
 INT_DTYPES = (torch.int32, torch.int64)
 
 
-def input_kind(x: torch.Tensor) -> str:
-    """'dense', 'jagged' or 'sparse' for a supported input; TypeError otherwise."""
+def input_kind(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> str:
+    """'dense', 'jagged' or 'sparse' for a supported input; TypeError otherwise.
+
+    A ``(values, offsets)`` pair of tensors is a jagged batch too (TorchRec's form, and the one
+    ``torch.export`` can trace: it cannot take nested tensors as inputs).
+    """
+    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x):
+        return "jagged"
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.is_nested:
@@ -197,13 +205,20 @@ def _dense(ids: torch.Tensor, seq: int, where: str):
     return flat, offsets, bag_shape, None
 
 
-def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
-    if ids.layout != torch.jagged:
-        raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got {ids.layout}")
-    if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
-        raise ValueError(f"{where}: jagged ids must have shape [B, None] (rank 2), got rank "
-                         f"{ids.dim()}")
-    values, given, lengths = jagged_parts(ids)
+def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(values, offsets, lengths) of a jagged nested tensor or a ``(values, offsets)`` pair."""
+    return (x[0], x[1], None) if isinstance(x, tuple) else jagged_parts(x)
+
+
+def _jagged(ids: Any, weights: Any, where: str):
+    if not isinstance(ids, tuple):
+        if ids.layout != torch.jagged:
+            raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
+                            f"{ids.layout}")
+        if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
+            raise ValueError(f"{where}: jagged ids must have shape [B, None] (rank 2), got rank "
+                             f"{ids.dim()}")
+    values, given, lengths = _parts(ids)
     if lengths is not None:
         raise ValueError(f"{where}: jagged tensors with holes (lengths) are not supported; "
                          f"build them with torch.nested.nested_tensor_from_jagged(values, offsets)")
@@ -214,16 +229,17 @@ def _jagged(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     w = None
     if weights is not None:
         same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
-        if weights.layout != torch.jagged or weights.dim() != 2:
+        if input_kind(weights) != "jagged" or (
+                not isinstance(weights, tuple) and weights.dim() != 2):
             raise ValueError(same)
-        w, w_offsets, w_lengths = jagged_parts(weights)
+        w, w_offsets, w_lengths = _parts(weights)
         if w_lengths is not None:
             raise ValueError(same)
         if w_offsets is not given:
             if w_offsets.dtype not in INT_DTYPES:
                 raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
                                 f"{w_offsets.dtype}; {same}")
-            if tuple(w_offsets.shape) != tuple(offsets.shape) or not torch.equal(
+            if tuple(w_offsets.shape) != tuple(offsets.shape) or not tracing() and not torch.equal(
                     w_offsets.to(device=offsets.device, dtype=torch.int64), offsets):
                 raise ValueError(same)
         if w.dim() != 1 or w.shape[0] != values.numel():
@@ -255,9 +271,10 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     bag_strides = torch.tensor([math.prod(bag_shape[i + 1:]) for i in range(len(bag_shape))],
                                dtype=torch.int64, device=indices.device)
     bag = (indices[:-1] * bag_strides[:, None]).sum(0)  # (nnz,)
-    counts = torch.bincount(bag, minlength=math.prod(bag_shape))  # (bags,)
-    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=indices.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    bags = math.prod(bag_shape)
+    counts = torch.zeros(bags, dtype=torch.int64, device=indices.device)  # (bags,)
+    counts.index_add_(0, bag, torch.ones_like(bag))  # (a fixed size, which export can trace)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (bags + 1,)
     w = None
     if weights is not None:
         if (weights.layout != torch.sparse_coo or tuple(weights.shape) != shape
@@ -271,7 +288,7 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
                              f"{values.numel()}; weights must have the same indices as the ids")
         if order is not None:
             w_idx, w = w_idx[:, order], w[order]
-        if not torch.equal(w_idx, indices):
+        if not tracing() and not torch.equal(w_idx, indices):
             raise ValueError(f"{where}: weights must have the same indices as the ids")
     return values, offsets, bag_shape, w, indices[-1]
 
@@ -290,14 +307,19 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
         positions = torch.arange(values.numel(), device=values.device) - offsets[bag]  # (nnz,)
     keep = positions < seq
     values, row = values[keep], bag[keep] * seq + positions[keep]  # (kept,)
-    counts = torch.bincount(row, minlength=bags * seq)  # (bags * seq,)
-    out = torch.zeros(bags * seq + 1, dtype=torch.int64, device=values.device)
-    torch.cumsum(counts, 0, out=out[1:])
-    return values, out
+    counts = torch.zeros(bags * seq, dtype=torch.int64, device=values.device)  # (bags * seq,)
+    counts.index_add_(0, row, torch.ones_like(row))  # (a fixed size, which export can trace)
+    return values, torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # (bags * seq + 1,)
 
 
 _JAGGED_FIX = ("build jagged ids with torch.nested.nested_tensor_from_jagged(values, offsets), "
                "offsets = [0, cumsum of the bag lengths] (B + 1 entries, the last = len(values))")
+
+
+def tracing() -> bool:
+    """Whether torch.export / torch.compile is tracing: the data-dependent checks below (host
+    syncs on values) are skipped then, as the traced program cannot branch on data."""
+    return torch.compiler.is_compiling()
 
 
 def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
@@ -316,6 +338,8 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
                          f"{list(offsets.shape)}; {_JAGGED_FIX}")
     offsets = offsets.to(torch.int64).contiguous()
     n = offsets.numel()
+    if tracing():
+        return offsets
     if native.usable(offsets):
         bad = native.offsets_error(offsets, nnz)
     else:
@@ -354,7 +378,7 @@ def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tup
                          f"({k}, nnz) indices and (nnz,) values, got {list(indices.shape)} and "
                          f"{list(values.shape)}")
     indices = indices.to(torch.int64).contiguous()
-    if indices.shape[1] == 0:
+    if indices.shape[1] == 0 or tracing():
         return indices
     if native.usable(indices):
         bounds = [native.minmax(indices[d]) for d in range(k)]
@@ -377,6 +401,8 @@ def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
     nnz = indices.shape[1]
     if nnz < 2:
         return True
+    if tracing():
+        return False  # (sorting costs the traced program nothing it cannot branch on)
     if native.usable(indices):
         return native.first_unordered(indices) < 0
     # In-range indices: lexicographic order is the order of the linearized index.
@@ -388,8 +414,9 @@ def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
 
 def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
     """Ids in ``[0, vocab)``: one min / max pass, done whatever ``validate_weights_and_indices``
-    says, since the lookups and updates read and write ``table + id * D`` unchecked."""
-    if ids.numel():
+    says, since the lookups and updates read and write ``table + id * D`` unchecked. (Not while
+    tracing for export: the exported program's own gathers check their indices.)"""
+    if ids.numel() and not tracing():
         if native.usable(ids) and ids.is_contiguous():
             lo_v, hi_v = native.minmax(ids)
         else:
@@ -402,6 +429,6 @@ def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
 
 def check_weights(weights: torch.Tensor, where: str) -> None:
     """Finite weights (the optional check of ``validate_weights_and_indices``)."""
-    if weights.numel() and not bool(torch.isfinite(weights).all()):
+    if weights.numel() and not tracing() and not bool(torch.isfinite(weights).all()):
         bad = weights[~torch.isfinite(weights)][0].item()
         raise ValueError(f"{where} has a non-finite weight ({bad}); weights must be finite")

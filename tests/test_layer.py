@@ -294,3 +294,34 @@ def test_a_compiled_model_trains_like_the_eager_one():
         results.append((layer.engine.step, layer.embedding_tables[t].clone()))
     assert results[0][0] == results[1][0] == 3
     torch.testing.assert_close(results[0][1], results[1][1])
+
+
+def test_jagged_pairs_train_serve_and_export():
+    """A (values, offsets) pair is a jagged batch like the nested tensor it describes, and it is
+    the jagged form torch.export can trace (it cannot take nested tensors as inputs)."""
+    torch.manual_seed(0)
+    t = ec.TableConfig(vocabulary_size=20, dim=4, combiner="mean", name="t")
+    fc = {"bag": ec.FeatureConfig(table=t), "seq": ec.FeatureConfig(table=t, max_sequence_length=3)}
+    layer = ec.EmbeddingLayer(fc, ec.SGD(learning_rate=0.1))
+    values, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 5])
+    w = torch.tensor([1.0, 2.0, 1.0, 1.0, 3.0])
+    pairs = {"bag": (values, offsets), "seq": (values, offsets)}
+    nested = {k: torch.nested.nested_tensor_from_jagged(values, offsets) for k in fc}
+    weights = {"bag": (w, offsets), "seq": None}
+    nested_w = {"bag": torch.nested.nested_tensor_from_jagged(w, offsets), "seq": None}
+    layer.eval()
+    want = layer(nested, nested_w)
+    got = layer(pairs, weights)
+    for k in fc:
+        torch.testing.assert_close(got[k], want[k])
+    layer.train()
+    linear_loss(layer(pairs, weights), 0).backward()  # trains like the nested form
+    assert layer.engine.step == 1
+    serving = layer.for_serving()
+    eager = serving(pairs, weights)
+    exported = torch.export.export(serving, (pairs, weights)).module()
+    out = exported(pairs, weights)
+    for k in fc:
+        torch.testing.assert_close(out[k], eager[k])
+    with pytest.raises(ValueError, match="jagged offsets must end at the number of values"):
+        layer({"bag": (values, torch.tensor([0, 2, 9])), "seq": pairs["seq"]})

@@ -131,7 +131,7 @@ def error() -> str | None:
 
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the kernels apply: enabled, built, and every tensor on the CPU."""
-    if not _enabled:
+    if not _enabled or torch.compiler.is_compiling():  # (traced tensors have no data)
         return False
     for t in tensors:  # a loop, not all(genexpr): this runs several times per step
         if not t.is_cpu:
