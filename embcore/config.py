@@ -120,7 +120,8 @@ class FeatureConfig:
             combiner); ``S > 0`` for a sequence feature: no combining, output ``[B, S, D]``,
             ids past ``S`` dropped, missing positions zero.
         output_shape: the leading shape of this feature's activations (without ``D``); overrides
-            the shape given to ``build`` and the one seen at the first enqueue.
+            the shape given to ``build`` and the one seen at the first enqueue. When set,
+            ``max_sequence_length`` is ignored (as in TF): the feature's bags are combined.
         validate_weights_and_indices: also check that weights are finite (a pass over the
             weights; turn off once inputs are trusted). The checks that keep every read and
             write inside the table run whatever this says: ids in ``[0, vocabulary_size)``
@@ -165,6 +166,13 @@ class FeatureConfig:
             object.__setattr__(self, "output_shape", shape)  # normalise once, at construction
         if self.name is not None:
             _check_name(self.name, where, allow_slash=True)
+
+    @property
+    def sequence_length(self) -> int:
+        """The sequence length in effect: ``max_sequence_length``, or 0 (a bag feature) when
+        ``output_shape`` is set, which then decides the shape alone (as TF ignores
+        max_sequence_length when output_shape is given)."""
+        return 0 if self.output_shape is not None else self.max_sequence_length
 
     def __repr__(self) -> str:
         return (f"FeatureConfig(name={self.name!r}, table={self.table.name!r}, "

@@ -104,7 +104,7 @@ class Features:
                       for f, s, n in zip(self.configs, flat, self.names)]
         elif per_replica_batch_size is not None:
             (b,) = _sizes((per_replica_batch_size,), "per_replica_batch_size")
-            shapes = [(b, f.max_sequence_length) if f.max_sequence_length else (b,)
+            shapes = [(b, f.sequence_length) if f.sequence_length else (b,)
                       for f in self.configs]
         for i, s in enumerate(shapes):
             if s is not None and self.shapes[i] is not None and self.shapes[i] != s:

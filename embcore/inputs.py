@@ -73,7 +73,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
     except TypeError as e:
         raise TypeError(f"{where}: {e}") from None
     table = feature.table
-    seq = feature.max_sequence_length
+    seq = feature.sequence_length
     if kind == "dense" and ids.dim() < 1:
         raise ValueError(f"{where}: dense ids must have rank >= 1, got a scalar")
     if weights is not None:
@@ -190,8 +190,8 @@ def output_shape_from_input_shape(feature: FeatureConfig, input_shape: tuple[int
     if len(shape) < 2:
         raise ValueError(f"feature {name!r}: per_replica_input_shapes must have rank >= 2 (the last "
                          f"dim counts ids per bag, e.g. [batch, 1]), got {list(shape)}")
-    if feature.max_sequence_length > 0:
-        return shape[:-1] + (feature.max_sequence_length,)
+    if feature.sequence_length > 0:
+        return shape[:-1] + (feature.sequence_length,)
     return shape[:-1]
 
 

@@ -25,7 +25,7 @@ from .ops.combine import combine
 def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: torch.Tensor,
                    ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """One feature's activation from its table tensor: ``leading shape + (D,)``."""
-    if (input_kind(ids) == "dense" and feature.max_sequence_length == 0
+    if (input_kind(ids) == "dense" and feature.sequence_length == 0
             and feature.output_shape is None and weights is None
             and torch.compiler.is_compiling()):
         # Traced for export: one gather, no data-dependent checks (same values as below).

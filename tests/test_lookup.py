@@ -220,3 +220,19 @@ def test_keyed_jagged_tensor_equals_the_same_batch_as_jagged_tensors():
     assert step.activations["history"].shape == (3, 3)
     with pytest.raises(ValueError, match="keys \\['history', 'user'\\] differ"):
         emb.lookup(kjt, serving_config={"history": fc["history"]})
+
+
+def test_output_shape_overrides_max_sequence_length_as_in_tf():
+    """TF ignores max_sequence_length when output_shape is set: the bags are combined into
+    output_shape; the reference agrees."""
+    t = ec.TableConfig(vocabulary_size=10, dim=2, combiner="sum", name="t")
+    f = ec.FeatureConfig(table=t, max_sequence_length=3, output_shape=[2])
+    assert f.sequence_length == 0 and ec.FeatureConfig(table=t, max_sequence_length=3).sequence_length == 3
+    emb = ec.Embedding({"f": f})
+    emb.embedding_tables[t].copy_(row_id_table(10, 2))
+    ids = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 4]))
+    out = emb.lookup({"f": ids})["f"]
+    table = row_id_table(10, 2)
+    assert out.shape == (2, 2)
+    torch.testing.assert_close(out[0], table[1] + table[2] + table[3])
+    torch.testing.assert_close(out.double(), reference_lookup(table, f, ids))

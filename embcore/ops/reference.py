@@ -26,7 +26,7 @@ def reference_bags(feature: FeatureConfig, ids: torch.Tensor,
         order; ``combine`` is False when each row is a single id looked up alone (dense ids,
         sequence positions).
     """
-    seq = feature.max_sequence_length
+    seq = feature.sequence_length
     if ids.is_nested:
         rows = [([int(i) for i in r], [float(x) for x in w] if w is not None else None)
                 for r, w in zip(ids.unbind(), weights.unbind() if weights is not None
