@@ -1,6 +1,6 @@
-"""The reference dynamic vocabulary (ops/reference_vocab.py): the rules of DESIGN 7.1 on hand-made
-cases, and its invariants on random streams of steps. It is the oracle the raw-id tables will be
-tested against."""
+"""The reference dynamic vocabulary (ops/reference_vocab.py): its rules on hand-made cases, and its
+invariants on random streams of steps. It is the oracle the raw-id tables will be tested
+against."""
 
 from __future__ import annotations
 

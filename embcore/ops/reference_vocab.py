@@ -1,8 +1,8 @@
 """The readable reference of a dynamic vocabulary (raw ids -> rows): plain Python dicts, the oracle.
 
-The rules (DESIGN 7.1, the contract of the raw-id tables to come; tests/test_reference_vocab.py
-pins them down on hand-made cases). One map holds the ids resident in one shard of ``capacity``
-rows:
+The rules below are the contract of the raw-id tables to come (``TableConfig(dynamic=...)``);
+tests/test_reference_vocab.py pins them down on hand-made cases. One map holds the ids resident in
+one shard of ``capacity`` rows:
 
 - Training steps are counted (``t`` = 1, 2, ...). At the start of a training step, with
   ``ttl_steps = k``, every resident id whose last use is more than ``k`` training steps ago is
