@@ -20,7 +20,8 @@ from . import __version__
 from .comm import Communicator, make_communicator
 from .config import TableConfig
 from .features import Features, is_feature
-from .gradients import apply_gradients, check_gradients, gradient_multipliers, learning_rates
+from .gradients import (apply_gradients, check_gradients, gradient_multipliers, learning_rates,
+                        nonfinite_gradients)
 from .lookup import Received, lookup
 from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
@@ -260,12 +261,14 @@ class Embedding:
                warn_on_none: bool) -> None:
         """Checks everything, then applies a training batch's gradients (one step)."""
         flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
-        grads = check_gradients(prepared, flat, self._features.names, self._plan, warn_on_none)
-        gmul = gradient_multipliers(prepared, self._plan, self._step)  # these may raise: before
-        lrs = learning_rates(prepared, self._plan)  # any write (and lrs last: they may count)
+        names, plan = self._features.names, self._plan
+        grads = check_gradients(prepared, flat, names, plan, warn_on_none)
+        gmul = gradient_multipliers(prepared, plan, self._step)  # these may raise: before any
+        lrs = learning_rates(prepared, plan)  # write (and lrs last: a callable may count calls)
+        nonfinite = nonfinite_gradients(prepared, grads, names, plan)
         self._queue.wait_all()  # background lookups read the tables: let them finish first
-        apply_gradients(prepared, received, grads, self._built(), self._comm, lrs, self._step,
-                        gmul)
+        apply_gradients(prepared, received, grads, self._built(), self._comm, self._step, lrs,
+                        gmul, nonfinite)
         self._step += 1
 
     @_serialized

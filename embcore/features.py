@@ -128,11 +128,7 @@ class Features:
             ValueError: a feature reading a table this engine does not have.
         """
         leaves = leaves_with_paths(template, is_feature)
-        if is_keyed_jagged(features):
-            features, weights = from_keyed_jagged(template, features)
-        flat_ids = flatten_like(template, features, is_feature, "features")
-        flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
-                  else [None] * len(leaves))
+        flat_ids, flat_w = _flat_inputs(template, features, weights, len(leaves))
         out, tables = [], []
         for (path, f), ids, w in zip(leaves, flat_ids, flat_w):
             i = self._index.get(id(f))
@@ -142,9 +138,7 @@ class Features:
                                  f"tables: {sorted(self.table_names.values())}")
             name = self.names[i] if i is not None else (f.name or path or "feature")
             table = self.table_names[f.table]
-            b = canonicalize(f, name, table, ids, w, device)
-            shape = resolve_shape(f, name, b.shape, None)
-            out.append(b if shape == b.shape else replace(b, shape=shape))
+            out.append(_bags(f, name, table, ids, w, device, None))
             tables.append(table)
         return out, tables
 
@@ -157,17 +151,10 @@ class Features:
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
         """
-        if is_keyed_jagged(features):
-            features, weights = from_keyed_jagged(self.template, features)
-        flat_ids = flatten_like(self.template, features, is_feature, "features")
-        flat_w = (flatten_like(self.template, weights, is_feature, "weights")
-                  if weights is not None else [None] * len(self._all))
-        out: list[Bags | None] = [None] * len(self._all)
-        for i, ids, w in zip(self._all, flat_ids, flat_w):
-            f, name = self.configs[i], self.names[i]
-            b = canonicalize(f, name, self.tables[i], ids, w, device)
-            shape = resolve_shape(f, name, b.shape, self.shapes[i])
-            out[i] = b if shape == b.shape else replace(b, shape=shape)
+        flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
+        out: list[Bags | None] = [_bags(self.configs[i], self.names[i], self.tables[i], ids, w,
+                                        device, self.shapes[i])
+                                  for i, ids, w in zip(self._all, flat_ids, flat_w)]
         if learn:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and not self.configs[i].output_shape:
@@ -189,3 +176,23 @@ class Features:
     def unflatten(self, flat: list[Any]) -> Any:
         """The feature_config structure from per-feature values (flat order)."""
         return unflatten_like(self.template, flat, is_feature)
+
+
+def _flat_inputs(template: Any, features: Any, weights: Any,
+                 n: int) -> tuple[list[Any], list[Any]]:
+    """The ids and weights of a batch in ``template``'s flatten order (a KeyedJaggedTensor is
+    split by key first)."""
+    if is_keyed_jagged(features):
+        features, weights = from_keyed_jagged(template, features)
+    flat_ids = flatten_like(template, features, is_feature, "features")
+    flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
+              else [None] * n)
+    return flat_ids, flat_w
+
+
+def _bags(feature: FeatureConfig, name: str, table: str, ids: Any, weights: Any,
+          device: torch.device, fixed: tuple[int, ...] | None) -> Bags:
+    """One feature's ``Bags``, its shape resolved (``fixed``: the shape fixed so far, or None)."""
+    b = canonicalize(feature, name, table, ids, weights, device)
+    shape = resolve_shape(feature, name, b.shape, fixed)
+    return b if shape == b.shape else replace(b, shape=shape)

@@ -34,18 +34,9 @@ from .preprocess import Prepared
 from .store import RowStore
 
 
-class Gradients(list):
-    """What ``check_gradients`` returns: a list of the flat gradients (per feature its detached
-    gradient, or None for zero), with ``nonfinite``: ``{physical table: [feature names]}`` of the
-    features whose gradient holds a NaN or inf on this process, recorded only for tables whose
-    optimizer has ``skip_nonfinite_gradients``."""
-
-    nonfinite: dict[int, list[str]]
-
-
 def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence[str],
-                    plan: ShardingPlan, warn_none: bool) -> Gradients:
-    """Validates the flat gradients of a batch; returns them detached (see ``Gradients``).
+                    plan: ShardingPlan, warn_none: bool) -> list[torch.Tensor | None]:
+    """Validates the flat gradients of a batch; returns them detached (None: zero).
 
     A gradient is None or a dense (``torch.strided``, not nested) floating-point tensor holding
     values (not on the meta device), of its activation's shape, on any device (it is moved to the
@@ -57,7 +48,7 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
             naming the feature.
         ValueError: a gradient on the meta device or of the wrong shape, naming the feature.
     """
-    out = Gradients([None] * prepared.num_features)
+    out: list[torch.Tensor | None] = [None] * prepared.num_features
     quiet_none = True
     for tb in prepared.tables:
         p = plan.physical[tb.physical]
@@ -69,7 +60,6 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
                 continue
             _check_gradient(g, names[s.feature], s.shape + (p.dim,))
             out[s.feature] = g.detach() if g.requires_grad else g
-    out.nonfinite = nonfinite_gradients(prepared, out, names, plan)
     if warn_none and not quiet_none:
         noisy = sorted({names[s.feature] for tb in prepared.tables for s in tb.slices
                         if grads[s.feature] is None and not _optimizer(plan, tb.physical)
@@ -155,32 +145,25 @@ def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
 
 def apply_gradients(prepared: Prepared, received: Received,
                     grads: Sequence[torch.Tensor | None], store: RowStore, comm: Communicator,
-                    lrs: Mapping[int, float], step: int,
-                    multipliers: Mapping[int, float] | None = None) -> None:
+                    step: int, lrs: Mapping[int, float],
+                    multipliers: Mapping[int, float | None],
+                    nonfinite: Mapping[int, list[str]]) -> None:
     """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
     table is sharded, or when an optimizer has ``skip_nonfinite_gradients`` and W > 1).
 
-    Before the first write: the gradient multipliers are evaluated (and may raise), the skipped
-    tables decided (``skip_nonfinite_gradients``, with a warning) and every gradient converted to
-    the tables' device and working dtype.
+    Before the first write: the skipped tables are decided (``skip_nonfinite_gradients``, with a
+    warning) and every gradient is converted to the tables' device and working dtype.
 
     Args:
         prepared: the training batch; received: what its lookup's exchange recorded.
         grads: ``check_gradients``' result: per feature (flat order) its activation's gradient,
             or None for zero.
-        store: the rows; comm: the communicator.
-        lrs: ``learning_rates(prepared, plan)``; step: updates applied so far.
-        multipliers: ``gradient_multipliers(prepared, plan, step)`` when the caller evaluated
-            them already (before the learning rates, so that a bad multiplier raises before a
-            stateful learning-rate callable advances); None evaluates them here.
+        store: the rows; comm: the communicator; step: updates applied so far.
+        lrs, multipliers, nonfinite: ``learning_rates``, ``gradient_multipliers`` and
+            ``nonfinite_gradients`` of this batch, evaluated by the caller before this call (the
+            multipliers first: a bad one raises before a counting learning-rate callable moves).
     """
     plan = store.plan
-    if multipliers is None:
-        multipliers = gradient_multipliers(prepared, plan, step)  # may raise: before any write
-    nonfinite = getattr(grads, "nonfinite", None)
-    if nonfinite is None:  # not from check_gradients
-        nonfinite = nonfinite_gradients(prepared, grads,
-                                        [f"#{i}" for i in range(prepared.num_features)], plan)
     skipped = _skipped(prepared, plan, nonfinite, comm, store.device)
     todo = [(tb, got) for tb, got in zip(prepared.tables, received) if tb.physical not in skipped]
     parts = {}  # physical table -> (R_f, D) per feature, in the update's device and dtype

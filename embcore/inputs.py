@@ -1,7 +1,8 @@
 """Inputs: dense / jagged / sparse COO ids -> one canonical per-feature form, and shape rules.
 
 Every feature, whatever its input kind, becomes a weighted bag lookup (``ops.bags.Bags``): ``R``
-output rows, row ``r`` being ``sum_k scales[k] * E[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``.
+output rows, row ``r`` being ``sum_k scales[k] * E[ids[k]]`` over ``k`` in
+``[offsets[r], offsets[r+1])``.
 The combiner (2.2) and the user's weights are folded into ``scales`` here, once, so the lookup and
 its gradient are the same two kernels for sum / mean / sqrtn, dense ids (bags of one id), sequence
 features (bags of zero or one id) and ragged / sparse bags. The activation is the (R, D) result
@@ -24,7 +25,7 @@ import torch
 from .compat import jagged_parts, sparse_parts
 from .config import FeatureConfig
 from .ops import native
-from .ops.bags import Bags
+from .ops.bags import Bags, bag_index
 
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -131,7 +132,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
 
 def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
                     nnz: int) -> torch.Tensor:
-    """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md section 2).
+    """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md
+    section 2).
 
     A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
     """
@@ -142,10 +144,8 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
                                                        device=offsets.device)  # (nnz,)
     if combiner == "sum":
         return w
-    lengths = offsets[1:] - offsets[:-1]  # (R,)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
-                                  output_size=nnz)  # (nnz,)
-    per_bag = torch.zeros(lengths.numel(), dtype=torch.float32, device=offsets.device)  # (R,)
+    seg = bag_index(offsets, nnz)  # (nnz,)
+    per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.float32, device=offsets.device)  # (R,)
     per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
     denom = (per_bag if combiner == "mean" else per_bag.sqrt())[seg]  # (nnz,)
     # w / denom, not w * (1 / denom): the inverse of a tiny denominator overflows
@@ -239,8 +239,8 @@ def _jagged(ids: Any, weights: Any, where: str):
             if w_offsets.dtype not in INT_DTYPES:
                 raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
                                 f"{w_offsets.dtype}; {same}")
-            if tuple(w_offsets.shape) != tuple(offsets.shape) or not tracing() and not torch.equal(
-                    w_offsets.to(device=offsets.device, dtype=torch.int64), offsets):
+            if tuple(w_offsets.shape) != tuple(offsets.shape) or (not tracing() and not torch.equal(
+                    w_offsets.to(device=offsets.device, dtype=torch.int64), offsets)):
                 raise ValueError(same)
         if w.dim() != 1 or w.shape[0] != values.numel():
             raise ValueError(f"{where}: weights hold {w.numel()} values of shape "
@@ -297,12 +297,7 @@ def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.T
                  seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bags -> ``seq`` output rows per bag, row p holding the id at position p (if any)."""
     bags = offsets.numel() - 1
-    if native.usable(offsets):  # (offsets checked: contiguous, rising from 0 to nnz)
-        bag = native.bag_of(offsets, values.numel())  # (nnz,)
-    else:
-        lengths = offsets[1:] - offsets[:-1]  # (bags,)
-        bag = torch.repeat_interleave(torch.arange(bags, device=values.device), lengths,
-                                      output_size=values.numel())  # (nnz,)
+    bag = bag_index(offsets, values.numel())  # (nnz,)
     if positions is None:
         positions = torch.arange(values.numel(), device=values.device) - offsets[bag]  # (nnz,)
     keep = positions < seq

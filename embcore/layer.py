@@ -125,7 +125,8 @@ class EmbeddingLayer(torch.nn.Module):
 
         It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
         ``torch.export.export(module, (features,))`` accepts it with dense ids and jagged ids given
-        as ``(values, offsets)`` pairs (torch.export cannot take nested or sparse tensors as inputs).
+        as ``(values, offsets)`` pairs (torch.export cannot take nested or sparse tensors as
+        inputs).
         """
         template = serving_config if serving_config is not None else self.feature_config
         return ServingModule(template, self.embedding_tables, self.engine.table_names())

@@ -27,7 +27,7 @@ from .comm import Communicator
 from .plan import PhysicalTable, TablePlacement
 
 
-def _held(place: TablePlacement, phys: PhysicalTable, rank: int, world: int,
+def _held(place: TablePlacement, phys: PhysicalTable, rank: int,
           cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """What ``rank`` holds of a logical table's ``(N, cols)`` tensor: (the row ids 0..N-1, in
     its local order; the column range ``(c0, c1)``). The only facts about layouts used here.
@@ -92,7 +92,7 @@ def to_sharded(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor, 
     dev = local.device
     chunks = _chunks(place.rows, world)
     start, size = chunks[rank]
-    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    held = [_held(place, phys, r, cols) for r in range(world)]
     # Send: per destination, my rows in its chunk (in my local order, my columns).
     dest = _chunk_of(held[rank][0].to(dev), chunks)
     counts = torch.bincount(dest, minlength=world).tolist()
@@ -119,14 +119,14 @@ def from_value(place: TablePlacement, phys: PhysicalTable, value: torch.Tensor,
     DTensor (e.g. filled by ``dcp.load``: then the inverse exchange of ``to_sharded``)."""
     rank, world = comm.rank, comm.world_size
     if not _is_dtensor(value):
-        rows, (c0, c1) = _held(place, phys, rank, world, value.shape[1])
+        rows, (c0, c1) = _held(place, phys, rank, value.shape[1])
         return value[:, c0:c1][rows.to(value.device)]
     block = value.to_local()
     n, cols = value.shape
     dev = block.device
     chunks = _chunks(n, world)
     start, size = chunks[rank]
-    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    held = [_held(place, phys, r, cols) for r in range(world)]
     # Send: per destination, the rows of my chunk it holds (in its local order, its columns).
     send = []
     for rows, (c0, c1) in held:
@@ -147,9 +147,9 @@ def gather_whole(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor
     rank, world = comm.rank, comm.world_size
     if place.layout.held_everywhere:
         return local
-    _, (c0, c1) = _held(place, phys, rank, world, phys.dim)
+    _, (c0, c1) = _held(place, phys, rank, phys.dim)
     cols = phys.dim if local.shape[1] == c1 - c0 else local.shape[1]  # else a row-wise slot
-    held = [_held(place, phys, r, world, cols) for r in range(world)]
+    held = [_held(place, phys, r, cols) for r in range(world)]
     most = max(rows.numel() * (c1 - c0) for rows, (c0, c1) in held)
     flat = torch.zeros(most, dtype=local.dtype, device=local.device)
     flat[:local.numel()] = local.reshape(-1)

@@ -7,7 +7,6 @@ checked to take the fallback where the private path does not apply.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
 
@@ -17,22 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embcore import compat
+from switches import private_paths
 
 
-@contextlib.contextmanager
-def private(enabled: bool):
-    previous = compat.set_private_fast_paths(enabled)
-    try:
-        yield
-    finally:
-        compat.set_private_fast_paths(previous)
 
 
 def both(fn, *args):
     """``fn(*args)`` with the private paths on, then off."""
-    with private(True):
+    with private_paths(True):
         on = fn(*args)
-    with private(False):
+    with private_paths(False):
         off = fn(*args)
     return on, off
 
@@ -103,7 +96,7 @@ def test_jagged_parts_keeps_autograd_where_it_matters(fast_read, monkeypatch):
         monkeypatch.setattr(compat, "_NO_SUBCLASS_TORCH_FUNCTION", None)
     x = torch.nested.nested_tensor([torch.randn(3), torch.randn(2)], layout=torch.jagged,
                                    requires_grad=True)
-    with private(True):
+    with private_paths(True):
         v, _, _ = compat.jagged_parts(x)
         assert v is not x._values and v.requires_grad
         (v * 2).sum().backward()
@@ -192,10 +185,10 @@ def test_sparse_parts_switched_off_calls_no_private_accessor(monkeypatch):
                                 check_invariants=True)
     x = torch.stack([x, x])  # rank 2, uncoalesced
     monkeypatch.setattr(torch.Tensor, "_indices", forbidden, raising=False)
-    with private(False):
+    with private_paths(False):
         i, v = compat.sparse_parts(x)
     assert i.shape == (2, 4) and v.tolist() == [1.0, 2.0, 1.0, 2.0]
-    with private(True), pytest.raises(AssertionError, match="private accessor"):
+    with private_paths(True), pytest.raises(AssertionError, match="private accessor"):
         compat.sparse_parts(x)
 
 

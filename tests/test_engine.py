@@ -317,10 +317,9 @@ def test_threads_sharing_an_engine_never_lose_or_double_an_update(pipelined):
     serialized, so each dequeued training batch is applied at most once, every apply that
     returned is counted in the step, and out-of-order calls raise RuntimeError, nothing else."""
     import threading
-    from embcore.ops import native
+    from switches import kernels
     t = ec.TableConfig(vocabulary_size=8, dim=64, combiner="sum", name="t")
-    previous = native.set_enabled(False)  # the torch-ops path, where updates were lost before
-    try:
+    with kernels(False):  # the torch-ops path, where updates were lost before
         emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.01),
                            pipeline_execution=pipelined)
         emb.embedding_tables[t].zero_()
@@ -365,8 +364,6 @@ def test_threads_sharing_an_engine_never_lose_or_double_an_update(pipelined):
         table = emb.embedding_tables[t]
         torch.testing.assert_close(table[1], torch.full((64,), -0.01 * 2000 * n))
         torch.testing.assert_close(table[2], torch.full((64,), -0.02 * 2000 * n))
-    finally:
-        native.set_enabled(previous)
 
 
 def test_load_state_dict_refuses_negative_accumulators_and_changes_nothing():

@@ -12,7 +12,6 @@ and with SGD, Adagrad, RowwiseAdagrad and Adam.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 import embcore as ec
-from embcore.ops import native
+from switches import kernels
 
 OPTIMIZERS = {
     "sgd": lambda **kw: ec.SGD(learning_rate=0.1, **kw),
@@ -33,13 +32,6 @@ FEATURE = {"a": "fa", "b": "fb"}
 BATCH = {"fa": torch.tensor([1, 2, 2, 7]), "fb": torch.tensor([3, 5, 3, 0])}
 
 
-@contextlib.contextmanager
-def kernels(enabled: bool):
-    previous = native.set_enabled(enabled)
-    try:
-        yield
-    finally:
-        native.set_enabled(previous)
 
 
 class Multiplier:

@@ -32,6 +32,7 @@ import torch
 import embcore as ec
 from embcore import compat
 from embcore.ops import native
+from switches import kernels, private_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = "clicks"       # the feature given the malformed inputs; errors must name it
@@ -125,12 +126,8 @@ def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @contextlib.contextmanager
 def fallbacks(on: bool):
     """With ``on``, the torch-ops twins of the kernels and compat's public paths."""
-    kernels, private = native.set_enabled(not on), compat.set_private_fast_paths(not on)
-    try:
+    with kernels(not on), private_paths(not on):
         yield
-    finally:
-        native.set_enabled(kernels)
-        compat.set_private_fast_paths(private)
 
 
 def expect_rejected(target: Target, ids: torch.Tensor, weights: torch.Tensor | None,

@@ -28,6 +28,7 @@ from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import _hyper
 from strategies import jagged
+from switches import kernels
 
 requires_native = pytest.mark.skipif(
     not native.available(),
@@ -44,14 +45,6 @@ def hyper_at(opt, lr, step):
     return _hyper(opt, lr, gradient_multiplier=opt.current_gradient_multiplier(step))
 
 
-@contextlib.contextmanager
-def kernels(enabled: bool):
-    """``native.set_enabled(enabled)`` for the block; the previous setting is always restored."""
-    previous = native.set_enabled(enabled)
-    try:
-        yield
-    finally:
-        native.set_enabled(previous)
 
 
 @contextlib.contextmanager

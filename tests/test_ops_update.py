@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.ops import native
 from embcore.ops.bags import Bags, dedup
 from embcore.ops.combine import OutputGrads
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import apply_in_place, in_place_supported, update
+from switches import kernels
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,11 +145,8 @@ def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, so
         grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
         rows = grad.dedup.unique
     new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
-    previous = native.set_enabled(False)
-    try:
+    with kernels(False):
         update(new_table, new_slots, rows, grad, opt, lr, step)
-    finally:
-        native.set_enabled(previous)
     touched = rows
     if opt.dense_update:  # every row moves; untouched ones with a zero gradient
         full = torch.zeros(n, d, dtype=torch.float64)

@@ -53,8 +53,8 @@ def native(place, phys, w: torch.Tensor, rank: int, world: int,
 
 
 def _reversed_held(real):
-    def held(place, phys, rank, world, cols):
-        rows, columns = real(place, phys, rank, world, cols)
+    def held(place, phys, rank, cols):
+        rows, columns = real(place, phys, rank, cols)
         return rows.flip(0), columns
     return held
 

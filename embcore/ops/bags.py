@@ -51,11 +51,16 @@ class Bags:
         """(nnz,) int64, the output row (bag) of each occurrence."""
         if self.offsets is None:
             return torch.arange(self.ids.numel(), device=self.ids.device)
-        if native.usable(self.offsets):
-            return native.bag_of(self.offsets, self.ids.numel())
-        lengths = self.offsets[1:] - self.offsets[:-1]  # (R,)
-        return torch.repeat_interleave(torch.arange(lengths.numel(), device=self.ids.device),
-                                       lengths, output_size=self.ids.numel())
+        return bag_index(self.offsets, self.ids.numel())
+
+
+def bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """(nnz,) int64: the bag of every occurrence of (R + 1,) int64 ``offsets`` (valid ones)."""
+    if native.usable(offsets) and offsets.is_contiguous():
+        return native.bag_of(offsets, nnz)
+    lengths = offsets[1:] - offsets[:-1]  # (R,)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
+                                   output_size=nnz)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 A temporary larger than glibc's mmap threshold (32 MB at most) is handed back to the kernel when
 freed and comes back as fresh, zero-filled pages at the next step: on W2 that was ~47k page faults
 (~180 MiB) per step. The engine's internal temporaries (the gathered rows of the torch-ops
-optimizer update, the concatenated output gradients) live in buffers kept here instead, grown geometrically and reused every step. Tensors handed to the user (activations) are
-never workspaces.
+optimizer update, the concatenated output gradients) live in buffers kept here instead, grown
+geometrically and reused every step. Tensors handed to the user (activations) are never workspaces.
 """
 
 from __future__ import annotations
