@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .config import FeatureConfig, TableConfig, resolve_table_names
 from .features import is_feature as _is_feature
-from .inputs import canonicalize, input_kind, resolve_shape
+from .inputs import canonicalize, resolve_shape
 from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
                    unflatten_like)
 from .ops.combine import combine
@@ -25,12 +24,6 @@ from .ops.combine import combine
 def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: torch.Tensor,
                    ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """One feature's activation from its table tensor: ``leading shape + (D,)``."""
-    if (input_kind(ids) == "dense" and feature.sequence_length == 0
-            and feature.output_shape is None and weights is None
-            and torch.compiler.is_compiling()):
-        # Traced for export: one gather, no data-dependent checks (same values as below).
-        shape = ids.shape[:-1] if ids.dim() >= 2 and ids.shape[-1] == 1 else ids.shape
-        return F.embedding(ids.reshape(shape).long(), table)
     bags = canonicalize(feature, name, table_name, ids, weights, table.device)
     shape = resolve_shape(feature, name, bags.shape, None)
     return combine(table, bags.ids, bags).view(*shape, table.shape[1])  # shape + (D,)
