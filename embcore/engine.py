@@ -154,9 +154,12 @@ class Embedding:
         sharded engine's device is chosen at construction, with its process group).
 
         Raises:
-            ValueError: sharded, or a batch is enqueued or awaits its gradients.
+            ValueError: not a device, sharded, or a batch is enqueued or awaits its gradients.
         """
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"to({device!r}): not a device ({e})") from None
         if device == self.device:
             return self
         if self._comm.world_size > 1:

@@ -39,7 +39,8 @@ def input_kind(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> str:
     if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x):
         return "jagged"
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"expected a torch.Tensor or a (values, offsets) pair of tensors, got "
+                        f"{type(x).__name__}")
     if x.is_nested:
         return "jagged"
     if x.layout == torch.sparse_coo:

@@ -203,6 +203,8 @@ def test_to_moves_tables_and_refuses_a_busy_engine():
         layer.engine.to("meta")
     layer.engine.dequeue()
     layer.engine.apply_gradients({"user": None, "item": None})
+    with pytest.raises(ValueError, match="not a device"):
+        layer.engine.to("bogus")
     layer.engine.to("meta")  # (the one other device every machine has)
     assert all(v.device.type == "meta" for v in layer.engine.embedding_tables.values())
 
