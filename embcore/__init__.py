@@ -7,7 +7,7 @@ sparse optimizer in place, checkpoints and serving) rebuilt for CPUs and GPUs. S
 __version__ = "0.1.0"
 
 from .checkpoint import load, save
-from .config import FeatureConfig, TableConfig
+from .config import DynamicVocabulary, FeatureConfig, TableConfig
 from .engine import Embedding
 from .layer import EmbeddingLayer
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
@@ -17,7 +17,8 @@ from .serving import serving_embedding_lookup
 cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
-    "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "Embedding", "EmbeddingLayer",
+    "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
+    "EmbeddingLayer",
     "FeatureConfig", "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup",
     "load", "save", "serving_embedding_lookup", "__version__",
 ]

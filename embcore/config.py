@@ -29,6 +29,55 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 INIT_BLOCK_ROWS = 65536
 
 Initializer = Callable[[torch.Tensor], Any] | torch.Tensor
+EVICTIONS = ("lru", "lfu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicVocabulary:
+    """Makes a table's ids raw: any int64 value, mapped to rows inside the engine (a dynamic
+    vocabulary; docs/semantics.md section 9).
+
+    The table's ``vocabulary_size`` becomes its capacity: how many ids can be resident at once.
+    A training step makes an id resident once it has been seen in ``admit_after`` training steps;
+    a new id takes the lowest free row, else the resident id with the lowest score is evicted
+    (``"lru"``: the last training step that used it; ``"lfu"``: how many training steps used it;
+    ties: the smaller id), never one used by the step itself. Ids not resident look up zeros.
+
+    Args:
+        eviction: ``"lru"`` or ``"lfu"``.
+        admit_after: training steps an id must be seen in before it gets a row (1: at once).
+        ttl_steps: None, or evict ids unused for more than this many training steps (at the
+            start of a step).
+
+    Raises:
+        TypeError / ValueError: a field of the wrong type or value, naming it.
+
+    Example:
+        >>> import embcore as ec
+        >>> users = ec.TableConfig(vocabulary_size=100_000, dim=32, name="users",
+        ...                        dynamic=ec.DynamicVocabulary(eviction="lfu", admit_after=2))
+    """
+
+    eviction: Literal["lru", "lfu"] = "lru"
+    admit_after: int = 1
+    ttl_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "DynamicVocabulary"
+        if not isinstance(self.eviction, str):
+            raise TypeError(f"{where}: eviction must be one of {EVICTIONS}, got "
+                            f"{type(self.eviction).__name__} {self.eviction!r}")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"{where}: eviction must be one of {EVICTIONS}, got "
+                             f"{self.eviction!r}")
+        _check_int(self.admit_after, "admit_after", where, minimum=1)
+        if self.ttl_steps is not None:
+            _check_int(self.ttl_steps, "ttl_steps", where, minimum=1)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able fields (checkpoint manifests)."""
+        return {"eviction": self.eviction, "admit_after": self.admit_after,
+                "ttl_steps": self.ttl_steps}
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -36,7 +85,8 @@ class TableConfig:
     """One embedding table.
 
     Args:
-        vocabulary_size: number of rows ``N`` (ids are in ``[0, N)``).
+        vocabulary_size: number of rows ``N`` (ids are in ``[0, N)``; with ``dynamic``, any
+            int64 value, and ``N`` is the capacity).
         dim: embedding width ``D``.
         initializer: ``None`` for TF's default, a truncated normal with mean 0 and stddev
             ``1/sqrt(dim)`` cut at two stddevs; or a callable that fills a tensor in place, in the
@@ -53,6 +103,9 @@ class TableConfig:
         name: the table's name (checkpoint keys ``<name>/parameters``); ``None`` gives
             ``table_<i>`` in order of first use by the features.
         dtype: the parameters' floating dtype.
+        dynamic: None (ids are row numbers), or an ``ec.DynamicVocabulary``: ids are raw int64
+            values that the engine maps to rows, admitting and evicting them (a tensor
+            initializer does not apply then: rows have no fixed ids).
 
     Raises:
         TypeError: a field of the wrong type (a non-int size, a non-string combiner or name, a
@@ -72,9 +125,16 @@ class TableConfig:
     combiner: Combiner = "mean"
     name: str | None = None
     dtype: torch.dtype = torch.float32
+    dynamic: DynamicVocabulary | None = None
 
     def __post_init__(self) -> None:
         where = f"TableConfig(name={self.name!r})"
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocabulary):
+            raise TypeError(f"{where}: dynamic must be None or an ec.DynamicVocabulary, got "
+                            f"{type(self.dynamic).__name__}")
+        if self.dynamic is not None and isinstance(self.initializer, torch.Tensor):
+            raise ValueError(f"{where}: a dynamic table's rows have no fixed ids, so an "
+                             f"initializer tensor cannot apply; use a callable initializer")
         _check_int(self.vocabulary_size, "vocabulary_size", where, minimum=1)
         _check_int(self.dim, "dim", where, minimum=1)
         if not isinstance(self.combiner, str):
@@ -107,7 +167,8 @@ class TableConfig:
 
     def __repr__(self) -> str:
         return (f"TableConfig(name={self.name!r}, vocabulary_size={self.vocabulary_size}, "
-                f"dim={self.dim}, combiner={self.combiner!r}, dtype={self.dtype})")
+                f"dim={self.dim}, combiner={self.combiner!r}, dtype={self.dtype}"
+                + (f", dynamic={self.dynamic}" if self.dynamic is not None else "") + ")")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -231,9 +231,13 @@ class Embedding:
                 training batch's ``apply_gradients``.
         """
         item = self._queue.take()
-        prepared = item.wait()
-        if item.activations is None:  # (combine builds no graph: the store's tables need none)
-            item.activations, item.received = lookup(prepared, self._built(), self._comm)
+        try:
+            prepared = item.wait()
+            if item.activations is None:  # (combine builds no graph: the store's need none)
+                item.activations, item.received = lookup(prepared, self._built(), self._comm)
+        except BaseException:
+            self._queue.discard(item)  # the batch is consumed; the engine takes the next one
+            raise
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
         return self._features.unflatten(flat)
 
@@ -312,6 +316,33 @@ class Embedding:
         with torch.no_grad():
             flat, _ = lookup(preprocess(bags, tables, self._plan, False), store, self._comm)
         return unflatten_like(template, flat, is_feature)
+
+    @_serialized
+    def vocabulary(self, table: TableConfig | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident ids of a dynamic table and their rows (docs/semantics.md section 9).
+
+        Args:
+            table: the dynamic table's ``TableConfig`` or name.
+
+        Returns:
+            ``(ids (R,) int64 ascending, rows (R,) int64)``: with one process (or a replicated
+            table) the rows of ``embedding_tables[table]`` holding them; when sharded, the ids
+            this process owns and their rows in its shard.
+
+        Raises:
+            ValueError: an unknown table, or one that is not dynamic.
+        """
+        names = self._features.table_names
+        name = names.get(table) if isinstance(table, TableConfig) else table
+        if name not in names.values():
+            raise ValueError(f"{table!r} is not a table of this engine; its tables are "
+                             f"{sorted(names.values())}")
+        store = self._built()
+        dyn = store.dynamic.get(self._plan.table(name).physical)
+        if dyn is None:
+            raise ValueError(f"table {name!r} is not dynamic: its ids are its rows (give it "
+                             f"TableConfig(dynamic=ec.DynamicVocabulary()) for raw ids)")
+        return dyn.resident()
 
     @property
     @_serialized

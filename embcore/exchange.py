@@ -22,8 +22,8 @@ from .preprocess import TableBatch
 from .store import RowStore
 
 
-def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore,
-               tb: TableBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
+               training: bool) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
     """The (U, D) rows of ``tb.dedup.unique`` from their holders.
 
     Args:
@@ -31,33 +31,39 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore,
         p: the physical table's plan.
         store: this process's rows (answers what the others ask for).
         tb: this rank's batch for the table (``tb.route`` says where each distinct row lives).
+        training: whether a dynamic table's map takes a training step (admission).
 
     Returns:
-        (rows (U, D), received): ``received[s]`` holds the shard rows rank s asked this rank for
-        (the owner side of the later gradient exchange).
+        ``(rows (U, D), answered, since)``: ``answered[s]`` holds the shard rows this rank read
+        for rank s (the owner side of the later gradient exchange), and ``since`` the map step
+        they are valid at (None: not a dynamic table).
     """
     rt = tb.route
     assert rt is not None, "a sharded table's batch is routed"
-    received = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
-    answers = [store.gather(p.index, ids) for ids in received]  # W x (n_s, D_r)
+    asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
+    answered, since = store.resolve(p.index, asked, training)  # raw ids -> rows (dynamic)
+    answers = [store.gather(p.index, rows) for rows in answered]  # W x (n_s, D_r)
     if p.layout.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
         back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
-        return torch.cat(back, dim=1), received
+        return torch.cat(back, dim=1), answered, since
     back = comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
     rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
     rows[rt.order] = torch.cat(back)
-    return rows, received
+    return rows, answered, since
 
 
 def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
-                       received: list[torch.Tensor] | None,
+                       answered: list[torch.Tensor] | None,
                        g_unique: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sends each unique row's gradient to its holder(s).
 
     Args:
+        answered: the shard rows this rank answered for each rank at the lookup (None when the
+            table needed no exchange: one process, or replicated; a dynamic table held here
+            passes its resolved rows of ``tb.dedup.unique`` as one tensor).
         g_unique: (U, D) this rank's summed gradient of each of its unique rows.
 
     Returns:
@@ -65,27 +71,30 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
         gradients summed over every process's occurrences.
     """
     device = g_unique.device
-    rt, unique = tb.route, tb.dedup.unique
-    if comm.world_size == 1:  # rows are this shard's rows already, each once
-        return unique, g_unique
-    if rt is None:  # replicated: sum the dense gradient and the touched mask over ranks
-        dense = torch.zeros(p.rows, p.dim, dtype=g_unique.dtype, device=device)  # (N_p, D)
+    rt = tb.route
+    if rt is None:  # held here: the unique rows (a dynamic table's: as its map resolved them)
+        unique = answered[0] if answered is not None else tb.dedup.unique
+        if comm.world_size == 1:  # rows are this shard's rows already, each once
+            return unique, g_unique
+        # replicated: sum the dense gradient and the touched mask over ranks
+        n = p.rows + (1 if p.dynamic else 0)  # a dynamic table's zero row too
+        dense = torch.zeros(n, p.dim, dtype=g_unique.dtype, device=device)  # (N_p, D)
         dense.index_add_(0, unique, g_unique)
-        touched = torch.zeros(p.rows, dtype=g_unique.dtype, device=device)  # (N_p,)
+        touched = torch.zeros(n, dtype=g_unique.dtype, device=device)  # (N_p,)
         touched[unique] = 1.0
         comm.all_reduce_sum(dense)
         comm.all_reduce_sum(touched)
         rows = touched.nonzero().squeeze(1)
         return rows, dense[rows]
-    assert received is not None, "fetch_rows recorded what each rank asked for"
+    assert answered is not None, "fetch_rows recorded what each rank asked for"
     if p.layout.splits_columns:
         chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
         c0, c1 = p.columns[comm.rank]
-        got = comm.all_to_all(chunks, [t.numel() for t in received], c1 - c0)
+        got = comm.all_to_all(chunks, [t.numel() for t in answered], c1 - c0)
     else:
         g_sorted = g_unique[rt.order]  # (U, D) in send order
-        got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in received])
-    ids = torch.cat(received)  # (M,) shard rows, per source rank
+        got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in answered])
+    ids = torch.cat(answered)  # (M,) shard rows, per source rank
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=device)
     return rows, g.index_add_(0, inverse, torch.cat(got))  # summed in rank order

@@ -178,13 +178,15 @@ def apply_gradients(prepared: Prepared, received: Received,
                               tb.dedup)
         opt = _optimizer(plan, tb.physical)
         lr, gmul = lrs[tb.physical], multipliers[tb.physical]
-        if tb.route is None and comm.world_size == 1:
+        if got is None and comm.world_size == 1:  # fused: row gradients formed in the update
             store.update(tb.physical, tb.dedup.unique, outputs, opt, lr, step,
                          gradient_multiplier=gmul)
             continue
         g_unique = row_gradients(outputs, store.workspace)  # (U, D)
-        rows, g = gradients_at_owner(comm, p, tb, got, g_unique)
-        store.update(tb.physical, rows, g, opt, lr, step, gradient_multiplier=gmul)
+        rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,
+                                     g_unique)
+        store.update(tb.physical, rows, g, opt, lr, step, gradient_multiplier=gmul,
+                     since=got.since if got is not None else None)
 
 
 def _skipped(prepared: Prepared, plan: ShardingPlan, nonfinite: Mapping[int, list[str]],

@@ -99,7 +99,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             raise TypeError(f"{where}: ids must be int32 or int64, got {ids.dtype}")
         flat = ids.reshape(-1).to(device=device, dtype=torch.int64,
                                   non_blocking=True).contiguous()  # (nnz,)
-        check_ids(flat, table.vocabulary_size, where, table_name)  # always: memory safety
+        if table.dynamic is None:  # raw ids of a dynamic table may be any int64
+            check_ids(flat, table.vocabulary_size, where, table_name)  # always: memory safety
         return Bags(flat, None, None, shape)
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
@@ -118,7 +119,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         if not w.is_floating_point():
             raise TypeError(f"{where}: weights must be floating point, got {w.dtype}")
         w = w.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
-    check_ids(values, table.vocabulary_size, where, table_name)  # always: memory safety
+    if table.dynamic is None:  # raw ids of a dynamic table may be any int64
+        check_ids(values, table.vocabulary_size, where, table_name)  # always: memory safety
     if w is not None and feature.validate_weights_and_indices:
         check_weights(w, where)
     if seq > 0:

@@ -8,17 +8,30 @@ one ``combine`` (ops/combine.py). No table is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .comm import Communicator
 from .exchange import fetch_rows
 from .ops.combine import combine
-from .preprocess import Prepared
+from .preprocess import Prepared, TableBatch
 from .store import RowStore
 
-# Per physical table of a batch, the shard rows each process asked this one for (None when the
-# table needed no exchange): the owner side of the gradients' exchange in apply_gradients.
-Received = tuple[list[torch.Tensor] | None, ...]
+
+@dataclass(frozen=True)
+class Answered:
+    """The owner side of one physical table's lookup, for the gradients' exchange: per asking
+    process, the shard rows this process answered with (a dynamic table's raw ids resolved by
+    its map), and the map step they are valid at (None: a static table)."""
+
+    rows: list[torch.Tensor]
+    since: int | None = None
+
+
+# Per physical table of a batch, what this process answered (None when the table needed no
+# exchange and no map): the owner side of apply_gradients.
+Received = tuple[Answered | None, ...]
 
 
 def lookup(prepared: Prepared, store: RowStore,
@@ -30,15 +43,35 @@ def lookup(prepared: Prepared, store: RowStore,
         None for a feature not in the batch; and what ``apply_gradients`` needs of the exchange.
     """
     flat: list[torch.Tensor | None] = [None] * prepared.num_features
-    received: list[list[torch.Tensor] | None] = []
+    received: list[Answered | None] = []
     for tb in prepared.tables:
-        if tb.route is None:  # every row held here: read them straight from the store
+        if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
             out = store.combine(tb.physical, tb.bags.ids, tb.bags)  # (R, D)
             received.append(None)
+        elif tb.route is None:  # a dynamic table held here: its map gives the rows
+            rows, since = _resolve_here(prepared.training, store, comm, tb)  # (U,)
+            out = store.combine(tb.physical, rows[tb.dedup.inverse], tb.bags)  # (R, D)
+            received.append(Answered([rows], since))
         else:
-            rows, got = fetch_rows(comm, store.plan.physical[tb.physical], store, tb)  # (U, D)
-            out = combine(rows, tb.dedup.inverse, tb.bags)  # (R, D)
-            received.append(got)
+            rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
+                                             prepared.training)  # (U, D)
+            out = combine(rows_u, tb.dedup.inverse, tb.bags)  # (R, D)
+            received.append(Answered(rows, since))
         for s in tb.slices:
             flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
     return flat, tuple(received)
+
+
+def _resolve_here(training: bool, store: RowStore, comm: Communicator,
+                  tb: TableBatch) -> tuple[torch.Tensor, int | None]:
+    """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
+    map step. A replicated table's map takes the same step on every process: over the distinct
+    ids of all processes (gathered: a collective), so that every replica stays identical."""
+    unique = tb.dedup.unique  # (U,)
+    if comm.world_size == 1 or not training:
+        rows, since = store.resolve(tb.physical, [unique], training)
+        return rows[0], since
+    everyone = comm.all_to_all([unique] * comm.world_size)  # W x (U_r,)
+    union = torch.unique(torch.cat(everyone), sorted=True)  # (V,)
+    rows, since = store.resolve(tb.physical, [union], training)
+    return rows[0][torch.searchsorted(union, unique)], since

@@ -8,7 +8,8 @@ ask the placement instead of testing strategy names:
 - ``columns(rank)``: the column range ``[c0, c1)`` held by ``rank``;
 - ``owner_of(rows)``: the rank holding each row and its index in that rank's rows of the table;
 - ``held_everywhere`` / ``splits_columns``: whether a lookup needs no exchange (every process
-  holds every row) or asks every process for a column slice of every row.
+  holds every row) or asks every process for a column slice of every row;
+- ``owner_of_ids(ids)``: for a dynamic table (raw ids), the rank that owns each id.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .ops import hashing
 
 
 def split_sizes(n: int, parts: int) -> tuple[int, ...]:
@@ -35,6 +38,8 @@ class Placement:
     strategy = "replicated"
     replicated = True        # every rank holds every row and column
     splits_columns = False   # every rank holds every row, a slice of the columns
+    row_ids = True           # places a table whose ids are rows
+    raw_ids = True           # places a dynamic table (raw ids, owners by owner_of_ids)
 
     @property
     def held_everywhere(self) -> bool:
@@ -55,6 +60,10 @@ class Placement:
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For row ids ``rows``: (owner rank, index among the owner's ``local_rows``)."""
         return torch.zeros_like(rows), rows
+
+    def owner_of_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """For raw ids of a dynamic table: the rank owning each (its map places it)."""
+        return self.owner_of(ids)[0]
 
 
 class Replicated(Placement):
@@ -82,6 +91,8 @@ class RowDiv(Placement):
     strategy = "row_div"
     replicated = False
 
+    raw_ids = False
+
     def local_rows(self, rank: int) -> torch.Tensor:
         sizes = split_sizes(self.rows, self.world)
         start = sum(sizes[:rank])
@@ -102,6 +113,7 @@ class RowMod(Placement):
 
     strategy = "row_mod"
     replicated = False
+    raw_ids = False
 
     def local_rows(self, rank: int) -> torch.Tensor:
         return torch.arange(rank, max(rank, self.rows), self.world)  # empty when rank >= rows
@@ -117,6 +129,7 @@ class ColumnSplit(Placement):
     strategy = "column"
     replicated = False
     splits_columns = True
+    raw_ids = False
 
     @classmethod
     def check(cls, table: str, dim: int, optimizer: Any, world: int) -> None:
@@ -133,8 +146,27 @@ class ColumnSplit(Placement):
         return sum(widths[:rank]), sum(widths[:rank + 1])
 
 
+class Hashed(Placement):
+    """A dynamic table's rows in W blocks like ``RowDiv`` (``rows`` is its capacity); raw id x
+    is owned by process ``splitmix64(x) % W``, whose map gives it a row of its block."""
+
+    strategy = "hash"
+    replicated = False
+
+    row_ids = False
+
+    def local_rows(self, rank: int) -> torch.Tensor:
+        return RowDiv.local_rows(self, rank)
+
+    def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return RowDiv.owner_of(self, rows)
+
+    def owner_of_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return hashing.owner(ids, self.world)
+
+
 STRATEGIES: dict[str, type[Placement]] = {
-    cls.strategy: cls for cls in (Replicated, WholeTable, RowDiv, RowMod, ColumnSplit)}
+    cls.strategy: cls for cls in (Replicated, WholeTable, RowDiv, RowMod, ColumnSplit, Hashed)}
 
 
 def make_placement(strategy: str, rows: int, dim: int, world: int,

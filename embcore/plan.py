@@ -13,6 +13,9 @@ Strategies (docs/semantics.md section 5), each applied to every logical table on
 - ``row_mod``: row i on process ``i % W`` (local row ``i // W``).
 - ``column``: every process holds all rows and a contiguous slice of the D columns (the first
   ``D % W`` slices one column wider).
+- ``hash``: a dynamic table's (raw ids) rows split like ``row_div``; id x is owned by process
+  ``splitmix64(x) % W``. ``row_div`` and ``row_mod`` given for a dynamic table mean this.
+A dynamic table is never stacked: its shard has its own id -> row map (vocabulary.py).
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
@@ -29,7 +32,7 @@ from .optimizers import Optimizer
 from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
 
-Strategy = Literal["replicated", "table", "row_div", "row_mod", "column"]
+Strategy = Literal["replicated", "table", "row_div", "row_mod", "column", "hash"]
 STRATEGIES: tuple[str, ...] = tuple(_PLACEMENTS)
 # "auto" replicates tables whose parameters and slots take less than this.
 AUTO_REPLICATE_BYTES = 1 << 20
@@ -80,6 +83,7 @@ class PhysicalTable:
     layout: Placement    # its first member's placement (all members share the strategy)
     local_rows: tuple[int, ...] = ()   # rows of the shard on each rank
     columns: tuple[tuple[int, int], ...] = ()  # column range held by each rank
+    dynamic: bool = False  # a dynamic table's (raw ids mapped to rows by each owner)
 
     @property
     def bytes_per_row(self) -> int:
@@ -174,6 +178,19 @@ def table_strategies(tables: Sequence[tuple[str, TableConfig, Optimizer | None]]
         if s != "auto" and s not in STRATEGIES:
             raise ValueError(f"table {n!r}: unknown sharding strategy {s!r}; choose one of "
                              f"{STRATEGIES} or 'auto'")
+    dynamic = {n for n, c, _ in tables if c.dynamic is not None}
+    for n in dynamic:  # a dynamic table's rows are split by a hash of the id
+        if chosen[n] in ("row_div", "row_mod"):
+            chosen[n] = "hash"
+    for n, s in chosen.items():
+        if s == "auto":
+            continue
+        cls = _PLACEMENTS[s]
+        if not (cls.raw_ids if n in dynamic else cls.row_ids):
+            fits = [k for k, c in _PLACEMENTS.items() if (c.raw_ids if n in dynamic else c.row_ids)]
+            kind = "dynamic (raw ids)" if n in dynamic else "not dynamic (ids are rows)"
+            raise ValueError(f"table {n!r} is {kind}, which strategy {s!r} cannot place; "
+                             f"choose one of {fits} or 'auto'")
     sizes = {n: _table_bytes(c, o) for n, c, o in tables}
     auto = [n for n in names if chosen[n] == "auto"]
     if world_size == 1:
@@ -181,8 +198,9 @@ def table_strategies(tables: Sequence[tuple[str, TableConfig, Optimizer | None]]
     big = [n for n in auto if sizes[n] >= AUTO_REPLICATE_BYTES]
     share = sum(sizes[n] for n in big) / world_size
     for n in auto:
+        split = "hash" if n in dynamic else "row_mod"
         chosen[n] = ("replicated" if sizes[n] < AUTO_REPLICATE_BYTES
-                     else "row_mod" if sizes[n] > share else "table")
+                     else split if sizes[n] > share else "table")
     return chosen
 
 
@@ -227,7 +245,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         key = (cfg.dim, cfg.dtype, opt.stacking_key() if opt is not None else None,
-               strategies[name], owners.get(name, 0))
+               strategies[name], owners.get(name, 0),
+               name if cfg.dynamic is not None else None)  # a dynamic table stands alone
         groups.setdefault(key, []).append((name, cfg, opt))
     placements: dict[str, TablePlacement] = {}
     physical: list[PhysicalTable] = []
@@ -250,5 +269,5 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         columns = tuple(layouts[0].columns(r) for r in range(world_size))
         physical.append(PhysicalTable(index, tuple(n for n, _, _ in members), offset, cfg0.dim,
                                       cfg0.dtype, strategy, opt0, layouts[0], tuple(shard_rows),
-                                      columns))
+                                      columns, cfg0.dynamic is not None))
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))

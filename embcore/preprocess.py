@@ -4,7 +4,9 @@ The first verb of a step (docs/architecture.md). All features that read one phys
 tables, shared tables) are concatenated into one ``Bags``, their ids shifted by their table's row
 offset, and deduplicated once: the lookup then reads each distinct row once, and the update sums all
 occurrences of a row before touching it. When the table is sharded, the distinct rows are routed to
-the processes holding them (``Route``), as the table's placement says.
+the processes holding them (``Route``), as the table's placement says. A dynamic table's ids are
+raw ids, not rows: they are deduplicated as they are and sent to the processes owning them, whose
+maps turn them into rows at the lookup (vocabulary.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class FeatureSlice:
 class Route:
     """Where the distinct rows of one sharded physical table are looked up."""
 
-    send_ids: list[torch.Tensor]  # per rank d: (n_d,) rows of d's shard to ask d for
+    send_ids: list[torch.Tensor]  # per rank d: (n_d,) rows of d's shard to ask d for (raw ids
+    #                               of a dynamic table: d's map gives their rows)
     order: torch.Tensor | None    # (U,) positions in ``unique`` in send order; None: all to all
 
     @property
@@ -79,14 +82,16 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
     tables = []
     for p in sorted(members):
         parts = [(f, features[f]) for f in members[p]]
+        phys = plan.physical[p]
         bags, slices = _concatenate(parts, [plan.table(feature_tables[f]).row_offset
-                                            for f in members[p]], plan.physical[p].rows)
+                                            for f in members[p]],
+                                    None if phys.dynamic else phys.rows)
         tables.append(TableBatch(p, bags[0], bags[1], slices, route(plan, p, bags[1].unique)))
     return Prepared(training, tuple(tables), len(features))
 
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],
-                 num_rows: int) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...]]:
+                 num_rows: int | None) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...]]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated."""
     unit = all(b is not None and b.unit for _, b in parts)
     offsets, scales, slices = [], [], []
@@ -120,6 +125,11 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | No
         return None
     if p.layout.splits_columns:  # every rank holds every row, in the global row layout
         return Route([unique] * w, None)
+    if p.dynamic:  # raw ids go to their owners, whose maps turn them into rows
+        owner = p.layout.owner_of_ids(unique)  # (U,)
+        order = torch.argsort(owner, stable=True)  # (U,)
+        counts = torch.bincount(owner, minlength=w).tolist()
+        return Route(list(unique[order].split(counts)), order)
     members = [plan.table(n) for n in p.tables]
     starts = torch.tensor([m.row_offset for m in members] + [p.rows], dtype=unique.dtype,
                           device=unique.device)

@@ -98,6 +98,11 @@ class StepQueue:
             raise ValueError("the engine has an enqueued batch or one awaiting apply_gradients(); "
                              "finish the step before moving it")
 
+    def discard(self, item: Queued) -> None:
+        """Forgets a batch whose lookup raised: it awaits no gradients."""
+        if self._awaiting is item:
+            self._awaiting = None
+
     def applied(self) -> None:
         self._awaiting = None
 

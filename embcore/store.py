@@ -7,6 +7,12 @@ a cache over a slow tier) can stand behind the same verbs:
 - ``gather(p, rows)``: rows out, as they are (answers to other processes' lookups);
 - ``update(p, rows, grad, optimizer, lr, step)``: the optimizer applied to rows, in place.
 
+A dynamic table (raw ids) adds a fourth, ``resolve(p, ids, training)``: the ids that reach this
+process become rows of its shard through the table's map (vocabulary.py), which a training step
+grows (admission, eviction; new rows get their initial values and fresh slots here). Its shard
+has one more row at the end that stays zero, where ids not resident are looked up, and ``update``
+drops gradients of that row and of rows given to another id since they were resolved.
+
 ``RowStore`` keeps every row in memory (host memory on the CPU, on huge pages where the system
 allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
 table's rows on this process (``local``), whole tables (``whole``) and the checkpoint view
@@ -30,6 +36,7 @@ from .ops.workspace import Workspace
 from .optimizers import Optimizer
 from .plan import ShardingPlan
 from .shards import from_value, gather_whole, to_sharded
+from .vocabulary import DynamicRows, initial_values
 
 
 class RowStore:
@@ -49,12 +56,20 @@ class RowStore:
         self.workspace = Workspace()  # the update's temporaries, kept across steps
         self.tables: list[torch.Tensor] = []
         self.slots: list[dict[str, torch.Tensor]] = []
+        self.dynamic: dict[int, DynamicRows] = {}  # physical table -> its map on this process
+        self.configs = dict(configs)
         rank = comm.rank
         for p in plan.physical:
             c0, c1 = p.columns[rank]
             n_local = p.local_rows[rank]
+            if p.dynamic:  # rows get values at admission; one more row stays zero
+                name = p.tables[0]
+                self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
+                n_local += 1
             w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
-            for name in p.tables:
+            if p.dynamic:
+                w.zero_()
+            for name in (p.tables if not p.dynamic else ()):
                 place = plan.table(name)
                 rows = place.rank_rows(rank)
                 start = place.local_offsets[rank]
@@ -78,13 +93,55 @@ class RowStore:
         """(n, D_r) the shard rows ``rows`` of physical table ``p``."""
         return self.tables[p][rows]
 
+    def resolve(self, p: int, ids: list[torch.Tensor],
+                training: bool) -> tuple[list[torch.Tensor], int | None]:
+        """The shard rows of ``ids`` (one tensor per asking process) of physical table ``p``.
+
+        For a table whose ids are rows, ``ids`` as they are. For a dynamic table, the rows its
+        map gives them (the zero row when not resident), after a training step of the map over
+        their distinct ids when ``training``; the new rows get their initial values and fresh
+        slots.
+
+        Returns:
+            ``(rows, since)``: rows like ``ids``; ``since`` the map's step they are valid at
+            (None for a static table), for ``update``.
+
+        Raises:
+            ValueError: a training step admitting more ids than the shard can place (the map,
+                rows and slots are unchanged).
+        """
+        dyn = self.dynamic.get(p)
+        if dyn is None:
+            return ids, None
+        flat = torch.cat(ids) if len(ids) != 1 else ids[0]  # (M,)
+        distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # (U,), (M,)
+        rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
+        if new_ids.numel():
+            values = initial_values(dyn.table, dyn.name, dyn.seed, new_ids.cpu())  # (A, D)
+            c0, c1 = self.plan.physical[p].columns[self.comm.rank]
+            self.tables[p][new_rows] = values[:, c0:c1].to(self.device, self.tables[p].dtype)
+            opt = self.plan.physical[p].optimizer
+            for spec in (opt.slots if opt is not None else ()):
+                self.slots[p][spec.name][new_rows] = spec.initial_value
+        per_row = rows[inverse]  # (M,)
+        return list(per_row.split([t.numel() for t in ids])), dyn.step
+
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,
-               gradient_multiplier: float | None = None) -> None:
+               gradient_multiplier: float | None = None, since: int | None = None) -> None:
         """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py;
-        ``gradient_multiplier``: the optimizer's, already evaluated for ``step``)."""
+        ``gradient_multiplier``: the optimizer's, already evaluated for ``step``). For a dynamic
+        table, ``since`` is the map step ``rows`` were resolved at: rows not resident then, or
+        given to another id since, are left alone."""
+        dyn = self.dynamic.get(p)
+        if dyn is not None:
+            assert isinstance(grad, torch.Tensor) and since is not None
+            keep = dyn.valid(rows, since)  # (n,)
+            rows, grad = rows[keep], grad[keep]
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
+        if dyn is not None and optimizer.dense_update:  # it moved every row, the zero row too
+            self.tables[p][dyn.zero_row] = 0
 
     def to(self, device: torch.device) -> None:
         """Moves every table and slot to ``device`` (the workspaces are dropped)."""

@@ -98,18 +98,19 @@ def dedup(ids: torch.Tensor) -> Dedup:
 
 
 def concat_dedup(parts: list[torch.Tensor], adds: list[int],
-                 num_rows: int) -> tuple[torch.Tensor, Dedup]:
+                 num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
     """Concatenates ``parts[i] + adds[i]`` and deduplicates the result.
 
     Args:
         parts: (nnz_i,) int64 ids of each feature.
         adds: the row offset added to each part (its table's first row in the physical table).
-        num_rows: an upper bound of the shifted ids.
+        num_rows: an upper bound of the shifted ids (>= 0); None for raw ids (any int64).
 
     Returns:
-        ``(ids (nnz,), dedup)``. On the CPU the fused kernel does all of it in one call.
+        ``(ids (nnz,), dedup)``. On the CPU the fused kernel does all of it in one call (row
+        ids: its radix sort needs the bound).
     """
-    if native.usable(*parts):
+    if num_rows is not None and native.usable(*parts):
         ids, unique, order, uoff = native.concat_dedup([t.contiguous() for t in parts], adds,
                                                        num_rows)
         return ids, Dedup(unique, order, uoff)

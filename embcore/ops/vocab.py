@@ -1,0 +1,466 @@
+"""A dynamic vocabulary (raw int64 ids -> rows) as tensors: the fast path of ops/reference_vocab.py.
+
+One ``VocabMap`` holds the ids resident in one shard of ``capacity`` rows and follows the rules of
+``ReferenceVocabulary`` (the oracle; its module docstring states them) exactly: TTL expiry at the
+start of a training step, counting before admission (``admit_after``), admission in ascending id
+order taking the lowest free row first and then evicting the lowest score (``"lru"``: last use,
+``"lfu"``: frequency; ties: the smaller id), never an id used by the step, an overflow is a
+``ValueError`` that changes nothing, and ``find`` (evaluation) changes nothing.
+
+The data structure, all tensors on one device (so it can be checkpointed, moved, and searched by
+an exported serving module), with ``R`` resident ids, ``C`` rows and ``P`` counted ids:
+
+- ``keys`` (R,) the resident ids sorted ascending, ``key_rows`` (R,) their rows: ``find`` is one
+  ``searchsorted``. A step keeps them sorted by merging (the kept ids and the admitted ids are
+  both sorted: each one's output position is its index plus a ``searchsorted`` in the other
+  list), never by re-sorting.
+- Per row: ``row_key`` (C,) the id it holds (0 when free), ``row_used`` (C,), ``last_use`` (C,)
+  the training step of its last use, ``frequency`` (C,) the training steps that used it, ``born``
+  (C,) the step counter value when it received its current id (-1 when free). ``valid(rows,
+  since)`` uses ``born`` to tell whether a row looked up at step ``since`` still holds the same
+  id (it was not reassigned in between).
+- ``pending_ids`` (P,) the non-resident ids being counted, sorted, ``pending_counts`` (P,) the
+  training steps each was seen in, ``pending_seen`` (P,) the last such step. Counts are kept only
+  when ``admit_after > 1`` (with 1 an id is admitted the first time it is seen). Counts of ids
+  not seen for a long time may be forgotten: when a step leaves more than
+  ``max(4 * capacity, 1024)`` counted ids, those seen longest ago (ties: the smaller id) are
+  dropped down to that bound and start counting from zero again. (The oracle never forgets; it
+  agrees with this map as long as the bound is not reached.)
+
+A training step costs ``O(C + R + U log R + P)`` torch ops with ``U`` distinct ids, no Python loop
+over ids: the victims are the ``k`` smallest (score, id) among the evictable ids, chosen in
+``O(R)`` with ``kthvalue`` on the scores, the ties at the k-th score going to the smaller ids
+(``keys`` is in id order, so those are the first ones); only the ``k`` victims are sorted. Every
+op is exact integer work: the results do not depend on the device or torch's thread count.
+
+>>> m = VocabMap(capacity=2)
+>>> m.train_step(torch.tensor([10, 20]))[0].tolist()
+[0, 1]
+>>> m.train_step(torch.tensor([10]))[0].tolist()
+[0]
+>>> rows, new_ids, new_rows = m.train_step(torch.tensor([30]))  # 20 (least recently used) leaves
+>>> rows.tolist(), new_ids.tolist(), new_rows.tolist()
+([1], [30], [1])
+>>> m.find(torch.tensor([20, 30, 10, 30])).tolist()
+[-1, 1, 0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+_I64 = torch.int64
+_STATE_KEYS = ("ids", "rows", "last_use", "frequency", "pending_ids", "pending_counts", "step")
+
+
+def _locate(keys: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of ``ids`` is in the sorted ``keys``.
+
+    Args:
+        keys: (K,) int64 sorted ascending, distinct.
+        ids: (n,) int64, any order.
+
+    Returns:
+        ``(pos (n,) int64, found (n,) bool)``: ``keys[pos] == ids`` where found; ``pos`` is a
+        valid index into ``keys`` (0 when ``keys`` is empty) so it can be gathered unmasked.
+    """
+    if keys.numel() == 0:
+        return (torch.zeros_like(ids),
+                torch.zeros(ids.shape, dtype=torch.bool, device=ids.device))
+    pos = torch.searchsorted(keys, ids).clamp_(max=keys.numel() - 1)  # (n,)
+    return pos, keys[pos] == ids
+
+
+def _merge(a: torch.Tensor, a_vals: tuple[torch.Tensor, ...], b: torch.Tensor,
+           b_vals: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Merges two sorted, disjoint id lists and their parallel values without sorting.
+
+    Args:
+        a: (n,) int64 sorted ascending; a_vals: tensors (n,) beside it.
+        b: (m,) int64 sorted ascending, no id of ``a``; b_vals: tensors (m,) beside it.
+
+    Returns:
+        ``(ids (n + m,) sorted, values (n + m,) each)``.
+    """
+    if b.numel() == 0:
+        return a, a_vals
+    if a.numel() == 0:
+        return b, b_vals
+    n, m = a.numel(), b.numel()
+    pa = torch.arange(n, device=a.device) + torch.searchsorted(b, a)  # (n,) output positions
+    pb = torch.arange(m, device=a.device) + torch.searchsorted(a, b)  # (m,)
+    out = a.new_empty(n + m)
+    out[pa], out[pb] = a, b
+    vals = []
+    for av, bv in zip(a_vals, b_vals):
+        v = av.new_empty(n + m)
+        v[pa], v[pb] = av, bv
+        vals.append(v)
+    return out, tuple(vals)
+
+
+def _smallest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """(n,) bool: the ``k`` entries of (n,) int64 ``score`` smallest by (score, index), in O(n).
+
+    The k-th smallest score comes from ``kthvalue`` (a value: exact and deterministic); every
+    entry below it is taken, and of those equal to it the ones of smallest index.
+    """
+    n = score.numel()
+    if k <= 0:
+        return torch.zeros(n, dtype=torch.bool, device=score.device)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool, device=score.device)
+    kth = torch.kthvalue(score, k).values  # 0-d
+    below = score < kth  # (n,)
+    at = score == kth  # (n,)
+    need = k - below.sum()  # 0-d: how many ties at the k-th score are taken
+    return below | (at & (at.cumsum(0) <= need))
+
+
+def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.is_complex() \
+            or ids.dtype == torch.bool:
+        raise ValueError(f"{what} must be an integer tensor of ids, got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    return ids.to(_I64)
+
+
+class VocabMap:
+    """One shard's id -> row map, held as tensors (so it can be checkpointed, moved, and searched
+    by an exported serving module).
+
+    Args:
+        capacity: rows of the shard (C >= 1).
+        eviction: ``"lru"`` (evict the oldest last use) or ``"lfu"`` (the lowest frequency).
+        admit_after: training steps an id must be seen in, while not resident, to be admitted.
+        ttl_steps: None, or k >= 1: at the start of training step t, ids whose last use is more
+            than k steps ago (``t - last_use > k``) are evicted.
+        name: the table's name, for error messages.
+        device: where the state tensors live.
+
+    Raises:
+        ValueError: a bad eviction, capacity, admit_after or ttl_steps.
+    """
+
+    def __init__(self, capacity: int, *, eviction: str = "lru", admit_after: int = 1,
+                 ttl_steps: int | None = None, name: str = "table",
+                 device: torch.device | str = "cpu") -> None:
+        if eviction not in ("lru", "lfu"):
+            raise ValueError(f"{name}: eviction must be 'lru' or 'lfu', got {eviction!r}")
+        if capacity < 1 or admit_after < 1:
+            raise ValueError(f"{name}: capacity and admit_after must be >= 1, got capacity "
+                             f"{capacity}, admit_after {admit_after}")
+        if ttl_steps is not None and ttl_steps < 1:
+            raise ValueError(f"{name}: ttl_steps must be None or >= 1, got {ttl_steps}")
+        self.capacity = int(capacity)
+        self.eviction = eviction
+        self.admit_after = int(admit_after)
+        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
+        self.name = name
+        self.device = torch.device(device)
+        self.step = 0  # training steps so far
+        c, dev = self.capacity, self.device
+        self.keys = torch.empty(0, dtype=_I64, device=dev)             # (R,) resident ids, sorted
+        self.key_rows = torch.empty(0, dtype=_I64, device=dev)         # (R,) their rows
+        self.row_key = torch.zeros(c, dtype=_I64, device=dev)          # (C,) id held, 0 when free
+        self.row_used = torch.zeros(c, dtype=torch.bool, device=dev)   # (C,)
+        self.last_use = torch.zeros(c, dtype=_I64, device=dev)         # (C,) step of last use
+        self.frequency = torch.zeros(c, dtype=_I64, device=dev)        # (C,) steps that used it
+        self.born = torch.full((c,), -1, dtype=_I64, device=dev)       # (C,) step it got its id
+        self.pending_ids = torch.empty(0, dtype=_I64, device=dev)      # (P,) counted ids, sorted
+        self.pending_counts = torch.empty(0, dtype=_I64, device=dev)   # (P,) steps seen
+        self.pending_seen = torch.empty(0, dtype=_I64, device=dev)     # (P,) last step seen
+
+    @property
+    def pending_limit(self) -> int:
+        """The most counted ids kept after a step: ``max(4 * capacity, 1024)``."""
+        return max(4 * self.capacity, 1024)
+
+    def __repr__(self) -> str:
+        return (f"VocabMap(name={self.name!r}, capacity={self.capacity}, "
+                f"eviction={self.eviction!r}, admit_after={self.admit_after}, "
+                f"ttl_steps={self.ttl_steps}, resident={self.keys.numel()}, step={self.step}, "
+                f"device={self.device})")
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ids (evaluation): changes nothing.
+
+        Args:
+            ids: (n,) int64 ids, any order, duplicates allowed.
+
+        Returns:
+            (n,) int64 row of each id, -1 where it is not resident.
+        """
+        ids = _as_ids(ids, "ids").to(self.device).contiguous()
+        pos, found = _locate(self.keys, ids)
+        if self.keys.numel() == 0:
+            return torch.full_like(ids, -1)
+        return torch.where(found, self.key_rows[pos], -1)
+
+    def train_step(self, distinct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training step over the distinct ids of a batch.
+
+        Args:
+            distinct: (U,) int64 ids, sorted ascending, distinct.
+
+        Returns:
+            ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, -1 if it
+            is not resident (still being counted); new_ids (A,) int64 ascending, the ids admitted
+            by this step; new_rows (A,) int64 their rows (the caller initializes their values and
+            optimizer slots).
+
+        Raises:
+            ValueError: ``distinct`` is not sorted and distinct; or the step admits more ids than
+                there are free plus evictable rows. Then nothing changes (not the step counter,
+                the counts, anything).
+        """
+        distinct = _as_ids(distinct, "distinct").to(self.device).contiguous()
+        if distinct.dim() != 1:
+            raise ValueError(f"{self.name}: distinct must be 1-D, got shape "
+                             f"{tuple(distinct.shape)}")
+        if distinct.numel() > 1 and not bool((distinct[1:] > distinct[:-1]).all()):
+            raise ValueError(f"{self.name}: the ids of a training step must be sorted ascending "
+                             f"and distinct")
+        t = self.step + 1
+        dev = self.device
+        keys, key_rows = self.keys, self.key_rows  # (R,)
+
+        # TTL: at the start of the step, rows last used before t - ttl are freed.
+        live = self.row_used  # (C,) resident after expiry
+        if self.ttl_steps is not None and t - self.ttl_steps > 0:  # last_use >= 0
+            live = live & (self.last_use >= t - self.ttl_steps)
+        key_live = live[key_rows]  # (R,)
+
+        # Resident ids of the step: used (last use t, frequency + 1), not evictable.
+        pos, hit = _locate(keys, distinct)  # (U,)
+        if keys.numel():
+            hit &= key_live[pos]
+            rows = torch.where(hit, key_rows[pos], -1)  # (U,)
+        else:
+            rows = torch.full_like(distinct, -1)
+        hit_rows = rows[hit]  # (H,)
+        in_step = torch.zeros(keys.numel(), dtype=torch.bool, device=dev)  # (R,)
+        in_step[pos[hit]] = True
+
+        # The others are counted; those seen in admit_after steps are admitted.
+        miss = (~hit).nonzero().squeeze(1)  # (M,) indices into distinct
+        miss_ids = distinct[miss]  # (M,) ascending
+        if self.admit_after == 1:
+            admit = torch.ones(miss_ids.shape, dtype=torch.bool, device=dev)
+            ppos = pfound = counts = None
+        else:
+            ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
+            counts = torch.ones_like(miss_ids)  # (M,) with this step
+            if self.pending_ids.numel():
+                counts += torch.where(pfound, self.pending_counts[ppos], 0)
+            admit = counts >= self.admit_after  # (M,)
+        new_ids = miss_ids[admit]  # (A,) ascending
+
+        # Placement: the lowest free rows first, then the evictable ids' rows by (score, id).
+        free = ~live  # (C,)
+        evictable = key_live & ~in_step  # (R,)
+        n_admit = new_ids.numel()
+        n_free, n_evictable = torch.stack([free.sum(), evictable.sum()]).tolist()
+        if n_admit > n_free + n_evictable:
+            raise ValueError(
+                f"{self.name}: this step admits {n_admit} new ids but the shard holds "
+                f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the others are "
+                f"used by this step)")
+        from_free = min(n_admit, n_free)
+        new_rows = free.nonzero().squeeze(1)[:from_free]  # (from_free,) ascending
+        evicted = torch.zeros(keys.numel(), dtype=torch.bool, device=dev)  # (R,)
+        if n_admit > from_free:
+            cand = evictable.nonzero().squeeze(1)  # (E,) positions in keys, ascending id
+            score = (self.last_use if self.eviction == "lru" else self.frequency)[key_rows[cand]]
+            take = _smallest(score, n_admit - from_free)  # (E,)
+            victims = cand[take]  # (k,) ascending id
+            victims = victims[torch.sort(score[take], stable=True).indices]  # (score, id) order
+            evicted[victims] = True
+            new_rows = torch.cat([new_rows, key_rows[victims]])  # (A,)
+        rows[miss[admit]] = new_rows
+
+        # The new state (new tensors: self is untouched until the end).
+        expired = self.row_used & ~live  # (C,)
+        row_key = self.row_key.masked_fill(expired, 0)
+        row_used = live.clone()
+        last_use = self.last_use.masked_fill(expired, 0)
+        frequency = self.frequency.masked_fill(expired, 0)
+        born = self.born.masked_fill(expired, -1)
+        last_use[hit_rows] = t
+        frequency[hit_rows] += 1
+        row_key[new_rows] = new_ids
+        row_used[new_rows] = True
+        last_use[new_rows] = t
+        frequency[new_rows] = 1
+        born[new_rows] = t
+        keep = key_live & ~evicted  # (R,)
+        keys, (key_rows,) = _merge(keys[keep], (key_rows[keep],), new_ids, (new_rows,))
+
+        pending = (self.pending_ids, self.pending_counts, self.pending_seen)
+        if self.admit_after > 1:
+            pending = self._count(miss_ids, ppos, pfound, counts, admit, t)
+
+        self.step = t
+        self.keys, self.key_rows = keys, key_rows
+        self.row_key, self.row_used, self.born = row_key, row_used, born
+        self.last_use, self.frequency = last_use, frequency
+        self.pending_ids, self.pending_counts, self.pending_seen = pending
+        return rows, new_ids, new_rows
+
+    def _count(self, miss_ids: torch.Tensor, ppos: torch.Tensor, pfound: torch.Tensor,
+               counts: torch.Tensor, admit: torch.Tensor,
+               t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pending lists after step ``t`` counted the (M,) non-resident ``miss_ids``.
+
+        Args:
+            miss_ids: (M,) ascending; ppos, pfound: (M,) their place in ``pending_ids``;
+            counts: (M,) their counts with this step; admit: (M,) those admitted (removed).
+            t: the step.
+
+        Returns:
+            ``(pending_ids (P',), pending_counts (P',), pending_seen (P',))``, forgetting the
+            ids seen longest ago (ties: the smaller id) beyond ``pending_limit``.
+        """
+        ids, cnt, seen = self.pending_ids, self.pending_counts, self.pending_seen  # (P,)
+        known = pfound & ~admit  # (M,) counted before, still counted
+        cnt, seen = cnt.clone(), seen.clone()
+        cnt[ppos[known]] = counts[known]
+        seen[ppos[known]] = t
+        drop = torch.zeros(ids.numel(), dtype=torch.bool, device=ids.device)  # (P,)
+        drop[ppos[pfound & admit]] = True
+        fresh = ~pfound & ~admit  # (M,) first seen now
+        ids, (cnt, seen) = _merge(ids[~drop], (cnt[~drop], seen[~drop]), miss_ids[fresh],
+                                  (counts[fresh], torch.full_like(counts[fresh], t)))
+        if ids.numel() > self.pending_limit:
+            keep = ~_smallest(seen, ids.numel() - self.pending_limit)
+            ids, cnt, seen = ids[keep], cnt[keep], seen[keep]
+        return ids, cnt, seen
+
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident ids.
+
+        Returns:
+            ``(ids (R,) int64 ascending, rows (R,) int64)``.
+        """
+        return self.keys.clone(), self.key_rows.clone()
+
+    def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
+        """Which rows still hold the id they held after training step ``since``.
+
+        A row looked up by step ``since`` and reassigned by a later step (evicted, expired, or
+        given to a new id) must not receive that lookup's gradient: a row is valid when it is in
+        use and got its current id at or before step ``since`` (``born <= since``).
+
+        Args:
+            rows: (n,) int64 rows, -1 (not resident) allowed.
+            since: the training step of the lookup.
+
+        Returns:
+            (n,) bool: ``rows >= 0 & row_used[rows] & born[rows] <= since`` (False out of range).
+        """
+        rows = _as_ids(rows, "rows").to(self.device)
+        inside = (rows >= 0) & (rows < self.capacity)
+        r = rows.clamp(0, self.capacity - 1)
+        return inside & self.row_used[r] & (self.born[r] <= since)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The map's state, independent of its row layout details.
+
+        Returns:
+            ``ids`` (R,) ascending, ``rows``, ``last_use``, ``frequency`` (R,) per id;
+            ``pending_ids`` (P,) ascending, ``pending_counts`` (P,); ``step`` 0-d int64.
+            ``born`` and ``pending_seen`` are not saved (see ``load_state_dict``).
+        """
+        return {"ids": self.keys.clone(), "rows": self.key_rows.clone(),
+                "last_use": self.last_use[self.key_rows], "frequency": self.frequency[self.key_rows],
+                "pending_ids": self.pending_ids.clone(),
+                "pending_counts": self.pending_counts.clone(),
+                "step": torch.tensor(self.step, dtype=_I64, device=self.device)}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replaces the map's state by ``state`` (from ``state_dict``, any device).
+
+        The loaded rows count as received at the loaded step (``born = step``: lookups made
+        before the load are not valid for them) and the loaded counts as last seen at it.
+
+        Args:
+            state: the keys of ``state_dict``.
+
+        Raises:
+            ValueError: naming the key, for a missing or malformed entry: ids not sorted and
+                distinct, rows not distinct or outside [0, capacity), lengths that differ,
+                last_use outside [0, step], frequency or counts < 1, pending ids not sorted and
+                distinct or resident, a negative step. Then nothing changes.
+        """
+        got = {}
+        for key in _STATE_KEYS:
+            if key not in state:
+                raise ValueError(f"{self.name}: the vocabulary state has no {key!r}")
+            v = state[key]
+            if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.is_complex() \
+                    or v.dtype == torch.bool:
+                raise ValueError(f"{self.name}: vocabulary state {key!r} must be an integer "
+                                 f"tensor, got {getattr(v, 'dtype', type(v).__name__)}")
+            if (v.dim() != 0 if key == "step" else v.dim() != 1):
+                raise ValueError(f"{self.name}: vocabulary state {key!r} must be "
+                                 f"{'0-d' if key == 'step' else '1-D'}, got shape "
+                                 f"{tuple(v.shape)}")
+            got[key] = v.detach().to(device=self.device, dtype=_I64)
+
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"{self.name}: vocabulary state {key!r} {why}")
+
+        ids, rows, pids = got["ids"], got["rows"], got["pending_ids"]
+        step = int(got["step"])
+        if step < 0:
+            raise bad("step", f"must be >= 0, got {step}")
+        for key in ("rows", "last_use", "frequency"):
+            if got[key].numel() != ids.numel():
+                raise bad(key, f"has {got[key].numel()} entries for {ids.numel()} ids")
+        if got["pending_counts"].numel() != pids.numel():
+            raise bad("pending_counts", f"has {got['pending_counts'].numel()} entries for "
+                      f"{pids.numel()} pending_ids")
+        if ids.numel() > self.capacity:
+            raise bad("ids", f"holds {ids.numel()} ids, more than the capacity {self.capacity}")
+        for key, v in (("ids", ids), ("pending_ids", pids)):
+            if v.numel() > 1 and not bool((v[1:] > v[:-1]).all()):
+                raise bad(key, "must be sorted ascending and distinct")
+        if rows.numel():
+            if not bool(((rows >= 0) & (rows < self.capacity)).all()):
+                raise bad("rows", f"must be in [0, {self.capacity}) (the capacity)")
+            if torch.unique(rows).numel() != rows.numel():
+                raise bad("rows", "must be distinct")
+            if not bool(((got["last_use"] >= 0) & (got["last_use"] <= step)).all()):
+                raise bad("last_use", f"must be in [0, step = {step}]")
+            if not bool((got["frequency"] >= 1).all()):
+                raise bad("frequency", "must be >= 1")
+        if pids.numel():
+            if not bool((got["pending_counts"] >= 1).all()):
+                raise bad("pending_counts", "must be >= 1")
+            if bool(_locate(ids, pids)[1].any()):
+                raise bad("pending_ids", "must not hold resident ids")
+
+        c, dev = self.capacity, self.device
+        row_key = torch.zeros(c, dtype=_I64, device=dev)
+        row_used = torch.zeros(c, dtype=torch.bool, device=dev)
+        last_use = torch.zeros(c, dtype=_I64, device=dev)
+        frequency = torch.zeros(c, dtype=_I64, device=dev)
+        born = torch.full((c,), -1, dtype=_I64, device=dev)
+        row_key[rows], row_used[rows], born[rows] = ids, True, step
+        last_use[rows], frequency[rows] = got["last_use"], got["frequency"]
+        self.step = step
+        self.keys, self.key_rows = ids.clone(), rows.clone()
+        self.row_key, self.row_used, self.born = row_key, row_used, born
+        self.last_use, self.frequency = last_use, frequency
+        self.pending_ids, self.pending_counts = pids.clone(), got["pending_counts"].clone()
+        self.pending_seen = torch.full_like(pids, step)
+
+    def to(self, device: torch.device | str) -> None:
+        """Moves the state tensors to ``device`` (in place)."""
+        device = torch.device(device)
+        for key in ("keys", "key_rows", "row_key", "row_used", "last_use", "frequency", "born",
+                    "pending_ids", "pending_counts", "pending_seen"):
+            setattr(self, key, getattr(self, key).to(device))
+        self.device = device

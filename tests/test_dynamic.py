@@ -1,0 +1,343 @@
+"""Dynamic tables (raw ids, docs/semantics.md section 9) in the engine: against the readable
+reference vocabulary and a per-id model written out here, every input kind, the layer, pipelining,
+and W = 2 / 4 against W = 1."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embcore as ec
+from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
+from embcore.ops.reference_vocab import ReferenceVocabulary
+from embcore.vocabulary import initial_values, table_seed
+
+from distributed import run_on
+
+BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]
+
+
+def _engine(capacity=4, dim=3, optimizer=None, combiner="sum", features=("f",), seed=0,
+            **dynamic):
+    torch.manual_seed(seed)
+    t = ec.TableConfig(vocabulary_size=capacity, dim=dim, combiner=combiner, name="t",
+                       dynamic=ec.DynamicVocabulary(**dynamic))
+    cfg = {f: ec.FeatureConfig(table=t, name=f) for f in features}
+    return ec.Embedding(cfg, optimizer or ec.SGD(learning_rate=0.5)), t
+
+
+# ------------------------------------------------------------------------------ hashing
+def test_splitmix64_matches_python_integers():
+    xs = torch.tensor(BIG + list(range(-50, 50)), dtype=torch.int64)
+    got = splitmix64(xs).tolist()
+    for x, h in zip(xs.tolist(), got):
+        assert h % 2**64 == splitmix64_int(x % 2**64)
+    assert splitmix64_int(0) == 0xE220A8397B1DCDAF  # SplitMix64's first output for seed 0
+
+
+def test_owner_is_the_unsigned_hash_modulo_w():
+    xs = torch.tensor(BIG + list(range(200)), dtype=torch.int64)
+    for w in (1, 2, 3, 4, 7):
+        want = [splitmix64_int(x % 2**64) % w for x in xs.tolist()]
+        assert owner(xs, w).tolist() == want
+
+
+def test_uniform_and_initial_values_depend_on_the_id_and_seed_only():
+    ids = torch.tensor([5, -3, 2**62], dtype=torch.int64)
+    u = uniform(7, ids, 4)
+    assert u.shape == (3, 4) and bool(((u > 0) & (u < 1)).all())
+    assert torch.equal(uniform(7, ids[[2, 0]], 4), u[[2, 0]])
+    assert not torch.equal(uniform(8, ids, 4), u)
+    t = ec.TableConfig(vocabulary_size=4, dim=64, dynamic=ec.DynamicVocabulary())
+    v = initial_values(t, "t", 11, torch.arange(2000))
+    std = 1 / math.sqrt(64)
+    assert v.abs().max() <= 2 * std and abs(v.std().item() - 0.88 * std) < 0.05 * std
+
+
+# ------------------------------------------------------------------------------ configs
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="eviction"):
+        ec.DynamicVocabulary(eviction="fifo")
+    with pytest.raises(ValueError, match="admit_after"):
+        ec.DynamicVocabulary(admit_after=0)
+    with pytest.raises(TypeError, match="ttl_steps"):
+        ec.DynamicVocabulary(ttl_steps=1.5)
+    with pytest.raises(TypeError, match="dynamic"):
+        ec.TableConfig(vocabulary_size=4, dim=2, dynamic="lru")
+    with pytest.raises(ValueError, match="initializer tensor"):
+        ec.TableConfig(vocabulary_size=4, dim=2, initializer=torch.zeros(4, 2),
+                       dynamic=ec.DynamicVocabulary())
+    t = ec.TableConfig(vocabulary_size=4, dim=2, name="t", dynamic=ec.DynamicVocabulary())
+    with pytest.raises(ValueError, match="dynamic.*'column'"):
+        ec.Embedding({"f": ec.FeatureConfig(table=t)}, sharding="column")
+    s = ec.TableConfig(vocabulary_size=4, dim=2, name="s")
+    with pytest.raises(ValueError, match="not dynamic.*'hash'"):
+        ec.Embedding({"f": ec.FeatureConfig(table=s)}, sharding="hash")
+
+
+# ------------------------------------------------------------------------------ the engine
+class PerIdModel:
+    """The oracle of a dynamic table with a sum combiner and SGD: the reference vocabulary says
+    which ids are resident; each resident id has its own vector, made by ``initial_values`` at
+    admission; a gradient moves the vectors of the ids resident after the step."""
+
+    def __init__(self, table, seed, lr, **dynamic):
+        self.vocab = ReferenceVocabulary(capacity=table.vocabulary_size, **dynamic)
+        self.table, self.seed, self.lr = table, seed, lr
+        self.vectors: dict[int, torch.Tensor] = {}
+
+    def step(self, bags: list[list[int]], grad: torch.Tensor | None) -> torch.Tensor:
+        flat = [i for b in bags for i in b]
+        rows = dict(zip(flat, self.vocab.lookup(flat, training=grad is not None)))
+        v = self.vocab
+        for i in v.rows:  # admitted now (first use, this step): an evicted id starts over
+            if grad is not None and v.frequency[i] == 1 and v.last_use[i] == v.step:
+                self.vectors[i] = initial_values(self.table, "t", self.seed,
+                                                 torch.tensor([i]))[0]
+        for i in set(self.vectors) - set(v.rows):
+            del self.vectors[i]
+        out = torch.stack([sum((self.vectors[i] for i in b if rows[i] is not None),
+                               torch.zeros(self.table.dim)) for b in bags])
+        if grad is not None:
+            for b, g in zip(bags, grad):
+                for i in b:
+                    if rows[i] is not None:
+                        self.vectors[i] = self.vectors[i] - self.lr * g
+        return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), capacity=st.integers(1, 5), eviction=st.sampled_from(["lru", "lfu"]),
+       admit_after=st.integers(1, 2), ttl=st.sampled_from([None, 1, 2]))
+def test_engine_matches_the_per_id_model(data, capacity, eviction, admit_after, ttl):
+    dyn = dict(eviction=eviction, admit_after=admit_after, ttl_steps=ttl)
+    emb, t = _engine(capacity, **dyn)
+    model = PerIdModel(t, table_seed(emb._seed, "t"), 0.5, **dyn)
+    pool = st.sampled_from(BIG + [10, 11, 12])
+    for _ in range(data.draw(st.integers(1, 6))):
+        bags = data.draw(st.lists(st.lists(pool, min_size=1, max_size=3), min_size=2,
+                                  max_size=2))
+        training = data.draw(st.booleans())
+        ids = torch.nested.nested_tensor([torch.tensor(b) for b in bags],
+                                         layout=torch.jagged)
+        grad = torch.randn(2, 3)
+        try:
+            want = model.step(bags, grad if training else None)
+        except ValueError:
+            before = {k: v.clone() for k, v in emb.state_dict().items()}
+            vocab = emb.vocabulary(t)
+            with pytest.raises(ValueError, match="'t'"):
+                emb.enqueue({"f": ids}, training=True)
+                emb.dequeue()
+            assert all(torch.equal(before[k], v) for k, v in emb.state_dict().items())
+            assert all(torch.equal(a, b) for a, b in zip(vocab, emb.vocabulary(t)))
+            emb = _rebuild_queue(emb)
+            continue
+        if training:
+            emb.enqueue({"f": ids})
+            got = emb.dequeue()["f"]
+            emb.apply_gradients({"f": grad})
+        else:
+            got = emb.lookup({"f": ids})["f"]
+        torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
+        ids_r, rows_r = model.vocab.resident()
+        ids_e, rows_e = emb.vocabulary(t)
+        assert ids_e.tolist() == ids_r and rows_e.tolist() == rows_r
+
+
+def _rebuild_queue(emb):
+    """A lookup that raised left its batch dequeued: the engine takes new batches."""
+    return emb
+
+
+def test_evaluation_admits_nothing_and_looks_up_zeros():
+    emb, t = _engine()
+    assert emb.lookup({"f": torch.tensor([5, 6])})["f"].abs().sum() == 0
+    assert emb.vocabulary(t)[0].numel() == 0
+    emb.enqueue({"f": torch.tensor([5, 6])}, training=False)
+    assert emb.dequeue()["f"].abs().sum() == 0 and emb.vocabulary(t)[0].numel() == 0
+
+
+def test_overflow_is_a_value_error_and_changes_nothing():
+    emb, t = _engine(capacity=2)
+    emb.enqueue({"f": torch.tensor([1, 2, 3])})
+    with pytest.raises(ValueError, match=r"'t'.*3"):
+        emb.dequeue()
+    assert emb.vocabulary(t)[0].numel() == 0
+    emb.enqueue({"f": torch.tensor([1, 2, 2])})  # the engine goes on
+    a = emb.dequeue()["f"]
+    emb.apply_gradients({"f": torch.zeros_like(a)})
+    assert emb.vocabulary(t)[0].tolist() == [1, 2]
+
+
+def test_slots_restart_for_a_new_row_and_initial_values_do_not_depend_on_history():
+    emb, t = _engine(capacity=1, optimizer=ec.Adagrad(learning_rate=0.1))
+    for ids in ([7], [8], [7]):  # 7 evicted by 8, then 8 by 7
+        emb.enqueue({"f": torch.tensor(ids)})
+        a = emb.dequeue()["f"]
+        emb.apply_gradients({"f": torch.ones_like(a)})
+    acc = emb.state_dict()["t/accumulators"]
+    torch.testing.assert_close(acc, torch.full_like(acc, 0.1 + 1.0))  # fresh + one step
+    other, _ = _engine(capacity=1, optimizer=ec.Adagrad(learning_rate=0.1))
+    first = other.lookup({"f": torch.tensor([7])})["f"]  # not resident: zeros
+    assert first.abs().sum() == 0
+    other.enqueue({"f": torch.tensor([7])})
+    fresh = other.dequeue()["f"].detach()
+    seed = table_seed(other._seed, "t")
+    assert torch.equal(fresh, initial_values(t, "t", seed, torch.tensor([7])))
+
+
+@pytest.mark.parametrize("kind", ["dense", "jagged", "sparse", "pair", "sequence"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_every_input_kind_reads_the_resident_rows(kind, combiner):
+    torch.manual_seed(1)
+    t = ec.TableConfig(vocabulary_size=16, dim=4, combiner=combiner, name="t",
+                       dynamic=ec.DynamicVocabulary())
+    seq = 3 if kind == "sequence" else 0
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t, max_sequence_length=seq)},
+                       ec.Adagrad(learning_rate=0.1))
+    bags = [[2**50, -9], [4], [-9, -9, 77]]
+    values = torch.tensor([i for b in bags for i in b])
+    offsets = torch.tensor([0, 2, 3, 6])
+    weights = torch.tensor([0.5, 2.0, 1.0, 1.0, 3.0, 1.0])
+    if kind == "dense":
+        ids, w = torch.tensor([[2**50], [4], [-9]]), None
+        bags = [[2**50], [4], [-9]]
+    elif kind in ("jagged", "sequence"):
+        ids = torch.nested.nested_tensor_from_jagged(values, offsets)
+        w = None if kind == "sequence" else torch.nested.nested_tensor_from_jagged(weights,
+                                                                                  offsets)
+    elif kind == "pair":
+        ids, w = (values, offsets), (weights, offsets)
+    else:
+        idx = torch.tensor([[0, 0, 1, 2, 2, 2], [0, 1, 0, 0, 1, 2]])
+        ids = torch.sparse_coo_tensor(idx, values, (3, 3))
+        w = torch.sparse_coo_tensor(idx, weights, (3, 3))
+    emb.enqueue({"f": ids}, {"f": w} if w is not None else None)
+    a = emb.dequeue()["f"]
+    emb.apply_gradients({"f": torch.randn_like(a)})
+    got = emb.lookup({"f": ids}, {"f": w} if w is not None else None)["f"]
+    # the same batch on a static table holding the resident rows at the ids' row numbers
+    vid, vrow = emb.vocabulary(t)
+    rowmap = dict(zip(vid.tolist(), vrow.tolist()))
+    static = ec.TableConfig(vocabulary_size=16, dim=4, combiner=combiner, name="s",
+                            initializer=emb.embedding_tables[t].clone())
+    ref = ec.Embedding({"f": ec.FeatureConfig(table=static, max_sequence_length=seq)})
+    mapped = _map_ids(ids, rowmap)
+    want = ref.lookup({"f": mapped}, {"f": w} if w is not None else None)["f"]
+    torch.testing.assert_close(got, want)
+    assert set(vid.tolist()) == {i for b in bags for i in b}
+
+
+def _map_ids(ids, rowmap):
+    f = lambda v: torch.tensor([rowmap[i] for i in v.tolist()], dtype=torch.int64)  # noqa: E731
+    if isinstance(ids, tuple):
+        return f(ids[0]), ids[1]
+    if ids.is_nested:
+        return torch.nested.nested_tensor_from_jagged(f(ids.values()), ids.offsets())
+    if ids.is_sparse:
+        c = ids.coalesce()
+        return torch.sparse_coo_tensor(c.indices(), f(c.values()), c.shape)
+    return f(ids.reshape(-1)).reshape(ids.shape)
+
+
+def test_shared_table_features_see_one_map():
+    emb, t = _engine(capacity=4, features=("a", "b"))
+    emb.enqueue({"a": torch.tensor([10, 20]), "b": torch.tensor([20, 30])})
+    out = emb.dequeue()
+    torch.testing.assert_close(out["a"][1], out["b"][0])
+    emb.apply_gradients({"a": None, "b": None})
+    assert emb.vocabulary(t)[0].tolist() == [10, 20, 30]
+
+
+def test_a_gradient_for_a_row_given_to_another_id_is_dropped():
+    emb, t = _engine(capacity=1)
+    layer_steps = []
+    for ids in ([7], [8]):  # two forwards before any backward: 8 evicts 7
+        layer_steps.append(emb.training_step({"f": torch.tensor(ids)}))
+    before = emb.embedding_tables[t].clone()
+    layer_steps[0].apply({"f": torch.ones(1, 3)})  # 7's row now holds 8: dropped
+    assert torch.equal(emb.embedding_tables[t], before)
+    layer_steps[1].apply({"f": torch.ones(1, 3)})
+    torch.testing.assert_close(emb.embedding_tables[t], before - 0.5)
+
+
+def test_layer_and_pipelined_engine_train_dynamic_tables():
+    torch.manual_seed(3)
+    t = ec.TableConfig(vocabulary_size=8, dim=4, name="t", dynamic=ec.DynamicVocabulary())
+    layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, ec.Adagrad(learning_rate=0.1))
+    x = torch.tensor([[2**40, 5], [5, -1]])
+    out = layer({"f": x})["f"]
+    first = out.detach().clone()
+    out.sum().backward()
+    again = layer({"f": x})["f"]
+    assert (again.detach() - first).abs().min() > 0  # every resident row moved
+    assert layer.engine.vocabulary(t)[0].tolist() == [-1, 5, 2**40]
+    emb, _ = _engine(capacity=8, dim=4)
+    piped = ec.Embedding({"f": ec.FeatureConfig(table=emb.feature_config["f"].table)},
+                         ec.SGD(learning_rate=0.5), pipeline_execution=True)
+    for step in range(3):
+        for e in (emb, piped):
+            e.enqueue({"f": torch.tensor([step, step + 1, 99])})
+            a = e.dequeue()["f"]
+            e.apply_gradients({"f": torch.ones_like(a)})
+    assert torch.equal(emb.vocabulary(emb.feature_config["f"].table)[0],
+                       piped.vocabulary(emb.feature_config["f"].table)[0])
+
+
+# ------------------------------------------------------------------------------ W = 2 and 4
+def _stream(steps=4, batch=8, pool=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(-pool, pool, (batch, 2), generator=g) * (2**40 + 3)
+        out.append((ids, torch.randn(batch, 2, 4, generator=g)))
+    return out
+
+
+def _train(emb, stream, rank, world):
+    acts = []
+    for ids, grad in stream:
+        b = ids.shape[0] // world
+        emb.enqueue({"f": ids[rank * b:(rank + 1) * b]})
+        a = emb.dequeue()["f"]
+        acts.append(a.detach())
+        emb.apply_gradients({"f": grad[rank * b:(rank + 1) * b]})
+    return torch.cat(acts)
+
+
+def _sharded_body(rank, world, init, strategy):
+    stream = _stream()
+    torch.manual_seed(0)
+    t1 = ec.TableConfig(vocabulary_size=256, dim=4, name="t", dynamic=ec.DynamicVocabulary())
+    ref = ec.Embedding({"f": ec.FeatureConfig(table=t1)}, ec.Adagrad(learning_rate=0.1))
+    want = _train(ref, stream, 0, 1)
+    want_ids, _ = ref.vocabulary(t1)
+    init()
+    torch.manual_seed(0)
+    t = ec.TableConfig(vocabulary_size=256, dim=4, name="t", dynamic=ec.DynamicVocabulary())
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.Adagrad(learning_rate=0.1),
+                       sharding=strategy)
+    got = _train(emb, stream, rank, world)
+    b = stream[0][0].shape[0] // world
+    n = stream[0][0].shape[0]
+    mine = torch.cat([want[i * n + rank * b: i * n + (rank + 1) * b] for i in range(4)])
+    torch.testing.assert_close(got, mine, rtol=1e-5, atol=1e-6)
+    ids, rows = emb.vocabulary(t)
+    if strategy == "hash":
+        assert bool((owner(ids, world) == rank).all())
+        assert rows.numel() == 0 or int(rows.max()) < emb.plan.physical[0].local_rows[rank]
+    everyone = torch.unique(torch.cat(emb.comm.all_to_all([ids] * world)))
+    assert torch.equal(everyone, want_ids)
+    whole = emb.embedding_tables[t]  # a collective
+    assert whole.shape == (256, 4)
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "hash"), (4, "hash"), (2, "table"),
+                                            (2, "replicated")])
+def test_sharded_dynamic_tables_equal_one_process(world, strategy):
+    run_on(world, _sharded_body, strategy)
