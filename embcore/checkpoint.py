@@ -9,7 +9,9 @@ Format. A checkpoint is a directory written by ``torch.distributed.checkpoint`` 
                        ``extra`` metadata and the format version
 
 holding the object's ``state_dict()`` under TF's names: ``<table>/parameters``,
-``<table>/<slot>`` (accumulators, momenta, velocities, linears) and ``step``. Entries are whole
+``<table>/<slot>`` (accumulators, momenta, velocities, linears) and ``step``; a dynamic table
+(raw ids) adds its map, ``<table>/vocabulary/{ids,last_use,frequency}`` laid out by row like its
+parameters, and ``<table>/vocabulary/{step,seed}`` (vocabulary.py). Entries are whole
 logical tables, so a checkpoint does not depend on how the tables were stacked or placed: loading
 fills tensors shaped as the *target's* state dict, which is what lets DCP restore a checkpoint
 written by W processes into W' processes with another layout.
@@ -494,7 +496,15 @@ def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
             raise ValueError(f"table {n!r} has shape [{got['vocabulary_size']}, {got['dim']}] in "
                              f"the checkpoint but [{want['vocabulary_size']}, {want['dim']}] in "
                              f"the target; they must match")
+        if (got.get("dynamic") is None) != (want.get("dynamic") is None):
+            kinds = {True: "dynamic (raw ids)", False: "static (ids are rows)"}
+            raise ValueError(f"table {n!r} is {kinds[got.get('dynamic') is not None]} in the "
+                             f"checkpoint but {kinds[want.get('dynamic') is not None]} in the "
+                             f"target; a table's rows cannot be read as the other kind")
         keys.append(f"{n}/parameters")
+        if want.get("dynamic") is not None:  # the map, always (rows mean nothing without it)
+            keys += [f"{n}/vocabulary/{k}" for k in ("ids", "last_use", "frequency", "step",
+                                                     "seed")]
         for s in (want["slots"] if slots else ()):
             if f"{n}/{s}" in index:
                 keys.append(f"{n}/{s}")

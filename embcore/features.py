@@ -167,7 +167,8 @@ class Features:
                          "combiner": t.combiner, "dtype": str(t.dtype).replace("torch.", ""),
                          "optimizer": None if self.optimizers[t] is None
                          else repr(self.optimizers[t]),
-                         "slots": list(plan.table(name).slot_names)}
+                         "slots": list(plan.table(name).slot_names),
+                         "dynamic": t.dynamic.describe() if t.dynamic is not None else None}
                   for t, name in self.table_names.items()}
         features = [{"name": n, "table": tn, "max_sequence_length": c.max_sequence_length}
                     for n, tn, c in zip(self.names, self.tables, self.configs)]

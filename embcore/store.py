@@ -36,7 +36,7 @@ from .ops.workspace import Workspace
 from .optimizers import Optimizer
 from .plan import ShardingPlan
 from .shards import from_value, gather_whole, to_sharded
-from .vocabulary import DynamicRows, initial_values
+from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initial_values
 
 
 class RowStore:
@@ -151,8 +151,11 @@ class RowStore:
 
     # ------------------------------------------------------------------------ outside the step
     def local(self, name: str, key: str = "parameters") -> torch.Tensor:
-        """This process's rows of a logical table's parameters or slot ``key`` (a view)."""
+        """This process's rows of a logical table's parameters or slot ``key`` (a view), or of
+        a dynamic table's ``vocabulary/<ids, last_use or frequency>`` (a copy, ``(n, 1)``)."""
         place = self.plan.table(name)
+        if key.startswith(VOCAB):
+            return self.dynamic[place.physical].row_state(key[len(VOCAB):])
         full = self.tables[place.physical] if key == "parameters" else \
             self.slots[place.physical][key]
         start = place.local_offsets[self.comm.rank]
@@ -173,6 +176,11 @@ class RowStore:
             out[f"{place.name}/parameters"] = (place.rows, place.dim)
             for spec in (opt.slots if opt is not None else ()):
                 out[f"{place.name}/{spec.name}"] = (place.rows, 1 if spec.rowwise else place.dim)
+            if place.physical in self.dynamic:
+                for k in ROW_STATE:
+                    out[f"{place.name}/{VOCAB}{k}"] = (place.rows, 1)
+                for k in SCALARS:
+                    out[f"{place.name}/{VOCAB}{k}"] = ()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -181,6 +189,9 @@ class RowStore:
         out: dict[str, Any] = {}
         for key, shape in self.state_shapes().items():
             name, slot = key.split("/", 1)
+            if not shape:  # a dynamic table's step or seed, the same on every process
+                out[key] = self.dynamic[self.plan.table(name).physical].scalar(slot[len(VOCAB):])
+                continue
             local = self.local(name, slot)
             if self.comm.world_size == 1:
                 out[key] = local
@@ -214,10 +225,11 @@ class RowStore:
                                  f"{list(shapes[k])}")
         new: dict[str, torch.Tensor] = {}
         for k, v in values.items():
-            if k != "step":
+            if k != "step" and shapes[k]:
                 name, _ = k.split("/", 1)
                 place = self.plan.table(name)
                 new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
+        maps = self._load_maps(values, new)  # dynamic tables: entries rehomed, maps checked
         for k, v in new.items():  # accumulated squares must stay >= 0 (the rules take roots)
             name, slot = k.split("/", 1)
             opt = self.plan.physical[self.plan.table(name).physical].optimizer
@@ -228,4 +240,33 @@ class RowStore:
                                  f"{type(opt).__name__}'s {slot} are sums of squares, >= 0")
         for k, v in new.items():
             name, slot = k.split("/", 1)
-            self.local(name, slot).copy_(v)
+            if not slot.startswith(VOCAB):
+                self.local(name, slot).copy_(v)
+        for p, (vmap, seed) in maps.items():
+            self.dynamic[p].install(vmap, seed)
+
+    def _load_maps(self, values: Mapping[str, Any],
+                   new: dict[str, torch.Tensor]) -> dict[int, tuple[Any, int | None]]:
+        """For each dynamic table in ``values``: moves each resident id's entry (map state,
+        parameters, slots) to the process owning it now (a collective when sharded), rewrites
+        ``new``'s parameters and slots in place, and returns the checked new maps and seeds."""
+        out = {}
+        for place in self.plan.tables:
+            dyn = self.dynamic.get(place.physical)
+            prefix = f"{place.name}/{VOCAB}"
+            if dyn is None or not any(k.startswith(prefix) for k in values):
+                continue
+            missing = [k for k in (*ROW_STATE, "step") if prefix + k not in values]
+            if missing:
+                raise KeyError(f"table {place.name!r} is dynamic but the state lacks "
+                               f"{[prefix + k for k in missing]}")
+            rows_state = {k: new.pop(prefix + k)[:, 0] for k in ROW_STATE}
+            floats = {k: new[f"{place.name}/{k}"] for k in ("parameters", *self.slots[
+                place.physical]) if f"{place.name}/{k}" in new}
+            step = int(torch.as_tensor(values[prefix + "step"]))
+            seed = int(torch.as_tensor(values[prefix + "seed"])) if prefix + "seed" in values \
+                else None
+            vmap, moved = dyn.rehome(rows_state, floats, step, place.layout, self.comm)
+            new.update({f"{place.name}/{k}": v for k, v in moved.items()})
+            out[place.physical] = (vmap, seed)
+        return out

@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
+from typing import Any
 
 import torch
 
 from .config import TableConfig, default_initializer, init_seed
 from .ops import hashing
 from .ops.vocab import VocabMap
+
+# Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
+# row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
+# use and frequency; last use 0: a free row) and 0-d int64 for SCALARS (the map's training steps
+# and the table's seed).
+VOCAB = "vocabulary/"
+ROW_STATE = ("ids", "last_use", "frequency")
+SCALARS = ("step", "seed")
 
 # Truncated normal cut at two standard deviations: the CDF of the cut points.
 _PHI_LO = 0.5 * math.erfc(2 / math.sqrt(2))
@@ -73,6 +83,7 @@ class DynamicRows:
         self.map = VocabMap(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
                             ttl_steps=dyn.ttl_steps, name=f"table {name!r}", device=device)
         self.capacity = rows
+        self.steps = 0  # training steps seen (the map's, also where the shard holds no rows)
         self.lock = threading.Lock()  # evaluation lookups may run beside a pipelined step
 
     def resolve(self, ids: torch.Tensor, training: bool
@@ -90,10 +101,12 @@ class DynamicRows:
         """
         with self.lock:
             if self.capacity == 0:  # a process holding no rows of the table
+                self.steps += int(training)
                 empty = ids.new_empty(0)
                 return torch.full_like(ids, self.zero_row), empty, empty
             if training:
-                rows, new_ids, new_rows = self.map.train_step(ids)
+                rows, new_ids, new_rows = self.map.train_step(ids)  # raises before any change
+                self.steps += 1
             else:
                 rows = self.map.find(ids)
                 new_ids = new_rows = ids.new_empty(0)
@@ -118,4 +131,100 @@ class DynamicRows:
 
     @property
     def step(self) -> int:
-        return self.map.step
+        return self.steps
+
+    # ------------------------------------------------------------------------ checkpoints
+    def row_state(self, key: str) -> torch.Tensor:
+        """(n, 1) int64 over this shard's rows: ``"ids"`` (0 where free), ``"last_use"`` (0:
+        free) or ``"frequency"``."""
+        m, n = self.map, self.capacity
+        with self.lock:
+            used = m.row_used[:n]
+            value = {"ids": m.row_key, "last_use": m.last_use, "frequency": m.frequency}[key]
+            return torch.where(used, value[:n], 0).reshape(n, 1).clone()
+
+    def scalar(self, key: str) -> torch.Tensor:
+        return torch.tensor(self.steps if key == "step" else self.seed, dtype=torch.int64)
+
+    def rehome(self, rows_state: dict[str, torch.Tensor], floats: dict[str, torch.Tensor],
+               step: int, layout: Any, comm: Any) -> tuple[VocabMap, dict[str, torch.Tensor]]:
+        """A loaded shard made this process's map (nothing of ``self`` changes).
+
+        Args:
+            rows_state: ``{"ids", "last_use", "frequency"}``, (n,) each, over the rows this
+                process holds of the checkpoint's logical table (last use 0: a free row).
+            floats: ``{"parameters" or slot: (n, C)}`` over the same rows.
+            step: the checkpoint's map step. layout: the table's placement. comm: the
+                communicator.
+
+        Every resident id goes to the process owning it under ``layout`` (one all_to_all per
+        tensor when sharded). An id that stays keeps its row; the others take the lowest free
+        rows in ascending id order. When more ids reach a process than it has rows, the
+        lowest-scored are dropped (as eviction would) with a warning.
+
+        Returns:
+            ``(map, floats)``: the new map, and the parameters and slots laid out for it.
+
+        Raises:
+            ValueError: a malformed state (the map's checks), naming the table.
+        """
+        n = self.capacity
+        used = rows_state["last_use"] > 0  # (n,)
+        local_rows = used.nonzero().squeeze(1)  # (k,)
+        ids = rows_state["ids"][local_rows]  # (k,)
+        ints = torch.stack([ids, rows_state["last_use"][local_rows],
+                            rows_state["frequency"][local_rows], local_rows], 1)  # (k, 4)
+        vals = {k: v[local_rows] for k, v in floats.items()}
+        if not layout.held_everywhere:
+            dest = layout.owner_of_ids(ids)  # (k,)
+            order = torch.argsort(dest, stable=True)
+            counts = torch.bincount(dest, minlength=comm.world_size).tolist()
+            got = comm.all_to_all(list(ints[order].split(counts)))  # W x (k_s, 4)
+            source = torch.cat([torch.full((g.shape[0],), s, dtype=torch.int64)
+                                for s, g in enumerate(got)])
+            ints = torch.cat(got)
+            vals = {k: torch.cat(comm.all_to_all(list(v[order].split(counts)),
+                                                 [g.shape[0] for g in got]))
+                    for k, v in vals.items()}
+            stays = source == comm.rank
+        else:
+            stays = torch.ones(ints.shape[0], dtype=torch.bool)
+        if ints.shape[0] > n:  # more ids than rows: drop the lowest scores (ties: smaller id)
+            score = ints[:, 1] if self.map.eviction == "lru" else ints[:, 2]
+            by_id = torch.argsort(ints[:, 0], stable=True)
+            keep = by_id[torch.argsort(score[by_id], stable=True)][ints.shape[0] - n:]
+            warnings.warn(f"table {self.name!r}: the checkpoint holds {ints.shape[0]} ids for "
+                          f"this process's {n} rows; the {ints.shape[0] - n} with the lowest "
+                          f"scores were dropped", RuntimeWarning, stacklevel=4)
+            keep = keep.sort().values
+            ints, stays = ints[keep], stays[keep]
+            vals = {k: v[keep] for k, v in vals.items()}
+        rows = torch.where(stays, ints[:, 3], -1)  # (m,) kept rows; -1: to place
+        taken = torch.zeros(max(n, 1), dtype=torch.bool)
+        taken[rows[stays]] = True
+        free = (~taken[:n]).nonzero().squeeze(1)
+        movers = (~stays).nonzero().squeeze(1)
+        movers = movers[torch.argsort(ints[movers, 0], stable=True)]
+        rows[movers] = free[:movers.numel()]
+        by_id = torch.argsort(ints[:, 0], stable=True)
+        vmap = VocabMap(max(n, 1), eviction=self.map.eviction,
+                        admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
+                        name=self.map.name, device=self.map.device)
+        empty = torch.empty(0, dtype=torch.int64)
+        vmap.load_state_dict({"ids": ints[by_id, 0], "rows": rows[by_id],
+                              "last_use": ints[by_id, 1], "frequency": ints[by_id, 2],
+                              "pending_ids": empty, "pending_counts": empty,
+                              "step": torch.tensor(step)})
+        moved = {}
+        for k, v in floats.items():
+            out = torch.zeros_like(v)
+            out[rows] = vals[k].to(out.dtype)
+            moved[k] = out
+        return vmap, moved
+
+    def install(self, vmap: VocabMap, seed: int | None) -> None:
+        """Takes a map made by ``rehome`` (and the checkpoint's seed, when it has one)."""
+        with self.lock:
+            self.map, self.steps = vmap, vmap.step
+            if seed is not None:
+                self.seed = seed

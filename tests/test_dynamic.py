@@ -341,3 +341,90 @@ def _sharded_body(rank, world, init, strategy):
                                             (2, "replicated")])
 def test_sharded_dynamic_tables_equal_one_process(world, strategy):
     run_on(world, _sharded_body, strategy)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def _continue(emb, t, stream):
+    out = [_train(emb, stream, 0, 1)]
+    out.append(emb.lookup({"f": stream[0][0]})["f"])
+    return out, emb.vocabulary(t)
+
+
+def test_state_dict_round_trip_continues_like_the_original(tmp_path):
+    first, later = _stream(3, seed=1), _stream(3, seed=2)
+    emb, t = _engine(capacity=20, dim=4, optimizer=ec.Adagrad(learning_rate=0.1),
+                     ttl_steps=3, eviction="lfu")
+    _train(emb, first, 0, 1)
+    ec.save(tmp_path / "ckpt", emb)
+    sd = {k: v.clone() for k, v in emb.state_dict().items()}
+    assert sd["t/vocabulary/ids"].shape == (20, 1) and int(sd["t/vocabulary/step"]) == 3
+    other, t2 = _engine(capacity=20, dim=4, optimizer=ec.Adagrad(learning_rate=0.1), seed=99,
+                        ttl_steps=3, eviction="lfu")
+    ec.load(tmp_path / "ckpt", other)
+    assert all(torch.equal(sd[k], v) for k, v in other.state_dict().items())
+    (a, va), (b, vb) = _continue(emb, t, later), _continue(other, t2, later)
+    assert all(torch.equal(x, y) for x, y in zip(a + list(va), b + list(vb)))
+
+
+def test_static_and_dynamic_checkpoints_do_not_mix(tmp_path):
+    emb, _ = _engine()
+    ec.save(tmp_path / "dyn", emb)
+    static = ec.Embedding({"f": ec.FeatureConfig(table=ec.TableConfig(
+        vocabulary_size=4, dim=3, name="t"))}, ec.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="dynamic.*static"):
+        ec.load(tmp_path / "dyn", static)
+    ec.save(tmp_path / "static", static)
+    with pytest.raises(ValueError, match="static.*dynamic"):
+        ec.load(tmp_path / "static", emb)
+
+
+def test_a_bad_map_state_is_refused_and_changes_nothing():
+    emb, t = _engine(capacity=4, dim=4)
+    _train(emb, _stream(1, batch=1, pool=2), 0, 1)
+    sd = {k: v.clone() for k, v in emb.state_dict().items()}
+    bad = dict(sd)
+    bad["t/vocabulary/ids"] = torch.zeros(4, 1, dtype=torch.int64)
+    bad["t/vocabulary/last_use"] = torch.ones(4, 1, dtype=torch.int64)  # id 0 four times
+    with pytest.raises(ValueError, match="'t'"):
+        emb.load_state_dict(bad)
+    assert all(torch.equal(sd[k], v) for k, v in emb.state_dict().items())
+
+
+def _reshard_body(rank, world, init, root, save_world):
+    first, later = _stream(3, seed=1), _stream(3, seed=2)
+
+    def make(seed):
+        torch.manual_seed(seed)  # (the loaded engines' own seeds differ from the checkpoint's)
+        t = ec.TableConfig(vocabulary_size=256, dim=4, name="t", dynamic=ec.DynamicVocabulary())
+        return ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.Adagrad(learning_rate=0.1),
+                            sharding="hash"), t
+
+    ref, t1 = make(5)
+    _train(ref, first, 0, 1)
+    if save_world == 1 and rank == 0:
+        ec.save(f"{root}/w1", ref)
+    want = _train(ref, later, 0, 1)
+    init()
+    emb, t = make(5)
+    if save_world > 1:
+        _train(emb, first, rank, world)
+        ec.save(f"{root}/wn", emb)
+        emb, t = make(50)
+        init_path = f"{root}/wn"
+    else:
+        emb, t = make(50)
+        init_path = f"{root}/w1"
+    torch.distributed.barrier()
+    ec.load(init_path, emb)
+    got = _train(emb, later, rank, world)
+    b = later[0][0].shape[0] // world
+    n = later[0][0].shape[0]
+    mine = torch.cat([want[i * n + rank * b: i * n + (rank + 1) * b] for i in range(3)])
+    torch.testing.assert_close(got, mine, rtol=1e-5, atol=1e-6)
+    ids, _ = emb.vocabulary(t)
+    assert bool((owner(ids, world) == rank).all())
+
+
+@pytest.mark.parametrize("world,save_world", [(2, 1), (2, 2)])
+def test_checkpoints_restore_into_any_world_size(tmp_path, world, save_world):
+    run_on(world, _reshard_body, str(tmp_path), save_world)
