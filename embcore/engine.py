@@ -344,6 +344,22 @@ class Embedding:
                              f"TableConfig(dynamic=ec.DynamicVocabulary()) for raw ids)")
         return dyn.resident()
 
+    @_serialized
+    def whole_vocabulary(self, table: TableConfig | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dynamic table's resident ids over all processes and their rows of the whole
+        ``embedding_tables[table]`` (a collective when sharded): what serving needs."""
+        ids, rows = self.vocabulary(table)
+        name = self._features.table_names[table] if isinstance(table, TableConfig) else table
+        place = self._plan.table(name)
+        if place.layout.held_everywhere:
+            return ids, rows
+        rows = place.layout.local_rows(self._comm.rank)[rows]  # rows of the logical table
+        w = self._comm.world_size
+        all_ids = torch.cat(self._comm.all_to_all([ids] * w))
+        all_rows = torch.cat(self._comm.all_to_all([rows.to(ids.device)] * w))
+        order = torch.argsort(all_ids)
+        return all_ids[order], all_rows[order]
+
     @property
     @_serialized
     def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:

@@ -126,10 +126,13 @@ class EmbeddingLayer(torch.nn.Module):
         It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
         ``torch.export.export(module, (features,))`` accepts it with dense ids and jagged ids given
         as ``(values, offsets)`` pairs (torch.export cannot take nested or sparse tensors as
-        inputs).
+        inputs). A dynamic table travels with its map, searched by sorted ids.
         """
         template = serving_config if serving_config is not None else self.feature_config
-        return ServingModule(template, self.embedding_tables, self.engine.table_names())
+        names = self.engine.table_names()
+        vocabularies = {t: self.engine.whole_vocabulary(t) for t in names
+                        if t.dynamic is not None}  # (collectives when sharded)
+        return ServingModule(template, self.embedding_tables, names, vocabularies)
 
     # state_dict / load_state_dict: the engine's flat keys under this module's prefix.
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,

@@ -428,3 +428,29 @@ def _reshard_body(rank, world, init, root, save_world):
 @pytest.mark.parametrize("world,save_world", [(2, 1), (2, 2)])
 def test_checkpoints_restore_into_any_world_size(tmp_path, world, save_world):
     run_on(world, _reshard_body, str(tmp_path), save_world)
+
+
+# ------------------------------------------------------------------------------ serving
+def test_serving_lookup_and_exported_module_carry_the_map():
+    torch.manual_seed(2)
+    t = ec.TableConfig(vocabulary_size=8, dim=4, name="t", combiner="mean",
+                       dynamic=ec.DynamicVocabulary())
+    f = ec.FeatureConfig(table=t, name="f")
+    layer = ec.EmbeddingLayer({"f": f}, ec.Adagrad(learning_rate=0.1))
+    x = torch.tensor([[2**60, -4], [-4, 9]])
+    layer({"f": x})["f"].sum().backward()
+    probe = torch.tensor([[9, 12345], [-4, 2**60]])  # 12345 never seen: zeros
+    want = layer.engine.lookup({"f": probe})["f"]
+    tables = {t: (layer.engine.embedding_tables[t], *layer.engine.vocabulary(t))}
+    torch.testing.assert_close(ec.serving_embedding_lookup({"f": probe}, None, tables,
+                                                           {"f": f})["f"], want)
+    with pytest.raises(TypeError, match="dynamic"):
+        ec.serving_embedding_lookup({"f": probe}, None, {t: layer.engine.embedding_tables[t]},
+                                    {"f": f})
+    module = layer.for_serving()
+    torch.testing.assert_close(module({"f": probe})["f"], want)
+    exported = torch.export.export(module, ({"f": probe},))
+    torch.testing.assert_close(exported.module()({"f": probe})["f"], want)
+    values, offsets = torch.tensor([9, 12345, -4]), torch.tensor([0, 2, 3])
+    pair = module({"f": (values, offsets)})["f"]
+    torch.testing.assert_close(pair[1], want[1, 0])

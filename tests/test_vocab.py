@@ -1,0 +1,387 @@
+"""The tensor vocabulary (ops/vocab.py) against the oracle (ops/reference_vocab.py): random streams
+of training steps and evaluation lookups, checkpoints mid-stream, bad checkpoints, ``valid`` and
+the bounded counts, and one large map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embcore.ops.reference_vocab import ReferenceVocabulary
+from embcore.ops.vocab import VocabMap
+
+I64 = torch.int64
+EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]
+
+
+def ids_tensor(ids: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(ids, dtype=I64, device=device)
+
+
+def config(m: VocabMap) -> dict:
+    return {"eviction": m.eviction, "admit_after": m.admit_after, "ttl_steps": m.ttl_steps,
+            "name": m.name}
+
+
+def snapshot(m: VocabMap) -> dict:
+    """Every piece of the map's state (copies)."""
+    keys = ("keys", "key_rows", "row_key", "row_used", "last_use", "frequency", "born",
+            "pending_ids", "pending_counts", "pending_seen")
+    return {"step": m.step, **{k: getattr(m, k).cpu().clone() for k in keys}}
+
+
+def assert_same_snapshot(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k, x in a.items():
+        assert (x == b[k]) if k == "step" else torch.equal(x, b[k]), k
+
+
+def assert_matches(m: VocabMap, v: ReferenceVocabulary) -> None:
+    """The map holds the oracle's state, and its own tensors agree with each other."""
+    s = {k: x.cpu().tolist() for k, x in m.state_dict().items()}
+    ids = sorted(v.rows)
+    assert s["ids"] == ids
+    assert s["rows"] == [v.rows[i] for i in ids]
+    assert s["last_use"] == [v.last_use[i] for i in ids]
+    assert s["frequency"] == [v.frequency[i] for i in ids]
+    assert s["pending_ids"] == sorted(v.counts)
+    assert s["pending_counts"] == [v.counts[i] for i in sorted(v.counts)]
+    assert s["step"] == m.step == v.step
+    got_ids, got_rows = m.resident()
+    assert (got_ids.tolist(), got_rows.tolist()) == v.resident()
+    # internal consistency: the per-row tensors mirror keys / key_rows
+    used = m.row_used.cpu()
+    assert int(used.sum()) == len(ids)
+    assert torch.equal(m.row_key[m.key_rows].cpu(), m.keys.cpu())
+    assert bool(used[m.key_rows.cpu()].all())
+    assert bool((m.row_key.cpu()[~used] == 0).all()) and bool((m.born.cpu()[~used] == -1).all())
+    assert bool((m.born.cpu()[used] <= m.step).all())
+    assert m.pending_ids.numel() == m.pending_seen.numel() == m.pending_counts.numel()
+
+
+def oracle_from_state(state: dict, capacity: int, **kw) -> ReferenceVocabulary:
+    s = {k: x.cpu().tolist() for k, x in state.items()}
+    return ReferenceVocabulary(
+        capacity=capacity, eviction=kw.get("eviction", "lru"),
+        admit_after=kw.get("admit_after", 1), ttl_steps=kw.get("ttl_steps"), step=s["step"],
+        rows=dict(zip(s["ids"], s["rows"])), last_use=dict(zip(s["ids"], s["last_use"])),
+        frequency=dict(zip(s["ids"], s["frequency"])),
+        counts=dict(zip(s["pending_ids"], s["pending_counts"])))
+
+
+def run_step(maps: list[VocabMap], v: ReferenceVocabulary, ids: list[int], training: bool,
+             history: list[tuple[int, list[int]]] | None = None, full: bool = True) -> None:
+    """One step on every map and on the oracle; asserts they agree after it (with ``full``, on
+    the whole state, else on the step's results)."""
+    device = maps[0].device
+    if not training:
+        before = [snapshot(m) for m in maps]
+        want = [-1 if r is None else r for r in v.lookup(ids, training=False)]
+        for m, b in zip(maps, before):
+            assert m.find(ids_tensor(ids, device)).cpu().tolist() == want
+            assert_same_snapshot(snapshot(m), b)  # evaluation changes nothing
+        return
+    distinct = sorted(set(ids))
+    t = v.step + 1
+    old_rows = dict(v.rows)
+    expired = {i for i, u in v.last_use.items() if v.ttl_steps is not None and t - u > v.ttl_steps}
+    try:
+        want = v.lookup(ids, training=True)
+    except ValueError as e:
+        msg = str(e)
+        for m in maps:
+            before = snapshot(m)
+            with pytest.raises(ValueError) as err:
+                m.train_step(ids_tensor(distinct, device))
+            assert m.name in str(err.value) and msg in str(err.value)
+            assert_same_snapshot(snapshot(m), before)  # nothing changed
+            assert_matches(m, v)
+        return
+    admitted = sorted(i for i in v.rows if i not in old_rows or i in expired)
+    for m in maps:
+        rows, new_ids, new_rows = m.train_step(ids_tensor(distinct, device))
+        assert rows.cpu().tolist() == [v.rows.get(i, -1) for i in distinct]
+        assert new_ids.cpu().tolist() == admitted
+        assert new_rows.cpu().tolist() == [v.rows[i] for i in admitted]
+        assert m.find(ids_tensor(ids, device)).cpu().tolist() == \
+            [-1 if r is None else r for r in want]
+        if full:
+            assert_matches(m, v)
+    if history is not None:
+        history.append((v.step, [v.rows[i] for i in admitted]))
+
+
+POOL = st.one_of(st.integers(-4, 10), st.sampled_from(EXTREMES))
+
+
+@st.composite
+def streams(draw):
+    cfg = {"eviction": draw(st.sampled_from(["lru", "lfu"])),
+           "admit_after": draw(st.integers(1, 3)),
+           "ttl_steps": draw(st.sampled_from([None, 1, 2, 3]))}
+    capacity = draw(st.integers(1, 8))
+    steps = draw(st.lists(st.tuples(st.lists(POOL, max_size=10),
+                                    st.sampled_from([True, True, True, False])), max_size=24))
+    reload_at = draw(st.integers(0, max(len(steps), 1)))
+    return capacity, cfg, steps, reload_at
+
+
+@settings(max_examples=400, deadline=None)
+@given(streams())
+def test_random_streams_equal_the_oracle(case):
+    capacity, cfg, steps, reload_at = case
+    v = ReferenceVocabulary(capacity=capacity, **cfg)
+    maps = [VocabMap(capacity, name="t7", **cfg)]
+    assert_matches(maps[0], v)
+    history: list[tuple[int, list[int]]] = []  # (step, rows given to new ids by the step)
+    for k, (ids, training) in enumerate(steps):
+        if k == reload_at:  # a checkpoint mid-stream: the restored map continues like the original
+            restored = VocabMap(capacity, name="t7", **cfg)
+            restored.load_state_dict(maps[0].state_dict())
+            assert_matches(restored, v)
+            maps.append(restored)
+        run_step(maps, v, ids, training, history)
+    # valid(): a row looked up at step s is valid iff in use and given its id at or before s
+    assigned = {r: step for step, rows in history for r in rows}  # row -> last assignment
+    in_use = set(v.rows.values())
+    probe = ids_tensor(list(range(-1, capacity + 1)))
+    for s in range(v.step + 1):
+        want = [r in in_use and assigned[r] <= s for r in probe.tolist()]
+        assert maps[0].valid(probe, s).tolist() == want
+
+
+def test_hand_made_cases_of_the_oracle():
+    m = VocabMap(capacity=4)
+    rows, new_ids, new_rows = m.train_step(ids_tensor([10, 20, 30]))
+    assert rows.tolist() == [0, 1, 2] and new_ids.tolist() == [10, 20, 30]
+    assert m.find(ids_tensor([30, 10, 20, 10, 99])).tolist() == [2, 0, 1, 0, -1]
+    # the lowest id takes the last free row, the other evicts 10 (ties on last use: smaller id)
+    rows, new_ids, new_rows = m.train_step(ids_tensor([-(2**63), 2**63 - 1]))
+    assert rows.tolist() == [3, 0] and new_ids.tolist() == [-(2**63), 2**63 - 1]
+    assert new_rows.tolist() == [3, 0]
+    assert m.resident()[0].tolist() == [-(2**63), 20, 30, 2**63 - 1]
+
+    m = VocabMap(capacity=2, name="clicks")
+    m.train_step(ids_tensor([1]))
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=r"clicks: this step admits 2 new ids but the shard holds "
+                                         r"2 rows, 1 free and 0 evictable"):
+        m.train_step(ids_tensor([1, 2, 3]))
+    assert_same_snapshot(snapshot(m), before)
+    assert m.train_step(ids_tensor([2, 3]))[0].tolist() == [1, 0]
+
+    m = VocabMap(capacity=4, ttl_steps=2)
+    for ids in ([1], [2], [2], [2]):
+        m.train_step(ids_tensor(ids))
+    assert m.resident()[0].tolist() == [2]
+    assert m.train_step(ids_tensor([3]))[0].tolist() == [0]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="eviction"):
+        VocabMap(4, eviction="fifo")
+    with pytest.raises(ValueError, match="capacity"):
+        VocabMap(0)
+    with pytest.raises(ValueError, match="ttl_steps"):
+        VocabMap(4, ttl_steps=0)
+    m = VocabMap(4)
+    for bad in (ids_tensor([2, 1]), ids_tensor([1, 1]), ids_tensor([[1, 2]]),
+                torch.tensor([1.0, 2.0])):
+        with pytest.raises(ValueError):
+            m.train_step(bad)
+        assert m.step == 0 and m.keys.numel() == 0
+
+
+def test_valid_drops_rows_reassigned_after_the_lookup():
+    m = VocabMap(capacity=2, ttl_steps=3)
+    rows1 = m.train_step(ids_tensor([10, 20]))[0]          # step 1: rows 0, 1
+    m.train_step(ids_tensor([10]))                         # step 2
+    assert m.valid(rows1, since=1).tolist() == [True, True]
+    assert m.train_step(ids_tensor([30]))[0].tolist() == [1]  # step 3: 30 takes 20's row
+    assert m.valid(rows1, since=1).tolist() == [True, False]
+    assert m.valid(rows1, since=3).tolist() == [True, True]  # a lookup at step 3 sees 30 there
+    assert m.valid(ids_tensor([-1, 2, 5]), since=10).tolist() == [False, False, False]
+    for _ in range(3):
+        m.train_step(ids_tensor([30]))                    # steps 4-6: 10 (last use 2) expires
+    assert m.find(ids_tensor([10])).tolist() == [-1]
+    assert m.valid(rows1, since=6).tolist() == [False, True]  # row 0 is free
+
+
+def test_counts_beyond_the_bound_forget_the_ids_seen_longest_ago():
+    m = VocabMap(capacity=1, admit_after=3)
+    assert m.pending_limit == 1024
+    m.train_step(torch.arange(0, 1000))                   # step 1: 1000 ids counted once
+    m.train_step(torch.arange(1000, 1100))                # step 2: 1100 > 1024
+    # the 76 seen longest ago (step 1; ties: smaller ids) are forgotten
+    assert m.pending_ids.tolist() == list(range(76, 1100))
+    assert m.pending_counts.tolist() == [1] * 1024
+    assert m.pending_seen.tolist() == [1] * (1000 - 76) + [2] * 100
+    m.train_step(ids_tensor([0, 76]))                     # 0 counts from zero again, 76 twice
+    assert m.find(ids_tensor([0, 76])).tolist() == [-1, -1]
+    assert m.pending_counts[m.pending_ids == 0].tolist() == [1]
+    assert m.pending_counts[m.pending_ids == 76].tolist() == [2]
+    rows, new_ids, _ = m.train_step(ids_tensor([0, 76]))
+    assert rows.tolist() == [-1, 0] and new_ids.tolist() == [76]
+    assert 76 not in m.pending_ids.tolist() and m.pending_ids.numel() <= m.pending_limit
+    # with admit_after == 1 nothing is counted
+    m = VocabMap(capacity=1)
+    with pytest.raises(ValueError):
+        m.train_step(torch.arange(5))
+    m.train_step(torch.arange(1))
+    assert m.pending_ids.numel() == 0
+
+
+def checkpointed_map() -> VocabMap:
+    m = VocabMap(capacity=4, admit_after=2, eviction="lfu")
+    for ids in ([1, 2, 3], [1, 2, 3, 7], [1, 9], [2, 9, 11]):
+        m.train_step(ids_tensor(ids))
+    s = m.state_dict()
+    assert s["ids"].numel() >= 2 and s["pending_ids"].numel() >= 2
+    return m
+
+
+def _set(key, f):
+    def corrupt(s):
+        s = dict(s)
+        s[key] = f(s[key])
+        return s
+    return corrupt
+
+
+CORRUPTIONS = {
+    "ids unsorted": ("ids", _set("ids", lambda x: x.flip(0))),
+    "ids repeated": ("ids", _set("ids", lambda x: torch.cat([x[:1], x[:-1]]))),
+    "ids float": ("ids", _set("ids", lambda x: x.double())),
+    "ids 2-d": ("ids", _set("ids", lambda x: x[None])),
+    "ids missing": ("ids", lambda s: {k: x for k, x in s.items() if k != "ids"}),
+    "rows repeated": ("rows", _set("rows", lambda x: torch.full_like(x, int(x[0])))),
+    "rows beyond capacity": ("rows", _set("rows", lambda x: x + 4)),
+    "rows negative": ("rows", _set("rows", lambda x: x - 10)),
+    "rows short": ("rows", _set("rows", lambda x: x[:-1])),
+    "last_use in the future": ("last_use", _set("last_use", lambda x: x + 100)),
+    "last_use long": ("last_use", _set("last_use", lambda x: torch.cat([x, x[:1]]))),
+    "frequency zero": ("frequency", _set("frequency", lambda x: x * 0)),
+    "frequency short": ("frequency", _set("frequency", lambda x: x[1:])),
+    "pending unsorted": ("pending_ids", _set("pending_ids", lambda x: x.flip(0))),
+    "pending resident": ("pending_ids", lambda s: {**s, "pending_ids": s["ids"][:2].clone(),
+                                                  "pending_counts": s["pending_counts"][:2]}),
+    "pending counts zero": ("pending_counts", _set("pending_counts", lambda x: x * 0)),
+    "pending counts short": ("pending_counts", _set("pending_counts", lambda x: x[1:])),
+    "step negative": ("step", _set("step", lambda x: -x)),
+    "step 1-d": ("step", _set("step", lambda x: x[None])),
+}
+
+
+@pytest.mark.parametrize("what", sorted(CORRUPTIONS))
+def test_a_bad_state_is_rejected_and_changes_nothing(what):
+    key, corrupt = CORRUPTIONS[what]
+    m = checkpointed_map()
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        m.load_state_dict(corrupt(m.state_dict()))
+    assert_same_snapshot(snapshot(m), before)
+
+
+def test_a_state_loads_into_another_capacity_when_its_rows_fit():
+    m = checkpointed_map()
+    s = m.state_dict()
+    small = VocabMap(capacity=int(s["rows"].max()), admit_after=2, eviction="lfu")
+    with pytest.raises(ValueError, match="'rows'"):
+        small.load_state_dict(s)
+    assert small.keys.numel() == 0 and small.step == 0
+    big = VocabMap(capacity=9, admit_after=2, eviction="lfu")
+    big.load_state_dict(s)
+    v = oracle_from_state(s, 9, admit_after=2, eviction="lfu")
+    assert_matches(big, v)
+    assert big.valid(s["rows"], since=m.step).all() and not big.valid(s["rows"], m.step - 1).any()
+    for ids in ([20, 21, 22, 23, 24, 25, 26], [20, 21, 22, 23, 24, 25, 26], [1, 30], [30, 31]):
+        run_step([big], v, ids, True)
+
+
+def test_to_moves_the_state():
+    m = checkpointed_map()
+    before = snapshot(m)
+    m.to("cpu")
+    assert m.device == torch.device("cpu")
+    assert_same_snapshot(snapshot(m), before)
+
+
+def skewed_steps(steps: int, size: int, seed: int) -> list[list[int]]:
+    """``steps`` sorted lists of ``size`` distinct ids, popular ids most often (a power law)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        draw = (torch.rand(6 * size, generator=gen) ** 2 * 200_000).long() - 50_000  # skewed
+        distinct = torch.unique(torch.cat([draw, ids_tensor(EXTREMES)]))
+        pick = distinct[torch.randperm(distinct.numel(), generator=gen)[:size]]
+        out.append(pick.sort().values.tolist())
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the results do not depend on it (test_results_do_not_depend_on_the_
+    thread_count), and on a busy machine threads waiting on each other make large steps slow."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cfg", [{"eviction": "lru", "admit_after": 1, "ttl_steps": None},
+                                 {"eviction": "lfu", "admit_after": 1, "ttl_steps": None},
+                                 {"eviction": "lfu", "admit_after": 2, "ttl_steps": 3}])
+def test_a_large_map_equals_the_oracle(cfg, one_thread):
+    capacity = 50_000
+    v = ReferenceVocabulary(capacity=capacity, **cfg)
+    m = VocabMap(capacity, **cfg)
+    gen = torch.Generator().manual_seed(7)
+    fill = (torch.randperm(200_000, generator=gen)[:48_000] - 50_000).sort().values.tolist()
+    steps = [fill, fill] + skewed_steps(6, 4096, seed=3)  # nearly full, then steps of 4096
+    gone = 0
+    for k, ids in enumerate(steps):
+        before = set(v.rows)
+        run_step([m], v, ids, True, full=k in (1, len(steps) - 1))
+        gone += len(before - set(v.rows))
+    assert gone > 4096  # evicted (or expired) ids
+    # many ids in any order, repeated (find sorts them first): resident, evicted, never seen
+    gen = torch.Generator().manual_seed(8)
+    pool = ids_tensor(fill + steps[-1] + EXTREMES + list(range(-50, 50)))
+    query = pool[torch.randint(0, pool.numel(), (30_000,), generator=gen)]
+    want = [v.rows.get(i, -1) for i in query.tolist()]
+    assert m.find(query).tolist() == want
+    assert m.find(query.reshape(100, 300)).flatten().tolist() == want
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    steps = skewed_steps(6, 4096, seed=11)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            # rows reused (evictions, expiry); counts beyond the bound forgotten
+            for m in (VocabMap(5_000, eviction="lfu", ttl_steps=3),
+                      VocabMap(1_000, eviction="lru", admit_after=2)):
+                outs = [m.train_step(ids_tensor(ids)) for ids in steps]
+                results.append((outs, snapshot(m)))
+    finally:
+        torch.set_num_threads(threads)
+    for (o1, s1), (o2, s2) in zip(results[:2], results[2:]):
+        assert all(torch.equal(a, b) for x, y in zip(o1, o2) for a, b in zip(x, y))
+        assert_same_snapshot(s1, s2)
+    assert sum(len(new_ids) for _, new_ids, _ in results[0][0]) > 5_000
+    assert results[1][1]["pending_ids"].numel() == 4_000
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@settings(max_examples=40, deadline=None)
+@given(streams())
+def test_random_streams_on_cuda_equal_the_oracle(case):
+    capacity, cfg, steps, _ = case
+    v = ReferenceVocabulary(capacity=capacity, **cfg)
+    maps = [VocabMap(capacity, device="cuda", **cfg)]
+    for ids, training in steps:
+        run_step(maps, v, ids, training)
