@@ -7,7 +7,9 @@ table's optimizer where the row is held:
 - rows all held here (one process, a replicated table at W = 1): the store's update forms the row
   gradients from the output gradients itself (fused into the update on the CPU kernels);
 - sharded: ``combine_backward`` gives this process's (U, D) row gradients, ``gradients_at_owner``
-  sums them at the processes holding the rows (exchange.py), and those update them.
+  sums them at the processes holding the rows (exchange.py), and those update them;
+- a dynamic table (raw ids): as when sharded, with the rows its map resolved at the lookup; the
+  store drops the gradients of ids not resident and of rows given to another id since.
 
 Everything that can reject a call runs before the first table is written: ``check_gradients``
 (kinds, dtypes and shapes of the gradients) and ``learning_rates`` in the engine, then, at the start
