@@ -18,18 +18,30 @@ def magnitude(feature, ids, weights, table=None, grad=None):
     scale of float32 rounding errors. A mean bag whose weights nearly cancel has huge scales, so
     its float32 result is only as exact as that magnitude allows."""
     bags, _, combine = reference_bags(feature, ids, weights)
+    c = feature.table.combiner
     if table is not None:
         rows = table.double().abs()
-        return torch.stack([sum((abs(s) * rows[i] for (i, _), s in
-                                 zip(bag, bag_scale(bag, feature.table.combiner, combine))),
+        return torch.stack([sum((abs(s) * _cond(bag, c, combine) * rows[i] for (i, _), s in
+                                 zip(bag, bag_scale(bag, c, combine))),
                                 torch.zeros(rows.shape[1], dtype=torch.float64))
                             for bag in bags]).reshape(-1, rows.shape[1])
     g = grad.double().abs().reshape(len(bags), -1)
     out: dict[int, torch.Tensor] = {}
     for r, bag in enumerate(bags):
-        for (i, _), s in zip(bag, bag_scale(bag, feature.table.combiner, combine)):
-            out[i] = out.get(i, torch.zeros(g.shape[1], dtype=torch.float64)) + abs(s) * g[r]
+        for (i, _), s in zip(bag, bag_scale(bag, c, combine)):
+            out[i] = (out.get(i, torch.zeros(g.shape[1], dtype=torch.float64))
+                      + abs(s) * _cond(bag, c, combine) * g[r])
     return out
+
+
+def _cond(bag, combiner, combine):
+    """How much a mean bag's float32 weight sum amplifies rounding: sum |w| / |sum w| (weights
+    that nearly cancel make the scales w / sum w inexact by that factor); 1 otherwise."""
+    if combiner != "mean" or not combine:
+        return 1.0
+    w = [float(x) for _, x in bag]
+    total = abs(sum(w))
+    return sum(abs(x) for x in w) / total if total else 1.0
 
 
 def assert_close_scaled(got, want, scale):
