@@ -78,6 +78,11 @@ class EmbeddingLayer(torch.nn.Module):
                                 sharding=sharding, process_group=process_group, device=device,
                                 timeout=timeout)
         self._parameters_mode = optimizer is None
+        dynamic = sorted(n for t, n in self.engine.table_names().items() if t.dynamic is not None)
+        if self._parameters_mode and dynamic:
+            raise ValueError(f"tables {dynamic} are dynamic (raw ids): their rows are admitted and "
+                             f"evicted by the engine's optimizer step, so they cannot be plain "
+                             f"nn.Parameters; pass an optimizer (e.g. 'adagrad')")
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
         self.engine.build()  # now, not inside the first (maybe compiled) forward
         if self.tables_are_parameters:  # the engine's seeded initial values, as parameters

@@ -95,7 +95,8 @@ class RowStore:
 
     def resolve(self, p: int, ids: list[torch.Tensor],
                 training: bool) -> tuple[list[torch.Tensor], int | None]:
-        """The shard rows of ``ids`` (one tensor per asking process) of physical table ``p``.
+        """The shard rows of ``ids`` (one tensor per asking process; a single tensor must hold
+        distinct ids in ascending order) of physical table ``p``.
 
         For a table whose ids are rows, ``ids`` as they are. For a dynamic table, the rows its
         map gives them (the zero row when not resident), after a training step of the map over
@@ -113,8 +114,10 @@ class RowStore:
         dyn = self.dynamic.get(p)
         if dyn is None:
             return ids, None
-        flat = torch.cat(ids) if len(ids) != 1 else ids[0]  # (M,)
-        distinct, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # (U,), (M,)
+        if len(ids) == 1:  # one process's distinct ids, sorted (a lookup's dedup.unique)
+            distinct, inverse = ids[0], None
+        else:  # what several processes asked for: their union
+            distinct, inverse = torch.unique(torch.cat(ids), sorted=True, return_inverse=True)
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
         if new_ids.numel():
             values = initial_values(dyn.table, dyn.name, dyn.seed, new_ids.cpu())  # (A, D)
@@ -123,8 +126,9 @@ class RowStore:
             opt = self.plan.physical[p].optimizer
             for spec in (opt.slots if opt is not None else ()):
                 self.slots[p][spec.name][new_rows] = spec.initial_value
-        per_row = rows[inverse]  # (M,)
-        return list(per_row.split([t.numel() for t in ids])), dyn.step
+        if inverse is None:
+            return [rows], dyn.step
+        return list(rows[inverse].split([t.numel() for t in ids])), dyn.step
 
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,
