@@ -46,6 +46,19 @@ class System(Protocol):
 Build = Callable[[Workload, str, list[torch.Tensor], list[torch.Tensor] | None], System]
 
 
+def take_option(flag: str, default: Any, kind: Callable[[str], Any] = int) -> Any:
+    """A system script's own option ``flag VALUE``, removed from ``sys.argv`` before the shared
+    ``parse_args`` sees it (so ``run.py`` can pass it through); ``default`` when absent."""
+    if flag not in sys.argv:
+        return default
+    i = sys.argv.index(flag)
+    if i + 1 >= len(sys.argv):
+        raise SystemExit(f"{flag} needs a value")
+    value = kind(sys.argv[i + 1])
+    del sys.argv[i:i + 2]
+    return value
+
+
 def parse_args(system: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"One benchmark run of {system}; prints one JSON line.")
     p.add_argument("--workload", required=True, choices=WORKLOADS)

@@ -73,6 +73,17 @@ def zipf_ids(rng: np.random.Generator, n: int, size: int, perm: np.ndarray) -> n
     return perm[np.minimum(ranks, n - 1)]
 
 
+@functools.lru_cache(maxsize=64)
+def raw_ids(n: int, table: int) -> torch.Tensor:
+    """(n,) int64: W1-raw's fixed one-to-one map of table ``table``'s ids [0, n) to random values
+    in [0, 2^63) (distinct; the same Zipf frequencies as the ids they replace)."""
+    rng = np.random.default_rng([SEED, 11, n, table])
+    while True:
+        v = rng.integers(0, 2**63 - 1, size=n, dtype=np.int64, endpoint=True)
+        if np.unique(v).size == n:
+            return torch.from_numpy(v)
+
+
 @dataclass(frozen=True)
 class Batch:
     ids: list[torch.Tensor]   # T x (B*L,) int64, feature t reads table t

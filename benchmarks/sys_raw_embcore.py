@@ -1,0 +1,58 @@
+"""embcore with raw ids (W1-raw): every table dynamic, ids replaced by random 63-bit values.
+
+    python benchmarks/sys_raw_embcore.py --workload W1 --capacity 100000 [--quick] --json
+
+The ids are W1's (the same Zipf frequencies) sent through a fixed random one-to-one map per table
+into [0, 2^63) (``workloads.raw_ids``); each table is ``dynamic`` with ``--capacity`` rows (100k:
+every id fits, nothing is evicted; 50k: eviction every step).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import common
+import embcore as ec
+from workloads import Batch, Workload, raw_ids
+
+CAPACITY = common.take_option("--capacity", 100_000)
+EVICTION = common.take_option("--eviction", "lru", str)
+
+
+class RawEmbcoreSystem:
+    def __init__(self, w: Workload, optimizer: str, grads: list[torch.Tensor],
+                 init: list[torch.Tensor] | None) -> None:
+        cls = ec.Adagrad if optimizer == "adagrad" else ec.RowwiseAdagrad
+        opt = cls(learning_rate=common.LR, initial_accumulator_value=common.ACC0)
+        self.w = w
+        dyn = ec.DynamicVocabulary(eviction=EVICTION)
+        self.configs = [ec.TableConfig(vocabulary_size=CAPACITY, dim=w.dim, combiner=w.combiner,
+                                       name=f"t{t}", dynamic=dyn) for t in range(w.tables)]
+        fc = {f"f{t}": ec.FeatureConfig(table=self.configs[t]) for t in range(w.tables)}
+        self.emb = ec.Embedding(fc, opt)
+        self.emb.build(per_replica_batch_size=w.batch)
+        self.maps = [raw_ids(w.rows, t) for t in range(w.tables)]  # T x (N,) id -> raw id
+        self.grads = {f"f{t}": g for t, g in enumerate(grads)}  # {f: (B, D)}
+
+    def prepare(self, batch: Batch) -> dict[str, torch.Tensor]:
+        if self.w.bag == 1:
+            return {f"f{t}": self.maps[t][ids] for t, ids in enumerate(batch.ids)}
+        return {f"f{t}": torch.nested.nested_tensor_from_jagged(self.maps[t][ids], batch.offsets)
+                for t, ids in enumerate(batch.ids)}
+
+    def step(self, native: dict[str, torch.Tensor]) -> None:
+        self.emb.enqueue(native)
+        self.emb.dequeue()
+        self.emb.apply_gradients(self.grads)
+
+    def tables(self) -> list[torch.Tensor]:
+        return [self.emb.embedding_tables[c] for c in self.configs]
+
+    def state_bytes(self) -> int:
+        return sum(v.nbytes for k, v in self.emb.state_dict().items() if k != "step")
+
+
+if __name__ == "__main__":
+    common.main("embcore-raw", RawEmbcoreSystem, {"embcore": ec.__version__})
