@@ -20,7 +20,7 @@ import torch
 
 from .config import TableConfig, default_initializer, init_seed
 from .ops import hashing
-from .ops.vocab import VocabMap
+from .ops.vocab import VocabMap, vocab_map
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -80,7 +80,7 @@ class DynamicRows:
         self.seed = table_seed(base_seed, name)
         self.zero_row = rows
         dyn = table.dynamic
-        self.map = VocabMap(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
+        self.map = vocab_map(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
                             ttl_steps=dyn.ttl_steps, name=f"table {name!r}", device=device)
         self.capacity = rows
         self.steps = 0  # training steps seen (the map's, also where the shard holds no rows)
@@ -207,7 +207,7 @@ class DynamicRows:
         movers = movers[torch.argsort(ints[movers, 0], stable=True)]
         rows[movers] = free[:movers.numel()]
         by_id = torch.argsort(ints[:, 0], stable=True)
-        vmap = VocabMap(max(n, 1), eviction=self.map.eviction,
+        vmap = vocab_map(max(n, 1), eviction=self.map.eviction,
                         admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
                         name=self.map.name, device=self.map.device)
         empty = torch.empty(0, dtype=torch.int64)

@@ -9,11 +9,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from embcore.ops import native
 from embcore.ops.reference_vocab import ReferenceVocabulary
-from embcore.ops.vocab import VocabMap
+from embcore.ops.vocab import NativeVocabMap, VocabMap, vocab_map
 
 I64 = torch.int64
 EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]
+
+
+# Both forms of the map: torch ops (sorted keys) and the fused kernels (a hash index).
+MAPS = [VocabMap, pytest.param(NativeVocabMap, marks=pytest.mark.skipif(
+    not native.available(), reason=f"the fused kernels are not built: {native.error()}"))]
+
+
+def shuffled(ids: list[int]) -> list[int]:
+    """A fixed order of ``ids`` that is not ascending: a step's result must not depend on it."""
+    return sorted(ids, key=lambda i: (i * 0x9E3779B97F4A7C15 + 7) % 2**64)
 
 
 def ids_tensor(ids: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -29,12 +40,16 @@ def snapshot(m: VocabMap) -> dict:
     """Every piece of the map's state (copies)."""
     keys = ("keys", "key_rows", "row_key", "row_used", "last_use", "frequency", "born",
             "pending_ids", "pending_counts", "pending_seen")
+    if isinstance(m, NativeVocabMap) and not m._stale:  # (a stale index is rebuilt when used)
+        keys += ("slots",)
     return {"step": m.step, **{k: getattr(m, k).cpu().clone() for k in keys}}
 
 
 def assert_same_snapshot(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
+    assert a.keys() - {"slots"} == b.keys() - {"slots"}
     for k, x in a.items():
+        if k not in b:
+            continue
         assert (x == b[k]) if k == "step" else torch.equal(x, b[k]), k
 
 
@@ -83,7 +98,7 @@ def run_step(maps: list[VocabMap], v: ReferenceVocabulary, ids: list[int], train
             assert m.find(ids_tensor(ids, device)).cpu().tolist() == want
             assert_same_snapshot(snapshot(m), b)  # evaluation changes nothing
         return
-    distinct = sorted(set(ids))
+    distinct = shuffled(sorted(set(ids)))  # any order
     t = v.step + 1
     old_rows = dict(v.rows)
     expired = {i for i, u in v.last_use.items() if v.ttl_steps is not None and t - u > v.ttl_steps}
@@ -128,17 +143,18 @@ def streams(draw):
     return capacity, cfg, steps, reload_at
 
 
+@pytest.mark.parametrize("Map", MAPS)
 @settings(max_examples=400, deadline=None)
 @given(streams())
-def test_random_streams_equal_the_oracle(case):
+def test_random_streams_equal_the_oracle(Map, case):
     capacity, cfg, steps, reload_at = case
     v = ReferenceVocabulary(capacity=capacity, **cfg)
-    maps = [VocabMap(capacity, name="t7", **cfg)]
+    maps = [Map(capacity, name="t7", **cfg)]
     assert_matches(maps[0], v)
     history: list[tuple[int, list[int]]] = []  # (step, rows given to new ids by the step)
     for k, (ids, training) in enumerate(steps):
         if k == reload_at:  # a checkpoint mid-stream: the restored map continues like the original
-            restored = VocabMap(capacity, name="t7", **cfg)
+            restored = Map(capacity, name="t7", **cfg)
             restored.load_state_dict(maps[0].state_dict())
             assert_matches(restored, v)
             maps.append(restored)
@@ -152,8 +168,9 @@ def test_random_streams_equal_the_oracle(case):
         assert maps[0].valid(probe, s).tolist() == want
 
 
-def test_hand_made_cases_of_the_oracle():
-    m = VocabMap(capacity=4)
+@pytest.mark.parametrize("Map", MAPS)
+def test_hand_made_cases_of_the_oracle(Map):
+    m = Map(capacity=4)
     rows, new_ids, new_rows = m.train_step(ids_tensor([10, 20, 30]))
     assert rows.tolist() == [0, 1, 2] and new_ids.tolist() == [10, 20, 30]
     assert m.find(ids_tensor([30, 10, 20, 10, 99])).tolist() == [2, 0, 1, 0, -1]
@@ -163,7 +180,7 @@ def test_hand_made_cases_of_the_oracle():
     assert new_rows.tolist() == [3, 0]
     assert m.resident()[0].tolist() == [-(2**63), 20, 30, 2**63 - 1]
 
-    m = VocabMap(capacity=2, name="clicks")
+    m = Map(capacity=2, name="clicks")
     m.train_step(ids_tensor([1]))
     before = snapshot(m)
     with pytest.raises(ValueError, match=r"clicks: this step admits 2 new ids but the shard holds "
@@ -172,30 +189,32 @@ def test_hand_made_cases_of_the_oracle():
     assert_same_snapshot(snapshot(m), before)
     assert m.train_step(ids_tensor([2, 3]))[0].tolist() == [1, 0]
 
-    m = VocabMap(capacity=4, ttl_steps=2)
+    m = Map(capacity=4, ttl_steps=2)
     for ids in ([1], [2], [2], [2]):
         m.train_step(ids_tensor(ids))
     assert m.resident()[0].tolist() == [2]
     assert m.train_step(ids_tensor([3]))[0].tolist() == [0]
 
 
-def test_bad_arguments():
+@pytest.mark.parametrize("Map", MAPS)
+def test_bad_arguments(Map):
     with pytest.raises(ValueError, match="eviction"):
         VocabMap(4, eviction="fifo")
     with pytest.raises(ValueError, match="capacity"):
         VocabMap(0)
     with pytest.raises(ValueError, match="ttl_steps"):
         VocabMap(4, ttl_steps=0)
-    m = VocabMap(4)
-    for bad in (ids_tensor([2, 1]), ids_tensor([1, 1]), ids_tensor([[1, 2]]),
+    m = Map(4)
+    for bad in (ids_tensor([1, 1]), ids_tensor([3, 1, 3]), ids_tensor([[1, 2]]),
                 torch.tensor([1.0, 2.0])):
         with pytest.raises(ValueError):
             m.train_step(bad)
         assert m.step == 0 and m.keys.numel() == 0
 
 
-def test_valid_drops_rows_reassigned_after_the_lookup():
-    m = VocabMap(capacity=2, ttl_steps=3)
+@pytest.mark.parametrize("Map", MAPS)
+def test_valid_drops_rows_reassigned_after_the_lookup(Map):
+    m = Map(capacity=2, ttl_steps=3)
     rows1 = m.train_step(ids_tensor([10, 20]))[0]          # step 1: rows 0, 1
     m.train_step(ids_tensor([10]))                         # step 2
     assert m.valid(rows1, since=1).tolist() == [True, True]
@@ -209,8 +228,9 @@ def test_valid_drops_rows_reassigned_after_the_lookup():
     assert m.valid(rows1, since=6).tolist() == [False, True]  # row 0 is free
 
 
-def test_counts_beyond_the_bound_forget_the_ids_seen_longest_ago():
-    m = VocabMap(capacity=1, admit_after=3)
+@pytest.mark.parametrize("Map", MAPS)
+def test_counts_beyond_the_bound_forget_the_ids_seen_longest_ago(Map):
+    m = Map(capacity=1, admit_after=3)
     assert m.pending_limit == 1024
     m.train_step(torch.arange(0, 1000))                   # step 1: 1000 ids counted once
     m.train_step(torch.arange(1000, 1100))                # step 2: 1100 > 1024
@@ -226,15 +246,15 @@ def test_counts_beyond_the_bound_forget_the_ids_seen_longest_ago():
     assert rows.tolist() == [-1, 0] and new_ids.tolist() == [76]
     assert 76 not in m.pending_ids.tolist() and m.pending_ids.numel() <= m.pending_limit
     # with admit_after == 1 nothing is counted
-    m = VocabMap(capacity=1)
+    m = Map(capacity=1)
     with pytest.raises(ValueError):
         m.train_step(torch.arange(5))
     m.train_step(torch.arange(1))
     assert m.pending_ids.numel() == 0
 
 
-def checkpointed_map() -> VocabMap:
-    m = VocabMap(capacity=4, admit_after=2, eviction="lfu")
+def checkpointed_map(Map: type = VocabMap) -> VocabMap:
+    m = Map(capacity=4, admit_after=2, eviction="lfu")
     for ids in ([1, 2, 3], [1, 2, 3, 7], [1, 9], [2, 9, 11]):
         m.train_step(ids_tensor(ids))
     s = m.state_dict()
@@ -274,24 +294,26 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.parametrize("Map", MAPS)
 @pytest.mark.parametrize("what", sorted(CORRUPTIONS))
-def test_a_bad_state_is_rejected_and_changes_nothing(what):
+def test_a_bad_state_is_rejected_and_changes_nothing(what, Map):
     key, corrupt = CORRUPTIONS[what]
-    m = checkpointed_map()
+    m = checkpointed_map(Map)
     before = snapshot(m)
     with pytest.raises(ValueError, match=f"'{key}'"):
         m.load_state_dict(corrupt(m.state_dict()))
     assert_same_snapshot(snapshot(m), before)
 
 
-def test_a_state_loads_into_another_capacity_when_its_rows_fit():
-    m = checkpointed_map()
+@pytest.mark.parametrize("Map", MAPS)
+def test_a_state_loads_into_another_capacity_when_its_rows_fit(Map):
+    m = checkpointed_map(Map)
     s = m.state_dict()
-    small = VocabMap(capacity=int(s["rows"].max()), admit_after=2, eviction="lfu")
+    small = Map(capacity=int(s["rows"].max()), admit_after=2, eviction="lfu")
     with pytest.raises(ValueError, match="'rows'"):
         small.load_state_dict(s)
     assert small.keys.numel() == 0 and small.step == 0
-    big = VocabMap(capacity=9, admit_after=2, eviction="lfu")
+    big = Map(capacity=9, admit_after=2, eviction="lfu")
     big.load_state_dict(s)
     v = oracle_from_state(s, 9, admit_after=2, eviction="lfu")
     assert_matches(big, v)
@@ -300,8 +322,9 @@ def test_a_state_loads_into_another_capacity_when_its_rows_fit():
         run_step([big], v, ids, True)
 
 
-def test_to_moves_the_state():
-    m = checkpointed_map()
+@pytest.mark.parametrize("Map", MAPS)
+def test_to_moves_the_state(Map):
+    m = checkpointed_map(Map)
     before = snapshot(m)
     m.to("cpu")
     assert m.device == torch.device("cpu")
@@ -333,10 +356,11 @@ def one_thread():
 @pytest.mark.parametrize("cfg", [{"eviction": "lru", "admit_after": 1, "ttl_steps": None},
                                  {"eviction": "lfu", "admit_after": 1, "ttl_steps": None},
                                  {"eviction": "lfu", "admit_after": 2, "ttl_steps": 3}])
-def test_a_large_map_equals_the_oracle(cfg, one_thread):
+@pytest.mark.parametrize("Map", MAPS)
+def test_a_large_map_equals_the_oracle(cfg, Map, one_thread):
     capacity = 50_000
     v = ReferenceVocabulary(capacity=capacity, **cfg)
-    m = VocabMap(capacity, **cfg)
+    m = Map(capacity, **cfg)
     gen = torch.Generator().manual_seed(7)
     fill = (torch.randperm(200_000, generator=gen)[:48_000] - 50_000).sort().values.tolist()
     steps = [fill, fill] + skewed_steps(6, 4096, seed=3)  # nearly full, then steps of 4096
@@ -355,7 +379,8 @@ def test_a_large_map_equals_the_oracle(cfg, one_thread):
     assert m.find(query.reshape(100, 300)).flatten().tolist() == want
 
 
-def test_results_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("Map", MAPS)
+def test_results_do_not_depend_on_the_thread_count(Map):
     steps = skewed_steps(6, 4096, seed=11)
     results = []
     threads = torch.get_num_threads()
@@ -363,8 +388,8 @@ def test_results_do_not_depend_on_the_thread_count():
         for nt in (1, 2):
             torch.set_num_threads(nt)
             # rows reused (evictions, expiry); counts beyond the bound forgotten
-            for m in (VocabMap(5_000, eviction="lfu", ttl_steps=3),
-                      VocabMap(1_000, eviction="lru", admit_after=2)):
+            for m in (Map(5_000, eviction="lfu", ttl_steps=3),
+                      Map(1_000, eviction="lru", admit_after=2)):
                 outs = [m.train_step(ids_tensor(ids)) for ids in steps]
                 results.append((outs, snapshot(m)))
     finally:
@@ -385,3 +410,30 @@ def test_random_streams_on_cuda_equal_the_oracle(case):
     maps = [VocabMap(capacity, device="cuda", **cfg)]
     for ids, training in steps:
         run_step(maps, v, ids, training)
+
+
+@pytest.mark.skipif(not native.available(), reason="the fused kernels are not built")
+@settings(max_examples=150, deadline=None)
+@given(streams(), st.lists(st.booleans(), min_size=24, max_size=24))
+def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, kernels_on):
+    """Steps taken by VocabMap's torch ops (kernels switched off) leave the hash index stale; it is
+    rebuilt when the kernels apply again."""
+    capacity, cfg, steps, _ = case
+    v = ReferenceVocabulary(capacity=capacity, **cfg)
+    m = NativeVocabMap(capacity, name="t7", **cfg)
+    try:
+        for (ids, training), on in zip(steps, kernels_on):
+            native.set_enabled(on)
+            run_step([m], v, ids, training)
+    finally:
+        native.set_enabled(True)
+
+
+def test_vocab_map_picks_the_kernels_on_the_cpu():
+    want = NativeVocabMap if native.available() else VocabMap
+    assert type(vocab_map(4, eviction="lfu")) is want
+    previous = native.set_enabled(False)
+    try:
+        assert type(vocab_map(4)) is VocabMap
+    finally:
+        native.set_enabled(previous)

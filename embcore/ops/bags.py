@@ -69,10 +69,12 @@ class Dedup:
 
     Sorting the occurrences stably by row gives ``order``; distinct row ``u`` is ``unique[u]`` and
     its occurrences are ``order[unique_offsets[u]:unique_offsets[u+1]]``. The gradient of a row
-    is the scaled sum of its occurrences' output gradients in that order (deterministic).
+    is the scaled sum of its occurrences' output gradients in that order (deterministic). The
+    raw ids of a dynamic table, deduplicated by hashing on the CPU, are in order of first
+    occurrence instead of ascending (with the same grouping of occurrences).
     """
 
-    unique: torch.Tensor          # (U,) int64 rows, ascending
+    unique: torch.Tensor          # (U,) int64 rows, ascending (raw ids: see above)
     order: torch.Tensor           # (nnz,) int64 occurrences sorted by row (stable)
     unique_offsets: torch.Tensor  # (U + 1,) int64 boundaries of each row's occurrences
 
@@ -107,13 +109,21 @@ def concat_dedup(parts: list[torch.Tensor], adds: list[int],
         num_rows: an upper bound of the shifted ids (>= 0); None for raw ids (any int64).
 
     Returns:
-        ``(ids (nnz,), dedup)``. On the CPU the fused kernel does all of it in one call (row
-        ids: its radix sort needs the bound).
+        ``(ids (nnz,), dedup)``. On the CPU the fused kernels do it in one call: row ids by
+        a radix sort (it needs the bound), raw ids by hashing (their distinct ids then come in
+        order of first occurrence, and the inverse comes with them).
     """
-    if num_rows is not None and native.usable(*parts):
+    usable = native.usable(*parts)
+    if num_rows is not None and usable:
         ids, unique, order, uoff = native.concat_dedup([t.contiguous() for t in parts], adds,
                                                        num_rows)
         return ids, Dedup(unique, order, uoff)
     shifted = [t + a if a else t for t, a in zip(parts, adds)]
     ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
+    if usable:  # raw ids
+        ids = ids.contiguous()
+        unique, inverse, order, uoff = native.dedup_raw(ids)
+        dd = Dedup(unique, order, uoff)
+        dd.__dict__["inverse"] = inverse  # the cached_property's value, known already
+        return ids, dd
     return ids, dedup(ids)

@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 2  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper
+ABI_VERSION = 3  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -108,6 +108,11 @@ _SIGNATURES = {
     "ec_offsets_error": (_I, [_P, _I, _I]),
     "ec_first_unordered": (_I, [_P, _I, _I]),
     "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
+    "ec_dedup_raw": (_I, [_P, _I, _P, _P, _P, _P]),
+    "ec_vocab_find": (None, [_P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]),
+    "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
+                           _P, _P]),
+    "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
 }
 
 
@@ -414,6 +419,72 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
                          rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
                          _ptr(scales), ptrs, st, n, ctypes.byref(hyper), _threads())
+
+
+def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                           torch.Tensor]:
+    """Deduplicates raw ids (any int64) by hashing, in O(nnz).
+
+    Args:
+        ids: (nnz,) contiguous int64 CPU ids.
+
+    Returns:
+        ``(unique (U,), inverse (nnz,), order (nnz,), unique_offsets (U + 1,))``: the distinct
+        ids in order of first occurrence, ``unique[inverse] == ids``, and each distinct id's
+        occurrences ``order[unique_offsets[u]:unique_offsets[u+1]]`` (ascending positions).
+    """
+    lib = _load()
+    assert lib is not None
+    n = ids.numel()
+    buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [unique | inverse | order | offsets]
+    base = buf.data_ptr()
+    u = lib.ec_dedup_raw(ids.data_ptr(), n, base, base + 8 * n, base + 16 * n, base + 24 * n)
+    return buf[:u], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:3 * n + u + 1]
+
+
+def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor, cut: int,
+               ids: torch.Tensor) -> torch.Tensor:
+    """(n,) int64 rows of contiguous int64 ``ids`` in a ``NativeVocabMap``'s index (-1: not
+    resident, or last used before step ``cut``)."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(ids.numel(), dtype=torch.int64)
+    lib.ec_vocab_find(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
+                      last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(), out.data_ptr(),
+                      _threads())
+    return out
+
+
+def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor,
+               last_use: torch.Tensor, frequency: torch.Tensor, born: torch.Tensor,
+               hit_rows: torch.Tensor, new_ids: torch.Tensor, t: int, cut: int, lfu: bool,
+               hint: int) -> tuple[torch.Tensor | None, int, int, int]:
+    """One training step's changes to a ``NativeVocabMap`` (kernels.cpp's ``ec_vocab_step``).
+
+    Returns:
+        ``(new_rows (A,) or None on overflow, free, evictable, hint)``: on overflow nothing
+        changed and ``free`` / ``evictable`` count the rows; else the new free-row hint.
+    """
+    lib = _load()
+    assert lib is not None
+    new_rows = torch.empty(new_ids.numel(), dtype=torch.int64)
+    info = (ctypes.c_int64 * 3)(0, 0, hint)
+    rc = lib.ec_vocab_step(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
+                           row_used.data_ptr(), last_use.data_ptr(), frequency.data_ptr(),
+                           born.data_ptr(), row_key.numel(), hit_rows.data_ptr(),
+                           hit_rows.numel(), new_ids.data_ptr(), new_ids.numel(), t, cut,
+                           int(lfu), new_rows.data_ptr(), info)
+    if rc != 0:
+        return None, info[0], info[1], hint
+    return new_rows, 0, 0, info[2]
+
+
+def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor) -> None:
+    """Rebuilds a ``NativeVocabMap``'s index ``slots`` from its per-row state."""
+    lib = _load()
+    assert lib is not None
+    lib.ec_vocab_index(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
+                       row_used.data_ptr(), row_key.numel())
 
 
 def main() -> int:

@@ -58,6 +58,8 @@ from collections.abc import Mapping
 
 import torch
 
+from . import native
+
 _I64 = torch.int64
 _SORT_QUERIES = 16384  # find sorts this many ids or more before searching them (on the CPU)
 _STATE_KEYS = ("ids", "rows", "last_use", "frequency", "pending_ids", "pending_counts", "step")
@@ -219,11 +221,14 @@ class VocabMap:
         out[order] = torch.where(found, self.key_rows[pos], -1)
         return out.reshape(ids.shape)
 
-    def train_step(self, distinct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training step over the distinct ids of a batch.
 
         Args:
-            distinct: (U,) int64 ids, sorted ascending, distinct.
+            distinct: (U,) int64 ids, distinct, in any order (the result does not depend on it).
+            check: whether to check that they are distinct (callers that deduplicated them
+                already skip it).
 
         Returns:
             ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, -1 if it
@@ -232,17 +237,31 @@ class VocabMap:
             optimizer slots).
 
         Raises:
-            ValueError: ``distinct`` is not sorted and distinct; or the step admits more ids than
-                there are free plus evictable rows. Then nothing changes (not the step counter,
-                the counts, anything).
+            ValueError: ``distinct`` is not distinct (when checked); or the step admits more ids
+                than there are free plus evictable rows. Then nothing changes (not the step
+                counter, the counts, anything).
         """
+        distinct = self._step_ids(distinct)
+        if distinct.numel() > 1 and not bool((distinct[1:] > distinct[:-1]).all()):
+            ordered, perm = torch.sort(distinct)  # (U,)
+            if check and not bool((ordered[1:] > ordered[:-1]).all()):
+                raise ValueError(f"{self.name}: the ids of a training step must be distinct")
+            rows, new_ids, new_rows = self._sorted_step(ordered)
+            out = torch.empty_like(rows)
+            out[perm] = rows
+            return out, new_ids, new_rows
+        return self._sorted_step(distinct)
+
+    def _step_ids(self, distinct: torch.Tensor) -> torch.Tensor:
         distinct = _as_ids(distinct, f"{self.name}: distinct").to(self.device).contiguous()
         if distinct.dim() != 1:
             raise ValueError(f"{self.name}: distinct must be 1-D, got shape "
                              f"{tuple(distinct.shape)}")
-        if distinct.numel() > 1 and not bool((distinct[1:] > distinct[:-1]).all()):
-            raise ValueError(f"{self.name}: the ids of a training step must be sorted ascending "
-                             f"and distinct")
+        return distinct
+
+    def _sorted_step(self, distinct: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``train_step`` of (U,) ids sorted ascending and distinct."""
         t = self.step + 1
         dev = self.device
         keys, key_rows = self.keys, self.key_rows  # (R,)
@@ -486,3 +505,147 @@ class VocabMap:
                     "pending_ids", "pending_counts", "pending_seen"):
             setattr(self, key, getattr(self, key).to(device))
         self.device = device
+
+
+_NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id is live
+
+
+class NativeVocabMap(VocabMap):
+    """``VocabMap`` stepped by the fused kernels (``csrc/kernels.cpp``, ``ec_vocab_*``): the same
+    rules, state and results, with a hash index in place of the sorted keys.
+
+    The index is ``slots`` (S,) int64, ``S`` the smallest power of two >= max(2 * capacity, 16):
+    each slot holds a row or -1, and a slot's id is ``row_key`` of its row (open addressing,
+    linear probing from ``splitmix64``'s finalizer of the id; removal shifts entries back, so
+    there are no tombstones). A training step with ``U`` distinct ids and ``A`` admissions costs
+    ``O(U + A)`` (hash probes, no merge of the resident ids), plus ``O(C)`` when it evicts or
+    with a TTL (one scan of the rows); ``find`` is ``O(n)`` probes over the threads. The sorted
+    ``keys`` / ``key_rows`` (``resident``, ``state_dict``) are computed when asked for.
+    8 bytes per slot: 16 per row at most beside the 33 of the per-row state.
+
+    Where the kernels do not apply (switched off, or the state moved off the CPU) every method
+    is ``VocabMap``'s; the index is rebuilt when the kernels apply again.
+    """
+
+    def __init__(self, capacity: int, **kwargs) -> None:
+        self._keys: torch.Tensor | None = None
+        self._key_rows: torch.Tensor | None = None
+        self._stale = True  # the index does not describe the per-row state
+        super().__init__(capacity, **kwargs)
+        size = 16
+        while size < 2 * self.capacity:
+            size *= 2
+        self.slots = torch.full((size,), -1, dtype=_I64, device=self.device)  # (S,)
+        self._hint = 0  # no row below it is free
+
+    # The sorted view of the resident ids: computed from the per-row state when asked for, set
+    # by VocabMap's own methods (which then leave the index stale).
+    def _sorted(self) -> None:
+        if self._keys is None:
+            rows = self.row_used.nonzero().squeeze(1)  # (R,)
+            ids, order = torch.sort(self.row_key[rows])
+            self._keys, self._key_rows = ids, rows[order]
+
+    @property
+    def keys(self) -> torch.Tensor:  # type: ignore[override]
+        self._sorted()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor) -> None:
+        self._keys, self._stale = value, True
+
+    @property
+    def key_rows(self) -> torch.Tensor:  # type: ignore[override]
+        self._sorted()
+        return self._key_rows
+
+    @key_rows.setter
+    def key_rows(self, value: torch.Tensor) -> None:
+        self._key_rows, self._stale = value, True
+
+    def _native(self) -> bool:
+        """Whether the kernels apply now (rebuilding the index if it is stale)."""
+        if not native.usable(self.row_key):
+            return False
+        if self._stale:
+            if self.slots.device != self.row_key.device:
+                self.slots = self.slots.to(self.row_key.device)
+            native.vocab_index(self.slots, self.row_key, self.row_used.view(torch.uint8))
+            self._hint, self._stale = 0, False
+        return True
+
+    def _cut(self, t: int) -> int:
+        """Rows last used before this step expire at the start of training step ``t``."""
+        if self.ttl_steps is not None and t - self.ttl_steps > 0:
+            return t - self.ttl_steps
+        return _NO_CUT
+
+    def find(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self._native():
+            return super().find(ids)
+        ids = _as_ids(ids, f"{self.name}: ids").contiguous()
+        if ids.device != self.device:
+            ids = ids.to(self.device)
+        return native.vocab_find(self.slots, self.row_key, self.last_use, _NO_CUT,
+                                 ids.reshape(-1)).reshape(ids.shape)
+
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self._native():
+            return super().train_step(distinct, check=check)
+        distinct = self._step_ids(distinct)
+        t = self.step + 1
+        cut = self._cut(t)
+        rows = native.vocab_find(self.slots, self.row_key, self.last_use, cut, distinct)  # (U,)
+        miss = (rows < 0).nonzero().squeeze(1)  # (M,)
+        miss_ids, order = torch.sort(distinct[miss])  # (M,) ascending
+        if check and miss_ids.numel() > 1 and not bool((miss_ids[1:] > miss_ids[:-1]).all()):
+            raise ValueError(f"{self.name}: the ids of a training step must be distinct")
+        miss = miss[order]
+        hit_rows = rows[rows >= 0]  # (H,)
+        if check and torch.unique(hit_rows).numel() != hit_rows.numel():
+            raise ValueError(f"{self.name}: the ids of a training step must be distinct")
+        if self.admit_after == 1:
+            new_ids, admitted = miss_ids, miss
+        else:
+            ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
+            counts = torch.ones_like(miss_ids)  # (M,) with this step
+            if self.pending_ids.numel():
+                counts += torch.where(pfound, self.pending_counts[ppos], 0)
+            admit = counts >= self.admit_after  # (M,)
+            new_ids, admitted = miss_ids[admit], miss[admit]
+        new_rows, n_free, n_evictable, hint = native.vocab_step(
+            self.slots, self.row_key, self.row_used.view(torch.uint8), self.last_use,
+            self.frequency, self.born, hit_rows, new_ids, t, cut, self.eviction == "lfu",
+            self._hint)
+        if new_rows is None:
+            raise ValueError(
+                f"{self.name}: this step admits {new_ids.numel()} new ids but the shard holds "
+                f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the "
+                f"others are used by this step)")
+        self._hint = hint
+        rows[admitted] = new_rows
+        if self.admit_after > 1:
+            (self.pending_ids, self.pending_counts,
+             self.pending_seen) = self._count(miss_ids, ppos, pfound, counts, admit, t)
+        self.step = t
+        self._keys = self._key_rows = None  # the sorted view is computed again when asked
+        return rows, new_ids, new_rows
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        super().load_state_dict(state)  # sets the sorted view, leaving the index stale
+        self._native()  # rebuilt now where the kernels apply
+
+    def to(self, device: torch.device | str) -> None:
+        super().to(device)
+        self.slots, self._stale = self.slots.to(self.device), True
+
+
+def vocab_map(capacity: int, **kwargs) -> VocabMap:
+    """A shard's map: ``NativeVocabMap`` on the CPU where the kernels are built, else
+    ``VocabMap`` (same rules, state and results). Arguments as ``VocabMap``'s."""
+    device = torch.device(kwargs.get("device", "cpu"))
+    if device.type == "cpu" and native.available():
+        return NativeVocabMap(capacity, **kwargs)
+    return VocabMap(capacity, **kwargs)

@@ -89,11 +89,53 @@ inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::
 // The radix sort's per-thread digit counts, kept per calling thread across calls (small).
 thread_local std::vector<i64> radix_counts;
 
+
+// ---- dynamic vocabularies (ops/vocab.py's NativeVocabMap) ----------------------------------
+// A shard's raw id -> row map is an open-addressing index over its rows: ``slots`` (S,) holds a
+// row or -1 (empty), S a power of two >= 2 x the rows (load <= 1/2), linear probing from
+// mix64(id) & (S - 1); a slot's key is row_key[slot's row]. Removal shifts the following entries
+// back (no tombstones), so a probe always ends at the first empty slot.
+
+// SplitMix64's finalizer (ops/hashing.py's splitmix64 without the increment): spreads ids.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// The slot holding ``id``, or the empty slot where its probe ends (slots[result] == -1).
+inline i64 vocab_slot(const i64* slots, i64 mask, const i64* row_key, i64 id) {
+  i64 i = i64(mix64(uint64_t(id)) & uint64_t(mask));
+  while (slots[i] >= 0 && row_key[slots[i]] != id) i = (i + 1) & mask;
+  return i;
+}
+
+// Removes resident ``id`` (its row's row_key still holds it), shifting later entries back.
+inline void vocab_erase(i64* slots, i64 mask, const i64* row_key, i64 id) {
+  i64 i = vocab_slot(slots, mask, row_key, id);
+  if (slots[i] < 0) return;
+  i64 j = i;
+  for (;;) {
+    j = (j + 1) & mask;
+    if (slots[j] < 0) break;
+    const i64 home = i64(mix64(uint64_t(row_key[slots[j]])) & uint64_t(mask));
+    // slots[j] may move to hole i when i lies on its probe path (cyclically from home to j)
+    if (((j - home) & mask) >= ((j - i) & mask)) {
+      slots[i] = slots[j];
+      i = j;
+    }
+  }
+  slots[i] = -1;
+}
+
+// Hash-dedup's scratch index, kept per calling thread across calls.
+thread_local std::vector<i64> dedup_slots;
+
 }  // namespace
 
 extern "C" {
 
-int ec_abi_version() { return 2; }
+int ec_abi_version() { return 3; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -469,6 +511,146 @@ void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, in
 void ec_bag_of(const i64* offsets, i64 r_rows, i64* bags) {
   for (i64 r = 0; r < r_rows; ++r)
     for (i64 k = offsets[r]; k < offsets[r + 1]; ++k) bags[k] = r;
+}
+
+// Deduplication of raw ids (any int64) by hashing, in O(n): unique (<= n,) out: the distinct
+// ids in order of first occurrence; inverse (n,) out: unique[inverse[i]] == ids[i]; order (n,)
+// out and uoff (<= n + 1,) out: unique[u]'s occurrences are order[uoff[u]:uoff[u+1]], ascending
+// (the layout of ec_dedup, whose ``unique`` is sorted instead). Returns U.
+i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i64* uoff) {
+  uoff[0] = 0;
+  if (n == 0) return 0;
+  i64 size = 16;
+  while (size < 2 * n) size <<= 1;
+  const i64 mask = size - 1;
+  dedup_slots.assign(size_t(size), -1);  // distinct index of the id in each slot
+  i64* slots = dedup_slots.data();
+  i64 u = 0;
+  for (i64 i = 0; i < n; ++i) {
+    const i64 id = ids[i];
+    i64 h = i64(mix64(uint64_t(id)) & uint64_t(mask));
+    while (slots[h] >= 0 && unique[slots[h]] != id) h = (h + 1) & mask;
+    if (slots[h] < 0) {
+      slots[h] = u;
+      unique[u] = id;
+      uoff[u + 1] = 0;
+      ++u;
+    }
+    inverse[i] = slots[h];
+    uoff[slots[h] + 1]++;  // counts, made offsets below
+  }
+  for (i64 k = 0; k < u; ++k) uoff[k + 1] += uoff[k];
+  // Counting sort of positions by distinct index (stable); uoff[k] is used as a cursor, then
+  // restored from the next run's start.
+  for (i64 i = 0; i < n; ++i) order[uoff[inverse[i]]++] = i;
+  for (i64 k = u; k > 0; --k) uoff[k] = uoff[k - 1];
+  uoff[0] = 0;
+  return u;
+}
+
+// rows[i] = the row of ids[i] when it is resident and last used at step >= cut (TTL: ids that
+// expire at the start of this step are not found; INT64_MIN: no TTL), else -1. Reads only.
+//   slots (mask + 1,) the index; row_key, last_use (C,) per row.
+void ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
+                   const i64* ids, i64 n, i64* rows, int nt) {
+  nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (i64 i = 0; i < n; ++i) {
+    if (i + kPrefetch < n)
+      __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
+    const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
+    rows[i] = (r >= 0 && last_use[r] >= cut) ? r : -1;
+  }
+}
+
+// The changes of one training step t, after ec_vocab_find (with the same cut) gave the rows of
+// the step's resident ids (hit_rows (H,), distinct) and the caller chose the ids to admit
+// (new_ids (A,), ascending, none resident). In order: hits get last_use t and frequency + 1;
+// rows last used before ``cut`` expire (freed); new_ids[j] takes new_rows[j] out: the lowest
+// free rows first (scanning from info[2], below which no row is free), then the rows of the
+// resident ids not used by this step with the lowest (score, id), score = frequency when
+// ``lfu`` else last_use, in that order; new rows get last_use t, frequency 1, born t.
+// Returns 0; or -1 when A > C - H (more ids than free plus evictable rows), changing nothing and
+// setting info[0] = free rows, info[1] = evictable rows. info[2] in: the free-row hint; out: the
+// new hint.
+i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* last_use,
+                  i64* frequency, i64* born, i64 capacity, const i64* hit_rows, i64 n_hit,
+                  const i64* new_ids, i64 n_new, i64 t, i64 cut, int lfu, i64* new_rows,
+                  i64* info) {
+  if (n_new > capacity - n_hit) {
+    i64 live = 0;
+    for (i64 r = 0; r < capacity; ++r) live += row_used[r] && last_use[r] >= cut;
+    info[0] = capacity - live;
+    info[1] = live - n_hit;
+    return -1;
+  }
+  for (i64 k = 0; k < n_hit; ++k) {
+    const i64 r = hit_rows[k];
+    last_use[r] = t;
+    frequency[r] += 1;
+  }
+  i64 hint = std::max<i64>(info[2], 0);
+  if (cut != INT64_MIN) {  // TTL: free the rows last used before cut
+    for (i64 r = 0; r < capacity; ++r) {
+      if (row_used[r] && last_use[r] < cut) {
+        vocab_erase(slots, mask, row_key, row_key[r]);
+        row_key[r] = 0;
+        row_used[r] = 0;
+        last_use[r] = 0;
+        frequency[r] = 0;
+        born[r] = -1;
+        hint = std::min(hint, r);
+      }
+    }
+  }
+  if (n_new == 0) {
+    info[2] = hint;
+    return 0;
+  }
+  i64 placed = 0, r = hint;
+  for (; r < capacity && placed < n_new; ++r)
+    if (!row_used[r]) new_rows[placed++] = r;
+  // every row below r is used now (or taken by this step)
+  info[2] = r;
+  const i64 k = n_new - placed;
+  if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
+    struct Cand {
+      i64 score, id, row;
+    };
+    std::vector<Cand> cand;
+    cand.reserve(size_t(capacity - n_hit));
+    const i64* score = lfu ? frequency : last_use;
+    for (i64 q = 0; q < capacity; ++q)
+      if (row_used[q] && last_use[q] != t) cand.push_back({score[q], row_key[q], q});
+    auto less = [](const Cand& a, const Cand& b) {
+      return a.score < b.score || (a.score == b.score && a.id < b.id);
+    };
+    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), less);
+    std::sort(cand.begin(), cand.begin() + k, less);
+    for (i64 j = 0; j < k; ++j) {
+      vocab_erase(slots, mask, row_key, cand[j].id);
+      new_rows[placed + j] = cand[j].row;
+    }
+  }
+  for (i64 j = 0; j < n_new; ++j) {
+    const i64 q = new_rows[j], id = new_ids[j];
+    row_key[q] = id;
+    row_used[q] = 1;
+    last_use[q] = t;
+    frequency[q] = 1;
+    born[q] = t;
+    slots[vocab_slot(slots, mask, row_key, id)] = q;
+  }
+  return 0;
+}
+
+// Rebuilds the index from the per-row state: slots (mask + 1,) all set, then every used row's
+// id inserted.
+void ec_vocab_index(i64* slots, i64 mask, const i64* row_key, const uint8_t* row_used,
+                    i64 capacity) {
+  std::fill(slots, slots + mask + 1, i64(-1));
+  for (i64 r = 0; r < capacity; ++r)
+    if (row_used[r]) slots[vocab_slot(slots, mask, row_key, row_key[r])] = r;
 }
 
 }  // extern "C"
