@@ -180,9 +180,11 @@ def apply_gradients(prepared: Prepared, received: Received,
                               tb.dedup)
         opt = _optimizer(plan, tb.physical)
         lr, gmul = lrs[tb.physical], multipliers[tb.physical]
-        if got is None and comm.world_size == 1:  # fused: row gradients formed in the update
-            store.update(tb.physical, tb.dedup.unique, outputs, opt, lr, step,
-                         gradient_multiplier=gmul)
+        if comm.world_size == 1:  # fused: row gradients formed in the update
+            # (a dynamic table's rows: those its map gave the distinct ids at the lookup)
+            store.update(tb.physical, tb.dedup.unique if got is None else got.rows[0], outputs,
+                         opt, lr, step, gradient_multiplier=gmul,
+                         since=None if got is None else got.since)
             continue
         g_unique = row_gradients(outputs, store.workspace)  # (U, D)
         rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,

@@ -28,8 +28,8 @@ import torch
 
 from .comm import Communicator
 from .config import TableConfig, initial_rows
-from .ops.bags import Bags
-from .ops.combine import OutputGrads, combine
+from .ops.bags import Bags, Dedup
+from .ops.combine import OutputGrads, combine, row_gradients
 from .ops.memory import empty_table
 from .ops.update import update
 from .ops.workspace import Workspace
@@ -138,10 +138,20 @@ class RowStore:
         table, ``since`` is the map step ``rows`` were resolved at: rows not resident then, or
         given to another id since, are left alone."""
         dyn = self.dynamic.get(p)
-        if dyn is not None:
-            assert isinstance(grad, torch.Tensor) and since is not None
-            keep = dyn.valid(rows, since)  # (n,)
-            rows, grad = rows[keep], grad[keep]
+        if dyn is not None:  # (grad as OutputGrads: rows are the map's rows of dedup.unique)
+            assert since is not None
+            keep, kept = dyn.valid(rows, since)  # (n,)
+            if isinstance(grad, OutputGrads) and kept == rows.numel():
+                # every row valid, so distinct: the backward stays fused into the update, over
+                # the rows the map gave the distinct ids
+                d = grad.dedup
+                grad = OutputGrads(grad.parts, grad.starts, grad.bags,
+                                   Dedup(rows, d.order, d.unique_offsets))
+            else:
+                if isinstance(grad, OutputGrads):
+                    grad = row_gradients(grad, self.workspace)  # (n, D)
+                if kept < rows.numel():
+                    rows, grad = rows[keep], grad[keep]
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
         if dyn is not None and optimizer.dense_update:  # it moved every row, the zero row too

@@ -105,20 +105,21 @@ class DynamicRows:
                 empty = ids.new_empty(0)
                 return torch.full_like(ids, self.zero_row), empty, empty
             if training:
-                rows, new_ids, new_rows = self.map.train_step(ids)  # raises before any change
+                rows, new_ids, new_rows = self.map.train_step(ids, check=False)  # raises before
+                # any change; ids come deduplicated
                 self.steps += 1
             else:
                 rows = self.map.find(ids)
                 new_ids = new_rows = ids.new_empty(0)
         return torch.where(rows < 0, self.zero_row, rows), new_ids, new_rows
 
-    def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
-        """(n,) bool: rows that still hold the id they held after map step ``since``."""
+    def valid(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
+        """``(keep (n,) bool, kept)``: the rows that still hold the id they held after map step
+        ``since`` (never the zero row), and how many they are."""
         if self.capacity == 0:
-            return torch.zeros_like(rows, dtype=torch.bool)
-        with self.lock:
-            return (rows != self.zero_row) & self.map.valid(rows.clamp(max=self.capacity - 1),
-                                                            since)
+            return torch.zeros_like(rows, dtype=torch.bool), 0
+        with self.lock:  # the zero row is the map's capacity: outside its rows, never valid
+            return self.map.valid_count(rows, since)
 
     def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (R,) ascending, rows (R,)) of the ids resident in this shard."""

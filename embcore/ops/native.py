@@ -109,7 +109,8 @@ _SIGNATURES = {
     "ec_first_unordered": (_I, [_P, _I, _I]),
     "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
     "ec_dedup_raw": (_I, [_P, _I, _P, _P, _P, _P]),
-    "ec_vocab_find": (None, [_P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]),
+    "ec_vocab_find": (_I, [_P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]),
+    "ec_vocab_valid": (_I, [_P, _I, _P, _P, _I, _I, _P]),
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
                            _P, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
@@ -443,16 +444,29 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor, cut: int,
-               ids: torch.Tensor) -> torch.Tensor:
-    """(n,) int64 rows of contiguous int64 ``ids`` in a ``NativeVocabMap``'s index (-1: not
-    resident, or last used before step ``cut``)."""
+               ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(rows (n,), missing)``: the int64 rows of contiguous int64 ``ids`` in a
+    ``NativeVocabMap``'s index (-1: not resident, or last used before step ``cut``) and how many
+    are -1."""
     lib = _load()
     assert lib is not None
     out = torch.empty(ids.numel(), dtype=torch.int64)
-    lib.ec_vocab_find(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
-                      last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(), out.data_ptr(),
-                      _threads())
-    return out
+    missing = lib.ec_vocab_find(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
+                                last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(),
+                                out.data_ptr(), _threads())
+    return out, missing
+
+
+def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,
+                since: int) -> tuple[torch.Tensor, int]:
+    """``(keep (n,) bool, kept)``: which of contiguous int64 ``rows`` are in range, used and got
+    their id at or before step ``since`` (``VocabMap.valid``), and how many."""
+    lib = _load()
+    assert lib is not None
+    keep = torch.empty(rows.numel(), dtype=torch.bool)
+    kept = lib.ec_vocab_valid(rows.data_ptr(), rows.numel(), row_used.data_ptr(),
+                              born.data_ptr(), born.numel(), since, keep.data_ptr())
+    return keep, kept
 
 
 def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor,

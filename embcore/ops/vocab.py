@@ -407,6 +407,11 @@ class VocabMap:
         r = rows.clamp(0, self.capacity - 1)
         return inside & self.row_used[r] & (self.born[r] <= since)
 
+    def valid_count(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
+        """``(valid(rows, since), how many are valid)``."""
+        keep = self.valid(rows, since)
+        return keep, int(keep.sum())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The map's state, independent of its row layout details.
 
@@ -588,7 +593,17 @@ class NativeVocabMap(VocabMap):
         if ids.device != self.device:
             ids = ids.to(self.device)
         return native.vocab_find(self.slots, self.row_key, self.last_use, _NO_CUT,
-                                 ids.reshape(-1)).reshape(ids.shape)
+                                 ids.reshape(-1))[0].reshape(ids.shape)
+
+    def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
+        return self.valid_count(rows, since)[0]
+
+    def valid_count(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
+        """``(valid(rows, since), how many are valid)``."""
+        if not native.usable(self.row_key):
+            return super().valid_count(rows, since)
+        rows = _as_ids(rows, f"{self.name}: rows").contiguous()
+        return native.vocab_valid(rows.reshape(-1), self.row_used, self.born, since)
 
     def train_step(self, distinct: torch.Tensor, *, check: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -597,13 +612,18 @@ class NativeVocabMap(VocabMap):
         distinct = self._step_ids(distinct)
         t = self.step + 1
         cut = self._cut(t)
-        rows = native.vocab_find(self.slots, self.row_key, self.last_use, cut, distinct)  # (U,)
-        miss = (rows < 0).nonzero().squeeze(1)  # (M,)
-        miss_ids, order = torch.sort(distinct[miss])  # (M,) ascending
-        if check and miss_ids.numel() > 1 and not bool((miss_ids[1:] > miss_ids[:-1]).all()):
-            raise ValueError(f"{self.name}: the ids of a training step must be distinct")
-        miss = miss[order]
-        hit_rows = rows[rows >= 0]  # (H,)
+        rows, missing = native.vocab_find(self.slots, self.row_key, self.last_use, cut,
+                                          distinct)  # (U,)
+        if missing:
+            miss = (rows < 0).nonzero().squeeze(1)  # (M,)
+            miss_ids, order = torch.sort(distinct[miss])  # (M,) ascending
+            if check and missing > 1 and not bool((miss_ids[1:] > miss_ids[:-1]).all()):
+                raise ValueError(f"{self.name}: the ids of a training step must be distinct")
+            miss = miss[order]
+            hit_rows = rows[rows >= 0]  # (H,)
+        else:  # every id resident (the common step of a warm map)
+            miss = miss_ids = distinct.new_empty(0)
+            hit_rows = rows
         if check and torch.unique(hit_rows).numel() != hit_rows.numel():
             raise ValueError(f"{self.name}: the ids of a training step must be distinct")
         if self.admit_after == 1:
@@ -625,7 +645,8 @@ class NativeVocabMap(VocabMap):
                 f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the "
                 f"others are used by this step)")
         self._hint = hint
-        rows[admitted] = new_rows
+        if new_rows.numel():
+            rows[admitted] = new_rows
         if self.admit_after > 1:
             (self.pending_ids, self.pending_counts,
              self.pending_seen) = self._count(miss_ids, ppos, pfound, counts, admit, t)

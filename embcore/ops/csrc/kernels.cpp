@@ -551,16 +551,35 @@ i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i
 // rows[i] = the row of ids[i] when it is resident and last used at step >= cut (TTL: ids that
 // expire at the start of this step are not found; INT64_MIN: no TTL), else -1. Reads only.
 //   slots (mask + 1,) the index; row_key, last_use (C,) per row.
-void ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
-                   const i64* ids, i64 n, i64* rows, int nt) {
+// Returns how many are -1.
+i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
+                  const i64* ids, i64 n, i64* rows, int nt) {
   nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
-#pragma omp parallel for num_threads(nt) schedule(static)
+  i64 missing = 0;
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : missing)
   for (i64 i = 0; i < n; ++i) {
     if (i + kPrefetch < n)
       __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
     const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
-    rows[i] = (r >= 0 && last_use[r] >= cut) ? r : -1;
+    const bool found = r >= 0 && last_use[r] >= cut;
+    rows[i] = found ? r : -1;
+    missing += !found;
   }
+  return missing;
+}
+
+// keep[i] = whether rows[i] still holds the id it held after step ``since``: in [0, capacity),
+// used, and given its id at or before ``since`` (born[row] <= since). Returns how many are kept.
+i64 ec_vocab_valid(const i64* rows, i64 n, const uint8_t* row_used, const i64* born,
+                   i64 capacity, i64 since, uint8_t* keep) {
+  i64 kept = 0;
+  for (i64 i = 0; i < n; ++i) {
+    const i64 r = rows[i];
+    const bool ok = r >= 0 && r < capacity && row_used[r] && born[r] <= since;
+    keep[i] = ok;
+    kept += ok;
+  }
+  return kept;
 }
 
 // The changes of one training step t, after ec_vocab_find (with the same cut) gave the rows of
