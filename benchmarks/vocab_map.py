@@ -1,6 +1,9 @@
-"""Timings of the tensor vocabulary (embcore/ops/vocab.py): ``find`` and ``train_step``.
+"""Timings of the vocabulary maps (embcore/ops/vocab.py): ``find`` and ``train_step``.
 
-    python benchmarks/vocab_map.py [--threads N] [--repeats 7] [--device cpu]
+    python benchmarks/vocab_map.py [--threads N] [--repeats 7] [--device cpu] [--map native]
+
+``--map native`` (the CPU default of the engine: a hash index stepped by the fused kernels) or
+``torch`` (``VocabMap``: sorted ids and torch ops, the path of other devices).
 
 - find: 1M random ids (half resident) in a map of 10M resident ids (capacity 10M).
 - train_step: 4096 and 65536 distinct ids into a map of capacity 100k, half of them resident and
@@ -18,7 +21,9 @@ import time
 
 import torch
 
-from embcore.ops.vocab import VocabMap
+from embcore.ops.vocab import NativeVocabMap, VocabMap
+
+MAP = VocabMap  # set by --map
 
 
 def sync(device: torch.device) -> None:
@@ -40,9 +45,11 @@ def median_ms(fn, repeats: int, device: torch.device, setup=None) -> float:
 
 
 def state_bytes(m: VocabMap) -> int:
-    return sum(getattr(m, k).nbytes for k in ("keys", "key_rows", "row_key", "row_used",
-                                               "last_use", "frequency", "born", "pending_ids",
-                                               "pending_counts", "pending_seen"))
+    """Bytes the map holds (the sorted view of a native map is transient: not counted)."""
+    keys = ["row_key", "row_used", "last_use", "frequency", "born", "pending_ids",
+            "pending_counts", "pending_seen"]
+    keys += ["slots"] if isinstance(m, NativeVocabMap) else ["keys", "key_rows"]
+    return sum(getattr(m, k).nbytes for k in keys)
 
 
 def distinct_ids(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -54,7 +61,7 @@ def distinct_ids(n: int, gen: torch.Generator) -> torch.Tensor:
 def bench_find(device: torch.device, repeats: int, gen: torch.Generator) -> None:
     n = 10_000_000
     ids = distinct_ids(n + 500_000, gen)
-    m = VocabMap(n, device=device)
+    m = MAP(n, device=device)
     t0 = time.perf_counter()
     m.train_step(ids[:n].sort().values.to(device))
     sync(device)
@@ -73,7 +80,7 @@ def bench_step(device: torch.device, repeats: int, gen: torch.Generator) -> None
         for case in ("free", "evict", "hits"):
             resident = {"free": capacity // 2, "evict": capacity, "hits": capacity}[case]
             ids = distinct_ids(resident + u, gen)
-            m = VocabMap(capacity, device=device)
+            m = MAP(capacity, device=device)
             m.train_step(ids[:resident].sort().values.to(device))  # step 1: fill
             new = 0 if case == "hits" else u // 2
             step = torch.cat([ids[:u - new], ids[resident:resident + new]]).sort().values
@@ -94,11 +101,14 @@ if __name__ == "__main__":
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--map", default="native", choices=["native", "torch"])
     a = p.parse_args()
+    MAP = NativeVocabMap if a.map == "native" else VocabMap
     if a.threads:
         torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {dev}, "
+          f"map {MAP.__name__}")
     g = torch.Generator().manual_seed(0)
     bench_find(dev, a.repeats, g)
     bench_step(dev, a.repeats, g)

@@ -111,6 +111,7 @@ _SIGNATURES = {
     "ec_dedup_raw": (_I, [_P, _I, _P, _P, _P, _P]),
     "ec_vocab_find": (_I, [_P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]),
     "ec_vocab_valid": (_I, [_P, _I, _P, _P, _I, _I, _P]),
+    "ec_vocab_split": (_I, [_P, _P, _I, _P, _P, _P]),
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
                            _P, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
@@ -455,6 +456,21 @@ def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
                                 last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(),
                                 out.data_ptr(), _threads())
     return out, missing
+
+
+def vocab_split(ids: torch.Tensor, rows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hit_rows (H,), miss_ids (M,), miss_pos (M,))`` of (n,) contiguous int64 ``ids`` and
+    their ``rows`` from ``vocab_find``: the rows found, in order; the ids not found, ascending,
+    and where they are in ``ids``."""
+    lib = _load()
+    assert lib is not None
+    n = ids.numel()
+    buf = torch.empty(3 * n, dtype=torch.int64)  # [hit_rows | miss_ids | miss_pos]
+    base = buf.data_ptr()
+    m = lib.ec_vocab_split(ids.data_ptr(), rows.data_ptr(), n, base, base + 8 * n,
+                           base + 16 * n)
+    return buf[:n - m], buf[n:n + m], buf[2 * n:2 * n + m]
 
 
 def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,

@@ -610,22 +610,17 @@ class NativeVocabMap(VocabMap):
         if not self._native():
             return super().train_step(distinct, check=check)
         distinct = self._step_ids(distinct)
+        if check and native.dedup_raw(distinct)[0].numel() != distinct.numel():
+            raise ValueError(f"{self.name}: the ids of a training step must be distinct")
         t = self.step + 1
         cut = self._cut(t)
         rows, missing = native.vocab_find(self.slots, self.row_key, self.last_use, cut,
                                           distinct)  # (U,)
-        if missing:
-            miss = (rows < 0).nonzero().squeeze(1)  # (M,)
-            miss_ids, order = torch.sort(distinct[miss])  # (M,) ascending
-            if check and missing > 1 and not bool((miss_ids[1:] > miss_ids[:-1]).all()):
-                raise ValueError(f"{self.name}: the ids of a training step must be distinct")
-            miss = miss[order]
-            hit_rows = rows[rows >= 0]  # (H,)
+        if missing:  # (H,) rows found; (M,) the other ids ascending, their positions
+            hit_rows, miss_ids, miss = native.vocab_split(distinct, rows)
         else:  # every id resident (the common step of a warm map)
             miss = miss_ids = distinct.new_empty(0)
             hit_rows = rows
-        if check and torch.unique(hit_rows).numel() != hit_rows.numel():
-            raise ValueError(f"{self.name}: the ids of a training step must be distinct")
         if self.admit_after == 1:
             new_ids, admitted = miss_ids, miss
         else:

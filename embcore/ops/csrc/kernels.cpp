@@ -568,6 +568,24 @@ i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* las
   return missing;
 }
 
+// The two parts of a step's ids after ec_vocab_find: hit_rows (n - M,) out the rows of the found
+// ids in input order; miss_ids (M,) out the other ids ascending, miss_pos (M,) out their
+// positions in ``ids``. Returns M.
+i64 ec_vocab_split(const i64* ids, const i64* rows, i64 n, i64* hit_rows, i64* miss_ids,
+                   i64* miss_pos) {
+  i64 h = 0, m = 0;
+  for (i64 i = 0; i < n; ++i) {
+    if (rows[i] >= 0) {
+      hit_rows[h++] = rows[i];
+    } else {
+      miss_pos[m++] = i;
+    }
+  }
+  std::sort(miss_pos, miss_pos + m, [ids](i64 a, i64 b) { return ids[a] < ids[b]; });
+  for (i64 j = 0; j < m; ++j) miss_ids[j] = ids[miss_pos[j]];
+  return m;
+}
+
 // keep[i] = whether rows[i] still holds the id it held after step ``since``: in [0, capacity),
 // used, and given its id at or before ``since`` (born[row] <= since). Returns how many are kept.
 i64 ec_vocab_valid(const i64* rows, i64 n, const uint8_t* row_used, const i64* born,
