@@ -18,6 +18,7 @@ from ml100k import ML100K, requires_data  # also puts examples/movielens on sys.
 
 import serve  # noqa: E402  (examples/movielens/serve.py)
 import train  # noqa: E402
+from data import raw_ids, split, synthetic  # noqa: E402
 from model import FEATURES, ModelConfig, RankingModel, as_model_config  # noqa: E402
 
 
@@ -25,10 +26,10 @@ SMALL = ["--embedding-dim", "8", "--hidden", "16", "8", "--batch-size", "128", "
 METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds", "data"}
 
 
-def _check_run(out: Path, result: dict, epochs: int) -> None:
+def _check_run(out: Path, result: dict, epochs: int, raw: bool = False) -> None:
     lines = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in lines] == list(range(1, epochs + 1))
-    assert all(set(r) == METRIC_KEYS for r in lines)
+    assert all(set(r) == METRIC_KEYS | ({"vocabulary"} if raw else set()) for r in lines)
     assert (out / "checkpoints" / "latest").read_text().strip() == f"epoch-{epochs:04d}"
     assert (out / "serving.pt2").is_file()
     try:
@@ -202,3 +203,128 @@ def test_job_runs_sharded_under_torchrun(tmp_path):
     assert "2 processes; the tables are sharded" in proc.stdout
     assert "row_mod" in proc.stdout
     assert (out / "serving.pt2").is_file() and (out / "metrics.jsonl").is_file()
+
+
+# --------------------------------------------------------------------------------- --raw-ids
+RAW = ["--synthetic", "--limit", "3000", "--no-serve", "--raw-ids", *SMALL]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_ids() -> dict[str, torch.Tensor]:
+    """The MovieLens ids of RAW's training ratings."""
+    train_part = split(synthetic(), "random")[0][:3000]
+    return {"users": train_part.user_id, "movies": train_part.movie_id}
+
+
+def test_raw_ids_train_and_improve_without_eviction_at_capacity_one(tmp_path):
+    out = tmp_path / "run"
+    train.main([*RAW, "--epochs", "3", "--capacity-fraction", "1.0", "--out", str(out)])
+    lines = _metrics(out)
+    assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+    assert lines[-1]["test_rmse"] < lines[0]["test_rmse"] < 1.5
+    distinct = {t: ids.unique().numel() for t, ids in _train_ids().items()}
+    for r in lines:  # room for every training id: none is evicted
+        assert {t: v["capacity"] for t, v in r["vocabulary"].items()} == distinct
+        assert all(v["resident"] <= v["capacity"] for v in r["vocabulary"].values())
+    # (each epoch drops its last partial batch: ids seen only there wait for another epoch)
+    assert lines[-1]["vocabulary"] == {t: {"resident": n, "capacity": n}
+                                       for t, n in distinct.items()}
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_raw_ids_below_capacity_evict(tmp_path, eviction):
+    out = tmp_path / "run"
+    train.main([*RAW, "--epochs", "1", "--capacity-fraction", "0.6", "--eviction", eviction,
+                "--out", str(out)])
+    ids = _train_ids()
+    (record,) = _metrics(out)
+    dense = torch.load(out / "checkpoints" / "epoch-0001" / "dense.pt", weights_only=True)
+    config = as_model_config(dense["model_config"])
+    assert config.raw_ids and config.eviction == eviction
+    model = RankingModel(config, ec.Adagrad(learning_rate=0.1))
+    ec.load(out / "checkpoints" / "epoch-0001" / "embedding", model.embedding)
+    for table, n in (("users", ids["users"].unique().numel()),
+                     ("movies", ids["movies"].unique().numel())):
+        cap = -(-6 * n // 10)  # ceil(0.6 n)
+        assert record["vocabulary"][table] == {"resident": cap, "capacity": cap}  # full
+        resident = model.embedding.engine.vocabulary(table)[0]
+        assert resident.numel() == cap < n  # some training ids were evicted
+        assert torch.isin(resident, raw_ids(ids[table])).all()  # the hashed ids are the keys
+        assert not torch.isin(resident, ids[table]).any()  # not the MovieLens ids themselves
+
+
+def test_raw_ids_resume_ends_bit_identical_and_refuses_other_flags(tmp_path):
+    args = [*RAW, "--capacity-fraction", "0.7", "--eviction", "lfu"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    a = train.main([*args, "--epochs", "3", "--out", str(straight)])
+    train.main([*args, "--epochs", "1", "--out", str(stopped)])  # interrupted after epoch 1
+    b = train.main([*args, "--epochs", "3", "--resume", "--out", str(stopped)])
+    sa = _saved_state(straight / "checkpoints" / "epoch-0003")
+    sb = _saved_state(stopped / "checkpoints" / "epoch-0003")
+    assert sa.keys() == sb.keys() and "embedding.users/vocabulary/ids" in sa
+    different = [k for k in sa if not torch.equal(sa[k], sb[k])]
+    assert not different, f"resumed run differs in {different}"
+    strip = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+    assert strip(a) == strip(b)
+    assert [strip(r) for r in _metrics(straight)] == [strip(r) for r in _metrics(stopped)]
+
+    dense = torch.load(stopped / "checkpoints" / "epoch-0003" / "dense.pt", weights_only=True)
+    assert dense["run"] | {"raw_ids": True, "capacity_fraction": 0.7, "eviction": "lfu",
+                           "admit_after": 1} == dense["run"]
+    for other, said in ((["--eviction", "lru"], "eviction: 'lfu' there, 'lru' now"),
+                        (["--capacity-fraction", "0.8"], "capacity_fraction: 0.7 there"),
+                        (["--admit-after", "2"], "admit_after: 1 there, 2 now")):
+        with pytest.raises(ValueError, match=f"other data or flags.*{said}"):
+            train.main([*args, "--epochs", "4", "--resume", "--out", str(stopped), *other])
+    static = [a for a in args if a not in ("--raw-ids",)]
+    with pytest.raises(ValueError, match="raw_ids: True there, False now"):
+        train.main([*static, "--epochs", "4", "--resume", "--out", str(stopped)])
+    train.main([*static, "--epochs", "1", "--out", str(stopped)])  # a fresh static run
+    with pytest.raises(ValueError, match="raw_ids: False there, True now"):
+        train.main([*args, "--epochs", "2", "--resume", "--out", str(stopped)])
+
+
+def test_raw_id_flags_are_checked(capsys):
+    for bad, said in ((["--capacity-fraction", "0"], "--capacity-fraction must be > 0"),
+                      (["--admit-after", "0"], "--admit-after must be >= 1"),
+                      (["--eviction", "fifo"], "invalid choice: 'fifo'")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--raw-ids", *bad])
+        assert said in capsys.readouterr().err
+
+
+def test_raw_id_run_serves_raw_ids(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [a for a in RAW if a != "--no-serve"]
+    result = train.main([*args, "--epochs", "1", "--capacity-fraction", "0.5",
+                         "--admit-after", "2", "--out", str(out)])
+    _check_run(out, result, epochs=1, raw=True)
+    printed = capsys.readouterr().out
+    assert "[3/4] export" in printed and "user resident: " in printed
+    again = serve.main(["--out", str(out)])  # serve.py alone, on the finished run
+    assert again["serving_prediction"] == pytest.approx(result["serving_prediction"], abs=1e-6)
+
+    # The exported program takes raw ids: resident ones give the trained model's predictions,
+    # others (never admitted, or evicted) the prediction of a zero embedding.
+    served = torch.export.load(out / "serving.pt2").module()
+    model = serve.restore_for_serving(out / "checkpoints" / "epoch-0001")
+    users, movies = (model.embedding.engine.vocabulary(t)[0] for t in ("users", "movies"))
+    probe = {"user_id": torch.cat([users[:3], torch.tensor([7, -2**63])]),
+             "movie_id": torch.cat([movies[:3], torch.tensor([2**62, 0])])}
+    with torch.no_grad():
+        want = model(probe)
+        assert torch.equal(served(**probe), want)
+        zeros = model.head(torch.zeros(2, 8), torch.zeros(2, 8))
+    assert torch.equal(want[3:], zeros)
+
+
+@requires_data
+def test_raw_ids_on_a_slice_of_the_real_data(tmp_path, capsys):
+    out = tmp_path / "run"
+    result = train.main(["--data", str(ML100K), "--split", "u1", "--limit", "4000",
+                         "--epochs", "2", "--raw-ids", "--out", str(out), *SMALL])
+    _check_run(out, result, epochs=2, raw=True)
+    assert "user 30 rates 'Fargo (1996)'" in capsys.readouterr().out

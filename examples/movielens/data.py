@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+import embcore as ec
+
 URL = "https://files.grouplens.org/datasets/movielens/ml-100k.zip"
 DEFAULT_CACHE = Path("~/.cache/embcore/ml-100k").expanduser()
 # A copy the team keeps beside the repository checkout (never inside it: the license forbids
@@ -337,6 +339,21 @@ def synthetic(seed: int = 0, num_users: int = NUM_USERS, num_movies: int = NUM_M
     shuffle = torch.randperm(users.shape[0], generator=g)  # MovieLens' u.data is unordered too
     ratings = Ratings(users[shuffle] + 1, movies[shuffle] + 1, rating[shuffle])  # 1-based ids
     return MovieLens(ratings, num_users=num_users, num_movies=num_movies, source="synthetic")
+
+
+# --------------------------------------------------------------------------------- raw ids
+RAW_ID_KEY = 0x6A09E667F3BCC908  # a fixed constant below 2**63 (sqrt(2)'s fraction, SHA-512's)
+
+
+def raw_ids(ids: torch.Tensor) -> torch.Tensor:
+    """MovieLens ids -> "raw" ids spread over all of int64, for ``train.py --raw-ids``.
+
+    Real raw ids (hashed user names, URLs, 64-bit item keys) come from an unbounded space; this
+    stands in for such a source with a fixed bijection of int64: ``splitmix64(id ^ RAW_ID_KEY)``
+    (``embcore.ops.hashing``). Distinct ids stay distinct, so the model sees the same data; only a
+    dynamic table (``ec.DynamicVocabulary``) can take ids like these.
+    """
+    return ec.ops.hashing.splitmix64(ids.to(torch.int64) ^ RAW_ID_KEY)  # (R,) int64
 
 
 # --------------------------------------------------------------------------------- splits

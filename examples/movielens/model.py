@@ -10,6 +10,11 @@ layer has no ``nn.Parameter``s in that mode, so the dense optimizer sees only th
 
 ``ServingModel`` is the same computation with the tables frozen into a plain-torch module
 (``layer.for_serving()``): it is what ``torch.export`` saves for serving.
+
+With ``ModelConfig(raw_ids=True)`` both tables are dynamic (``ec.DynamicVocabulary``): they take
+raw int64 ids of any value, and their vocabulary sizes are capacities (the most ids resident at
+once; a training step admits new ids and evicts the lowest-scored). Nothing else changes: the
+forward, the loss and the serving model are the same code.
 """
 
 from __future__ import annotations
@@ -37,16 +42,21 @@ class ModelConfig:
     embedding_dim: int = 64
     hidden: tuple[int, ...] = (256, 64)
     dropout: float = 0.5  # on the concatenated activations, in training only
+    raw_ids: bool = False  # dynamic tables: raw int64 ids, vocabulary sizes are capacities
+    eviction: str = "lru"  # raw ids: "lru" or "lfu" (ec.DynamicVocabulary)
+    admit_after: int = 1  # raw ids: training steps an id is seen in before it gets a row
     min_rating: float = 1.0  # predictions are clamped to [min_rating, max_rating] in eval mode
     max_rating: float = 5.0
 
 
 def feature_config(config: ModelConfig) -> dict[str, ec.FeatureConfig]:
-    """The two features and their tables, as the tutorial declares them."""
+    """The two features and their tables, as the tutorial declares them (dynamic: raw ids)."""
+    dynamic = (ec.DynamicVocabulary(eviction=config.eviction, admit_after=config.admit_after)
+               if config.raw_ids else None)
     users = ec.TableConfig(vocabulary_size=config.user_vocabulary_size,
-                           dim=config.embedding_dim, name=USER_TABLE)
+                           dim=config.embedding_dim, name=USER_TABLE, dynamic=dynamic)
     movies = ec.TableConfig(vocabulary_size=config.movie_vocabulary_size,
-                            dim=config.embedding_dim, name=MOVIE_TABLE)
+                            dim=config.embedding_dim, name=MOVIE_TABLE, dynamic=dynamic)
     return {"user_id": ec.FeatureConfig(table=users, name="user_id"),
             "movie_id": ec.FeatureConfig(table=movies, name="movie_id")}
 
@@ -88,7 +98,8 @@ class RankingModel(nn.Module):
         config: sizes and regularization.
         embedding_optimizer: the engine's optimizer for the tables (e.g. ``ec.Adagrad(0.1)``), or
             None for a model that is only restored and served: its tables are then plain
-            ``nn.Parameter``s, with no optimizer slots.
+            ``nn.Parameter``s, with no optimizer slots (not with ``raw_ids``: dynamic tables
+            need the engine's optimizer step, which admits and evicts ids).
         device: where the tables live (the MLP is moved there too).
     """
 
@@ -136,7 +147,8 @@ class ServingModel(nn.Module):
     """A trained ``RankingModel`` as plain torch ops, for ``torch.export``.
 
     The tables are a snapshot taken by ``layer.for_serving()`` (parameters only, no optimizer
-    slots, no engine); the head is a copy, in eval mode. Inputs are two id tensors of shape (B,).
+    slots, no engine; a dynamic table with its map); the head is a copy, in eval mode. Inputs are
+    two id tensors of shape (B,) (raw ids for a ``raw_ids`` model).
     """
 
     def __init__(self, model: RankingModel) -> None:

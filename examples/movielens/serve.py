@@ -8,6 +8,12 @@
    it) and predict user 30's rating of movie 100;
 4. look up a subset of the tables with a ``serving_config``.
 
+A ``--raw-ids`` run serves the same way: its tables' maps (raw id -> row) travel in the checkpoint
+and in ``layer.for_serving()``, and every model here, the exported one included, is fed raw ids
+(``data.raw_ids`` of the MovieLens ids); an id not resident looks up zeros. Only step 1 differs:
+dynamic tables cannot be plain parameters, so the restored model keeps an engine optimizer whose
+slots stay at their initial values (``slots=False`` reads the tables and their maps only).
+
 Run on its own against a finished run:  python examples/movielens/serve.py --out runs/movielens
 """
 
@@ -23,7 +29,7 @@ import torch
 import embcore as ec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data import MovieLens  # noqa: E402
+from data import MovieLens, raw_ids  # noqa: E402
 from model import MOVIE_TABLE, USER_TABLE, RankingModel, ServingModel, as_model_config  # noqa: E402
 
 USER, MOVIE = 30, 100  # the tutorial's serving example
@@ -33,10 +39,13 @@ def restore_for_serving(ckpt: Path, *, dense: bool = True) -> RankingModel:
     """A fresh CPU model holding the checkpoint's tables (no slots) and, with ``dense``, its MLP.
 
     Built with ``embedding_optimizer=None``, its tables are plain parameters with no optimizer
-    slots; ``ec.load(..., slots=False)`` reads only the tables' parameters.
+    slots; ``ec.load(..., slots=False)`` reads only the tables' parameters (and a raw-id run's
+    maps: its dynamic tables need an engine optimizer, whose slots are left unread).
     """
     state = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
-    model = RankingModel(as_model_config(state["model_config"]), None, device="cpu")
+    config = as_model_config(state["model_config"])
+    model = RankingModel(config, ec.Adagrad(learning_rate=0.1) if config.raw_ids else None,
+                         device="cpu")
     ec.load(ckpt / "embedding", model.embedding, slots=False)
     if dense:
         model.head.load_state_dict(state["head"])
@@ -54,13 +63,20 @@ def export_serving_model(model: RankingModel, path: Path) -> torch.export.Export
     return program
 
 
+def _resident(model: RankingModel, table: str, ids: torch.Tensor) -> bool:
+    """Whether every raw id of ``ids`` holds a row of the dynamic ``table``."""
+    return bool(torch.isin(ids, model.embedding.engine.vocabulary(table)[0]).all())
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise RuntimeError(message)
 
 
-def _ids(users: list[int], movies: list[int]) -> dict[str, torch.Tensor]:
-    return {"user_id": torch.tensor(users), "movie_id": torch.tensor(movies)}
+def _ids(users: list[int], movies: list[int], raw: bool = False) -> dict[str, torch.Tensor]:
+    """The model's input for MovieLens ids (hashed into raw ids for a ``--raw-ids`` model)."""
+    ids = {"user_id": torch.tensor(users), "movie_id": torch.tensor(movies)}
+    return {k: raw_ids(v) for k, v in ids.items()} if raw else ids
 
 
 @torch.no_grad()
@@ -73,16 +89,20 @@ def serving_flow(trained: RankingModel, ckpt: Path, out: Path,
     """
     trained.eval()
     device = next(trained.head.parameters()).device
-    probe = _ids([USER, 1, 2, 3, 943], [MOVIE, 50, 181, 1, 1682])  # a few (user, movie) pairs
+    raw = trained.config.raw_ids
+    probe = _ids([USER, 1, 2, 3, 943], [MOVIE, 50, 181, 1, 1682], raw)  # (user, movie) pairs
     expected = trained({k: v.to(device) for k, v in probe.items()}).cpu()  # (5,)
 
-    print(f"[1/4] restore {ckpt} into a fresh CPU model without optimizer slots")
+    print(f"[1/4] restore {ckpt} into a fresh CPU model " + (
+        "(raw ids: the tables and their maps; an engine optimizer with unread slots)" if raw
+        else "without optimizer slots"))
     cpu_model = restore_for_serving(ckpt)
     slots = [k for k in cpu_model.state_dict() if not k.endswith(("parameters", "step"))
-             and k.startswith("embedding.")]
+             and k.startswith("embedding.") and "/vocabulary/" not in k]
     got = cpu_model(probe)
     diff = (got - expected).abs().max().item()
-    print(f"      embedding state: {sorted(cpu_model.embedding.state_dict())} (slots: {slots}); "
+    print(f"      embedding state: {sorted(cpu_model.embedding.state_dict())} "
+          f"({'unread slots' if raw else 'slots'}: {slots}); "
           f"predictions equal the trained model's: max |diff| = {diff:.2e}")
     _check(diff < 1e-5, f"restored model differs from the trained one by {diff}")
 
@@ -100,11 +120,16 @@ def serving_flow(trained: RankingModel, ckpt: Path, out: Path,
     print(f"[3/4] export the ranking model with torch.export to {path}")
     export_serving_model(cpu_model, path)
     served = torch.export.load(path).module()  # plain torch: no embcore object inside
-    prediction = served(**_ids([USER], [MOVIE])).item()
+    prediction = served(**_ids([USER], [MOVIE], raw)).item()
     reference = expected[0].item()
     title = (data.titles.get(MOVIE) if data is not None else None) or f"movie {MOVIE}"
+    resident = ""
+    if raw:  # an id not resident (never admitted, or evicted) looks up zeros
+        resident = "".join(f"; {what} resident: {_resident(cpu_model, table, probe[key][:1])}"
+                           for what, table, key in (("user", USER_TABLE, "user_id"),
+                                                    ("movie", MOVIE_TABLE, "movie_id")))
     print(f"      exported model: user {USER} rates {title!r} {prediction:.4f} "
-          f"(trained model: {reference:.4f})")
+          f"(trained model: {reference:.4f}{resident})")
     _check(abs(prediction - reference) < 1e-5, "the exported model disagrees with the trained one")
     batch_diff = (served(**probe) - expected).abs().max().item()
     _check(batch_diff < 1e-5, f"the exported model differs on a batch by {batch_diff}")

@@ -2,6 +2,7 @@
 
     python examples/movielens/train.py --data ../ml-100k --split u1      # test RMSE ~0.93
     python examples/movielens/train.py --out runs/ml --resume            # continue a run
+    python examples/movielens/train.py --raw-ids --capacity-fraction 0.8 # dynamic tables
 
 The flow of TensorFlow's TPUEmbeddingLayer tutorial, on embcore: user and movie tables trained by
 Adagrad inside the engine, an MLP trained by a torch optimizer, a checkpoint per epoch, then (see
@@ -14,7 +15,7 @@ Everything it writes goes under ``--out``:
     checkpoints/epoch-0007/dense.pt     the MLP, its optimizer, the RNG states, the metrics so far
     checkpoints/latest                  the name of the newest complete checkpoint
     metrics.jsonl                       one line per epoch: epoch, train_loss, train_rmse,
-                                        test_rmse, seconds
+                                        test_rmse, seconds, data (--raw-ids: vocabulary)
     curves.png                          the RMSE curves (when matplotlib is installed)
     serving.pt2                         the exported serving model (torch.export)
 """
@@ -44,6 +45,7 @@ from data import (  # noqa: E402
     DataError,
     Ratings,
     load_movielens,
+    raw_ids,
     split,
     synthetic,
 )
@@ -81,6 +83,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="widths of the MLP's hidden layers (its output layer has width 1)")
     m.add_argument("--dropout", type=float, default=0.5,
                    help="dropout on the concatenated embeddings, in training")
+    r = p.add_argument_group("raw ids (dynamic tables)")
+    r.add_argument("--raw-ids", action="store_true",
+                   help="hash every id into all of int64 (data.raw_ids) and look them up in "
+                        "dynamic tables (ec.DynamicVocabulary) instead of static ones; the "
+                        "vocabulary-size flags are then unused")
+    r.add_argument("--capacity-fraction", type=float, default=0.8,
+                   help="--raw-ids: each table holds this fraction of the distinct ids of its "
+                        "feature in the training ratings (rounded up, at least 1); below 1 "
+                        "ids are evicted")
+    r.add_argument("--eviction", choices=("lru", "lfu"), default="lru",
+                   help="--raw-ids: which resident id a new one evicts (least recently / least "
+                        "frequently used)")
+    r.add_argument("--admit-after", type=int, default=1,
+                   help="--raw-ids: training steps an id must be seen in before it gets a row")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=15, help="total epochs (a resumed run continues to it)")
     t.add_argument("--batch-size", type=int, default=1024, help="examples per step, all processes")
@@ -122,6 +138,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--limit must be >= 4, got {args.limit}")
     if args.synthetic and args.data is not None:
         p.error("--synthetic and --data exclude each other")
+    if not args.capacity_fraction > 0:
+        p.error(f"--capacity-fraction must be > 0, got {args.capacity_fraction}")
+    if args.admit_after < 1:
+        p.error(f"--admit-after must be >= 1, got {args.admit_after}")
     return args
 
 
@@ -134,20 +154,50 @@ SYNTHETIC_WARNING = (
 def run_identity(args: argparse.Namespace, data: Any) -> dict[str, Any]:
     """What a resumed run must share with the run it continues: the data and the flags that
     decide which ratings are trained and tested on, and in which order."""
-    return {"data": "synthetic" if data.synthetic else str(data.source), "split": args.split,
-            "limit": args.limit, "seed": args.seed, "batch_size": args.batch_size}
+    identity = {"data": "synthetic" if data.synthetic else str(data.source),
+                "split": args.split, "limit": args.limit, "seed": args.seed,
+                "batch_size": args.batch_size, "raw_ids": args.raw_ids}
+    if args.raw_ids:
+        identity |= {"capacity_fraction": args.capacity_fraction, "eviction": args.eviction,
+                     "admit_after": args.admit_after}
+    return identity
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
+def capacity(fraction: float, ids: torch.Tensor) -> int:
+    """``fraction`` x the number of distinct ``ids``, rounded up, at least 1."""
+    return max(1, math.ceil(round(fraction * ids.unique().numel(), 9)))  # (round: 0.6 * 5 = 3)
+
+
+def model_config(args: argparse.Namespace, train: Ratings) -> ModelConfig:
+    if args.raw_ids:  # dynamic tables: their sizes are capacities, set from the training ids
+        return ModelConfig(user_vocabulary_size=capacity(args.capacity_fraction, train.user_id),
+                           movie_vocabulary_size=capacity(args.capacity_fraction,
+                                                          train.movie_id),
+                           embedding_dim=args.embedding_dim, hidden=tuple(args.hidden),
+                           dropout=args.dropout, raw_ids=True, eviction=args.eviction,
+                           admit_after=args.admit_after)
     return ModelConfig(user_vocabulary_size=args.user_vocabulary_size,
                        movie_vocabulary_size=args.movie_vocabulary_size,
                        embedding_dim=args.embedding_dim, hidden=tuple(args.hidden),
                        dropout=args.dropout)
 
 
-def features_of(batch: Ratings, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The model's input: MovieLens ids are used as row ids directly (row 0 stays unused)."""
-    return {"user_id": batch.user_id.to(device), "movie_id": batch.movie_id.to(device)}
+def features_of(batch: Ratings, device: torch.device | str,
+                raw: bool = False) -> dict[str, torch.Tensor]:
+    """The model's input: MovieLens ids are used as row ids directly (row 0 stays unused), or
+    with ``raw`` hashed into all of int64 (``data.raw_ids``) for dynamic tables."""
+    user_id, movie_id = (raw_ids(batch.user_id), raw_ids(batch.movie_id)) if raw else (
+        batch.user_id, batch.movie_id)
+    return {"user_id": user_id.to(device), "movie_id": movie_id.to(device)}
+
+
+def vocabulary_stats(model: RankingModel) -> dict[str, dict[str, int]]:
+    """Per dynamic table: ids resident over all processes (a collective when sharded) and
+    capacity."""
+    return {name: {"resident": model.embedding.engine.whole_vocabulary(table)[0].numel(),
+                   "capacity": table.vocabulary_size}
+            for table, name in model.embedding.engine.table_names().items()
+            if table.dynamic is not None}
 
 
 def check_ids_fit(config: ModelConfig, *parts: Ratings) -> None:
@@ -188,7 +238,7 @@ def train_epoch(model: RankingModel, train: Ratings, dense_opt: torch.optim.Opti
         # Under torchrun each process takes its share of the global batch.
         batch = train[parallel.my_share(perm[step * batch_size:(step + 1) * batch_size])]
         objective, squared_error = model.compute_loss(
-            features_of(batch, device), batch.rating.to(device), l2)
+            features_of(batch, device, model.config.raw_ids), batch.rating.to(device), l2)
         dense_opt.zero_grad(set_to_none=True)
         objective.backward()  # the engine updates the touched table rows here
         parallel.sum_grads(model.head)  # the MLP is data parallel (no-op on one process)
@@ -218,7 +268,7 @@ def evaluate(model: RankingModel, ratings: Ratings, device: str,
     for start in range(0, len(ratings), batch_size):
         index = torch.arange(start, min(start + batch_size, len(ratings)))
         batch = ratings[parallel.my_share(index)]  # every process looks up together
-        prediction = model(features_of(batch, device))  # (B,)
+        prediction = model(features_of(batch, device, model.config.raw_ids))  # (B,)
         squared_error_sum += (prediction - batch.rating.to(device)).square().sum().cpu()
     parallel.sum_(squared_error_sum)
     return math.sqrt(float(squared_error_sum) / len(ratings))
@@ -284,11 +334,13 @@ def restore_checkpoint(ckpt: Path, model: RankingModel, dense_opt: torch.optim.O
     """
     dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
     saved = dense.get("run") or {}  # (checkpoints of older versions recorded nothing)
+    if saved and "raw_ids" not in saved:  # (nor raw_ids: they were static)
+        saved = {**saved, "raw_ids": False}
     if identity is not None and saved != identity:
         differ = ", ".join(f"{k}: {saved.get(k, 'unrecorded')!r} there, {v!r} now"
                            for k, v in identity.items() if saved.get(k, "unrecorded") != v)
         raise ValueError(f"{ckpt} was written by a run with other data or flags ({differ}); "
-                         f"resuming would train and test on other ratings. Resume with the same "
+                         f"resuming would not continue that run. Resume with the same "
                          f"data and flags, or leave out --resume for a fresh run")
     saved = as_model_config(dense["model_config"])
     if saved != model.config:
@@ -367,8 +419,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     if len(train) < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} is larger than the training set "
                          f"({len(train)} ratings); lower it")
-    config = model_config(args)
-    check_ids_fit(config, train, test)
+    config = model_config(args, train)
+    if not config.raw_ids:  # (raw ids need no room: a dynamic table takes any id)
+        check_ids_fit(config, train, test)
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
                          f"processes ({world})")
@@ -377,6 +430,11 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
           f"ratings of {data.num_users} users and {data.num_movies} movies")
     if data.synthetic:
         say(SYNTHETIC_WARNING)
+    if config.raw_ids:
+        say(f"raw ids: dynamic tables of capacity {config.user_vocabulary_size} users and "
+            f"{config.movie_vocabulary_size} movies ({args.capacity_fraction} x the distinct "
+            f"training ids), {args.eviction} eviction, ids admitted when seen in "
+            f"{args.admit_after} step(s)")
 
     torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
     model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
@@ -398,6 +456,10 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
                              f"{args.epochs}: nothing to do; pass --epochs above {done} to "
                              f"train on, or leave out --resume for a fresh run")
         say(f"resumed from {ckpt} (epoch {done})")
+        if config.raw_ids and config.admit_after > 1:
+            say(f"note: checkpoints do not hold the counts of ids seen but not yet admitted "
+                f"(--admit-after {config.admit_after}): this run counts them afresh, so it "
+                f"differs from an uninterrupted one")
     else:
         if args.resume:
             say(f"--resume: no checkpoint under {root}; starting from scratch")
@@ -418,6 +480,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         record = {"epoch": epoch, "train_loss": train_loss, "train_rmse": train_rmse,
                   "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3),
                   "data": "SYNTHETIC" if data.synthetic else data.source}
+        if config.raw_ids:
+            record["vocabulary"] = vocabulary_stats(model)  # {table: {resident, capacity}}
         history.append(record)
         ckpt = save_checkpoint(root, epoch, model, dense_opt, order, history,
                                args.keep_checkpoints, identity)
@@ -427,8 +491,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
                 say("curves.png is not written: matplotlib is not installed (pip install "
                     "matplotlib, or the examples extra)", flush=True)
         say(f"epoch {epoch}/{args.epochs}: train loss {train_loss:.4f}, train RMSE "
-              f"{train_rmse:.4f}, test RMSE {test_rmse:.4f} ({record['seconds']:.1f} s)",
-              flush=True)
+              f"{train_rmse:.4f}, test RMSE {test_rmse:.4f} ({record['seconds']:.1f} s)"
+              + "".join(f", {n} resident {v['resident']}/{v['capacity']}"
+                        for n, v in record.get("vocabulary", {}).items()), flush=True)
 
     result: dict[str, Any] = dict(history[-1]) if history else {}
     if data.synthetic:
