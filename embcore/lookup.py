@@ -50,7 +50,8 @@ def lookup(prepared: Prepared, store: RowStore,
             received.append(None)
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
             rows, since = _resolve_here(prepared.training, store, comm, tb)  # (U,)
-            out = store.combine(tb.physical, rows[tb.dedup.inverse], tb.bags)  # (R, D)
+            out = store.combine(tb.physical, rows.index_select(0, tb.dedup.inverse),
+                                tb.bags)  # (R, D)
             received.append(Answered([rows], since))
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,

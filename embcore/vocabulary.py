@@ -104,14 +104,14 @@ class DynamicRows:
                 self.steps += int(training)
                 empty = ids.new_empty(0)
                 return torch.full_like(ids, self.zero_row), empty, empty
-            if training:
-                rows, new_ids, new_rows = self.map.train_step(ids, check=False)  # raises before
-                # any change; ids come deduplicated
+            if training:  # raises before any change; ids come deduplicated
+                rows, new_ids, new_rows = self.map.train_step(ids, check=False,
+                                                              fill=self.zero_row)
                 self.steps += 1
             else:
-                rows = self.map.find(ids)
+                rows = self.map.find(ids, fill=self.zero_row)
                 new_ids = new_rows = ids.new_empty(0)
-        return torch.where(rows < 0, self.zero_row, rows), new_ids, new_rows
+        return rows, new_ids, new_rows
 
     def valid(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
         """``(keep (n,) bool, kept)``: the rows that still hold the id they held after map step

@@ -174,6 +174,7 @@ def test_hand_made_cases_of_the_oracle(Map):
     rows, new_ids, new_rows = m.train_step(ids_tensor([10, 20, 30]))
     assert rows.tolist() == [0, 1, 2] and new_ids.tolist() == [10, 20, 30]
     assert m.find(ids_tensor([30, 10, 20, 10, 99])).tolist() == [2, 0, 1, 0, -1]
+    assert m.find(ids_tensor([99, 10]), fill=4).tolist() == [4, 0]  # fill: the zero row, say
     # the lowest id takes the last free row, the other evicts 10 (ties on last use: smaller id)
     rows, new_ids, new_rows = m.train_step(ids_tensor([-(2**63), 2**63 - 1]))
     assert rows.tolist() == [3, 0] and new_ids.tolist() == [-(2**63), 2**63 - 1]
@@ -245,6 +246,8 @@ def test_counts_beyond_the_bound_forget_the_ids_seen_longest_ago(Map):
     rows, new_ids, _ = m.train_step(ids_tensor([0, 76]))
     assert rows.tolist() == [-1, 0] and new_ids.tolist() == [76]
     assert 76 not in m.pending_ids.tolist() and m.pending_ids.numel() <= m.pending_limit
+    # 5000 is not admitted yet: ``fill``; 0 is (seen in 3 steps), evicting 76
+    assert m.train_step(ids_tensor([5000, 0]), fill=9)[0].tolist() == [9, 0]
     # with admit_after == 1 nothing is counted
     m = Map(capacity=1)
     with pytest.raises(ValueError):

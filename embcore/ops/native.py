@@ -109,7 +109,7 @@ _SIGNATURES = {
     "ec_first_unordered": (_I, [_P, _I, _I]),
     "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
     "ec_dedup_raw": (_I, [_P, _I, _P, _P, _P, _P]),
-    "ec_vocab_find": (_I, [_P, _I, _P, _P, _I, _P, _I, _P, ctypes.c_int]),
+    "ec_vocab_find": (_I, [_P, _I, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int]),
     "ec_vocab_valid": (_I, [_P, _I, _P, _P, _I, _I, _P]),
     "ec_vocab_split": (_I, [_P, _P, _I, _P, _P, _P]),
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
@@ -445,15 +445,15 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor, cut: int,
-               ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+               ids: torch.Tensor, fill: int = -1) -> tuple[torch.Tensor, int]:
     """``(rows (n,), missing)``: the int64 rows of contiguous int64 ``ids`` in a
-    ``NativeVocabMap``'s index (-1: not resident, or last used before step ``cut``) and how many
-    are -1."""
+    ``NativeVocabMap``'s index (``fill``: not resident, or last used before step ``cut``) and
+    how many are not found."""
     lib = _load()
     assert lib is not None
     out = torch.empty(ids.numel(), dtype=torch.int64)
     missing = lib.ec_vocab_find(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
-                                last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(),
+                                last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(), fill,
                                 out.data_ptr(), _threads())
     return out, missing
 

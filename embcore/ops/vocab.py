@@ -197,31 +197,32 @@ class VocabMap:
                 f"ttl_steps={self.ttl_steps}, resident={self.keys.numel()}, step={self.step}, "
                 f"device={self.device})")
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
+    def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
         """The rows of ids (evaluation): changes nothing.
 
         Args:
             ids: (n,) int64 ids, any order, duplicates allowed.
+            fill: the row given to ids that are not resident.
 
         Returns:
-            (n,) int64 row of each id, -1 where it is not resident.
+            (n,) int64 row of each id, ``fill`` where it is not resident.
         """
         ids = _as_ids(ids, f"{self.name}: ids").to(self.device).contiguous()
         if self.keys.numel() == 0:
-            return torch.full_like(ids, -1)
+            return torch.full_like(ids, fill)
         flat = ids.reshape(-1)  # (n,)
         if flat.numel() < _SORT_QUERIES or flat.device.type != "cpu":
             pos, found = _locate(self.keys, flat)
-            return torch.where(found, self.key_rows[pos], -1).reshape(ids.shape)
+            return torch.where(found, self.key_rows[pos], fill).reshape(ids.shape)
         # Many ids on the CPU: searching them in ascending order walks the keys' memory in
         # order (about 4x faster for 1M ids in 10M keys); their rows go back by the permutation.
         ordered, order = torch.sort(flat)  # (n,)
         pos, found = _locate(self.keys, ordered)
         out = torch.empty_like(flat)
-        out[order] = torch.where(found, self.key_rows[pos], -1)
+        out[order] = torch.where(found, self.key_rows[pos], fill)
         return out.reshape(ids.shape)
 
-    def train_step(self, distinct: torch.Tensor, *, check: bool = True
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training step over the distinct ids of a batch.
 
@@ -229,10 +230,11 @@ class VocabMap:
             distinct: (U,) int64 ids, distinct, in any order (the result does not depend on it).
             check: whether to check that they are distinct (callers that deduplicated them
                 already skip it).
+            fill: the row given to ids that are not resident after the step.
 
         Returns:
-            ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, -1 if it
-            is not resident (still being counted); new_ids (A,) int64 ascending, the ids admitted
+            ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, ``fill``
+            if it is not resident (still being counted); new_ids (A,) int64 ascending, the ids admitted
             by this step; new_rows (A,) int64 their rows (the caller initializes their values and
             optimizer slots).
 
@@ -249,8 +251,11 @@ class VocabMap:
             rows, new_ids, new_rows = self._sorted_step(ordered)
             out = torch.empty_like(rows)
             out[perm] = rows
-            return out, new_ids, new_rows
-        return self._sorted_step(distinct)
+        else:
+            out, new_ids, new_rows = self._sorted_step(distinct)
+        if fill != -1:
+            out = torch.where(out < 0, fill, out)
+        return out, new_ids, new_rows
 
     def _step_ids(self, distinct: torch.Tensor) -> torch.Tensor:
         distinct = _as_ids(distinct, f"{self.name}: distinct").to(self.device).contiguous()
@@ -586,14 +591,14 @@ class NativeVocabMap(VocabMap):
             return t - self.ttl_steps
         return _NO_CUT
 
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
+    def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
         if not self._native():
-            return super().find(ids)
+            return super().find(ids, fill=fill)
         ids = _as_ids(ids, f"{self.name}: ids").contiguous()
         if ids.device != self.device:
             ids = ids.to(self.device)
         return native.vocab_find(self.slots, self.row_key, self.last_use, _NO_CUT,
-                                 ids.reshape(-1))[0].reshape(ids.shape)
+                                 ids.reshape(-1), fill)[0].reshape(ids.shape)
 
     def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
         return self.valid_count(rows, since)[0]
@@ -605,10 +610,10 @@ class NativeVocabMap(VocabMap):
         rows = _as_ids(rows, f"{self.name}: rows").contiguous()
         return native.vocab_valid(rows.reshape(-1), self.row_used, self.born, since)
 
-    def train_step(self, distinct: torch.Tensor, *, check: bool = True
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self._native():
-            return super().train_step(distinct, check=check)
+            return super().train_step(distinct, check=check, fill=fill)
         distinct = self._step_ids(distinct)
         if check and native.dedup_raw(distinct)[0].numel() != distinct.numel():
             raise ValueError(f"{self.name}: the ids of a training step must be distinct")
@@ -642,6 +647,8 @@ class NativeVocabMap(VocabMap):
         self._hint = hint
         if new_rows.numel():
             rows[admitted] = new_rows
+        if fill != -1 and missing > new_rows.numel():  # ids still not resident
+            rows.masked_fill_(rows < 0, fill)
         if self.admit_after > 1:
             (self.pending_ids, self.pending_counts,
              self.pending_seen) = self._count(miss_ids, ppos, pfound, counts, admit, t)

@@ -549,11 +549,11 @@ i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i
 }
 
 // rows[i] = the row of ids[i] when it is resident and last used at step >= cut (TTL: ids that
-// expire at the start of this step are not found; INT64_MIN: no TTL), else -1. Reads only.
+// expire at the start of this step are not found; INT64_MIN: no TTL), else ``fill``. Reads only.
 //   slots (mask + 1,) the index; row_key, last_use (C,) per row.
-// Returns how many are -1.
+// Returns how many are not found.
 i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
-                  const i64* ids, i64 n, i64* rows, int nt) {
+                  const i64* ids, i64 n, i64 fill, i64* rows, int nt) {
   nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
   i64 missing = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : missing)
@@ -562,7 +562,7 @@ i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* las
       __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
     const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
     const bool found = r >= 0 && last_use[r] >= cut;
-    rows[i] = found ? r : -1;
+    rows[i] = found ? r : fill;
     missing += !found;
   }
   return missing;
