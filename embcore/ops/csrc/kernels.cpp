@@ -128,6 +128,36 @@ inline void vocab_erase(i64* slots, i64 mask, const i64* row_key, i64 id) {
   slots[i] = -1;
 }
 
+// The k-th smallest score (1 <= k <= candidates) among the resident rows not used by step t
+// (row_used and last_use != t). Scores are step counts (last uses or frequencies): when their
+// range is small, a count per value finds it in O(C + range); else nth_element over a copy.
+inline i64 vocab_kth_score(const i64* score, const uint8_t* row_used, const i64* last_use,
+                           i64 capacity, i64 t, i64 k) {
+  i64 lo = INT64_MAX, hi = INT64_MIN;
+  for (i64 q = 0; q < capacity; ++q) {
+    if (!row_used[q] || last_use[q] == t) continue;
+    lo = std::min(lo, score[q]);
+    hi = std::max(hi, score[q]);
+  }
+  if (hi - lo <= 4 * capacity + 1024) {
+    thread_local std::vector<i64> counts;
+    counts.assign(size_t(hi - lo + 1), 0);
+    for (i64 q = 0; q < capacity; ++q)
+      if (row_used[q] && last_use[q] != t) counts[size_t(score[q] - lo)]++;
+    i64 run = 0;
+    for (i64 v = 0;; ++v) {
+      run += counts[size_t(v)];
+      if (run >= k) return lo + v;
+    }
+  }
+  std::vector<i64> s;
+  s.reserve(size_t(capacity));
+  for (i64 q = 0; q < capacity; ++q)
+    if (row_used[q] && last_use[q] != t) s.push_back(score[q]);
+  std::nth_element(s.begin(), s.begin() + (k - 1), s.end());
+  return s[size_t(k - 1)];
+}
+
 // Hash-dedup's scratch index, kept per calling thread across calls.
 thread_local std::vector<i64> dedup_slots;
 
@@ -651,22 +681,32 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
   info[2] = r;
   const i64 k = n_new - placed;
   if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
+    const i64* score = lfu ? frequency : last_use;
+    const i64 kth = vocab_kth_score(score, row_used, last_use, capacity, t, k);
+    // every candidate below the k-th score, and of those at it the smallest ids
     struct Cand {
       i64 score, id, row;
     };
-    std::vector<Cand> cand;
-    cand.reserve(size_t(capacity - n_hit));
-    const i64* score = lfu ? frequency : last_use;
-    for (i64 q = 0; q < capacity; ++q)
-      if (row_used[q] && last_use[q] != t) cand.push_back({score[q], row_key[q], q});
-    auto less = [](const Cand& a, const Cand& b) {
+    std::vector<Cand> victims, ties;
+    victims.reserve(size_t(k));
+    for (i64 q = 0; q < capacity; ++q) {
+      if (!row_used[q] || last_use[q] == t) continue;
+      if (score[q] < kth) {
+        victims.push_back({score[q], row_key[q], q});
+      } else if (score[q] == kth) {
+        ties.push_back({score[q], row_key[q], q});
+      }
+    }
+    const size_t need = size_t(k) - victims.size();
+    auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
+    std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
+    victims.insert(victims.end(), ties.begin(), ties.begin() + need);
+    std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
       return a.score < b.score || (a.score == b.score && a.id < b.id);
-    };
-    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), less);
-    std::sort(cand.begin(), cand.begin() + k, less);
+    });
     for (i64 j = 0; j < k; ++j) {
-      vocab_erase(slots, mask, row_key, cand[j].id);
-      new_rows[placed + j] = cand[j].row;
+      vocab_erase(slots, mask, row_key, victims[j].id);
+      new_rows[placed + j] = victims[j].row;
     }
   }
   for (i64 j = 0; j < n_new; ++j) {
