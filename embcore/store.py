@@ -30,6 +30,7 @@ from .comm import Communicator
 from .config import TableConfig, initial_rows
 from .ops.bags import Bags, Dedup
 from .ops.combine import OutputGrads, combine, row_gradients
+from .ops import native
 from .ops.memory import empty_table
 from .ops.update import update
 from .ops.workspace import Workspace
@@ -96,7 +97,7 @@ class RowStore:
     def resolve(self, p: int, ids: list[torch.Tensor],
                 training: bool) -> tuple[list[torch.Tensor], int | None]:
         """The shard rows of ``ids`` (one tensor per asking process; a single tensor must hold
-        distinct ids in ascending order) of physical table ``p``.
+        distinct ids, in any order) of physical table ``p``.
 
         For a table whose ids are rows, ``ids`` as they are. For a dynamic table, the rows its
         map gives them (the zero row when not resident), after a training step of the map over
@@ -114,10 +115,15 @@ class RowStore:
         dyn = self.dynamic.get(p)
         if dyn is None:
             return ids, None
-        if len(ids) == 1:  # one process's distinct ids, sorted (a lookup's dedup.unique)
+        if len(ids) == 1:  # one process's distinct ids (a lookup's dedup.unique)
             distinct, inverse = ids[0], None
-        else:  # what several processes asked for: their union
-            distinct, inverse = torch.unique(torch.cat(ids), sorted=True, return_inverse=True)
+        else:  # what several processes asked for: their union (in any order: the map's step
+            # does not depend on it)
+            asked = torch.cat(ids)
+            if native.usable(asked):
+                distinct, inverse = native.dedup_raw(asked.contiguous())[:2]
+            else:
+                distinct, inverse = torch.unique(asked, return_inverse=True)
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
         if new_ids.numel():
             values = initial_values(dyn.table, dyn.name, dyn.seed, new_ids.cpu())  # (A, D)
