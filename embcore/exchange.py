@@ -41,7 +41,9 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     rt = tb.route
     assert rt is not None, "a sharded table's batch is routed"
     asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
-    answered, since = store.resolve(p.index, asked, training)  # raw ids -> rows (dynamic)
+    if p.dynamic:
+        return _fetch_dynamic(comm, p, store, tb, asked, training)
+    answered, since = store.resolve(p.index, asked, training)
     answers = [store.gather(p.index, rows) for rows in answered]  # W x (n_s, D_r)
     if p.layout.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
@@ -52,6 +54,48 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
     rows[rt.order] = torch.cat(back)
+    return rows, answered, since
+
+
+def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
+                   asked: list[torch.Tensor], training: bool
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
+    """``fetch_rows`` of a dynamic table (rows, never a column split). Its owners' maps resolve
+    the raw ids, and a training step can fail on one owner (more ids to admit than its shard
+    holds): every answer carries one more row, a status (1 in its first column: the owner's
+    step failed), so that every process raises a ``ValueError`` at this table instead of the
+    others waiting on the failed one until their collectives time out."""
+    rt = tb.route
+    assert rt is not None
+    failure: ValueError | None = None
+    try:
+        answered, since = store.resolve(p.index, asked, training)  # raw ids -> rows
+    except ValueError as e:  # nothing changed here; the other processes learn it below
+        failure, answered, since = e, [], None
+    table = store.tables[p.index]
+    answers = []
+    for s, ids in enumerate(asked):
+        out = torch.zeros(ids.numel() + 1, table.shape[1], dtype=table.dtype,
+                          device=table.device)  # (n_s + 1, D): the rows, then the status
+        if failure is None:
+            torch.index_select(table, 0, answered[s], out=out[:-1])
+        else:
+            out[-1, 0] = 1
+        answers.append(out)
+    back = comm.all_to_all(answers, [c + 1 for c in rt.counts])  # W x (n_d + 1, D)
+    if failure is not None:
+        raise failure
+    status = torch.stack([b[-1, 0] for b in back])  # (W,)
+    if bool(status.any()):
+        failed = status.nonzero().squeeze(1).tolist()
+        raise ValueError(
+            f"tables {list(p.tables)}: the training step of the map on process(es) {failed} "
+            f"must admit more new ids than its shard holds (that process's error says how "
+            f"many); every process drops this batch")
+    rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=table.dtype,
+                       device=table.device)  # (U, D)
+    assert rt.order is not None
+    rows[rt.order] = torch.cat([b[:-1] for b in back])
     return rows, answered, since
 
 

@@ -348,6 +348,29 @@ def test_sharded_dynamic_tables_equal_one_process(world, strategy):
     run_on(world, _sharded_body, strategy)
 
 
+def _overflow_body(rank, world, init, strategy):
+    init()
+    torch.manual_seed(0)
+    t = ec.TableConfig(vocabulary_size=8, dim=2, name="t", dynamic=ec.DynamicVocabulary())
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                       sharding=strategy, timeout=30)
+    pool = torch.arange(1, 200)
+    mine = pool[owner(pool, world) == 0][:12]  # ids process 0 owns (its shard holds 4 rows)
+    ids = mine[:6] if rank == 0 else mine[6:]
+    emb.enqueue({"f": ids})
+    with pytest.raises(ValueError, match="admits|must admit"):
+        emb.dequeue()  # every process raises at once (no collective times out)
+    emb.enqueue({"f": torch.tensor([1, 1, 1, 2, 2, 2]) + 10 * rank})  # the engine goes on
+    act = emb.dequeue()["f"]
+    emb.apply_gradients({"f": torch.ones_like(act)})
+    assert act.abs().sum() > 0
+
+
+@pytest.mark.parametrize("strategy", ["hash", "table"])
+def test_an_overflow_on_one_process_raises_on_every_process(strategy):
+    run_on(2, _overflow_body, strategy)
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def _continue(emb, t, stream):
     out = [_train(emb, stream, 0, 1)]
