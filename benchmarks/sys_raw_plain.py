@@ -63,12 +63,12 @@ class RawPlainSystem:
     def prepare(self, batch: Batch) -> tuple[list[torch.Tensor], torch.Tensor]:
         return [self.raw[t][ids] for t, ids in enumerate(batch.ids)], batch.offsets
 
-    def _assign_dict(self, t: int, keys: list[int]) -> tuple[list, list[int]]:
+    def _assign_dict(self, t: int, keys: list[int]) -> tuple[list, list[int], list[int]]:
         d = self.maps[t]
         rows = list(map(d.get, keys))  # None: not resident
         if None not in rows:
-            return rows, []
-        new, cap, row_key = [], self.cap, self.row_key[t]
+            return rows, [], []
+        new, new_keys, cap, row_key = [], [], self.cap, self.row_key[t]
         busy = None  # rows used by this step, built the first time a victim is needed
         for i, r in enumerate(rows):
             if r is not None:
@@ -91,16 +91,17 @@ class RawPlainSystem:
             row_key[r] = k
             rows[i] = r
             new.append(r)
-        return rows, new
+            new_keys.append(k)
+        return rows, new, new_keys
 
-    def _assign_lru(self, t: int, keys: list[int]) -> tuple[list, list[int]]:
+    def _assign_lru(self, t: int, keys: list[int]) -> tuple[list, list[int], list[int]]:
         od = self.maps[t]
         rows = list(map(od.get, keys))  # None: not resident
         hits = [k for k, r in zip(keys, rows) if r is not None]
         deque(map(od.move_to_end, hits), maxlen=0)  # the step's ids become the most recent
         if len(hits) == len(keys):
-            return rows, []
-        new, cap = [], self.cap
+            return rows, [], []
+        new, new_keys, cap = [], [], self.cap
         for i, r in enumerate(rows):
             if r is not None:
                 continue
@@ -112,23 +113,28 @@ class RawPlainSystem:
             od[keys[i]] = r
             rows[i] = r
             new.append(r)
-        return rows, new
+            new_keys.append(keys[i])
+        return rows, new, new_keys
 
     def step(self, native: tuple[list[torch.Tensor], torch.Tensor]) -> None:
         raws, offsets = native
         outs = []
         for t, (bag, raw) in enumerate(zip(self.bags, raws)):
             uniq, inv = torch.unique(raw, return_inverse=True)  # (U,), (B*L,)
-            rows, new = self.assign(t, uniq.tolist())
+            rows, new, new_keys = self.assign(t, uniq.tolist())
             if new:
                 idx = torch.tensor(new)  # (A,) rows of admitted ids
                 with torch.no_grad():
-                    bag.weight[idx] = torch.randn(len(new), self.w.dim) * self.std
+                    bag.weight[idx] = self.initial_values(t, new_keys)
                     self.sums[t][idx] = common.ACC0
             outs.append(bag(torch.tensor(rows)[inv], offsets))  # (B, D)
         torch.autograd.backward(outs, self.grads)  # sparse (nnz, D) gradients
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def initial_values(self, t: int, ids: list[int]) -> torch.Tensor:
+        """(A, D) values of table ``t``'s admitted raw ids (check_raw.py swaps in embcore's)."""
+        return torch.randn(len(ids), self.w.dim) * self.std
 
     def tables(self) -> list[torch.Tensor]:
         return [bag.weight for bag in self.bags]
