@@ -7,10 +7,11 @@ row maps and their rows must agree.
                                              [--tables 3] [--steps 3]
 
 Why they can agree: both give new ids (ascending) the lowest free rows first. With eviction, the
-OrderedDict LRU (``--mapping lru``) evicts in embcore's order too: hits move to the end in
-ascending id order and new ids are appended in ascending order, so ``popitem(last=False)`` yields
-the smallest (last use, id), embcore's victim order (``--capacity 5000 --mapping lru`` evicts from
-the second step on). The ``dict`` mapping's FIFO ring agrees only while nothing is evicted.
+OrderedDict LRU (``--mapping lru``) evicts in embcore's order too when its ``exact_lru_order`` is
+on (set here; off in the benchmark, where a step's hits leave before its new ids): a step's ids
+then sit at the end in ascending order, so ``popitem(last=False)`` yields the smallest (last use,
+id), embcore's victim order (``--capacity 5000 --mapping lru --steps 10`` evicts from the fourth
+step on). The ``dict`` mapping's FIFO ring agrees only while nothing is evicted.
 W1's shape (100k ids per table, batch 4096, D 64) with fewer tables; prints one line per table
 and exits 1 on a mismatch.
 """
@@ -45,6 +46,7 @@ def main() -> None:
     sys_raw_embcore.EVICTION, sys_raw_plain.MAPPING = "lru", args.mapping
     emb = sys_raw_embcore.RawEmbcoreSystem(w, "adagrad", grads, None)
     plain = sys_raw_plain.RawPlainSystem(w, "adagrad", grads, None)
+    plain.exact_lru_order = True
     dyn = {d.name: d for d in emb.emb._store.dynamic.values()}  # {table name: DynamicRows}
 
     def embcore_init(t: int, ids: list[int]) -> torch.Tensor:

@@ -38,6 +38,11 @@ if MAPPING not in ("dict", "lru"):
 
 
 class RawPlainSystem:
+    # check_raw.py sets it: after a step, its ids are moved to the end in ascending order, so that
+    # ids last used in the same step leave in ascending id order, embcore's tie rule (otherwise
+    # the hits of a step leave before its new ids: an LRU all the same; one more pass per table)
+    exact_lru_order = False
+
     def __init__(self, w: Workload, optimizer: str, grads: list[torch.Tensor],
                  init: list[torch.Tensor] | None) -> None:
         if optimizer != "adagrad":
@@ -114,6 +119,8 @@ class RawPlainSystem:
             rows[i] = r
             new.append(r)
             new_keys.append(keys[i])
+        if self.exact_lru_order:
+            deque(map(od.move_to_end, keys), maxlen=0)
         return rows, new, new_keys
 
     def step(self, native: tuple[list[torch.Tensor], torch.Tensor]) -> None:
