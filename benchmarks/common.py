@@ -7,6 +7,13 @@ the fixed upstream gradient + the optimizer update), ``tables() -> T x (N, D)`` 
 
 A step's timing: ``warmup`` steps, then ``repeats`` timed loops of ``workload.steps`` steps each,
 cycling over ``NUM_BATCHES`` pre-generated batches; the result is the median loop's time per step.
+
+Stream mode (``--fill F``, F >= 0; the default of the W1-raw scripts): every step trains on a new
+batch of the workload's stream (``workloads.stream_batch``), none is reused: ``F`` untimed fill
+steps, the warm-up steps, then the timed loops (each loop's batches prepared before it). A system
+with dynamic tables may also offer ``resident_ids() -> T x (R_t,)`` (the raw ids its maps hold)
+and ``map_bytes() -> int`` (the memory of its id -> row maps): the result then carries their
+sizes and one more untimed step's admitted and evicted ids (``raw_stats``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import (WORKLOADS, Batch, Workload, get_workload, initial_tables,  # noqa: E402
-                       make_batches, upstream_grads)
+                       make_batches, stream_batch, upstream_grads)
 
 THREADS = 2
 LR = 0.01
@@ -59,7 +66,7 @@ def take_option(flag: str, default: Any, kind: Callable[[str], Any] = int) -> An
     return value
 
 
-def parse_args(system: str) -> argparse.Namespace:
+def parse_args(system: str, fill: int = -1) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"One benchmark run of {system}; prints one JSON line.")
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise"])
@@ -72,6 +79,10 @@ def parse_args(system: str) -> argparse.Namespace:
                         f"torch.save the tables to PATH")
     p.add_argument("--profile", action="store_true",
                    help="also print the top 10 ops by self CPU time of 3 steps (stderr)")
+    p.add_argument("--fill", type=int, default=fill,
+                   help="stream mode when >= 0: every step a new batch, after this many untimed "
+                        "fill steps (default %(default)s; < 0: cycle over the pre-generated "
+                        "batches)")
     return p.parse_args()
 
 
@@ -101,8 +112,13 @@ def peak_rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def main(system: str, build: Build, versions: dict[str, str]) -> None:
-    args = parse_args(system)
+def main(system: str, build: Build, versions: dict[str, str], fill: int = -1,
+         extra: dict | None = None) -> None:
+    """Runs one system; ``fill``: the default of ``--fill`` (stream mode when >= 0); ``extra``:
+    fields added to the result line (e.g. a W1-raw system's capacity)."""
+    args = parse_args(system, fill)
+    if args.fill >= 0 and not args.check:
+        return main_stream(system, build, versions, args, extra or {})
     w = get_workload(args.workload, args.quick)
     grads = upstream_grads(w)  # T x (B, D)
     batches = make_batches(w, NUM_BATCHES)
@@ -142,6 +158,69 @@ def main(system: str, build: Build, versions: dict[str, str]) -> None:
           "threads": torch.get_num_threads(), "note": w.note,
           "versions": {"python": platform.python_version(), "torch": torch.__version__,
                        **versions}}, args.json)
+
+
+def main_stream(system: str, build: Build, versions: dict[str, str], args: argparse.Namespace,
+                extra: dict) -> None:
+    """``main`` in stream mode: every step a new batch (batch i of ``workloads.stream_batch``)."""
+    w = get_workload(args.workload, args.quick)
+    grads = upstream_grads(w)  # T x (B, D)
+    t0 = time.perf_counter()
+    sysm = build(w, args.optimizer, grads, None)
+    build_s = time.perf_counter() - t0
+    i = 0
+    t0 = time.perf_counter()
+    for _ in range(args.fill + args.warmup):  # untimed: each batch prepared just before its step
+        sysm.step(sysm.prepare(stream_batch(w, i)))
+        i += 1
+    fill_s = time.perf_counter() - t0
+    per_step, faults = [], 0
+    for _ in range(args.repeats):
+        natives = [sysm.prepare(stream_batch(w, i + k)) for k in range(w.steps)]
+        i += w.steps
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        for native in natives:
+            sysm.step(native)
+        per_step.append((time.perf_counter() - t0) / w.steps)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        del natives
+    if args.profile:
+        profile(sysm, [sysm.prepare(stream_batch(w, i + k)) for k in range(3)])
+        i += 3
+    stats = raw_stats(sysm, sysm.prepare(stream_batch(w, i)))
+    s = statistics.median(per_step)
+    emit({"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
+          "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
+          "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
+          "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
+          "repeat_ms": [round(x * 1e3, 4) for x in per_step], "build_s": round(build_s, 2),
+          "stream": True, "fill_steps": args.fill, "fill_s": round(fill_s, 1),
+          "minor_faults_per_step": round(faults / (args.repeats * w.steps)),
+          "peak_rss_mib": round(peak_rss_mib(), 1), "state_bytes": sysm.state_bytes(),
+          **extra, **stats, "threads": torch.get_num_threads(),
+          "note": "; ".join(n for n in (w.note, extra.get("note", "")) if n),
+          "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                       **versions}}, args.json)
+
+
+def raw_stats(sysm: System, native: Any) -> dict:
+    """A system with id -> row maps: its resident ids (summed over tables), the maps' memory
+    per resident id, and the ids one more (untimed) step admitted and evicted."""
+    if not hasattr(sysm, "resident_ids"):
+        sysm.step(native)
+        return {}
+    before = sysm.resident_ids()  # T x (R_t,)
+    sysm.step(native)
+    after = sysm.resident_ids()
+    out = {"resident_ids": sum(a.numel() for a in after),
+           "probe_admitted": sum(int((~torch.isin(a, b)).sum()) for a, b in zip(after, before)),
+           "probe_evicted": sum(int((~torch.isin(b, a)).sum()) for a, b in zip(after, before))}
+    if hasattr(sysm, "map_bytes"):
+        nbytes = sysm.map_bytes()
+        out.update(map_bytes=nbytes, map_bytes_per_id=round(nbytes / max(out["resident_ids"], 1),
+                                                            1))
+    return out
 
 
 def profile(sysm: System, natives: list) -> None:

@@ -97,12 +97,13 @@ def python_for(kind: str, args: argparse.Namespace) -> str | None:
 
 
 def run_system(sysdef: tuple, workload: str, args: argparse.Namespace) -> dict:
-    label, script, opt, kind = sysdef
+    """One system's run; ``sysdef`` = (label, script, optimizer, which python, *script options)."""
+    label, script, opt, kind, *options = sysdef
     py = python_for(kind, args)
     if py is None:
         return {"system": label, "optimizer": opt, "workload": workload,
                 "status": "not installed", "error": f"no peers python ({args.peers_python})"}
-    cmd = [py, str(HERE / script), "--workload", workload, "--optimizer", opt, "--json"]
+    cmd = [py, str(HERE / script), "--workload", workload, "--optimizer", opt, "--json", *options]
     best: dict | None = None
     for attempt in range(1 + args.retries):  # re-run when other processes took the CPUs
         wait_idle(args.wait_idle)
@@ -363,10 +364,11 @@ def save_section(path: Path, mode: str, text: str) -> None:
             sections[m] = old[old.index(begin) + len(begin):old.index(end)].strip("\n")
     sections[mode] = text.strip("\n")
     order = [m for m in ("full", "quick") if m in sections]
-    order += [m for m in names if m not in ("full", "quick")]
+    order += [m for m in dict.fromkeys(names + [mode]) if m not in ("full", "quick")]
     body = [f"<!-- begin {m} -->\n{sections[m]}\n<!-- end {m} -->" for m in order]
-    path.write_text("# embcore benchmark results\n\nWritten by `benchmarks/run.py` (see "
-                    "benchmarks/README.md); one section per mode, the latest run of each.\n\n"
+    path.write_text("# embcore benchmark results\n\nWritten by `benchmarks/run.py` and "
+                    "`benchmarks/raw_ids.py` (see benchmarks/README.md); one section per mode "
+                    "(full, quick, w1-raw), the latest run of each.\n\n"
                     + "\n\n".join(body) + "\n")
 
 

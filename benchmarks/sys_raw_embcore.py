@@ -4,7 +4,10 @@
 
 The ids are W1's (the same Zipf frequencies) sent through a fixed random one-to-one map per table
 into [0, 2^63) (``workloads.raw_ids``); each table is ``dynamic`` with ``--capacity`` rows (100k:
-every id fits, nothing is evicted; 50k: eviction every step).
+every id fits, nothing is evicted; 50k: eviction every step). Stream mode by default (common.py:
+``--fill`` untimed steps, default ``workloads.RAW_FILL``, then every step a new batch). The result
+line adds the maps' resident ids and bytes (``map_bytes``: every tensor of each table's
+``VocabMap``, found through ``emb._store.dynamic``) and one more step's admitted / evicted ids.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 import common
 import embcore as ec
-from workloads import Batch, Workload, raw_ids
+from workloads import RAW_FILL, Batch, Workload, raw_ids
 
 CAPACITY = common.take_option("--capacity", 100_000)
 EVICTION = common.take_option("--eviction", "lru", str)
@@ -53,6 +56,20 @@ class RawEmbcoreSystem:
     def state_bytes(self) -> int:
         return sum(v.nbytes for k, v in self.emb.state_dict().items() if k != "step")
 
+    def resident_ids(self) -> list[torch.Tensor]:
+        return [self.emb.vocabulary(c)[0] for c in self.configs]  # T x (R_t,)
+
+    def map_bytes(self) -> int:
+        """Bytes of every tensor the tables' maps hold (their storages, each counted once)."""
+        seen: dict[int, int] = {}
+        for dyn in self.emb._store.dynamic.values():
+            for v in vars(dyn.map).values():
+                if isinstance(v, torch.Tensor):
+                    st = v.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
 
 if __name__ == "__main__":
-    common.main("embcore-raw", RawEmbcoreSystem, {"embcore": ec.__version__})
+    common.main("embcore-raw", RawEmbcoreSystem, {"embcore": ec.__version__}, fill=RAW_FILL,
+                extra={"capacity": CAPACITY, "mapping": f"VocabMap {EVICTION}"})
