@@ -128,10 +128,12 @@ class RowStore:
         if new_ids.numel():
             values = initial_values(dyn.table, dyn.name, dyn.seed, new_ids.cpu())  # (A, D)
             c0, c1 = self.plan.physical[p].columns[self.comm.rank]
-            self.tables[p][new_rows] = values[:, c0:c1].to(self.device, self.tables[p].dtype)
+            new_rows = new_rows.to(self.device)
+            table = self.tables[p]
+            table.index_copy_(0, new_rows, values[:, c0:c1].to(self.device, table.dtype))
             opt = self.plan.physical[p].optimizer
             for spec in (opt.slots if opt is not None else ()):
-                self.slots[p][spec.name][new_rows] = spec.initial_value
+                self.slots[p][spec.name].index_fill_(0, new_rows, spec.initial_value)
         if inverse is None:
             return [rows], dyn.step
         return list(rows[inverse].split([t.numel() for t in ids])), dyn.step

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .config import TableConfig, default_initializer, init_seed
-from .ops import hashing
+from .ops import hashing, native
 from .ops.vocab import VocabMap, vocab_map
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
@@ -50,9 +50,13 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
     """
     n, dim = ids.numel(), table.dim
     if table.initializer is None:
-        u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
-        p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
-        return (torch.special.ndtri(p) / math.sqrt(dim)).to(torch.float32)
+        if native.usable(ids):  # the same doubles, hashed by the fused kernels
+            p = native.hash_uniform(seed, ids.contiguous(), dim, _PHI_LO, _PHI_HI - _PHI_LO)
+        else:
+            u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
+            p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
+        x = torch.special.ndtri(p, out=p)  # (n, D) float64, in place
+        return x.div_(math.sqrt(dim)).to(torch.float32)
     out = torch.empty(n, dim, dtype=torch.float32)  # (n, D)
     init = table.initializer if callable(table.initializer) else default_initializer(dim)
     from .config import _fill  # one place that runs initializers and checks what they leave

@@ -26,6 +26,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout)), *args)
     if dist.is_initialized():
+        dist.barrier()  # processes leaving at different times can abort gloo's shutdown
         dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
+from embcore.ops import native
 from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.ops.reference_vocab import ReferenceVocabulary
 from embcore.vocabulary import initial_values, table_seed
@@ -56,6 +57,21 @@ def test_uniform_and_initial_values_depend_on_the_id_and_seed_only():
     v = initial_values(t, "t", 11, torch.arange(2000))
     std = 1 / math.sqrt(64)
     assert v.abs().max() <= 2 * std and abs(v.std().item() - 0.88 * std) < 0.05 * std
+
+
+@pytest.mark.skipif(not native.available(), reason="the fused kernels are not built")
+def test_initial_values_are_the_same_with_the_kernels_and_without():
+    t = ec.TableConfig(vocabulary_size=4, dim=33, dynamic=ec.DynamicVocabulary())
+    ids = torch.cat([torch.tensor(BIG), torch.randint(-(2**63), 2**63 - 1, (3000,),
+                                                      generator=torch.Generator().manual_seed(3))])
+    for seed in (0, 11, -5, 2**63 - 1, 2**64 - 1):
+        fast = initial_values(t, "t", seed, ids)
+        previous = native.set_enabled(False)
+        try:
+            slow = initial_values(t, "t", seed, ids)
+        finally:
+            native.set_enabled(previous)
+        assert torch.equal(fast, slow)
 
 
 # ------------------------------------------------------------------------------ configs

@@ -115,6 +115,7 @@ _SIGNATURES = {
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
                            _P, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
+    "ec_hash_uniform": (None, [_I, _P, _I, _I, ctypes.c_double, ctypes.c_double, _P]),
 }
 
 
@@ -507,6 +508,19 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tenso
     if rc != 0:
         return None, info[0], info[1], hint
     return new_rows, 0, 0, info[2]
+
+
+def hash_uniform(seed: int, ids: torch.Tensor, dim: int, lo: float = 0.0,
+                 width: float = 1.0) -> torch.Tensor:
+    """(n, dim) float64 ``lo + hashing.uniform(seed, ids, dim) * width`` (the same doubles) of
+    (n,) contiguous int64 ``ids``; ``seed`` taken modulo 2**64."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(ids.numel(), dim, dtype=torch.float64)
+    s = seed & ((1 << 64) - 1)
+    lib.ec_hash_uniform(s - (1 << 64) if s >= 1 << 63 else s, ids.data_ptr(), ids.numel(), dim,
+                        lo, width, out.data_ptr())
+    return out
 
 
 def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor) -> None:

@@ -721,6 +721,25 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
   return 0;
 }
 
+// Counter-based uniforms of raw ids (ops/hashing.py's ``uniform``), mapped to [lo, lo + width):
+// out[i, j] = lo + u * width, u = (bits + 0.5) * 2^-53 with bits the top 53 bits of
+// splitmix64(key + j), key = splitmix64(splitmix64(ids[i]) ^ seed), splitmix64(x) =
+// mix64(x + 0x9E3779B97F4A7C15). The same doubles as the torch ops (tests compare them).
+void ec_hash_uniform(i64 seed, const i64* ids, i64 n, i64 dim, double lo, double width,
+                     double* out) {
+  const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+  for (i64 i = 0; i < n; ++i) {
+    const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
+    double* o = out + i * dim;
+    for (i64 j = 0; j < dim; ++j) {
+      const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
+      const double u = (double(bits) + 0.5) * 0x1p-53;
+      const volatile double scaled = u * width;  // no fused multiply-add: the torch ops' rounding
+      o[j] = lo + scaled;
+    }
+  }
+}
+
 // Rebuilds the index from the per-row state: slots (mask + 1,) all set, then every used row's
 // id inserted.
 void ec_vocab_index(i64* slots, i64 mask, const i64* row_key, const uint8_t* row_used,
