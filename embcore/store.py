@@ -37,7 +37,7 @@ from .ops.workspace import Workspace
 from .optimizers import Optimizer
 from .plan import ShardingPlan
 from .shards import from_value, gather_whole, to_sharded
-from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initial_values
+from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows
 
 
 class RowStore:
@@ -126,11 +126,9 @@ class RowStore:
                 distinct, inverse = torch.unique(asked, return_inverse=True)
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
         if new_ids.numel():
-            values = initial_values(dyn.table, dyn.name, dyn.seed, new_ids.cpu())  # (A, D)
-            c0, c1 = self.plan.physical[p].columns[self.comm.rank]
+            initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, new_rows, self.tables[p],
+                            self.plan.physical[p].columns[self.comm.rank])
             new_rows = new_rows.to(self.device)
-            table = self.tables[p]
-            table.index_copy_(0, new_rows, values[:, c0:c1].to(self.device, table.dtype))
             opt = self.plan.physical[p].optimizer
             for spec in (opt.slots if opt is not None else ()):
                 self.slots[p][spec.name].index_fill_(0, new_rows, spec.initial_value)

@@ -40,23 +40,54 @@ def table_seed(base_seed: int, name: str) -> int:
     return init_seed(base_seed, name, -1)
 
 
+# Acklam's rational approximation of the standard normal's inverse CDF (relative error below
+# 1.15e-9): kernels.cpp's ``inverse_normal`` holds the same coefficients and operation order.
+_A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+      1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
+_B = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+      6.680131188771972e+01, -1.328068155288572e+01)
+_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+      -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
+_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+      3.754408661907416e+00)
+_P_LOW = 0.02425
+
+
+def _poly(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
+    out = torch.full_like(x, coefficients[0])
+    for c in coefficients[1:]:
+        out = out * x + c
+    return out
+
+
+def inverse_normal(p: torch.Tensor) -> torch.Tensor:
+    """The standard normal's inverse CDF of float64 ``p`` in (0, 1) (Acklam: relative error
+    below 1.15e-9), in torch ops: the twin of the fused kernel's, operation for operation."""
+    q = p - 0.5
+    r = q * q
+    central = _poly(r, _A) * q / (_poly(r, _B) * r + 1.0)
+    lower = p < _P_LOW
+    t = torch.sqrt(-2.0 * torch.log(torch.where(lower, p, 1.0 - p)))
+    tail = _poly(t, _C) / (_poly(t, _D) * t + 1.0)
+    tail = torch.where(lower, tail, -tail)
+    return torch.where(lower | (p > 1.0 - _P_LOW), tail, central)
+
+
 def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) -> torch.Tensor:
     """(n, D) float32 initial values of raw ids ``ids`` (n,) of a dynamic table.
 
     The default initializer (TF's truncated normal, stddev ``1/sqrt(D)``, cut at 2 stddevs) is
-    computed from counter-based hashes of ``(seed, id, column)`` in a few vectorized ops. A
-    callable initializer is run once per id, on a ``(1, D)`` block drawn from a generator seeded
-    by ``(seed, id)``: exact, but slower when many ids are admitted per step.
+    the inverse normal CDF of counter-based uniforms of ``(seed, id, column)`` mapped into the
+    cut's probabilities, in a few vectorized ops (the fused kernels write the same values:
+    ``initialize_rows``). A callable initializer is run once per id, on a ``(1, D)`` block drawn
+    from a generator seeded by ``(seed, id)``: exact, but slower when many ids are admitted per
+    step.
     """
     n, dim = ids.numel(), table.dim
     if table.initializer is None:
-        if native.usable(ids):  # the same doubles, hashed by the fused kernels
-            p = native.hash_uniform(seed, ids.contiguous(), dim, _PHI_LO, _PHI_HI - _PHI_LO)
-        else:
-            u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
-            p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
-        x = torch.special.ndtri(p, out=p)  # (n, D) float64, in place
-        return x.div_(math.sqrt(dim)).to(torch.float32)
+        u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
+        p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
+        return (inverse_normal(p) / math.sqrt(dim)).to(torch.float32)
     out = torch.empty(n, dim, dtype=torch.float32)  # (n, D)
     init = table.initializer if callable(table.initializer) else default_initializer(dim)
     from .config import _fill  # one place that runs initializers and checks what they leave
@@ -66,6 +97,20 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
             torch.manual_seed(key & ((1 << 63) - 1))
             _fill(init, out[k:k + 1], name)
     return out
+
+
+def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
+                    rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int]) -> None:
+    """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
+    the table: a column split holds some), by the fused kernels where they apply."""
+    if (table.initializer is None and out.dtype == torch.float32 and out.is_contiguous()
+            and native.usable(out, ids, rows)):
+        native.init_normal(seed, ids.contiguous(), rows.contiguous(), table.dim, columns,
+                           _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(table.dim), out)
+        return
+    c0, c1 = columns
+    values = initial_values(table, name, seed, ids.cpu())[:, c0:c1]  # (A, C)
+    out.index_copy_(0, rows.to(out.device), values.to(out.device, out.dtype))
 
 
 class DynamicRows:

@@ -15,7 +15,7 @@ import embcore as ec
 from embcore.ops import native
 from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.ops.reference_vocab import ReferenceVocabulary
-from embcore.vocabulary import initial_values, table_seed
+from embcore.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 from distributed import run_on
 
@@ -64,14 +64,16 @@ def test_initial_values_are_the_same_with_the_kernels_and_without():
     t = ec.TableConfig(vocabulary_size=4, dim=33, dynamic=ec.DynamicVocabulary())
     ids = torch.cat([torch.tensor(BIG), torch.randint(-(2**63), 2**63 - 1, (3000,),
                                                       generator=torch.Generator().manual_seed(3))])
+    rows = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(4))
     for seed in (0, 11, -5, 2**63 - 1, 2**64 - 1):
-        fast = initial_values(t, "t", seed, ids)
-        previous = native.set_enabled(False)
-        try:
-            slow = initial_values(t, "t", seed, ids)
-        finally:
-            native.set_enabled(previous)
-        assert torch.equal(fast, slow)
+        want = initial_values(t, "t", seed, ids)  # torch ops
+        for columns in ((0, 33), (5, 20)):
+            got = torch.zeros(ids.numel(), columns[1] - columns[0])
+            initialize_rows(t, "t", seed, ids, rows, got, columns)  # the kernels
+            assert torch.equal(got[rows], want[:, columns[0]:columns[1]])
+    # the approximation of the inverse normal CDF against torch's ndtri
+    p = torch.linspace(1e-6, 1 - 1e-6, 100_001, dtype=torch.float64)
+    torch.testing.assert_close(inverse_normal(p), torch.special.ndtri(p), rtol=2e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------ configs

@@ -725,8 +725,8 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
 // out[i, j] = lo + u * width, u = (bits + 0.5) * 2^-53 with bits the top 53 bits of
 // splitmix64(key + j), key = splitmix64(splitmix64(ids[i]) ^ seed), splitmix64(x) =
 // mix64(x + 0x9E3779B97F4A7C15). The same doubles as the torch ops (tests compare them).
-void ec_hash_uniform(i64 seed, const i64* ids, i64 n, i64 dim, double lo, double width,
-                     double* out) {
+__attribute__((optimize("fp-contract=off"))) void ec_hash_uniform(
+    i64 seed, const i64* ids, i64 n, i64 dim, double lo, double width, double* out) {
   const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
   for (i64 i = 0; i < n; ++i) {
     const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
@@ -734,10 +734,65 @@ void ec_hash_uniform(i64 seed, const i64* ids, i64 n, i64 dim, double lo, double
     for (i64 j = 0; j < dim; ++j) {
       const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
       const double u = (double(bits) + 0.5) * 0x1p-53;
-      const volatile double scaled = u * width;  // no fused multiply-add: the torch ops' rounding
-      o[j] = lo + scaled;
+      o[j] = lo + u * width;  // not fused (fp-contract off): the torch ops' rounding
     }
   }
+}
+
+}  // extern "C"
+
+namespace {
+
+// The standard normal's inverse CDF by Acklam's rational approximation (relative error below
+// 1.15e-9) for p in (0, 1): a central rational function of (p - 1/2)^2, and tails in
+// sqrt(-2 log p). vocabulary.py's ``inverse_normal`` is the same in torch ops, in the same
+// order; contraction into fused multiply-adds would round differently, so it is switched off.
+constexpr double kA[6] = {-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+                          1.383577518672690e+02,  -3.066479806614716e+01, 2.506628277459239e+00};
+constexpr double kB[5] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                          6.680131188771972e+01,  -1.328068155288572e+01};
+constexpr double kC[6] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                          -2.549732539343734e+00, 4.374664141464968e+00,  2.938163982698783e+00};
+constexpr double kD[4] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                          3.754408661907416e+00};
+constexpr double kPLow = 0.02425;
+
+__attribute__((optimize("fp-contract=off"))) inline double inverse_normal(double p) {
+  if (p < kPLow || p > 1.0 - kPLow) {
+    const double tail = p < kPLow ? p : 1.0 - p;
+    const double q = std::sqrt(-2.0 * std::log(tail));
+    const double x = (((((kC[0] * q + kC[1]) * q + kC[2]) * q + kC[3]) * q + kC[4]) * q + kC[5]) /
+                     ((((kD[0] * q + kD[1]) * q + kD[2]) * q + kD[3]) * q + 1.0);
+    return p < kPLow ? x : -x;
+  }
+  const double q = p - 0.5;
+  const double r = q * q;
+  return (((((kA[0] * r + kA[1]) * r + kA[2]) * r + kA[3]) * r + kA[4]) * r + kA[5]) * q /
+         (((((kB[0] * r + kB[1]) * r + kB[2]) * r + kB[3]) * r + kB[4]) * r + 1.0);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The default initial values of admitted raw ids, written into their rows: for id ids[i] and
+// column j in [c0, c1), table[rows[i], j - c0] = float(inverse_normal(lo + u * width) / div),
+// u as in ec_hash_uniform (vocabulary.py's ``initial_values``: TF's truncated normal).
+//   table (N, stride) float32 row-major.
+__attribute__((optimize("fp-contract=off"))) void ec_init_normal(
+    i64 seed, const i64* ids, const i64* rows, i64 n, i64 dim, i64 c0, i64 c1, double lo,
+    double width, double div, float* table, i64 stride) {
+  const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+  for (i64 i = 0; i < n; ++i) {
+    const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
+    float* o = table + rows[i] * stride;
+    for (i64 j = c0; j < c1; ++j) {
+      const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
+      const double u = (double(bits) + 0.5) * 0x1p-53;
+      o[j - c0] = float(inverse_normal(lo + u * width) / div);
+    }
+  }
+  (void)dim;
 }
 
 // Rebuilds the index from the per-row state: slots (mask + 1,) all set, then every used row's
