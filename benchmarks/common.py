@@ -147,17 +147,26 @@ def main(system: str, build: Build, versions: dict[str, str], fill: int = -1,
         args.repeats * w.steps)  # page faults per step: fresh pages for big temporaries
     if args.profile:
         profile(sysm, natives)
+    emit(result(system, args, w, sysm, versions, per_step, build_s, faults), args.json)
+
+
+def result(system: str, args: argparse.Namespace, w: Workload, sysm: System,
+           versions: dict[str, str], per_step: list[float], build_s: float, faults: float,
+           **fields: Any) -> dict:
+    """The JSON result line of a timed run (``fields``: more entries; a ``note`` among them is
+    joined to the workload's)."""
     s = statistics.median(per_step)
-    emit({"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
-          "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
-          "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
-          "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
-          "repeat_ms": [round(x * 1e3, 4) for x in per_step], "build_s": round(build_s, 2),
-          "minor_faults_per_step": round(faults),
-          "peak_rss_mib": round(peak_rss_mib(), 1), "state_bytes": sysm.state_bytes(),
-          "threads": torch.get_num_threads(), "note": w.note,
-          "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                       **versions}}, args.json)
+    note = "; ".join(n for n in (w.note, fields.pop("note", "")) if n)
+    return {"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
+            "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
+            "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
+            "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
+            "repeat_ms": [round(x * 1e3, 4) for x in per_step], "build_s": round(build_s, 2),
+            "minor_faults_per_step": round(faults),
+            "peak_rss_mib": round(peak_rss_mib(), 1), "state_bytes": sysm.state_bytes(),
+            **fields, "threads": torch.get_num_threads(), "note": note,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         **versions}}
 
 
 def main_stream(system: str, build: Build, versions: dict[str, str], args: argparse.Namespace,
@@ -189,19 +198,9 @@ def main_stream(system: str, build: Build, versions: dict[str, str], args: argpa
         profile(sysm, [sysm.prepare(stream_batch(w, i + k)) for k in range(3)])
         i += 3
     stats = raw_stats(sysm, sysm.prepare(stream_batch(w, i)))
-    s = statistics.median(per_step)
-    emit({"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
-          "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
-          "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
-          "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
-          "repeat_ms": [round(x * 1e3, 4) for x in per_step], "build_s": round(build_s, 2),
-          "stream": True, "fill_steps": args.fill, "fill_s": round(fill_s, 1),
-          "minor_faults_per_step": round(faults / (args.repeats * w.steps)),
-          "peak_rss_mib": round(peak_rss_mib(), 1), "state_bytes": sysm.state_bytes(),
-          **extra, **stats, "threads": torch.get_num_threads(),
-          "note": "; ".join(n for n in (w.note, extra.get("note", "")) if n),
-          "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                       **versions}}, args.json)
+    emit(result(system, args, w, sysm, versions, per_step, build_s,
+                faults / (args.repeats * w.steps), stream=True, fill_steps=args.fill,
+                fill_s=round(fill_s, 1), **extra, **stats), args.json)
 
 
 def raw_stats(sysm: System, native: Any) -> dict:

@@ -75,11 +75,13 @@ def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Ta
     table = store.tables[p.index]
     answers = []
     for s, ids in enumerate(asked):
-        out = torch.zeros(ids.numel() + 1, table.shape[1], dtype=table.dtype,
+        out = torch.empty(ids.numel() + 1, table.shape[1], dtype=table.dtype,
                           device=table.device)  # (n_s + 1, D): the rows, then the status
         if failure is None:
             torch.index_select(table, 0, answered[s], out=out[:-1])
+            out[-1] = 0
         else:
+            out.zero_()
             out[-1, 0] = 1
         answers.append(out)
     back = comm.all_to_all(answers, [c + 1 for c in rt.counts])  # W x (n_d + 1, D)

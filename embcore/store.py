@@ -141,10 +141,11 @@ class RowStore:
                gradient_multiplier: float | None = None, since: int | None = None) -> None:
         """Applies ``optimizer`` to distinct shard rows ``rows`` of ``p`` (ops/update.py;
         ``gradient_multiplier``: the optimizer's, already evaluated for ``step``). For a dynamic
-        table, ``since`` is the map step ``rows`` were resolved at: rows not resident then, or
-        given to another id since, are left alone."""
+        table, ``since`` is the map step ``rows`` were resolved at: rows not resident then (the
+        zero row, possibly repeated), or given to another id since, are left alone; with
+        ``grad`` as ``OutputGrads``, ``rows`` are the map's rows of its ``dedup.unique``."""
         dyn = self.dynamic.get(p)
-        if dyn is not None:  # (grad as OutputGrads: rows are the map's rows of dedup.unique)
+        if dyn is not None:
             assert since is not None
             keep, kept = dyn.valid(rows, since)  # (n,)
             if isinstance(grad, OutputGrads) and kept == rows.numel():

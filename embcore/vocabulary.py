@@ -105,8 +105,8 @@ def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
     the table: a column split holds some), by the fused kernels where they apply."""
     if (table.initializer is None and out.dtype == torch.float32 and out.is_contiguous()
             and native.usable(out, ids, rows)):
-        native.init_normal(seed, ids.contiguous(), rows.contiguous(), table.dim, columns,
-                           _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(table.dim), out)
+        native.init_normal(seed, ids.contiguous(), rows.contiguous(), columns, _PHI_LO,
+                           _PHI_HI - _PHI_LO, math.sqrt(table.dim), out)
         return
     c0, c1 = columns
     values = initial_values(table, name, seed, ids.cpu())[:, c0:c1]  # (A, C)

@@ -115,8 +115,7 @@ _SIGNATURES = {
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
                            _P, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
-    "ec_hash_uniform": (None, [_I, _P, _I, _I, ctypes.c_double, ctypes.c_double, _P]),
-    "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, _I, ctypes.c_double, ctypes.c_double,
+    "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _I]),
 }
 
@@ -512,33 +511,21 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tenso
     return new_rows, 0, 0, info[2]
 
 
-def hash_uniform(seed: int, ids: torch.Tensor, dim: int, lo: float = 0.0,
-                 width: float = 1.0) -> torch.Tensor:
-    """(n, dim) float64 ``lo + hashing.uniform(seed, ids, dim) * width`` (the same doubles) of
-    (n,) contiguous int64 ``ids``; ``seed`` taken modulo 2**64."""
-    lib = _load()
-    assert lib is not None
-    out = torch.empty(ids.numel(), dim, dtype=torch.float64)
-    lib.ec_hash_uniform(_seed64(seed), ids.data_ptr(), ids.numel(), dim, lo, width,
-                        out.data_ptr())
-    return out
-
-
 def _seed64(seed: int) -> int:
     s = seed & ((1 << 64) - 1)
     return s - (1 << 64) if s >= 1 << 63 else s
 
 
-def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, dim: int, columns: tuple[int, int],
+def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple[int, int],
                 lo: float, width: float, div: float, table: torch.Tensor) -> None:
-    """Writes ``float32(inverse_normal(lo + hash_uniform(seed, ids, dim) * width) / div)``,
-    columns ``columns[0]:columns[1]``, into rows ``rows`` of contiguous float32 ``table``
-    (n_rows, columns[1] - columns[0]) (``vocabulary.initial_values``' default)."""
+    """Writes ``float32(inverse_normal(lo + hashing.uniform(seed, ids, c1)[:, c0:c1] * width) /
+    div)``, ``(c0, c1) = columns``, into rows ``rows`` of contiguous float32 ``table``
+    (n_rows, c1 - c0) (``vocabulary.initial_values``' default)."""
     lib = _load()
     assert lib is not None
     c0, c1 = columns
-    lib.ec_init_normal(_seed64(seed), ids.data_ptr(), rows.data_ptr(), ids.numel(), dim, c0, c1,
-                       lo, width, div, table.data_ptr(), table.shape[1])
+    lib.ec_init_normal(_seed64(seed), ids.data_ptr(), rows.data_ptr(), ids.numel(), c0, c1, lo,
+                       width, div, table.data_ptr(), table.shape[1])
 
 
 def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor) -> None:

@@ -721,24 +721,6 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
   return 0;
 }
 
-// Counter-based uniforms of raw ids (ops/hashing.py's ``uniform``), mapped to [lo, lo + width):
-// out[i, j] = lo + u * width, u = (bits + 0.5) * 2^-53 with bits the top 53 bits of
-// splitmix64(key + j), key = splitmix64(splitmix64(ids[i]) ^ seed), splitmix64(x) =
-// mix64(x + 0x9E3779B97F4A7C15). The same doubles as the torch ops (tests compare them).
-__attribute__((optimize("fp-contract=off"))) void ec_hash_uniform(
-    i64 seed, const i64* ids, i64 n, i64 dim, double lo, double width, double* out) {
-  const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
-  for (i64 i = 0; i < n; ++i) {
-    const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
-    double* o = out + i * dim;
-    for (i64 j = 0; j < dim; ++j) {
-      const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
-      const double u = (double(bits) + 0.5) * 0x1p-53;
-      o[j] = lo + u * width;  // not fused (fp-contract off): the torch ops' rounding
-    }
-  }
-}
-
 }  // extern "C"
 
 namespace {
@@ -776,12 +758,15 @@ __attribute__((optimize("fp-contract=off"))) inline double inverse_normal(double
 extern "C" {
 
 // The default initial values of admitted raw ids, written into their rows: for id ids[i] and
-// column j in [c0, c1), table[rows[i], j - c0] = float(inverse_normal(lo + u * width) / div),
-// u as in ec_hash_uniform (vocabulary.py's ``initial_values``: TF's truncated normal).
+// column j in [c0, c1), table[rows[i], j - c0] = float(inverse_normal(lo + u * width) / div), with
+// u = (bits + 0.5) * 2^-53, bits the top 53 bits of splitmix64(key + j), key =
+// splitmix64(splitmix64(ids[i]) ^ seed), splitmix64(x) = mix64(x + 0x9E3779B97F4A7C15): the
+// doubles of ops/hashing.py's ``uniform`` (vocabulary.py's ``initial_values``: TF's truncated
+// normal, the same floats in torch ops).
 //   table (N, stride) float32 row-major.
 __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
-    i64 seed, const i64* ids, const i64* rows, i64 n, i64 dim, i64 c0, i64 c1, double lo,
-    double width, double div, float* table, i64 stride) {
+    i64 seed, const i64* ids, const i64* rows, i64 n, i64 c0, i64 c1, double lo, double width,
+    double div, float* table, i64 stride) {
   const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
   for (i64 i = 0; i < n; ++i) {
     const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
@@ -789,10 +774,9 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
     for (i64 j = c0; j < c1; ++j) {
       const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
       const double u = (double(bits) + 0.5) * 0x1p-53;
-      o[j - c0] = float(inverse_normal(lo + u * width) / div);
+      o[j - c0] = float(inverse_normal(lo + u * width) / div);  // not fused: torch's rounding
     }
   }
-  (void)dim;
 }
 
 // Rebuilds the index from the per-row state: slots (mask + 1,) all set, then every used row's
