@@ -136,9 +136,9 @@ class Embedding:
         Optional: ``enqueue``, ``lookup`` and ``state_dict`` build on first use.
 
         Args:
-            per_replica_input_shapes: a structure mirroring feature_config of input shapes whose
-                last dim counts ids per bag (``[B, 1]``, ``[B, L]``; ``[B, L, 1]`` for a dense
-                ``[B, L]`` input looked up id by id); sets each feature's output shape.
+            per_replica_input_shapes: a structure mirroring feature_config of the inputs' own
+                shapes; each sets its feature's output shape as the batch's kind reads it (a
+                dense ``[B, L]``: ``[B, L]``; a jagged or sparse ``[B, L]``: ``[B]``).
             per_replica_batch_size: the simpler form: output ``[B]`` (``[B, L]`` for sequence
                 features of length L).
 

@@ -71,6 +71,9 @@ class Features:
                            for t in tables}
         self.tables = [self.table_names[f.table] for f in self.configs]  # per feature
         self.shapes: list[tuple[int, ...] | None] = [None] * len(self.configs)
+        # build()'s input shapes whose output shape depends on the input kind (dense or bags),
+        # resolved by each batch's kind until a batch fixes the shape
+        self.declared: list[tuple[int, ...] | None] = [None] * len(self.configs)
         self._index = {id(f): i for i, f in enumerate(self.configs)}
         self._all = range(len(self.configs))
 
@@ -96,23 +99,30 @@ class Features:
                 mismatch, or a shape conflicting with one already fixed.
         """
         shapes: list[tuple[int, ...] | None] = [None] * len(self)
+        declared: list[tuple[int, ...] | None] = [None] * len(self)
         if per_replica_input_shapes is not None:
             flat = flatten_like(self.template, per_replica_input_shapes, is_feature,
                                 "per_replica_input_shapes")
-            shapes = [output_shape_from_input_shape(f, _sizes(s, f"feature {n!r}: "
-                                                                 f"per_replica_input_shapes"), n)
-                      for f, s, n in zip(self.configs, flat, self.names)]
+            declared = [_sizes(s, f"feature {n!r}: per_replica_input_shapes") for s, n in
+                        zip(flat, self.names)]
+            shapes = [output_shape_from_input_shape(f, s, n, None)
+                      for f, s, n in zip(self.configs, declared, self.names)]
         elif per_replica_batch_size is not None:
             (b,) = _sizes((per_replica_batch_size,), "per_replica_batch_size")
             shapes = [(b, f.sequence_length) if f.sequence_length else (b,)
                       for f in self.configs]
-        for i, s in enumerate(shapes):
-            if s is not None and self.shapes[i] is not None and self.shapes[i] != s:
-                raise ValueError(f"feature {self.names[i]!r}: build() shape {list(s)} conflicts "
-                                 f"with the shape {list(self.shapes[i] or ())} already fixed")
-        for i, s in enumerate(shapes):
+        for i, (s, d) in enumerate(zip(shapes, declared)):
+            have, name, f = self.shapes[i], self.names[i], self.configs[i]
+            options = [s] if s is not None else [
+                output_shape_from_input_shape(f, d, name, k) for k in (True, False)] if d else []
+            if have is not None and options and have not in options:
+                raise ValueError(f"feature {name!r}: build() shape {list(s or d or ())} conflicts "
+                                 f"with the shape {list(have)} already fixed")
+        for i, (s, d) in enumerate(zip(shapes, declared)):
             if s is not None:
-                self.shapes[i] = s
+                self.shapes[i], self.declared[i] = s, None
+            elif d is not None and self.shapes[i] is None:
+                self.declared[i] = d
 
     def serving_bags(self, template: Any, features: Any, weights: Any,
                      device: torch.device) -> tuple[list[Bags | None], list[str]]:
@@ -153,12 +163,12 @@ class Features:
         """
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
         out: list[Bags | None] = [_bags(self.configs[i], self.names[i], self.tables[i], ids, w,
-                                        device, self.shapes[i])
+                                        device, self.shapes[i], self.declared[i])
                                   for i, ids, w in zip(self._all, flat_ids, flat_w)]
         if learn:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and not self.configs[i].output_shape:
-                    self.shapes[i] = b.shape
+                    self.shapes[i], self.declared[i] = b.shape, None
         return out
 
     def describe(self, plan: Any) -> dict[str, Any]:
@@ -192,8 +202,14 @@ def _flat_inputs(template: Any, features: Any, weights: Any,
 
 
 def _bags(feature: FeatureConfig, name: str, table: str, ids: Any, weights: Any,
-          device: torch.device, fixed: tuple[int, ...] | None) -> Bags:
-    """One feature's ``Bags``, its shape resolved (``fixed``: the shape fixed so far, or None)."""
+          device: torch.device, fixed: tuple[int, ...] | None,
+          declared: tuple[int, ...] | None = None) -> Bags:
+    """One feature's ``Bags``, its shape resolved (``fixed``: the shape fixed so far, or None;
+    ``declared``: build()'s input shape, read by this batch's kind, when nothing is fixed)."""
     b = canonicalize(feature, name, table, ids, weights, device)
+    if fixed is None and declared is not None:
+        dense = (isinstance(ids, torch.Tensor) and ids.layout == torch.strided
+                 and not ids.is_nested)
+        fixed = output_shape_from_input_shape(feature, declared, name, dense)
     shape = resolve_shape(feature, name, b.shape, fixed)
     return b if shape == b.shape else replace(b, shape=shape)

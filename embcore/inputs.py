@@ -182,20 +182,31 @@ def resolve_shape(feature: FeatureConfig, name: str, natural: tuple[int, ...],
 
 
 def output_shape_from_input_shape(feature: FeatureConfig, input_shape: tuple[int, ...],
-                                  name: str) -> tuple[int, ...]:
-    """The leading output shape for ``build(per_replica_input_shapes=...)``.
+                                  name: str, dense: bool | None) -> tuple[int, ...] | None:
+    """The leading output shape for ``build(per_replica_input_shapes=...)``: the input's own shape.
 
-    An input shape names the ids per bag in its last dim, as in TF: ``[B, 1]`` for one id per
-    example, ``[B, L]`` for bags of up to L ids (``[B, L, 1]`` for a dense ``[B, L]`` input whose ids
-    are looked up one by one). Sequence features give ``input_shape[:-1] + [L]``.
+    A dense input of shape ``S`` gives ``S`` (a trailing 1 dropped: ids looked up one by one); a
+    jagged or sparse input of shape ``S`` gives ``S[:-1]`` (one bag per row of the last dim); a
+    sequence feature gives ``S[:-1] + [L]`` whatever the kind. ``dense=None`` (the kind is not
+    known until the first batch): the shape when every kind that can have this rank gives the same
+    one, else None.
     """
     shape = tuple(int(s) for s in input_shape)
-    if len(shape) < 2:
-        raise ValueError(f"feature {name!r}: per_replica_input_shapes must have rank >= 2 (the last "
-                         f"dim counts ids per bag, e.g. [batch, 1]), got {list(shape)}")
+    if not shape:
+        raise ValueError(f"feature {name!r}: per_replica_input_shapes must have rank >= 1, got []")
     if feature.sequence_length > 0:
+        if len(shape) < 2:
+            raise ValueError(f"feature {name!r}: a sequence feature's input shape must have rank "
+                             f">= 2 ([batch, ids]), got {list(shape)}")
         return shape[:-1] + (feature.sequence_length,)
-    return shape[:-1]
+    bags = shape[:-1] if len(shape) >= 2 else None  # jagged / sparse (rank >= 2)
+    ids = shape[:-1] if shape[-1] == 1 and len(shape) >= 2 else shape  # dense
+    if dense is None:
+        return ids if bags is None or ids == bags else None
+    if not dense and bags is None:
+        raise ValueError(f"feature {name!r}: a jagged or sparse input has rank >= 2, but "
+                         f"build() declared its shape as {list(shape)}")
+    return ids if dense else bags
 
 
 def _dense(ids: torch.Tensor, seq: int, where: str):

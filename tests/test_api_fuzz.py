@@ -107,7 +107,7 @@ def _engine_cases():
             lambda e, *a, bad=bad: e.build(per_replica_batch_size=bad), (error,)
     for bad, error in (({"user": [0, 1], "item": [3, 2]}, ValueError),
                        ({"user": [3.0, 1], "item": [3, 2]}, TypeError),
-                       ({"user": [3], "item": [3, 2]}, ValueError),
+                       ({"user": [], "item": [3, 2]}, ValueError),
                        ({"user": [3, 1]}, ValueError), ([3, 1], ValueError)):
         yield f"build(per_replica_input_shapes={bad!r})", \
             lambda e, *a, bad=bad: e.build(per_replica_input_shapes=bad), (error,)

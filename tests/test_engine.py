@@ -209,6 +209,44 @@ def test_shape_fixed_by_first_enqueue_build_and_output_shape():
         emb4.lookup({"f": torch.arange(5)})
 
 
+def test_build_input_shape_is_read_by_the_kind_of_input():
+    """A [B, L] input shape is the input's own shape: dense ids give [B, L, D], bags [B, D]."""
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+
+    def built(shape):
+        emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, optimizer=ec.SGD(learning_rate=0.1))
+        emb.build(per_replica_input_shapes={"f": shape})
+        return emb
+
+    dense = torch.arange(12).reshape(4, 3) % 10
+    jagged = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3]),
+                                         torch.tensor([4, 5, 6]), torch.tensor([7])],
+                                        layout=torch.jagged)
+    sparse = dense.to_sparse()
+    for ids, want in ((dense, (4, 3, 2)), (jagged, (4, 2)), (sparse, (4, 2))):
+        emb = built([4, 3])
+        emb.enqueue({"f": ids})
+        assert emb.dequeue()["f"].shape == want
+        emb.apply_gradients({"f": None})
+    emb = built([4, 3])
+    with pytest.raises(ValueError, match="fixed at \\[4, 3\\]"):
+        emb.enqueue({"f": dense[:, :2]})
+    assert built([4, 3]).lookup({"f": dense[:2]})["f"].shape == (2, 3, 2)  # lookup: any shape
+    emb = built([4, 1])
+    emb.enqueue({"f": dense[:, :1]})
+    assert emb.dequeue()["f"].shape == (4, 2)
+    emb = built([4])
+    emb.enqueue({"f": dense[:, 0]})
+    assert emb.dequeue()["f"].shape == (4, 2)
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, optimizer=ec.SGD(learning_rate=0.1))
+    emb.enqueue({"f": jagged})
+    emb.dequeue()
+    emb.apply_gradients({"f": None})
+    emb.build(per_replica_input_shapes={"f": [4, 3]})  # agrees with the bags already seen
+    with pytest.raises(ValueError, match="build\\(\\) shape \\[5, 3\\] conflicts"):
+        emb.build(per_replica_input_shapes={"f": [5, 3]})
+
+
 def test_none_gradient_warns_only_where_zero_moves_rows():
     for opt, warns in [(ec.SGD(learning_rate=0.1), False), (ec.Adam(learning_rate=0.1), True)]:
         emb, _ = two_tables(opt)
