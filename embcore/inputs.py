@@ -102,6 +102,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         if table.dynamic is None:  # raw ids of a dynamic table may be any int64
             check_ids(flat, table.vocabulary_size, where, table_name)  # always: memory safety
         return Bags(flat, None, None, shape)
+    bag = None  # (nnz,) each id's bag, where the input gives it
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
@@ -109,7 +110,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets, bag_shape, w = _jagged(ids, weights, where)
         positions = None
     else:
-        values, offsets, bag_shape, w, positions = _sparse(ids, weights, where)
+        values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where)
     if values.dtype not in INT_DTYPES:
         raise TypeError(f"{where}: ids must be int32 or int64, got {values.dtype}")
     # contiguous: the fused kernels read these through raw pointers
@@ -126,28 +127,36 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
     if seq > 0:
         if positions is not None:
             positions = positions.to(device=device, non_blocking=True)
-        values, offsets = _to_sequence(values, offsets, positions, seq)
-        scales = torch.ones(values.shape, dtype=torch.float32, device=device)
+        if bag is not None:
+            bag = bag.to(device=device, non_blocking=True)
+        values, offsets = _to_sequence(values, offsets, positions, seq, bag)
+        scales = torch.ones_like(values, dtype=torch.float32)  # (of the values: export-safe)
         return Bags(values, offsets, scales, bag_shape + (seq,))
-    scales = combiner_scales(offsets, w, table.combiner, values.numel())
+    if bag is not None:
+        bag = bag.to(device=device, non_blocking=True)
+    scales = combiner_scales(offsets, w, table.combiner, values.numel(), bag)
     return Bags(values, offsets, scales, bag_shape)
 
 
 def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
-                    nnz: int) -> torch.Tensor:
+                    nnz: int, seg: torch.Tensor | None = None) -> torch.Tensor:
     """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md
     section 2).
 
     A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
+    ``seg``: each id's bag when the caller has it; every size then follows from it, not from
+    ``nnz`` (a sparse input's number of entries is not a traced size under torch.export).
     """
     if native.usable(offsets) and offsets.is_contiguous() and (
             weights is None or weights.is_contiguous()):
         return native.combiner_scales(offsets, weights, combiner, nnz)
-    w = weights if weights is not None else torch.ones(nnz, dtype=torch.float32,
-                                                       device=offsets.device)  # (nnz,)
+    w = weights if weights is not None else (
+        torch.ones(nnz, dtype=torch.float32, device=offsets.device) if seg is None
+        else torch.ones_like(seg, dtype=torch.float32))  # (nnz,)
     if combiner == "sum":
         return w
-    seg = bag_index(offsets, nnz)  # (nnz,)
+    if seg is None:
+        seg = bag_index(offsets, nnz)  # (nnz,)
     per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.float32, device=offsets.device)  # (R,)
     per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
     denom = (per_bag if combiner == "mean" else per_bag.sqrt())[seg]  # (nnz,)
@@ -276,7 +285,8 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
     # Order by (bag, position); stable so an uncoalesced input keeps its order of equal keys.
     # A tensor marked coalesced whose indices do not strictly increase is sorted the same way.
     order = None
-    if not (ids.is_coalesced() and strictly_increasing(indices, shape)):
+    # (traced: always sorted, as the program cannot branch on the entries)
+    if tracing() or not (ids.is_coalesced() and strictly_increasing(indices, shape)):
         strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
                                dtype=torch.int64, device=indices.device)
         order = torch.argsort((indices * strides[:, None]).sum(0), stable=True)
@@ -304,14 +314,16 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
             w_idx, w = w_idx[:, order], w[order]
         if not tracing() and not torch.equal(w_idx, indices):
             raise ValueError(f"{where}: weights must have the same indices as the ids")
-    return values, offsets, bag_shape, w, indices[-1]
+    return values, offsets, bag_shape, w, indices[-1], bag
 
 
 def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None,
-                 seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bags -> ``seq`` output rows per bag, row p holding the id at position p (if any)."""
+                 seq: int, bag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bags -> ``seq`` output rows per bag, row p holding the id at position p (if any);
+    ``bag``: each id's bag, when the input gives it."""
     bags = offsets.numel() - 1
-    bag = bag_index(offsets, values.numel())  # (nnz,)
+    if bag is None:
+        bag = bag_index(offsets, values.numel())  # (nnz,)
     if positions is None:
         positions = torch.arange(values.numel(), device=values.device) - offsets[bag]  # (nnz,)
     keep = positions < seq

@@ -129,9 +129,10 @@ class EmbeddingLayer(torch.nn.Module):
         """A module without optimizer slots whose forward is plain torch ops.
 
         It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
-        ``torch.export.export(module, (features,))`` accepts it with dense ids and jagged ids given
-        as ``(values, offsets)`` pairs (torch.export cannot take nested or sparse tensors as
-        inputs). A dynamic table travels with its map, searched by sorted ids.
+        ``torch.export.export(module, (features,))`` accepts it with dense ids, sparse COO ids
+        and jagged ids given as ``(values, offsets)`` pairs (torch.export cannot take nested
+        tensors as inputs); the program serves batches with any number of ids. A dynamic table
+        travels with its map, searched by sorted ids.
         """
         template = serving_config if serving_config is not None else self.feature_config
         names = self.engine.table_names()

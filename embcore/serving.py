@@ -112,8 +112,8 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
 
 
 class ServingModule(torch.nn.Module):
-    """Tables as buffers and a forward of plain torch ops; ``torch.export``-able with dense ids and
-    jagged ``(values, offsets)`` pairs.
+    """Tables as buffers and a forward of plain torch ops; ``torch.export``-able with dense ids,
+    sparse COO ids and jagged ``(values, offsets)`` pairs.
 
     Made by ``EmbeddingLayer.for_serving()``; holds a snapshot of the tables, no optimizer slots.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -327,3 +328,51 @@ def test_jagged_pairs_train_serve_and_export():
         torch.testing.assert_close(out[k], eager[k])
     with pytest.raises(ValueError, match="jagged offsets must end at the number of values"):
         layer({"bag": (values, torch.tensor([0, 2, 9])), "seq": pairs["seq"]})
+
+
+def _random_sparse(shape, nnz, high, g, coalesced):
+    """A sparse COO batch of ``nnz`` ids at distinct random positions (stored shuffled unless
+    ``coalesced``)."""
+    lin = torch.randperm(math.prod(shape), generator=g)[:nnz]
+    x = torch.sparse_coo_tensor(torch.stack(torch.unravel_index(lin, shape)),
+                                torch.randint(0, high, (nnz,), generator=g), shape)
+    return x.coalesce() if coalesced else x
+
+
+def test_sparse_inputs_export_for_any_number_of_entries(tmp_path):
+    """Sparse COO inputs export: the program traced with one batch serves batches with other
+    numbers of entries, other batch sizes, uncoalesced, of rank 3, weighted, as sequences and
+    from a dynamic table, equal to eager serving (a traced sparse tensor's entry count is not a
+    traced size, so nothing in the program may depend on it)."""
+    g = torch.Generator().manual_seed(0)
+    t = ec.TableConfig(vocabulary_size=20, dim=3, combiner="mean", name="t")
+    u = ec.TableConfig(vocabulary_size=20, dim=3, combiner="sqrtn", name="u")
+    raw = ec.TableConfig(vocabulary_size=20, dim=3, name="raw", dynamic=ec.DynamicVocabulary())
+    fc = {"bag": ec.FeatureConfig(table=t), "seq": ec.FeatureConfig(table=u, max_sequence_length=3),
+          "r3": ec.FeatureConfig(table=t), "raw": ec.FeatureConfig(table=raw)}
+
+    def batch(b, nnz, coalesced):
+        ids = {"bag": _random_sparse((b, 5), nnz, 20, g, coalesced),
+               "seq": _random_sparse((b, 5), nnz, 20, g, coalesced),
+               "r3": _random_sparse((b, 2, 3), min(nnz, b * 6), 20, g, coalesced),
+               "raw": _random_sparse((b, 5), nnz, 1000, g, coalesced)}
+        bag = ids["bag"]
+        w = torch.sparse_coo_tensor(bag._indices(), torch.rand(bag._nnz(), generator=g),
+                                    bag.shape)
+        return ids, {"bag": w.coalesce() if coalesced else w, "seq": None, "r3": None, "raw": None}
+
+    layer = ec.EmbeddingLayer(fc, ec.SGD(learning_rate=0.1))
+    linear_loss(layer(*batch(4, 8, False)), 0).backward()  # trained rows, raw ids admitted
+    serving = layer.for_serving()
+    b = torch.export.Dim("batch")
+    program = torch.export.export(serving, batch(4, 6, True), dynamic_shapes=(
+        {k: {0: b} for k in fc}, {"bag": {0: b}, "seq": None, "r3": None, "raw": None}))
+    torch.export.save(program, tmp_path / "sparse.pt2")
+    served = torch.export.load(tmp_path / "sparse.pt2").module()
+    for size, nnz, coalesced in [(4, 0, True), (4, 1, False), (4, 6, False), (4, 17, True),
+                                 (4, 20, False), (7, 9, True), (2, 10, False)]:
+        ids, w = batch(size, nnz, coalesced)
+        got, want = served(ids, w), serving(ids, w)
+        for k in fc:
+            assert got[k].shape == want[k].shape
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
