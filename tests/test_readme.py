@@ -35,3 +35,15 @@ def test_readme_torchrun_example_runs(code, tmp_path):
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("ShardingPlan(world_size=2") == 2
+
+
+def test_readme_has_no_link_a_package_index_breaks():
+    """README is the package's long description: on a package index, links relative to the
+    repository (files, in-page anchors) lead nowhere, so files are named as paths instead; and
+    every path it names exists."""
+    text = README.read_text()
+    relative = re.findall(r"\]\((?!https?://)[^)]*\)", text)
+    assert not relative, f"relative links in README.md: {relative}"
+    root = README.parent
+    for path in re.findall(r"`((?:docs|benchmarks|examples)/[\w./-]+\.(?:md|py))`", text):
+        assert (root / path).exists(), f"README.md names {path}, which does not exist"
