@@ -9,6 +9,7 @@ changes nothing), pipelining and the public API (docs/architecture.md).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -26,6 +27,7 @@ from .lookup import Received, lookup
 from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
+from .tiers import parse_budget
 from .preprocess import Prepared, preprocess
 from .protocol import StepQueue, TrainingStep
 from .store import RowStore
@@ -69,6 +71,12 @@ class Embedding:
         device: where tables, slots and the step's work live (default CPU).
         timeout: seconds (or a timedelta) any collective may wait before raising
             ``embcore.comm.CollectiveError`` (a process died or stalls); default 300.
+        memory_budget: None, or the bytes (an int, or a string like ``"4GiB"``) this process's
+            tables, slots and caches may take in fast memory. Tables beyond it go to a slow
+            tier with their hot rows in a write-back cache; results are bit-identical
+            (docs/semantics.md section 10; ``print(emb.plan)`` shows the tiers).
+        offload_dir: where the slow tier's files go on the CPU (None: a temporary directory);
+            they are scratch, removed with the engine (checkpoints are ``ec.save``'s).
 
     Raises:
         ValueError / TypeError: invalid structures, duplicate names, bad optimizers.
@@ -88,14 +96,21 @@ class Embedding:
                  pipeline_execution: bool = False,
                  sharding: str | Mapping[str, str] | None = None,
                  process_group: Any = None, device: torch.device | str | None = None,
-                 timeout: float | timedelta | None = None) -> None:
+                 timeout: float | timedelta | None = None,
+                 memory_budget: int | str | None = None,
+                 offload_dir: str | os.PathLike | None = None) -> None:
         self._lock = threading.RLock()  # see _serialized
+        budget = parse_budget(memory_budget)
+        if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
+            raise TypeError(f"offload_dir must be a path or None, got "
+                            f"{type(offload_dir).__name__}")
+        self._offload_dir = offload_dir
         self._features = Features(feature_config, optimizer)
         self._comm = make_communicator(process_group, timeout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipeline_execution = bool(pipeline_execution)
         self._plan = make_plan(self._features.table_specs(), self._comm.world_size, sharding,
-                               self._features.lookups_per_table())
+                               self._features.lookups_per_table(), budget)
         # One draw from torch's global RNG (rank 0's when sharded): torch.manual_seed before
         # construction fixes the tables, whatever the world size and plan.
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
@@ -108,6 +123,13 @@ class Embedding:
     def plan(self) -> ShardingPlan:
         """The frozen placement of every table (``print(emb.plan)``)."""
         return self._plan
+
+    @_serialized
+    def cache_stats(self) -> dict[str, dict[str, float | int]]:
+        """``{table: {"hits": int, "misses": int, "hit_rate": float}}`` for the tables in the slow
+        tier (``memory_budget``), on this process: distinct rows of each step found in the cache
+        or read from the slow tier, since construction. Tables in fast memory have no entry."""
+        return self._built().cache_stats()
 
     @property
     def step(self) -> int:
@@ -174,7 +196,8 @@ class Embedding:
     def _built(self) -> RowStore:
         if self._store is None:
             configs = {n: t for t, n in self._features.table_names.items()}
-            self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device)
+            self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device,
+                                   self._offload_dir)
         return self._store
 
     @_serialized

@@ -46,7 +46,8 @@ def lookup(prepared: Prepared, store: RowStore,
     received: list[Answered | None] = []
     for tb in prepared.tables:
         if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
-            out = store.combine(tb.physical, tb.bags.ids, tb.bags)  # (R, D)
+            out = store.combine(tb.physical, tb.bags.ids, tb.bags,
+                                tb.dedup if tb.physical in store.cached else None)  # (R, D)
             received.append(None)
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
             rows, since = _resolve_here(prepared.training, store, comm, tb)  # (U,)

@@ -22,15 +22,17 @@ On each process the shard of a physical table is its member tables' local rows o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
 from .config import TableConfig
 from .optimizers import Optimizer
+from .cache import INDEX_BYTES_PER_ROW
 from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
+from .tiers import cache_rows, offloaded_tables
 
 Strategy = Literal["replicated", "table", "row_div", "row_mod", "column", "hash"]
 STRATEGIES: tuple[str, ...] = tuple(_PLACEMENTS)
@@ -84,6 +86,12 @@ class PhysicalTable:
     local_rows: tuple[int, ...] = ()   # rows of the shard on each rank
     columns: tuple[tuple[int, int], ...] = ()  # column range held by each rank
     dynamic: bool = False  # a dynamic table's (raw ids mapped to rows by each owner)
+    cache_rows: tuple[int, ...] = ()  # offloaded (memory_budget): cache rows on each rank
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether its rows live in the slow tier, hot rows cached (``memory_budget``)."""
+        return bool(self.cache_rows)
 
     @property
     def bytes_per_row(self) -> int:
@@ -113,14 +121,19 @@ class ShardingPlan:
                  "row_offset": t.row_offset, "rows": t.rows, "dim": t.dim, "owner": t.owner,
                  "local_rows": list(t.local_rows)} for t in self.tables]
 
-    def bytes_per_rank(self) -> list[int]:
-        """Parameter + slot bytes each rank holds."""
+    def bytes_per_rank(self, fast: bool = False) -> list[int]:
+        """Parameter + slot bytes each rank holds (``fast``: in fast memory: the offloaded
+        tables' caches, with their index, in place of their rows)."""
         out = [0] * self.world_size
         for p in self.physical:
             for r in range(self.world_size):
                 c0, c1 = p.columns[r]
                 frac = (c1 - c0) / p.dim if p.dim else 0.0
-                out[r] += int(p.local_rows[r] * p.bytes_per_row * frac)
+                if fast and p.offloaded:
+                    out[r] += p.cache_rows[r] * (int(p.bytes_per_row * frac)
+                                                 + INDEX_BYTES_PER_ROW)
+                else:
+                    out[r] += int(p.local_rows[r] * p.bytes_per_row * frac)
         return out
 
     def __str__(self) -> str:
@@ -128,7 +141,8 @@ class ShardingPlan:
         lines = [f"ShardingPlan(world_size={w}, {len(self.tables)} tables in "
                  f"{len(self.physical)} physical tables)",
                  f"  {'table':<20} {'strategy':<10} {'physical':>8} {'rows':>10} {'dim':>5}  "
-                 f"rows per rank / MB per rank"]
+                 f"rows per rank / MB per rank"
+                 + ("  [tier]" if any(p.offloaded for p in self.physical) else "")]
         for t in self.tables:
             p = self.physical[t.physical]
             per_rank = []
@@ -136,10 +150,23 @@ class ShardingPlan:
                 c0, c1 = p.columns[r]
                 mb = t.local_rows[r] * p.bytes_per_row * (c1 - c0) / max(p.dim, 1) / 2**20
                 per_rank.append(f"{t.local_rows[r]}/{mb:.2f}")
+            tier = "  [slow tier, cached]" if p.offloaded else ""
             lines.append(f"  {t.name:<20} {t.strategy:<10} {t.physical:>8} {t.rows:>10} "
-                         f"{t.dim:>5}  {' '.join(per_rank)}")
+                         f"{t.dim:>5}  {' '.join(per_rank)}{tier}")
         total = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank())
         lines.append(f"  MB per rank (parameters + slots): {total}")
+        for p in self.physical:
+            if p.offloaded:
+                per_rank = []
+                for r in range(w):
+                    c0, c1 = p.columns[r]
+                    row = int(p.bytes_per_row * (c1 - c0) / max(p.dim, 1)) + INDEX_BYTES_PER_ROW
+                    per_rank.append(f"{p.cache_rows[r]}/{p.cache_rows[r] * row / 2**20:.2f}")
+                lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MB "
+                             f"per rank: {' '.join(per_rank)}")
+        if any(p.offloaded for p in self.physical):
+            fast = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank(fast=True))
+            lines.append(f"  MB per rank in fast memory (tables + caches): {fast}")
         return "\n".join(lines)
 
 
@@ -222,7 +249,8 @@ def _owners(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
 
 def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world_size: int = 1,
               sharding: str | Mapping[str, str] | None = None,
-              lookups: Mapping[str, int] | None = None) -> ShardingPlan:
+              lookups: Mapping[str, int] | None = None,
+              memory_budget: int | None = None) -> ShardingPlan:
     """Stacks and places tables.
 
     Args:
@@ -231,6 +259,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         sharding: None (everything here when W = 1, "auto" when W > 1), "auto", a strategy name
             for all tables, or ``{table_name: strategy}`` (tables not named get "auto").
         lookups: expected lookups per table (e.g. features reading it), to break balance ties.
+        memory_budget: None, or the bytes of fast memory per process for tables, slots and
+            caches (tiers.py): tables beyond it go to the slow tier, with caches.
 
     Returns:
         The frozen plan; physical tables in order of their first logical table.
@@ -242,11 +272,21 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     for name, cfg, opt in tables:
         _PLACEMENTS[strategies[name]].check(name, cfg.dim, opt, world_size)
     owners = _owners(tables, strategies, world_size, lookups or {})
+    placed = {name: make_placement(strategies[name], cfg.vocabulary_size, cfg.dim, world_size,
+                                   owners.get(name, 0)) for name, cfg, _ in tables}
+    offloaded: set[str] = set()
+    if memory_budget is not None:
+        per_rank = {name: [_local_bytes(placed[name], cfg, opt, r) for r in range(world_size)]
+                    for name, cfg, opt in tables}
+        pinned = {name for name, cfg, opt in tables  # raw ids; rules moving every row
+                  if cfg.dynamic is not None or (opt is not None and opt.dense_update)}
+        offloaded = set(offloaded_tables(per_rank, pinned, memory_budget))
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         key = (cfg.dim, cfg.dtype, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
-               name if cfg.dynamic is not None else None)  # a dynamic table stands alone
+               name if cfg.dynamic is not None else None,  # a dynamic table stands alone
+               name in offloaded)  # tiers do not mix
         groups.setdefault(key, []).append((name, cfg, opt))
     placements: dict[str, TablePlacement] = {}
     physical: list[PhysicalTable] = []
@@ -257,8 +297,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         layouts = []
         for name, cfg, opt in members:
             slots = tuple(s.name for s in opt.slots) if opt is not None else ()
-            layout = make_placement(strategy, cfg.vocabulary_size, cfg.dim, world_size,
-                                    owners.get(name, 0))
+            layout = placed[name]
             layouts.append(layout)
             rows = tuple(len(layout.local_rows(r)) for r in range(world_size))
             placements[name] = TablePlacement(name, strategy, index, offset, cfg.vocabulary_size,
@@ -269,5 +308,37 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         columns = tuple(layouts[0].columns(r) for r in range(world_size))
         physical.append(PhysicalTable(index, tuple(n for n, _, _ in members), offset, cfg0.dim,
                                       cfg0.dtype, strategy, opt0, layouts[0], tuple(shard_rows),
-                                      columns, cfg0.dynamic is not None))
+                                      columns, cfg0.dynamic is not None,
+                                      (0,) * world_size if members[0][0] in offloaded else ()))
+    if offloaded:
+        physical = _with_caches(physical, memory_budget or 0, world_size)
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))
+
+
+def _local_bytes(layout: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int) -> int:
+    """Parameter + slot bytes of a table's rows on ``rank``."""
+    c0, c1 = layout.columns(rank)
+    return int(len(layout.local_rows(rank)) * _table_bytes(cfg, opt) / cfg.vocabulary_size
+               * (c1 - c0) / cfg.dim)
+
+
+def _with_caches(physical: list[PhysicalTable], budget: int,
+                 world_size: int) -> list[PhysicalTable]:
+    """The offloaded physical tables given their cache rows on every rank (tiers.py)."""
+    plan = ShardingPlan(world_size, (), tuple(physical))
+    in_memory = plan.bytes_per_rank()
+    slow = [p for p in physical if p.cache_rows]
+    for p in slow:  # (their bytes are not in fast memory)
+        for r in range(world_size):
+            c0, c1 = p.columns[r]
+            in_memory[r] -= int(p.local_rows[r] * p.bytes_per_row * (c1 - c0) / p.dim)
+    per_rank = []
+    for r in range(world_size):
+        per_rank.append(cache_rows(
+            [p.local_rows[r] for p in slow],
+            [int(p.bytes_per_row * (p.columns[r][1] - p.columns[r][0]) / p.dim) for p in slow],
+            budget - in_memory[r]))
+    caches = {p.index: tuple(per_rank[r][i] for r in range(world_size))
+              for i, p in enumerate(slow)}
+    return [replace(p, cache_rows=caches[p.index]) if p.index in caches else p
+            for p in physical]

@@ -21,11 +21,13 @@ table's rows on this process (``local``), whole tables (``whole``) and the check
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .cache import CachedRows, OffloadDir, slow_tensor
 from .comm import Communicator
 from .config import TableConfig, initial_rows
 from .ops.bags import Bags, Dedup
@@ -35,9 +37,11 @@ from .ops.memory import empty_table
 from .ops.update import update
 from .ops.workspace import Workspace
 from .optimizers import Optimizer
-from .plan import ShardingPlan
+from .plan import PhysicalTable, ShardingPlan
 from .shards import from_value, gather_whole, to_sharded
 from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows
+
+INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
 
 
 class RowStore:
@@ -49,18 +53,30 @@ class RowStore:
         seed: the engine's seed (initial values depend on it, the table and the row only).
         comm: the communicator (its rank picks the shard).
         device: where tables and slots live.
+        offload_dir: where the slow tier's files go (tables the plan offloads; None: a
+            temporary directory).
     """
 
     def __init__(self, plan: ShardingPlan, configs: Mapping[str, TableConfig], seed: int,
-                 comm: Communicator, device: torch.device) -> None:
+                 comm: Communicator, device: torch.device,
+                 offload_dir: str | os.PathLike | None = None) -> None:
         self.plan, self.comm, self.device = plan, comm, device
         self.workspace = Workspace()  # the update's temporaries, kept across steps
         self.tables: list[torch.Tensor] = []
         self.slots: list[dict[str, torch.Tensor]] = []
         self.dynamic: dict[int, DynamicRows] = {}  # physical table -> its map on this process
+        self.cached: dict[int, CachedRows] = {}  # physical table -> its slow tier and cache
         self.configs = dict(configs)
         rank = comm.rank
+        self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
+                         else None)
         for p in plan.physical:
+            if p.offloaded:
+                cache = self._offloaded(p, seed, device)
+                self.cached[p.index] = cache
+                self.tables.append(cache.table)
+                self.slots.append(cache.slots)
+                continue
             c0, c1 = p.columns[rank]
             n_local = p.local_rows[rank]
             if p.dynamic:  # rows get values at admission; one more row stays zero
@@ -85,14 +101,71 @@ class RowStore:
             self.slots.append(opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
                                              allocate=empty_table) if opt is not None else {})
 
+    def _offloaded(self, p: PhysicalTable, seed: int, device: torch.device) -> CachedRows:
+        """Physical table ``p``'s shard in the slow tier (initialized in blocks of rows, so
+        memory stays bounded) and its empty cache."""
+        rank = self.comm.rank
+        c0, c1 = p.columns[rank]
+        n_local = p.local_rows[rank]
+        assert self._offload is not None
+        pin = device.type == "cuda"
+        files = device.type == "cpu"
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype, _: Any = None,
+                     key: list[int] = [0]) -> torch.Tensor:
+            key[0] += 1
+            path = self._offload.file(f"p{p.index}-{key[0]}.bin") if files else None
+            return slow_tensor(path, shape, dtype, pin)
+
+        w = allocate((n_local, c1 - c0), p.dtype)
+        for name in p.tables:
+            place = self.plan.table(name)
+            rows = place.rank_rows(rank)
+            start = place.local_offsets[rank]
+            for i in range(0, len(rows), INIT_ROWS):
+                block = rows[i:i + INIT_ROWS]
+                values = initial_rows(self.configs[name], name, seed, block)  # (n, D)
+                w[start + i:start + i + len(block)] = values[:, c0:c1]
+        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        opt = p.optimizer
+        slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device="cpu",
+                                allocate=allocate) if opt is not None else {})
+        bounds = [self.plan.table(n).local_offsets[rank] for n in p.tables] + [n_local]
+        return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
+                          bounds, p.tables)
+
     # ------------------------------------------------------------------------ the step's rows
-    def combine(self, p: int, index: torch.Tensor, bags: Bags) -> torch.Tensor:
-        """(R, D) bags of rows ``index`` (shard rows of physical table ``p``) combined."""
-        return combine(self.tables[p], index, bags)
+    def combine(self, p: int, index: torch.Tensor, bags: Bags,
+                dedup: Dedup | None = None) -> torch.Tensor:
+        """(R, D) bags of rows ``index`` (shard rows of physical table ``p``) combined
+        (``dedup``: the batch's distinct rows, when ``index`` is its ids: an offloaded table
+        then brings in each distinct row once)."""
+        cache = self.cached.get(p)
+        if cache is None:
+            return combine(self.tables[p], index, bags)
+        if dedup is not None:
+            slots = cache.resolve(dedup.unique).index_select(0, dedup.inverse)  # (nnz,)
+        else:
+            slots = self._cache_rows(cache, index)
+        return combine(cache.table, slots, bags)
 
     def gather(self, p: int, rows: torch.Tensor) -> torch.Tensor:
         """(n, D_r) the shard rows ``rows`` of physical table ``p``."""
-        return self.tables[p][rows]
+        cache = self.cached.get(p)
+        if cache is None:
+            return self.tables[p][rows]
+        return cache.table[self._cache_rows(cache, rows)]
+
+    @staticmethod
+    def _cache_rows(cache: CachedRows, rows: torch.Tensor) -> torch.Tensor:
+        """The cache rows of shard rows ``rows`` (repeats allowed), brought in as needed."""
+        if rows.numel() == 0:
+            return rows
+        if native.usable(rows):
+            distinct, inverse = native.dedup_raw(rows.contiguous())[:2]
+        else:
+            distinct, inverse = torch.unique(rows, return_inverse=True)
+        return cache.resolve(distinct).index_select(0, inverse)
 
     def resolve(self, p: int, ids: list[torch.Tensor],
                 training: bool) -> tuple[list[torch.Tensor], int | None]:
@@ -144,6 +217,17 @@ class RowStore:
         table, ``since`` is the map step ``rows`` were resolved at: rows not resident then (the
         zero row, possibly repeated), or given to another id since, are left alone; with
         ``grad`` as ``OutputGrads``, ``rows`` are the map's rows of its ``dedup.unique``."""
+        cache = self.cached.get(p)
+        if cache is not None:  # distinct shard rows -> their cache rows
+            slots = cache.resolve(rows, count=False)  # (hits, unless evicted since the lookup)
+            if isinstance(grad, OutputGrads):
+                d = grad.dedup
+                grad = OutputGrads(grad.parts, grad.starts, grad.bags,
+                                   Dedup(slots, d.order, d.unique_offsets))
+            update(cache.table, cache.slots, slots, grad, optimizer, lr, step, self.workspace,
+                   gradient_multiplier=gradient_multiplier)
+            cache.touched(slots)
+            return
         dyn = self.dynamic.get(p)
         if dyn is not None:
             assert since is not None
@@ -165,10 +249,22 @@ class RowStore:
             self.tables[p][dyn.zero_row] = 0
 
     def to(self, device: torch.device) -> None:
-        """Moves every table and slot to ``device`` (the workspaces are dropped)."""
-        self.tables = [t.to(device) for t in self.tables]
-        self.slots = [{k: v.to(device) for k, v in s.items()} for s in self.slots]
+        """Moves every table and slot to ``device`` (the workspaces are dropped); an offloaded
+        table moves its cache (its slow tier stays in host memory or files)."""
+        for p, cache in self.cached.items():
+            cache.to(device)
+        self.tables = [self.cached[i].table if i in self.cached else t.to(device)
+                       for i, t in enumerate(self.tables)]
+        self.slots = [self.cached[i].slots if i in self.cached else
+                      {k: v.to(device) for k, v in s.items()} for i, s in enumerate(self.slots)]
         self.device, self.workspace = device, Workspace()
+
+    def cache_stats(self) -> dict[str, dict[str, float | int]]:
+        """``{table: {"hits", "misses", "hit_rate"}}`` of the offloaded tables on this process."""
+        out: dict[str, dict[str, float | int]] = {}
+        for cache in self.cached.values():
+            out.update(cache.stats())
+        return out
 
     # ------------------------------------------------------------------------ outside the step
     def local(self, name: str, key: str = "parameters") -> torch.Tensor:
@@ -177,8 +273,13 @@ class RowStore:
         place = self.plan.table(name)
         if key.startswith(VOCAB):
             return self.dynamic[place.physical].row_state(key[len(VOCAB):])
-        full = self.tables[place.physical] if key == "parameters" else \
-            self.slots[place.physical][key]
+        cache = self.cached.get(place.physical)
+        if cache is not None:  # the slow tier, every row current: the cache written back and
+            cache.drop()       # emptied (a write through the view is then seen by the step)
+            full = cache.slow[key]
+        else:
+            full = self.tables[place.physical] if key == "parameters" else \
+                self.slots[place.physical][key]
         start = place.local_offsets[self.comm.rank]
         return full[start:start + place.local_rows[self.comm.rank]]
 

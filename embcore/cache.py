@@ -1,0 +1,224 @@
+"""Tables beyond memory: a shard kept in a slow tier, its hot rows in a write-back cache.
+
+A physical table the plan offloads (``memory_budget``, docs/semantics.md section 10) keeps its
+shard's rows and optimizer slots in the **slow tier**: files under ``offload_dir`` mapped into
+memory (``MAP_SHARED``: page cache, not the process's anonymous memory) on the CPU, pinned host
+memory when the tables live on a GPU. The **cache** holds ``capacity`` of those rows, each with
+its slots, in fast memory, laid out like an in-memory shard of ``capacity`` rows, so the step's
+lookup and fused update run on it unchanged.
+
+The cache's index is a ``VocabMap`` (ops/vocab.py) whose ids are shard rows: a step's distinct
+rows are resolved by one map step, which admits the missing ones and, when the cache is full,
+evicts the least recently used rows that this step does not touch (ties: the smaller row).
+Before a cache row is given to a new shard row, its old row is written back to the slow tier
+if it was updated since it was read (write-back); then the new row is read whole, with its
+slots. Rows move whole, values unchanged, so a run with a cache computes exactly what a run
+without one computes: the cache decides where a row is, never what it holds.
+
+A step whose distinct rows outnumber the cache grows the cache to hold them (with a warning):
+the step's working set must be in fast memory.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .ops.vocab import vocab_map
+
+# Bytes of index per cache row: the map's per-row state and hash slots (at most 49 + 16), the
+# owner row and the dirty flag.
+INDEX_BYTES_PER_ROW = 80
+
+
+def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
+                pin: bool = False) -> torch.Tensor:
+    """An uninitialized CPU tensor in the slow tier: a file mapped shared (``path``), or pinned
+    host memory (``path`` None and ``pin``), or plain host memory."""
+    if path is None:
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    numel = 1
+    for s in shape:
+        numel *= s
+    with open(path, "wb") as f:  # a sparse file: disk is used as rows are written
+        f.truncate(max(numel, 1) * dtype.itemsize)
+    t = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)
+    return t[:numel].view(shape)
+
+
+class OffloadDir:
+    """The directory of an engine's slow-tier files: ``offload_dir`` or a temporary one; the
+    files (and a temporary directory) are removed when the engine is collected or at exit."""
+
+    def __init__(self, offload_dir: str | os.PathLike | None, rank: int) -> None:
+        base = None
+        if offload_dir is not None:
+            base = Path(offload_dir)
+            base.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"embcore-offload-r{rank}-", dir=base))
+        self.files: list[Path] = []
+        self._finalizer = weakref.finalize(self, OffloadDir._remove, self.path, self.files)
+
+    def file(self, name: str) -> Path:
+        path = self.path / name
+        self.files.append(path)
+        return path
+
+    @staticmethod
+    def _remove(path: Path, files: list[Path]) -> None:
+        for f in files:
+            try:
+                f.unlink()
+            except OSError:
+                pass
+        try:
+            path.rmdir()
+        except OSError:
+            pass
+
+
+class CachedRows:
+    """One physical table's shard in the slow tier, and its write-back cache in fast memory.
+
+    Args:
+        name: the physical table's name (its first member), for messages.
+        slow: ``{"parameters": (N, C) tensor, slot name: (N, c) tensor}`` in the slow tier,
+            initialized.
+        capacity: cache rows.
+        device: where the cache lives.
+        bounds: (T + 1,) first local row of each member table, then N (per-table statistics).
+        members: the member tables' names.
+    """
+
+    def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
+                 device: torch.device, bounds: Sequence[int], members: Sequence[str]) -> None:
+        self.name, self.slow, self.device = name, slow, device
+        self.rows = slow["parameters"].shape[0]
+        self.members = list(members)
+        self._bounds = torch.tensor(list(bounds)[1:-1], dtype=torch.int64)  # (T - 1,)
+        self.hits = torch.zeros(len(self.members), dtype=torch.int64)
+        self.misses = torch.zeros(len(self.members), dtype=torch.int64)
+        self.read_rows = 0     # rows read from the slow tier
+        self.written_rows = 0  # rows written back
+        self._grew = False
+        self._allocate(max(1, min(int(capacity), self.rows)))
+
+    def _allocate(self, capacity: int) -> None:
+        """An empty cache of ``capacity`` rows."""
+        self.capacity = capacity
+        self.table = torch.empty((capacity,) + tuple(self.slow["parameters"].shape[1:]),
+                                 dtype=self.slow["parameters"].dtype, device=self.device)
+        self.slots = {k: torch.empty((capacity,) + tuple(v.shape[1:]), dtype=v.dtype,
+                                     device=self.device)
+                      for k, v in self.slow.items() if k != "parameters"}
+        self.map = vocab_map(capacity, eviction="lru", name=f"{self.name} (cache)")
+        self.owner = torch.full((capacity,), -1, dtype=torch.int64)  # shard row held, -1 free
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+
+    # ---------------------------------------------------------------- the step's rows
+    def resolve(self, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
+        """(U,) cache rows of distinct shard rows ``rows`` (U,), brought in as needed
+        (``count``: a lookup, counted in the statistics)."""
+        rows = rows.to(torch.int64)
+        cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
+        if cpu_rows.numel() > self.capacity:
+            self._grow(cpu_rows.numel())
+        slots, new_ids, new_rows = self.map.train_step(cpu_rows, check=False)  # (U,), (A,), (A,)
+        if count:
+            self._count(cpu_rows, new_ids)
+        if new_rows.numel():
+            self._write_back(new_rows)
+            self._read(new_ids, new_rows)
+        return slots.to(self.device) if self.device.type != "cpu" else slots
+
+    def touched(self, slots: torch.Tensor) -> None:
+        """Marks cache rows ``slots`` as updated (written back before their eviction)."""
+        self.dirty[slots.cpu() if slots.device.type != "cpu" else slots] = True
+
+    def _count(self, rows: torch.Tensor, new_ids: torch.Tensor) -> None:
+        if len(self.members) == 1:
+            self.misses[0] += new_ids.numel()
+            self.hits[0] += rows.numel() - new_ids.numel()
+            return
+        n = len(self.members)
+        self.misses += torch.bincount(torch.bucketize(new_ids, self._bounds, right=True),
+                                      minlength=n)
+        self.hits += torch.bincount(torch.bucketize(rows, self._bounds, right=True),
+                                    minlength=n)
+        self.hits -= torch.bincount(torch.bucketize(new_ids, self._bounds, right=True),
+                                    minlength=n)
+
+    def _write_back(self, slots: torch.Tensor) -> None:
+        """Writes the updated rows among cache rows ``slots`` to the slow tier."""
+        owners = self.owner[slots]  # (A,)
+        keep = self.dirty[slots] & (owners >= 0)
+        if bool(keep.any()):
+            slots, owners = slots[keep], owners[keep]
+            self._copy_out(slots, owners)
+            self.dirty[slots] = False
+
+    def _copy_out(self, slots: torch.Tensor, owners: torch.Tensor) -> None:
+        dev_slots = slots.to(self.device) if self.device.type != "cpu" else slots
+        for key, slow in self.slow.items():
+            cache = self.table if key == "parameters" else self.slots[key]
+            slow.index_copy_(0, owners, cache.index_select(0, dev_slots).cpu())
+        self.written_rows += owners.numel()
+
+    def _read(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Reads shard rows ``rows`` (with their slots) into cache rows ``slots``."""
+        dev_slots = slots.to(self.device) if self.device.type != "cpu" else slots
+        for key, slow in self.slow.items():
+            cache = self.table if key == "parameters" else self.slots[key]
+            cache.index_copy_(0, dev_slots, slow.index_select(0, rows).to(self.device))
+        self.owner[slots] = rows
+        self.dirty[slots] = False
+        self.read_rows += rows.numel()
+
+    def _grow(self, needed: int) -> None:
+        """Makes room for a step of ``needed`` distinct rows: flush, then a larger cache."""
+        grown = min(max(needed, self.capacity + self.capacity // 2), self.rows)
+        if not self._grew:
+            warnings.warn(f"table {self.name!r}: a step touches {needed} distinct rows but its "
+                          f"cache holds {self.capacity}; the cache grows to {grown} rows, beyond "
+                          f"memory_budget (a step's rows must be in fast memory). Raise "
+                          f"memory_budget or lower the batch size to avoid this.", stacklevel=6)
+            self._grew = True
+        self.flush()
+        self._allocate(grown)
+
+    # ---------------------------------------------------------------- outside the step
+    def flush(self) -> None:
+        """Writes every updated cache row back; the cache keeps its rows (now clean)."""
+        slots = self.dirty.nonzero().squeeze(1)
+        if slots.numel():
+            self._copy_out(slots, self.owner[slots])
+            self.dirty[slots] = False
+
+    def drop(self, write_back: bool = True) -> None:
+        """Empties the cache (after writing updated rows back, unless ``write_back`` is
+        False: the slow tier is about to be overwritten)."""
+        if write_back:
+            self.flush()
+        self._allocate(self.capacity)
+
+    def stats(self) -> dict[str, dict[str, float | int]]:
+        """``{member table: {"hits", "misses", "hit_rate"}}`` (rows found in the cache or read
+        from the slow tier, over the steps so far)."""
+        out = {}
+        for i, name in enumerate(self.members):
+            h, m = int(self.hits[i]), int(self.misses[i])
+            out[name] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0}
+        return out
+
+    def to(self, device: torch.device) -> None:
+        """Moves the cache (the slow tier stays where it is)."""
+        self.flush()
+        self.device = device
+        self.table = self.table.to(device)
+        self.slots = {k: v.to(device) for k, v in self.slots.items()}
