@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -107,6 +108,7 @@ class CachedRows:
         self.read_rows = 0     # rows read from the slow tier
         self.written_rows = 0  # rows written back
         self._grew = False
+        self.lock = threading.RLock()  # held by the store across a resolve and its use
         self._allocate(max(1, min(int(capacity), self.rows)))
 
     def _allocate(self, capacity: int) -> None:

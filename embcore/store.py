@@ -143,18 +143,21 @@ class RowStore:
         cache = self.cached.get(p)
         if cache is None:
             return combine(self.tables[p], index, bags)
-        if dedup is not None:
-            slots = cache.resolve(dedup.unique).index_select(0, dedup.inverse)  # (nnz,)
-        else:
-            slots = self._cache_rows(cache, index)
-        return combine(cache.table, slots, bags)
+        with cache.lock:  # (a background lookup may run beside a main-thread one)
+            if dedup is not None:
+                slots = cache.resolve(dedup.unique).index_select(0, dedup.inverse)  # (nnz,)
+            else:
+                slots = self._cache_rows(cache, index)
+            return combine(cache.table, slots, bags)
 
     def gather(self, p: int, rows: torch.Tensor) -> torch.Tensor:
         """(n, D_r) the shard rows ``rows`` of physical table ``p``."""
         cache = self.cached.get(p)
         if cache is None:
             return self.tables[p][rows]
-        return cache.table[self._cache_rows(cache, rows)]
+        with cache.lock:
+            slots = self._cache_rows(cache, rows)  # (first: it may grow the cache)
+            return cache.table[slots]
 
     @staticmethod
     def _cache_rows(cache: CachedRows, rows: torch.Tensor) -> torch.Tensor:
@@ -219,14 +222,15 @@ class RowStore:
         ``grad`` as ``OutputGrads``, ``rows`` are the map's rows of its ``dedup.unique``."""
         cache = self.cached.get(p)
         if cache is not None:  # distinct shard rows -> their cache rows
-            slots = cache.resolve(rows, count=False)  # (hits, unless evicted since the lookup)
-            if isinstance(grad, OutputGrads):
-                d = grad.dedup
-                grad = OutputGrads(grad.parts, grad.starts, grad.bags,
-                                   Dedup(slots, d.order, d.unique_offsets))
-            update(cache.table, cache.slots, slots, grad, optimizer, lr, step, self.workspace,
-                   gradient_multiplier=gradient_multiplier)
-            cache.touched(slots)
+            with cache.lock:
+                slots = cache.resolve(rows, count=False)  # (hits, unless evicted since)
+                if isinstance(grad, OutputGrads):
+                    d = grad.dedup
+                    grad = OutputGrads(grad.parts, grad.starts, grad.bags,
+                                       Dedup(slots, d.order, d.unique_offsets))
+                update(cache.table, cache.slots, slots, grad, optimizer, lr, step,
+                       self.workspace, gradient_multiplier=gradient_multiplier)
+                cache.touched(slots)
             return
         dyn = self.dynamic.get(p)
         if dyn is not None:
@@ -275,7 +279,8 @@ class RowStore:
             return self.dynamic[place.physical].row_state(key[len(VOCAB):])
         cache = self.cached.get(place.physical)
         if cache is not None:  # the slow tier, every row current: the cache written back and
-            cache.drop()       # emptied (a write through the view is then seen by the step)
+            with cache.lock:   # emptied (a write through the view is then seen by the step)
+                cache.drop()
             full = cache.slow[key]
         else:
             full = self.tables[place.physical] if key == "parameters" else \

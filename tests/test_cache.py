@@ -1,0 +1,277 @@
+"""Tables beyond memory (docs/semantics.md section 10): a ``memory_budget`` sends tables to a slow
+tier with a write-back cache, and nothing a user can observe changes: activations, tables and
+slots are bit-identical to the run without a budget, for every optimizer, input kind, sharding
+strategy, pipelining and checkpoint. Tiny budgets force misses, evictions and write-backs every
+step."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import embcore as ec
+from distributed import run_on
+from embcore.plan import make_plan
+from embcore.tiers import parse_budget
+from strategies import cases
+from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
+
+pytestmark = pytest.mark.filterwarnings("ignore:table .* a step touches")
+
+
+def _state(emb):
+    return {k: v.clone() for k, v in emb.state_dict().items()}
+
+
+def _run(emb, batches, grads_seed=0):
+    """Trains on ``batches`` ((features, weights) pairs); returns every step's activations."""
+    out = []
+    for s, (feats, w) in enumerate(batches):
+        emb.enqueue(feats, w)
+        acts = emb.dequeue()
+        out.append({k: a.detach().clone() for k, a in acts.items()})
+        g = torch.Generator().manual_seed(grads_seed + s)
+        emb.apply_gradients({k: torch.randn(a.shape, generator=g) for k, a in
+                             sorted(acts.items())})
+    return out
+
+
+def _assert_same(acts_a, acts_b, state_a, state_b):
+    for s, (a, b) in enumerate(zip(acts_a, acts_b)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {s}, feature {k!r}: activations differ"
+    assert state_a.keys() == state_b.keys()
+    for k in state_a:
+        assert torch.equal(state_a[k], state_b[k]), f"{k!r} differs"
+
+
+# ------------------------------------------------------------------------------ the budget
+def test_budget_values():
+    assert parse_budget(None) is None
+    assert parse_budget(1000) == 1000
+    assert parse_budget("4GiB") == 4 * 2**30
+    assert parse_budget("1.5 GB") == 1_500_000_000
+    assert parse_budget("512kb") == 512_000
+    assert parse_budget("2e6") == 2_000_000
+    for bad, error in (("4 gigs", ValueError), (-1, ValueError), ("", ValueError),
+                       (True, TypeError), ([4], TypeError), (float("inf"), ValueError)):
+        with pytest.raises(error):
+            parse_budget(bad)
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    with pytest.raises(ValueError, match="memory_budget 'lots' is not a size"):
+        ec.Embedding(ec.FeatureConfig(table=t), memory_budget="lots")
+    with pytest.raises(TypeError, match="offload_dir must be a path"):
+        ec.Embedding(ec.FeatureConfig(table=t), memory_budget=10, offload_dir=3)
+
+
+def _specs(opt=None, dynamic=False):
+    sizes = [("big", 1000), ("mid", 300), ("small", 50), ("huge", 3000)]
+    out = []
+    for name, n in sizes:
+        t = ec.TableConfig(vocabulary_size=n, dim=8, name=name,
+                           dynamic=ec.DynamicVocabulary() if dynamic and name == "huge" else None)
+        out.append((name, t, opt or ec.Adagrad(learning_rate=0.1)))
+    return out
+
+
+def test_plan_moves_the_largest_tables_and_sizes_their_caches():
+    specs = _specs()
+    row = 8 * 4 * 2  # parameters + Adagrad accumulators, float32
+    everything = sum(t.vocabulary_size for _, t, _ in specs) * row
+    free = make_plan(specs, 1, None, None, None)
+    assert make_plan(specs, 1, None, None, everything) == free  # what fits changes nothing
+    plan = make_plan(specs, 1, None, None, 30_000)
+    slow = {n for p in plan.physical if p.offloaded for n in p.tables}
+    assert slow == {"huge", "big"}  # largest first, until mid + small (350 rows) fit
+    (p,) = [p for p in plan.physical if p.offloaded]
+    in_memory = 350 * row
+    assert 0 < p.cache_rows[0] * (row + 80) <= 30_000 - in_memory
+    assert (p.cache_rows[0] + 2) * (row + 80) > 30_000 - in_memory  # the budget is filled
+    text = str(plan)
+    assert "[slow tier, cached]" in text and f"cache rows / MB per rank: {p.cache_rows[0]}/" in text
+    assert "MB per rank in fast memory" in text
+    assert plan.bytes_per_rank(fast=True)[0] <= 30_000
+    # Dynamic tables and rules that move every row stay in fast memory.
+    dyn = make_plan(_specs(dynamic=True), 1, None, None, 200_000)
+    assert {n for p in dyn.physical if p.offloaded for n in p.tables} == {"big", "mid"}
+    dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
+    assert not any(p.offloaded for p in dense.physical)
+    with pytest.raises(ValueError, match="below what must stay in fast memory"):
+        make_plan(_specs(dynamic=True), 1, None, None, 1000)
+    # Per process: a row-split table's rows are halved on each of 2 processes.
+    two = make_plan(specs, 2, "row_div", None, 15_000)
+    assert {n for p in two.physical if p.offloaded for n in p.tables} == {"huge", "big"}
+
+
+# ------------------------------------------------------------------------------ exactness
+NAMES = sorted(OPTIMIZERS)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), opt=st.sampled_from([n for n in NAMES if n != "adam_dense"]),
+       fraction=st.sampled_from([0.0, 0.3, 0.7]), steps=st.integers(1, 4))
+def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
+    """Property: random tables, features of every input kind and batch sizes (through the layer,
+    whose batches may change shape), any optimizer, a budget below the tables' bytes (0: caches
+    of one row, which every step grows) -> bit-identical to no budget."""
+    tables = [ec.TableConfig(vocabulary_size=data.draw(st.integers(1, 40)), dim=d, name=f"t{i}",
+                             combiner=data.draw(st.sampled_from(["sum", "mean", "sqrtn"])))
+              for i, d in enumerate(data.draw(st.lists(st.sampled_from([2, 3]), min_size=1,
+                                                       max_size=3)))]
+    first = [data.draw(cases(tables[data.draw(st.integers(0, len(tables) - 1))]))
+             for _ in range(data.draw(st.integers(1, 3)))]
+    fc = {f"f{i}": c.feature for i, c in enumerate(first)}
+    batches = [({f"f{i}": c.ids for i, c in enumerate(first)},
+                {f"f{i}": c.weights for i, c in enumerate(first)})]
+    for _ in range(steps - 1):
+        drawn = [data.draw(cases(c.feature.table,
+                                 allow_weights=c.feature.max_sequence_length == 0))
+                 for c in first]
+        batches.append(({f"f{i}": d.ids for i, d in enumerate(drawn)},
+                        {f"f{i}": d.weights if first[i].feature.max_sequence_length == 0
+                         else None for i, d in enumerate(drawn)}))
+    results = []
+    budget = None
+    for _ in range(2):
+        torch.manual_seed(3)
+        layer = ec.EmbeddingLayer(fc, OPTIMIZERS[opt](), memory_budget=budget)
+        acts_seen = []
+        for s, (feats, w) in enumerate(batches):
+            acts = layer(feats, w)
+            acts_seen.append({k: a.detach().clone() for k, a in acts.items()})
+            sum((a * grads_for(acts, s)[k]).sum() for k, a in sorted(acts.items())).backward()
+        results.append((acts_seen, _state(layer.engine)))
+        if budget is None:
+            budget = int(layer.engine.plan.bytes_per_rank()[0] * fraction)
+    assert any(p.offloaded for p in layer.engine.plan.physical)
+    _assert_same(results[0][0], results[1][0], results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("opt", NAMES)
+def test_every_optimizer_with_evictions_every_step(opt):
+    """Six tables of test_sharded's config, eight features of every kind; a budget whose caches
+    hold a handful of rows: misses, evictions and write-backs every step."""
+    fc, _ = config(opt, {})
+    if OPTIMIZERS[opt]().dense_update:  # every row moves every step: it stays in fast memory
+        with pytest.raises(ValueError, match="below what must stay in fast memory"):
+            ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1500)
+        return
+    batches = [concat(global_batch(s, 2)) for s in range(6)]
+    runs = []
+    for budget in (None, 1500):
+        torch.manual_seed(11)
+        emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=budget)
+        runs.append((_run(emb, batches), _state(emb), emb))
+    _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+    emb = runs[1][2]
+    stats = emb.cache_stats()
+    assert stats and all(s["misses"] > 0 for s in stats.values())
+    assert set(stats) == {n for p in emb.plan.physical if p.offloaded for n in p.tables}
+    cache = next(iter(emb._store.cached.values()))
+    assert cache.written_rows > 0  # updated rows went back to the slow tier
+
+
+def test_pipelined_and_layer_training_with_a_budget():
+    fc, _ = config("adagrad", {})
+    batches = [concat(global_batch(s, 2)) for s in range(5)]
+    runs = []
+    for budget in (None, 1500):
+        torch.manual_seed(5)
+        emb = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=budget,
+                           pipeline_execution=True)
+        runs.append((_run(emb, batches), _state(emb)))
+    _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+    layers = []
+    for budget in (None, "1.5KB"):
+        torch.manual_seed(5)
+        layer = ec.EmbeddingLayer(fc, ec.Adagrad(learning_rate=0.3), memory_budget=budget)
+        for s, (feats, w) in enumerate(batches):
+            acts = layer(feats, w)
+            loss = sum((a * grads_for(acts, s)[k]).sum() for k, a in sorted(acts.items()))
+            loss.backward()
+        layers.append(_state(layer.engine))
+    _assert_same([], [], layers[0], layers[1])
+
+
+def test_checkpoints_load_under_any_budget(tmp_path):
+    fc, _ = config("adagrad", {})
+    batches = [concat(global_batch(s, 2)) for s in range(6)]
+    torch.manual_seed(2)
+    cached = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500)
+    _run(cached, batches[:3])
+    ec.save(tmp_path / "ckpt", cached)
+    for budget in (None, 1500, 4000):
+        torch.manual_seed(9)  # other initial values: the checkpoint must replace them all
+        emb = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=budget)
+        ec.load(tmp_path / "ckpt", emb)
+        _assert_same([], [], _state(cached), _state(emb))
+        rest = _run(emb, batches[3:], grads_seed=3)
+        if budget is None:
+            reference = (rest, _state(emb))
+        else:
+            _assert_same(reference[0], rest, reference[1], _state(emb))
+    # an in-memory checkpoint into a cached engine, through state dicts
+    torch.manual_seed(9)
+    plain = ec.Embedding(fc, OPTIMIZERS["adagrad"]())
+    _run(plain, batches[:2])
+    torch.manual_seed(1)
+    target = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500)
+    _run(target, batches[2:4])  # a warm, dirty cache that the load must not write back over
+    target.load_state_dict(plain.state_dict())
+    _assert_same([], [], _state(plain), _state(target))
+
+
+def test_slow_tier_files_live_in_offload_dir_and_go_with_the_engine(tmp_path):
+    fc, _ = config("sgd", {})
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=500, offload_dir=tmp_path)
+    _run(emb, [concat(global_batch(0, 2))])
+    files = list(tmp_path.rglob("*.bin"))
+    assert files, "the slow tier's files are under offload_dir"
+    del emb
+    gc.collect()
+    assert not list(tmp_path.rglob("*.bin")) and not any(tmp_path.iterdir())
+
+
+def test_a_step_larger_than_its_cache_grows_it_with_one_warning():
+    t = ec.TableConfig(vocabulary_size=200, dim=4, name="t")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                       memory_budget=64 * 10)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            emb.enqueue({"f": torch.randperm(200)[:50]})
+            emb.dequeue()
+            emb.apply_gradients({"f": torch.ones(50, 4)})
+    grew = [r for r in rec if "the cache grows" in str(r.message)]
+    assert len(grew) == 1 and "table 't'" in str(grew[0].message)
+
+
+# ------------------------------------------------------------------------------ sharded
+def _sharded_worker(rank, world, init, cases_, steps):
+    init()
+    batches = [global_batch(s, world)[rank] for s in range(steps)]
+    for opt_name, strategies in cases_:
+        fc, strategies = config(opt_name, strategies)
+        runs = []
+        for budget in (None, 800):
+            torch.manual_seed(7)
+            emb = ec.Embedding(fc, OPTIMIZERS[opt_name](), sharding=strategies, timeout=60,
+                               memory_budget=budget)
+            acts = _run(emb, batches, grads_seed=rank * 100)
+            tables = {t.name: v.clone() for t, v in emb.embedding_tables.items()}
+            runs.append((acts, {**tables, **slots_whole(emb)}))
+        _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+
+
+MIXED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "replicated",
+         "f": "row_mod"}
+
+
+def test_sharded_cached_tables_equal_in_memory_tables():
+    """W = 2, every strategy (mixed in one engine), two optimizers: a budget changes nothing."""
+    run_on(2, _sharded_worker, [("adagrad", MIXED), ("ftrl", MIXED), ("rowwise", MIXED)], 4)
