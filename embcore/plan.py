@@ -32,7 +32,7 @@ from .optimizers import Optimizer
 from .cache import INDEX_BYTES_PER_ROW
 from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
-from .tiers import cache_rows, offloaded_tables
+from .tiers import Curve, fast_rows, zipf_curve
 
 Strategy = Literal["replicated", "table", "row_div", "row_mod", "column", "hash"]
 STRATEGIES: tuple[str, ...] = tuple(_PLACEMENTS)
@@ -249,8 +249,9 @@ def _owners(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
 
 def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world_size: int = 1,
               sharding: str | Mapping[str, str] | None = None,
-              lookups: Mapping[str, int] | None = None,
-              memory_budget: int | None = None) -> ShardingPlan:
+              lookups: Mapping[str, float] | None = None,
+              memory_budget: int | None = None,
+              curves: Mapping[str, Curve] | None = None) -> ShardingPlan:
     """Stacks and places tables.
 
     Args:
@@ -261,6 +262,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         lookups: expected lookups per table (e.g. features reading it), to break balance ties.
         memory_budget: None, or the bytes of fast memory per process for tables, slots and
             caches (tiers.py): tables beyond it go to the slow tier, with caches.
+        curves: per table, the share of its lookups its k hottest rows serve (a profile);
+            tables without one get tiers.py's prior.
 
     Returns:
         The frozen plan; physical tables in order of their first logical table.
@@ -274,13 +277,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     owners = _owners(tables, strategies, world_size, lookups or {})
     placed = {name: make_placement(strategies[name], cfg.vocabulary_size, cfg.dim, world_size,
                                    owners.get(name, 0)) for name, cfg, _ in tables}
-    offloaded: set[str] = set()
-    if memory_budget is not None:
-        per_rank = {name: [_local_bytes(placed[name], cfg, opt, r) for r in range(world_size)]
-                    for name, cfg, opt in tables}
-        pinned = {name for name, cfg, opt in tables  # raw ids; rules moving every row
-                  if cfg.dynamic is not None or (opt is not None and opt.dense_update)}
-        offloaded = set(offloaded_tables(per_rank, pinned, memory_budget))
+    caches = _tiers(tables, placed, world_size, memory_budget, lookups or {}, curves or {})
+    offloaded = set(caches)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         key = (cfg.dim, cfg.dtype, opt.stacking_key() if opt is not None else None,
@@ -309,9 +307,9 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         physical.append(PhysicalTable(index, tuple(n for n, _, _ in members), offset, cfg0.dim,
                                       cfg0.dtype, strategy, opt0, layouts[0], tuple(shard_rows),
                                       columns, cfg0.dynamic is not None,
-                                      (0,) * world_size if members[0][0] in offloaded else ()))
-    if offloaded:
-        physical = _with_caches(physical, memory_budget or 0, world_size)
+                                      tuple(sum(caches[n][r] for n, _, _ in members)
+                                            for r in range(world_size))
+                                      if members[0][0] in offloaded else ()))
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))
 
 
@@ -322,23 +320,49 @@ def _local_bytes(layout: Placement, cfg: TableConfig, opt: Optimizer | None, ran
                * (c1 - c0) / cfg.dim)
 
 
-def _with_caches(physical: list[PhysicalTable], budget: int,
-                 world_size: int) -> list[PhysicalTable]:
-    """The offloaded physical tables given their cache rows on every rank (tiers.py)."""
-    plan = ShardingPlan(world_size, (), tuple(physical))
-    in_memory = plan.bytes_per_rank()
-    slow = [p for p in physical if p.cache_rows]
-    for p in slow:  # (their bytes are not in fast memory)
+def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
+           placed: Mapping[str, Placement], world_size: int, budget: int | None,
+           lookups: Mapping[str, float], curves: Mapping[str, Curve]) -> dict[str, list[int]]:
+    """``{offloaded table: cache rows per rank}`` under ``budget`` (tiers.py); empty when
+    everything fits.
+
+    Raises:
+        ValueError: the tables that must stay in fast memory exceed the budget.
+    """
+    if budget is None:
+        return {}
+    per_rank = {name: [_local_bytes(placed[name], cfg, opt, r) for r in range(world_size)]
+                for name, cfg, opt in tables}
+    if all(sum(b[r] for b in per_rank.values()) <= budget for r in range(world_size)):
+        return {}  # what fits changes nothing
+    pinned = {name for name, cfg, opt in tables  # raw ids; rules moving every row
+              if cfg.dynamic is not None or (opt is not None and opt.dense_update)}
+    cfg = {n: c for n, c, _ in tables}
+    local = {n: [len(placed[n].local_rows(r)) for r in range(world_size)] for n in cfg}
+
+    def fill(fixed: set[str]) -> dict[str, list[int]]:
+        """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first)."""
+        out = {n: [0] * world_size for n in cfg if n not in fixed}
         for r in range(world_size):
-            c0, c1 = p.columns[r]
-            in_memory[r] -= int(p.local_rows[r] * p.bytes_per_row * (c1 - c0) / p.dim)
-    per_rank = []
-    for r in range(world_size):
-        per_rank.append(cache_rows(
-            [p.local_rows[r] for p in slow],
-            [int(p.bytes_per_row * (p.columns[r][1] - p.columns[r][0]) / p.dim) for p in slow],
-            budget - in_memory[r]))
-    caches = {p.index: tuple(per_rank[r][i] for r in range(world_size))
-              for i, p in enumerate(slow)}
-    return [replace(p, cache_rows=caches[p.index]) if p.index in caches else p
-            for p in physical]
+            left = budget - sum(per_rank[n][r] for n in fixed)
+            if left < 0:
+                raise ValueError(
+                    f"memory_budget={budget} bytes is below what must stay in fast memory on "
+                    f"process {r}: {budget - left} bytes (dynamic tables and "
+                    f"Adam(lazy_adam=False) tables: {sorted(pinned)}); raise the budget")
+            here = [n for n in out if local[n][r]]
+            cost = [max(1, per_rank[n][r] // local[n][r]) + INDEX_BYTES_PER_ROW for n in here]
+            got = fast_rows([local[n][r] for n in here], cost,
+                            [float(lookups.get(n, 1)) for n in here],
+                            [curves.get(n) or zipf_curve(cfg[n].vocabulary_size) for n in here],
+                            left)
+            for n, k in zip(here, got):
+                out[n][r] = k
+        return out
+
+    # Pass 1 decides the tiers; pass 2 sizes the caches, the tables kept whole charged their
+    # own bytes (no cache index).
+    first = fill(pinned)
+    whole = pinned | {n for n, f in first.items() if f == local[n]}
+    return {n: [min(k, max(1, f)) for f, k in zip(fast_r, local[n])]
+            for n, fast_r in fill(whole).items() if fast_r != local[n]}
