@@ -12,6 +12,7 @@ from .engine import Embedding
 from .layer import EmbeddingLayer
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
 from .plan import ShardingPlan
+from .profile import LookupProfile, profile
 from .serving import serving_embedding_lookup
 
 cpu_embedding_lookup = serving_embedding_lookup
@@ -19,6 +20,6 @@ cpu_embedding_lookup = serving_embedding_lookup
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
     "EmbeddingLayer",
-    "FeatureConfig", "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup",
-    "load", "save", "serving_embedding_lookup", "__version__",
+    "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup",
+    "load", "profile", "save", "serving_embedding_lookup", "__version__",
 ]

@@ -27,6 +27,7 @@ from .lookup import Received, lookup
 from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
+from .profile import LookupProfile
 from .tiers import parse_budget
 from .preprocess import Prepared, preprocess
 from .protocol import StepQueue, TrainingStep
@@ -77,6 +78,8 @@ class Embedding:
             (docs/semantics.md section 10; ``print(emb.plan)`` shows the tiers).
         offload_dir: where the slow tier's files go on the CPU (None: a temporary directory);
             they are scratch, removed with the engine (checkpoints are ``ec.save``'s).
+        profile: lookup statistics from ``ec.profile`` (or the path of one it saved): the
+            planner weighs tables by their measured lookups and sizes caches from their curves.
 
     Raises:
         ValueError / TypeError: invalid structures, duplicate names, bad optimizers.
@@ -98,19 +101,31 @@ class Embedding:
                  process_group: Any = None, device: torch.device | str | None = None,
                  timeout: float | timedelta | None = None,
                  memory_budget: int | str | None = None,
-                 offload_dir: str | os.PathLike | None = None) -> None:
+                 offload_dir: str | os.PathLike | None = None,
+                 profile: LookupProfile | str | os.PathLike | None = None) -> None:
         self._lock = threading.RLock()  # see _serialized
         budget = parse_budget(memory_budget)
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path or None, got "
                             f"{type(offload_dir).__name__}")
         self._offload_dir = offload_dir
+        if isinstance(profile, (str, os.PathLike)):
+            profile = LookupProfile.load(profile)
+        elif profile is not None and not isinstance(profile, LookupProfile):
+            raise TypeError(f"profile must be an ec.profile(...) result, its path or None, got "
+                            f"{type(profile).__name__}")
         self._features = Features(feature_config, optimizer)
         self._comm = make_communicator(process_group, timeout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipeline_execution = bool(pipeline_execution)
-        self._plan = make_plan(self._features.table_specs(), self._comm.world_size, sharding,
-                               self._features.lookups_per_table(), budget)
+        specs = self._features.table_specs()
+        lookups: dict[str, float] = dict(self._features.lookups_per_table())
+        curves = {}
+        if profile is not None:
+            lookups.update({n: v for n, v in profile.lookups().items() if n in lookups})
+            curves = {n: c for n, t, _ in specs
+                      if (c := profile.curve(n, t.vocabulary_size)) is not None}
+        self._plan = make_plan(specs, self._comm.world_size, sharding, lookups, budget, curves)
         # One draw from torch's global RNG (rank 0's when sharded): torch.manual_seed before
         # construction fixes the tables, whatever the world size and plan.
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)

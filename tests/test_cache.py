@@ -294,3 +294,60 @@ MIXED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "repl
 def test_sharded_cached_tables_equal_in_memory_tables():
     """W = 2, every strategy (mixed in one engine), two optimizers: a budget changes nothing."""
     run_on(2, _sharded_worker, [("adagrad", MIXED), ("ftrl", MIXED), ("rowwise", MIXED)], 4)
+
+
+# ------------------------------------------------------------------------------ profiles
+def _skewed_batches(steps, b=64, seed=0):
+    """Table "skewed" (2000 rows): 95% of lookups on 20 rows; table "spread" (500): uniform."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield {"skewed": torch.where(torch.rand(b, generator=g) < 0.95,
+                                     torch.randint(0, 20, (b,), generator=g),
+                                     torch.randint(0, 2000, (b,), generator=g)),
+               "spread": torch.randint(0, 500, (b,), generator=g)}
+
+
+def _two_tables():
+    t = {n: ec.TableConfig(vocabulary_size=v, dim=8, name=n)
+         for n, v in (("skewed", 2000), ("spread", 500))}
+    return {n: ec.FeatureConfig(table=t[n]) for n in t}
+
+
+def test_profile_records_curves_and_the_planner_uses_them(tmp_path):
+    fc = _two_tables()
+    prof = ec.profile(_skewed_batches(50), fc, tmp_path / "profile.json")
+    assert (tmp_path / "profile.json").stat().st_size < 8000
+    assert ec.LookupProfile.load(tmp_path / "profile.json") == prof and prof.batches == 50
+    skewed, spread = prof.tables["skewed"], prof.tables["spread"]
+    assert skewed.lookups_per_batch == spread.lookups_per_batch == 64
+    share = dict(skewed.points)
+    assert share[max(k for k in share if k <= 20)] > 0.9  # 20 rows take > 90% of lookups
+    flat = dict(spread.points)
+    assert flat[max(k for k in flat if k <= 20)] < 0.1
+    # The prior (Zipf) splits the budget between the two; the measured curves show that the
+    # skewed table needs 20 rows for 95% of its lookups, so the uniform table stays whole.
+    budget = 80_000
+
+    def slow(emb):
+        return {n for p in emb.plan.physical if p.offloaded for n in p.tables}
+
+    plain = ec.Embedding(fc, ec.Adagrad(learning_rate=0.1), memory_budget=budget)
+    sized = ec.Embedding(fc, ec.Adagrad(learning_rate=0.1), memory_budget=budget,
+                         profile=tmp_path / "profile.json")
+    assert slow(plain) == {"skewed", "spread"} and slow(sized) == {"skewed"}
+    # both train exactly as without a budget
+    batches = [(b, None) for b in _skewed_batches(4, seed=1)]
+    runs = []
+    start = _state(plain)
+    for emb in (ec.Embedding(fc, ec.Adagrad(learning_rate=0.1)), plain, sized):
+        emb.load_state_dict(start)  # the same start
+        runs.append((_run(emb, batches), _state(emb)))
+    for other in runs[1:]:
+        _assert_same(runs[0][0], other[0], runs[0][1], other[1])
+    with pytest.raises(ValueError, match="not an embcore profile"):
+        ec.LookupProfile.from_dict({"format": "x"})
+    with pytest.raises(TypeError, match="profile must be"):
+        ec.Embedding(fc, profile=3)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not an embcore profile"):
+        ec.LookupProfile.load(tmp_path / "bad.json")

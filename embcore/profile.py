@@ -1,0 +1,152 @@
+"""Lookup statistics (TF's ``profile_data_directory``): how often each table's ids are looked up.
+
+``ec.profile(batches, feature_config)`` runs sample batches through the features' input rules
+(no tables, no optimizer) and records, per table, the ids looked up per batch and the **curve**:
+the share of lookups that its k most frequent ids take, at k = 1, 2, 4, ... (a few dozen points,
+so the file stays small whatever the table's size). ``Embedding(profile=...)`` passes it to the
+planner: measured lookups weigh the tables (cache sizes, and the owners of whole tables when
+sharded), and the curves size the caches of tables beyond ``memory_budget`` (tiers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .tiers import Curve, profile_curve
+
+FORMAT = "embcore-profile-1"
+
+
+@dataclass(frozen=True)
+class TableProfile:
+    """One table's statistics: mean ids per batch, distinct ids seen, ``(k, share)`` points."""
+
+    lookups_per_batch: float
+    distinct: int
+    points: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class LookupProfile:
+    """Per-table lookup statistics from ``batches`` sample batches (``ec.profile``)."""
+
+    batches: int
+    tables: Mapping[str, TableProfile] = field(default_factory=dict)
+
+    def curve(self, table: str, rows: int) -> Curve | None:
+        """The table's curve over its ``rows`` rows, or None when it was not profiled."""
+        t = self.tables.get(table)
+        return None if t is None else profile_curve(t.points, max(rows, t.distinct))
+
+    def lookups(self) -> dict[str, float]:
+        return {n: t.lookups_per_batch for n, t in self.tables.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "batches": self.batches,
+                "tables": {n: {"lookups_per_batch": t.lookups_per_batch,
+                               "distinct": t.distinct, "points": [list(p) for p in t.points]}
+                           for n, t in self.tables.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LookupProfile:
+        """Raises ValueError for anything but a profile written by ``to_dict``/``save``."""
+        try:
+            if d.get("format") != FORMAT:
+                raise ValueError(f"not an embcore profile (format {d.get('format')!r})")
+            tables = {str(n): TableProfile(float(t["lookups_per_batch"]), int(t["distinct"]),
+                                           tuple((int(k), float(v)) for k, v in t["points"]))
+                      for n, t in d["tables"].items()}
+            for n, t in tables.items():
+                ks = [k for k, _ in t.points]
+                vs = [v for _, v in t.points]
+                if (ks != sorted(set(ks)) or any(not 0 <= v <= 1 for v in vs)
+                        or vs != sorted(vs) or t.lookups_per_batch < 0):
+                    raise ValueError(f"table {n!r}: points must rise in k and share (0..1)")
+            return cls(int(d["batches"]), tables)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not an embcore profile: {e!r}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LookupProfile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not an embcore profile (not JSON: {e})") from None
+
+
+def profile(batches: Iterable[Any], feature_config: Any,
+            path: str | os.PathLike | None = None) -> LookupProfile:
+    """Records per-table lookup statistics from sample ``batches``.
+
+    Args:
+        batches: an iterable of feature structures (as ``enqueue`` takes them), or of
+            ``(features, weights)`` pairs.
+        feature_config: the engine's feature_config.
+        path: where to write the profile (JSON, a few KB), or None.
+
+    Returns:
+        The ``LookupProfile``; pass it (or its path) as ``Embedding(profile=...)``.
+
+    Raises:
+        ValueError / TypeError: batches that ``enqueue`` would refuse, naming the feature.
+    """
+    from .features import Features  # (features.py imports the planner's modules)
+
+    features = Features(feature_config, None)
+    counts: dict[str, dict[int, int] | torch.Tensor] = {}
+    ids_seen: dict[str, int] = {}
+    sizes = {n: t for t, n in features.table_names.items()}
+    n_batches = 0
+    for batch in batches:
+        feats, weights = batch if isinstance(batch, tuple) and len(batch) == 2 and not \
+            isinstance(batch[0], torch.Tensor) else (batch, None)
+        bags = features.bags(feats, weights, torch.device("cpu"), learn=False)
+        n_batches += 1
+        for table, b in zip(features.tables, bags):
+            if b is None:
+                continue
+            ids = b.ids
+            ids_seen[table] = ids_seen.get(table, 0) + ids.numel()
+            if sizes[table].dynamic is None:
+                c = torch.bincount(ids, minlength=sizes[table].vocabulary_size)
+                prev = counts.get(table)
+                counts[table] = c if prev is None else prev + c
+            else:
+                values, c = torch.unique(ids, return_counts=True)
+                acc = counts.setdefault(table, {})
+                assert isinstance(acc, dict)
+                for v, k in zip(values.tolist(), c.tolist()):
+                    acc[v] = acc.get(v, 0) + k
+    tables = {}
+    for table, c in counts.items():
+        freq = (torch.tensor(sorted(c.values(), reverse=True), dtype=torch.float64)
+                if isinstance(c, dict) else torch.sort(c[c > 0].double(), descending=True)[0])
+        tables[table] = TableProfile(ids_seen[table] / max(n_batches, 1), int(freq.numel()),
+                                     _points(freq))
+    out = LookupProfile(n_batches, tables)
+    if path is not None:
+        out.save(path)
+    return out
+
+
+def _points(freq: torch.Tensor) -> tuple[tuple[int, float], ...]:
+    """``(k, share of the k most frequent)`` at k = 1, 2, 4, ... and the number of ids seen."""
+    if freq.numel() == 0:
+        return ()
+    share = freq.cumsum(0) / freq.sum()  # (n,)
+    ks, k = [], 1
+    while k < freq.numel():
+        ks.append(k)
+        k = max(k + 1, int(k * 1.5))
+    ks.append(int(freq.numel()))
+    return tuple((k, float(share[k - 1])) for k in ks)
