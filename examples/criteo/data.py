@@ -173,7 +173,7 @@ def read_batches(path: str | Path, batch_size: int, *,
                  hash_buckets: int | Sequence[int] | None = None, skip_bad: bool = False,
                  labeled: bool | None = None, limit: int | None = None,
                  part: Literal["all", "train", "test"] = "all", holdout_every: int = 0,
-                 stats: ReadStats | None = None) -> Iterator[Batch]:
+                 stats: ReadStats | None = None, start_after: int = 0) -> Iterator[Batch]:
     """Streams ``path`` as batches of ``batch_size`` examples (the last one may be smaller).
 
     Args:
@@ -186,7 +186,9 @@ def read_batches(path: str | Path, batch_size: int, *,
         limit: read at most this many lines (counted over all lines, as ``holdout_every``).
         part, holdout_every: with ``holdout_every = k > 0``, line numbers divisible by k form
             the "test" part and the others the "train" part; ``part`` picks one ("all": both).
-        stats: a ``ReadStats`` filled in while reading.
+        stats: a ``ReadStats`` filled in while reading (``stats.lines``: the number of the
+            last line read, so ``start_after=stats.lines`` continues after a yielded batch).
+        start_after: skip lines 1 ... start_after unparsed (resuming a run mid-file).
 
     Yields:
         ``Batch(dense (B, 13) float32, sparse (B, 26) int64, label (B,) float32 or None)``.
@@ -225,6 +227,8 @@ def read_batches(path: str | Path, batch_size: int, *,
             if limit is not None and number > limit:
                 break
             stats.lines = number
+            if number <= start_after:
+                continue
             if holdout_every > 0 and part != "all":
                 if (number % holdout_every == 0) != (part == "test"):
                     continue
