@@ -502,7 +502,8 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
                 bar.set_postfix(loss=f"{batch_loss:.4f}", refresh=False)
             if position["global_step"] % args.log_every == 0:
                 now = time.perf_counter()
-                history.append({"kind": "train", "epoch": epoch,
+                history.append({"kind": "train", "synthetic": synthetic is not None,
+                                "epoch": epoch,
                                 "step": position["global_step"],
                                 "examples": position["examples"],
                                 "loss": window_loss / window_n,
@@ -519,13 +520,14 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
             say(f"skipped {stats.skipped} bad line(s) of {data.train_path}, e.g. "
                 f"{stats.examples_of_bad[0]}")
         if window_n:
-            history.append({"kind": "train", "epoch": epoch, "step": position["global_step"],
+            history.append({"kind": "train", "synthetic": synthetic is not None,
+                            "epoch": epoch, "step": position["global_step"],
                             "examples": position["examples"], "loss": window_loss / window_n,
                             "examples_per_s": window_n / (time.perf_counter() - window_start)})
         eval_start = time.perf_counter()
         metrics = evaluate(model, data, args.device, rank, world)
         throughput = train_examples / train_seconds if train_seconds else float("nan")
-        record = {"kind": "eval", "epoch": epoch, "step": position["global_step"],
+        record = {"kind": "eval", "synthetic": synthetic is not None, "epoch": epoch, "step": position["global_step"],
                   "examples": position["examples"], **metrics,
                   "train_examples_per_s": throughput, "train_skipped": stats.skipped,
                   "eval_seconds": round(time.perf_counter() - eval_start, 3),
