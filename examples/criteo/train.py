@@ -103,8 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     i.add_argument("--capacity", type=float, default=None,
                    help="--raw-ids: rows per dynamic table: an integer > 1, or a fraction in "
                         "(0, 1] of each feature's distinct training ids (counted by one extra "
-                        "pass over the data); beyond it the least recently used ids are "
-                        "evicted. Default 1.0")
+                        "pass over the data; never below the batch size, or the feature's "
+                        "distinct ids if fewer); beyond it the least recently used ids are "
+                        "evicted. A step needs a row per distinct id: an integer below "
+                        "--batch-size may stop the run. Default 1.0")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=1, help="passes over train.txt")
     t.add_argument("--batch-size", type=int, default=4096, help="examples per step, all "
@@ -256,7 +258,10 @@ def capacities(args: argparse.Namespace, data: Dataset, say: Callable[..., None]
         f"pass an integer --capacity to skip it)", flush=True)
     part = {"part": "train", **data.holdout} if data.holdout else {}
     distinct = count_distinct(data.train_path, labeled=True, **data.common, **part)
-    return tuple(max(1, math.ceil(round(args.capacity * int(n), 9))) for n in distinct)
+    # A step must find a row for each of its distinct ids: never fewer rows than one batch can
+    # bring (the batch size), unless the feature has fewer distinct ids than that.
+    return tuple(max(1, math.ceil(round(args.capacity * int(n), 9)),
+                     min(int(n), args.batch_size)) for n in distinct)
 
 
 # --------------------------------------------------------------------------------- steps
@@ -476,7 +481,14 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
         for batch in data.train(args.batch_size, stats, start_after=position["line"]):
             start = time.perf_counter()
             dense, sparse, label = to_torch(batch, args.device, rank, world)
-            logits = model(dense, sparse)  # (b,)
+            try:
+                logits = model(dense, sparse)  # (b,)
+            except ValueError as e:
+                if "new ids but the shard holds" not in str(e):
+                    raise
+                raise ValueError(f"{e}: a dynamic table needs a row for every distinct id of "
+                                 f"a step; raise --capacity (--batch-size rows are always "
+                                 f"enough) or lower --batch-size") from e
             # sum / global batch: the engine sums row gradients over processes and the dense
             # gradients are summed below, so a step equals the one-process step on the batch
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
