@@ -1,0 +1,581 @@
+"""Trains DLRM-DCNv2 on Criteo click logs with embcore, then reports the test AUC.
+
+    python examples/criteo/train.py --data DIR             # DIR/train.txt (+ DIR/test.txt)
+    python examples/criteo/train.py --synthetic            # a small SYNTHETIC dataset
+    python examples/criteo/train.py --data DIR --out runs/criteo --resume   # continue a run
+    torchrun --nproc-per-node 2 examples/criteo/train.py --data DIR          # several processes
+
+One epoch (by default) over DIR/train.txt in file order, streamed in batches (files larger than
+memory are fine); then an evaluation over DIR/test.txt when it has labels, else over the lines
+of train.txt held out by ``--holdout-every`` (every k-th line; they are then not trained on).
+The last line printed is exactly ``test auc=0.XXXX logloss=0.XXXX``.
+
+Everything it writes goes under ``--out``:
+
+    checkpoints/step-00001234/embedding/   ec.save: tables, Adagrad accumulators, id maps, step
+    checkpoints/step-00001234/dense.pt     the dense part, its optimizer, the position in the data
+    checkpoints/latest                     the name of the newest complete checkpoint
+    metrics.jsonl                          "train" lines (loss, examples/s) every --log-every
+                                           steps, an "eval" line (test AUC, log loss) per epoch
+    curves.png                             loss and AUC (when matplotlib is installed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script: make the package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import embcore as ec  # noqa: E402
+from criteo.data import (  # noqa: E402
+    NUM_SPARSE,
+    DataError,
+    ReadStats,
+    count_distinct,
+    has_labels,
+    read_batches,
+)
+from criteo.generate import SYNTHETIC_NOTE, generate  # noqa: E402
+from criteo.metrics import log_loss, roc_auc  # noqa: E402
+from criteo.model import DLRM, ModelConfig, as_model_config  # noqa: E402
+
+try:  # optional: a progress bar
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
+SYNTHETIC_WARNING = (f"*** {SYNTHETIC_NOTE}. Point --data at Criteo's files (Kaggle's "
+                     f"train.txt or the 1TB day files) for real results. ***")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--data", type=Path, default=None,
+                   help="directory holding train.txt (or train.txt.gz) and optionally "
+                        "test.txt: Criteo's TSV (label, I1..I13, C1..C26)")
+    d.add_argument("--synthetic", action="store_true",
+                   help="generate a small SYNTHETIC dataset (generate.py) into a temporary "
+                        "directory and train on it")
+    d.add_argument("--synthetic-lines", type=int, default=20000,
+                   help="--synthetic: lines of train.txt (test.txt gets a quarter)")
+    d.add_argument("--limit", type=int, default=None,
+                   help="read only the first N lines of train.txt and of test.txt")
+    d.add_argument("--holdout-every", type=int, default=7,
+                   help="when test.txt is missing or unlabeled: every k-th line of train.txt "
+                        "is held out as the test set (k = 7: a seventh, Kaggle's one day in "
+                        "seven)")
+    d.add_argument("--skip-bad", action="store_true",
+                   help="skip malformed lines (and count them) instead of stopping at the first")
+    m = p.add_argument_group("model (MLPerf DLRM-DCNv2's sizes by default)")
+    m.add_argument("--dim", type=int, default=128, help="D of the 26 tables")
+    m.add_argument("--bottom-mlp", type=int, nargs="+", default=[512, 256, 128],
+                   help="bottom MLP widths over the 13 counts")
+    m.add_argument("--top-mlp", type=int, nargs="+", default=[1024, 1024, 512, 256],
+                   help="top MLP hidden widths (then one logit)")
+    m.add_argument("--cross-layers", type=int, default=3, help="DCN v2 cross layers")
+    m.add_argument("--cross-rank", type=int, default=512, help="rank of each cross layer")
+    i = p.add_argument_group("ids and tables")
+    ids = i.add_mutually_exclusive_group()
+    ids.add_argument("--raw-ids", action="store_true", default=True,
+                     help="(default) the 32-bit hashes as raw ids in dynamic tables "
+                          "(ec.DynamicVocabulary), missing: -1")
+    ids.add_argument("--hash-buckets", type=int, nargs="+", default=None,
+                     help="MLPerf-style: id %% N into static tables of N rows (one N for all "
+                          "features, or 26)")
+    i.add_argument("--capacity", type=float, default=None,
+                   help="--raw-ids: rows per dynamic table: an integer > 1, or a fraction in "
+                        "(0, 1] of each feature's distinct training ids (counted by one extra "
+                        "pass over the data; never below the batch size, or the feature's "
+                        "distinct ids if fewer); beyond it the least recently used ids are "
+                        "evicted. A step needs a row per distinct id: an integer below "
+                        "--batch-size may stop the run. Default 1.0")
+    t = p.add_argument_group("training")
+    t.add_argument("--epochs", type=int, default=1, help="passes over train.txt")
+    t.add_argument("--batch-size", type=int, default=4096, help="examples per step, all "
+                   "processes")
+    t.add_argument("--lr", type=float, default=0.005, help="the dense part's Adagrad rate")
+    t.add_argument("--embedding-lr", type=float, default=0.005, help="the tables' Adagrad rate")
+    t.add_argument("--embedding-optimizer", choices=("adagrad", "rowwise_adagrad"),
+                   default="adagrad",
+                   help="ec.Adagrad (an accumulator per entry) or ec.RowwiseAdagrad (per row, "
+                        "as MLPerf's reference)")
+    t.add_argument("--seed", type=int, default=0, help="seeds the model (and --synthetic data)")
+    t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the tables and the dense part train")
+    t.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default)")
+    t.add_argument("--sharding", default="auto", choices=[*ec.plan.STRATEGIES, "auto"],
+                   help="how the tables are split under torchrun (several processes)")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("runs/criteo"),
+                   help="directory for checkpoints, metrics.jsonl and curves.png")
+    o.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint under --out (same data and flags)")
+    o.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
+    o.add_argument("--keep-checkpoints", type=int, default=2, help="how many to keep")
+    o.add_argument("--log-every", type=int, default=50, help="steps between metrics.jsonl lines")
+    o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a tqdm progress bar (when tqdm is installed)")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "keep_checkpoints", "log_every", "dim", "cross_rank",
+                 "synthetic_lines"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("threads", "checkpoint_every", "cross_layers"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if min(args.bottom_mlp + args.top_mlp) < 1:
+        p.error("--bottom-mlp and --top-mlp widths must be >= 1")
+    if args.synthetic == (args.data is not None):
+        p.error("pass either --data DIR (Criteo's files) or --synthetic")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.holdout_every < 2:
+        p.error(f"--holdout-every must be >= 2, got {args.holdout_every}")
+    if args.hash_buckets is not None:
+        args.raw_ids = False
+        if len(args.hash_buckets) not in (1, NUM_SPARSE) or min(args.hash_buckets) < 1:
+            p.error(f"--hash-buckets takes one size >= 1 or 26 of them, got {args.hash_buckets}")
+        if args.capacity is not None:
+            p.error("--capacity applies to --raw-ids; with --hash-buckets the tables have the "
+                    "bucket counts as rows")
+    cap = 1.0 if args.capacity is None else args.capacity
+    if not (0 < cap <= 1 or (cap > 1 and cap == int(cap))):
+        p.error(f"--capacity must be a fraction in (0, 1] or an integer > 1, got {cap}")
+    args.capacity = cap
+    return args
+
+
+# --------------------------------------------------------------------------------- processes
+def init_processes(device: str) -> tuple[int, int, str]:
+    """Joins the process group when launched by torchrun; returns (rank, world, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    if device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            timeout=timedelta(seconds=300))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    if distributed():
+        dist.all_reduce(t)
+    return t
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------------- data
+class Dataset:
+    """Where the training and test examples come from, and how to read them."""
+
+    def __init__(self, args: argparse.Namespace, directory: Path, synthetic: dict | None):
+        self.directory, self.synthetic = directory, synthetic
+        self.train_path = self._find(directory, "train.txt", required=True)
+        test = self._find(directory, "test.txt", required=False)
+        self.test_path = test if test is not None and has_labels(test) else None
+        self.buckets = args.hash_buckets
+        self.common = {"hash_buckets": args.hash_buckets, "skip_bad": args.skip_bad,
+                       "limit": args.limit}
+        self.holdout = {} if self.test_path else {"holdout_every": args.holdout_every}
+        self.unlabeled_test = test is not None and self.test_path is None
+
+    @staticmethod
+    def _find(directory: Path, name: str, required: bool) -> Path | None:
+        for candidate in (directory / name, directory / f"{name}.gz"):
+            if candidate.is_file():
+                return candidate
+        if required:
+            raise ValueError(f"{directory} has no {name} (nor {name}.gz): --data must name a "
+                             f"directory holding Criteo's train.txt")
+        return None
+
+    def describe(self) -> str:
+        test = (f"{self.test_path}" if self.test_path else
+                f"every {self.holdout['holdout_every']}th line of {self.train_path.name} held out"
+                + (" (test.txt has no labels)" if self.unlabeled_test else ""))
+        return f"train {self.train_path}, test {test}"
+
+    def train(self, batch_size: int, stats: ReadStats, start_after: int = 0
+              ) -> Iterator[Any]:
+        part = {"part": "train", **self.holdout} if self.holdout else {}
+        return read_batches(self.train_path, batch_size, stats=stats, start_after=start_after,
+                            labeled=True, **self.common, **part)
+
+    def test(self, batch_size: int, stats: ReadStats) -> Iterator[Any]:
+        if self.test_path is not None:
+            return read_batches(self.test_path, batch_size, stats=stats, labeled=True,
+                                **self.common)
+        return read_batches(self.train_path, batch_size, stats=stats, labeled=True,
+                            part="test", **self.holdout, **self.common)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the run it continues."""
+        if self.synthetic is not None:
+            source = {k: self.synthetic[k] for k in ("seed", "scale", "train_lines")}
+            return {"data": "synthetic", **source, **self.common}
+        return {"data": str(self.train_path.resolve()),
+                "train_bytes": self.train_path.stat().st_size, **self.common, **self.holdout}
+
+
+def capacities(args: argparse.Namespace, data: Dataset, say: Callable[..., None]
+               ) -> tuple[int, ...]:
+    if not args.raw_ids:
+        sizes = args.hash_buckets * (NUM_SPARSE if len(args.hash_buckets) == 1 else 1)
+        return tuple(int(s) for s in sizes)
+    if args.capacity > 1:
+        return (int(args.capacity),) * NUM_SPARSE
+    say(f"counting the distinct ids of each feature for --capacity {args.capacity} (one pass; "
+        f"pass an integer --capacity to skip it)", flush=True)
+    part = {"part": "train", **data.holdout} if data.holdout else {}
+    distinct = count_distinct(data.train_path, labeled=True, **data.common, **part)
+    # A step must find a row for each of its distinct ids: never fewer rows than one batch can
+    # bring (the batch size), unless the feature has fewer distinct ids than that.
+    return tuple(max(1, math.ceil(round(args.capacity * int(n), 9)),
+                     min(int(n), args.batch_size)) for n in distinct)
+
+
+# --------------------------------------------------------------------------------- steps
+def to_torch(batch: Any, device: str, rank: int, world: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This process's share (every world-th example) of a batch, as tensors on ``device``."""
+    sl = slice(rank, None, world)
+    return (torch.from_numpy(batch.dense[sl]).to(device),  # (b, 13)
+            torch.from_numpy(batch.sparse[sl]).to(device),  # (b, 26)
+            torch.from_numpy(batch.label[sl]).to(device))  # (b,)
+
+
+@torch.no_grad()
+def evaluate(model: DLRM, data: Dataset, device: str, rank: int, world: int,
+             batch_size: int = 16384) -> dict[str, Any]:
+    """Exact AUC and log loss over the whole test set (every process scores its share)."""
+    model.eval()
+    stats = ReadStats()
+    labels, probs = [], []
+    for batch in data.test(batch_size, stats):
+        dense, sparse, label = to_torch(batch, device, rank, world)
+        probs.append(torch.sigmoid(model(dense, sparse)).double().cpu().numpy())
+        labels.append(label.cpu().numpy())
+    y = np.concatenate(labels) if labels else np.zeros(0)
+    p = np.concatenate(probs) if probs else np.zeros(0)
+    if distributed():
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, (y, p))
+        y = np.concatenate([g[0] for g in gathered])
+        p = np.concatenate([g[1] for g in gathered])
+    model.train()
+    if y.size == 0:
+        raise ValueError("the test set is empty: more lines (--limit) or a smaller "
+                         "--holdout-every are needed")
+    return {"test_auc": roc_auc(y, p), "test_logloss": log_loss(y, p),
+            "test_examples": int(y.size), "test_ctr": float(y.mean()),
+            "test_skipped": stats.skipped}
+
+
+# --------------------------------------------------------------------------------- checkpoints
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
+                    position: dict[str, int], history: list[dict[str, Any]],
+                    identity: dict[str, Any], keep: int, rank: int) -> Path:
+    """Writes a checkpoint, then points ``latest`` at it, then prunes old ones: an interrupted
+    save leaves the previous checkpoint the one ``--resume`` reads."""
+    ckpt = root / f"step-{position['global_step']:08d}"
+    ec.save(ckpt / "embedding", model.embedding, extra=dict(position))  # every process
+    if rank == 0:
+        dense = {"position": position, "model_config": asdict(model.config),
+                 "dense_arch": model.dense_arch.state_dict(),
+                 "optimizer": dense_opt.state_dict(), "history": history, "run": identity}
+        _write_atomic(ckpt / "dense.pt", lambda p: torch.save(dense, p))
+        _write_atomic(root / "latest", lambda p: p.write_text(ckpt.name + "\n"))
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old)
+    barrier()
+    return ckpt
+
+
+def restore_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
+                       identity: dict[str, Any]) -> tuple[dict[str, int], list[dict]] | None:
+    """Restores the newest checkpoint under ``root``; None when there is none.
+
+    Raises:
+        ValueError: the checkpoint was written with other data or flags (nothing restored).
+    """
+    try:
+        ckpt = root / (root / "latest").read_text().strip()
+    except FileNotFoundError:
+        return None
+    dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
+    saved = dense["run"]
+    if saved != identity:
+        differ = ", ".join(f"{k}: {saved.get(k, 'unrecorded')!r} there, {v!r} now"
+                           for k, v in identity.items() if saved.get(k, "unrecorded") != v)
+        raise ValueError(f"{ckpt} was written by a run with other data or flags ({differ}); "
+                         f"resume with the same data and flags, or leave out --resume")
+    config = as_model_config(dense["model_config"])
+    if config != model.config:
+        raise ValueError(f"{ckpt} holds a model with {config}, but the flags give "
+                         f"{model.config}; resume with the same model flags")
+    ec.load(ckpt / "embedding", model.embedding)
+    model.dense_arch.load_state_dict(dense["dense_arch"])
+    dense_opt.load_state_dict(dense["optimizer"])
+    return dense["position"], dense["history"]
+
+
+# --------------------------------------------------------------------------------- outputs
+def write_metrics(out: Path, history: list[dict[str, Any]]) -> None:
+    """metrics.jsonl, rewritten whole (after a resume it matches the checkpoint)."""
+    lines = "".join(json.dumps(r) + "\n" for r in history)
+    _write_atomic(out / "metrics.jsonl", lambda p: p.write_text(lines))
+
+
+def plot_curves(out: Path, history: list[dict[str, Any]], title: str) -> bool:
+    """curves.png: training loss over examples and test AUC per epoch. False: no matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [r for r in history if r["kind"] == "train"]
+    evals = [r for r in history if r["kind"] == "eval"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot([r["examples"] for r in train], [r["loss"] for r in train], label="train log loss")
+    a.set_xlabel("training examples")
+    a.set_ylabel("log loss (mean over the last steps)")
+    b.plot([r["epoch"] for r in evals], [r["test_auc"] for r in evals], "o-", label="test AUC")
+    b.set_xlabel("epoch")
+    b.set_ylabel("test AUC")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the job; returns the final metrics (test_auc, test_logloss, examples_per_s, ...)."""
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    rank, world, args.device = init_processes(args.device)
+    try:
+        if not args.synthetic:
+            return _run(args, args.data, None, rank, world)
+        with tempfile.TemporaryDirectory(prefix="criteo-synthetic-") as tmp:
+            info = generate(tmp, train_lines=args.synthetic_lines,
+                            test_lines=max(1, args.synthetic_lines // 4), seed=args.seed)
+            return _run(args, Path(tmp), info, rank, world)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called from a larger program
+        if distributed():
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank: int,
+         world: int) -> dict[str, Any]:
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
+                         f"processes ({world})")
+    data = Dataset(args, directory, synthetic)
+    if synthetic is not None:
+        say(SYNTHETIC_WARNING)
+        say(f"synthetic data: {synthetic['train_lines']:,} train / {synthetic['test_lines']:,} "
+            f"test lines; best achievable test AUC {synthetic['best_test_auc']:.4f} (the true "
+            f"click probabilities'), their log loss {synthetic['best_test_logloss']:.4f}")
+    say(f"data: {data.describe()}")
+    config = ModelConfig(capacities=capacities(args, data, say), dim=args.dim,
+                         bottom=tuple(args.bottom_mlp), cross_layers=args.cross_layers,
+                         cross_rank=args.cross_rank, top=tuple(args.top_mlp),
+                         raw_ids=args.raw_ids)
+    say(f"tables: 26 x D {config.dim}, "
+        + (f"dynamic (raw ids, LRU eviction), capacities {list(config.capacities)}"
+           if config.raw_ids else f"static, hashed rows {list(config.capacities)}"))
+
+    torch.manual_seed(args.seed)  # the tables' seeds and the dense part's initial weights
+    opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
+    model = DLRM(config, opt_class(learning_rate=args.embedding_lr,
+                                   initial_accumulator_value=0.0),
+                 device=args.device, sharding=args.sharding if world > 1 else None)
+    if world > 1:
+        say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
+    dense_opt = torch.optim.Adagrad(model.dense_arch.parameters(), lr=args.lr, eps=1e-8)
+    n_dense = sum(p.numel() for p in model.dense_arch.parameters())
+    say(f"model: DLRM-DCNv2, bottom {config.bottom}, {config.cross_layers} cross layers of "
+        f"rank {config.cross_rank} over width {config.interaction_width}, top {config.top}; "
+        f"{n_dense:,} dense parameters, {sum(config.capacities) * config.dim:,} table entries")
+
+    out: Path = args.out
+    root = out / "checkpoints"
+    out.mkdir(parents=True, exist_ok=True)
+    identity = {**data.identity(), "batch_size": args.batch_size, "seed": args.seed,
+                "world": world}
+    position = {"epoch": 0, "line": 0, "epoch_step": 0, "global_step": 0, "examples": 0}
+    history: list[dict[str, Any]] = []
+    restored = restore_checkpoint(root, model, dense_opt, identity) if args.resume else None
+    if restored is not None:
+        position, history = restored
+        if position["epoch"] >= args.epochs:
+            raise ValueError(f"the checkpoint under {root} has finished {position['epoch']} "
+                             f"epoch(s) and --epochs is {args.epochs}: pass a larger --epochs "
+                             f"to train on, or leave out --resume for a fresh run")
+        say(f"resumed from {root}: epoch {position['epoch'] + 1}, after line "
+            f"{position['line']:,} ({position['global_step']} steps)")
+    else:
+        if args.resume:
+            say(f"--resume: no checkpoint under {root}; starting from scratch")
+        if root.exists() and rank == 0:
+            say(f"a fresh run: removing the previous run's checkpoints in {root}")
+            shutil.rmtree(root)
+        barrier()
+
+    model.train()
+    final: dict[str, Any] = {}
+    train_seconds, train_examples = 0.0, 0
+    while position["epoch"] < args.epochs:
+        epoch = position["epoch"] + 1
+        stats = ReadStats()
+        bar = (tqdm(desc=f"epoch {epoch}/{args.epochs}", unit="step", leave=False,
+                    dynamic_ncols=True, disable=not args.progress or rank != 0)
+               if tqdm is not None else None)
+        window_loss, window_n, window_start = 0.0, 0, time.perf_counter()
+        for batch in data.train(args.batch_size, stats, start_after=position["line"]):
+            start = time.perf_counter()
+            dense, sparse, label = to_torch(batch, args.device, rank, world)
+            try:
+                logits = model(dense, sparse)  # (b,)
+            except ValueError as e:
+                if "new ids but the shard holds" not in str(e):
+                    raise
+                raise ValueError(f"{e}: a dynamic table needs a row for every distinct id of "
+                                 f"a step; raise --capacity (--batch-size rows are always "
+                                 f"enough) or lower --batch-size") from e
+            # sum / global batch: the engine sums row gradients over processes and the dense
+            # gradients are summed below, so a step equals the one-process step on the batch
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, label, reduction="sum") / len(batch.label)
+            dense_opt.zero_grad(set_to_none=True)
+            loss.backward()  # the engine updates the touched table rows here
+            if world > 1:
+                for p in model.dense_arch.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+            dense_opt.step()
+            batch_loss = float(all_sum(loss.detach().double().cpu()))
+            train_seconds += time.perf_counter() - start
+            train_examples += len(batch.label)
+            position["epoch_step"] += 1
+            position["global_step"] += 1
+            position["examples"] += len(batch.label)
+            position["line"] = stats.lines
+            window_loss += batch_loss * len(batch.label)
+            window_n += len(batch.label)
+            if bar is not None:
+                bar.update()
+                bar.set_postfix(loss=f"{batch_loss:.4f}", refresh=False)
+            if position["global_step"] % args.log_every == 0:
+                now = time.perf_counter()
+                history.append({"kind": "train", "synthetic": synthetic is not None,
+                                "epoch": epoch,
+                                "step": position["global_step"],
+                                "examples": position["examples"],
+                                "loss": window_loss / window_n,
+                                "examples_per_s": window_n / (now - window_start)})
+                window_loss, window_n, window_start = 0.0, 0, now
+            if args.checkpoint_every and position["global_step"] % args.checkpoint_every == 0:
+                save_checkpoint(root, model, dense_opt, position, history, identity,
+                                args.keep_checkpoints, rank)
+                if rank == 0:
+                    write_metrics(out, history)
+        if bar is not None:
+            bar.close()
+        if stats.skipped:
+            say(f"skipped {stats.skipped} bad line(s) of {data.train_path}, e.g. "
+                f"{stats.examples_of_bad[0]}")
+        if window_n:
+            history.append({"kind": "train", "synthetic": synthetic is not None,
+                            "epoch": epoch, "step": position["global_step"],
+                            "examples": position["examples"], "loss": window_loss / window_n,
+                            "examples_per_s": window_n / (time.perf_counter() - window_start)})
+        eval_start = time.perf_counter()
+        metrics = evaluate(model, data, args.device, rank, world)
+        throughput = train_examples / train_seconds if train_seconds else float("nan")
+        record = {"kind": "eval", "synthetic": synthetic is not None, "epoch": epoch, "step": position["global_step"],
+                  "examples": position["examples"], **metrics,
+                  "train_examples_per_s": throughput, "train_skipped": stats.skipped,
+                  "eval_seconds": round(time.perf_counter() - eval_start, 3),
+                  "data": "SYNTHETIC" if synthetic else str(data.train_path)}
+        if synthetic is not None:
+            record["best_test_auc"] = synthetic["best_test_auc"]
+        history.append(record)
+        position.update(epoch=epoch, line=0, epoch_step=0)
+        save_checkpoint(root, model, dense_opt, position, history, identity,
+                        args.keep_checkpoints, rank)
+        if rank == 0:
+            write_metrics(out, history)
+            if not plot_curves(out, history, "DLRM-DCNv2 on "
+                               + ("SYNTHETIC data" if synthetic else "Criteo")) and epoch == 1:
+                say("curves.png is not written: matplotlib is not installed")
+        say(f"epoch {epoch}/{args.epochs}: {position['examples']:,} examples trained, "
+            f"{throughput:,.0f} examples/s; test AUC {metrics['test_auc']:.4f}, log loss "
+            f"{metrics['test_logloss']:.4f} over {metrics['test_examples']:,} examples",
+            flush=True)
+        final = record
+    if synthetic is not None:
+        say(f"{SYNTHETIC_WARNING}\nbest achievable test AUC on it: "
+            f"{synthetic['best_test_auc']:.4f}")
+    say(f"test auc={final['test_auc']:.4f} logloss={final['test_logloss']:.4f}", flush=True)
+    return final
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The command line: data and flag errors in one line instead of a traceback."""
+    try:
+        main(argv)
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,193 @@
+"""The Criteo example's data path: the TSV reader, the synthetic generator and the metrics."""
+
+import gzip
+import hashlib
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
+from criteo.data import (  # noqa: E402
+    MISSING_ID,
+    DataError,
+    ReadStats,
+    count_distinct,
+    detect_labeled,
+    read_all,
+    read_batches,
+)
+from criteo.generate import KAGGLE_CARDINALITIES, generate, scaled_cardinalities  # noqa: E402
+from criteo.metrics import log_loss, roc_auc  # noqa: E402
+
+
+def line(label="0", dense=None, cats=None) -> str:
+    dense = [str(i) for i in range(13)] if dense is None else dense
+    cats = [f"{j:08x}" for j in range(26)] if cats is None else cats
+    return "\t".join(([label] if label is not None else []) + dense + cats) + "\n"
+
+
+def write(tmp_path, *lines, name="f.txt") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(lines))
+    return path
+
+
+def test_fields_are_parsed_and_transformed(tmp_path):
+    dense = ["", "-3", "0", "1", "12"] + ["7"] * 8
+    cats = ["", "68fd1e64", "FFFFFFFF"] + ["0000000a"] * 23
+    path = write(tmp_path, line("1", dense, cats), line("0"))
+    b = read_all(path)
+    assert b.dense.dtype == np.float32 and b.dense.shape == (2, 13)
+    assert b.sparse.dtype == np.int64 and b.sparse.shape == (2, 26)
+    assert b.label.tolist() == [1.0, 0.0]
+    # missing -> 0, negative -> log(1 + 0) = 0, else log(1 + x)
+    np.testing.assert_allclose(b.dense[0, :5], [0, 0, 0, math.log(2), math.log(13)], rtol=1e-6)
+    assert b.sparse[0, :4].tolist() == [MISSING_ID, 0x68FD1E64, 0xFFFFFFFF, 10]
+    assert b.sparse[1].tolist() == list(range(26))
+
+
+def test_hash_buckets_take_the_id_modulo_the_size_and_missing_as_zero(tmp_path):
+    cats = ["", "68fd1e64"] + ["000003e9"] * 24
+    path = write(tmp_path, line("1", None, cats))
+    assert read_all(path, hash_buckets=1000).sparse[0, :3].tolist() == [0, 0x68FD1E64 % 1000, 1]
+    sizes = list(range(7, 33))
+    got = read_all(path, hash_buckets=sizes).sparse[0]
+    assert got.tolist() == [0, 0x68FD1E64 % 8] + [1001 % s for s in sizes[2:]]
+    with pytest.raises(ValueError, match="26"):
+        read_all(path, hash_buckets=[3, 4])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (line("2"), "label '2' is not 0 or 1"),
+    (line("0", ["1.5"] + ["0"] * 12), "count I1 '1.5' is not an integer"),
+    (line("0", ["0"] * 12 + ["x"]), "count I13 'x' is not an integer"),
+    (line("0", None, ["zz"] + ["0"] * 25), "category C1 'zz' is not 1 to 16 hex digits"),
+    (line("0", None, ["0"] * 25 + ["12345678901234567"]), "category C26"),
+    ("0\t1\t2\n", "3 tab-separated fields, expected 40"),
+])
+def test_a_bad_line_names_the_file_and_line(tmp_path, bad, message):
+    path = write(tmp_path, line(), line(), bad, line())
+    with pytest.raises(DataError, match=f"f.txt:3: {message}"):
+        read_all(path)
+    stats = ReadStats()
+    b = read_all(path, skip_bad=True, stats=stats)
+    assert len(b.label) == 3 and stats.skipped == 1 and stats.lines == 4
+    assert "f.txt:3" in stats.examples_of_bad[0]
+
+
+def test_unlabeled_files_are_detected_or_declared(tmp_path):
+    path = write(tmp_path, line(None), line(None))
+    assert detect_labeled(path) is False
+    b = read_all(path)
+    assert b.label is None and b.dense.shape == (2, 13)
+    with pytest.raises(DataError, match="f.txt:1: 39 tab-separated fields, expected 40"):
+        read_all(path, labeled=True)
+    mixed = write(tmp_path, line(None), line("1"), name="m.txt")
+    with pytest.raises(DataError, match="m.txt:2: 40 tab-separated fields, expected 39"):
+        read_all(mixed)
+
+
+def test_batches_holdout_limit_resume_and_gzip(tmp_path):
+    lines = [line(str(i % 2), [str(i)] * 13) for i in range(1, 11)]
+    path = write(tmp_path, *lines)
+
+    def first_counts(**kw):
+        return [round(math.expm1(float(x))) for b in read_batches(path, 3, **kw)
+                for x in b.dense[:, 0]]
+
+    assert [len(b.label) for b in read_batches(path, 4)] == [4, 4, 2]
+    assert first_counts(part="test", holdout_every=3) == [3, 6, 9]
+    assert first_counts(part="train", holdout_every=3) == [1, 2, 4, 5, 7, 8, 10]
+    assert first_counts(limit=4) == [1, 2, 3, 4]
+    stats = ReadStats()
+    it = read_batches(path, 3, stats=stats, part="train", holdout_every=3)
+    next(it)
+    assert first_counts(part="train", holdout_every=3, start_after=stats.lines) == [5, 7, 8, 10]
+    gz = tmp_path / "f.txt.gz"
+    gz.write_bytes(gzip.compress("".join(lines).encode()))
+    assert np.array_equal(read_all(gz).dense, read_all(path).dense)
+    with pytest.raises(ValueError, match="holdout_every"):
+        list(read_batches(path, 3, part="test"))
+
+
+def test_count_distinct(tmp_path):
+    path = write(tmp_path, line(), line(), line("0", None, [""] * 26))
+    assert count_distinct(path).tolist() == [2] * 26
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def test_generator_is_deterministic_format_valid_and_reports_the_best_auc(tmp_path, capsys):
+    a = generate(tmp_path / "a", train_lines=3000, test_lines=1000, scale=1e-4, seed=3)
+    b = generate(tmp_path / "b", train_lines=3000, test_lines=1000, scale=1e-4, seed=3)
+    c = generate(tmp_path / "c", train_lines=3000, test_lines=1000, scale=1e-4, seed=4)
+    for name in ("train.txt", "test.txt", "synthetic.json"):
+        assert _md5(tmp_path / "a" / name) == _md5(tmp_path / "b" / name)
+    assert _md5(tmp_path / "a" / "train.txt") != _md5(tmp_path / "c" / "train.txt")
+    assert a == b and a["synthetic"] and "SYNTHETIC" in a["note"]
+    assert 0.6 < a["best_test_auc"] < 1 and 0 < a["best_test_logloss"] < math.log(2)
+    assert 0.15 < a["train_ctr"] < 0.35
+    text = (tmp_path / "a" / "train.txt").read_text()
+    assert all(s.count("\t") == 39 for s in text.splitlines())
+    assert "\t\t" in text  # some empty fields
+    train = read_all(tmp_path / "a" / "train.txt")  # format-valid: the reader takes every line
+    assert len(train.label) == 3000 and set(np.unique(train.label)) == {0.0, 1.0}
+    cards = scaled_cardinalities(1e-4)
+    assert len(KAGGLE_CARDINALITIES) == 26 and a["cardinalities"] == list(cards)
+    for j in range(26):
+        present = train.sparse[:, j][train.sparse[:, j] != MISSING_ID]
+        assert 0 < np.unique(present).size <= cards[j]
+    from criteo import generate as gen  # the command line says it is synthetic
+    gen.main(["--out", str(tmp_path / "d"), "--train-lines", "200", "--test-lines", "100",
+              "--scale", "1e-5"])
+    printed = capsys.readouterr().out
+    assert "SYNTHETIC DATA" in printed and "best achievable test AUC" in printed
+
+
+# --------------------------------------------------------------------------------- metrics
+def brute_force_auc(y, s) -> float:
+    pos = [si for yi, si in zip(y, s) if yi == 1]
+    neg = [si for yi, si in zip(y, s) if yi == 0]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=2, max_size=60))
+def test_auc_equals_the_pairwise_definition_with_ties(pairs):
+    y = [p[0] for p in pairs]
+    s = [p[1] / 2 for p in pairs]  # few distinct scores: many ties
+    if len(set(y)) < 2:
+        with pytest.raises(ValueError, match="one class"):
+            roc_auc(y, s)
+        return
+    assert roc_auc(y, s) == pytest.approx(brute_force_auc(y, s), abs=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.floats(0.0, 1.0)), min_size=1, max_size=40))
+def test_log_loss_matches_the_definition(pairs):
+    y = [p[0] for p in pairs]
+    p = [min(max(q[1], 1e-7), 1 - 1e-7) for q in pairs]
+    want = -sum(math.log(pi) if yi else math.log(1 - pi) for yi, pi in zip(y, p)) / len(y)
+    assert log_loss(y, p) == pytest.approx(want, rel=1e-9)
+
+
+def test_auc_examples_and_errors():
+    assert roc_auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) == 0.75
+    assert roc_auc([0, 1, 0, 1], [1, 1, 1, 1]) == 0.5
+    assert roc_auc([1, 0], [0.9, 0.1]) == 1.0
+    with pytest.raises(ValueError, match="undefined with one class only"):
+        roc_auc([1, 1], [0.2, 0.3])
+    with pytest.raises(ValueError, match="0 or 1"):
+        roc_auc([0, 2], [0.2, 0.3])
+    with pytest.raises(ValueError, match="length"):
+        roc_auc([0, 1], [0.2])
