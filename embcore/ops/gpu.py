@@ -16,13 +16,12 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
 - deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
   stable, so the occurrence order is the CPU's).
 
-Tests run the kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-the first kernel call): ``force_on_cpu(True)`` makes ``usable`` accept CPU tensors.
+Tests run the kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set when
+the kernels are first loaded): ``force_on_cpu(True)`` makes ``usable`` accept CPU tensors.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -59,17 +58,23 @@ def error() -> str | None:
 
 
 def interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether the kernels were loaded for Triton's interpreter (``TRITON_INTERPRET=1`` was set
+    when they were first loaded: triton reads it when it decorates a kernel)."""
+    k = _load()
+    if k is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(k.lookup_kernel, InterpretedFunction)
 
 
 def force_on_cpu(enabled: bool) -> bool:
     """Tests only: ``usable`` accepts CPU tensors (the kernels run in Triton's interpreter).
-    Returns the previous setting. Refused unless ``TRITON_INTERPRET=1`` is set."""
+    Returns the previous setting. Refused unless the kernels are interpreted (``interpreted``)."""
     global _forced
     if enabled and not interpreted():
-        raise RuntimeError("force_on_cpu(True) needs TRITON_INTERPRET=1 (set before the first "
-                           "kernel call): compiled Triton kernels cannot read CPU tensors")
+        raise RuntimeError("force_on_cpu(True) needs the kernels loaded under TRITON_INTERPRET=1 "
+                           "(set before their first use): compiled Triton kernels cannot read "
+                           "CPU tensors")
     previous, _forced = _forced, bool(enabled)
     return previous
 

@@ -183,8 +183,8 @@ def sparse_update_kernel(
     # 2. multiplier and clipping
     if MULTIPLIED:
         g = g * gmul
-    if CLIPPED:
-        g = tl.minimum(tl.maximum(g, clip_lo), clip_hi)
+    if CLIPPED:  # (masked lanes stay zero: a positive lower bound would make them nonzero)
+        g = tl.where(tile, tl.minimum(tl.maximum(g, clip_lo), clip_hi), 0.0)
 
     # 3. the rule
     row = tl.load(rows_ptr + u64, mask=live_u, other=0)                   # (BLOCK_U,) int64
