@@ -40,9 +40,13 @@ def _load() -> Any:
     if _kernels is None:
         try:
             from . import triton_kernels
-            _kernels = triton_kernels
-        except Exception as e:  # ImportError, or a triton that does not load here
+        except Exception as e:  # a triton that does not load here
             _kernels, _error = False, f"{type(e).__name__}: {e}"
+        else:
+            if triton_kernels.MISSING is None:
+                _kernels = triton_kernels
+            else:  # triton is not installed
+                _kernels, _error = False, triton_kernels.MISSING
     return _kernels or None
 
 

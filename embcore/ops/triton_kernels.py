@@ -1,7 +1,8 @@
 """The GPU kernels, in Triton: the pooled lookup and the fused backward + optimizer update.
 
 Imported only by ``ops/gpu.py``, on first use (this module imports triton at its top; embcore
-itself never needs it). Both kernels work on tiles of ``BLOCK_R`` output rows (lookup) or
+itself never needs it; without triton it still imports, with ``MISSING`` saying why, and the
+kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows (lookup) or
 ``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by masking the
 columns past D. Every sum runs in float32 in the order the CPU kernels use (csrc/kernels.cpp):
 
@@ -19,14 +20,23 @@ Powers (AdagradMomentum, FTRL) are ``exp2(y * log2(x))``, to a few float32 ulps.
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # triton is optional; this module still imports (pytest's doctest
+    # collection imports every module): the kernels below are then plain, unused functions
+    triton = tl = None
+    MISSING: str | None = f"{type(e).__name__}: {e}"
+else:
+    MISSING = None
+
+jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Rules of ``sparse_update_kernel`` (``RULE``); NONE only sums the gradients (combine backward).
 NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = range(7)
 
 
-@triton.jit
+@jit
 def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
                   UNIT: tl.constexpr, SCALED: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -64,7 +74,7 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
 
 # -- the optimizer rules on a tile (step 3 of DESIGN 2.3): (w, slot 1, slot 2) -> new ones ----------
 
-@triton.jit
+@jit
 def _adagrad(w, g, a, lr):
     an = a + g * g
     # an == 0 implies g == 0: dividing by sqrt(0 + 1) gives the rule's zero step (as the CPU)
@@ -72,7 +82,7 @@ def _adagrad(w, g, a, lr):
     return w - lr * tl.div_rn(g, tl.sqrt_rn(an + empty)), an
 
 
-@triton.jit
+@jit
 def _rowwise_adagrad(w, g, a, lr, D):
     """``a`` is (BLOCK_U,): one accumulator per row; masked columns of ``g`` are zero."""
     an = a + tl.sum(g * g, axis=1) / D
@@ -80,7 +90,7 @@ def _rowwise_adagrad(w, g, a, lr, D):
     return tl.where((an > 0.0)[:, None], w - lr * tl.div_rn(g, root), w), an
 
 
-@triton.jit
+@jit
 def _pow(x, y):
     """``x ** y`` for x >= 0 (0 ** 0 = 1, 0 ** y = 0 for y > 0)."""
     positive = x > 0.0
@@ -88,7 +98,7 @@ def _pow(x, y):
     return tl.where(positive, p, tl.where(y == 0.0, 1.0, 0.0))
 
 
-@triton.jit
+@jit
 def _momentum(w, g, a, m, lr, momentum, beta2, epsilon, neg_inv_exponent,
               NESTEROV: tl.constexpr, PLAIN_SUM: tl.constexpr):
     if PLAIN_SUM:  # beta2 == 1
@@ -104,7 +114,7 @@ def _momentum(w, g, a, m, lr, momentum, beta2, epsilon, neg_inv_exponent,
     return w - lr * step, a, m
 
 
-@triton.jit
+@jit
 def _adam(w, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, epsilon,
           SUM_INSIDE_SQRT: tl.constexpr):
     m = beta1 * m + one_minus_beta1 * g
@@ -116,7 +126,7 @@ def _adam(w, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, epsilo
     return w - lr * tl.div_rn(m, den), m, v
 
 
-@triton.jit
+@jit
 def _ftrl(w, g, a, lin, lr, p, l1, l2, beta, MULTIPLY_LINEAR: tl.constexpr):
     a_new = a + g * g
     pw_new = _pow(a_new, p)
@@ -135,7 +145,7 @@ def _ftrl(w, g, a, lin, lr, p, l1, l2, beta, MULTIPLY_LINEAR: tl.constexpr):
     return w, a_new, lin
 
 
-@triton.jit
+@jit
 def sparse_update_kernel(
         w_ptr, s1_ptr, s2_ptr,                # (N, D) table; its slots (N, D) or (N, 1)
         rows_ptr, U, D,                       # (U,) distinct rows
