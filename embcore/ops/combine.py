@@ -7,7 +7,8 @@ Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
 On the CPU with float32 tables the forward is the fused kernel ``native.lookup`` instead (the same
-sums, in the same order, with the rows ahead prefetched); the training backward of a local table
+sums, in the same order, with the rows ahead prefetched); on CUDA, with float32, both directions
+are the Triton kernels of ``ops/gpu.py`` (the same sums in the same order); the training backward of a local table
 is fused into the optimizer update (``ops/update.py``).
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import gpu, native
 from .bags import Bags, Dedup
 from .workspace import Workspace
 
@@ -45,6 +46,9 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
         (R, D) in ``table``'s dtype (computed in float32 for half types); differentiable with
         respect to ``table`` when it requires grad.
     """
+    if (gpu.usable(table, index) and gpu.lookup_supported(table)
+            and not _differentiable(table)):  # CUDA: the Triton kernel
+        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
     if (table.dtype == torch.float32 and table.is_contiguous() and not _differentiable(table)
             and native.usable(table, index)):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=table.dtype)  # (R, D)
@@ -72,6 +76,9 @@ def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tens
         table. (Writing it into a kept buffer with the private ``.out`` overload was measured
         twice as slow on torch 2.13: compat.py.)
     """
+    if grad.dtype == torch.float32 and gpu.usable(grad, dedup.order):  # CUDA: Triton
+        return gpu.row_gradients(grad, dedup.unique_offsets, dedup.order,
+                                 None if bags.unit else bags.bag_of, bags.scales)
     work = grad if grad.dtype == torch.float64 else grad.float()
     rows = dedup.order if bags.unit else bags.bag_of[dedup.order]  # (nnz,) output row per occ.
     weights = None if bags.scales is None else bags.scales[dedup.order].to(work.dtype)

@@ -12,9 +12,12 @@ kernel uses that value. The kernel is chosen here and nowhere else:
    option, float32 tables on the CPU; each touched row and its accumulator are read and written
    once, and from ``OutputGrads`` the row gradients are summed in the same pass (no ``(U, D)``
    temporary at all);
-2. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
+2. on CUDA, the Triton kernel (``gpu.sparse_update``): the same contract for SGD, Adagrad,
+   RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every option, float32 tables and
+   slots (the output gradients' parts are concatenated first);
+3. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
    arithmetic in the gathered buffers, two scatters);
-3. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
+4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered, updated and written back. ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
-from . import native
+from . import gpu, native
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
 
@@ -53,6 +56,9 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     """
     if gradient_multiplier is None:
         gradient_multiplier = optimizer.current_gradient_multiplier(step)  # None: it has none
+    if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
+        _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier)
+        return
     rule = native_rule(optimizer, table)
     if rule is not None:
         acc = slots.get("accumulators")
@@ -81,6 +87,22 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     table.index_copy_(0, rows, new_w)
     for k, v in new_slots.items():
         slots[k].index_copy_(0, rows, v)
+
+
+def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
+                grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float,
+                gradient_multiplier: float | None) -> None:
+    """The Triton kernel (CUDA): the fused kernel's contract, for every rule ``gpu`` supports."""
+    optimizer._check_lr(lr)  # as Optimizer.update (FTRL refuses lr = 0)
+    hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
+    if isinstance(grad, OutputGrads):  # the backward fused into the update
+        g = grad
+        out = g.parts[0] if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
+        gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
+                          g.dedup.unique_offsets, g.dedup.order,
+                          None if g.bags.unit else g.bags.bag_of, g.bags.scales)
+    else:
+        gpu.sparse_update(optimizer, table, slots, rows, hyper, grad)
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:

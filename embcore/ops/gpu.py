@@ -1,0 +1,248 @@
+"""The GPU kernels (``ops/triton_kernels.py``, Triton): when they apply, and their wrappers.
+
+``usable(...)`` is this module's ``native.usable``: True when every tensor is on a CUDA device
+and Triton imports (checked once, on the first CUDA tensor; triton is an optional dependency and
+is never imported for CPU tensors). The choice points are ``ops/combine.py`` (the lookup, and the
+summed row gradients of ``combine_backward``) and ``ops/update.py`` (the fused backward +
+optimizer update); on the CPU nothing here runs.
+
+What the kernels cover (everything else falls back to the torch-ops paths, on any device):
+
+- ``lookup``: float32 tables, unit bags or bags with offsets and optional scales;
+- ``sparse_update``: float32 tables and slots, SGD, Adagrad, RowwiseAdagrad, AdagradMomentum,
+  Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
+  every option of DESIGN 2.3 (gradient multiplier, gradient clipping, decoupled weight decay,
+  weight clipping), from summed row gradients or from the output gradients' occurrences;
+- deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
+  stable, so the occurrence order is the CPU's).
+
+Tests run the kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set when
+the kernels are first loaded): ``force_on_cpu(True)`` makes ``usable`` accept CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
+from .native import Hyper
+
+_kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
+_error: str | None = None
+_forced = False
+
+
+def _load() -> Any:
+    """ops/triton_kernels.py, imported on first use; None when triton is not importable."""
+    global _kernels, _error
+    if _kernels is None:
+        try:
+            from . import triton_kernels
+        except Exception as e:  # a triton that does not load here
+            _kernels, _error = False, f"{type(e).__name__}: {e}"
+        else:
+            if triton_kernels.MISSING is None:
+                _kernels = triton_kernels
+            else:  # triton is not installed
+                _kernels, _error = False, triton_kernels.MISSING
+    return _kernels or None
+
+
+def available() -> bool:
+    """Whether Triton imports (imports it now if not yet tried)."""
+    return _load() is not None
+
+
+def error() -> str | None:
+    """Why the kernels could not be imported, or None."""
+    _load()
+    return _error
+
+
+def interpreted() -> bool:
+    """Whether the kernels were loaded for Triton's interpreter (``TRITON_INTERPRET=1`` was set
+    when they were first loaded: triton reads it when it decorates a kernel)."""
+    k = _load()
+    if k is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(k.lookup_kernel, InterpretedFunction)
+
+
+def force_on_cpu(enabled: bool) -> bool:
+    """Tests only: ``usable`` accepts CPU tensors (the kernels run in Triton's interpreter).
+    Returns the previous setting. Refused unless the kernels are interpreted (``interpreted``)."""
+    global _forced
+    if enabled and not interpreted():
+        raise RuntimeError("force_on_cpu(True) needs the kernels loaded under TRITON_INTERPRET=1 "
+                           "(set before their first use): compiled Triton kernels cannot read "
+                           "CPU tensors")
+    previous, _forced = _forced, bool(enabled)
+    return previous
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels apply: every tensor on CUDA (or forced, see ``force_on_cpu``), not
+    traced, and Triton importable."""
+    if not _forced:
+        for t in tensors:  # a loop, not all(genexpr): this runs several times per step
+            if not t.is_cuda:
+                return False
+    if torch.compiler.is_compiling():
+        return False
+    return _load() is not None
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _grid_rows(d: int, block_d: int) -> int:
+    """Rows per program: about 2048 elements per tile (at most 64 rows)."""
+    return max(1, min(64, 2048 // block_d))
+
+
+# -- lookup ----------------------------------------------------------------------------------
+
+def lookup_supported(table: torch.Tensor) -> bool:
+    return table.dtype == torch.float32 and table.dim() == 2 and table.is_contiguous()
+
+
+def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
+           scales: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
+
+    Args:
+        table: (N, D) contiguous float32.
+        ids: (nnz,) int64 rows of ``table``.
+        offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
+        scales: (nnz,) float32, or None for 1.
+        num_rows: R.
+
+    Returns:
+        (R, D) float32.
+    """
+    k = _load()
+    d = table.shape[1]
+    out = torch.empty(num_rows, d, dtype=table.dtype, device=table.device)  # (R, D)
+    if num_rows == 0 or d == 0:
+        return out
+    block_d = min(_next_pow2(d), 256)
+    block_r = _grid_rows(d, block_d)
+    grid = (_cdiv(num_rows, block_r), _cdiv(d, block_d))
+    unit = offsets is None
+    k.lookup_kernel[grid](
+        table, ids.contiguous(), ids if unit else offsets.contiguous(),
+        table if scales is None else scales.to(torch.float32).contiguous(), out, num_rows, d,
+        UNIT=unit, SCALED=scales is not None and not unit, BLOCK_R=block_r, BLOCK_D=block_d)
+    return out
+
+
+# -- the fused backward + update ------------------------------------------------------------------
+
+def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
+    """(rule, its hyper-parameters h1..h5, flag 1, flag 2) for the kernel, or None."""
+    k = _load()
+    t = type(opt)
+    if t is SGD:
+        return k.SGD, (), False, False
+    if t is Adagrad:
+        return k.ADAGRAD, (), False, False
+    if t is RowwiseAdagrad:
+        return k.ROWWISE_ADAGRAD, (), False, False
+    if t is AdagradMomentum:
+        return (k.MOMENTUM, (opt.momentum, opt.beta2, opt.epsilon, -1.0 / opt.exponent),
+                bool(opt.use_nesterov), opt.beta2 == 1)
+    if t is Adam and not opt.dense_update:
+        return (k.ADAM, (opt.beta_1, 1 - opt.beta_1, opt.beta_2, 1 - opt.beta_2, opt.epsilon),
+                bool(opt.sum_inside_sqrt), False)
+    if t is FTRL:
+        return (k.FTRL, (-opt.learning_rate_power, opt.l1_regularization_strength,
+                         opt.l2_regularization_strength, opt.beta),
+                bool(opt.multiply_linear_by_learning_rate), False)
+    return None
+
+
+def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:
+    """Whether ``sparse_update`` handles this optimizer, table and slots."""
+    if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous():
+        return False
+    for s in slots.values():
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            return False
+    return _rule(opt) is not None
+
+
+def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
+                  rows: torch.Tensor, hyper: Hyper, grad: torch.Tensor,
+                  unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                  bags: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+    """Updates ``table[rows]`` and its slots in place, each row once (``native.sparse_update``'s
+    contract, for every optimizer ``update_supported`` accepts).
+
+    Args:
+        opt: the rule and its own hyper-parameters.
+        table: (N, D) contiguous float32; slots: ``{name: (N, D) or (N, 1)}`` contiguous float32.
+        rows: (U,) distinct int64 rows.
+        hyper: learning rate and DESIGN 2.3's options (``update._hyper``).
+        grad: with ``unique_offsets``, the (R, D) output gradients; without, (U, D) row u the
+            summed gradient of ``rows[u]``.
+        unique_offsets, order: a ``Dedup``'s (occurrences of each row, sorted).
+        bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
+        scales: (nnz,) float32 scale of each occurrence; None for 1.
+    """
+    k = _load()
+    rule, h, f1, f2 = _rule(opt)
+    names = [s.name for s in opt.slots]
+    s1 = slots[names[0]] if len(names) > 0 else table
+    s2 = slots[names[1]] if len(names) > 1 else table
+    _launch(k, rule, h, f1, f2, table, s1, s2, rows, grad, unique_offsets, order, bags, scales,
+            None, hyper)
+
+
+def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,
+                  bags: torch.Tensor | None, scales: torch.Tensor | None) -> torch.Tensor:
+    """(U, D) float32: each distinct row's occurrences' gradients summed (``combine_backward``)."""
+    k = _load()
+    u = unique_offsets.numel() - 1
+    out = torch.empty(u, grad.shape[1], dtype=torch.float32, device=grad.device)  # (U, D)
+    _launch(k, k.NONE, (), False, False, out, out, out, unique_offsets, grad, unique_offsets,
+            order, bags, scales, out, Hyper(0.0), num_rows=u)
+    return out
+
+
+def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: torch.Tensor,
+            s1: torch.Tensor, s2: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
+            unique_offsets: torch.Tensor | None, order: torch.Tensor | None,
+            bags: torch.Tensor | None, scales: torch.Tensor | None, out: torch.Tensor | None,
+            hyper: Hyper, num_rows: int | None = None) -> None:
+    u = rows.numel() if num_rows is None else num_rows
+    d = table.shape[1] if out is None else out.shape[1]
+    if u == 0 or d == 0:
+        return
+    inf = float("inf")
+    direct = unique_offsets is None
+    block_d = _next_pow2(d)
+    block_u = _grid_rows(d, block_d)
+    h = tuple(float(x) for x in h) + (0.0,) * (5 - len(h))
+    dummy = rows
+    k.sparse_update_kernel[(_cdiv(u, block_u),)](
+        table, s1, s2, rows, u, d, grad.to(torch.float32).contiguous(),
+        dummy if direct else unique_offsets, dummy if direct else order,
+        dummy if bags is None else bags, grad if scales is None else scales.to(torch.float32),
+        table if out is None else out,
+        float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
+        float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
+        float(hyper.weight_max), *h,
+        RULE=rule, F1=f1, F2=f2, DIRECT=direct, UNIT=bags is None, SCALED=scales is not None,
+        MULTIPLIED=hyper.gradient_multiplier != 1.0,
+        CLIPPED=hyper.clip_min != -inf or hyper.clip_max != inf,
+        DECAYED=hyper.weight_decay != 0.0,
+        BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
+        BLOCK_U=block_u, BLOCK_D=block_d)

@@ -1,0 +1,235 @@
+"""The GPU kernels, in Triton: the pooled lookup and the fused backward + optimizer update.
+
+Imported only by ``ops/gpu.py``, on first use (this module imports triton at its top; embcore
+itself never needs it; without triton it still imports, with ``MISSING`` saying why, and the
+kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows (lookup) or
+``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by masking the
+columns past D. Every sum runs in float32 in the order the CPU kernels use (csrc/kernels.cpp):
+
+- lookup: bag r = ``sum_k scales[k] * table[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``,
+  k ascending, starting from zero (a unit lookup is a plain copy);
+- update: the gradient of distinct row u = ``sum_j scale(order[j]) * grad_out[bag(order[j])]``
+  over ``j in [unique_offsets[u], unique_offsets[u+1])``, j ascending; then, per row, DESIGN 2.3's
+  steps: multiplier, clipping, the rule, decoupled weight decay, weight clipping.
+
+Divisions and square roots are the correctly rounded ``div_rn`` / ``sqrt_rn`` (Triton's ``/`` and
+``sqrt`` are approximate on NVIDIA GPUs), so SGD / Adagrad / RowwiseAdagrad do the CPU kernel's
+arithmetic, operation for operation (a compiler may still fuse a multiply-add on either side).
+Powers (AdagradMomentum, FTRL) are ``exp2(y * log2(x))``, to a few float32 ulps.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # triton is optional; this module still imports (pytest's doctest
+    # collection imports every module): the kernels below are then plain, unused functions
+    triton = tl = None
+    MISSING: str | None = f"{type(e).__name__}: {e}"
+else:
+    MISSING = None
+
+jit = triton.jit if triton is not None else (lambda fn: fn)
+
+# Rules of ``sparse_update_kernel`` (``RULE``); NONE only sums the gradients (combine backward).
+NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = range(7)
+
+
+@jit
+def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
+                  UNIT: tl.constexpr, SCALED: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = sum over bag r of scale * table[id], for a BLOCK_R x BLOCK_D tile of ``out``.
+
+    UNIT: bag r is the single id ``ids[r]`` with scale 1 (no offsets, no scales).
+    SCALED: per-occurrence ``scales`` (else 1).
+    """
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)                 # (BLOCK_R,)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # (BLOCK_D,)
+    live_r = r < R
+    live_c = cols < D
+    r64 = r.to(tl.int64)
+    if UNIT:
+        row = tl.load(ids_ptr + r64, mask=live_r, other=0)                 # (BLOCK_R,) int64
+        tile = live_r[:, None] & live_c[None, :]
+        acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile, other=0.0)
+    else:
+        start = tl.load(offsets_ptr + r64, mask=live_r, other=0)          # (BLOCK_R,) int64
+        length = tl.load(offsets_ptr + r64 + 1, mask=live_r, other=0) - start
+        acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        # The j-th id of every bag of the tile at once; shorter bags are masked off.
+        for j in range(0, tl.max(length, axis=0)):
+            live = live_r & (j < length)                                   # (BLOCK_R,)
+            k = start + j
+            row = tl.load(ids_ptr + k, mask=live, other=0)
+            x = tl.load(table_ptr + row[:, None] * D + cols[None, :],
+                        mask=live[:, None] & live_c[None, :], other=0.0).to(tl.float32)
+            if SCALED:
+                x = tl.load(scales_ptr + k, mask=live, other=0.0)[:, None] * x
+            acc += x
+    tl.store(out_ptr + r64[:, None] * D + cols[None, :], acc,
+             mask=live_r[:, None] & live_c[None, :])
+
+
+# -- the optimizer rules on a tile (step 3 of DESIGN 2.3): (w, slot 1, slot 2) -> new ones ----------
+
+@jit
+def _adagrad(w, g, a, lr):
+    an = a + g * g
+    # an == 0 implies g == 0: dividing by sqrt(0 + 1) gives the rule's zero step (as the CPU)
+    empty = (an <= 0.0).to(tl.float32)
+    return w - lr * tl.div_rn(g, tl.sqrt_rn(an + empty)), an
+
+
+@jit
+def _rowwise_adagrad(w, g, a, lr, D):
+    """``a`` is (BLOCK_U,): one accumulator per row; masked columns of ``g`` are zero."""
+    an = a + tl.sum(g * g, axis=1) / D
+    root = tl.sqrt_rn(tl.where(an > 0.0, an, 1.0))[:, None]
+    return tl.where((an > 0.0)[:, None], w - lr * tl.div_rn(g, root), w), an
+
+
+@jit
+def _pow(x, y):
+    """``x ** y`` for x >= 0 (0 ** 0 = 1, 0 ** y = 0 for y > 0)."""
+    positive = x > 0.0
+    p = tl.exp2(y * tl.log2(tl.where(positive, x, 1.0)))
+    return tl.where(positive, p, tl.where(y == 0.0, 1.0, 0.0))
+
+
+@jit
+def _momentum(w, g, a, m, lr, momentum, beta2, epsilon, neg_inv_exponent,
+              NESTEROV: tl.constexpr, PLAIN_SUM: tl.constexpr):
+    if PLAIN_SUM:  # beta2 == 1
+        a = a + g * g
+    else:
+        a = beta2 * a + (1.0 - beta2) * g * g
+    scaled = g * _pow(a + epsilon, neg_inv_exponent)
+    m = momentum * m + scaled
+    if NESTEROV:
+        step = momentum * m + scaled
+    else:
+        step = m
+    return w - lr * step, a, m
+
+
+@jit
+def _adam(w, g, m, v, lr, beta1, one_minus_beta1, beta2, one_minus_beta2, epsilon,
+          SUM_INSIDE_SQRT: tl.constexpr):
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * g * g
+    if SUM_INSIDE_SQRT:
+        den = tl.sqrt_rn(v + epsilon * epsilon)
+    else:
+        den = tl.sqrt_rn(v) + epsilon
+    return w - lr * tl.div_rn(m, den), m, v
+
+
+@jit
+def _ftrl(w, g, a, lin, lr, p, l1, l2, beta, MULTIPLY_LINEAR: tl.constexpr):
+    a_new = a + g * g
+    pw_new = _pow(a_new, p)
+    grown = pw_new - _pow(a, p)
+    if MULTIPLY_LINEAR:
+        lin = lin + lr * g - grown * w
+        quad = pw_new + 2.0 * lr * l2 + beta
+        threshold = lr * l1
+    else:
+        lin = lin + g - tl.div_rn(grown, lr) * w
+        quad = tl.div_rn(pw_new, lr) + 2.0 * l2 + tl.div_rn(beta, lr)
+        threshold = l1
+    keep = (tl.abs(lin) > threshold) & (quad > 0.0)
+    sign = tl.where(lin > 0.0, 1.0, -1.0)
+    w = tl.where(keep, tl.div_rn(sign * threshold - lin, tl.where(keep, quad, 1.0)), 0.0)
+    return w, a_new, lin
+
+
+@jit
+def sparse_update_kernel(
+        w_ptr, s1_ptr, s2_ptr,                # (N, D) table; its slots (N, D) or (N, 1)
+        rows_ptr, U, D,                       # (U,) distinct rows
+        grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
+        uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
+        out_ptr,                              # (U, D) summed gradients (RULE == NONE)
+        lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # DESIGN 2.3 steps 1-5
+        h1, h2, h3, h4, h5,                   # the rule's own hyper-parameters (gpu.py)
+        RULE: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,  # the rule and its two flags
+        DIRECT: tl.constexpr, UNIT: tl.constexpr, SCALED: tl.constexpr,
+        MULTIPLIED: tl.constexpr, CLIPPED: tl.constexpr, DECAYED: tl.constexpr,
+        BOUNDED: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place."""
+    u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)                 # (BLOCK_U,)
+    cols = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
+    live_u = u < U
+    live_c = cols < D
+    tile = live_u[:, None] & live_c[None, :]
+    u64 = u.to(tl.int64)
+
+    # 1. the summed gradient of each row
+    if DIRECT:
+        g = tl.load(grad_ptr + u64[:, None] * D + cols[None, :], mask=tile, other=0.0)
+    else:
+        start = tl.load(uoff_ptr + u64, mask=live_u, other=0)             # (BLOCK_U,) int64
+        count = tl.load(uoff_ptr + u64 + 1, mask=live_u, other=0) - start
+        g = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.float32)
+        # The j-th occurrence of every row of the tile at once, in the order of ``order``.
+        for j in range(0, tl.max(count, axis=0)):
+            live = live_u & (j < count)
+            k = tl.load(order_ptr + start + j, mask=live, other=0)         # occurrence
+            if UNIT:
+                b = k
+            else:
+                b = tl.load(bags_ptr + k, mask=live, other=0)              # its output row
+            x = tl.load(grad_ptr + b[:, None] * D + cols[None, :],
+                        mask=live[:, None] & live_c[None, :], other=0.0)
+            if SCALED:
+                x = tl.load(scales_ptr + k, mask=live, other=0.0)[:, None] * x
+            g += x
+    if RULE == NONE:
+        tl.store(out_ptr + u64[:, None] * D + cols[None, :], g, mask=tile)
+        return
+
+    # 2. multiplier and clipping
+    if MULTIPLIED:
+        g = g * gmul
+    if CLIPPED:  # (masked lanes stay zero: a positive lower bound would make them nonzero)
+        g = tl.where(tile, tl.minimum(tl.maximum(g, clip_lo), clip_hi), 0.0)
+
+    # 3. the rule
+    row = tl.load(rows_ptr + u64, mask=live_u, other=0)                   # (BLOCK_U,) int64
+    at = row[:, None] * D + cols[None, :]                                  # (BLOCK_U, BLOCK_D)
+    w_before = tl.load(w_ptr + at, mask=tile, other=0.0)
+    if RULE == SGD:
+        w = w_before - lr * g
+    elif RULE == ADAGRAD:
+        w, a = _adagrad(w_before, g, tl.load(s1_ptr + at, mask=tile, other=0.0), lr)
+        tl.store(s1_ptr + at, a, mask=tile)
+    elif RULE == ROWWISE_ADAGRAD:
+        w, a = _rowwise_adagrad(w_before, g, tl.load(s1_ptr + row, mask=live_u, other=0.0),
+                                lr, D)
+        tl.store(s1_ptr + row, a, mask=live_u)
+    elif RULE == MOMENTUM:
+        w, a, m = _momentum(w_before, g, tl.load(s1_ptr + at, mask=tile, other=0.0),
+                            tl.load(s2_ptr + at, mask=tile, other=0.0),
+                            lr, h1, h2, h3, h4, F1, F2)
+        tl.store(s1_ptr + at, a, mask=tile)
+        tl.store(s2_ptr + at, m, mask=tile)
+    elif RULE == ADAM:
+        w, m, v = _adam(w_before, g, tl.load(s1_ptr + at, mask=tile, other=0.0),
+                        tl.load(s2_ptr + at, mask=tile, other=0.0),
+                        lr, h1, h2, h3, h4, h5, F1)
+        tl.store(s1_ptr + at, m, mask=tile)
+        tl.store(s2_ptr + at, v, mask=tile)
+    else:  # FTRL
+        w, a, lin = _ftrl(w_before, g, tl.load(s1_ptr + at, mask=tile, other=1.0),
+                          tl.load(s2_ptr + at, mask=tile, other=0.0), lr, h1, h2, h3, h4, F1)
+        tl.store(s1_ptr + at, a, mask=tile)
+        tl.store(s2_ptr + at, lin, mask=tile)
+
+    # 4-5. decoupled weight decay, weight clipping
+    if DECAYED:
+        w = w - wd * w_before
+    if BOUNDED:
+        w = tl.minimum(tl.maximum(w, wmin), wmax)
+    tl.store(w_ptr + at, w, mask=tile)
