@@ -1,0 +1,161 @@
+"""Tables beyond memory: hit rate and throughput against cache size (the curve nobody publishes).
+
+    python benchmarks/cache.py [--workload W1|W2] [--alphas 1.05,1.2]
+                               [--fractions 0.01,0.05,0.1,0.25,0.5,1.0] [--steps 20] [--warmup 40]
+
+For each Zipf exponent, trains the workload (exact Adagrad through ``ec.Embedding``, the same
+batches and gradients for every run) in memory, then with a ``memory_budget`` whose caches hold
+the given fraction of the rows (every table offloaded: equal tables get equal shares). After
+``--warmup`` steps that fill the caches, it times ``--steps`` steps on new batches and prints, per
+run: ex/s, the ratio to the in-memory run, the cache hit rate over the timed steps, rows read from
+and written to the slow tier per step, and the process's anonymous and file-backed resident
+memory (RssAnon / RssFile). Every run's final tables are checked equal to the in-memory run's.
+
+Each run is its own process (memory figures of one run only); the final tables' SHA-256 is
+compared with the in-memory run's. The slow tier's files go to ``--offload-dir`` (default: a
+temporary directory), removed after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+import embcore as ec
+from cache_workloads import batches_for
+from workloads import get_workload
+
+LR, ACC0 = 0.01, 0.1
+
+
+def rss() -> dict[str, float]:
+    """RssAnon and RssFile of this process, MiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) / 1024
+    return out
+
+
+def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
+        offload_dir: str | None) -> dict:
+    tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner=w.combiner,
+                             name=f"t{t}") for t in range(w.tables)]
+    fc = {f"f{t}": ec.FeatureConfig(table=tables[t]) for t in range(w.tables)}
+    torch.manual_seed(0)
+    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=LR, initial_accumulator_value=ACC0),
+                       memory_budget=budget, offload_dir=offload_dir)
+    t0 = time.perf_counter()
+    emb.build(per_replica_batch_size=w.batch)
+    emb.state_dict() if budget is None else emb.cache_stats()  # tables made now
+    setup = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(3)
+    grads = {f"f{t}": torch.randn(w.batch, w.dim, generator=g) * 0.1 for t in range(w.tables)}
+
+    def step(feats):
+        emb.enqueue(feats)
+        emb.dequeue()
+        emb.apply_gradients(grads)
+
+    for i in range(warmup):
+        step(batches_for(w, alpha, i))
+    timed = [batches_for(w, alpha, warmup + i) for i in range(steps)]
+    stores = list(emb._store.cached.values()) if emb._store is not None else []
+    before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows)
+              for c in stores]
+    t0 = time.perf_counter()
+    for feats in timed:
+        step(feats)
+    dt = time.perf_counter() - t0
+    mem = rss()
+    out = {"alpha": alpha, "budget": budget, "ex_per_s": steps * w.batch / dt,
+           "ms_per_step": 1000 * dt / steps, "setup_s": setup, **mem}
+    if stores:
+        hits = sum(c.hits.sum().item() - b[0] for c, b in zip(stores, before))
+        misses = sum(c.misses.sum().item() - b[1] for c, b in zip(stores, before))
+        out.update(cache_rows=sum(c.capacity for c in stores),
+                   rows=sum(c.rows for c in stores),
+                   hit_rate=hits / max(hits + misses, 1),
+                   read_per_step=sum(c.read_rows - b[2] for c, b in zip(stores, before)) / steps,
+                   written_per_step=sum(c.written_rows - b[3] for c, b in zip(stores, before))
+                   / steps)
+    digest = hashlib.sha256()
+    for k, v in sorted(emb.state_dict().items()):
+        if k != "step":
+            digest.update(v.contiguous().numpy().tobytes())
+    out["sha256"] = digest.hexdigest()
+    return out
+
+
+def spawn(args: argparse.Namespace, alpha: float, budget: int | None) -> dict:
+    """One run in a fresh process."""
+    cmd = [sys.executable, __file__, "--single", f"{alpha},{budget}", "--workload", args.workload,
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd += ["--quick"] if args.quick else []
+    cmd += ["--offload-dir", args.offload_dir] if args.offload_dir else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"run alpha={alpha} budget={budget} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--workload", default="W1", choices=["W1", "W2"])
+    ap.add_argument("--quick", action="store_true", help="W2's quick shape (8 x 200k)")
+    ap.add_argument("--alphas", default="1.05,1.2")
+    ap.add_argument("--fractions", default="0.01,0.05,0.1,0.25,0.5,1.0")
+    ap.add_argument("--warmup", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # alpha,budget: one run
+    args = ap.parse_args()
+    w = get_workload(args.workload, quick=args.quick)
+    if args.single is not None:
+        alpha, budget = args.single.split(",")
+        print(json.dumps(run(w, float(alpha), None if budget == "None" else int(budget),
+                             args.warmup, args.steps, args.offload_dir)))
+        return
+    row_bytes = w.dim * 4 * 2  # parameters + Adagrad accumulators
+    print(f"# {w.name}: {w.tables} x {w.rows} x D{w.dim}, B{w.batch}, L{w.bag}; exact Adagrad; "
+          f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    print(f"{'alpha':>5} {'cache':>6} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'read/st':>8} "
+          f"{'write/st':>8} {'anon MiB':>8} {'file MiB':>8} {'setup s':>7}", flush=True)
+    results = []
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        base = spawn(args, alpha, None)
+        results.append(base)
+        print(f"{alpha:>5} {'memory':>6} {base['ex_per_s']:>9.0f} {1.0:>6.2f} {'':>6} {'':>8} "
+              f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
+              f"{base['setup_s']:>7.1f}", flush=True)
+        for f in [float(x) for x in args.fractions.split(",")]:
+            budget = int(f * w.tables * w.rows * (row_bytes + 80))
+            res = spawn(args, alpha, budget)
+            same = res["sha256"] == base["sha256"]
+            res.update(fraction=f, vs_memory=res["ex_per_s"] / base["ex_per_s"], exact=same)
+            results.append(res)
+            print(f"{alpha:>5} {f:>6.0%} {res['ex_per_s']:>9.0f} {res['vs_memory']:>6.2f} "
+                  f"{res['hit_rate']:>6.1%} {res['read_per_step']:>8.0f} "
+                  f"{res['written_per_step']:>8.0f} {res['RssAnon']:>8.0f} "
+                  f"{res['RssFile']:>8.0f} {res['setup_s']:>7.1f}"
+                  f"{'' if same else '  NOT EXACT'}", flush=True)
+            if not same:
+                sys.exit("a cached run differs from the in-memory run")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
