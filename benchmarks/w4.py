@@ -1,0 +1,139 @@
+"""W4: Criteo Kaggle's 26 tables (33.8M rows), D 128, exact Adagrad, beyond this machine's memory.
+
+    python benchmarks/w4.py [--budget 8GiB] [--steps 30] [--warmup 30] [--batch 4096]
+                            [--offload-dir DIR] [--scale 1.0] [--peer plain]
+
+Rows + Adagrad accumulators take 33.8M x 128 x 4 x 2 bytes = 34.6 GB, more than the 24 GiB of
+this machine. embcore trains them under ``--budget`` of fast memory (the rest in files under
+``--offload-dir``, 34.6 GB of disk, removed at the end). Each feature takes one id per example,
+Zipf(1.05) over its table's rows through a fixed permutation (benchmarks/workloads.py's rule).
+Tables are initialized uniform in [-0.05, 0.05] (fast to draw; the default truncated normal
+costs minutes at this size). Prints setup time, ex/s, the cache hit rate, rows read and written
+per step, the process's anonymous and file-backed resident memory, and disk traffic
+(/proc/self/io).
+
+``--peer plain`` instead asks plain PyTorch (``nn.EmbeddingBag`` tables with Adagrad state, in
+memory, as FBGEMM's CPU TBE and TorchRec's CPU sharding hold them) for the same tables, under an
+address-space limit of this machine's memory, and reports what happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+import torch
+
+import embcore as ec
+from tiers_util import KAGGLE, fmt_bytes, proc_io, rss
+from embcore.tiers import parse_budget
+
+
+def zipf_batch(rows: list[int], batch: int, step: int, perms: list[np.ndarray]) -> dict:
+    out = {}
+    for t, n in enumerate(rows):
+        rng = np.random.default_rng([2024, 41, step, t])
+        # inverse CDF of Zipf(1.05) over ranks, by the continuous approximation (n is large)
+        u = rng.random(batch)
+        a = 1.05
+        hi = (n + 1) ** (1 - a)
+        ranks = np.floor(((1 - u) + u * hi) ** (1 / (1 - a))).astype(np.int64) - 1
+        out[f"C{t + 1}"] = torch.from_numpy(perms[t][np.clip(ranks, 0, n - 1)])
+    return out
+
+
+def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
+    tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
+                             initializer=functools.partial(torch.nn.init.uniform_, a=-0.05,
+                                                           b=0.05))
+              for t, n in enumerate(rows)]
+    fc = {f"C{t + 1}": ec.FeatureConfig(table=tables[t]) for t in range(len(rows))}
+    total = sum(rows) * args.dim * 4 * 2
+    print(f"# W4: {len(rows)} tables, {sum(rows):,} rows, D{args.dim}, exact Adagrad: "
+          f"{fmt_bytes(total)} of rows + slots; budget {args.budget}; batch {args.batch}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    io0, t0 = proc_io(), time.perf_counter()
+    torch.manual_seed(0)
+    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), memory_budget=args.budget,
+                       offload_dir=args.offload_dir)
+    emb.build(per_replica_batch_size=args.batch)
+    emb.cache_stats()  # the store (and the slow tier) made now
+    setup = time.perf_counter() - t0
+    io1 = proc_io()
+    print(emb.plan, flush=True)
+    print(f"setup {setup:.0f} s, written {fmt_bytes(io1['write_bytes'] - io0['write_bytes'])}, "
+          f"{rss()}", flush=True)
+    perms = [np.random.default_rng([2024, 7, n, t]).permutation(n) for t, n in enumerate(rows)]
+    g = torch.Generator().manual_seed(5)
+    grads = {f"C{t + 1}": torch.randn(args.batch, args.dim, generator=g) * 0.1
+             for t in range(len(rows))}
+
+    def step(i: int) -> None:
+        emb.enqueue(zipf_batch(rows, args.batch, i, perms))
+        emb.dequeue()
+        emb.apply_gradients(grads)
+
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    warm = time.perf_counter() - t0
+    caches = list(emb._store.cached.values())
+    before = [(int(c.hits.sum()), int(c.misses.sum()), c.read_rows, c.written_rows)
+              for c in caches]
+    io2, t0 = proc_io(), time.perf_counter()
+    for i in range(args.steps):
+        step(args.warmup + i)
+    dt = time.perf_counter() - t0
+    io3 = proc_io()
+    hits = sum(int(c.hits.sum()) - b[0] for c, b in zip(caches, before))
+    misses = sum(int(c.misses.sum()) - b[1] for c, b in zip(caches, before))
+    read = sum(c.read_rows - b[2] for c, b in zip(caches, before)) / args.steps
+    written = sum(c.written_rows - b[3] for c, b in zip(caches, before)) / args.steps
+    print(f"warm-up {args.warmup} steps {warm:.1f} s; timed {args.steps} steps: "
+          f"{args.steps * args.batch / dt:,.0f} ex/s ({1000 * dt / args.steps:.0f} ms/step), "
+          f"hit rate {hits / max(hits + misses, 1):.1%}, rows read / written per step "
+          f"{read:,.0f} / {written:,.0f}, disk read {fmt_bytes(io3['read_bytes'] - io2['read_bytes'])}"
+          f" written {fmt_bytes(io3['write_bytes'] - io2['write_bytes'])}; {rss()}", flush=True)
+
+
+def plain_run(args: argparse.Namespace, rows: list[int]) -> None:
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    print(f"# plain PyTorch: {len(rows)} nn.EmbeddingBag tables + Adagrad state in memory, "
+          f"address space limited to this machine's {fmt_bytes(limit)}", flush=True)
+    made = 0
+    try:
+        for n in rows:
+            w = torch.empty(n, args.dim).uniform_(-0.05, 0.05)
+            s = torch.zeros(n, args.dim)
+            made += w.nbytes + s.nbytes
+        print(f"allocated all {fmt_bytes(made)}", flush=True)
+    except RuntimeError as e:
+        print(f"failed after {fmt_bytes(made)}: {str(e).splitlines()[0][:200]}", flush=True)
+        sys.exit(0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--budget", default="8GiB")
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--scale", type=float, default=1.0, help="rows x scale (a smaller W4)")
+    ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--peer", choices=["plain"], default=None)
+    args = ap.parse_args()
+    parse_budget(args.budget)
+    rows = [max(2, round(n * args.scale)) for n in KAGGLE]
+    (plain_run if args.peer == "plain" else embcore_run)(args, rows)
+
+
+if __name__ == "__main__":
+    main()

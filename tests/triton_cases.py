@@ -1,0 +1,390 @@
+"""The Triton kernels (ops/gpu.py, ops/triton_kernels.py) against the loop references.
+
+On a machine with a CUDA GPU the kernels run compiled, on CUDA tensors. Without one, they run in
+Triton's interpreter on CPU tensors: this file sets ``TRITON_INTERPRET=1`` itself before it imports
+triton (triton reads it when it decorates a kernel and at run time, so it stays set) and forces the choice points onto CPU tensors (``gpu.force_on_cpu``). Skipped when triton is not
+installed. The interpreter is slow: small shapes, few examples.
+
+Tolerance: float32 kernels against float64 references, ``rtol=1e-4, atol=1e-5`` for the update
+(as tests/test_ops_update.py) and ``rtol=1e-5, atol=1e-5`` for the sums. They are not compared
+bitwise with the CPU fused kernel: it is compiled with ``-march=native`` and may fuse multiply-adds
+(``w - lr * g`` as one rounding), which the interpreter (numpy) does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+# Without a GPU the kernels run in Triton's interpreter, which triton chooses when it decorates a
+# kernel, its own library's included (tl.zeros, tl.sum, ...), and checks again at run time:
+# TRITON_INTERPRET=1 must be set before triton is first imported, and stay set (triton does not
+# support switching it). No other test uses triton.
+_TRITON_IMPORTED = "triton" in sys.modules
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import embcore as ec  # noqa: E402
+from embcore.inputs import canonicalize  # noqa: E402
+from embcore.ops import gpu  # noqa: E402
+from embcore.ops.bags import Bags, dedup  # noqa: E402
+from embcore.ops.combine import OutputGrads, combine, combine_backward  # noqa: E402
+from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
+from embcore.ops.reference_optim import reference_update  # noqa: E402
+from embcore.ops.update import update  # noqa: E402
+from strategies import jagged  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+
+def _load_kernels() -> str | None:
+    """Loads the kernels (interpreted without a GPU); returns why they cannot run, or None."""
+    if CUDA:
+        return None if gpu.available() else f"triton does not load: {gpu.error()}"
+    loaded = gpu.available()
+    if not loaded:
+        return f"triton does not load: {gpu.error()}"
+    if not gpu.interpreted():
+        return ("no CUDA GPU, and triton or the kernels were loaded before this file set "
+                "TRITON_INTERPRET=1: run it alone, or with TRITON_INTERPRET=1 set")
+    return None
+
+
+_why = _load_kernels()
+if _why is not None:
+    pytest.skip(_why, allow_module_level=True)
+
+SUM_TOL = {"rtol": 1e-5, "atol": 1e-5}
+UPDATE_TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+@contextlib.contextmanager
+def triton_path(enabled: bool = True) -> Iterator[None]:
+    """The choice points take the Triton kernels for the block (CPU tensors: interpreted)."""
+    previous = gpu.force_on_cpu(enabled and not CUDA)
+    try:
+        yield
+    finally:
+        gpu.force_on_cpu(previous)
+
+
+@contextlib.contextmanager
+def spy(*names: str) -> Iterator[dict[str, int]]:
+    """Counts the calls of ``gpu.<name>`` for each name, in the block."""
+    calls = dict.fromkeys(names, 0)
+    real = {name: getattr(gpu, name) for name in names}
+
+    def wrap(name):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return wrapper
+
+    for name in names:
+        setattr(gpu, name, wrap(name))
+    try:
+        yield calls
+    finally:
+        for name in names:
+            setattr(gpu, name, real[name])
+
+
+# -- lookup and its gradient -----------------------------------------------------------------
+
+@st.composite
+def lookup_cases(draw):
+    n = draw(st.integers(1, 30))
+    d = draw(st.integers(1, 40))
+    combiner = draw(st.sampled_from(["sum", "mean", "sqrtn"]))
+    dense = draw(st.booleans())
+    batch = draw(st.integers(1, 8))
+    if dense:  # one id per row: the unit lookup
+        ids = torch.tensor(draw(st.lists(st.integers(0, n - 1), min_size=batch,
+                                         max_size=batch)))
+        weights = None
+    else:  # bags, some empty, repeated ids
+        rows = draw(st.lists(st.lists(st.integers(0, n - 1), max_size=5), min_size=batch,
+                             max_size=batch))
+        ids = jagged(rows, torch.int64)
+        weights = None
+        if draw(st.booleans()):
+            weights = jagged([[draw(st.floats(-2, 2).map(lambda x: round(x, 3))) for _ in r]
+                              for r in rows], torch.float32)
+    return n, d, combiner, ids, weights, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lookup_cases())
+def test_lookup_and_row_gradients_equal_reference(case):
+    n, d, combiner, ids, weights, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen)
+    feature = ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=n, dim=d,
+                                                    combiner=combiner, name="t"))
+    bags = canonicalize(feature, "f", "t", ids, weights, DEVICE)
+    with triton_path(), spy("lookup", "row_gradients") as calls:
+        out = combine(table.to(DEVICE), bags.ids, bags).cpu()  # (R, D)
+    want = reference_lookup(table, feature, ids, weights)
+    torch.testing.assert_close(out.double().reshape(want.shape), want, **SUM_TOL)
+    if bags.unit:  # a plain copy
+        assert torch.equal(out, table[bags.ids.cpu()])
+
+    grad = torch.randn(out.shape, generator=gen)  # (R, D)
+    dd = dedup(bags.ids)
+    with triton_path(), spy("lookup", "row_gradients") as more:
+        got = combine_backward(grad.to(DEVICE), bags, dd).cpu()  # (U, D)
+    expected = reference_row_gradients(feature, ids, weights, grad.reshape(want.shape))
+    assert sorted(expected) == dd.unique.cpu().tolist()
+    for u, row in enumerate(dd.unique.cpu().tolist()):
+        torch.testing.assert_close(got[u].double(), torch.tensor(expected[row],
+                                                                 dtype=torch.float64), **SUM_TOL)
+    assert calls == {"lookup": 1, "row_gradients": 0}  # the kernels ran, not the fallbacks
+    assert more == {"lookup": 0, "row_gradients": 1}
+
+
+def test_lookup_of_wide_rows_is_tiled_over_columns():
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(6, 300, generator=gen)  # D > 256: two column blocks, the last masked
+    ids = torch.tensor([0, 5, 5, 2, 1])
+    bags = Bags(ids, torch.tensor([0, 2, 2, 5]), torch.tensor([0.5, -1.0, 2.0, 1.0, 0.25]))
+    with triton_path():
+        out = combine(table.to(DEVICE), ids.to(DEVICE), Bags(
+            ids.to(DEVICE), bags.offsets.to(DEVICE), bags.scales.to(DEVICE))).cpu()
+    want = torch.stack([0.5 * table[0] - table[5], torch.zeros(300),
+                        2.0 * table[5] + table[2] + 0.25 * table[1]])
+    torch.testing.assert_close(out, want, **SUM_TOL)
+
+
+# -- the fused backward + update ---------------------------------------------------------------
+
+@st.composite
+def optimizers(draw):
+    """(optimizer, lr, step): every optimizer the kernel supports, with random options (rounded
+    to 3 decimals, as tests/test_ops_update.py)."""
+    def num(lo, hi):
+        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+
+    lr = num(0.01, 1.0)
+    kw = {}
+    if draw(st.booleans()):
+        c = num(0.1, 3.0)
+        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
+    clip = draw(st.sampled_from(["none", "scalar", "both", "one side"]))
+    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
+    if clip == "scalar":
+        kw["clipvalue"] = num(0.05, 2.0)
+    elif clip == "both":
+        kw["clipvalue"] = (a, b)
+    elif clip == "one side":
+        kw["clipvalue"] = draw(st.sampled_from([(None, b), (a, None)]))
+    if draw(st.booleans()):
+        kw["weight_decay_factor"] = num(0.0, 0.5)
+        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+    if draw(st.booleans()):
+        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
+    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
+    init = draw(st.sampled_from([0.0, 0.1, 1.0]))
+    if kind == "sgd":
+        opt = ec.SGD(learning_rate=lr, **kw)
+    elif kind in ("adagrad", "rowwise"):
+        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
+        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
+    elif kind == "momentum":
+        opt = ec.AdagradMomentum(learning_rate=lr, momentum=num(0.0, 0.99),
+                                 use_nesterov=draw(st.booleans()), exponent=num(1.0, 4.0),
+                                 beta2=draw(st.sampled_from([1.0, 0.9])), **kw)
+    elif kind == "adam":
+        opt = ec.Adam(learning_rate=lr, beta_1=num(0.0, 0.95), beta_2=num(0.5, 0.999),
+                      sum_inside_sqrt=draw(st.booleans()), **kw)
+    else:
+        zero = draw(st.booleans())
+        opt = ec.FTRL(learning_rate=lr, learning_rate_power=draw(st.sampled_from([-0.5, -0.25,
+                                                                                  0.0])),
+                      l1_regularization_strength=num(0.0, 0.1),
+                      l2_regularization_strength=num(0.0, 0.1), beta=num(0.0, 0.5),
+                      initial_accumulator_value=0.0 if zero else max(init, 0.1),
+                      allow_zero_accumulator=zero,
+                      multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
+    return opt, lr, draw(st.integers(0, 5))
+
+
+def occurrences(gen, n, d, nnz, unit, scaled):
+    """Output gradients of ``nnz`` occurrences of random rows (bags of them, some empty, unless
+    ``unit``) as ``OutputGrads`` in two parts, and the float64 summed gradient of each row."""
+    ids = torch.randint(0, n, (nnz,), generator=gen)
+    if unit:
+        bags = Bags(ids, None, None)
+    else:
+        r = max(1, nnz // 2)
+        cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
+        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
+        bags = Bags(ids, offsets, torch.randn(nnz, generator=gen) if scaled else None)
+    rows_out = bags.num_rows
+    grad_out = torch.randn(rows_out, d, generator=gen)
+    split = rows_out // 2
+    dd = dedup(ids)
+    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
+             else bags.scales.double())
+    summed = torch.zeros(n, d, dtype=torch.float64)
+    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
+
+    def on(t):
+        return None if t is None else t.to(DEVICE)
+
+    dev_bags = Bags(on(bags.ids), on(bags.offsets), on(bags.scales))
+    dev_dd = type(dd)(on(dd.unique), on(dd.order), on(dd.unique_offsets))
+    parts = [grad_out[:split].to(DEVICE), grad_out[split:].to(DEVICE)]
+    return OutputGrads(parts, [0, split, rows_out], dev_bags, dev_dd), summed[dd.unique], dd.unique
+
+
+@settings(max_examples=30, deadline=None)
+@given(optimizers(), st.integers(1, 20), st.integers(1, 40),
+       st.sampled_from(["summed", "outputs"]), st.booleans(), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_update_equals_reference(opt_case, n, d, source, unit, scaled, seed):
+    opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen)
+    slots = {s.name: (torch.full((n, 1 if s.rowwise else d), s.initial_value)
+                      + (torch.rand(n, 1 if s.rowwise else d, generator=gen)
+                         if s.name in ("accumulators", "velocities")
+                         and not getattr(opt, "allow_zero_accumulator", False) else 0.0))
+             for s in opt.slots}
+    if source == "summed":
+        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
+        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
+        grad = row_grads.float().to(DEVICE)
+        row_grads = grad.cpu().double()  # what the kernel reads
+        dev_rows = rows.to(DEVICE)
+    else:
+        grad, row_grads, rows = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
+                                                                         generator=gen)),
+                                            unit, scaled)
+        dev_rows = grad.dedup.unique
+    new_table = table.to(DEVICE, copy=True)
+    new_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
+    with triton_path(), spy("sparse_update") as calls:
+        update(new_table, new_slots, dev_rows, grad, opt, lr, step)
+    assert calls["sparse_update"] == 1  # the kernel ran, not a fallback
+    new_table = new_table.cpu()
+    new_slots = {k: v.cpu() for k, v in new_slots.items()}
+    want_w, want_s = reference_update(opt, table[rows], row_grads,
+                                      {k: v[rows] for k, v in slots.items()}, lr=lr, step=step)
+    torch.testing.assert_close(new_table[rows].double(),
+                               torch.tensor(want_w, dtype=torch.float64).reshape(-1, d),
+                               **UPDATE_TOL)
+    for k, v in want_s.items():
+        torch.testing.assert_close(new_slots[k][rows].double(),
+                                   torch.tensor(v, dtype=torch.float64)
+                                   .reshape(slots[k][rows].shape), **UPDATE_TOL)
+    untouched = torch.ones(n, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(new_table[untouched], table[untouched])
+    for k in slots:
+        assert torch.equal(new_slots[k][untouched], slots[k][untouched])
+
+
+def test_update_of_wide_rows_and_many_rows():
+    """D = 130 (a 256-column block, masked) and more rows than one program's tile."""
+    gen = torch.Generator().manual_seed(1)
+    n, d = 40, 130
+    opt = ec.RowwiseAdagrad(learning_rate=0.3, clipvalue=0.5, weight_decay_factor=0.1)
+    table = torch.randn(n, d, generator=gen)
+    slots = {"accumulators": torch.rand(n, 1, generator=gen) + 0.1}
+    grad, row_grads, rows = occurrences(gen, n, d, 90, False, True)
+    new_table = table.to(DEVICE, copy=True)
+    new_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
+    with triton_path():
+        update(new_table, new_slots, grad.dedup.unique, grad, opt, 0.3, 0)
+    want_w, want_s = reference_update(opt, table[rows], row_grads,
+                                      {k: v[rows] for k, v in slots.items()}, lr=0.3, step=0)
+    torch.testing.assert_close(new_table.cpu()[rows].double(), torch.tensor(want_w).double(),
+                               **UPDATE_TOL)
+    torch.testing.assert_close(new_slots["accumulators"].cpu()[rows].double(),
+                               torch.tensor(want_s["accumulators"]).double(), **UPDATE_TOL)
+
+
+# -- the choice points -------------------------------------------------------------------------
+
+def test_choice_points():
+    with spy("sparse_update") as calls:
+        check_choice_points(calls)
+
+
+def check_choice_points(calls):
+    rows, grad = torch.tensor([0, 2]), torch.ones(2, 3)
+    # CPU tensors, not forced: never the Triton path (the CPU paths are unchanged)
+    assert not gpu.usable(torch.zeros(1))
+    update(torch.zeros(3, 3), {}, rows, grad, ec.SGD(learning_rate=0.1), 0.1, 0)
+    assert calls["sparse_update"] == 0
+    with triton_path():
+        assert gpu.usable(torch.zeros(1, device=DEVICE))
+        update(torch.zeros(3, 3, device=DEVICE), {}, rows.to(DEVICE), grad.to(DEVICE),
+               ec.SGD(learning_rate=0.1), 0.1, 0)
+        assert calls["sparse_update"] == 1
+        # not supported: dense Adam (every row moves), float64 tables -> the torch paths
+        dense = ec.Adam(learning_rate=0.1, lazy_adam=False)
+        t = torch.zeros(3, 3, device=DEVICE)
+        update(t, dense.init_slots(3, 3, device=DEVICE), rows.to(DEVICE), grad.to(DEVICE),
+               dense, 0.1, 0)
+        assert not gpu.update_supported(dense, t, {})
+        t64 = torch.zeros(3, 3, dtype=torch.float64, device=DEVICE)
+        update(t64, {}, rows.to(DEVICE), grad.double().to(DEVICE), ec.SGD(learning_rate=0.1),
+               0.1, 0)
+        assert calls["sparse_update"] == 1
+        assert torch.equal(t64.cpu()[rows], torch.full((2, 3), -0.1, dtype=torch.float64))
+        with pytest.raises(ValueError, match="learning_rate"):  # as Optimizer.update
+            update(torch.zeros(3, 3, device=DEVICE), ec.FTRL(learning_rate=0.1).init_slots(
+                3, 3, device=DEVICE), rows.to(DEVICE), grad.to(DEVICE),
+                ec.FTRL(learning_rate=0.1), 0.0, 0)
+
+
+def test_without_triton_everything_works(monkeypatch):
+    """triton not importable: ``usable`` is False, the choice points take the torch paths."""
+    monkeypatch.setattr(gpu, "_kernels", None)
+    monkeypatch.setattr(gpu, "_error", None)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "embcore.ops.triton_kernels")
+    monkeypatch.delattr(sys.modules["embcore.ops"], "triton_kernels")
+    monkeypatch.setattr(gpu, "_forced", True)
+    assert not gpu.available() and "triton" in gpu.error()
+    assert not gpu.usable(torch.zeros(1))
+    table = torch.randn(4, 3)
+    bags = Bags(torch.tensor([1, 3]), None, None)
+    assert torch.equal(combine(table, bags.ids, bags), table[bags.ids])
+
+
+def test_engine_trains_the_same_on_the_triton_path():
+    """Two steps of the engine (lookup, fused backward + update) with the kernels and without."""
+    results = []
+    for forced in (True, False):
+        torch.manual_seed(0)
+        t = ec.TableConfig(vocabulary_size=20, dim=5, combiner="mean", name="t")
+        fc = {"d": ec.FeatureConfig(table=t), "j": ec.FeatureConfig(table=t)}
+        emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.5, clipvalue=1.0), device=DEVICE)
+        acts_seen = []
+        with triton_path(forced):
+            for step in range(2):
+                ids = {"d": torch.tensor([1, 5, 1, step]).to(DEVICE),
+                       "j": jagged([[5, 7, 5], [], [2], [step, 19]], torch.int64).to(DEVICE)}
+                emb.enqueue(ids)
+                acts = emb.dequeue()
+                acts_seen.append({k: a.detach().cpu() for k, a in acts.items()})
+                emb.apply_gradients({k: torch.full(a.shape, 0.1 * (step + 1), device=DEVICE)
+                                     for k, a in acts.items()})
+        results.append((acts_seen, emb.embedding_tables[t].detach().cpu()))
+    (acts_a, table_a), (acts_b, table_b) = results
+    for a, b in zip(acts_a, acts_b):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], **SUM_TOL)
+    torch.testing.assert_close(table_a, table_b, **UPDATE_TOL)
