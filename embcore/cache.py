@@ -113,6 +113,8 @@ class CachedRows:
 
     def _allocate(self, capacity: int) -> None:
         """An empty cache of ``capacity`` rows."""
+        self.generation = getattr(self, "generation", 0) + 1
+        self._recent: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (rows, slots, gen.)
         self.capacity = capacity
         self.table = torch.empty((capacity,) + tuple(self.slow["parameters"].shape[1:]),
                                  dtype=self.slow["parameters"].dtype, device=self.device)
@@ -126,7 +128,17 @@ class CachedRows:
     # ---------------------------------------------------------------- the step's rows
     def resolve(self, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
         """(U,) cache rows of distinct shard rows ``rows`` (U,), brought in as needed
-        (``count``: a lookup, counted in the statistics)."""
+        (``count``: a lookup, counted in the statistics).
+
+        The answers to the last two calls are kept with the cache's generation (which moves
+        whenever a cached row leaves): the same ``rows`` tensor asked again (the update of a
+        lookup's distinct rows) gets the same answer without a map step while nothing left."""
+        asked = rows
+        for r, s, g in self._recent:  # the update of a lookup's rows, nothing evicted since
+            if r is asked and g == self.generation:
+                if count:
+                    self._count(r.cpu(), r.new_empty(0, device="cpu"))
+                return s
         rows = rows.to(torch.int64)
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
         if cpu_rows.numel() > self.capacity:
@@ -135,9 +147,13 @@ class CachedRows:
         if count:
             self._count(cpu_rows, new_ids)
         if new_rows.numel():
+            if bool((self.owner[new_rows] >= 0).any()):  # rows left: older answers are stale
+                self.generation += 1
             self._write_back(new_rows)
             self._read(new_ids, new_rows)
-        return slots.to(self.device) if self.device.type != "cpu" else slots
+        out = slots.to(self.device) if self.device.type != "cpu" else slots
+        self._recent = [(asked, out, self.generation)] + self._recent[:1]
+        return out
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
