@@ -153,3 +153,21 @@ def test_flag_and_data_errors(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert train.cli(["--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 1
     assert "has no train.txt" in capsys.readouterr().err
+
+
+def test_memory_budget_trains_the_same_model(tmp_path, capsys):
+    """--memory-budget offloads the hashed tables to files with small caches: the run's AUC and
+    log loss are those of the in-memory run (the cache is exact), and a checkpoint written under
+    one budget resumes under another."""
+    data = tmp_path / "data"
+    generate(data, train_lines=400, test_lines=120, scale=1e-3, seed=2)
+    base = ["--data", str(data), "--hash-buckets", "400"]
+    plain, _ = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "a"))
+    budget, lines = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "b"),
+                         "--memory-budget", "20KB", "--offload-dir", str(tmp_path / "slow"))
+    assert any("slow tier" in s for s in lines)
+    assert budget["test_auc"] == plain["test_auc"]
+    assert budget["test_logloss"] == plain["test_logloss"]
+    _run(capsys, *base, "--epochs", "1", "--out", str(tmp_path / "c"), "--memory-budget", "30KB")
+    resumed, _ = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "c"), "--resume")
+    assert resumed["test_auc"] == plain["test_auc"]

@@ -130,14 +130,19 @@ class DLRM(nn.Module):
         config: the sizes.
         embedding_optimizer: the engine's optimizer for the tables (e.g. ``ec.Adagrad``).
         device, sharding: where the tables live and how they are split under torchrun.
+        memory_budget, offload_dir: tables beyond memory (``ec.Embedding``'s): the tables that
+            do not fit go to files under ``offload_dir`` with their hot rows cached (static
+            tables: dynamic ones stay in fast memory).
     """
 
     def __init__(self, config: ModelConfig, embedding_optimizer: Any, *,
-                 device: torch.device | str | None = None, sharding: Any = None) -> None:
+                 device: torch.device | str | None = None, sharding: Any = None,
+                 memory_budget: Any = None, offload_dir: Any = None) -> None:
         super().__init__()
         self.config = config
         self.embedding = ec.EmbeddingLayer(feature_config(config), embedding_optimizer,
-                                           device=device, sharding=sharding)
+                                           device=device, sharding=sharding,
+                                           memory_budget=memory_budget, offload_dir=offload_dir)
         self.dense_arch = DenseArch(config).to(device)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

@@ -118,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ec.Adagrad (an accumulator per entry) or ec.RowwiseAdagrad (per row, "
                         "as MLPerf's reference)")
     t.add_argument("--seed", type=int, default=0, help="seeds the model (and --synthetic data)")
+    t.add_argument("--memory-budget", default=None,
+                   help="bytes of fast memory per process for tables, slots and caches (e.g. "
+                        "8GiB): tables beyond it train from files under --offload-dir with "
+                        "their hot rows cached, exactly (static tables: use --hash-buckets; "
+                        "dynamic tables stay in memory)")
+    t.add_argument("--offload-dir", default=None,
+                   help="where --memory-budget's slow tier goes (default: a temporary "
+                        "directory; scratch, removed at exit)")
     t.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="where the tables and the dense part train")
     t.add_argument("--threads", type=int, default=0,
@@ -435,7 +443,10 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
     opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
     model = DLRM(config, opt_class(learning_rate=args.embedding_lr,
                                    initial_accumulator_value=0.0),
-                 device=args.device, sharding=args.sharding if world > 1 else None)
+                 device=args.device, sharding=args.sharding if world > 1 else None,
+                 memory_budget=args.memory_budget, offload_dir=args.offload_dir)
+    if args.memory_budget is not None:
+        say(f"memory budget {args.memory_budget}:\n{model.embedding.engine.plan}")
     if world > 1:
         say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
     dense_opt = torch.optim.Adagrad(model.dense_arch.parameters(), lr=args.lr, eps=1e-8)
