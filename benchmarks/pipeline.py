@@ -1,12 +1,17 @@
 """Pipelined vs exact execution on W1 + a dense MLP (docs/semantics.md section 6).
 
-    python benchmarks/pipeline.py [--steps 20] [--batch 4096]
+    python benchmarks/pipeline.py [--steps 20] [--batch 4096] [--cache-fraction 0.1]
 
 One training loop for both modes: dequeue batch i, enqueue batch i+1, run the MLP forward and
 backward, apply the embedding gradients. With ``pipeline_execution=True`` the enqueue of batch i+1
 hands its grouping, deduplication and lookup to a background worker, which runs while the MLP
 does; its activations are then one step stale. Exact mode does the same work at dequeue time.
 Prints ms/step and examples/s of both, and their ratio.
+
+``--cache-fraction F`` runs the tables beyond memory (docs/semantics.md section 10): a
+``memory_budget`` whose caches hold F of the rows, and a new batch every step (Zipf 1.05), so that
+every step reads missing rows from the slow tier; pipelined, that reading is the lookahead, done
+in the background while the MLP runs.
 """
 
 from __future__ import annotations
@@ -21,29 +26,41 @@ import torch
 import embcore as ec
 
 sys.path.insert(0, os.path.dirname(__file__))
+from cache_workloads import batches_for  # noqa: E402
 from workloads import get_workload, make_batches  # noqa: E402
 
 
-def run(pipelined: bool, steps: int, batch_size: int) -> float:
+def run(pipelined: bool, steps: int, batch_size: int, cache_fraction: float | None = None
+        ) -> float:
     wl = get_workload("W1")
     torch.manual_seed(0)
     tables = [ec.TableConfig(vocabulary_size=wl.rows, dim=wl.dim, combiner="sum", name=f"t{i}")
               for i in range(wl.tables)]
     fc = {f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(tables)}
-    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), pipeline_execution=pipelined)
+    budget = (None if cache_fraction is None else
+              int(cache_fraction * wl.tables * wl.rows * (wl.dim * 8 + 80)))
+    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), pipeline_execution=pipelined,
+                       memory_budget=budget)
     mlp = torch.nn.Sequential(torch.nn.Linear(wl.tables * wl.dim, 512), torch.nn.ReLU(),
                               torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
     opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
-    batches = [{f"f{t}": ids[:batch_size] for t, ids in enumerate(b.ids)}
-               for b in make_batches(wl, 8)]
+    if cache_fraction is None:
+        batches = [{f"f{t}": ids[:batch_size] for t, ids in enumerate(b.ids)}
+                   for b in make_batches(wl, 8)]
+    else:  # new batches every step: misses every step (the first 60 fill the caches)
+        batches = [{k: v[:batch_size] for k, v in batches_for(wl, 1.05, i).items()}
+                   for i in range(steps + 64)]
     target = torch.randn(batch_size)
 
+    done = [0]
+
     def loop(n: int) -> None:
-        emb.enqueue(batches[0])
+        emb.enqueue(batches[done[0] % len(batches)])
         for i in range(n):
             acts = emb.dequeue()
+            done[0] += 1
             if i + 1 < n:
-                emb.enqueue(batches[(i + 1) % len(batches)])  # overlaps the MLP when pipelined
+                emb.enqueue(batches[done[0] % len(batches)])  # overlaps the MLP when pipelined
             x = torch.cat([acts[f"f{t}"] for t in range(wl.tables)], dim=1)  # (B, T*D)
             loss = torch.nn.functional.mse_loss(mlp(x).squeeze(1), target)
             opt.zero_grad()
@@ -51,7 +68,7 @@ def run(pipelined: bool, steps: int, batch_size: int) -> float:
             opt.step()
             emb.apply_gradients({k: a.grad for k, a in acts.items()})
 
-    loop(3)  # warm-up
+    loop(3 if cache_fraction is None else 60)  # warm-up
     start = time.perf_counter()
     loop(steps)
     return (time.perf_counter() - start) / steps
@@ -61,17 +78,20 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--cache-fraction", type=float, default=None,
+                    help="tables beyond memory: caches holding this share of the rows")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2],
                     help="torch intra-op threads to try (the background worker uses its own)")
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__}, embcore {ec.__version__}, {os.cpu_count()} cores, "
-          f"W1 tables + MLP 1664-512-256-1, batch {args.batch}")
+          f"W1 tables + MLP 1664-512-256-1, batch {args.batch}"
+          + (f", caches of {args.cache_fraction:.0%} of the rows" if args.cache_fraction else ""))
     print("| mode | torch threads | ms/step | examples/s |\n|---|---|---|---|")
     best = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for pipelined in (False, True):
-            t = run(pipelined, args.steps, args.batch)
+            t = run(pipelined, args.steps, args.batch, args.cache_fraction)
             best[pipelined] = min(best.get(pipelined, t), t)
             mode = "pipelined" if pipelined else "exact"
             print(f"| {mode} | {threads} | {t * 1e3:.1f} | {args.batch / t:,.0f} |", flush=True)
