@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .ops.memory import advise_random
 from .ops.vocab import vocab_map
 
 # Bytes of index per cache row: the map's per-row state and hash slots (at most 49 + 16), the
@@ -50,6 +51,7 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
     with open(path, "wb") as f:  # a sparse file: disk is used as rows are written
         f.truncate(max(numel, 1) * dtype.itemsize)
     t = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)
+    advise_random(t)
     return t[:numel].view(shape)
 
 

@@ -1,4 +1,5 @@
-"""Table memory: large CPU tables and slots on transparent huge pages.
+"""Table memory: large CPU tables and slots on transparent huge pages; the slow tier's mapped
+files without read-ahead.
 
 A step touches rows spread over tables of hundreds of MB to GB: with 4 KiB pages nearly every
 touched row is a TLB miss and a page walk. Asking Linux for 2 MiB pages (``madvise(MADV_HUGEPAGE)``)
@@ -15,6 +16,7 @@ import sys
 import torch
 
 HUGE_PAGE = 1 << 21
+MADV_RANDOM = 1
 MADV_HUGEPAGE = 14
 MIN_BYTES = 8 * HUGE_PAGE  # smaller tensors gain little
 
@@ -49,6 +51,22 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     first = (start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
     end = (start + t.nbytes) & ~(HUGE_PAGE - 1)
     return end > first and fn(first, end - first, MADV_HUGEPAGE) == 0
+
+
+def advise_random(t: torch.Tensor) -> bool:
+    """Tells Linux that ``t``'s pages (a mapped file) are read in random order: no read-ahead.
+
+    A page fault on a mapped file otherwise reads ahead up to hundreds of KiB around the page:
+    the slow tier reads rows of a few hundred bytes at random places, and read-ahead multiplied
+    its disk reads by over 100 (W4, benchmarks/RESULTS.md). True if accepted."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu" or t.nbytes == 0:
+        return False
+    fn = _libc_madvise()
+    if not fn:
+        return False
+    page = 4096
+    start = t.data_ptr() & ~(page - 1)
+    return fn(start, t.data_ptr() + t.nbytes - start, MADV_RANDOM) == 0
 
 
 def empty_table(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
