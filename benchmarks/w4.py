@@ -97,8 +97,8 @@ def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
     print(f"warm-up {args.warmup} steps {warm:.1f} s; timed {args.steps} steps: "
           f"{args.steps * args.batch / dt:,.0f} ex/s ({1000 * dt / args.steps:.0f} ms/step), "
           f"hit rate {hits / max(hits + misses, 1):.1%}, rows read / written per step "
-          f"{read:,.0f} / {written:,.0f}, disk read {fmt_bytes(io3['read_bytes'] - io2['read_bytes'])}"
-          f" written {fmt_bytes(io3['write_bytes'] - io2['write_bytes'])}; {rss()}", flush=True)
+          f"{read:,.0f} / {written:,.0f}, disk read "
+          f"{fmt_bytes(io3['read_bytes'] - io2['read_bytes'])} written {fmt_bytes(io3['write_bytes'] - io2['write_bytes'])}; {rss()}", flush=True)
 
 
 def plain_run(args: argparse.Namespace, rows: list[int]) -> None:

@@ -19,7 +19,6 @@ cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
-    "EmbeddingLayer",
-    "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup",
-    "load", "profile", "save", "serving_embedding_lookup", "__version__",
+    "EmbeddingLayer", "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan",
+    "TableConfig", "cpu_embedding_lookup", "load", "profile", "save", "serving_embedding_lookup", "__version__",
 ]

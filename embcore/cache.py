@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .ops import native
 from .ops.memory import advise_random
 from .ops.vocab import vocab_map
 
@@ -183,19 +184,30 @@ class CachedRows:
             self._copy_out(slots, owners)
             self.dirty[slots] = False
 
-    def _copy_out(self, slots: torch.Tensor, owners: torch.Tensor) -> None:
-        dev_slots = slots.to(self.device) if self.device.type != "cpu" else slots
+    def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or
+        back; the parameters and every slot, whole rows. One pass per array on the CPU kernels
+        (``native.copy_rows``), else a gather and a scatter."""
+        direct = self.device.type == "cpu" and native.usable(rows)
+        if direct:
+            rows, slots = rows.contiguous(), slots.contiguous()
         for key, slow in self.slow.items():
             cache = self.table if key == "parameters" else self.slots[key]
-            slow.index_copy_(0, owners, cache.index_select(0, dev_slots).cpu())
+            src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache
+                                            else (cache, slots, slow, rows))
+            if direct:
+                native.copy_rows(src, src_rows, dst, dst_rows)
+            else:
+                dst.index_copy_(0, dst_rows.to(dst.device),
+                                src.index_select(0, src_rows.to(src.device)).to(dst.device))
+
+    def _copy_out(self, slots: torch.Tensor, owners: torch.Tensor) -> None:
+        self._move(False, owners, slots)
         self.written_rows += owners.numel()
 
     def _read(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Reads shard rows ``rows`` (with their slots) into cache rows ``slots``."""
-        dev_slots = slots.to(self.device) if self.device.type != "cpu" else slots
-        for key, slow in self.slow.items():
-            cache = self.table if key == "parameters" else self.slots[key]
-            cache.index_copy_(0, dev_slots, slow.index_select(0, rows).to(self.device))
+        self._move(True, rows, slots)
         self.owner[slots] = rows
         self.dirty[slots] = False
         self.read_rows += rows.numel()

@@ -71,3 +71,56 @@ def cases(draw, table: ec.TableConfig, allow_weights: bool = True) -> Case:
         w_rows = [[None if x is None else draw(wv) for x in r] for r in rows_s]
         w = sparse(w_rows, torch.float32, width)
     return Case(feature, ids, w)
+
+
+@st.composite
+def any_optimizer(draw, dense_adam: bool = True):
+    """(optimizer, lr, step): every embcore optimizer (``dense_adam``: Adam(lazy_adam=False)
+    too), its own hyper-parameters and the common options drawn at random (rounded to 3
+    decimals)."""
+    def num(lo, hi):
+        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+
+    lr = num(0.01, 1.0)
+    kw = {}
+    if draw(st.booleans()):
+        c = num(0.1, 3.0)
+        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
+    clip = draw(st.sampled_from(["none", "scalar", "both", "one side"]))
+    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
+    if clip == "scalar":
+        kw["clipvalue"] = num(0.05, 2.0)
+    elif clip == "both":
+        kw["clipvalue"] = (a, b)
+    elif clip == "one side":
+        kw["clipvalue"] = draw(st.sampled_from([(None, b), (a, None)]))
+    if draw(st.booleans()):
+        kw["weight_decay_factor"] = num(0.0, 0.5)
+        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+    if draw(st.booleans()):
+        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
+    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
+    init = draw(st.sampled_from([0.0, 0.1, 1.0]))
+    if kind == "sgd":
+        opt = ec.SGD(learning_rate=lr, **kw)
+    elif kind in ("adagrad", "rowwise"):
+        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
+        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
+    elif kind == "momentum":
+        opt = ec.AdagradMomentum(learning_rate=lr, momentum=num(0.0, 0.99),
+                                 use_nesterov=draw(st.booleans()), exponent=num(1.0, 4.0),
+                                 beta2=draw(st.sampled_from([1.0, 0.9])), **kw)
+    elif kind == "adam":
+        opt = ec.Adam(learning_rate=lr, beta_1=num(0.0, 0.95), beta_2=num(0.5, 0.999),
+                      lazy_adam=not dense_adam or draw(st.booleans()),
+                      sum_inside_sqrt=draw(st.booleans()), **kw)
+    else:
+        zero = draw(st.booleans())
+        opt = ec.FTRL(learning_rate=lr, learning_rate_power=draw(st.sampled_from([-0.5, -0.25,
+                                                                                  0.0])),
+                      l1_regularization_strength=num(0.0, 0.1),
+                      l2_regularization_strength=num(0.0, 0.1), beta=num(0.0, 0.5),
+                      initial_accumulator_value=0.0 if zero else max(init, 0.1),
+                      allow_zero_accumulator=zero,
+                      multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
+    return opt, lr, draw(st.integers(0, 5))

@@ -699,3 +699,27 @@ def test_command_line_builds_the_kernels():
     helped = subprocess.run([sys.executable, "-m", "embcore", "--help"], capture_output=True,
                             text=True, timeout=60)
     assert helped.returncode == 0 and "kernels" in helped.stdout
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+       width=st.integers(1, 40), threads=st.sampled_from([1, 2]))
+def test_copy_rows_equals_index_ops(data, dtype, width, threads):
+    """The cache's row moves (cache.py): dst[dst_rows] = src[src_rows], in one pass, for any
+    dtype and width, rows of a strided view too (a slot of shape (N, 1))."""
+    n_src, n_dst = data.draw(st.integers(1, 60)), data.draw(st.integers(1, 60))
+    k = data.draw(st.integers(0, min(n_src, n_dst)))
+    src = torch.randn(n_src, width + 3).to(dtype)[:, :width]  # rows 3 entries apart
+    dst = torch.randn(n_dst, width).to(dtype)
+    src_rows = torch.tensor(data.draw(st.lists(st.integers(0, n_src - 1), min_size=k,
+                                               max_size=k)), dtype=torch.int64)
+    dst_rows = torch.randperm(n_dst)[:k]  # distinct targets
+    want = dst.clone()
+    want[dst_rows] = src[src_rows]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native.copy_rows(src, src_rows, dst, dst_rows)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(dst, want)

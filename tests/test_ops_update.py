@@ -12,6 +12,7 @@ from embcore.ops.bags import Bags, dedup
 from embcore.ops.combine import OutputGrads
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import apply_in_place, in_place_supported, update
+from strategies import any_optimizer
 from switches import kernels
 
 
@@ -53,51 +54,6 @@ def test_options_fall_back_to_the_pure_path():
 # --------------------------------------------------------------------------------------------
 # The update entry point on its torch-ops paths (fused kernels off) against the loop reference,
 # every optimizer with random options: the same sweep as the fused kernel's (test_native.py).
-
-@st.composite
-def any_optimizer(draw):
-    """(optimizer, lr, step): every embcore optimizer, its own hyper-parameters and the common
-    options drawn at random (rounded to 3 decimals, as in test_native.py)."""
-    def num(lo, hi):
-        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
-
-    lr = num(0.01, 1.0)
-    kw = {}
-    if draw(st.booleans()):
-        c = num(0.1, 3.0)
-        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
-    clip = draw(st.sampled_from(["none", "scalar", "both"]))
-    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
-    if clip == "scalar":
-        kw["clipvalue"] = num(0.05, 2.0)
-    elif clip == "both":
-        kw["clipvalue"] = (a, b)
-    if draw(st.booleans()):
-        kw["weight_decay_factor"] = num(0.0, 0.5)
-        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
-    if draw(st.booleans()):
-        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
-    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
-    init = draw(st.sampled_from([0.0, 0.1, 1.0]))
-    if kind == "sgd":
-        opt = ec.SGD(learning_rate=lr, **kw)
-    elif kind in ("adagrad", "rowwise"):
-        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
-        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
-    elif kind == "momentum":
-        opt = ec.AdagradMomentum(learning_rate=lr, momentum=num(0.0, 0.99),
-                                 use_nesterov=draw(st.booleans()), exponent=num(1.0, 4.0),
-                                 beta2=draw(st.sampled_from([1.0, 0.9])), **kw)
-    elif kind == "adam":
-        opt = ec.Adam(learning_rate=lr, beta_1=num(0.0, 0.95), beta_2=num(0.5, 0.999),
-                      lazy_adam=draw(st.booleans()), sum_inside_sqrt=draw(st.booleans()), **kw)
-    else:
-        opt = ec.FTRL(learning_rate=lr, l1_regularization_strength=num(0.0, 0.1),
-                      l2_regularization_strength=num(0.0, 0.1), beta=num(0.0, 0.5),
-                      initial_accumulator_value=max(init, 0.1),
-                      multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
-    return opt, lr, draw(st.integers(0, 5))
-
 
 def occurrences(gen, n, d, nnz, unit):
     """Output gradients of ``nnz`` occurrences of random rows (bags of them unless ``unit``), as

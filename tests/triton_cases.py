@@ -2,7 +2,9 @@
 
 On a machine with a CUDA GPU the kernels run compiled, on CUDA tensors. Without one, they run in
 Triton's interpreter on CPU tensors: this file sets ``TRITON_INTERPRET=1`` itself before it imports
-triton (triton reads it when it decorates a kernel and at run time, so it stays set) and forces the choice points onto CPU tensors (``gpu.force_on_cpu``). Skipped when triton is not
+triton (triton reads it when it decorates a kernel and at run time, so it stays set) and forces
+the choice points onto CPU tensors (``gpu.force_on_cpu``); tests/test_triton.py runs it in a fresh
+interpreter. Skipped when triton is not
 installed. The interpreter is slow: small shapes, few examples.
 
 Tolerance: float32 kernels against float64 references, ``rtol=1e-4, atol=1e-5`` for the update
@@ -42,7 +44,7 @@ from embcore.ops.combine import OutputGrads, combine, combine_backward  # noqa: 
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
 from embcore.ops.reference_optim import reference_update  # noqa: E402
 from embcore.ops.update import update  # noqa: E402
-from strategies import jagged  # noqa: E402
+from strategies import any_optimizer, jagged  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
@@ -167,57 +169,6 @@ def test_lookup_of_wide_rows_is_tiled_over_columns():
 
 # -- the fused backward + update ---------------------------------------------------------------
 
-@st.composite
-def optimizers(draw):
-    """(optimizer, lr, step): every optimizer the kernel supports, with random options (rounded
-    to 3 decimals, as tests/test_ops_update.py)."""
-    def num(lo, hi):
-        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
-
-    lr = num(0.01, 1.0)
-    kw = {}
-    if draw(st.booleans()):
-        c = num(0.1, 3.0)
-        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
-    clip = draw(st.sampled_from(["none", "scalar", "both", "one side"]))
-    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
-    if clip == "scalar":
-        kw["clipvalue"] = num(0.05, 2.0)
-    elif clip == "both":
-        kw["clipvalue"] = (a, b)
-    elif clip == "one side":
-        kw["clipvalue"] = draw(st.sampled_from([(None, b), (a, None)]))
-    if draw(st.booleans()):
-        kw["weight_decay_factor"] = num(0.0, 0.5)
-        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
-    if draw(st.booleans()):
-        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
-    kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
-    init = draw(st.sampled_from([0.0, 0.1, 1.0]))
-    if kind == "sgd":
-        opt = ec.SGD(learning_rate=lr, **kw)
-    elif kind in ("adagrad", "rowwise"):
-        cls = ec.Adagrad if kind == "adagrad" else ec.RowwiseAdagrad
-        opt = cls(learning_rate=lr, initial_accumulator_value=init, **kw)
-    elif kind == "momentum":
-        opt = ec.AdagradMomentum(learning_rate=lr, momentum=num(0.0, 0.99),
-                                 use_nesterov=draw(st.booleans()), exponent=num(1.0, 4.0),
-                                 beta2=draw(st.sampled_from([1.0, 0.9])), **kw)
-    elif kind == "adam":
-        opt = ec.Adam(learning_rate=lr, beta_1=num(0.0, 0.95), beta_2=num(0.5, 0.999),
-                      sum_inside_sqrt=draw(st.booleans()), **kw)
-    else:
-        zero = draw(st.booleans())
-        opt = ec.FTRL(learning_rate=lr, learning_rate_power=draw(st.sampled_from([-0.5, -0.25,
-                                                                                  0.0])),
-                      l1_regularization_strength=num(0.0, 0.1),
-                      l2_regularization_strength=num(0.0, 0.1), beta=num(0.0, 0.5),
-                      initial_accumulator_value=0.0 if zero else max(init, 0.1),
-                      allow_zero_accumulator=zero,
-                      multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
-    return opt, lr, draw(st.integers(0, 5))
-
-
 def occurrences(gen, n, d, nnz, unit, scaled):
     """Output gradients of ``nnz`` occurrences of random rows (bags of them, some empty, unless
     ``unit``) as ``OutputGrads`` in two parts, and the float64 summed gradient of each row."""
@@ -248,7 +199,7 @@ def occurrences(gen, n, d, nnz, unit, scaled):
 
 
 @settings(max_examples=30, deadline=None)
-@given(optimizers(), st.integers(1, 20), st.integers(1, 40),
+@given(any_optimizer(dense_adam=False), st.integers(1, 20), st.integers(1, 40),
        st.sampled_from(["summed", "outputs"]), st.booleans(), st.booleans(),
        st.integers(0, 2**31 - 1))
 def test_update_equals_reference(opt_case, n, d, source, unit, scaled, seed):

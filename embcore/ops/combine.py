@@ -8,8 +8,9 @@ Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
 On the CPU with float32 tables the forward is the fused kernel ``native.lookup`` instead (the same
 sums, in the same order, with the rows ahead prefetched); on CUDA, with float32, both directions
-are the Triton kernels of ``ops/gpu.py`` (the same sums in the same order); the training backward of a local table
-is fused into the optimizer update (``ops/update.py``).
+are the Triton kernels of ``ops/gpu.py`` (the same sums in the same order, within float rounding:
+tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
+(``ops/update.py``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 3  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*
+ABI_VERSION = 4  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+# 4: ec_copy_rows
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -104,6 +105,7 @@ _SIGNATURES = {
     "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _HP,
                                 ctypes.c_int]),
     "ec_bag_of": (None, [_P, _I, _P]),
+    "ec_copy_rows": (None, [_P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_int]),
     "ec_minmax": (None, [_P, _I, _P]),
     "ec_offsets_error": (_I, [_P, _I, _I]),
     "ec_first_unordered": (_I, [_P, _I, _I]),
@@ -340,6 +342,18 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     lib.ec_lookup(table.data_ptr(), table.shape[1], ids.data_ptr(), _ptr(offsets), _ptr(scales),
                   rows, out.data_ptr(), _threads())
     return out
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
+              dst_rows: torch.Tensor) -> None:
+    """``dst[dst_rows] = src[src_rows]`` in one pass: 2-D CPU tensors of one dtype and width,
+    rows contiguous; ``src_rows`` / ``dst_rows`` (n,) int64, contiguous, in range."""
+    lib = _load()
+    assert lib is not None
+    size = src.element_size()
+    lib.ec_copy_rows(src.data_ptr(), src.stride(0) * size, src_rows.data_ptr(), dst.data_ptr(),
+                     dst.stride(0) * size, dst_rows.data_ptr(), src_rows.numel(),
+                     src.shape[1] * size, torch.get_num_threads())
 
 
 def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:

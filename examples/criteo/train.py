@@ -550,7 +550,8 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
         eval_start = time.perf_counter()
         metrics = evaluate(model, data, args.device, rank, world)
         throughput = train_examples / train_seconds if train_seconds else float("nan")
-        record = {"kind": "eval", "synthetic": synthetic is not None, "epoch": epoch, "step": position["global_step"],
+        record = {"kind": "eval", "synthetic": synthetic is not None, "epoch": epoch,
+                  "step": position["global_step"],
                   "examples": position["examples"], **metrics,
                   "train_examples_per_s": throughput, "train_skipped": stats.skipped,
                   "eval_seconds": round(time.perf_counter() - eval_start, 3),

@@ -165,7 +165,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 3; }
+int ec_abi_version() { return 4; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -534,6 +534,22 @@ void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, in
       const float w = weights ? weights[k] : 1.f;
       out[k] = combiner == 0 ? w : (denom != 0.f ? w / denom : 0.f);
     }
+  }
+}
+
+// Row moves between two arrays of rows (the cache and its slow tier): for i < n,
+// dst[dst_rows[i]] = src[src_rows[i]], each row row_bytes long, rows src_stride / dst_stride
+// bytes apart. One pass, no temporary; the source rows ahead are prefetched.
+void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* dst,
+                  i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int nt) {
+  nt = threads_for(n * (row_bytes / 4), nt);
+#pragma omp parallel for num_threads(nt) schedule(static)
+  for (i64 i = 0; i < n; ++i) {
+    if (i + kPrefetch < n)
+      prefetch_read(reinterpret_cast<const float*>(src + src_rows[i + kPrefetch] * src_stride),
+                    row_bytes / 4);
+    std::memcpy(dst + dst_rows[i] * dst_stride, src + src_rows[i] * src_stride,
+                size_t(row_bytes));
   }
 }
 
