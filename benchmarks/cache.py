@@ -7,8 +7,8 @@ For each Zipf exponent, trains the workload (exact Adagrad through ``ec.Embeddin
 batches and gradients for every run) in memory, then with a ``memory_budget`` whose caches hold
 the given fraction of the rows (every table offloaded: equal tables get equal shares; at 100%
 the tables fit and stay in memory: that is the in-memory run). After
-``--warmup`` steps that fill the caches, it times ``--steps`` steps on new batches and prints, per
-run: ex/s, the ratio to the in-memory run, the cache hit rate over the timed steps, rows read from
+``--warmup`` steps that fill the caches, it times ``--repeats`` loops of ``--steps`` steps on new
+batches and prints, per run: ex/s (the median loop), the ratio to the in-memory run, the cache hit rate over the timed steps, rows read from
 and written to the slow tier per step, and the process's anonymous and file-backed resident
 memory (RssAnon / RssFile). Every run's final tables are checked equal to the in-memory run's.
 
@@ -48,7 +48,7 @@ def rss() -> dict[str, float]:
 
 
 def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
-        offload_dir: str | None) -> dict:
+        offload_dir: str | None, repeats: int = 3) -> dict:
     tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner=w.combiner,
                              name=f"t{t}") for t in range(w.tables)]
     fc = {f"f{t}": ec.FeatureConfig(table=tables[t]) for t in range(w.tables)}
@@ -69,14 +69,18 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
 
     for i in range(warmup):
         step(batches_for(w, alpha, i))
-    timed = [batches_for(w, alpha, warmup + i) for i in range(steps)]
     stores = list(emb._store.cached.values()) if emb._store is not None else []
     before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows)
               for c in stores]
-    t0 = time.perf_counter()
-    for feats in timed:
-        step(feats)
-    dt = time.perf_counter() - t0
+    times = []
+    for r in range(repeats):  # the median of ``repeats`` loops, each on new batches
+        timed = [batches_for(w, alpha, warmup + r * steps + i) for i in range(steps)]
+        t0 = time.perf_counter()
+        for feats in timed:
+            step(feats)
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times)[len(times) // 2]
+    steps_all = steps * repeats
     mem = rss()
     out = {"alpha": alpha, "budget": budget, "ex_per_s": steps * w.batch / dt,
            "ms_per_step": 1000 * dt / steps, "setup_s": setup, **mem}
@@ -86,9 +90,10 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
         out.update(cache_rows=sum(c.capacity for c in stores),
                    rows=sum(c.rows for c in stores),
                    hit_rate=hits / max(hits + misses, 1),
-                   read_per_step=sum(c.read_rows - b[2] for c, b in zip(stores, before)) / steps,
+                   read_per_step=sum(c.read_rows - b[2] for c, b in zip(stores, before))
+                   / steps_all,
                    written_per_step=sum(c.written_rows - b[3] for c, b in zip(stores, before))
-                   / steps)
+                   / steps_all)
     digest = hashlib.sha256()
     for k, v in sorted(emb.state_dict().items()):
         if k != "step":
@@ -100,7 +105,8 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
 def spawn(args: argparse.Namespace, alpha: float, budget: int | None) -> dict:
     """One run in a fresh process."""
     cmd = [sys.executable, __file__, "--single", f"{alpha},{budget}", "--workload", args.workload,
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+           "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--repeats", str(args.repeats)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--offload-dir", args.offload_dir] if args.offload_dir else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -118,6 +124,7 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.01,0.05,0.1,0.25,0.5")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--offload-dir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # alpha,budget: one run
@@ -126,7 +133,7 @@ def main() -> None:
     if args.single is not None:
         alpha, budget = args.single.split(",")
         print(json.dumps(run(w, float(alpha), None if budget == "None" else int(budget),
-                             args.warmup, args.steps, args.offload_dir)))
+                             args.warmup, args.steps, args.offload_dir, args.repeats)))
         return
     row_bytes = w.dim * 4 * 2  # parameters + Adagrad accumulators
     print(f"# {w.name}: {w.tables} x {w.rows} x D{w.dim}, B{w.batch}, L{w.bag}; exact Adagrad; "
