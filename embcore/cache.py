@@ -133,12 +133,16 @@ class CachedRows:
         """(U,) cache rows of distinct shard rows ``rows`` (U,), brought in as needed
         (``count``: a lookup, counted in the statistics).
 
-        The answers to the last two calls are kept with the cache's generation (which moves
-        whenever a cached row leaves): the same ``rows`` tensor asked again (the update of a
-        lookup's distinct rows) gets the same answer without a map step while nothing left."""
+        The answers to the last two calls are kept: the same ``rows`` tensor asked again (the
+        update of a lookup's distinct rows) gets the same answer without a map step while no
+        cached row has left since (the cache's generation), or while its rows are all still in
+        the cache rows it gave (one comparison: with pipelining the next batch's lookup comes
+        between, and evicts other rows)."""
         asked = rows
-        for r, s, g in self._recent:  # the update of a lookup's rows, nothing evicted since
-            if r is asked and g == self.generation:
+        for r, s, g in self._recent:  # the update of a lookup's rows, still where they were
+            if r is asked and (g == self.generation or torch.equal(
+                    self.owner[s.cpu() if s.device.type != "cpu" else s],
+                    r.cpu() if r.device.type != "cpu" else r)):
                 if count:
                     self._count(r.cpu(), r.new_empty(0, device="cpu"))
                 return s
