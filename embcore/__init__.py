@@ -14,11 +14,12 @@ from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagra
 from .plan import ShardingPlan
 from .profile import LookupProfile, profile
 from .serving import serving_embedding_lookup
+from .spec import EmbeddingSpec
 
 cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
-    "EmbeddingLayer", "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan",
+    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan",
     "TableConfig", "cpu_embedding_lookup", "load", "profile", "save", "serving_embedding_lookup", "__version__",
 ]

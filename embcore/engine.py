@@ -28,6 +28,7 @@ from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
 from .profile import LookupProfile
+from .spec import EmbeddingSpec
 from .tiers import parse_budget
 from .preprocess import Prepared, preprocess
 from .protocol import StepQueue, TrainingStep
@@ -105,6 +106,8 @@ class Embedding:
                  profile: LookupProfile | str | os.PathLike | None = None) -> None:
         self._lock = threading.RLock()  # see _serialized
         budget = parse_budget(memory_budget)
+        # what a spec of this engine holds (manifest): the arguments as given
+        self._spec_args = (optimizer, sharding, memory_budget, bool(pipeline_execution))
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path or None, got "
                             f"{type(offload_dir).__name__}")
@@ -441,10 +444,31 @@ class Embedding:
             self._step = int(state_dict["step"])
 
     def manifest(self) -> dict[str, Any]:
-        """JSON-able description of the configs, plan and step (for checkpoints)."""
+        """JSON-able description of the configs, plan and step (for checkpoints), with the
+        engine's ``EmbeddingSpec`` as data (``spec``; None, and ``spec_error`` saying why, when
+        a callable in it is not data)."""
+        optimizer, sharding, budget, pipelined = self._spec_args
+        try:
+            spec: dict[str, Any] | None = EmbeddingSpec(
+                self._features.template, optimizer, sharding=sharding, memory_budget=budget,
+                pipeline_execution=pipelined).to_dict()
+            error = None
+        except (ValueError, TypeError) as e:
+            spec, error = None, str(e)
         return {"embcore_version": __version__, "step": self._step,
                 **self._features.describe(self._plan), "plan": self._plan.describe(),
-                "world_size": self._plan.world_size}
+                "world_size": self._plan.world_size, "spec": spec,
+                **({"spec_error": error} if error else {})}
+
+    @classmethod
+    def from_spec(cls, spec: EmbeddingSpec, **kwargs: Any) -> Embedding:
+        """The engine ``spec`` describes; ``kwargs``: the arguments a spec does not hold
+        (``process_group``, ``device``, ``timeout``, ``offload_dir``, ``profile``)."""
+        if not isinstance(spec, EmbeddingSpec):
+            raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
+        return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,
+                   memory_budget=spec.memory_budget,
+                   pipeline_execution=spec.pipeline_execution, **kwargs)
 
     def __repr__(self) -> str:
         return (f"Embedding({len(self._features)} features, {len(self._features.table_names)} "

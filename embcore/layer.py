@@ -129,6 +129,18 @@ class EmbeddingLayer(torch.nn.Module):
                 self.engine.to(target)
         return out
 
+    @classmethod
+    def from_spec(cls, spec: Any, **kwargs: Any) -> EmbeddingLayer:
+        """The layer ``spec`` (an ``ec.EmbeddingSpec``) describes; ``kwargs``: the arguments a
+        spec does not hold (``process_group``, ``device``, ``timeout``, ``offload_dir``,
+        ``profile``)."""
+        from .spec import EmbeddingSpec
+        if not isinstance(spec, EmbeddingSpec):
+            raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
+        return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,
+                   memory_budget=spec.memory_budget,
+                   pipeline_execution=spec.pipeline_execution, **kwargs)
+
     def for_serving(self, serving_config: Any = None) -> torch.nn.Module:
         """A module without optimizer slots whose forward is plain torch ops.
 
