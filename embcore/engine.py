@@ -27,6 +27,7 @@ from .lookup import Received, lookup
 from .nest import flatten_like, unflatten_like
 from .optimizers import Optimizer
 from .plan import ShardingPlan, make_plan
+from .ops import native
 from .profile import LookupProfile
 from .spec import EmbeddingSpec
 from .tiers import parse_budget
@@ -250,11 +251,13 @@ class Embedding:
         store = self._built()
 
         def stage() -> tuple[Prepared, list[Any] | None, Received]:
-            prepared = preprocess(bags, tables, self._plan, training)
-            if self._comm.world_size > 1:  # collectives stay on the caller's thread, in order
-                return prepared, None, ()
-            with torch.no_grad():
-                return (prepared, *lookup(prepared, store, self._comm))
+            # one thread for the fused kernels here: the caller's model has the cores
+            with native.single_threaded():
+                prepared = preprocess(bags, tables, self._plan, training)
+                if self._comm.world_size > 1:  # collectives stay on the caller's thread
+                    return prepared, None, ()
+                with torch.no_grad():
+                    return (prepared, *lookup(prepared, store, self._comm))
 
         self._queue.put(training, background=stage)
 

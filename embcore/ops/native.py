@@ -14,6 +14,7 @@ kernels off for this process (tests use it to exercise the torch-ops path).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -25,7 +26,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -280,8 +281,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+_local = threading.local()
+
+
 def _threads() -> int:
-    return torch.get_num_threads()
+    """OpenMP threads of a kernel: torch's, or 1 on a thread inside ``single_threaded()``."""
+    return 1 if getattr(_local, "single", False) else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """Kernels called by this thread inside it run on one thread: the pipeline's background
+    worker, whose OpenMP team would otherwise take every core beside the caller's own."""
+    before = getattr(_local, "single", False)
+    _local.single = True
+    try:
+        yield
+    finally:
+        _local.single = before
 
 
 def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -353,7 +370,7 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
     size = src.element_size()
     lib.ec_copy_rows(src.data_ptr(), src.stride(0) * size, src_rows.data_ptr(), dst.data_ptr(),
                      dst.stride(0) * size, dst_rows.data_ptr(), src_rows.numel(),
-                     src.shape[1] * size, torch.get_num_threads())
+                     src.shape[1] * size, _threads())
 
 
 def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
