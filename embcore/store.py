@@ -3,7 +3,8 @@
 The step reads and writes rows only through three methods, so that other stores (a raw-id map,
 a cache over a slow tier) can stand behind the same verbs:
 
-- ``combine(p, index, bags)``: rows out, combined into bags (the lookup of rows held here);
+- ``combine(p, index, bags, dedup=None)``: rows out, combined into bags (the lookup of rows
+  held here);
 - ``gather(p, rows)``: rows out, as they are (answers to other processes' lookups);
 - ``update(p, rows, grad, optimizer, lr, step)``: the optimizer applied to rows, in place.
 
@@ -13,8 +14,12 @@ grows (admission, eviction; new rows get their initial values and fresh slots he
 has one more row at the end that stays zero, where ids not resident are looked up, and ``update``
 drops gradients of that row and of rows given to another id since they were resolved.
 
-``RowStore`` keeps every row in memory (host memory on the CPU, on huge pages where the system
-allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
+A table the plan offloads (``memory_budget``) keeps its shard in a slow tier with its hot rows
+in a write-back cache (cache.py): the three verbs take shard rows as always and resolve them to
+cache rows inside, reading misses and writing evicted updates back, so nothing else changes.
+
+``RowStore`` keeps every other row in memory (host memory on the CPU, on huge pages where the
+system allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
 table's rows on this process (``local``), whole tables (``whole``) and the checkpoint view
 (``state_dict`` / ``load_state_dict``), through the plan's placements and ``shards.py``.
 """
