@@ -22,6 +22,8 @@ the step's working set must be in fast memory.
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tempfile
 import threading
 import warnings
@@ -57,17 +59,38 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 class OffloadDir:
-    """The directory of an engine's slow-tier files: ``offload_dir`` or a temporary one; the
-    files (and a temporary directory) are removed when the engine is collected or at exit."""
+    """The directory of an engine's slow-tier files, ``embcore-offload-<host>-p<pid>-r<rank>-*``
+    under ``offload_dir`` (default: the system's temporary directory). The files and the
+    directory are removed when the engine is collected or at exit; those that a killed process
+    of this host left behind are removed when the next one starts (its pid no longer runs)."""
 
     def __init__(self, offload_dir: str | os.PathLike | None, rank: int) -> None:
-        base = None
-        if offload_dir is not None:
-            base = Path(offload_dir)
-            base.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f"embcore-offload-r{rank}-", dir=base))
+        base = Path(offload_dir) if offload_dir is not None else Path(tempfile.gettempdir())
+        base.mkdir(parents=True, exist_ok=True)
+        host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())
+        self._sweep(base, host)
+        self.path = Path(tempfile.mkdtemp(prefix=f"embcore-offload-{host}-p{os.getpid()}-r{rank}-",
+                                          dir=base))
         self.files: list[Path] = []
         self._finalizer = weakref.finalize(self, OffloadDir._remove, self.path, self.files)
+
+    @staticmethod
+    def _sweep(base: Path, host: str) -> None:
+        """Removes the slow-tier directories of dead processes of this host under ``base``."""
+        pattern = re.compile(rf"embcore-offload-{re.escape(host)}-p(\d+)-r\d+-")
+        for entry in base.iterdir():
+            m = pattern.match(entry.name)
+            if m is None or not entry.is_dir() or _alive(int(m.group(1))):
+                continue
+            for f in entry.glob("*.bin"):
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+            try:
+                entry.rmdir()
+            except OSError:
+                pass
 
     def file(self, name: str) -> Path:
         path = self.path / name
@@ -85,6 +108,16 @@ class OffloadDir:
             path.rmdir()
         except OSError:
             pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class CachedRows:

@@ -7,6 +7,7 @@ step."""
 from __future__ import annotations
 
 import gc
+import os
 import warnings
 
 import pytest
@@ -254,6 +255,29 @@ def test_slow_tier_files_live_in_offload_dir_and_go_with_the_engine(tmp_path):
     del emb
     gc.collect()
     assert not list(tmp_path.rglob("*.bin")) and not any(tmp_path.iterdir())
+
+
+def test_files_a_killed_process_left_are_removed_by_the_next_one(tmp_path):
+    """A process killed mid-run cannot remove its slow-tier files (tens of GB at scale): the
+    next engine using the same offload_dir removes those of dead processes of this host, and
+    leaves those of live ones."""
+    import socket
+    import subprocess
+    import sys
+
+    host = "".join(c if c.isalnum() or c in "_." else "_" for c in socket.gethostname())
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # a pid that ended
+    dead = tmp_path / f"embcore-offload-{host}-p{gone}-r0-abc"
+    live = tmp_path / f"embcore-offload-{host}-p{os.getpid()}-r0-xyz"
+    other = tmp_path / "embcore-offload-otherhost-p1-r0-q"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "p0-1.bin").write_bytes(b"x" * 10)
+    fc, _ = config("sgd", {})
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=500, offload_dir=tmp_path)
+    _run(emb, [concat(global_batch(0, 2))])
+    assert not dead.exists() and live.exists() and other.exists()
 
 
 def test_a_step_larger_than_its_cache_grows_it_with_one_warning():
