@@ -37,6 +37,10 @@ from .ops import native
 from .ops.memory import advise_random
 from .ops.vocab import vocab_map
 
+# When the cache must evict, it evicts this share of its rows beyond the step's needs at once
+# (the least recently used ones), so that the next steps admit into free rows without scanning.
+SPARE_SHARE = 8
+
 # Bytes of index per cache row: the map's per-row state and hash slots (at most 49 + 16), the
 # owner row and the dirty flag.
 INDEX_BYTES_PER_ROW = 80
@@ -183,7 +187,13 @@ class CachedRows:
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
         if cpu_rows.numel() > self.capacity:
             self._grow(cpu_rows.numel())
-        slots, new_ids, new_rows = self.map.train_step(cpu_rows, check=False)  # (U,), (A,), (A,)
+        slots, new_ids, new_rows = self.map.train_step(
+            cpu_rows, check=False, spare=self.capacity // SPARE_SHARE)  # (U,), (A,), (A,)
+        freed = self.map.last_freed  # evicted ahead: written back now, before any reads
+        if freed.numel():
+            self._write_back(freed)
+            self.owner[freed] = -1
+            self.generation += 1
         if count:
             self._count(cpu_rows, new_ids)
         if new_rows.numel():
@@ -264,7 +274,7 @@ class CachedRows:
     # ---------------------------------------------------------------- outside the step
     def flush(self) -> None:
         """Writes every updated cache row back; the cache keeps its rows (now clean)."""
-        slots = self.dirty.nonzero().squeeze(1)
+        slots = (self.dirty & (self.owner >= 0)).nonzero().squeeze(1)  # (a row held: always)
         if slots.numel():
             self._copy_out(slots, self.owner[slots])
             self.dirty[slots] = False

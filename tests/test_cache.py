@@ -196,6 +196,36 @@ def test_every_optimizer_with_evictions_every_step(opt):
     assert cache.written_rows > 0  # updated rows went back to the slow tier
 
 
+def test_batch_eviction_frees_rows_ahead_and_stays_exact():
+    """A cache that must evict frees an eighth of its rows at once (the least recently used,
+    written back first): the next steps admit into them without a scan. Still bit-identical."""
+    t = ec.TableConfig(vocabulary_size=3000, dim=4, name="t", combiner="sum")
+    fc = {"f": ec.FeatureConfig(table=t)}
+    g = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, 3001, dtype=torch.float64) ** -1.05
+    batches = [({"f": torch.multinomial(ranks, 200, replacement=True, generator=g)}, None)
+               for _ in range(25)]
+    runs, freed_seen = [], 0
+    for budget in (None, 300 * (4 * 8 + 80)):
+        torch.manual_seed(1)
+        emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.3), memory_budget=budget)
+        if budget is not None:
+            _run(emb, batches[:1])
+            cache = next(iter(emb._store.cached.values()))
+            assert cache.capacity >= 200
+            for i, b in enumerate(batches[1:], start=1):
+                written = cache.written_rows
+                _run(emb, [b], grads_seed=i)  # (the gradients of step i, as in one run)
+                freed_seen += cache.map.last_freed.numel()
+                assert cache.written_rows >= written
+            runs.append(_state(emb))
+        else:
+            _run(emb, batches)
+            runs.append(_state(emb))
+    assert freed_seen > 0, "no step freed rows ahead"
+    _assert_same([], [], runs[0], runs[1])
+
+
 def test_pipelined_and_layer_training_with_a_budget():
     fc, _ = config("adagrad", {})
     batches = [concat(global_batch(s, 2)) for s in range(5)]

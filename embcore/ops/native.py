@@ -33,8 +33,8 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 4  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
-# 4: ec_copy_rows
+ABI_VERSION = 5  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+# 4: ec_copy_rows, 5: ec_vocab_step's spare rows
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -116,7 +116,7 @@ _SIGNATURES = {
     "ec_vocab_valid": (_I, [_P, _I, _P, _P, _I, _I, _P]),
     "ec_vocab_split": (_I, [_P, _P, _I, _P, _P, _P]),
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
-                           _P, _P]),
+                           _P, _P, _I, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
     "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _I]),
@@ -521,25 +521,29 @@ def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,
 def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor,
                last_use: torch.Tensor, frequency: torch.Tensor, born: torch.Tensor,
                hit_rows: torch.Tensor, new_ids: torch.Tensor, t: int, cut: int, lfu: bool,
-               hint: int) -> tuple[torch.Tensor | None, int, int, int]:
-    """One training step's changes to a ``NativeVocabMap`` (kernels.cpp's ``ec_vocab_step``).
+               hint: int, spare: int = 0, freed: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor | None, int, int, int, int]:
+    """One training step's changes to a ``NativeVocabMap`` (kernels.cpp's ``ec_vocab_step``);
+    ``spare``: when it evicts, free up to that many more rows, written to ``freed`` (spare,).
 
     Returns:
-        ``(new_rows (A,) or None on overflow, free, evictable, hint)``: on overflow nothing
-        changed and ``free`` / ``evictable`` count the rows; else the new free-row hint.
+        ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed)``: on overflow
+        nothing changed and ``free`` / ``evictable`` count the rows; else the new free-row
+        hint, and ``freed[:n_freed]`` the rows freed beyond the step's needs.
     """
     lib = _load()
     assert lib is not None
     new_rows = torch.empty(new_ids.numel(), dtype=torch.int64)
-    info = (ctypes.c_int64 * 3)(0, 0, hint)
+    info = (ctypes.c_int64 * 4)(0, 0, hint, 0)
     rc = lib.ec_vocab_step(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
                            row_used.data_ptr(), last_use.data_ptr(), frequency.data_ptr(),
                            born.data_ptr(), row_key.numel(), hit_rows.data_ptr(),
                            hit_rows.numel(), new_ids.data_ptr(), new_ids.numel(), t, cut,
-                           int(lfu), new_rows.data_ptr(), info)
+                           int(lfu), new_rows.data_ptr(), info, spare,
+                           _ptr(freed) if spare > 0 else None)
     if rc != 0:
-        return None, info[0], info[1], hint
-    return new_rows, 0, 0, info[2]
+        return None, info[0], info[1], hint, 0
+    return new_rows, 0, 0, info[2], info[3]
 
 
 def _seed64(seed: int) -> int:

@@ -61,6 +61,7 @@ import torch
 from . import native
 
 _I64 = torch.int64
+_EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
 _SORT_QUERIES = 16384  # find sorts this many ids or more before searching them (on the CPU)
 _STATE_KEYS = ("ids", "rows", "last_use", "frequency", "pending_ids", "pending_counts", "step")
 
@@ -174,6 +175,7 @@ class VocabMap:
         self.name = name
         self.device = torch.device(device)
         self.step = 0  # training steps so far
+        self.last_freed = _EMPTY  # rows a step freed beyond its needs (train_step's spare)
         c, dev = self.capacity, self.device
         self.keys = torch.empty(0, dtype=_I64, device=dev)             # (R,) resident ids, sorted
         self.key_rows = torch.empty(0, dtype=_I64, device=dev)         # (R,) their rows
@@ -222,8 +224,8 @@ class VocabMap:
         out[order] = torch.where(found, self.key_rows[pos], fill)
         return out.reshape(ids.shape)
 
-    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1,
+                   spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One training step over the distinct ids of a batch.
 
         Args:
@@ -231,6 +233,11 @@ class VocabMap:
             check: whether to check that they are distinct (callers that deduplicated them
                 already skip it).
             fill: the row given to ids that are not resident after the step.
+            spare: when the step must evict, it may also evict up to this many more of the
+                lowest-scored ids not used by the step (the fused kernels do; this torch
+                version does not), so that later steps admit without a scan; their rows are
+                in ``last_freed`` afterwards (empty otherwise). 0 keeps the rules exact (the
+                raw-id maps); the cache (cache.py) uses it.
 
         Returns:
             ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, ``fill``
@@ -243,6 +250,7 @@ class VocabMap:
                 than there are free plus evictable rows. Then nothing changes (not the step
                 counter, the counts, anything).
         """
+        self.last_freed = _EMPTY
         distinct = self._step_ids(distinct)
         if distinct.numel() > 1 and not bool((distinct[1:] > distinct[:-1]).all()):
             ordered, perm = torch.sort(distinct)  # (U,)
@@ -610,10 +618,11 @@ class NativeVocabMap(VocabMap):
         rows = _as_ids(rows, f"{self.name}: rows").contiguous()
         return native.vocab_valid(rows.reshape(-1), self.row_used, self.born, since)
 
-    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1,
+                   spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self._native():
             return super().train_step(distinct, check=check, fill=fill)
+        self.last_freed = _EMPTY
         distinct = self._step_ids(distinct)
         if check and native.dedup_raw(distinct)[0].numel() != distinct.numel():
             raise ValueError(f"{self.name}: the ids of a training step must be distinct")
@@ -635,16 +644,19 @@ class NativeVocabMap(VocabMap):
                 counts += torch.where(pfound, self.pending_counts[ppos], 0)
             admit = counts >= self.admit_after  # (M,)
             new_ids, admitted = miss_ids[admit], miss[admit]
-        new_rows, n_free, n_evictable, hint = native.vocab_step(
+        freed = torch.empty(max(spare, 0), dtype=_I64) if spare > 0 else None
+        new_rows, n_free, n_evictable, hint, n_freed = native.vocab_step(
             self.slots, self.row_key, self.row_used.view(torch.uint8), self.last_use,
             self.frequency, self.born, hit_rows, new_ids, t, cut, self.eviction == "lfu",
-            self._hint)
+            self._hint, max(spare, 0), freed)
         if new_rows is None:
             raise ValueError(
                 f"{self.name}: this step admits {new_ids.numel()} new ids but the shard holds "
                 f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the "
                 f"others are used by this step)")
         self._hint = hint
+        if n_freed:
+            self.last_freed = freed[:n_freed]
         if new_rows.numel():
             rows[admitted] = new_rows
         if fill != -1 and missing > new_rows.numel():  # ids still not resident

@@ -165,7 +165,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 4; }
+int ec_abi_version() { return 5; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -656,10 +656,14 @@ i64 ec_vocab_valid(const i64* rows, i64 n, const uint8_t* row_used, const i64* b
 // Returns 0; or -1 when A > C - H (more ids than free plus evictable rows), changing nothing and
 // setting info[0] = free rows, info[1] = evictable rows. info[2] in: the free-row hint; out: the
 // new hint.
+// spare: when this step must evict, free up to this many more of the lowest-scored resident ids
+// (not used by the step) at once, so that the following steps find free rows without a scan;
+// their rows go to freed (spare,) out, their count to info[3]. 0 for the maps of raw ids.
 i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* last_use,
                   i64* frequency, i64* born, i64 capacity, const i64* hit_rows, i64 n_hit,
                   const i64* new_ids, i64 n_new, i64 t, i64 cut, int lfu, i64* new_rows,
-                  i64* info) {
+                  i64* info, i64 spare, i64* freed) {
+  info[3] = 0;
   if (n_new > capacity - n_hit) {
     i64 live = 0;
     for (i64 r = 0; r < capacity; ++r) live += row_used[r] && last_use[r] >= cut;
@@ -698,7 +702,11 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
   const i64 k = n_new - placed;
   if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
     const i64* score = lfu ? frequency : last_use;
-    const i64 kth = vocab_kth_score(score, row_used, last_use, capacity, t, k);
+    i64 candidates = 0;
+    if (spare > 0)
+      for (i64 q = 0; q < capacity; ++q) candidates += row_used[q] && last_use[q] != t;
+    const i64 extra = std::max<i64>(0, std::min(spare, candidates - k));
+    const i64 kth = vocab_kth_score(score, row_used, last_use, capacity, t, k + extra);
     // every candidate below the k-th score, and of those at it the smallest ids
     struct Cand {
       i64 score, id, row;
@@ -713,17 +721,26 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
         ties.push_back({score[q], row_key[q], q});
       }
     }
-    const size_t need = size_t(k) - victims.size();
+    const size_t need = size_t(k + extra) - victims.size();
     auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
     std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
     victims.insert(victims.end(), ties.begin(), ties.begin() + need);
     std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
       return a.score < b.score || (a.score == b.score && a.id < b.id);
     });
-    for (i64 j = 0; j < k; ++j) {
-      vocab_erase(slots, mask, row_key, victims[j].id);
-      new_rows[placed + j] = victims[j].row;
+    for (i64 j = 0; j < k + extra; ++j) vocab_erase(slots, mask, row_key, victims[j].id);
+    for (i64 j = 0; j < k; ++j) new_rows[placed + j] = victims[j].row;
+    for (i64 j = 0; j < extra; ++j) {  // freed now: the next steps admit into them
+      const i64 q = victims[k + j].row;
+      row_key[q] = 0;
+      row_used[q] = 0;
+      last_use[q] = 0;
+      frequency[q] = 0;
+      born[q] = -1;
+      freed[j] = q;
+      info[2] = std::min(info[2], q);
     }
+    info[3] = extra;
   }
   for (i64 j = 0; j < n_new; ++j) {
     const i64 q = new_rows[j], id = new_ids[j];
