@@ -9,8 +9,9 @@ lookup and fused update run on it unchanged.
 
 The cache's index is a ``VocabMap`` (ops/vocab.py) whose ids are shard rows: a step's distinct
 rows are resolved by one map step, which admits the missing ones and, when the cache is full,
-evicts the least recently used rows that this step does not touch (ties: the smaller row).
-Before a cache row is given to a new shard row, its old row is written back to the slow tier
+evicts the least recently used rows that this step does not touch (ties: the smaller row),
+and an eighth of the cache more at once (written back at once: ``SPARE_SHARE``), so that the next
+steps admit into free rows without scanning. Before a cache row is given to a new shard row, its old row is written back to the slow tier
 if it was updated since it was read (write-back); then the new row is read whole, with its
 slots. Rows move whole, values unchanged, so a run with a cache computes exactly what a run
 without one computes: the cache decides where a row is, never what it holds.
