@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import resource
-import sys
 import time
 
 import numpy as np

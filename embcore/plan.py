@@ -22,7 +22,7 @@ On each process the shard of a physical table is its member tables' local rows o
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch

@@ -27,8 +27,6 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from .cache import INDEX_BYTES_PER_ROW
-
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}

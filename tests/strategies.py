@@ -124,3 +124,41 @@ def any_optimizer(draw, dense_adam: bool = True):
                       allow_zero_accumulator=zero,
                       multiply_linear_by_learning_rate=draw(st.booleans()), **kw)
     return opt, lr, draw(st.integers(0, 5))
+
+
+def occurrences(gen, n, d, nnz, unit, scaled=True, device=None):
+    """Output gradients of ``nnz`` occurrences of random rows (bags of them, some empty, unless
+    ``unit``; per-id scales when ``scaled``) as ``OutputGrads`` in two parts on ``device``, the
+    float64 summed gradient of each distinct row, and those rows (on the CPU)."""
+    from embcore.ops.bags import Bags, dedup
+    from embcore.ops.combine import OutputGrads
+
+    ids = torch.randint(0, n, (nnz,), generator=gen)
+    if unit:
+        bags = Bags(ids, None, None)
+    else:
+        r = max(1, nnz // 2)
+        cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
+        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
+        bags = Bags(ids, offsets, torch.randn(nnz, generator=gen) if scaled else None)
+    rows_out = bags.num_rows
+    grad_out = torch.randn(rows_out, d, generator=gen)
+    split = rows_out // 2
+    dd = dedup(ids)
+    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
+             else bags.scales.double())
+    summed = torch.zeros(n, d, dtype=torch.float64)
+    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
+
+    def on(t):
+        return None if t is None or device is None else t.to(device)
+
+    if device is not None:
+        bags = Bags(on(bags.ids), on(bags.offsets), on(bags.scales))
+        dd_dev = type(dd)(on(dd.unique), on(dd.order), on(dd.unique_offsets))
+    else:
+        dd_dev = dd
+    parts = [grad_out[:split].clone(), grad_out[split:].clone()]
+    if device is not None:
+        parts = [p.to(device) for p in parts]
+    return OutputGrads(parts, [0, split, rows_out], bags, dd_dev), summed[dd.unique], dd.unique

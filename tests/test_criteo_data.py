@@ -132,7 +132,7 @@ def test_generator_is_deterministic_format_valid_and_reports_the_best_auc(tmp_pa
     for name in ("train.txt", "test.txt", "synthetic.json"):
         assert _md5(tmp_path / "a" / name) == _md5(tmp_path / "b" / name)
     assert _md5(tmp_path / "a" / "train.txt") != _md5(tmp_path / "c" / "train.txt")
-    assert a == b and a["synthetic"] and "SYNTHETIC" in a["note"]
+    assert a == b and a != c and a["synthetic"] and "SYNTHETIC" in a["note"]
     assert 0.6 < a["best_test_auc"] < 1 and 0 < a["best_test_logloss"] < math.log(2)
     assert 0.15 < a["train_ctr"] < 0.35
     text = (tmp_path / "a" / "train.txt").read_text()

@@ -8,11 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.ops.bags import Bags, dedup
 from embcore.ops.combine import OutputGrads
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import apply_in_place, in_place_supported, update
-from strategies import any_optimizer
+from strategies import any_optimizer, occurrences
 from switches import kernels
 
 
@@ -55,29 +54,6 @@ def test_options_fall_back_to_the_pure_path():
 # The update entry point on its torch-ops paths (fused kernels off) against the loop reference,
 # every optimizer with random options: the same sweep as the fused kernel's (test_native.py).
 
-def occurrences(gen, n, d, nnz, unit):
-    """Output gradients of ``nnz`` occurrences of random rows (bags of them unless ``unit``), as
-    the entry point's ``OutputGrads``, and the float64 summed gradient of each distinct row."""
-    ids = torch.randint(0, n, (nnz,), generator=gen)
-    if unit:
-        bags = Bags(ids, None, None)
-    else:
-        r = max(1, nnz // 2)
-        cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
-        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
-        bags = Bags(ids, offsets, torch.randn(nnz, generator=gen))
-    rows_out = bags.num_rows
-    grad_out = torch.randn(rows_out, d, generator=gen)
-    split = rows_out // 2
-    parts = [grad_out[:split].clone(), grad_out[split:].clone()]
-    dd = dedup(ids)
-    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
-             else bags.scales.double())
-    summed = torch.zeros(n, d, dtype=torch.float64)
-    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
-    return OutputGrads(parts, [0, split, rows_out], bags, dd), summed[dd.unique]
-
-
 @settings(max_examples=120, deadline=None)
 @given(any_optimizer(), st.integers(1, 20), st.sampled_from([1, 3, 8]),
        st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["summed", "outputs"]),
@@ -96,8 +72,8 @@ def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, so
         row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
         grad = row_grads.to(dtype)
     else:
-        grad, row_grads = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
-                                                                   generator=gen)), unit)
+        grad, row_grads, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
+                                                                      generator=gen)), unit)
         grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
         rows = grad.dedup.unique
     new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}

@@ -40,11 +40,11 @@ import embcore as ec  # noqa: E402
 from embcore.inputs import canonicalize  # noqa: E402
 from embcore.ops import gpu  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
-from embcore.ops.combine import OutputGrads, combine, combine_backward  # noqa: E402
+from embcore.ops.combine import combine, combine_backward  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
 from embcore.ops.reference_optim import reference_update  # noqa: E402
 from embcore.ops.update import update  # noqa: E402
-from strategies import any_optimizer, jagged  # noqa: E402
+from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
@@ -169,35 +169,6 @@ def test_lookup_of_wide_rows_is_tiled_over_columns():
 
 # -- the fused backward + update ---------------------------------------------------------------
 
-def occurrences(gen, n, d, nnz, unit, scaled):
-    """Output gradients of ``nnz`` occurrences of random rows (bags of them, some empty, unless
-    ``unit``) as ``OutputGrads`` in two parts, and the float64 summed gradient of each row."""
-    ids = torch.randint(0, n, (nnz,), generator=gen)
-    if unit:
-        bags = Bags(ids, None, None)
-    else:
-        r = max(1, nnz // 2)
-        cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
-        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
-        bags = Bags(ids, offsets, torch.randn(nnz, generator=gen) if scaled else None)
-    rows_out = bags.num_rows
-    grad_out = torch.randn(rows_out, d, generator=gen)
-    split = rows_out // 2
-    dd = dedup(ids)
-    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
-             else bags.scales.double())
-    summed = torch.zeros(n, d, dtype=torch.float64)
-    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
-
-    def on(t):
-        return None if t is None else t.to(DEVICE)
-
-    dev_bags = Bags(on(bags.ids), on(bags.offsets), on(bags.scales))
-    dev_dd = type(dd)(on(dd.unique), on(dd.order), on(dd.unique_offsets))
-    parts = [grad_out[:split].to(DEVICE), grad_out[split:].to(DEVICE)]
-    return OutputGrads(parts, [0, split, rows_out], dev_bags, dev_dd), summed[dd.unique], dd.unique
-
-
 @settings(max_examples=30, deadline=None)
 @given(any_optimizer(dense_adam=False), st.integers(1, 20), st.integers(1, 40),
        st.sampled_from(["summed", "outputs"]), st.booleans(), st.booleans(),
@@ -220,7 +191,7 @@ def test_update_equals_reference(opt_case, n, d, source, unit, scaled, seed):
     else:
         grad, row_grads, rows = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
                                                                          generator=gen)),
-                                            unit, scaled)
+                                            unit, scaled, DEVICE)
         dev_rows = grad.dedup.unique
     new_table = table.to(DEVICE, copy=True)
     new_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
@@ -252,7 +223,7 @@ def test_update_of_wide_rows_and_many_rows():
     opt = ec.RowwiseAdagrad(learning_rate=0.3, clipvalue=0.5, weight_decay_factor=0.1)
     table = torch.randn(n, d, generator=gen)
     slots = {"accumulators": torch.rand(n, 1, generator=gen) + 0.1}
-    grad, row_grads, rows = occurrences(gen, n, d, 90, False, True)
+    grad, row_grads, rows = occurrences(gen, n, d, 90, False, True, DEVICE)
     new_table = table.to(DEVICE, copy=True)
     new_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
     with triton_path():
