@@ -137,14 +137,7 @@ def main() -> None:
                    help="untimed steps on new batches before timing (default %(default)s)")
     p.add_argument("--repeats", type=int, help="timed loops per system (default: common's 3)")
     p.add_argument("--warmup", type=int, help="warm-up steps after the fill (default: 3)")
-    p.add_argument("--peers-python", default=str(run.ROOT / ".venv-peers/bin/python"))
-    p.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per system run")
-    p.add_argument("--wait-idle", type=float, default=0,
-                   help="before each system, wait up to this many seconds for the CPUs to be "
-                        "at most 20%% busy (the machine is shared)")
-    p.add_argument("--retries", type=int, default=1,
-                   help="re-run a system when other processes used more than 20%% of the CPUs")
+    run.add_runner_options(p, timeout=1800)
     args = p.parse_args()
     started = time.time()
     command = "python benchmarks/raw_ids.py " + " ".join(sys.argv[1:])

@@ -215,19 +215,24 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "ram_gib": round(mem_kib / 2**20, 1)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="W2 with 8 x 200k rows, short loops")
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+def add_runner_options(p: argparse.ArgumentParser, timeout: int) -> None:
+    """The options of a driver running systems in fresh processes (run.py, raw_ids.py)."""
     p.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
     p.add_argument("--out", default=str(HERE / "RESULTS.md"))
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per system run")
+    p.add_argument("--timeout", type=int, default=timeout, help="seconds per system run")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="before each system, wait up to this many seconds for the CPUs to be "
                         "at most 20%% busy (the machine is shared)")
     p.add_argument("--retries", type=int, default=1,
                    help="re-run a system up to this many times when other processes used more "
                         "than 20%% of the CPUs during its run (the least disturbed run is kept)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="W2 with 8 x 200k rows, short loops")
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    add_runner_options(p, timeout=1200)
     p.add_argument("--rounds", type=int, default=1,
                    help="run each system this many times and keep its fastest undisturbed run "
                         "(this machine's speed varies between runs; see README)")

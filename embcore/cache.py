@@ -216,12 +216,10 @@ class CachedRows:
             self.hits[0] += rows.numel() - new_ids.numel()
             return
         n = len(self.members)
-        self.misses += torch.bincount(torch.bucketize(new_ids, self._bounds, right=True),
-                                      minlength=n)
+        missed = torch.bincount(torch.bucketize(new_ids, self._bounds, right=True), minlength=n)
+        self.misses += missed
         self.hits += torch.bincount(torch.bucketize(rows, self._bounds, right=True),
-                                    minlength=n)
-        self.hits -= torch.bincount(torch.bucketize(new_ids, self._bounds, right=True),
-                                    minlength=n)
+                                    minlength=n) - missed
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Writes the updated rows among cache rows ``slots`` to the slow tier."""

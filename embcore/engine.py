@@ -112,6 +112,9 @@ class Embedding:
         if offload_dir is not None and not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path or None, got "
                             f"{type(offload_dir).__name__}")
+        if offload_dir is not None and os.path.exists(offload_dir) and not os.path.isdir(
+                offload_dir):
+            raise ValueError(f"offload_dir={str(offload_dir)!r} exists and is not a directory")
         self._offload_dir = offload_dir
         if isinstance(profile, (str, os.PathLike)):
             profile = LookupProfile.load(profile)

@@ -313,11 +313,11 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))
 
 
-def _local_bytes(layout: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int) -> int:
-    """Parameter + slot bytes of a table's rows on ``rank``."""
+def _local_bytes(layout: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int,
+                 rows: int) -> int:
+    """Parameter + slot bytes of a table's ``rows`` rows on ``rank``."""
     c0, c1 = layout.columns(rank)
-    return int(len(layout.local_rows(rank)) * _table_bytes(cfg, opt) / cfg.vocabulary_size
-               * (c1 - c0) / cfg.dim)
+    return int(rows * _table_bytes(cfg, opt) / cfg.vocabulary_size * (c1 - c0) / cfg.dim)
 
 
 def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
@@ -331,14 +331,14 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     """
     if budget is None:
         return {}
-    per_rank = {name: [_local_bytes(placed[name], cfg, opt, r) for r in range(world_size)]
-                for name, cfg, opt in tables}
+    cfg = {n: c for n, c, _ in tables}
+    local = {n: [len(placed[n].local_rows(r)) for r in range(world_size)] for n in cfg}
+    per_rank = {name: [_local_bytes(placed[name], c, opt, r, local[name][r])
+                       for r in range(world_size)] for name, c, opt in tables}
     if all(sum(b[r] for b in per_rank.values()) <= budget for r in range(world_size)):
         return {}  # what fits changes nothing
     pinned = {name for name, cfg, opt in tables  # raw ids; rules moving every row
               if cfg.dynamic is not None or (opt is not None and opt.dense_update)}
-    cfg = {n: c for n, c, _ in tables}
-    local = {n: [len(placed[n].local_rows(r)) for r in range(world_size)] for n in cfg}
 
     def fill(fixed: set[str]) -> dict[str, list[int]]:
         """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first)."""

@@ -103,7 +103,8 @@ def profile(batches: Iterable[Any], feature_config: Any,
     from .features import Features  # (features.py imports the planner's modules)
 
     features = Features(feature_config, None)
-    counts: dict[str, dict[int, int] | torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}  # per row (static), or per id seen (dynamic)
+    seen: dict[str, torch.Tensor] = {}    # a dynamic table's ids seen, ascending
     ids_seen: dict[str, int] = {}
     sizes = {n: t for t, n in features.table_names.items()}
     n_batches = 0
@@ -119,18 +120,23 @@ def profile(batches: Iterable[Any], feature_config: Any,
             ids_seen[table] = ids_seen.get(table, 0) + ids.numel()
             if sizes[table].dynamic is None:
                 c = torch.bincount(ids, minlength=sizes[table].vocabulary_size)
+            else:  # raw ids: merge with the ids seen so far
+                if table in seen:
+                    ids = torch.cat([seen[table], ids])
+                seen[table], inverse = torch.unique(ids, return_inverse=True)
+                c = torch.zeros(seen[table].numel(), dtype=torch.int64)
                 prev = counts.get(table)
-                counts[table] = c if prev is None else prev + c
-            else:
-                values, c = torch.unique(ids, return_counts=True)
-                acc = counts.setdefault(table, {})
-                assert isinstance(acc, dict)
-                for v, k in zip(values.tolist(), c.tolist()):
-                    acc[v] = acc.get(v, 0) + k
+                if prev is not None:  # the old ids came first, once each, with their counts
+                    c.index_add_(0, inverse[:prev.numel()], prev)
+                    inverse = inverse[prev.numel():]
+                c.index_add_(0, inverse, torch.ones_like(inverse))
+                counts[table] = c
+                continue
+            prev = counts.get(table)
+            counts[table] = c if prev is None else prev + c
     tables = {}
     for table, c in counts.items():
-        freq = (torch.tensor(sorted(c.values(), reverse=True), dtype=torch.float64)
-                if isinstance(c, dict) else torch.sort(c[c > 0].double(), descending=True)[0])
+        freq = torch.sort(c[c > 0].double(), descending=True)[0]
         tables[table] = TableProfile(ids_seen[table] / max(n_batches, 1), int(freq.numel()),
                                      _points(freq))
     out = LookupProfile(n_batches, tables)

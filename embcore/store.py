@@ -169,10 +169,7 @@ class RowStore:
         """The cache rows of shard rows ``rows`` (repeats allowed), brought in as needed."""
         if rows.numel() == 0:
             return rows
-        if native.usable(rows):
-            distinct, inverse = native.dedup_raw(rows.contiguous())[:2]
-        else:
-            distinct, inverse = torch.unique(rows, return_inverse=True)
+        distinct, inverse = _distinct(rows)
         return cache.resolve(distinct).index_select(0, inverse)
 
     def resolve(self, p: int, ids: list[torch.Tensor],
@@ -200,11 +197,7 @@ class RowStore:
             distinct, inverse = ids[0], None
         else:  # what several processes asked for: their union (in any order: the map's step
             # does not depend on it)
-            asked = torch.cat(ids)
-            if native.usable(asked):
-                distinct, inverse = native.dedup_raw(asked.contiguous())[:2]
-            else:
-                distinct, inverse = torch.unique(asked, return_inverse=True)
+            distinct, inverse = _distinct(torch.cat(ids))
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
         if new_ids.numel():
             initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, new_rows, self.tables[p],
@@ -402,3 +395,11 @@ class RowStore:
             new.update({f"{place.name}/{k}": v for k, v in moved.items()})
             out[place.physical] = (vmap, seed)
         return out
+
+
+def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(distinct, inverse)`` of int64 ``ids``: hashing on the kernels (first-occurrence
+    order), else ``torch.unique`` (ascending); ``distinct[inverse] == ids``."""
+    if native.usable(ids):
+        return native.dedup_raw(ids.contiguous())[:2]
+    return torch.unique(ids, return_inverse=True)

@@ -68,6 +68,8 @@ def test_budget_values():
         ec.Embedding(ec.FeatureConfig(table=t), memory_budget="lots")
     with pytest.raises(TypeError, match="offload_dir must be a path"):
         ec.Embedding(ec.FeatureConfig(table=t), memory_budget=10, offload_dir=3)
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        ec.Embedding(ec.FeatureConfig(table=t), memory_budget=10, offload_dir=__file__)
 
 
 def _specs(opt=None, dynamic=False):
@@ -405,3 +407,18 @@ def test_profile_records_curves_and_the_planner_uses_them(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not an embcore profile"):
         ec.LookupProfile.load(tmp_path / "bad.json")
+
+
+def test_profile_of_raw_ids_counts_every_id():
+    """A dynamic table's profile (raw ids, any int64) equals a plain count of the ids."""
+    from collections import Counter
+
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="d", dynamic=ec.DynamicVocabulary())
+    g = torch.Generator().manual_seed(0)
+    batches = [{"f": torch.randint(-50, 50, (30,), generator=g) * 2**40} for _ in range(7)]
+    prof = ec.profile(batches, {"f": ec.FeatureConfig(table=t)}).tables["d"]
+    counts = Counter(x for b in batches for x in b["f"].tolist())
+    freq = sorted(counts.values(), reverse=True)
+    assert prof.distinct == len(counts) and prof.lookups_per_batch == 30
+    for k, share in prof.points:
+        assert share == pytest.approx(sum(freq[:k]) / sum(freq), abs=1e-12)
