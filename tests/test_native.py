@@ -379,32 +379,115 @@ def test_sparse_update_large_threaded(kind, mode):
     check_update(kind, opt, 0.3, 2, table, acc, rows, grads, new_table, new_acc)
 
 
-@requires_native
-def test_results_do_not_depend_on_the_thread_count():
-    """Each row's occurrences are summed in one fixed order: 1 or 2 threads give the same bits."""
-    gen = torch.Generator().manual_seed(5)
+def threaded_case(seed: int = 5) -> tuple:
+    """A sparse update, a lookup and a dedup each large enough to be cut into many chunks."""
+    gen = torch.Generator().manual_seed(seed)
     opt = ec.Adagrad(learning_rate=0.2)
     table, acc = make_state("adagrad", opt, 2500, 8, gen)
     c = occurrence_case(gen, 2500, 8, 5000, [3000, 2000], unit=False, scaled=True)
-    offsets = random_offsets(gen, 800, 10)
+    offsets = random_offsets(gen, 3000, 10)
     ids = torch.randint(0, 2500, (int(offsets[-1]),), generator=gen)
-    results = []
-    threads = torch.get_num_threads()
+    return opt, table, acc, c, offsets, ids
+
+
+def run_threaded_case(case: tuple) -> tuple:
+    opt, table, acc, c, offsets, ids = case
+    t, a = table.clone(), acc.clone()
+    native.sparse_update(native.ADAGRAD, t, a, c["unique"], hyper_at(opt, 0.2, 0), c["parts"],
+                         c["starts"], c["unique_offsets"], c["order"], c["bags"], c["scales"])
+    out = native.lookup(table, ids, offsets, None, torch.empty(len(offsets) - 1, 8))
+    return (t, a, out, *native.dedup(ids, 2500))
+
+
+def same(xs: tuple, ys: tuple) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
     try:
-        for nt in (1, 2):
-            torch.set_num_threads(nt)
-            t, a = table.clone(), acc.clone()
-            native.sparse_update(native.ADAGRAD, t, a, c["unique"], hyper_at(opt, 0.2, 0),
-                                 c["parts"], c["starts"], c["unique_offsets"], c["order"],
-                                 c["bags"], c["scales"])
-            out = native.lookup(table, ids, offsets, None, torch.empty(800, 8))
-            results.append((t, a, out, native.dedup(ids, 2500)))
+        yield
     finally:
-        torch.set_num_threads(threads)
-    (t1, a1, o1, d1), (t2, a2, o2, d2) = results
-    assert torch.equal(t1, t2) and torch.equal(a1, a2) and torch.equal(o1, o2)
-    assert all(torch.equal(x, y) for x, y in zip(d1, d2))
-    assert not torch.equal(t1, table)
+        torch.set_num_threads(before)
+
+
+@requires_native
+def test_results_do_not_depend_on_the_thread_count():
+    """Each output comes from one chunk in a fixed order: 1 to 4 threads (more than this
+    machine's cores too) give the same bits."""
+    case = threaded_case()
+    results = []
+    for nt in (1, 2, 3, 4):
+        with torch_threads(nt):
+            results.append(run_threaded_case(case))
+    assert all(same(results[0], r) for r in results[1:])
+    assert not torch.equal(results[0][0], case[1])  # the update changed the table
+
+
+@requires_native
+def test_kernels_called_from_several_threads_at_once():
+    """Python threads calling threaded kernels together (ctypes releases the GIL): one runs on
+    the pool, the others run on their own thread; every result is the serial one."""
+    import threading
+    case = threaded_case(6)
+    with torch_threads(1):
+        expected = run_threaded_case(case)
+    results: list = [None] * 6
+    errors: list = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(5):
+                results[i] = run_threaded_case(case)
+                assert same(results[i], expected)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    with torch_threads(2):
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call hung"
+    assert not errors, errors
+    assert all(same(r, expected) for r in results)
+
+
+@requires_native
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_threaded_kernels():
+    """The pool's helper threads do not survive fork(): a child (a DataLoader worker, say) must
+    neither wait for them nor find the pool locked, and gets the same results."""
+    import pickle
+    import select
+    import warnings
+    case = threaded_case(7)
+    with torch_threads(2):
+        expected = run_threaded_case(case)  # the parent's pool is running
+        r, w = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+            pid = os.fork()
+        if pid == 0:  # the child: report and leave without running the parent's cleanup
+            code = 1
+            try:
+                ok = same(run_threaded_case(case), expected)
+                os.write(w, pickle.dumps(ok))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], 120)
+        if not ready:
+            os.kill(pid, 9)
+        data = os.read(r, 100) if ready else b""
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    assert ready, "the forked child's kernels hung"
+    assert status == 0 and pickle.loads(data) is True
 
 
 # ------------------------------------------------------------------ Hyper (the kernels' EcHyper)

@@ -1,7 +1,8 @@
 """The fused CPU kernels (``csrc/kernels.cpp``): built on first use, loaded with ctypes.
 
-The kernels are plain C++ with OpenMP and no torch headers, so they build in a few seconds with
-the system's C++ compiler and do not depend on torch's C++ ABI. The first call compiles them
+The kernels are plain C++ (their own small thread pool, no OpenMP runtime, no torch headers),
+so they build in a few seconds with the system's C++ compiler and do not depend on torch's C++
+ABI. The first call compiles them
 into a cache (``$XDG_CACHE_HOME/embcore``, else ``~/.cache/embcore``, else the temp directory),
 keyed by the source, the compiler and this CPU; later processes load the cached library. Where no
 compiler works, ``available`` is False, a ``RuntimeWarning`` says why once, and every caller
@@ -32,7 +33,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
+         "-shared", "-fPIC")
 ABI_VERSION = 5  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows
 
@@ -285,14 +287,14 @@ _local = threading.local()
 
 
 def _threads() -> int:
-    """OpenMP threads of a kernel: torch's, or 1 on a thread inside ``single_threaded()``."""
+    """Threads of a kernel: torch's count, or 1 on a thread inside ``single_threaded()``."""
     return 1 if getattr(_local, "single", False) else torch.get_num_threads()
 
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
     """Kernels called by this thread inside it run on one thread: the pipeline's background
-    worker, whose OpenMP team would otherwise take every core beside the caller's own."""
+    worker, whose helpers would otherwise take every core beside the caller's own."""
     before = getattr(_local, "single", False)
     _local.single = True
     try:

@@ -1,11 +1,10 @@
 // embcore's fused CPU kernels: dedup, lookup, and the sparse update straight from output gradients.
 //
-// Plain C++ and OpenMP, no torch headers: the library is compiled on first use by
-// embcore/ops/native.py (seconds, cached) and called through ctypes with raw pointers of
-// contiguous tensors. Its OpenMP calls resolve to the libgomp that torch has already loaded (one
-// thread pool for torch and embcore; a second pool would make both spin against each other on
-// a small machine). Every kernel here has a torch-ops twin in ops/ and is tested against
-// ops/reference.py and ops/reference_optim.py.
+// Plain C++, no torch headers and no OpenMP runtime (``#pragma omp simd`` only, compiled with
+// -fopenmp-simd): the library is compiled on first use by embcore/ops/native.py (seconds, cached)
+// and called through ctypes with raw pointers of contiguous tensors. Its threads are its own
+// small pool (below), sized by torch's thread count. Every kernel here has a torch-ops twin in
+// ops/ and is tested against ops/reference.py and ops/reference_optim.py.
 //
 // Why fused: a step is bound by random row accesses into tables far larger than the caches
 // (a TLB and cache miss per row), not by arithmetic. The torch-ops path touches each row several
@@ -15,13 +14,19 @@
 //
 // Legend: N rows, D dim, nnz id occurrences, R output rows (bags), U unique rows.
 
-#include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
 typedef int64_t i64;
@@ -86,7 +91,190 @@ inline i64 split_point(const i64* cumulative, i64 n, i64 per_item, int t, int nt
 
 inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::max(nt, 1); }
 
-// The radix sort's per-thread digit counts, kept per calling thread across calls (small).
+// ---- the thread pool -----------------------------------------------------------------------
+// Why not OpenMP: an OpenMP parallel region ends at a barrier that waits for every thread of its
+// team, and libgomp's waiting threads spin (by default about 300,000 iterations, milliseconds)
+// before they sleep. When another process keeps a core busy, a team thread is often off its
+// core: each region then waits for it, and the waiting thread spins on the very core the late
+// one could run on (measured: a W1 step 16 ms quiet, 43-45 ms beside one busy process, most of
+// it in the radix sort's six barriers; benchmarks/RESULTS.md, issue 15).
+//
+// Here a kernel's work is cut into chunks that threads claim one at a time, in any order. The
+// calling thread claims chunks too and then waits only for chunks already claimed by others,
+// never for a helper that has not started: a late helper finds no chunk left and goes back to
+// waiting. Every wait spins for a few microseconds only, then sleeps, so that a descheduled
+// helper holding a chunk gets the core back at once. Chunk boundaries do not change results:
+// every kernel computes each output from one chunk in a fixed order (tested: 1 or 2 threads,
+// same bits).
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spins until ready() or ``us`` microseconds have passed; returns ready().
+template <class Ready>
+inline bool spin_until(Ready ready, int us) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  for (int k = 0;; ++k) {
+    if (ready()) return true;
+    cpu_relax();
+    if ((k & 63) == 63 && std::chrono::steady_clock::now() >= end) return ready();
+  }
+}
+
+constexpr int kHelperSpinUs = 50;  // a helper's wait for the next job before it sleeps
+constexpr int kCallerSpinUs = 10;  // the caller's wait for claimed chunks before it sleeps
+constexpr uint64_t kClosed = 0xffffffffULL;  // chunk cursor of a finished job
+
+class Pool {
+ public:
+  explicit Pool(pid_t pid) : pid_(pid) {}
+  pid_t pid() const { return pid_; }
+
+  // Runs fn(ctx, c) for every c in [0, n), on the caller and up to nt - 1 helpers. If another
+  // thread is running a job, runs them all on the caller (no waiting for the pool).
+  void run(i64 n, int nt, void (*fn)(void*, i64), void* ctx) {
+    std::unique_lock<std::mutex> busy(run_lock_, std::try_to_lock);
+    if (!busy.owns_lock() || nt <= 1 || n <= 1) {
+      for (i64 c = 0; c < n; ++c) fn(ctx, c);
+      return;
+    }
+    start_helpers(nt - 1);
+    fn_.store(fn);
+    ctx_.store(ctx);
+    n_.store(n);
+    finished_.store(0);
+    helpers_.store(nt - 1);
+    const uint64_t gen = ++gen_ & kClosed;
+    state_.store(gen << 32);  // published: claims may start
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lk(m_);
+      work_cv_.notify_all();
+    }
+    i64 mine = 0, c;
+    while (claim(gen, n, &c)) {
+      fn(ctx, c);
+      ++mine;
+    }
+    const i64 before = finished_.fetch_add(mine) + mine;
+    if (before < n && !spin_until([&] { return finished_.load() == n; }, kCallerSpinUs)) {
+      std::unique_lock<std::mutex> lk(m_);
+      caller_waiting_.store(true);
+      done_cv_.wait(lk, [&] { return finished_.load() == n; });
+      caller_waiting_.store(false);
+    }
+    state_.store(gen << 32 | kClosed);  // no claim succeeds from here on
+  }
+
+ private:
+  // Claims the next chunk of job ``gen`` (of n chunks) into *c; false when none is left.
+  bool claim(uint64_t gen, i64 n, i64* c) {
+    uint64_t s = state_.load();
+    for (;;) {
+      if ((s >> 32) != gen || i64(s & kClosed) >= n) return false;
+      if (state_.compare_exchange_weak(s, s + 1)) {
+        *c = i64(s & kClosed);
+        return true;
+      }
+    }
+  }
+
+  void start_helpers(int want) {
+    while (started_ < want) {
+      try {
+        std::thread(&Pool::helper, this, started_).detach();
+      } catch (...) {
+        return;  // no more threads: fewer helpers
+      }
+      ++started_;
+    }
+  }
+
+  void helper(int index) {
+    uint64_t seen = state_.load() >> 32;
+    for (;;) {
+      auto fresh = [&] { return (state_.load() >> 32) != seen; };
+      if (!spin_until(fresh, kHelperSpinUs)) {
+        std::unique_lock<std::mutex> lk(m_);
+        sleepers_.fetch_add(1);
+        work_cv_.wait(lk, fresh);
+        sleepers_.fetch_sub(1);
+      }
+      seen = state_.load() >> 32;
+      if (index >= helpers_.load()) continue;  // this job wants fewer helpers
+      // What follows reads the job's fields after seeing its generation; a claim succeeds only
+      // while that generation is open, so a chunk never runs with another job's fields.
+      void (*fn)(void*, i64) = fn_.load();
+      void* ctx = ctx_.load();
+      const i64 n = n_.load();
+      i64 mine = 0, c;
+      while (claim(seen, n, &c)) {
+        fn(ctx, c);
+        ++mine;
+      }
+      if (mine == 0) continue;
+      if (finished_.fetch_add(mine) + mine == n && caller_waiting_.load()) {
+        std::lock_guard<std::mutex> lk(m_);
+        done_cv_.notify_one();
+      }
+    }
+  }
+
+  const pid_t pid_;
+  std::mutex run_lock_;  // one job at a time
+  int started_ = 0;      // helpers started (under run_lock_)
+  uint64_t gen_ = 0;     // the last job's generation (under run_lock_)
+  std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk to claim (kClosed: done)
+  std::atomic<void (*)(void*, i64)> fn_{nullptr};
+  std::atomic<void*> ctx_{nullptr};
+  std::atomic<i64> n_{0};
+  std::atomic<i64> finished_{0};  // chunks done
+  std::atomic<int> helpers_{0};   // helpers wanted by the current job
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> caller_waiting_{false};
+  std::mutex m_;
+  std::condition_variable work_cv_, done_cv_;
+};
+
+// The process's pool, made on first use; a forked child (whose helper threads did not survive
+// the fork) makes its own. Never destroyed: its detached helpers wait on it until exit.
+Pool* pool() {
+  static std::atomic<Pool*> current{nullptr};
+  Pool* p = current.load();
+  const pid_t pid = getpid();
+  if (p != nullptr && p->pid() == pid) return p;
+  Pool* fresh = new Pool(pid);
+  if (current.compare_exchange_strong(p, fresh)) return fresh;
+  delete fresh;
+  return current.load();
+}
+
+// Runs f(c) for c in [0, chunks) on up to nt threads (see Pool).
+template <class F>
+void parallel_chunks(i64 chunks, int nt, F&& f) {
+  using Fn = std::remove_reference_t<F>;
+  if (nt <= 1 || chunks <= 1) {
+    for (i64 c = 0; c < chunks; ++c) f(c);
+    return;
+  }
+  pool()->run(chunks, nt, [](void* ctx, i64 c) { (*static_cast<Fn*>(ctx))(c); },
+              const_cast<void*>(static_cast<const void*>(&f)));
+}
+
+// How many chunks a kernel of ``work`` floats touched cuts its work into on nt threads: 1 on
+// one thread, else about kChunkWork each, at least 4 per thread (so that a late thread's share
+// is small) and at most ``most``.
+constexpr i64 kChunkWork = 32768;
+inline i64 chunks_for(i64 work, int nt, i64 most = 256) {
+  if (nt <= 1) return 1;
+  return std::min(most, std::max(i64(4) * nt, work / kChunkWork));
+}
+
+// The radix sort's per-chunk digit counts, kept per calling thread across calls (small).
 thread_local std::vector<i64> radix_counts;
 
 
@@ -221,15 +409,20 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
     const i64 buckets = i64(1) << width;
     const uint64_t mask = uint64_t(buckets - 1);
     nt = threads_for(n * 4, nt);
-    radix_counts.assign(size_t(nt) * buckets, 0);
+    // Each pass: a histogram per chunk (in parallel), an exclusive prefix over (digit, chunk)
+    // on the caller, then each chunk scatters its items after those of earlier chunks with
+    // the same digit (in parallel), so equal ids keep their order (stable).
+    const i64 chunks = chunks_for(n * 4, nt, 32);
+    radix_counts.assign(size_t(chunks) * buckets, 0);
     i64* hist = radix_counts.data();
     for (int p = 0; p < passes; ++p) {
       const int shift = pbits + p * width;
-#pragma omp parallel num_threads(nt)
-      {
-        const int t = omp_get_thread_num(), m = omp_get_num_threads();
-        const i64 lo = split_point(nullptr, n, 0, t, m), hi = split_point(nullptr, n, 0, t + 1, m);
-        i64* h = hist + i64(t) * buckets;
+      const uint64_t* src = p == 0 ? key_out : key_in;
+      uint64_t* dst = p == 0 ? key_in : key_out;
+      parallel_chunks(chunks, nt, [&](i64 c) {
+        const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
+        const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+        i64* h = hist + c * buckets;
         std::fill(h, h + buckets, 0);
         if (p == 0) {
           for (i64 i = lo; i < hi; ++i) {
@@ -238,26 +431,25 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
             h[(k >> shift) & mask]++;
           }
         } else {
-          for (i64 i = lo; i < hi; ++i) h[(key_in[i] >> shift) & mask]++;
+          for (i64 i = lo; i < hi; ++i) h[(src[i] >> shift) & mask]++;
         }
-#pragma omp barrier
-#pragma omp single
-        {  // exclusive prefix over (digit, thread)
-          i64 run = 0;
-          for (i64 b = 0; b < buckets; ++b)
-            for (int q = 0; q < m; ++q) {
-              const i64 c = hist[i64(q) * buckets + b];
-              hist[i64(q) * buckets + b] = run;
-              run += c;
-            }
+      });
+      i64 run = 0;  // exclusive prefix over (digit, chunk)
+      for (i64 b = 0; b < buckets; ++b)
+        for (i64 q = 0; q < chunks; ++q) {
+          const i64 count = hist[q * buckets + b];
+          hist[q * buckets + b] = run;
+          run += count;
         }
-        const uint64_t* src = p == 0 ? key_out : key_in;
-        uint64_t* dst = p == 0 ? key_in : key_out;
+      parallel_chunks(chunks, nt, [&](i64 c) {
+        const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
+        const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+        i64* h = hist + c * buckets;
         for (i64 i = lo; i < hi; ++i) {
           const uint64_t k = src[i];
           dst[h[(k >> shift) & mask]++] = k;
         }
-      }
+      });
       if (p > 0) std::swap(key_in, key_out);  // pass 0 sorted key_out into key_in
     }
   }
@@ -306,11 +498,10 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
                i64 r_rows, float* out, int nt) {
   const i64 nnz = offsets ? offsets[r_rows] : r_rows;
   nt = threads_for(nnz * d, nt);
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), m = omp_get_num_threads();
-    const i64 lo = split_point(offsets, r_rows, 1, t, m);
-    const i64 hi = split_point(offsets, r_rows, 1, t + 1, m);
+  const i64 chunks = chunks_for(nnz * d, nt);
+  parallel_chunks(chunks, nt, [&](i64 c) {  // chunks of bags of about equal cost
+    const i64 lo = split_point(offsets, r_rows, 1, int(c), int(chunks));
+    const i64 hi = split_point(offsets, r_rows, 1, int(c) + 1, int(chunks));
     if (offsets == nullptr) {
       for (i64 r = lo; r < hi; ++r) {
         if (r + kPrefetch < hi) prefetch_read(table + ids[r + kPrefetch] * d, d);
@@ -320,17 +511,17 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
       const i64 k_end = offsets[hi];
       for (i64 r = lo; r < hi; ++r) {
         float* o = out + r * d;
-        for (i64 c = 0; c < d; ++c) o[c] = 0.f;
+        for (i64 c2 = 0; c2 < d; ++c2) o[c2] = 0.f;
         for (i64 k = offsets[r]; k < offsets[r + 1]; ++k) {
           if (k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
           const float s = scales ? scales[k] : 1.f;
           const float* row = table + ids[k] * d;
 #pragma omp simd
-          for (i64 c = 0; c < d; ++c) o[c] += s * row[c];
+          for (i64 c2 = 0; c2 < d; ++c2) o[c2] += s * row[c2];
         }
       }
     }
-  }
+  });
 }
 
 // Optimizer rules (DESIGN 2.3-2.4) of ec_sparse_update.
@@ -370,13 +561,14 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
     return slices[i] + (b - starts[i]) * d;
   };
 
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = omp_get_thread_num(), m = omp_get_num_threads();
-    const i64 lo = split_point(uoff, u_rows, 2, t, m), hi = split_point(uoff, u_rows, 2, t + 1, m);
+  const i64 chunks = chunks_for((u_rows * 2 + occurrences) * d, nt);
+  parallel_chunks(chunks, nt, [&](i64 chunk) {  // chunks of rows of about equal cost
+    const i64 lo = split_point(uoff, u_rows, 2, int(chunk), int(chunks));
+    const i64 hi = split_point(uoff, u_rows, 2, int(chunk) + 1, int(chunks));
     const i64 j_end = uoff ? uoff[hi] : 0;
-    std::vector<float> gbuf(static_cast<size_t>(d));
-    std::vector<float> wbuf(decayed ? static_cast<size_t>(d) : 0);
+    thread_local std::vector<float> gbuf, wbuf;
+    gbuf.resize(static_cast<size_t>(d));
+    if (decayed) wbuf.resize(static_cast<size_t>(d));
     float* g = gbuf.data();
     for (i64 u = lo; u < hi; ++u) {
       if (u + kPrefetch < hi) {
@@ -448,7 +640,7 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
       if (bounded)
         for (i64 c = 0; c < d; ++c) wr[c] = std::min(std::max(wr[c], wmin), wmax);
     }
-  }
+  });
 }
 
 // Smallest and largest id: out[0], out[1] (n > 0). Eight independent lanes, which the compiler
@@ -543,14 +735,18 @@ void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, in
 void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* dst,
                   i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int nt) {
   nt = threads_for(n * (row_bytes / 4), nt);
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (i64 i = 0; i < n; ++i) {
-    if (i + kPrefetch < n)
-      prefetch_read(reinterpret_cast<const float*>(src + src_rows[i + kPrefetch] * src_stride),
-                    row_bytes / 4);
-    std::memcpy(dst + dst_rows[i] * dst_stride, src + src_rows[i] * src_stride,
-                size_t(row_bytes));
-  }
+  const i64 chunks = chunks_for(n * (row_bytes / 4), nt);
+  parallel_chunks(chunks, nt, [&](i64 c) {
+    const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
+    const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+    for (i64 i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi)
+        prefetch_read(reinterpret_cast<const float*>(src + src_rows[i + kPrefetch] * src_stride),
+                      row_bytes / 4);
+      std::memcpy(dst + dst_rows[i] * dst_stride, src + src_rows[i] * src_stride,
+                  size_t(row_bytes));
+    }
+  });
 }
 
 // Bag of every occurrence: bags[k] = r for k in [offsets[r], offsets[r+1]).
@@ -601,17 +797,23 @@ i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i
 i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
                   const i64* ids, i64 n, i64 fill, i64* rows, int nt) {
   nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
-  i64 missing = 0;
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : missing)
-  for (i64 i = 0; i < n; ++i) {
-    if (i + kPrefetch < n)
-      __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
-    const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
-    const bool found = r >= 0 && last_use[r] >= cut;
-    rows[i] = found ? r : fill;
-    missing += !found;
-  }
-  return missing;
+  const i64 chunks = chunks_for(n * 8, nt, 64);
+  std::atomic<i64> missing{0};
+  parallel_chunks(chunks, nt, [&](i64 c) {
+    const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
+    const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+    i64 miss = 0;
+    for (i64 i = lo; i < hi; ++i) {
+      if (i + kPrefetch < hi)
+        __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
+      const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
+      const bool found = r >= 0 && last_use[r] >= cut;
+      rows[i] = found ? r : fill;
+      miss += !found;
+    }
+    missing.fetch_add(miss);
+  });
+  return missing.load();
 }
 
 // The two parts of a step's ids after ec_vocab_find: hit_rows (n - M,) out the rows of the found
