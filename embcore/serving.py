@@ -176,7 +176,7 @@ class ServingModule(torch.nn.Module):
                 self.register_buffer(key + "__ids", ids.clone())
                 self.register_buffer(key + "__rows", map_rows.clone())
 
-    def table(self, name: str) -> Table:
+    def _table(self, name: str) -> Table:
         """Table ``name`` as its lookups read it: a tensor, or a ``QuantizedTable`` over the
         buffers (a dynamic table with its zero row last)."""
         precision = self.precisions[name]
@@ -191,7 +191,7 @@ class ServingModule(torch.nn.Module):
         """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
         out = {}
         for name in self.precisions:
-            t = self.table(name)
+            t = self._table(name)
             out[name] = t.nbytes if isinstance(t, QuantizedTable) else t.numel() * t.element_size()
         return out
 
@@ -202,7 +202,7 @@ class ServingModule(torch.nn.Module):
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))
-        out = [lookup_feature(f, n, t, self.table(t), ids, w,
+        out = [lookup_feature(f, n, t, self._table(t), ids, w,
                               (getattr(self, t + "__ids"), getattr(self, t + "__rows"))
                               if dyn else None)
                for f, n, t, dyn, ids, w in zip(flat, self._paths, self._table_of, self._dynamic,

@@ -176,6 +176,13 @@ def test_a_mapping_quantizes_some_tables_and_names_errors():
         layer.for_serving(quantize=8)
 
 
+def test_a_table_named_table_is_served():
+    t = ec.TableConfig(vocabulary_size=5, dim=3, name="table")
+    layer = _trained_layer({"f": ec.FeatureConfig(table=t)})
+    served = layer.for_serving(quantize="int8")
+    assert served.table.dtype == torch.uint8 and served.table_bytes() == {"table": 5 * 11}
+
+
 def test_tables_the_formats_cannot_hold_are_refused_by_name():
     t = ec.TableConfig(vocabulary_size=4, dim=2, name="clicks")
     layer = _trained_layer({"f": ec.FeatureConfig(table=t)})
