@@ -13,6 +13,7 @@ from .layer import EmbeddingLayer
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
 from .plan import ShardingPlan
 from .profile import LookupProfile, profile
+from .quantize import QuantizedTable, quantize_table
 from .serving import serving_embedding_lookup
 from .spec import EmbeddingSpec
 
@@ -20,6 +21,7 @@ cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
-    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LookupProfile", "RowwiseAdagrad", "ShardingPlan",
-    "TableConfig", "cpu_embedding_lookup", "load", "profile", "save", "serving_embedding_lookup", "__version__",
+    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LookupProfile", "QuantizedTable",
+    "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load", "profile",
+    "quantize_table", "save", "serving_embedding_lookup", "__version__",
 ]

@@ -159,7 +159,10 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
         seg = bag_index(offsets, nnz)  # (nnz,)
     per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.float32, device=offsets.device)  # (R,)
     per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
-    denom = (per_bag if combiner == "mean" else per_bag.sqrt())[seg]  # (nnz,)
+    # sqrt in float64, then rounded: the correctly rounded float32 root, as the fused kernel's
+    # std::sqrt (torch's float32 sqrt on the CPU can be 1 ulp off), so that an exported
+    # program (these ops) gives the eager module's (the kernel's) bits
+    denom = (per_bag if combiner == "mean" else per_bag.double().sqrt().float())[seg]  # (nnz,)
     # w / denom, not w * (1 / denom): the inverse of a tiny denominator overflows
     return torch.where(denom != 0, w / torch.where(denom != 0, denom, 1.0), 0.0)
 

@@ -141,7 +141,8 @@ class EmbeddingLayer(torch.nn.Module):
                    memory_budget=spec.memory_budget,
                    pipeline_execution=spec.pipeline_execution, **kwargs)
 
-    def for_serving(self, serving_config: Any = None) -> torch.nn.Module:
+    def for_serving(self, serving_config: Any = None, *, quantize: Any = None
+                    ) -> torch.nn.Module:
         """A module without optimizer slots whose forward is plain torch ops.
 
         It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
@@ -149,12 +150,36 @@ class EmbeddingLayer(torch.nn.Module):
         and jagged ids given as ``(values, offsets)`` pairs (torch.export cannot take nested
         tensors as inputs); the program serves batches with any number of ids. A dynamic table
         travels with its map, searched by sorted ids.
+
+        Args:
+            serving_config: the features to serve (a subset of the layer's, or new features on
+                its tables); None: all.
+            quantize: how the tables are held (docs/semantics.md section 12): None (as
+                trained), ``"int8"`` (row-wise: uint8 codes and a float32 scale and bias per
+                row, about a quarter of float32's bytes), ``"fp16"`` (half), or a mapping from
+                table names to None / ``"int8"`` / ``"fp16"`` (tables left out stay as
+                trained). Lookups dequantize the rows they read; activations are float32.
+
+        Raises:
+            ValueError: an unknown precision or table name in ``quantize``, or a table int8 /
+                fp16 cannot hold (NaN / inf, values beyond fp16).
+
+        Example:
+            >>> import torch, embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=100, dim=8, name="items")
+            >>> layer = ec.EmbeddingLayer({"item": ec.FeatureConfig(table=t)}, "adagrad")
+            >>> served = layer.for_serving(quantize="int8")
+            >>> served.items.dtype, served.table_bytes()   # 100 x (8 codes + scale + bias)
+            (torch.uint8, {'items': 1600})
+            >>> served({"item": torch.tensor([1, 5])})["item"].dtype
+            torch.float32
         """
         template = serving_config if serving_config is not None else self.feature_config
         names = self.engine.table_names()
         vocabularies = {t: self.engine.whole_vocabulary(t) for t in names
                         if t.dynamic is not None}  # (collectives when sharded)
-        return ServingModule(template, self.embedding_tables, names, vocabularies)
+        return ServingModule(template, self.embedding_tables, names, vocabularies,
+                             quantize=quantize)
 
     # state_dict / load_state_dict: the engine's flat keys under this module's prefix.
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,

@@ -3,7 +3,9 @@
 ``serving_embedding_lookup`` computes exactly what the engine's lookup computes (the same bags from
 inputs.py, the same ``combine`` from ops/combine.py), from tables given as tensors: no engine, no
 optimizer, no queue. It is differentiable w.r.t. the tables, which is how
-``EmbeddingLayer(optimizer=None)`` trains them.
+``EmbeddingLayer(optimizer=None)`` trains them. A table may also be a ``QuantizedTable``
+(quantize.py: int8 row-wise or fp16): the rows a batch reads are gathered quantized, dequantized
+to float32, then combined by the same ``combine``.
 """
 
 from __future__ import annotations
@@ -19,22 +21,39 @@ from .inputs import canonicalize, resolve_shape
 from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
                    unflatten_like)
 from .ops.combine import combine
+from .quantize import QuantizedTable, quantize_table, resolve_quantize
+
+Table = torch.Tensor | QuantizedTable  # (N, D) rows, plain or quantized
 
 
-def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: torch.Tensor,
+def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: Table,
                    ids: torch.Tensor, weights: torch.Tensor | None = None,
                    vocabulary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One feature's activation from its table tensor: ``leading shape + (D,)``.
+    """One feature's activation from its table: ``leading shape + (D,)``.
 
     A dynamic table's ``table`` is its ``(N + 1, D)`` rows with a last row of zeros, and
     ``vocabulary`` its resident ``(ids ascending, rows)``: raw ids become rows by a sorted search
-    (plain torch ops, exportable); ids not resident read the zero row."""
+    (plain torch ops, exportable); ids not resident read the zero row. A quantized table's rows
+    are gathered, dequantized (float32), then combined: the result equals combining the
+    dequantized table, bit for bit."""
     bags = canonicalize(feature, name, table_name, ids, weights, table.device)
     shape = resolve_shape(feature, name, bags.shape, None)
     index = bags.ids
     if vocabulary is not None:
         index = rows_of(index, vocabulary[0], vocabulary[1], table.shape[0] - 1)
-    return combine(table, index, bags).view(*shape, table.shape[1])  # shape + (D,)
+    if isinstance(table, QuantizedTable):
+        rows = table.rows(index)  # (nnz, D) float32, only the rows read
+        out = rows if bags.unit else combine(rows, _positions(index), bags)  # (R, D)
+    else:
+        out = combine(table, index, bags)  # (R, D)
+    return out.view(*shape, table.shape[1])  # shape + (D,)
+
+
+def _positions(index: torch.Tensor) -> torch.Tensor:
+    """(n,) 0 .. n-1, each occurrence's own gathered row. Derived from ``index``, not
+    ``arange(n)``: a sparse input's entry count is not a traced size under torch.export, and an
+    ``arange`` would bake the traced batch's count into the program."""
+    return torch.ones_like(index).cumsum(0) - 1
 
 
 def rows_of(ids: torch.Tensor, vocab_ids: torch.Tensor, vocab_rows: torch.Tensor,
@@ -47,15 +66,18 @@ def rows_of(ids: torch.Tensor, vocab_ids: torch.Tensor, vocab_rows: torch.Tensor
     return torch.where(vocab_ids[pos] == ids, vocab_rows[pos], zero_row)
 
 
-def with_zero_row(table: torch.Tensor) -> torch.Tensor:
+def with_zero_row(table: Table) -> Table:
     """(N + 1, D): a dynamic table's rows and the zero row ids not resident read."""
+    if isinstance(table, QuantizedTable):
+        return table.with_zero_row()
     return torch.cat([table, table.new_zeros(1, table.shape[1])])
 
 
-def _dynamic_entry(value: Any, name: str) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def _dynamic_entry(value: Any, name: str) -> tuple[Table, tuple[torch.Tensor, torch.Tensor]]:
     """A dynamic table's ``(table, ids, rows)`` from ``tables``, checked."""
     if not (isinstance(value, tuple) and len(value) == 3
-            and all(isinstance(v, torch.Tensor) for v in value)):
+            and isinstance(value[0], torch.Tensor | QuantizedTable)
+            and all(isinstance(v, torch.Tensor) for v in value[1:])):
         raise TypeError(f"table {name!r} is dynamic (raw ids): give it as (table, ids, rows), "
                         f"e.g. (emb.embedding_tables[t], *emb.vocabulary(t)), got "
                         f"{type(value).__name__}")
@@ -77,6 +99,8 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
         tables: ``{TableConfig: (N, D) tensor}`` (e.g. ``emb.embedding_tables``) or
             ``{table name: tensor}``; a dynamic table's value is ``(table (N, D), ids (R,)
             ascending, rows (R,))``, e.g. ``(emb.embedding_tables[t], *emb.vocabulary(t))``.
+            A table may be an ``ec.quantize_table(...)`` in place of its tensor (float32
+            activations, from the dequantized rows).
         feature_config: a FeatureConfig or a nested structure of them.
 
     Returns:
@@ -116,30 +140,60 @@ class ServingModule(torch.nn.Module):
     sparse COO ids and jagged ``(values, offsets)`` pairs.
 
     Made by ``EmbeddingLayer.for_serving()``; holds a snapshot of the tables, no optimizer slots.
+    A table served quantized (``precisions``: ``"int8"`` / ``"fp16"``, quantize.py) is held as
+    its codes (buffer ``<table>``) and, for int8, ``<table>__scale`` and ``<table>__bias``; its
+    lookups dequantize the rows they read, and give float32 activations.
     """
 
     def __init__(self, feature_config: Any, tables: Mapping[TableConfig, torch.Tensor],
                  table_names: Mapping[TableConfig, str],
                  vocabularies: Mapping[TableConfig, tuple[torch.Tensor, torch.Tensor]]
-                 | None = None) -> None:
+                 | None = None, quantize: Any = None) -> None:
         super().__init__()
         self.feature_config = feature_config
         flat = leaves_with_paths(feature_config, _is_feature)
         self._paths = [f.name or p for p, f in flat]
         self._table_of = [table_names[f.table] for _, f in flat]
         self._dynamic = [f.table.dynamic is not None for _, f in flat]
-        for _, f in flat:
-            key = table_names[f.table]
-            if hasattr(self, key):
-                continue
-            if f.table.dynamic is None:
-                self.register_buffer(key, tables[f.table].detach().clone())
-                continue
-            assert vocabularies is not None, "a dynamic table is served with its map"
-            ids, rows = vocabularies[f.table]
-            self.register_buffer(key, with_zero_row(tables[f.table].detach()))
-            self.register_buffer(key + "__ids", ids.clone())
-            self.register_buffer(key + "__rows", rows.clone())
+        served = {f.table: table_names[f.table] for _, f in flat}
+        precisions = resolve_quantize(quantize, served)
+        self.precisions: dict[str, str | None] = {n: precisions[t] for t, n in served.items()}
+        for table, key in served.items():
+            dynamic = table.dynamic is not None
+            rows = tables[table].detach()
+            rows = with_zero_row(rows) if dynamic else rows  # (N (+ 1), D)
+            if precisions[table] is None:
+                self.register_buffer(key, rows if dynamic else rows.clone())
+            else:
+                q = quantize_table(rows, precisions[table], name=key)
+                self.register_buffer(key, q.data)
+                if q.scale is not None:
+                    self.register_buffer(key + "__scale", q.scale)
+                    self.register_buffer(key + "__bias", q.bias)
+            if dynamic:
+                assert vocabularies is not None, "a dynamic table is served with its map"
+                ids, map_rows = vocabularies[table]
+                self.register_buffer(key + "__ids", ids.clone())
+                self.register_buffer(key + "__rows", map_rows.clone())
+
+    def _table(self, name: str) -> Table:
+        """Table ``name`` as its lookups read it: a tensor, or a ``QuantizedTable`` over the
+        buffers (a dynamic table with its zero row last)."""
+        precision = self.precisions[name]
+        if precision is None:
+            return getattr(self, name)
+        if precision == "fp16":
+            return QuantizedTable("fp16", getattr(self, name))
+        return QuantizedTable("int8", getattr(self, name), getattr(self, name + "__scale"),
+                              getattr(self, name + "__bias"))
+
+    def table_bytes(self) -> dict[str, int]:
+        """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
+        out = {}
+        for name in self.precisions:
+            t = self._table(name)
+            out[name] = t.nbytes if isinstance(t, QuantizedTable) else t.numel() * t.element_size()
+        return out
 
     def forward(self, features: Any, weights: Any = None) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
@@ -148,7 +202,7 @@ class ServingModule(torch.nn.Module):
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))
-        out = [lookup_feature(f, n, t, getattr(self, t), ids, w,
+        out = [lookup_feature(f, n, t, self._table(t), ids, w,
                               (getattr(self, t + "__ids"), getattr(self, t + "__rows"))
                               if dyn else None)
                for f, n, t, dyn, ids, w in zip(flat, self._paths, self._table_of, self._dynamic,
