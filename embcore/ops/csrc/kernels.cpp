@@ -711,8 +711,8 @@ i64 ec_first_unordered(const i64* idx, i64 k, i64 n) {
 //   denominator is 0 gets zeros. offsets (R + 1,); weights (nnz,) or nullptr (all 1); out (nnz,).
 //   No fused multiply-add: the same float32 sums as inputs.combiner_scales' torch ops, so an
 //   exported program (torch ops) gives the eager module's bits for sqrtn bags too.
-__attribute__((optimize("fp-contract=off"))) void ec_combiner_scales(const i64* offsets, i64 r_rows, const float* weights, int combiner,
-                        float* out) {
+__attribute__((optimize("fp-contract=off"))) void ec_combiner_scales(
+    const i64* offsets, i64 r_rows, const float* weights, int combiner, float* out) {
   for (i64 r = 0; r < r_rows; ++r) {
     const i64 k0 = offsets[r], k1 = offsets[r + 1];
     float denom = 1.f;
