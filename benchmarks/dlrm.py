@@ -1,0 +1,203 @@
+"""End-to-end DLRM-DCNv2 training steps: embcore against TorchRec, same dense model and batches.
+
+    .venv/bin/python benchmarks/dlrm.py                          # both systems, both sizes
+    .venv/bin/python benchmarks/dlrm.py --system embcore --size mlperf --json   # one run
+
+The model is examples/criteo/model.py's DLRM-DCNv2 (bottom MLP, 26 tables, low-rank cross
+layers, top MLP, one logit) in both systems: the dense part is the same ``DenseArch`` module,
+built from the same seed; only the tables differ:
+
+- embcore: ``ec.EmbeddingLayer`` (the example's ``DLRM``), the update fused into backward;
+- TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's CPU TBE underneath, the update fused
+  into backward) fed a ``KeyedJaggedTensor``; runs with ``--peers-python``.
+
+A step: forward, mean binary cross-entropy, backward (the tables update themselves), then
+``torch.optim.Adagrad`` (lr 0.005, MLPerf's) on the dense part. Tables: exact Adagrad (lr 0.005,
+accumulators from 0) by default, ``--optimizer rowwise`` for row-wise Adagrad (MLPerf's choice).
+Rows per table: Criteo Kaggle's 26 cardinalities capped at ``--max-rows`` (memory: 2 systems x
+26 tables on a 24 GiB machine); ids follow Zipf(1.05) over each table (benchmarks/workloads.py).
+
+Sizes: ``mlperf`` is MLPerf's model (D 128, bottom 512-256-128, 3 cross layers of rank 512, top
+1024-1024-512-256, batch 4096: about 90 MFLOP an example, so the dense part dominates on a CPU);
+``small`` is the example's quick setting (D 16, bottom 64-16, cross rank 64, top 256-128, batch
+4096), where the tables weigh more. The embedding share is measured by timing the same steps
+with the dense part replaced by a linear read-out of the embeddings (the tables' forward,
+backward and update only): share = that time / the full step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "examples")]
+from workloads import _permutation, zipf_ids  # noqa: E402
+
+KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+          27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572)
+SIZES = {
+    "mlperf": dict(dim=128, bottom=(512, 256, 128), cross_layers=3, cross_rank=512,
+                   top=(1024, 1024, 512, 256)),
+    "small": dict(dim=16, bottom=(64, 16), cross_layers=3, cross_rank=64, top=(256, 128)),
+}
+LR = 0.005
+BATCH = 4096
+NUM_BATCHES = 4
+
+
+def make_batches(rows: list[int], count: int) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor]]:
+    """``count`` batches of (dense (B, 13) float, sparse (B, 26) int64, labels (B,) float)."""
+    out = []
+    for i in range(count):
+        rng = np.random.default_rng([7, i])
+        dense = torch.from_numpy(np.log1p(rng.exponential(3.0, (BATCH, 13))).astype(np.float32))
+        sparse = torch.from_numpy(np.stack(
+            [zipf_ids(np.random.default_rng([7, i, t]), n, BATCH, _permutation(n, t))
+             for t, n in enumerate(rows)], axis=1).astype(np.int64))  # (B, 26)
+        labels = torch.from_numpy((rng.random(BATCH) < 0.25).astype(np.float32))
+        out.append((dense, sparse, labels))
+    return out
+
+
+class Readout(torch.nn.Module):
+    """The dense part replaced by a linear read-out: the tables' share of a step."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(width, 1)
+
+    def forward(self, dense: torch.Tensor, embeddings: list[torch.Tensor]) -> torch.Tensor:
+        return self.w(torch.cat(embeddings, dim=1)).squeeze(-1)
+
+
+def build(system: str, size: str, optimizer: str, rows: list[int], tables_only: bool):
+    """(forward(dense, sparse) -> logits, dense parameters) for one system."""
+    from criteo.model import NUM_SPARSE, DenseArch, ModelConfig
+    cfg = ModelConfig(capacities=tuple(rows), raw_ids=False, **SIZES[size])
+    torch.manual_seed(0)
+    dense_arch = Readout(NUM_SPARSE * cfg.dim) if tables_only else DenseArch(cfg)
+    if system == "embcore":
+        import embcore as ec
+        from criteo.model import DLRM
+        opt_cls = ec.Adagrad if optimizer == "adagrad" else ec.RowwiseAdagrad
+        model = DLRM(cfg, opt_cls(learning_rate=LR, initial_accumulator_value=0.0))
+        model.dense_arch = dense_arch
+        return model, list(dense_arch.parameters())
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+    keys = [f"C{j + 1}" for j in range(NUM_SPARSE)]
+    ebc = FusedEmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=k, embedding_dim=cfg.dim, num_embeddings=n,
+                                   feature_names=[k], pooling=PoolingType.SUM)
+                for k, n in zip(keys, rows)],
+        optimizer_type=torch.optim.Adagrad if optimizer == "adagrad" else RowWiseAdagrad,
+        optimizer_kwargs={"lr": LR, "eps": 1e-10}, device=torch.device("cpu"))
+    lengths = torch.ones(NUM_SPARSE * BATCH, dtype=torch.int64)
+
+    def forward(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        kjt = KeyedJaggedTensor(keys=keys, values=sparse.t().reshape(-1), lengths=lengths)
+        acts = ebc(kjt).values()  # (B, 26 D), features in key order
+        return dense_arch(dense, list(acts.split(cfg.dim, dim=1)))
+
+    return forward, list(dense_arch.parameters())
+
+
+def measure(system: str, size: str, optimizer: str, max_rows: int, steps: int,
+            tables_only: bool) -> float:
+    """Median seconds per training step."""
+    rows = [min(n, max_rows) for n in KAGGLE]
+    batches = make_batches(rows, NUM_BATCHES)
+    forward, params = build(system, size, optimizer, rows, tables_only)
+    opt = torch.optim.Adagrad(params, lr=LR)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+
+    def step(i: int) -> None:
+        dense, sparse, labels = batches[i % NUM_BATCHES]
+        loss = loss_fn(forward(dense, sparse), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for i in range(2):  # warm-up
+        step(i)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def one(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    full = measure(args.system, args.size, args.optimizer, args.max_rows, args.steps, False)
+    tables = measure(args.system, args.size, args.optimizer, args.max_rows, args.steps, True)
+    versions = {"torch": torch.__version__}
+    if args.system == "torchrec":
+        import fbgemm_gpu
+        import torchrec
+        versions.update(torchrec=torchrec.__version__, fbgemm_gpu=fbgemm_gpu.__version__)
+    print(json.dumps({"system": args.system, "size": args.size, "optimizer": args.optimizer,
+                      "examples_per_s": BATCH / full, "ms_per_step": 1e3 * full,
+                      "tables_ms_per_step": 1e3 * tables, "embedding_share": tables / full,
+                      "versions": versions}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--system", choices=["embcore", "torchrec"], default=None,
+                   help="run one system in this process (default: both, each in a subprocess)")
+    p.add_argument("--size", choices=sorted(SIZES), default=None)
+    p.add_argument("--optimizer", choices=["adagrad", "rowwise"], default="adagrad")
+    p.add_argument("--max-rows", type=int, default=100_000)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; mlperf 4)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
+    args = p.parse_args()
+    if args.system is not None:
+        args.size = args.size or "small"
+        args.steps = args.steps or (4 if args.size == "mlperf" else 10)
+        one(args)
+        return
+    results = []
+    for size in [args.size] if args.size else ["small", "mlperf"]:
+        for system in ("embcore", "torchrec"):
+            py = sys.executable if system == "embcore" else args.peers_python
+            cmd = [py, __file__, "--system", system, "--size", size, "--optimizer",
+                   args.optimizer, "--max-rows", str(args.max_rows), "--threads",
+                   str(args.threads)] + (["--steps", str(args.steps)] if args.steps else [])
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+            res = json.loads(line[-1]) if r.returncode == 0 and line else {
+                "system": system, "size": size, "error": (r.stderr.strip() or "?")[-300:]}
+            results.append(res)
+            print(json.dumps(res), flush=True)
+    print("\n| size | system | examples/s | ms/step | tables' ms/step | embedding share | "
+          "vs TorchRec |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['size']} | {r['system']} | failed: {r['error'][-80:]} | | | | |")
+            continue
+        peer = next((q for q in results if q["size"] == r["size"]
+                     and q["system"] == "torchrec" and "error" not in q), None)
+        vs = f"{r['examples_per_s'] / peer['examples_per_s']:.2f}x" if peer else "-"
+        print(f"| {r['size']} | {r['system']} | {r['examples_per_s']:,.0f} | "
+              f"{r['ms_per_step']:.1f} | {r['tables_ms_per_step']:.1f} | "
+              f"{100 * r['embedding_share']:.0f}% | {vs} |")
+
+
+if __name__ == "__main__":
+    main()
