@@ -171,3 +171,66 @@ def test_memory_budget_trains_the_same_model(tmp_path, capsys):
     _run(capsys, *base, "--epochs", "1", "--out", str(tmp_path / "c"), "--memory-budget", "30KB")
     resumed, _ = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "c"), "--resume")
     assert resumed["test_auc"] == plain["test_auc"]
+
+
+def _two_process_worker(rank, world, init, data, out, ports, parser):
+    """The job in a torchrun-like environment. ``parser="reference"`` reads as the job did
+    before input sharing: every process parses the whole of every batch and keeps
+    ``batch[rank::world]`` (the reference loop of ``read_batches``). Then a resume from the
+    checkpoint at step 4."""
+    import os
+    import shutil
+
+    from criteo import data as reader
+    shares = []
+
+    def read_batches(*args, **kwargs):
+        shares.append(kwargs.get("share"))
+        return reader.read_batches(*args, parser=parser, **kwargs)
+
+    train.read_batches = read_batches
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      LOCAL_RANK=str(rank), MASTER_PORT=str(ports[0]))
+    argv = ["--data", data, "--out", out, "--skip-bad", "--capacity", "300",
+            "--checkpoint-every", "4", "--keep-checkpoints", "100", *TINY]
+    train.main(argv)
+    assert shares and set(shares) == {(rank, world)}, shares
+    if rank == 0:
+        shutil.copy(Path(out) / "metrics.jsonl", Path(out) / "straight.jsonl")
+        (Path(out) / "checkpoints" / "latest").write_text("step-00000004\n")
+    if parser == "fast":
+        os.environ["MASTER_PORT"] = str(ports[1])
+        train.main([*argv, "--resume"])
+
+
+def test_two_processes_read_their_shares_and_train_as_before(tmp_path):
+    """Each process converts only its examples of each global batch; the run (losses, test
+    AUC and log loss, skipped lines) equals the one where every process parses every line and
+    keeps every W-th example, with bad lines and a held-out test part; and a run resumed
+    mid-epoch ends as the uninterrupted one."""
+    from distributed import free_port, run_on
+    data = tmp_path / "data"
+    generate(data, train_lines=900, test_lines=10, scale=1e-4, seed=3)
+    lines = (data / "train.txt").read_text().splitlines(True)
+    for i in (5, 77, 300, 640):  # bad lines 6, 78, 301, 641; line 301 is held out (7 * 43)
+        lines[i] = "1\tx\n"
+    (data / "train.txt").write_text("".join(lines))
+    (data / "test.txt").unlink()  # no test.txt: every 7th line of train.txt is held out
+
+    def records(path):
+        return [{k: v for k, v in json.loads(s).items()
+                 if "per_s" not in k and k != "eval_seconds"}
+                for s in path.read_text().splitlines()]
+
+    runs = {}
+    for parser in ("reference", "fast"):
+        out = tmp_path / parser
+        run_on(2, _two_process_worker, str(data), str(out), (free_port(), free_port()), parser)
+        runs[parser] = records(out / "straight.jsonl"), records(out / "metrics.jsonl")
+    assert runs["fast"][0] == runs["reference"][0]
+    straight, resumed = runs["fast"]
+    final = straight[-1]
+    assert final["kind"] == "eval" and final["train_skipped"] == 3 and final["test_skipped"] == 1
+    assert final["examples"] == 900 - 128 - 3 and final["test_examples"] == 128 - 1
+    for key in ("examples", "test_auc", "test_logloss", "test_examples"):
+        assert resumed[-1][key] == final[key], key

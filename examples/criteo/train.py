@@ -233,18 +233,21 @@ class Dataset:
                 + (" (test.txt has no labels)" if self.unlabeled_test else ""))
         return f"train {self.train_path}, test {test}"
 
-    def train(self, batch_size: int, stats: ReadStats, start_after: int = 0
-              ) -> Iterator[Any]:
+    def train(self, batch_size: int, stats: ReadStats, share: tuple[int, int],
+              start_after: int = 0) -> Iterator[Any]:
+        """This process's share (``batch[rank::world]``) of each global batch of train.txt's
+        training part; ``stats`` counts the global batches."""
         part = {"part": "train", **self.holdout} if self.holdout else {}
         return read_batches(self.train_path, batch_size, stats=stats, start_after=start_after,
-                            labeled=True, **self.common, **part)
+                            labeled=True, share=share, **self.common, **part)
 
-    def test(self, batch_size: int, stats: ReadStats) -> Iterator[Any]:
+    def test(self, batch_size: int, stats: ReadStats, share: tuple[int, int]
+             ) -> Iterator[Any]:
         if self.test_path is not None:
             return read_batches(self.test_path, batch_size, stats=stats, labeled=True,
-                                **self.common)
+                                share=share, **self.common)
         return read_batches(self.train_path, batch_size, stats=stats, labeled=True,
-                            part="test", **self.holdout, **self.common)
+                            part="test", share=share, **self.holdout, **self.common)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the run it continues."""
@@ -273,13 +276,11 @@ def capacities(args: argparse.Namespace, data: Dataset, say: Callable[..., None]
 
 
 # --------------------------------------------------------------------------------- steps
-def to_torch(batch: Any, device: str, rank: int, world: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This process's share (every world-th example) of a batch, as tensors on ``device``."""
-    sl = slice(rank, None, world)
-    return (torch.from_numpy(batch.dense[sl]).to(device),  # (b, 13)
-            torch.from_numpy(batch.sparse[sl]).to(device),  # (b, 26)
-            torch.from_numpy(batch.label[sl]).to(device))  # (b,)
+def to_torch(batch: Any, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A process's share of a batch (``read_batches(share=...)``), as tensors on ``device``."""
+    return (torch.from_numpy(batch.dense).to(device),  # (b, 13)
+            torch.from_numpy(batch.sparse).to(device),  # (b, 26)
+            torch.from_numpy(batch.label).to(device))  # (b,)
 
 
 @torch.no_grad()
@@ -289,8 +290,8 @@ def evaluate(model: DLRM, data: Dataset, device: str, rank: int, world: int,
     model.eval()
     stats = ReadStats()
     labels, probs = [], []
-    for batch in data.test(batch_size, stats):
-        dense, sparse, label = to_torch(batch, device, rank, world)
+    for batch in data.test(batch_size, stats, share=(rank, world)):
+        dense, sparse, label = to_torch(batch, device)
         probs.append(torch.sigmoid(model(dense, sparse)).double().cpu().numpy())
         labels.append(label.cpu().numpy())
     y = np.concatenate(labels) if labels else np.zeros(0)
@@ -489,9 +490,13 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
                     dynamic_ncols=True, disable=not args.progress or rank != 0)
                if tqdm is not None else None)
         window_loss, window_n, window_start = 0.0, 0, time.perf_counter()
-        for batch in data.train(args.batch_size, stats, start_after=position["line"]):
+        examples_read = 0
+        for batch in data.train(args.batch_size, stats, share=(rank, world),
+                                start_after=position["line"]):
             start = time.perf_counter()
-            dense, sparse, label = to_torch(batch, args.device, rank, world)
+            n = stats.examples - examples_read  # the global batch's size (all processes)
+            examples_read = stats.examples
+            dense, sparse, label = to_torch(batch, args.device)
             try:
                 logits = model(dense, sparse)  # (b,)
             except ValueError as e:
@@ -503,7 +508,7 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
             # sum / global batch: the engine sums row gradients over processes and the dense
             # gradients are summed below, so a step equals the one-process step on the batch
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, label, reduction="sum") / len(batch.label)
+                logits, label, reduction="sum") / n
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # the engine updates the touched table rows here
             if world > 1:
@@ -513,13 +518,13 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
             dense_opt.step()
             batch_loss = float(all_sum(loss.detach().double().cpu()))
             train_seconds += time.perf_counter() - start
-            train_examples += len(batch.label)
+            train_examples += n
             position["epoch_step"] += 1
             position["global_step"] += 1
-            position["examples"] += len(batch.label)
+            position["examples"] += n
             position["line"] = stats.lines
-            window_loss += batch_loss * len(batch.label)
-            window_n += len(batch.label)
+            window_loss += batch_loss * n
+            window_n += n
             if bar is not None:
                 bar.update()
                 bar.set_postfix(loss=f"{batch_loss:.4f}", refresh=False)
