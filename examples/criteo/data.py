@@ -31,9 +31,9 @@ file and the 1-based line number; with ``skip_bad=True`` they are skipped and co
 Reading streams, a block of about 4 MB of whole lines at a time, so files far larger than memory
 are fine; ``.gz`` files are read through gzip. Only numpy and the standard library. Two parsers
 give the same batches, errors and counts: ``parser="reference"``, one line at a time in plain
-Python (``parse_line``: the specification, about 35k lines/s), and the default ``"fast"``, numpy
-over whole blocks (about 10 times faster; tests/test_criteo_data.py checks it against the
-reference on random lines, bad ones included).
+Python (``parse_line``: the specification, about 45k lines/s), and the default ``"fast"``, numpy
+over whole blocks (about 8 times faster; examples/criteo/README.md has the measurements;
+tests/test_criteo_data.py checks it against the reference on random lines, bad ones included).
 
     from criteo.data import read_batches
     for batch in read_batches("train.txt", batch_size=4096):
@@ -501,7 +501,7 @@ def read_batches(path: str | Path, batch_size: int, *,
             so that all processes agree on the batches and on bad lines); ``stats`` counts the
             whole batches. None: whole batches.
         parser: "fast" (numpy over blocks of lines) or "reference" (one line at a time in
-            Python, the specification; the same results, about 10 times slower).
+            Python, the specification; the same results, about 8 times slower).
 
     Yields:
         ``Batch(dense (B, 13) float32, sparse (B, 26) int64, label (B,) float32 or None)``.
