@@ -338,8 +338,6 @@ def _fast_blocks(path: str | Path, labeled: bool, limit: int | None, start_after
                  part: str, holdout_every: int) -> Iterator[_Block]:
     first = 1  # the number of the block's first line
     for buf in _byte_blocks(path, _BLOCK_BYTES, prefix=b"0" * _PAD):
-        if limit is not None and first > limit:
-            break
         a = np.frombuffer(buf, np.uint8)  # (S,) padding, whole lines, padding
         ends = np.flatnonzero(a == 10)  # (n,) each line's newline
         if limit is not None:
@@ -350,6 +348,8 @@ def _fast_blocks(path: str | Path, labeled: bool, limit: int | None, start_after
         yield _parse_block(buf, a, starts[keep], ends[keep], numbers[keep], labeled,
                            last_line=first + len(ends) - 1)
         first += len(ends)
+        if limit is not None and first > limit:
+            break
 
 
 def _lines_of(positions: np.ndarray, starts: np.ndarray, ends: np.ndarray
@@ -362,15 +362,15 @@ def _lines_of(positions: np.ndarray, starts: np.ndarray, ends: np.ndarray
 
 
 def _words(words: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """The 8 bytes before each of ``ends`` as big-endian uint64 (the last byte lowest)."""
-    return words[ends - 8].byteswap()
+    """The 8 bytes before each of ``ends``, read big-endian (the last byte lowest), as uint64."""
+    return words[ends - 8].astype(np.uint64)
 
 
 def _parse_block(buf: bytes, a: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  numbers: np.ndarray, labeled: bool, last_line: int) -> _Block:
     """Checks the lines [starts, ends) of ``a`` (numbered ``numbers``; (n,) each)."""
     n, fields, off = len(starts), (LABELED_FIELDS if labeled else UNLABELED_FIELDS), int(labeled)
-    words = np.ndarray((len(a) - 7,), np.uint64, buf, strides=(1,))  # (S - 7,) unaligned
+    words = np.ndarray((len(a) - 7,), ">u8", buf, strides=(1,))  # (S - 7,) word p: a[p:p + 8]
     ends = ends - (a[ends - 1] == 13)  # a line's last '\r' goes (the reference's rstrip)
     tabs = np.flatnonzero(a == 9)  # (T,)
     first_tab = np.searchsorted(tabs, starts)  # (n,)
