@@ -195,8 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if min(args.bottom_mlp + args.top_mlp) < 1:
         p.error("--bottom-mlp and --top-mlp widths must be >= 1")
-    if args.synthetic and args.data is not None or not (
-            args.synthetic or args.data is not None or args.write_spec is not None):
+    sources = args.synthetic + (args.data is not None)
+    if sources > 1 or (sources == 0 and args.write_spec is None):  # --write-spec may need none
         p.error("pass either --data DIR (Criteo's files) or --synthetic")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
