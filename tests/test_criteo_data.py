@@ -1,5 +1,6 @@
 """The Criteo example's data path: the TSV reader, the synthetic generator and the metrics."""
 
+import dataclasses
 import gzip
 import hashlib
 import itertools
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
+from criteo import data  # noqa: E402
 from criteo.data import (  # noqa: E402
     MISSING_ID,
     DataError,
@@ -191,3 +193,146 @@ def test_auc_examples_and_errors():
         roc_auc([0, 2], [0.2, 0.3])
     with pytest.raises(ValueError, match="length"):
         roc_auc([0, 1], [0.2])
+
+
+# --------------------------------------------------------------------------------- fast parser
+def _trace(path, parser, **kw):
+    """Everything a read shows: each batch with the stats at its yield, then the error or the
+    final stats."""
+    stats = ReadStats()
+    seen = []
+    try:
+        for b in read_batches(path, stats=stats, parser=parser, **kw):
+            seen.append((b.dense.dtype, b.sparse.dtype, b.dense.tolist(), b.sparse.tolist(),
+                         None if b.label is None else (b.label.dtype, b.label.tolist()),
+                         dataclasses.astuple(stats)))
+    except DataError as e:
+        seen.append(("error", str(e), dataclasses.astuple(stats)))
+    seen.append(("end", dataclasses.astuple(stats)))
+    return seen
+
+
+def _same_as_reference(path, block_bytes=None, **kw):
+    old = data._BLOCK_BYTES
+    data._BLOCK_BYTES = block_bytes or old
+    try:
+        fast = _trace(path, "fast", **kw)
+    finally:
+        data._BLOCK_BYTES = old
+    assert fast == _trace(path, "reference", **kw)
+    return fast
+
+
+_count = st.one_of(  # well formed
+    st.just(""), st.integers(-3, 30).map(str), st.integers(0, 10**9).map(str),
+    st.integers(15, 19).flatmap(lambda n: st.integers(10 ** (n - 1), 10**n - 1)).map(str),
+    st.integers(-(10**16), -1).map(str), st.sampled_from(["-0", "007", "65535", "65536"]))
+_category = st.one_of(  # well formed
+    st.just(""), st.integers(0, 2**32 - 1).map(lambda v: f"{v:08x}"),
+    st.integers(0, 2**64 - 1).map(lambda v: f"{v:x}"),
+    st.integers(0, 2**64 - 1).map(lambda v: f"{v:X}"), st.integers(0, 15).map(lambda v: f"{v:x}"),
+    st.sampled_from(["0" * 16, "aBcD", "8000000000000000"]))
+_odd_count = st.sampled_from([  # some parse (as the reference says), most do not
+    "+5", " 5", "5 ", "1_0", "x", "-", "--1", "-1-", "1-2", "0x1f", "1e3", "a1", "1a", "-a", "1-",
+    "F", "\xe9", "\xa01", "9" * 17, "-" + "9" * 17, "1" * 30, "5\r"])
+_odd_category = st.sampled_from([
+    "zz", "-1", "1-", "g", "12345678901234567", "0" * 17, " a", "a ", "+1", "\xe9", "a\r"])
+
+
+@st.composite
+def _lines(draw, labeled: bool) -> str:
+    """A well-formed line (empty fields, negative and long counts included), or one with a
+    single oddity: a strange field, a wrong field count, an empty line, other line ends."""
+    fields = ([draw(st.sampled_from(["0", "1"]))] if labeled else []) \
+        + [draw(_count) for _ in range(13)] + [draw(_category) for _ in range(26)]
+    kind = draw(st.integers(0, 11))
+    off = int(labeled)
+    if kind == 0 and labeled:
+        fields[0] = draw(st.sampled_from(["2", "", "01", "-1", "1 ", "x", "-"]))
+    elif kind == 1:
+        fields[off + draw(st.integers(0, 12))] = draw(_odd_count)
+    elif kind == 2:
+        fields[off + 13 + draw(st.integers(0, 25))] = draw(_odd_category)
+    elif kind == 3:
+        del fields[draw(st.integers(0, len(fields) - 1)):]
+    elif kind == 4:
+        fields.insert(draw(st.integers(0, len(fields))), draw(_count))
+    end = draw(st.sampled_from(["\n"] * 8 + ["\r\n", "\r\r\n", "\r"]))
+    return "\t".join(fields) + end if kind != 5 else end
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_fast_parser_equals_the_reference_on_random_lines(tmp_path_factory, data_):
+    labeled = data_.draw(st.booleans())
+    lines = data_.draw(st.lists(_lines(labeled), max_size=30))
+    text = "".join(lines)
+    if text and data_.draw(st.booleans()):
+        text = text.rstrip("\n")  # no newline at the end
+    path = tmp_path_factory.mktemp("f") / "f.txt"
+    path.write_bytes(text.encode("latin-1"))
+    part = data_.draw(st.sampled_from(["all", "train", "test"]))
+    kw = {"batch_size": data_.draw(st.integers(1, 7)), "labeled": labeled,
+          "skip_bad": data_.draw(st.booleans()),
+          "limit": data_.draw(st.none() | st.integers(1, 40)),
+          "start_after": data_.draw(st.integers(0, 8)), "part": part,
+          "holdout_every": data_.draw(st.integers(2, 5)) if part != "all" else 0,
+          "hash_buckets": data_.draw(st.none() | st.integers(1, 1000))}
+    world = data_.draw(st.integers(1, 3))
+    if world > 1:
+        kw["share"] = (data_.draw(st.integers(0, world - 1)), world)
+    _same_as_reference(path, block_bytes=data_.draw(st.sampled_from([1, 50, 300, 1 << 22])),
+                       **kw)
+
+
+def test_the_fast_parser_equals_the_reference_on_the_files_above(tmp_path):
+    cats = ["", "68fd1e64", "FFFFFFFF", "ffffffffffffffff", "8000000000000000", "1"] + ["a"] * 20
+    dense = ["", "-3", "0", "1", "12", "65535", "65536", "9999999999999999", "-0", "007"] \
+        + ["123456789"] * 3
+    good = line("1", dense, cats)
+    bads = [line("2"), line("0", ["1.5"] + ["0"] * 12), line("0", None, ["zz"] + ["0"] * 25),
+            line("0", None, ["0"] * 25 + ["12345678901234567"]), "0\t1\t2\n", "\n",
+            line("0", ["+5"] + ["0"] * 12), line("0", [" 5"] + ["0"] * 12),
+            line("0", ["9" * 30] + ["0"] * 12), line("0", ["9" * 17] + ["0"] * 12),
+            line("0", ["-"] + ["0"] * 12), line("0", ["-1-"] + ["0"] * 12),
+            line("0", ["1-2"] + ["0"] * 12), line("0", None, ["-1"] + ["0"] * 25), line("-"),
+            line(None)]
+    path = write(tmp_path, good, *bads, good.replace("\n", "\r\n"), line("0"), good)
+    for kw in ({}, {"skip_bad": True}, {"skip_bad": True, "hash_buckets": 97},
+               {"skip_bad": True, "part": "test", "holdout_every": 3},
+               {"skip_bad": True, "share": (1, 2)}, {"skip_bad": True, "start_after": 5}):
+        for batch_size in (1, 2, 5, 64):
+            _same_as_reference(path, batch_size=batch_size, **kw)
+    gz = tmp_path / "g.txt.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    _same_as_reference(gz, batch_size=3, skip_bad=True)
+    unlabeled = write(tmp_path, line(None, ["-3"] + ["4"] * 12), line(None, ["-"] + ["4"] * 12),
+                      line(None, ["3-"] + ["4"] * 12), line(None, None, ["-2"] * 26),
+                      line(None, ["-3"] * 13, [""] * 26), name="u.txt")
+    _same_as_reference(unlabeled, batch_size=2, skip_bad=True)
+
+
+def test_the_fast_parser_equals_the_reference_on_generated_data(tmp_path):
+    generate(tmp_path, train_lines=3000, test_lines=10, scale=1e-3, seed=5)
+    for kw in ({}, {"part": "train", "holdout_every": 7, "start_after": 100},
+               {"share": (0, 2), "hash_buckets": 1000}, {"share": (2, 3), "limit": 2500}):
+        trace = _same_as_reference(tmp_path / "train.txt", batch_size=256, block_bytes=10_000,
+                                   **kw)
+        assert len(trace) > 5
+
+
+def test_shares_are_the_slices_of_the_whole_batches(tmp_path):
+    generate(tmp_path, train_lines=1000, test_lines=10, scale=1e-3, seed=6)
+    path = tmp_path / "train.txt"
+    whole = list(read_batches(path, 96, part="train", holdout_every=7))
+    for rank in range(3):
+        stats = ReadStats()
+        mine = list(read_batches(path, 96, part="train", holdout_every=7, share=(rank, 3),
+                                 stats=stats))
+        assert len(mine) == len(whole) and stats.examples == sum(len(b.label) for b in whole)
+        for m, w in zip(mine, whole):
+            assert np.array_equal(m.sparse, w.sparse[rank::3])
+            assert np.array_equal(m.dense, w.dense[rank::3])
+            assert np.array_equal(m.label, w.label[rank::3])
+    with pytest.raises(ValueError, match="share"):
+        list(read_batches(path, 96, share=(3, 3)))

@@ -17,11 +17,21 @@ import embcore as ec
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
 from criteo import train  # noqa: E402
 from criteo.generate import generate  # noqa: E402
-from criteo.model import DLRM, FEATURES, LowRankCross, ModelConfig, as_model_config  # noqa: E402
+from criteo.generate import KAGGLE_CARDINALITIES  # noqa: E402
+from criteo.model import (  # noqa: E402
+    DLRM,
+    FEATURES,
+    LowRankCross,
+    ModelConfig,
+    as_model_config,
+    config_from_spec,
+    embedding_spec,
+)
 
-TINY = ["--dim", "4", "--bottom-mlp", "8", "4", "--top-mlp", "8", "--cross-layers", "2",
-        "--cross-rank", "4", "--batch-size", "64", "--no-progress", "--threads", "1",
-        "--lr", "0.05", "--embedding-lr", "0.05"]
+TINY_DENSE = ["--bottom-mlp", "8", "4", "--top-mlp", "8", "--cross-layers", "2",
+              "--cross-rank", "4", "--batch-size", "64", "--no-progress", "--threads", "1",
+              "--lr", "0.05"]
+TINY = [*TINY_DENSE, "--dim", "4", "--embedding-lr", "0.05"]  # the tables' flags: a spec's
 LAST_LINE = re.compile(r"test auc=0\.\d{4} logloss=\d\.\d{4}")
 
 
@@ -171,3 +181,174 @@ def test_memory_budget_trains_the_same_model(tmp_path, capsys):
     _run(capsys, *base, "--epochs", "1", "--out", str(tmp_path / "c"), "--memory-budget", "30KB")
     resumed, _ = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "c"), "--resume")
     assert resumed["test_auc"] == plain["test_auc"]
+
+
+def _without_timings(path: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(s).items() if "per_s" not in k and k != "eval_seconds"}
+            for s in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("tables", [["--capacity", "0.5", "--embedding-optimizer",
+                                     "rowwise_adagrad"], ["--hash-buckets", "50"]])
+def test_a_spec_file_trains_as_the_flags_that_wrote_it(tmp_path, capsys, tables):
+    data = tmp_path / "data"
+    generate(data, train_lines=400, test_lines=100, scale=1e-4, seed=4)
+    flags = ["--data", str(data), *tables]
+    file = tmp_path / "spec.json"
+    wrote, lines = _run(capsys, *flags, "--write-spec", str(file), "--out", str(tmp_path / "w"))
+    assert wrote == {"spec": str(file)} and "wrote the tables' spec" in lines[-1]
+    assert not (tmp_path / "w").exists()  # nothing trained
+    spec = train.read_spec(file)
+    assert file.read_text() == train.spec_json(spec)  # a line per table and per feature
+    config = config_from_spec(spec, **train.dense_sizes(train.parse_args(["--synthetic",
+                                                                          *TINY])))
+    assert config.dim == 4 and config.raw_ids == ("--capacity" in tables)
+    assert spec.optimizer.learning_rate == 0.05
+    by_flags, _ = _run(capsys, *flags, "--out", str(tmp_path / "a"), "--checkpoint-every", "2")
+    by_spec = train.main(["--data", str(data), "--spec", str(file), "--out", str(tmp_path / "b"),
+                          *TINY_DENSE])
+    assert by_spec["test_auc"] == by_flags["test_auc"]
+    assert by_spec["test_logloss"] == by_flags["test_logloss"]
+    assert _without_timings(tmp_path / "a" / "metrics.jsonl") \
+        == _without_timings(tmp_path / "b" / "metrics.jsonl")
+    # Resuming checks the spec (the checkpoint's manifest holds it): the flags' run resumes
+    # from the spec (the same), an edited spec is refused.
+    resumed, _ = _run(capsys, *flags, "--out", str(tmp_path / "b"), "--resume", "--epochs", "2")
+    assert resumed["epoch"] == 2
+    edited = json.loads(file.read_text())
+    edited["optimizer"]["learning_rate"] = 0.1
+    edited["tables"]["C7"]["initializer"] = {"torch.nn.init": "zeros_", "kwargs": {}}
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(ValueError, match=r"another spec of the tables \(tables\.C7\.initializer:"
+                                         r" None there, .*; optimizer\.learning_rate: 0\.05 "
+                                         r"there, 0\.1 now\)"):
+        train.main(["--data", str(data), "--spec", str(tmp_path / "edited.json"), "--out",
+                    str(tmp_path / "b"), "--resume", "--epochs", "3", *TINY_DENSE])
+
+
+def test_spec_errors(tmp_path, capsys):
+    data = tmp_path / "data"
+    generate(data, train_lines=100, test_lines=30, scale=1e-4, seed=4)
+    good = embedding_spec(ModelConfig(capacities=(50,) * 26, dim=4, raw_ids=False),
+                          ec.Adagrad(learning_rate=0.1)).to_dict()
+
+    def error(spec, *extra) -> str:
+        file = tmp_path / "s.json"
+        file.write_text(spec if isinstance(spec, str) else json.dumps(spec))
+        assert train.cli(["--data", str(data), "--spec", str(file), "--out",
+                          str(tmp_path / "r"), *TINY_DENSE, *extra]) == 1
+        return capsys.readouterr().err
+
+    def edited(edit) -> dict:
+        d = json.loads(json.dumps(good))
+        edit(d)
+        return d
+
+    assert "features must be C1 ... C26 (the Criteo columns): missing ['C26']" in error(
+        edited(lambda d: d["features"].pop("C26")))
+    assert "missing ['C2']; unexpected ['C27', 'c2']" in error(edited(
+        lambda d: d["features"].update(c2=d["features"].pop("C2"), C27=d["features"]["C1"])))
+    message = error(edited(lambda d: d["tables"]["C3"].update(dim=8)))
+    assert "one dim D for all 26 tables; the spec has dim 4: C1, C2, C4," in message
+    assert "C26; dim 8: C3" in message
+    assert "mixes dynamic tables (raw ids: C5)" in error(edited(
+        lambda d: d["tables"]["C5"].update(dynamic={"eviction": "lfu"})))
+    assert "feature 'C1': its table has no optimizer" in error(edited(
+        lambda d: d.update(optimizer=None)))
+    assert "feature 'C4': the job looks up one id per example" in error(edited(
+        lambda d: d["features"]["C4"]["__feature__"].update(max_sequence_length=3)))
+    assert "not JSON" in error("{")
+    assert "not an embcore spec" in error({"tables": {}})
+    assert train.cli(["--data", str(data), "--spec", str(tmp_path / "none.json")]) == 1
+    assert "cannot read it" in capsys.readouterr().err
+    for argv, message in ((["--spec", "s.json", "--dim", "8"], "leave out --dim"),
+                          (["--spec", "s.json", "--hash-buckets", "8", "--sharding", "table"],
+                           "leave out --hash-buckets, --sharding"),
+                          (["--spec", "s.json", "--write-spec", "t.json"], "none to write"),
+                          ([], "either --data")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--synthetic", *argv] if argv else argv)
+        assert message in capsys.readouterr().err
+    # --write-spec needs no data unless a fractional --capacity counts ids in it
+    with pytest.raises(ValueError, match="counts each feature's distinct ids in the data"):
+        train.main(["--write-spec", str(tmp_path / "w.json")])
+    assert train.main(["--write-spec", str(tmp_path / "w.json"), "--capacity", "1000"])
+    spec = train.read_spec(tmp_path / "w.json")
+    assert config_from_spec(spec).capacities == (1000,) * 26 and spec.sharding == "auto"
+    train.main(["--write-spec", str(tmp_path / "w.json"), "--hash-buckets", "7", "--dim", "16"])
+    assert config_from_spec(train.read_spec(tmp_path / "w.json")) == ModelConfig(
+        capacities=(7,) * 26, dim=16, raw_ids=False)
+
+
+def test_the_shipped_spec_is_kaggles_raw_ids_with_the_jobs_defaults():
+    """examples/criteo/spec.json: dynamic tables as large as the distinct values of each column
+    of Kaggle's train.txt, D 128, Adagrad at 0.005 from 0 (what --capacity 1.0 counts on
+    Kaggle's data, give or take the held-out seventh and the missing value's row)."""
+    file = Path(train.__file__).parent / "spec.json"
+    spec = train.read_spec(file)
+    assert config_from_spec(spec) == ModelConfig(capacities=KAGGLE_CARDINALITIES)
+    assert spec.optimizer == ec.Adagrad(learning_rate=0.005, initial_accumulator_value=0.0)
+    defaults = train.flags_spec(train.parse_args(["--write-spec", "x", "--capacity", "100"]),
+                                None, print)[1]  # the flags' defaults but the capacities
+    assert defaults == embedding_spec(ModelConfig(capacities=(100,) * 26), spec.optimizer,
+                                      sharding=spec.sharding, memory_budget=spec.memory_budget)
+    assert file.read_text() == train.spec_json(spec)
+
+
+def _two_process_worker(rank, world, init, data, out, ports, parser):
+    """The job in a torchrun-like environment. ``parser="reference"`` reads as the job did
+    before input sharing: every process parses the whole of every batch and keeps
+    ``batch[rank::world]`` (the reference loop of ``read_batches``). Then a resume from the
+    checkpoint at step 4."""
+    import os
+    import shutil
+
+    from criteo import data as reader
+    shares = []
+
+    def read_batches(*args, **kwargs):
+        shares.append(kwargs.get("share"))
+        return reader.read_batches(*args, parser=parser, **kwargs)
+
+    train.read_batches = read_batches
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      LOCAL_RANK=str(rank), MASTER_PORT=str(ports[0]))
+    argv = ["--data", data, "--out", out, "--skip-bad", "--capacity", "300",
+            "--checkpoint-every", "4", "--keep-checkpoints", "100", *TINY]
+    train.main(argv)
+    assert shares and set(shares) == {(rank, world)}, shares
+    if rank == 0:
+        shutil.copy(Path(out) / "metrics.jsonl", Path(out) / "straight.jsonl")
+        (Path(out) / "checkpoints" / "latest").write_text("step-00000004\n")
+    if parser == "fast":
+        os.environ["MASTER_PORT"] = str(ports[1])
+        train.main([*argv, "--resume"])
+
+
+def test_two_processes_read_their_shares_and_train_as_before(tmp_path):
+    """Each process converts only its examples of each global batch; the run (losses, test
+    AUC and log loss, skipped lines) equals the one where every process parses every line and
+    keeps every W-th example, with bad lines and a held-out test part; and a run resumed
+    mid-epoch ends as the uninterrupted one."""
+    from distributed import free_port, run_on
+    data = tmp_path / "data"
+    generate(data, train_lines=900, test_lines=10, scale=1e-4, seed=3)
+    lines = (data / "train.txt").read_text().splitlines(True)
+    for i in (5, 77, 300, 640):  # bad lines 6, 78, 301, 641; line 301 is held out (7 * 43)
+        lines[i] = "1\tx\n"
+    (data / "train.txt").write_text("".join(lines))
+    (data / "test.txt").unlink()  # no test.txt: every 7th line of train.txt is held out
+
+    runs = {}
+    for parser in ("reference", "fast"):
+        out = tmp_path / parser
+        run_on(2, _two_process_worker, str(data), str(out), (free_port(), free_port()), parser)
+        runs[parser] = (_without_timings(out / "straight.jsonl"),
+                        _without_timings(out / "metrics.jsonl"))
+    assert runs["fast"][0] == runs["reference"][0]
+    straight, resumed = runs["fast"]
+    final = straight[-1]
+    assert final["kind"] == "eval" and final["train_skipped"] == 3 and final["test_skipped"] == 1
+    assert final["examples"] == 900 - 128 - 3 and final["test_examples"] == 128 - 1
+    for key in ("examples", "test_auc", "test_logloss", "test_examples"):
+        assert resumed[-1][key] == final[key], key

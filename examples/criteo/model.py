@@ -8,9 +8,12 @@
         -> top MLP 1024-1024-512-256, ReLU -> 1 logit
 
 Every size is a ``ModelConfig`` field (the job's flags), so tests build tiny ones. The 26 tables
-live in one ``ec.EmbeddingLayer``; the engine applies its sparse optimizer to the touched rows
-during ``loss.backward()`` and the layer has no ``nn.Parameter`` then, so the dense optimizer sees
-only the MLPs and cross layers.
+live in one ``ec.EmbeddingLayer`` built from an ``ec.EmbeddingSpec``: the one ``embedding_spec``
+makes of a ``ModelConfig``, or one read from a JSON file (``check_spec`` says whether it fits
+this model: features C1 ... C26, one id each, every table of one dim D, an optimizer for every
+table). The engine applies its sparse optimizer to the touched rows during ``loss.backward()``
+and the layer has no ``nn.Parameter`` then, so the dense optimizer sees only the MLPs and cross
+layers.
 
 Tables: with ``raw_ids`` (the default) each table is dynamic (``ec.DynamicVocabulary``): it takes
 the raw 32-bit hashes (missing: -1) and holds ``capacities[j]`` of them at once, evicting the least
@@ -82,6 +85,75 @@ def feature_config(config: ModelConfig) -> dict[str, ec.FeatureConfig]:
         name=name) for name, cap in zip(FEATURES, config.capacities, strict=True)}
 
 
+def embedding_spec(config: ModelConfig, optimizer: Any, *, sharding: Any = None,
+                   memory_budget: Any = None) -> ec.EmbeddingSpec:
+    """The tables ``config`` describes, with the tables' ``optimizer``, as an EmbeddingSpec."""
+    return ec.EmbeddingSpec(feature_config(config), optimizer, sharding=sharding,
+                            memory_budget=memory_budget)
+
+
+def spec_tables(spec: ec.EmbeddingSpec) -> dict[str, ec.TableConfig]:
+    """Each feature's table, C1 ... C26 in order, once the spec is checked to fit the model.
+
+    Raises:
+        ValueError: the features are not C1 ... C26 (naming the missing and unexpected ones),
+            one takes more than one id per example, the tables' dims differ (the cross layers
+            need one D) or a table has no optimizer.
+    """
+    features = spec.feature_config
+    if not isinstance(features, Mapping):
+        raise ValueError(f"the spec's features must be a dict of the 26 features C1 ... C26, "
+                         f"got a {type(features).__name__}")
+    missing = [f for f in FEATURES if f not in features]
+    extra = sorted(set(features) - set(FEATURES))
+    if missing or extra:
+        raise ValueError("the spec's features must be C1 ... C26 (the Criteo columns): "
+                         + "; ".join(([f"missing {missing}"] if missing else [])
+                                     + ([f"unexpected {extra}"] if extra else [])))
+    tables = {}
+    for name in FEATURES:
+        f = features[name]
+        if not isinstance(f, ec.FeatureConfig):
+            raise ValueError(f"feature {name!r} of the spec is a {type(f).__name__}, not a "
+                             f"feature")
+        if f.max_sequence_length or f.output_shape is not None:
+            raise ValueError(f"feature {name!r}: the job looks up one id per example; its "
+                             f"max_sequence_length must be 0 and output_shape None, got "
+                             f"{f.max_sequence_length} and {f.output_shape}")
+        if f.table.optimizer is None and spec.optimizer is None:
+            raise ValueError(f"feature {name!r}: its table has no optimizer and the spec has no "
+                             f"default one, so it would not train; give the spec an optimizer")
+        tables[name] = f.table
+    dims: dict[int, list[str]] = {}
+    for name, t in tables.items():
+        dims.setdefault(t.dim, []).append(name)
+    if len(dims) > 1:
+        raise ValueError("the cross layers need one dim D for all 26 tables; the spec has "
+                         + "; ".join(f"dim {d}: {', '.join(n)}" for d, n in dims.items()))
+    return tables
+
+
+def config_from_spec(spec: ec.EmbeddingSpec, **dense: Any) -> ModelConfig:
+    """The ModelConfig of a model whose tables are ``spec``'s (``dense``: the other sizes):
+    D, the rows of each feature's table and whether all are dynamic (raw ids) or none.
+
+    Raises:
+        ValueError: the spec does not fit (``spec_tables``), or mixes dynamic tables with
+            static ones (the reader hashes all 26 features or none).
+    """
+    tables = spec_tables(spec)
+    dynamic = [n for n, t in tables.items() if t.dynamic is not None]
+    if dynamic and len(dynamic) < NUM_SPARSE:
+        static = [n for n in FEATURES if n not in dynamic]
+        raise ValueError(f"the spec mixes dynamic tables (raw ids: {', '.join(dynamic)}) with "
+                         f"static ones (hashed ids: {', '.join(static)}); the reader hashes all "
+                         f"features or none, so make all 26 dynamic or all static")
+    first = tables[FEATURES[0]]
+    return ModelConfig(capacities=tuple(t.vocabulary_size for t in tables.values()),
+                       dim=first.dim, raw_ids=bool(dynamic),
+                       eviction=first.dynamic.eviction if dynamic else "lru", **dense)
+
+
 def mlp(widths: list[int], final_relu: bool = True) -> nn.Sequential:
     layers: list[nn.Module] = []
     for i, (w_in, w_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
@@ -129,20 +201,37 @@ class DLRM(nn.Module):
     Args:
         config: the sizes.
         embedding_optimizer: the engine's optimizer for the tables (e.g. ``ec.Adagrad``).
+        spec: instead of ``embedding_optimizer``, ``sharding`` and ``memory_budget``: the tables
+            as an ``ec.EmbeddingSpec`` (``config_from_spec(spec, ...)`` gives its config).
         device, sharding: where the tables live and how they are split under torchrun.
         memory_budget, offload_dir: tables beyond memory (``ec.Embedding``'s): the tables that
             do not fit go to files under ``offload_dir`` with their hot rows cached (static
             tables: dynamic ones stay in fast memory).
+
+    Raises:
+        ValueError: a spec that does not fit the model or ``config`` (its dim or rows).
     """
 
-    def __init__(self, config: ModelConfig, embedding_optimizer: Any, *,
+    def __init__(self, config: ModelConfig, embedding_optimizer: Any = None, *,
+                 spec: ec.EmbeddingSpec | None = None,
                  device: torch.device | str | None = None, sharding: Any = None,
                  memory_budget: Any = None, offload_dir: Any = None) -> None:
         super().__init__()
-        self.config = config
-        self.embedding = ec.EmbeddingLayer(feature_config(config), embedding_optimizer,
-                                           device=device, sharding=sharding,
-                                           memory_budget=memory_budget, offload_dir=offload_dir)
+        if spec is None:
+            spec = embedding_spec(config, embedding_optimizer, sharding=sharding,
+                                  memory_budget=memory_budget)
+        elif (embedding_optimizer, sharding, memory_budget) != (None, None, None):
+            raise TypeError("DLRM: the spec holds the tables' optimizer, sharding and memory "
+                            "budget; pass it alone")
+        tables = spec_tables(spec)
+        rows = tuple(t.vocabulary_size for t in tables.values())
+        if (tables[FEATURES[0]].dim, rows) != (config.dim, config.capacities):
+            raise ValueError(f"the spec's tables (dim {tables[FEATURES[0]].dim}, rows {rows}) "
+                             f"are not the config's (dim {config.dim}, rows "
+                             f"{config.capacities})")
+        self.config, self.spec = config, spec
+        self.embedding = ec.EmbeddingLayer.from_spec(spec, device=device,
+                                                     offload_dir=offload_dir)
         self.dense_arch = DenseArch(config).to(device)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,19 @@
     python examples/criteo/train.py --synthetic            # a small SYNTHETIC dataset
     python examples/criteo/train.py --data DIR --out runs/criteo --resume   # continue a run
     torchrun --nproc-per-node 2 examples/criteo/train.py --data DIR          # several processes
+    python examples/criteo/train.py --data DIR --spec examples/criteo/spec.json   # tables as data
+    python examples/criteo/train.py --data DIR --write-spec my.json  # the flags' spec, then exit
 
 One epoch (by default) over DIR/train.txt in file order, streamed in batches (files larger than
 memory are fine); then an evaluation over DIR/test.txt when it has labels, else over the lines
 of train.txt held out by ``--holdout-every`` (every k-th line; they are then not trained on).
 The last line printed is exactly ``test auc=0.XXXX logloss=0.XXXX``.
+
+The 26 tables, their features, optimizer, sharding and memory budget are an ``ec.EmbeddingSpec``:
+the one the flags build (``--dim``, ``--raw-ids`` / ``--hash-buckets``, ``--capacity``,
+``--embedding-lr``, ``--embedding-optimizer``, ``--sharding``, ``--memory-budget``), which
+``--write-spec FILE`` writes as JSON, or the one ``--spec FILE`` reads (those flags are then
+refused: the file says it). The dense part takes D from it.
 
 Everything it writes goes under ``--out``:
 
@@ -53,7 +61,13 @@ from criteo.data import (  # noqa: E402
 )
 from criteo.generate import SYNTHETIC_NOTE, generate  # noqa: E402
 from criteo.metrics import log_loss, roc_auc  # noqa: E402
-from criteo.model import DLRM, ModelConfig, as_model_config  # noqa: E402
+from criteo.model import (  # noqa: E402
+    DLRM,
+    ModelConfig,
+    as_model_config,
+    config_from_spec,
+    embedding_spec,
+)
 
 try:  # optional: a progress bar
     from tqdm import tqdm
@@ -64,9 +78,16 @@ SYNTHETIC_WARNING = (f"*** {SYNTHETIC_NOTE}. Point --data at Criteo's files (Kag
                      f"train.txt or the 1TB day files) for real results. ***")
 
 
+# The flags that build the tables' spec, with their defaults; --spec FILE replaces them.
+TABLE_FLAGS = {"dim": 128, "raw_ids": True, "hash_buckets": None, "capacity": None,
+               "embedding_lr": 0.005, "embedding_optimizer": "adagrad", "sharding": "auto",
+               "memory_budget": None}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    table = {"default": argparse.SUPPRESS}  # to tell the flags given from the defaults
     d = p.add_argument_group("data")
     d.add_argument("--data", type=Path, default=None,
                    help="directory holding train.txt (or train.txt.gz) and optionally "
@@ -85,7 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     d.add_argument("--skip-bad", action="store_true",
                    help="skip malformed lines (and count them) instead of stopping at the first")
     m = p.add_argument_group("model (MLPerf DLRM-DCNv2's sizes by default)")
-    m.add_argument("--dim", type=int, default=128, help="D of the 26 tables")
+    m.add_argument("--spec", type=Path, default=None,
+                   help="the tables as data: an ec.EmbeddingSpec JSON file (features C1 ... C26, "
+                        "their tables, optimizer, sharding, memory budget; all tables of one "
+                        "dim, which the dense part takes), e.g. examples/criteo/spec.json. "
+                        "Replaces the flags that build the tables (--dim, --raw-ids, "
+                        "--hash-buckets, --capacity, --embedding-lr, --embedding-optimizer, "
+                        "--sharding, --memory-budget)")
+    m.add_argument("--write-spec", type=Path, default=None,
+                   help="write the spec the flags build to this JSON file and exit (a "
+                        "fractional --capacity counts the ids in --data first)")
+    m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default 128)")
     m.add_argument("--bottom-mlp", type=int, nargs="+", default=[512, 256, 128],
                    help="bottom MLP widths over the 13 counts")
     m.add_argument("--top-mlp", type=int, nargs="+", default=[1024, 1024, 512, 256],
@@ -94,13 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--cross-rank", type=int, default=512, help="rank of each cross layer")
     i = p.add_argument_group("ids and tables")
     ids = i.add_mutually_exclusive_group()
-    ids.add_argument("--raw-ids", action="store_true", default=True,
+    ids.add_argument("--raw-ids", action="store_true", **table,
                      help="(default) the 32-bit hashes as raw ids in dynamic tables "
                           "(ec.DynamicVocabulary), missing: -1")
-    ids.add_argument("--hash-buckets", type=int, nargs="+", default=None,
+    ids.add_argument("--hash-buckets", type=int, nargs="+", **table,
                      help="MLPerf-style: id %% N into static tables of N rows (one N for all "
                           "features, or 26)")
-    i.add_argument("--capacity", type=float, default=None,
+    i.add_argument("--capacity", type=float, **table,
                    help="--raw-ids: rows per dynamic table: an integer > 1, or a fraction in "
                         "(0, 1] of each feature's distinct training ids (counted by one extra "
                         "pass over the data; never below the batch size, or the feature's "
@@ -112,13 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--batch-size", type=int, default=4096, help="examples per step, all "
                    "processes")
     t.add_argument("--lr", type=float, default=0.005, help="the dense part's Adagrad rate")
-    t.add_argument("--embedding-lr", type=float, default=0.005, help="the tables' Adagrad rate")
-    t.add_argument("--embedding-optimizer", choices=("adagrad", "rowwise_adagrad"),
-                   default="adagrad",
-                   help="ec.Adagrad (an accumulator per entry) or ec.RowwiseAdagrad (per row, "
-                        "as MLPerf's reference)")
+    t.add_argument("--embedding-lr", type=float, **table,
+                   help="the tables' Adagrad rate (default 0.005)")
+    t.add_argument("--embedding-optimizer", choices=("adagrad", "rowwise_adagrad"), **table,
+                   help="ec.Adagrad (an accumulator per entry; the default) or "
+                        "ec.RowwiseAdagrad (per row, as MLPerf's reference)")
     t.add_argument("--seed", type=int, default=0, help="seeds the model (and --synthetic data)")
-    t.add_argument("--memory-budget", default=None,
+    t.add_argument("--memory-budget", **table,
                    help="bytes of fast memory per process for tables, slots and caches (e.g. "
                         "8GiB): tables beyond it train from files under --offload-dir with "
                         "their hot rows cached, exactly (static tables: use --hash-buckets; "
@@ -130,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the tables and the dense part train")
     t.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default)")
-    t.add_argument("--sharding", default="auto", choices=[*ec.plan.STRATEGIES, "auto"],
-                   help="how the tables are split under torchrun (several processes)")
+    t.add_argument("--sharding", choices=[*ec.plan.STRATEGIES, "auto"], **table,
+                   help="how the tables are split under torchrun (several processes; default "
+                        "auto)")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/criteo"),
                    help="directory for checkpoints, metrics.jsonl and curves.png")
@@ -144,6 +176,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a tqdm progress bar (when tqdm is installed)")
     args = p.parse_args(argv)
+    given = [f"--{k.replace('_', '-')}" for k in TABLE_FLAGS if hasattr(args, k)]
+    if args.spec is not None and given:
+        p.error(f"--spec {args.spec} declares the tables: leave out {', '.join(given)} (edit "
+                f"the spec instead)")
+    if args.spec is not None and args.write_spec is not None:
+        p.error("--write-spec writes the spec the flags build; with --spec there is none to "
+                "write (copy the file)")
+    for k, v in TABLE_FLAGS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
     for name in ("epochs", "batch_size", "keep_checkpoints", "log_every", "dim", "cross_rank",
                  "synthetic_lines"):
         if getattr(args, name) < 1:
@@ -153,7 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if min(args.bottom_mlp + args.top_mlp) < 1:
         p.error("--bottom-mlp and --top-mlp widths must be >= 1")
-    if args.synthetic == (args.data is not None):
+    sources = args.synthetic + (args.data is not None)
+    if sources > 1 or (sources == 0 and args.write_spec is None):  # --write-spec may need none
         p.error("pass either --data DIR (Criteo's files) or --synthetic")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
@@ -206,13 +249,13 @@ def barrier() -> None:
 class Dataset:
     """Where the training and test examples come from, and how to read them."""
 
-    def __init__(self, args: argparse.Namespace, directory: Path, synthetic: dict | None):
+    def __init__(self, args: argparse.Namespace, directory: Path, synthetic: dict | None,
+                 hash_buckets: list[int] | None):
         self.directory, self.synthetic = directory, synthetic
         self.train_path = self._find(directory, "train.txt", required=True)
         test = self._find(directory, "test.txt", required=False)
         self.test_path = test if test is not None and has_labels(test) else None
-        self.buckets = args.hash_buckets
-        self.common = {"hash_buckets": args.hash_buckets, "skip_bad": args.skip_bad,
+        self.common = {"hash_buckets": hash_buckets, "skip_bad": args.skip_bad,
                        "limit": args.limit}
         self.holdout = {} if self.test_path else {"holdout_every": args.holdout_every}
         self.unlabeled_test = test is not None and self.test_path is None
@@ -233,18 +276,21 @@ class Dataset:
                 + (" (test.txt has no labels)" if self.unlabeled_test else ""))
         return f"train {self.train_path}, test {test}"
 
-    def train(self, batch_size: int, stats: ReadStats, start_after: int = 0
-              ) -> Iterator[Any]:
+    def train(self, batch_size: int, stats: ReadStats, share: tuple[int, int],
+              start_after: int = 0) -> Iterator[Any]:
+        """This process's share (``batch[rank::world]``) of each global batch of train.txt's
+        training part; ``stats`` counts the global batches."""
         part = {"part": "train", **self.holdout} if self.holdout else {}
         return read_batches(self.train_path, batch_size, stats=stats, start_after=start_after,
-                            labeled=True, **self.common, **part)
+                            labeled=True, share=share, **self.common, **part)
 
-    def test(self, batch_size: int, stats: ReadStats) -> Iterator[Any]:
+    def test(self, batch_size: int, stats: ReadStats, share: tuple[int, int]
+             ) -> Iterator[Any]:
         if self.test_path is not None:
             return read_batches(self.test_path, batch_size, stats=stats, labeled=True,
-                                **self.common)
+                                share=share, **self.common)
         return read_batches(self.train_path, batch_size, stats=stats, labeled=True,
-                            part="test", **self.holdout, **self.common)
+                            part="test", share=share, **self.holdout, **self.common)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the run it continues."""
@@ -255,13 +301,17 @@ class Dataset:
                 "train_bytes": self.train_path.stat().st_size, **self.common, **self.holdout}
 
 
-def capacities(args: argparse.Namespace, data: Dataset, say: Callable[..., None]
+def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
                ) -> tuple[int, ...]:
     if not args.raw_ids:
         sizes = args.hash_buckets * (NUM_SPARSE if len(args.hash_buckets) == 1 else 1)
         return tuple(int(s) for s in sizes)
     if args.capacity > 1:
         return (int(args.capacity),) * NUM_SPARSE
+    if data is None:
+        raise ValueError(f"--capacity {args.capacity} (a fraction) counts each feature's "
+                         f"distinct ids in the data: pass --data DIR (or --synthetic), or an "
+                         f"integer --capacity")
     say(f"counting the distinct ids of each feature for --capacity {args.capacity} (one pass; "
         f"pass an integer --capacity to skip it)", flush=True)
     part = {"part": "train", **data.holdout} if data.holdout else {}
@@ -272,14 +322,71 @@ def capacities(args: argparse.Namespace, data: Dataset, say: Callable[..., None]
                      min(int(n), args.batch_size)) for n in distinct)
 
 
+# --------------------------------------------------------------------------------- the tables
+def dense_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The ModelConfig fields of the dense part (the flags')."""
+    return {"bottom": tuple(args.bottom_mlp), "cross_layers": args.cross_layers,
+            "cross_rank": args.cross_rank, "top": tuple(args.top_mlp)}
+
+
+def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
+               ) -> tuple[ModelConfig, ec.EmbeddingSpec]:
+    """The model config and the tables' spec that the flags describe."""
+    config = ModelConfig(capacities=capacities(args, data, say), dim=args.dim,
+                         raw_ids=args.raw_ids, **dense_sizes(args))
+    # Accumulators start at 0 as torch's Adagrad (MLPerf's reference), not at TF's 0.1.
+    opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
+    optimizer = opt_class(learning_rate=args.embedding_lr, initial_accumulator_value=0.0)
+    return config, embedding_spec(config, optimizer, sharding=args.sharding,
+                                  memory_budget=args.memory_budget)
+
+
+def read_spec(path: Path) -> ec.EmbeddingSpec:
+    """The EmbeddingSpec in the JSON file ``path``.
+
+    Raises:
+        ValueError: no such file, not JSON, or not a spec (naming the file and the part).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--spec {path}: cannot read it ({e.strerror or e})") from None
+    try:
+        return ec.EmbeddingSpec.from_dict(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--spec {path}: not JSON ({e})") from None
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--spec {path}: {e}") from None
+
+
+def spec_json(spec: ec.EmbeddingSpec) -> str:
+    """``spec.to_dict()`` as JSON for people to edit: a line per table and per feature."""
+    d = spec.to_dict()
+    lines = []
+    for key, value in d.items():
+        if key in ("tables", "features") and isinstance(value, dict) and value:
+            inner = ",\n".join(f"    {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            lines.append(f"  {json.dumps(key)}: {{\n{inner}\n  }}")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
+def spec_differences(saved: Any, given: Any, path: str = "") -> list[str]:
+    """Where two specs' dicts differ, as ``"tables.C3.dim: 16 there, 8 now"``."""
+    if isinstance(saved, dict) and isinstance(given, dict):
+        return [d for k in dict.fromkeys([*saved, *given])
+                for d in spec_differences(saved.get(k, "absent"), given.get(k, "absent"),
+                                          f"{path}.{k}" if path else str(k))]
+    return [] if saved == given else [f"{path}: {saved!r} there, {given!r} now"]
+
+
 # --------------------------------------------------------------------------------- steps
-def to_torch(batch: Any, device: str, rank: int, world: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This process's share (every world-th example) of a batch, as tensors on ``device``."""
-    sl = slice(rank, None, world)
-    return (torch.from_numpy(batch.dense[sl]).to(device),  # (b, 13)
-            torch.from_numpy(batch.sparse[sl]).to(device),  # (b, 26)
-            torch.from_numpy(batch.label[sl]).to(device))  # (b,)
+def to_torch(batch: Any, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A process's share of a batch (``read_batches(share=...)``), as tensors on ``device``."""
+    return (torch.from_numpy(batch.dense).to(device),  # (b, 13)
+            torch.from_numpy(batch.sparse).to(device),  # (b, 26)
+            torch.from_numpy(batch.label).to(device))  # (b,)
 
 
 @torch.no_grad()
@@ -289,8 +396,8 @@ def evaluate(model: DLRM, data: Dataset, device: str, rank: int, world: int,
     model.eval()
     stats = ReadStats()
     labels, probs = [], []
-    for batch in data.test(batch_size, stats):
-        dense, sparse, label = to_torch(batch, device, rank, world)
+    for batch in data.test(batch_size, stats, share=(rank, world)):
+        dense, sparse, label = to_torch(batch, device)
         probs.append(torch.sigmoid(model(dense, sparse)).double().cpu().numpy())
         labels.append(label.cpu().numpy())
     y = np.concatenate(labels) if labels else np.zeros(0)
@@ -357,6 +464,16 @@ def restore_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer
     if config != model.config:
         raise ValueError(f"{ckpt} holds a model with {config}, but the flags give "
                          f"{model.config}; resume with the same model flags")
+    # The tables' spec, from the checkpoint's manifest; the memory budget may change (the
+    # results are exact under any budget).
+    saved_spec = ec.EmbeddingSpec.from_checkpoint(ckpt / "embedding").to_dict()
+    differ = [d for d in spec_differences(saved_spec, model.spec.to_dict())
+              if not d.startswith("memory_budget:")]
+    if differ:
+        raise ValueError(f"{ckpt} was written with another spec of the tables ("
+                         f"{'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}); "
+                         f"resume with the same spec (--spec, or the flags that build it), or "
+                         f"leave out --resume")
     ec.load(ckpt / "embedding", model.embedding)
     model.dense_arch.load_state_dict(dense["dense_arch"])
     dense_opt.load_state_dict(dense["optimizer"])
@@ -406,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     rank, world, args.device = init_processes(args.device)
     try:
-        if not args.synthetic:
+        if not args.synthetic:  # no --data: --write-spec only
             return _run(args, args.data, None, rank, world)
         with tempfile.TemporaryDirectory(prefix="criteo-synthetic-") as tmp:
             info = generate(tmp, train_lines=args.synthetic_lines,
@@ -418,35 +535,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
-def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank: int,
+def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | None, rank: int,
          world: int) -> dict[str, Any]:
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
                          f"processes ({world})")
-    data = Dataset(args, directory, synthetic)
+    spec = config = buckets = None
+    if args.spec is not None:  # the tables as data: the dense part takes D from them
+        spec = read_spec(args.spec)
+        try:
+            config = config_from_spec(spec, **dense_sizes(args))
+        except ValueError as e:
+            raise ValueError(f"--spec {args.spec}: {e}") from None
+        if not config.raw_ids:  # static tables: the reader hashes the ids into their rows
+            rows = sorted(set(config.capacities))
+            buckets = rows if len(rows) == 1 else list(config.capacities)
+    elif args.hash_buckets is not None:
+        buckets = list(args.hash_buckets)
+    data = Dataset(args, directory, synthetic, buckets) if directory is not None else None
     if synthetic is not None:
         say(SYNTHETIC_WARNING)
         say(f"synthetic data: {synthetic['train_lines']:,} train / {synthetic['test_lines']:,} "
             f"test lines; best achievable test AUC {synthetic['best_test_auc']:.4f} (the true "
             f"click probabilities'), their log loss {synthetic['best_test_logloss']:.4f}")
-    say(f"data: {data.describe()}")
-    config = ModelConfig(capacities=capacities(args, data, say), dim=args.dim,
-                         bottom=tuple(args.bottom_mlp), cross_layers=args.cross_layers,
-                         cross_rank=args.cross_rank, top=tuple(args.top_mlp),
-                         raw_ids=args.raw_ids)
+    if data is not None:
+        say(f"data: {data.describe()}")
+    if spec is None:
+        config, spec = flags_spec(args, data, say)
+    if args.write_spec is not None:
+        if rank == 0:
+            args.write_spec.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(args.write_spec, lambda p: p.write_text(spec_json(spec)))
+        say(f"wrote the tables' spec to {args.write_spec}: edit it, then train with --spec "
+            f"{args.write_spec}")
+        return {"spec": str(args.write_spec)}
+    assert config is not None and data is not None
     say(f"tables: 26 x D {config.dim}, "
         + (f"dynamic (raw ids, LRU eviction), capacities {list(config.capacities)}"
-           if config.raw_ids else f"static, hashed rows {list(config.capacities)}"))
+           if config.raw_ids else f"static, hashed rows {list(config.capacities)}")
+        + (f", from {args.spec}" if args.spec is not None else ""))
 
     torch.manual_seed(args.seed)  # the tables' seeds and the dense part's initial weights
-    opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
-    model = DLRM(config, opt_class(learning_rate=args.embedding_lr,
-                                   initial_accumulator_value=0.0),
-                 device=args.device, sharding=args.sharding if world > 1 else None,
-                 memory_budget=args.memory_budget, offload_dir=args.offload_dir)
-    if args.memory_budget is not None:
-        say(f"memory budget {args.memory_budget}:\n{model.embedding.engine.plan}")
+    model = DLRM(config, spec=spec, device=args.device, offload_dir=args.offload_dir)
+    if spec.memory_budget is not None:
+        say(f"memory budget {spec.memory_budget}:\n{model.embedding.engine.plan}")
     if world > 1:
         say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
     dense_opt = torch.optim.Adagrad(model.dense_arch.parameters(), lr=args.lr, eps=1e-8)
@@ -489,9 +622,13 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
                     dynamic_ncols=True, disable=not args.progress or rank != 0)
                if tqdm is not None else None)
         window_loss, window_n, window_start = 0.0, 0, time.perf_counter()
-        for batch in data.train(args.batch_size, stats, start_after=position["line"]):
+        examples_read = 0
+        for batch in data.train(args.batch_size, stats, share=(rank, world),
+                                start_after=position["line"]):
             start = time.perf_counter()
-            dense, sparse, label = to_torch(batch, args.device, rank, world)
+            n = stats.examples - examples_read  # the global batch's size (all processes)
+            examples_read = stats.examples
+            dense, sparse, label = to_torch(batch, args.device)
             try:
                 logits = model(dense, sparse)  # (b,)
             except ValueError as e:
@@ -503,7 +640,7 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
             # sum / global batch: the engine sums row gradients over processes and the dense
             # gradients are summed below, so a step equals the one-process step on the batch
             loss = torch.nn.functional.binary_cross_entropy_with_logits(
-                logits, label, reduction="sum") / len(batch.label)
+                logits, label, reduction="sum") / n
             dense_opt.zero_grad(set_to_none=True)
             loss.backward()  # the engine updates the touched table rows here
             if world > 1:
@@ -513,13 +650,13 @@ def _run(args: argparse.Namespace, directory: Path, synthetic: dict | None, rank
             dense_opt.step()
             batch_loss = float(all_sum(loss.detach().double().cpu()))
             train_seconds += time.perf_counter() - start
-            train_examples += len(batch.label)
+            train_examples += n
             position["epoch_step"] += 1
             position["global_step"] += 1
-            position["examples"] += len(batch.label)
+            position["examples"] += n
             position["line"] = stats.lines
-            window_loss += batch_loss * len(batch.label)
-            window_n += len(batch.label)
+            window_loss += batch_loss * n
+            window_n += n
             if bar is not None:
                 bar.update()
                 bar.set_postfix(loss=f"{batch_loss:.4f}", refresh=False)
