@@ -99,8 +99,7 @@ def load_test_set(run: dict[str, Any], data: Path | None, synthetic: bool, work:
     train.py's ``Dataset``), from ``dense.pt``'s ``run`` record unless ``data`` / ``synthetic``
     say otherwise."""
     from criteo.train import Dataset
-    flags = SimpleNamespace(hash_buckets=run.get("hash_buckets"), skip_bad=run.get("skip_bad",
-                            False), limit=run.get("limit"),
+    flags = SimpleNamespace(skip_bad=run.get("skip_bad", False), limit=run.get("limit"),
                             holdout_every=run.get("holdout_every", 7))
     info = None
     if data is None and (synthetic or run.get("data") == "synthetic"):
@@ -113,14 +112,14 @@ def load_test_set(run: dict[str, Any], data: Path | None, synthetic: bool, work:
         data = work
     elif data is None:
         data = Path(run["data"]).parent  # the recorded train.txt's directory
-    return Dataset(flags, data, info), info
+    return Dataset(flags, data, info, run.get("hash_buckets")), info
 
 
 def scores(model: nn.Module, dataset: Any, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(labels, click probabilities) over the whole test set."""
     labels, probs = [], []
     with torch.no_grad():
-        for batch in dataset.test(batch_size, ReadStats()):
+        for batch in dataset.test(batch_size, ReadStats(), share=(0, 1)):
             logits = model(torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse))
             probs.append(torch.sigmoid(logits).double().numpy())
             labels.append(batch.label)
@@ -135,7 +134,7 @@ def export(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
     """Exports ``model`` (any batch size), saves it to ``path``, loads it back and compares its
     logits with the eager model's on the first ``batches`` test batches (bitwise)."""
     examples = []
-    for batch in dataset.test(batch_size, ReadStats()):
+    for batch in dataset.test(batch_size, ReadStats(), share=(0, 1)):
         examples.append((torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse)))
         if len(examples) == batches:
             break
