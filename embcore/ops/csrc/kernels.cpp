@@ -126,7 +126,7 @@ inline bool spin_until(Ready ready, int us) {
   }
 }
 
-constexpr int kHelperSpinUs = 50;  // a helper's wait for the next job before it sleeps
+constexpr int kHelperSpinUs = 300; // a helper's wait for the next job before it sleeps
 constexpr int kCallerSpinUs = 50;  // the caller's wait for claimed chunks before it sleeps
 constexpr uint64_t kClosed = 0xffffffffULL;  // chunk cursor of a finished job
 
