@@ -9,6 +9,10 @@ runs three conditions back to back, so that drift of this shared machine touches
 - busy: ``neighbour.py busy``, one other process keeping a core busy;
 - loader: ``neighbour.py loader``, a data-loader process pair producing the next batches.
 
+Neighbours run in this driver's session, as a data loader forked by the training job would
+(with ``sched_autogroup_enabled``, Linux shares the CPUs fairly between sessions first: a
+neighbour in another session caps any system at about one core of the two).
+
 It writes the ``contention`` section of benchmarks/RESULTS.md: each system's throughput in each
 condition, the ratio to its own quiet speed, and embcore's ratio to the best peer under the same
 condition. ``other CPU`` is the CPU other processes (the neighbour included) used during a run.
@@ -33,8 +37,11 @@ CONDITIONS = ("quiet", "busy", "loader")
 def start_neighbour(kind: str) -> subprocess.Popen | None:
     if kind == "quiet":
         return None
+    # its own process group (killed as one), in this session: Linux's autogroup shares the
+    # CPUs fairly between sessions, so a neighbour in another session would cap every system
+    # at one core whatever its threads do; in one session the scheduler shares them by thread
     p = subprocess.Popen([sys.executable, str(HERE / "neighbour.py"), kind],
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, text=True, process_group=0)
     line = p.stdout.readline()  # waits for "ready" (the loader imports torch first)
     if line.strip() != "ready":
         p.kill()
@@ -129,7 +136,8 @@ def main() -> None:
         f"versions: {run.versions(results)}",
         "- conditions, run back to back per system: quiet; busy (`neighbour.py busy`: one "
         "process spinning on a core); loader (`neighbour.py loader`: a DataLoader worker "
-        "producing W1-sized batches for its parent as fast as it can)",
+        "producing W1-sized batches for its parent as fast as it can); neighbours in the "
+        "benchmark's own session (one autogroup)",
         "",
         *lines,
         "",

@@ -358,24 +358,20 @@ def write_results(args, command, mach, load0, bw, results, lines, checks, prof, 
 
 
 def save_section(path: Path, mode: str, text: str) -> None:
-    """Replaces this mode's section of the results file; every other section is kept (the other
-    mode's, and hand-written ones such as the engineering log, in their order after these)."""
-    old = path.read_text() if path.exists() else ""
-    names = re.findall(r"<!-- begin ([\w-]+) -->", old)
-    sections = {}
-    for m in names:
-        begin, end = f"<!-- begin {m} -->", f"<!-- end {m} -->"
-        if end in old:
-            sections[m] = old[old.index(begin) + len(begin):old.index(end)].strip("\n")
-    sections[mode] = text.strip("\n")
-    order = [m for m in ("full", "quick") if m in sections]
-    order += [m for m in dict.fromkeys(names + [mode]) if m not in ("full", "quick")]
-    body = [f"<!-- begin {m} -->\n{sections[m]}\n<!-- end {m} -->" for m in order]
-    path.write_text("# embcore benchmark results\n\nWritten by `benchmarks/run.py` and "
-                    "`benchmarks/raw_ids.py` (see benchmarks/README.md); one section per mode "
-                    "(full, quick, w1-raw), the latest run of each.\n\n"
-                    + "\n\n".join(body) + "\n")
-
+    """Replaces this mode's section of the results file in place (between its ``<!-- begin
+    mode -->`` / ``<!-- end mode -->`` markers), or appends it; everything else in the file (other
+    modes' sections, hand-written ones such as the engineering log) is kept as it is."""
+    old = path.read_text() if path.exists() else (
+        "# embcore benchmark results\n\nWritten by `benchmarks/run.py`, `raw_ids.py` and "
+        "`contention.py` (see benchmarks/README.md), one marked section per mode, the latest "
+        "run of each; hand-written sections between them are kept.\n")
+    begin, end = f"<!-- begin {mode} -->", f"<!-- end {mode} -->"
+    block = f"{begin}\n{text.strip(chr(10))}\n{end}"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(new)
 
 if __name__ == "__main__":
     main()

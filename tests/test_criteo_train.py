@@ -15,7 +15,7 @@ import torch
 import embcore as ec
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
-from criteo import train  # noqa: E402
+from criteo import serve, train  # noqa: E402
 from criteo.generate import generate  # noqa: E402
 from criteo.generate import KAGGLE_CARDINALITIES  # noqa: E402
 from criteo.model import (  # noqa: E402
@@ -57,6 +57,37 @@ def test_model_shapes(raw_ids):
     assert model.dense_arch.cross.down[0].weight.shape == (3, 108)
     with pytest.raises(ValueError, match="26 sizes"):
         tiny_config(capacities=(7,) * 25)
+
+
+def test_the_logistic_regression_baseline_is_one(tmp_path, capsys):
+    """--model logreg: logit = w . dense + b + the 26 looked-up weights (tables of dim 1,
+    starting at 0); it trains, serves and refuses another dim."""
+    config = tiny_config(dim=1, arch="logreg")
+    model = DLRM(config, ec.SGD(learning_rate=0.5))
+    dense, sparse = torch.rand(5, 13), torch.randint(-1, 2**32, (5, 26))
+    assert torch.equal(model(dense, sparse), torch.zeros(5))  # every weight starts at 0
+    with torch.no_grad():
+        model.dense_arch.dense.weight.normal_()
+        model.dense_arch.dense.bias.fill_(0.25)
+    model.eval()
+    weights = model.embedding.engine.lookup({n: sparse[:, j] for j, n in enumerate(FEATURES)})
+    expected = (dense @ model.dense_arch.dense.weight.T).squeeze(-1) + 0.25 + torch.cat(
+        [weights[n] for n in FEATURES], dim=1).sum(dim=1)
+    torch.testing.assert_close(model(dense, sparse), expected)
+    with pytest.raises(ValueError, match="dim 1"):
+        tiny_config(dim=4, arch="logreg")
+    out = tmp_path / "lr"
+    result = train.main(["--synthetic", "--synthetic-lines", "640", "--out", str(out),
+                         "--model", "logreg", "--batch-size", "64", "--no-progress",
+                         "--threads", "1", "--lr", "0.1", "--embedding-lr", "0.1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert LAST_LINE.fullmatch(lines[-1]) and "logistic regression" in "\n".join(lines)
+    assert 0.5 < result["test_auc"] <= 1
+    served = serve.main(["--run", str(out)])
+    assert served["results"]["fp32"]["test_auc"] == result["test_auc"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--synthetic", "--model", "logreg", "--dim", "4"])
+    assert "dim 1" in capsys.readouterr().err
 
 
 def test_cross_layer_formula():

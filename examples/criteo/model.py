@@ -30,6 +30,7 @@ choice, plain Adagrad (one accumulator per entry) the default asked for here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from torch import nn
 import embcore as ec
 
 NUM_DENSE, NUM_SPARSE = 13, 26
+ARCHS = ("dcnv2", "logreg")
 FEATURES = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))  # feature j uses table "C{j+1}"
 
 
@@ -55,8 +57,14 @@ class ModelConfig:
     top: tuple[int, ...] = (1024, 1024, 512, 256)  # top MLP hidden widths (then 1 logit)
     raw_ids: bool = True  # dynamic tables taking raw ids; else static, pre-hashed ids
     eviction: str = "lru"
+    arch: str = "dcnv2"  # "dcnv2": DLRM-DCNv2; "logreg": logistic regression (D 1, no MLPs)
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.arch == "logreg" and self.dim != 1:
+            raise ValueError(f"a logistic regression has one weight per category value: its "
+                             f"tables have dim 1, got {self.dim}")
         if len(self.capacities) != NUM_SPARSE or min(self.capacities) < 1:
             raise ValueError(f"capacities must be 26 sizes >= 1, got {self.capacities}")
         for name in ("dim", "cross_rank"):
@@ -80,8 +88,11 @@ def as_model_config(values: Mapping[str, Any]) -> ModelConfig:
 def feature_config(config: ModelConfig) -> dict[str, ec.FeatureConfig]:
     """26 features, each with its own table named like the feature (C1 ... C26)."""
     dynamic = ec.DynamicVocabulary(eviction=config.eviction) if config.raw_ids else None
+    # a logistic regression's weights start at 0 (as its dense part's would in a GLM solver)
+    init = functools.partial(torch.nn.init.zeros_) if config.arch == "logreg" else None
     return {name: ec.FeatureConfig(
-        table=ec.TableConfig(vocabulary_size=cap, dim=config.dim, name=name, dynamic=dynamic),
+        table=ec.TableConfig(vocabulary_size=cap, dim=config.dim, name=name, dynamic=dynamic,
+                             initializer=init),
         name=name) for name, cap in zip(FEATURES, config.capacities, strict=True)}
 
 
@@ -195,11 +206,31 @@ class DenseArch(nn.Module):
         return self.top(self.cross(x)).squeeze(-1)  # (B,) logits
 
 
+class LinearArch(nn.Module):
+    """The baseline's dense part: a logistic regression's logit, ``w . dense + b`` plus the 26
+    looked-up weights (tables of dim 1: one weight per category value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(NUM_DENSE, 1)
+        nn.init.zeros_(self.dense.weight)
+        nn.init.zeros_(self.dense.bias)
+
+    def forward(self, dense: torch.Tensor, embeddings: list[torch.Tensor]) -> torch.Tensor:
+        return self.dense(dense).squeeze(-1) + torch.cat(embeddings, dim=1).sum(dim=1)  # (B,)
+
+
+def make_dense_arch(config: ModelConfig) -> nn.Module:
+    """The part of the model after the tables: ``DenseArch`` (DCN v2) or ``LinearArch``."""
+    return DenseArch(config) if config.arch == "dcnv2" else LinearArch()
+
+
 class DLRM(nn.Module):
     """DLRM-DCNv2: ``forward(dense (B, 13) float, sparse (B, 26) int64) -> logits (B,)``.
 
     Args:
-        config: the sizes.
+        config: the sizes; ``arch="logreg"`` makes the baseline instead, a logistic regression
+            (``LinearArch`` after tables of dim 1).
         embedding_optimizer: the engine's optimizer for the tables (e.g. ``ec.Adagrad``).
         spec: instead of ``embedding_optimizer``, ``sharding`` and ``memory_budget``: the tables
             as an ``ec.EmbeddingSpec`` (``config_from_spec(spec, ...)`` gives its config).
@@ -232,7 +263,7 @@ class DLRM(nn.Module):
         self.config, self.spec = config, spec
         self.embedding = ec.EmbeddingLayer.from_spec(spec, device=device,
                                                      offload_dir=offload_dir)
-        self.dense_arch = DenseArch(config).to(device)
+        self.dense_arch = make_dense_arch(config).to(device)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         acts = self.embedding({name: sparse[:, j]

@@ -40,7 +40,8 @@ import embcore as ec  # noqa: E402
 from criteo.data import ReadStats  # noqa: E402
 from criteo.generate import SYNTHETIC_NOTE, generate  # noqa: E402
 from criteo.metrics import log_loss, roc_auc  # noqa: E402
-from criteo.model import FEATURES, DenseArch, ModelConfig, as_model_config  # noqa: E402
+from criteo.model import (FEATURES, ModelConfig, as_model_config,  # noqa: E402
+                          make_dense_arch)
 
 PRECISIONS: dict[str, str | None] = {"fp32": None, "fp16": "fp16", "int8": "int8"}
 
@@ -50,7 +51,7 @@ class ServingDLRM(nn.Module):
     (B,)``, the tables an ``ec`` serving module (plain torch ops, maybe quantized), the dense part
     as trained. ``torch.export``-able."""
 
-    def __init__(self, embedding: nn.Module, dense_arch: DenseArch) -> None:
+    def __init__(self, embedding: nn.Module, dense_arch: nn.Module) -> None:
         super().__init__()
         self.embedding = embedding
         self.dense_arch = dense_arch.eval()
@@ -76,7 +77,7 @@ def find_checkpoint(run: Path | None, checkpoint: Path | None) -> Path:
     return checkpoint
 
 
-def restore(checkpoint: Path) -> tuple[ec.EmbeddingLayer, DenseArch, ModelConfig, dict]:
+def restore(checkpoint: Path) -> tuple[ec.EmbeddingLayer, nn.Module, ModelConfig, dict]:
     """The trained tables (a layer built from the manifest's spec, parameters and id maps
     loaded, no optimizer slots read), the dense part, its config and ``dense.pt``'s content."""
     state = torch.load(checkpoint / "dense.pt", map_location="cpu", weights_only=True)
@@ -88,7 +89,7 @@ def restore(checkpoint: Path) -> tuple[ec.EmbeddingLayer, DenseArch, ModelConfig
         raise ValueError(f"{checkpoint}: the embedding spec's tables {sorted(names)} do not "
                          f"match the model's 26 tables of dim {config.dim}")
     ec.load(checkpoint / "embedding", layer, slots=False)
-    dense_arch = DenseArch(config)
+    dense_arch = make_dense_arch(config)
     dense_arch.load_state_dict(state["dense_arch"])
     return layer.eval(), dense_arch.eval(), config, state
 

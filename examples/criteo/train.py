@@ -116,7 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--write-spec", type=Path, default=None,
                    help="write the spec the flags build to this JSON file and exit (a "
                         "fractional --capacity counts the ids in --data first)")
-    m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default 128)")
+    m.add_argument("--model", choices=("dcnv2", "logreg"), default="dcnv2",
+                   help="dcnv2: DLRM-DCNv2; logreg: the logistic-regression baseline (a weight "
+                        "per category value in tables of dim 1, a linear term of the 13 counts; "
+                        "the MLP and cross flags do not apply)")
+    m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default 128; 1 with "
+                   "--model logreg)")
     m.add_argument("--bottom-mlp", type=int, nargs="+", default=[512, 256, 128],
                    help="bottom MLP widths over the 13 counts")
     m.add_argument("--top-mlp", type=int, nargs="+", default=[1024, 1024, 512, 256],
@@ -183,9 +188,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.spec is not None and args.write_spec is not None:
         p.error("--write-spec writes the spec the flags build; with --spec there is none to "
                 "write (copy the file)")
+    if args.model == "logreg" and not hasattr(args, "dim"):
+        args.dim = 1
     for k, v in TABLE_FLAGS.items():
         if not hasattr(args, k):
             setattr(args, k, v)
+    if args.model == "logreg" and args.dim != 1:
+        p.error(f"--model logreg: the tables hold one weight per value (dim 1), got --dim "
+                f"{args.dim}")
     for name in ("epochs", "batch_size", "keep_checkpoints", "log_every", "dim", "cross_rank",
                  "synthetic_lines"):
         if getattr(args, name) < 1:
@@ -326,7 +336,7 @@ def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[...
 def dense_sizes(args: argparse.Namespace) -> dict[str, Any]:
     """The ModelConfig fields of the dense part (the flags')."""
     return {"bottom": tuple(args.bottom_mlp), "cross_layers": args.cross_layers,
-            "cross_rank": args.cross_rank, "top": tuple(args.top_mlp)}
+            "cross_rank": args.cross_rank, "top": tuple(args.top_mlp), "arch": args.model}
 
 
 def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
@@ -584,9 +594,10 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
         say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
     dense_opt = torch.optim.Adagrad(model.dense_arch.parameters(), lr=args.lr, eps=1e-8)
     n_dense = sum(p.numel() for p in model.dense_arch.parameters())
-    say(f"model: DLRM-DCNv2, bottom {config.bottom}, {config.cross_layers} cross layers of "
-        f"rank {config.cross_rank} over width {config.interaction_width}, top {config.top}; "
-        f"{n_dense:,} dense parameters, {sum(config.capacities) * config.dim:,} table entries")
+    say((f"model: DLRM-DCNv2, bottom {config.bottom}, {config.cross_layers} cross layers of "
+         f"rank {config.cross_rank} over width {config.interaction_width}, top {config.top}; "
+         if config.arch == "dcnv2" else "model: logistic regression (the baseline); ")
+        + f"{n_dense:,} dense parameters, {sum(config.capacities) * config.dim:,} table entries")
 
     out: Path = args.out
     root = out / "checkpoints"
@@ -701,7 +712,8 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                         args.keep_checkpoints, rank)
         if rank == 0:
             write_metrics(out, history)
-            if not plot_curves(out, history, "DLRM-DCNv2 on "
+            title = "DLRM-DCNv2" if config.arch == "dcnv2" else "Logistic regression"
+            if not plot_curves(out, history, title + " on "
                                + ("SYNTHETIC data" if synthetic else "Criteo")) and epoch == 1:
                 say("curves.png is not written: matplotlib is not installed")
         say(f"epoch {epoch}/{args.epochs}: {position['examples']:,} examples trained, "
