@@ -115,14 +115,19 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spins until ready() or ``us`` microseconds have passed; returns ready().
+// Spins until ready() or ``us`` microseconds have passed; returns ready(). Every 64 turns it
+// yields the core, so that a thread waiting for it (the one it waits for, or another
+// process's) runs at once; on an idle core yielding returns at once.
 template <class Ready>
 inline bool spin_until(Ready ready, int us) {
   const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
   for (int k = 0;; ++k) {
     if (ready()) return true;
     cpu_relax();
-    if ((k & 63) == 63 && std::chrono::steady_clock::now() >= end) return ready();
+    if ((k & 63) == 63) {
+      if (std::chrono::steady_clock::now() >= end) return ready();
+      std::this_thread::yield();
+    }
   }
 }
 
@@ -196,9 +201,12 @@ class Pool {
 
   void helper(int index) {
     uint64_t seen = state_.load() >> 32;
+    bool woke_caller = false;
     for (;;) {
       auto fresh = [&] { return (state_.load() >> 32) != seen; };
-      if (!spin_until(fresh, kHelperSpinUs)) {
+      // A helper that had to wake the caller was late (another process holds the cores):
+      // it sleeps at once instead of spinning beside the caller it just woke.
+      if (woke_caller || !spin_until(fresh, kHelperSpinUs)) {
         std::unique_lock<std::mutex> lk(m_);
         sleepers_.fetch_add(1);
         work_cv_.wait(lk, fresh);
@@ -216,10 +224,12 @@ class Pool {
         fn(ctx, c);
         ++mine;
       }
+      woke_caller = false;
       if (mine == 0) continue;
       if (finished_.fetch_add(mine) + mine == n && caller_waiting_.load()) {
         std::lock_guard<std::mutex> lk(m_);
         done_cv_.notify_one();
+        woke_caller = true;
       }
     }
   }
