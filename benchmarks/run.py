@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import resource
-import re
 import subprocess
 import sys
 import tempfile
