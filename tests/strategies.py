@@ -73,32 +73,46 @@ def cases(draw, table: ec.TableConfig, allow_weights: bool = True) -> Case:
     return Case(feature, ids, w)
 
 
+def rounded(draw, lo: float, hi: float) -> float:
+    """A float in [lo, hi] rounded to 3 decimals (a bound like 1e-78 is 0 in float32, the
+    kernels' precision, but not in the float64 references: not what the tests are about)."""
+    return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+
+
+def common_options(draw) -> dict:
+    """The options every optimizer takes, drawn at random: gradient multiplier, gradient
+    clipping (scalar, one side or both), weight decay, weight clipping (each side or not)."""
+    kw = {}
+    if draw(st.booleans()):
+        c = rounded(draw, 0.1, 3.0)
+        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
+    clip = draw(st.sampled_from(["none", "scalar", "lo", "hi", "both"]))
+    a, b = sorted([rounded(draw, -1.0, 1.0), rounded(draw, -1.0, 1.0)])
+    if clip == "scalar":
+        kw["clipvalue"] = rounded(draw, 0.05, 2.0)
+    elif clip != "none":
+        kw["clipvalue"] = {"lo": (a, None), "hi": (None, b), "both": (a, b)}[clip]
+    if draw(st.booleans()):
+        kw["weight_decay_factor"] = rounded(draw, 0.0, 0.5)
+        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
+    wmin, wmax = sorted([rounded(draw, -2.0, 0.5), rounded(draw, -0.5, 2.0)])
+    if draw(st.booleans()):
+        kw["clip_weight_min"] = wmin
+    if draw(st.booleans()):
+        kw["clip_weight_max"] = wmax
+    return kw
+
+
 @st.composite
 def any_optimizer(draw, dense_adam: bool = True):
     """(optimizer, lr, step): every embcore optimizer (``dense_adam``: Adam(lazy_adam=False)
     too), its own hyper-parameters and the common options drawn at random (rounded to 3
     decimals)."""
     def num(lo, hi):
-        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
+        return rounded(draw, lo, hi)
 
     lr = num(0.01, 1.0)
-    kw = {}
-    if draw(st.booleans()):
-        c = num(0.1, 3.0)
-        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
-    clip = draw(st.sampled_from(["none", "scalar", "both", "one side"]))
-    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
-    if clip == "scalar":
-        kw["clipvalue"] = num(0.05, 2.0)
-    elif clip == "both":
-        kw["clipvalue"] = (a, b)
-    elif clip == "one side":
-        kw["clipvalue"] = draw(st.sampled_from([(None, b), (a, None)]))
-    if draw(st.booleans()):
-        kw["weight_decay_factor"] = num(0.0, 0.5)
-        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
-    if draw(st.booleans()):
-        kw["clip_weight_min"], kw["clip_weight_max"] = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
+    kw = common_options(draw)
     kind = draw(st.sampled_from(["sgd", "adagrad", "rowwise", "momentum", "adam", "ftrl"]))
     init = draw(st.sampled_from([0.0, 0.1, 1.0]))
     if kind == "sgd":

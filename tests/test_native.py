@@ -27,7 +27,7 @@ from embcore.ops import native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import _hyper
-from strategies import jagged
+from strategies import common_options, jagged, rounded
 from switches import kernels
 
 requires_native = pytest.mark.skipif(
@@ -214,40 +214,12 @@ def test_lookup_large_batch_threaded(scaled):
 # ----------------------------------------------------------------------------- sparse update
 @st.composite
 def optimizers(draw):
-    """(kind, optimizer, lr, step) with random options.
-
-    Hyper-parameters are rounded to 3 decimals: a bound like 1e-78 is 0 in float32 (the kernels'
-    precision) but not in the float64 reference, which is not what these tests are about.
-    """
+    """(kind, optimizer, lr, step): a rule of the fused kernel with random common options
+    (strategies.common_options; hyper-parameters rounded to 3 decimals)."""
     kind = draw(st.sampled_from(sorted(RULES)))
-
-    def num(lo, hi):
-        return draw(st.floats(lo, hi).map(lambda x: round(x, 3)))
-
-    lr = num(0.01, 1.0)
+    lr = rounded(draw, 0.01, 1.0)
     step = draw(st.integers(0, 5))
-    kw = {}
-    if draw(st.booleans()):
-        c = num(0.1, 3.0)
-        kw["gradient_multiplier"] = lambda s, c=c: c * (s + 1) / 3
-    clip = draw(st.sampled_from(["none", "scalar", "lo", "hi", "both"]))
-    a, b = sorted([num(-1.0, 1.0), num(-1.0, 1.0)])
-    if clip == "scalar":
-        kw["clipvalue"] = num(0.05, 2.0)
-    elif clip == "lo":
-        kw["clipvalue"] = (a, None)
-    elif clip == "hi":
-        kw["clipvalue"] = (None, b)
-    elif clip == "both":
-        kw["clipvalue"] = (a, b)
-    if draw(st.booleans()):
-        kw["weight_decay_factor"] = num(0.0, 0.5)
-        kw["multiply_weight_decay_factor_by_learning_rate"] = draw(st.booleans())
-    wmin, wmax = sorted([num(-2.0, 0.5), num(-0.5, 2.0)])
-    if draw(st.booleans()):
-        kw["clip_weight_min"] = wmin
-    if draw(st.booleans()):
-        kw["clip_weight_max"] = wmax
+    kw = common_options(draw)
     if kind == "sgd":
         opt = ec.SGD(learning_rate=lr, **kw)
     else:
