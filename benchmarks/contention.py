@@ -107,6 +107,10 @@ def main() -> None:
                    help="only these systems (labels as in the table, e.g. embcore 'FBGEMM TBE')")
     run.add_runner_options(p, timeout=900)
     args = p.parse_args()
+    labels = sorted({s[0] for s in run.SYSTEMS})
+    unknown = sorted(set(args.systems or []) - set(labels))
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose among {labels}")
     args.retries = 0  # a neighbour is the point here: never re-run a disturbed system
     args.wait_idle = 0
     started = time.time()

@@ -167,6 +167,9 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
     args = p.parse_args()
+    for name in ("steps", "threads", "max_rows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.system is not None:
         args.size = args.size or "small"
         args.steps = args.steps or (4 if args.size == "mlperf" else 10)
