@@ -274,9 +274,10 @@ def test_sparse_update_direct_equals_reference(opt_case, n, d, data):
     check_update(kind, opt, lr, step, table, acc, rows, grads, new_table, new_acc)
 
 
-def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled):
+def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled, strided=False):
     """Output gradients split in slices, occurrences with ids, bags and scales, and the reference
-    row gradients (float64 sums of scale * grad_out[bag] per unique row)."""
+    row gradients (float64 sums of scale * grad_out[bag] per unique row). ``strided``: each slice
+    is a column slice of a wider tensor (row stride > D)."""
     rows_out = nnz if unit else sum(slice_rows)
     if unit:  # occurrence k is output row k: one slice, or the nnz rows split at random points
         cuts = sorted(torch.randint(0, nnz + 1, (len(slice_rows) - 1,), generator=gen).tolist())
@@ -288,6 +289,15 @@ def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled):
     grad_out = torch.randn(rows_out, d, generator=gen)
     grad_out[torch.rand(rows_out, generator=gen) < 0.2] = 0.0
     parts = [grad_out[a:b].clone() for a, b in zip(starts[:-1], starts[1:])]
+    if strided:  # column slices of wider tensors (torch.cat's backward): read with their strides
+        sliced = []
+        for p in parts:
+            pad = int(torch.randint(1, 9, (), generator=gen))
+            off = int(torch.randint(0, pad + 1, (), generator=gen))
+            wide = torch.randn(p.shape[0], d + pad, generator=gen)
+            wide[:, off:off + d] = p
+            sliced.append(wide[:, off:off + d])
+        parts = sliced
     ids = torch.randint(0, n, (nnz,), generator=gen)
     bags = None if unit else torch.randint(0, max(rows_out, 1), (nnz,), generator=gen)
     scales = None
@@ -308,15 +318,15 @@ def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled):
 @settings(max_examples=80, deadline=None)
 @given(optimizers(), st.integers(1, 25), st.sampled_from([1, 3, 8]), st.integers(0, 60),
        st.lists(st.integers(0, 6), min_size=1, max_size=4), st.booleans(), st.booleans(),
-       st.integers(0, 2**31 - 1))
+       st.booleans(), st.integers(0, 2**31 - 1))
 def test_sparse_update_from_occurrences_equals_reference(opt_case, n, d, nnz, slice_rows, unit,
-                                                         scaled, seed):
+                                                         scaled, strided, seed):
     kind, opt, lr, step = opt_case
     if not unit and sum(slice_rows) == 0:
         nnz = 0  # no output rows: no occurrences
     gen = torch.Generator().manual_seed(seed)
     table, acc = make_state(kind, opt, n, d, gen)
-    c = occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled)
+    c = occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled, strided)
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
     native.sparse_update(RULES[kind], new_table, new_acc, c["unique"], hyper_at(opt, lr, step),
                          c["parts"], c["starts"], c["unique_offsets"], c["order"], c["bags"],
@@ -343,7 +353,8 @@ def test_sparse_update_large_threaded(kind, mode):
         grads = torch.randn(1500, d, generator=gen)
         native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, [grads])
     else:
-        c = occurrence_case(gen, n, d, 4000, [900, 0, 1100, 500], unit=False, scaled=True)
+        c = occurrence_case(gen, n, d, 4000, [900, 0, 1100, 500], unit=False, scaled=True,
+                            strided=True)
         rows, grads = c["unique"], c["row_grads"]
         assert rows.numel() > 1000
         native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, c["parts"],
@@ -563,6 +574,14 @@ def test_sparse_update_reads_each_hyper_field_by_name():
     with pytest.raises(TypeError, match="native.Hyper"):
         native.sparse_update(native.SGD, table, None, torch.tensor([1]),
                              (0.1, 1.0, -INF, INF, 0.0, -INF, INF), [torch.ones(1, 4)])
+    hyper = native.Hyper(learning_rate=0.1)
+    with pytest.raises(ValueError, match="unit column stride"):  # the kernel reads rows as runs
+        native.sparse_update(native.SGD, table, None, torch.tensor([1]), hyper,
+                             [torch.ones(4, 2).t()], [0, 2], torch.tensor([0, 2]),
+                             torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="must be contiguous"):
+        native.sparse_update(native.SGD, table, None, torch.tensor([0, 1]), hyper,
+                             [torch.ones(2, 8)[:, :4]])
 
 
 # ----------------------------------------------------------------------- minmax, combiner scales

@@ -91,7 +91,8 @@ def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tens
 class OutputGrads:
     """The gradient of a physical table's output rows, as the features' parts (no copy).
 
-    ``parts[i]`` is the (R_i, D) contiguous gradient of output rows ``starts[i]:starts[i+1]``; the
+    ``parts[i]`` is the (R_i, D) gradient of output rows ``starts[i]:starts[i+1]``, any strides
+    (often a column slice of the dense part's wider gradient); the
     rows' gradients are the ``combine_backward`` of their concatenation (``row_gradients``), or
     are formed inside the fused update (ops/update.py) without it.
     """

@@ -35,8 +35,8 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 5  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
-# 4: ec_copy_rows, 5: ec_vocab_step's spare rows
+ABI_VERSION = 6  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+# 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -105,8 +105,8 @@ _SIGNATURES = {
     "ec_hyper_field": (ctypes.c_double, [_HP, ctypes.c_int]),
     "ec_concat_dedup": (_I, [_P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
-    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _HP,
-                                ctypes.c_int]),
+    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I,
+                                _HP, ctypes.c_int]),
     "ec_bag_of": (None, [_P, _I, _P]),
     "ec_copy_rows": (None, [_P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_int]),
     "ec_minmax": (None, [_P, _I, _P]),
@@ -439,8 +439,9 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         rows: (U,) distinct int64 rows.
         hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
         grads: the gradient source: with ``unique_offsets``, the output gradient rows split in
-            consecutive (R_i, D) contiguous float32 parts (rows ``starts[i]:starts[i+1]``);
-            without, one (U, D) tensor, row u the summed gradient of ``rows[u]``.
+            consecutive (R_i, D) float32 parts (rows ``starts[i]:starts[i+1]``), each with unit
+            column stride and any row stride (e.g. column slices of a wider gradient: no copy);
+            without, one contiguous (U, D) tensor, row u the summed gradient of ``rows[u]``.
         starts: (len(grads) + 1) first output row of each part.
         unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
@@ -449,13 +450,21 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     lib = _load()
     assert lib is not None
     n = len(grads)
+    for g in grads:
+        if g.dim() != 2 or g.dtype != torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
+            raise ValueError(f"sparse_update: gradient parts must be 2-D float32 with unit column "
+                             f"stride, got {tuple(g.shape)} {g.dtype} strides {g.stride()}")
+    if unique_offsets is None and not grads[0].is_contiguous():
+        raise ValueError("sparse_update: a (U, D) summed gradient must be contiguous")
     ptrs = _array(ctypes.c_void_p, n)(*[g.data_ptr() for g in grads])
     st = _array(ctypes.c_int64, n + 1)(*(starts if starts is not None else [0] * (n + 1)))
+    strides = _array(ctypes.c_int64, n)(*[g.stride(0) if g.shape[0] > 1 else g.shape[1]
+                                          for g in grads])
     if not isinstance(hyper, Hyper):
         raise TypeError(f"hyper must be a native.Hyper, got {type(hyper).__name__}")
     lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
                          rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
-                         _ptr(scales), ptrs, st, n, ctypes.byref(hyper), _threads())
+                         _ptr(scales), ptrs, st, strides, n, ctypes.byref(hyper), _threads())
 
 
 def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

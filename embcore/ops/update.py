@@ -66,7 +66,7 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         if isinstance(grad, OutputGrads):  # the backward fused into the update
             g = grad
             native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
-                                 [p.contiguous() for p in g.parts], g.starts,
+                                 [_unit_columns(p) for p in g.parts], g.starts,
                                  g.dedup.unique_offsets, g.dedup.order,
                                  None if g.bags.unit else g.bags.bag_of, g.bags.scales)
         else:
@@ -89,6 +89,12 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         slots[k].index_copy_(0, rows, v)
 
 
+def _unit_columns(part: torch.Tensor) -> torch.Tensor:
+    """``part`` itself when its columns are consecutive (a column slice of a wider gradient, as
+    ``torch.cat``'s backward gives: the kernel reads it with its row stride), else a copy."""
+    return part if part.shape[1] <= 1 or part.stride(1) == 1 else part.contiguous()
+
+
 def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
                 grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float,
                 gradient_multiplier: float | None) -> None:
@@ -97,7 +103,7 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
     hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
     if isinstance(grad, OutputGrads):  # the backward fused into the update
         g = grad
-        out = g.parts[0] if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
+        out = g.parts[0].contiguous() if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
         gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
                           g.dedup.unique_offsets, g.dedup.order,
                           None if g.bags.unit else g.bags.bag_of, g.bags.scales)

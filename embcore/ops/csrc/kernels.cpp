@@ -363,7 +363,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 5; }
+int ec_abi_version() { return 6; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -545,7 +545,8 @@ enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 //     scale(order[j]) * grad_row(bag(order[j])), in that order, where bag(k) = bags[k] (or k when
 //     bags is nullptr), scale(k) = scales[k] (or 1), and grad_row(b) is row b of the output
 //     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
-//     slices[i] (each (rows_i, D) row-major);
+//     slices[i], row r of it at slices[i] + r * strides[i] (D consecutive floats; strides
+//     nullptr: D, the slices are contiguous);
 //   - direct (uoff == nullptr): g = slices[0] row u.
 // Then, per row, with the fields of *hyper (EcHyper, built by embcore/ops/update.py):
 // g *= gradient_multiplier; g = clip(g, clip_min, clip_max); the rule (learning_rate);
@@ -553,8 +554,8 @@ enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 // accumulator take no step (0 / 0).
 void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
                       const i64* uoff, const i64* order, const i64* bags, const float* scales,
-                      const float* const* slices, const i64* starts, i64 nslices,
-                      const EcHyper* hyper, int nt) {
+                      const float* const* slices, const i64* starts, const i64* strides,
+                      i64 nslices, const EcHyper* hyper, int nt) {
   const float lr = float(hyper->learning_rate), gmul = float(hyper->gradient_multiplier);
   const float clo = float(hyper->clip_min), chi = float(hyper->clip_max);
   const float wd = float(hyper->weight_decay);
@@ -566,9 +567,9 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
   nt = threads_for((u_rows * 2 + occurrences) * d, nt);
 
   auto grad_row = [&](i64 b) -> const float* {
-    if (nslices == 1) return slices[0] + b * d;
+    if (nslices == 1) return slices[0] + b * (strides ? strides[0] : d);
     const i64 i = std::upper_bound(starts, starts + nslices + 1, b) - starts - 1;
-    return slices[i] + (b - starts[i]) * d;
+    return slices[i] + (b - starts[i]) * (strides ? strides[i] : d);
   };
 
   const i64 chunks = chunks_for((u_rows * 2 + occurrences) * d, nt);
