@@ -1,6 +1,7 @@
 """End-to-end DLRM-DCNv2 training steps: embcore against TorchRec, same dense model and batches.
 
     .venv/bin/python benchmarks/dlrm.py                          # both systems, both sizes
+    .venv/bin/python benchmarks/dlrm.py --size small --repeats 3   # medians of 3 interleaved
     .venv/bin/python benchmarks/dlrm.py --system embcore --size mlperf --json   # one run
 
 The model is examples/criteo/model.py's DLRM-DCNv2 (bottom MLP, 26 tables, low-rank cross
@@ -23,6 +24,11 @@ Sizes: ``mlperf`` is MLPerf's model (D 128, bottom 512-256-128, 3 cross layers o
 4096), where the tables weigh more. The embedding share is measured by timing the same steps
 with the dense part replaced by a linear read-out of the embeddings (the tables' forward,
 backward and update only): share = that time / the full step's.
+
+The ceiling: ``--system none`` times the dense part alone (the same model fed fixed embeddings,
+their gradient still computed), so ``step - dense part`` is what the tables add to a full step,
+and TorchRec's step / the dense part is the most any engine could gain over TorchRec with the
+same dense model (its tables taking no time at all).
 """
 
 from __future__ import annotations
@@ -87,6 +93,13 @@ def build(system: str, size: str, optimizer: str, rows: list[int], tables_only: 
     cfg = ModelConfig(capacities=tuple(rows), raw_ids=False, **SIZES[size])
     torch.manual_seed(0)
     dense_arch = Readout(NUM_SPARSE * cfg.dim) if tables_only else DenseArch(cfg)
+    if system == "none":  # the dense part alone: fixed embeddings (their gradient computed)
+        fixed = [torch.randn(BATCH, cfg.dim, requires_grad=True) for _ in range(NUM_SPARSE)]
+
+        def forward_dense(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+            return dense_arch(dense, fixed)
+
+        return forward_dense, list(dense_arch.parameters())
     if system == "embcore":
         import embcore as ec
         from criteo.model import DLRM
@@ -144,6 +157,10 @@ def one(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     full = measure(args.system, args.size, args.optimizer, args.max_rows, args.steps, False)
     tables = measure(args.system, args.size, args.optimizer, args.max_rows, args.steps, True)
+    if args.system == "none":
+        print(json.dumps({"system": "none", "size": args.size, "dense_ms_per_step": 1e3 * full,
+                          "readout_ms_per_step": 1e3 * tables}))
+        return
     versions = {"torch": torch.__version__}
     if args.system == "torchrec":
         import fbgemm_gpu
@@ -157,17 +174,20 @@ def one(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--system", choices=["embcore", "torchrec"], default=None,
-                   help="run one system in this process (default: both, each in a subprocess)")
+    p.add_argument("--system", choices=["embcore", "torchrec", "none"], default=None,
+                   help="run one system in this process (default: all, each in a subprocess); "
+                        "none: the dense part alone, fed fixed embeddings")
     p.add_argument("--size", choices=sorted(SIZES), default=None)
     p.add_argument("--optimizer", choices=["adagrad", "rowwise"], default="adagrad")
     p.add_argument("--max-rows", type=int, default=100_000)
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; mlperf 4)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each system, interleaved; the table shows their medians")
     p.add_argument("--json", action="store_true")
     p.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
     args = p.parse_args()
-    for name in ("steps", "threads", "max_rows"):
+    for name in ("steps", "threads", "max_rows", "repeats"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.system is not None:
@@ -177,29 +197,62 @@ def main() -> None:
         return
     results = []
     for size in [args.size] if args.size else ["small", "mlperf"]:
-        for system in ("embcore", "torchrec"):
-            py = sys.executable if system == "embcore" else args.peers_python
-            cmd = [py, __file__, "--system", system, "--size", size, "--optimizer",
-                   args.optimizer, "--max-rows", str(args.max_rows), "--threads",
-                   str(args.threads)] + (["--steps", str(args.steps)] if args.steps else [])
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-            res = json.loads(line[-1]) if r.returncode == 0 and line else {
-                "system": system, "size": size, "error": (r.stderr.strip() or "?")[-300:]}
-            results.append(res)
-            print(json.dumps(res), flush=True)
-    print("\n| size | system | examples/s | ms/step | tables' ms/step | embedding share | "
-          "vs TorchRec |\n|---|---|---|---|---|---|---|")
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):  # the systems interleaved: a slow spell hits all of them
+            for system in ("none", "embcore", "torchrec"):
+                py = args.peers_python if system == "torchrec" else sys.executable
+                cmd = [py, __file__, "--system", system, "--size", size, "--optimizer",
+                       args.optimizer, "--max-rows", str(args.max_rows), "--threads",
+                       str(args.threads)] + (["--steps", str(args.steps)] if args.steps else [])
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+                res = json.loads(line[-1]) if r.returncode == 0 and line else {
+                    "system": system, "size": size, "error": (r.stderr.strip() or "?")[-300:]}
+                runs.setdefault(system, []).append(res)
+                print(json.dumps(res), flush=True)
+        results += [median_run(rs) for rs in runs.values()]
+    print(table(results))
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One system's runs of one size as one: the median of each timing (an error if any failed)."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    out = dict(runs[0])
+    for key in ("ms_per_step", "tables_ms_per_step", "dense_ms_per_step", "readout_ms_per_step"):
+        if key in out:
+            out[key] = statistics.median(r[key] for r in runs)
+    if "ms_per_step" in out:
+        out["examples_per_s"] = 1e3 * BATCH / out["ms_per_step"]
+        out["embedding_share"] = out["tables_ms_per_step"] / out["ms_per_step"]
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The markdown table: per size and system, the step, the tables' cost and the ceiling."""
+    out = ["| size | system | examples/s | ms/step | step - dense part (ms) | tables' ms/step "
+           "(read-out) | embedding share | vs TorchRec | ceiling: tables free |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        if "error" in r:
-            print(f"| {r['size']} | {r['system']} | failed: {r['error'][-80:]} | | | | |")
+        if r["system"] == "none":
             continue
-        peer = next((q for q in results if q["size"] == r["size"]
-                     and q["system"] == "torchrec" and "error" not in q), None)
+        if "error" in r:
+            out.append(f"| {r['size']} | {r['system']} | failed: {r['error'][-80:]} | | | | | | |")
+            continue
+        same = [q for q in results if q["size"] == r["size"] and "error" not in q]
+        peer = next((q for q in same if q["system"] == "torchrec"), None)
+        dense = next((q["dense_ms_per_step"] for q in same if q["system"] == "none"), None)
         vs = f"{r['examples_per_s'] / peer['examples_per_s']:.2f}x" if peer else "-"
-        print(f"| {r['size']} | {r['system']} | {r['examples_per_s']:,.0f} | "
-              f"{r['ms_per_step']:.1f} | {r['tables_ms_per_step']:.1f} | "
-              f"{100 * r['embedding_share']:.0f}% | {vs} |")
+        extra = f"{r['ms_per_step'] - dense:.1f}" if dense else "-"
+        ceiling = (f"{peer['ms_per_step'] / dense:.2f}x"
+                   if dense and peer and r["system"] == "embcore" else "")
+        if dense and min(r["ms_per_step"], peer["ms_per_step"] if peer else dense) <= dense:
+            extra, ceiling = "below the noise", ""  # the dense part's run-to-run spread
+        out.append(f"| {r['size']} | {r['system']} | {r['examples_per_s']:,.0f} | "
+                   f"{r['ms_per_step']:.1f} | {extra} | {r['tables_ms_per_step']:.1f} | "
+                   f"{100 * r['embedding_share']:.0f}% | {vs} | {ceiling} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
