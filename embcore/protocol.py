@@ -112,6 +112,10 @@ class StepQueue:
             item.wait()
 
 
+def _applied(gradients: Any, warn_on_none: bool) -> None:
+    raise AssertionError("unreachable: TrainingStep.apply checks `applied` first")
+
+
 class TrainingStep:
     """A training batch of ``Embedding.training_step`` (the layer's forward): its activations,
     and ``apply`` its gradients once, whenever they come."""
@@ -132,3 +136,4 @@ class TrainingStep:
                                "backward through the same forward?)")
         self._apply(gradients, warn_on_none)
         self.applied = True
+        self._apply = _applied  # drop the batch now (the step may outlive it: autograd's ctx)
