@@ -566,10 +566,23 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
   const i64 occurrences = uoff ? uoff[u_rows] - uoff[0] : u_rows;
   nt = threads_for((u_rows * 2 + occurrences) * d, nt);
 
+  // Several slices: the address of every output row, written once here, so an occurrence
+  // costs one load rather than a binary search over the slices (30 ns an occurrence with 26
+  // slices, a quarter of the update's time).
+  thread_local std::vector<const float*> row_address;
+  const float* const* row_at = nullptr;
+  if (uoff && nslices > 1) {
+    row_address.resize(static_cast<size_t>(starts[nslices]));
+    for (i64 i = 0; i < nslices; ++i) {
+      const i64 step = strides ? strides[i] : d;
+      const float* p = slices[i];
+      for (i64 b = starts[i]; b < starts[i + 1]; ++b, p += step) row_address[size_t(b)] = p;
+    }
+    row_at = row_address.data();
+  }
+  const i64 stride0 = strides ? strides[0] : d;
   auto grad_row = [&](i64 b) -> const float* {
-    if (nslices == 1) return slices[0] + b * (strides ? strides[0] : d);
-    const i64 i = std::upper_bound(starts, starts + nslices + 1, b) - starts - 1;
-    return slices[i] + (b - starts[i]) * (strides ? strides[i] : d);
+    return row_at ? row_at[b] : slices[0] + b * stride0;
   };
 
   const i64 chunks = chunks_for((u_rows * 2 + occurrences) * d, nt);
