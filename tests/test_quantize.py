@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
@@ -45,6 +45,7 @@ def tables(draw) -> torch.Tensor:
 
 @settings(max_examples=300, deadline=None)
 @given(tables())
+@example(torch.tensor([[0.0, 0.0], [0.0, 3.565e-41]]))  # a subnormal step
 def test_int8_error_is_at_most_half_a_step_per_entry(table):
     q, scale, bias = quantize_int8_rowwise(table)
     assert q.dtype == torch.uint8 and scale.dtype == bias.dtype == torch.float32
@@ -55,10 +56,13 @@ def test_int8_error_is_at_most_half_a_step_per_entry(table):
     assert bool((err <= int8_tolerance(table, scale)).all()), (err, scale)
     constant = table.amax(dim=1) == table.amin(dim=1)  # (N,) come back exactly
     assert torch.equal(back[constant], table[constant]) and bool((scale[constant] == 0).all())
-    # the extremes are codes 0 and 255 (unless the step is 0: a constant row, or a range of a
-    # few subnormals whose 255th part rounds to 0)
+    # the extremes are codes 0 and 255, unless the step is 0 (a constant row, or a range of a
+    # few subnormals whose 255th part rounds to 0) or itself subnormal: then the step holds few
+    # bits and max / step may round to 254 (hypothesis found [0, 3.565e-41]: step 100 * 2^-149,
+    # max 254.4 steps), which the error bound above still covers
     assert bool((q.amin(dim=1) == 0).all())
-    assert bool((q.amax(dim=1)[scale > 0] == 255).all())
+    normal = scale >= torch.finfo(torch.float32).tiny
+    assert bool((q.amax(dim=1)[normal] == 255).all())
 
 
 def test_int8_huge_range_and_negative_rows():
