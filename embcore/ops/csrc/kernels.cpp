@@ -102,10 +102,10 @@ inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::
 // Here a kernel's work is cut into chunks that threads claim one at a time, in any order. The
 // calling thread claims chunks too and then waits only for chunks already claimed by others,
 // never for a helper that has not started: a late helper finds no chunk left and goes back to
-// waiting. Every wait spins for a few microseconds only, then sleeps, so that a descheduled
-// helper holding a chunk gets the core back at once. Chunk boundaries do not change results:
-// every kernel computes each output from one chunk in a fixed order (tested: 1 or 2 threads,
-// same bits).
+// waiting. Every wait spins briefly (the caller 50 us, a helper between jobs 300 us), yielding
+// the core every 64 turns, then sleeps, so that a descheduled helper holding a chunk gets the
+// core back soon. Chunk boundaries do not change results: every kernel computes each output
+// from one chunk in a fixed order (tested: 1 to 4 threads, same bits).
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -275,6 +275,16 @@ void parallel_chunks(i64 chunks, int nt, F&& f) {
               const_cast<void*>(static_cast<const void*>(&f)));
 }
 
+// Runs f(c, lo, hi) for each chunk c of [0, n), [lo, hi) cut by split_point(cumulative, n,
+// per_item, ...): chunks of about equal cost.
+template <class F>
+void parallel_ranges(i64 chunks, int nt, i64 n, const i64* cumulative, i64 per_item, F&& f) {
+  parallel_chunks(chunks, nt, [&](i64 c) {
+    f(c, split_point(cumulative, n, per_item, int(c), int(chunks)),
+      split_point(cumulative, n, per_item, int(c) + 1, int(chunks)));
+  });
+}
+
 // How many chunks a kernel of ``work`` floats touched cuts its work into on nt threads: 1 on
 // one thread, else about kChunkWork each, at least 4 per thread (so that a late thread's share
 // is small) and at most ``most``.
@@ -429,9 +439,7 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
       const int shift = pbits + p * width;
       const uint64_t* src = p == 0 ? key_out : key_in;
       uint64_t* dst = p == 0 ? key_in : key_out;
-      parallel_chunks(chunks, nt, [&](i64 c) {
-        const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
-        const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+      parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64 c, i64 lo, i64 hi) {
         i64* h = hist + c * buckets;
         std::fill(h, h + buckets, 0);
         if (p == 0) {
@@ -451,9 +459,7 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
           hist[q * buckets + b] = run;
           run += count;
         }
-      parallel_chunks(chunks, nt, [&](i64 c) {
-        const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
-        const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+      parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64 c, i64 lo, i64 hi) {
         i64* h = hist + c * buckets;
         for (i64 i = lo; i < hi; ++i) {
           const uint64_t k = src[i];
@@ -509,9 +515,8 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
   const i64 nnz = offsets ? offsets[r_rows] : r_rows;
   nt = threads_for(nnz * d, nt);
   const i64 chunks = chunks_for(nnz * d, nt);
-  parallel_chunks(chunks, nt, [&](i64 c) {  // chunks of bags of about equal cost
-    const i64 lo = split_point(offsets, r_rows, 1, int(c), int(chunks));
-    const i64 hi = split_point(offsets, r_rows, 1, int(c) + 1, int(chunks));
+  // chunks of bags of about equal cost
+  parallel_ranges(chunks, nt, r_rows, offsets, 1, [&](i64, i64 lo, i64 hi) {
     if (offsets == nullptr) {
       for (i64 r = lo; r < hi; ++r) {
         if (r + kPrefetch < hi) prefetch_read(table + ids[r + kPrefetch] * d, d);
@@ -586,9 +591,8 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
   };
 
   const i64 chunks = chunks_for((u_rows * 2 + occurrences) * d, nt);
-  parallel_chunks(chunks, nt, [&](i64 chunk) {  // chunks of rows of about equal cost
-    const i64 lo = split_point(uoff, u_rows, 2, int(chunk), int(chunks));
-    const i64 hi = split_point(uoff, u_rows, 2, int(chunk) + 1, int(chunks));
+  // chunks of rows of about equal cost
+  parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
     const i64 j_end = uoff ? uoff[hi] : 0;
     thread_local std::vector<float> gbuf, wbuf;
     gbuf.resize(static_cast<size_t>(d));
@@ -762,9 +766,7 @@ void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* ds
                   i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int nt) {
   nt = threads_for(n * (row_bytes / 4), nt);
   const i64 chunks = chunks_for(n * (row_bytes / 4), nt);
-  parallel_chunks(chunks, nt, [&](i64 c) {
-    const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
-    const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+  parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64, i64 lo, i64 hi) {
     for (i64 i = lo; i < hi; ++i) {
       if (i + kPrefetch < hi)
         prefetch_read(reinterpret_cast<const float*>(src + src_rows[i + kPrefetch] * src_stride),
@@ -825,9 +827,7 @@ i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* las
   nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
   const i64 chunks = chunks_for(n * 8, nt, 64);
   std::atomic<i64> missing{0};
-  parallel_chunks(chunks, nt, [&](i64 c) {
-    const i64 lo = split_point(nullptr, n, 0, int(c), int(chunks));
-    const i64 hi = split_point(nullptr, n, 0, int(c) + 1, int(chunks));
+  parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64, i64 lo, i64 hi) {
     i64 miss = 0;
     for (i64 i = lo; i < hi; ++i) {
       if (i + kPrefetch < hi)
