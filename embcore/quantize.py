@@ -56,8 +56,7 @@ class QuantizedTable:
     @property
     def nbytes(self) -> int:
         """Bytes held: the codes (or halves) and, for int8, 8 bytes of scale and bias a row."""
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.bias)
-                   if t is not None)
+        return sum(t.nbytes for t in (self.data, self.scale, self.bias) if t is not None)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """(n, D) float32: the rows ``index`` (n,) gathered, then dequantized."""
@@ -92,8 +91,9 @@ def quantize_int8_rowwise(table: torch.Tensor
     picks the nearest code of what dequantization will compute.
     """
     x = table.detach().double()  # (N, D)
-    bias = x.amin(dim=1).float()  # (N,) the row minima, stored
-    scale = ((x.amax(dim=1) - x.amin(dim=1)) / LEVELS).float()  # (N,)
+    lo = x.amin(dim=1)  # (N,)
+    bias = lo.float()  # the row minima, stored (exact: float32 values)
+    scale = ((x.amax(dim=1) - lo) / LEVELS).float()  # (N,)
     step = torch.where(scale > 0, scale.double(), 1.0)  # (N,) no division by zero
     q = ((x - bias.double()[:, None]) / step[:, None]).round().clamp(0, LEVELS)  # (N, D)
     q = torch.where(scale[:, None] > 0, q, 0.0)  # a constant row: bias alone

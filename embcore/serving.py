@@ -189,11 +189,7 @@ class ServingModule(torch.nn.Module):
 
     def table_bytes(self) -> dict[str, int]:
         """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
-        out = {}
-        for name in self.precisions:
-            t = self._table(name)
-            out[name] = t.nbytes if isinstance(t, QuantizedTable) else t.numel() * t.element_size()
-        return out
+        return {name: self._table(name).nbytes for name in self.precisions}
 
     def forward(self, features: Any, weights: Any = None) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
