@@ -20,6 +20,7 @@ import torch
 from . import __version__
 from .comm import Communicator, make_communicator
 from .config import TableConfig
+from .dense import DensePath
 from .features import Features, is_feature
 from .gradients import (apply_gradients, check_gradients, gradient_multipliers, learning_rates,
                         nonfinite_gradients)
@@ -138,6 +139,7 @@ class Embedding:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         self._seed = int(self._comm.all_gather(seed.to(self.device))[0].item())
         self._store: RowStore | None = None
+        self._dense: DensePath | None = None  # built with the store (dense.py)
         self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
 
@@ -212,6 +214,8 @@ class Embedding:
         self._queue.check_idle()
         if self._store is not None:
             self._store.to(device)
+            self._dense = DensePath.of(self._features, self._plan, self._store,
+                                       self._comm.world_size)
         self.device = device
         return self
 
@@ -220,7 +224,26 @@ class Embedding:
             configs = {n: t for t, n in self._features.table_names.items()}
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device,
                                    self._offload_dir)
+            self._dense = DensePath.of(self._features, self._plan, self._store,
+                                       self._comm.world_size)
         return self._store
+
+    def _prepare_dense(self, features: Any, weights: Any, training: bool,
+                       shapes: str) -> Prepared | None:
+        """The batch through the dense path (dense.py), or None when it does not take it."""
+        if weights is not None:
+            return None
+        self._built()
+        return self._dense.prepare(features, training, shapes) if self._dense else None
+
+    def _lookup(self, prepared: Prepared) -> tuple[list[torch.Tensor | None], Received]:
+        """``lookup`` (lookup.py), or the dense path's for a batch it prepared."""
+        store = self._built()
+        if prepared.dense and self._dense is not None:
+            flat = self._dense.lookup(prepared)
+            if flat is not None:
+                return flat, (None,) * len(prepared.tables)  # (no exchange, no map)
+        return lookup(prepared, store, self._comm)
 
     @_serialized
     def enqueue(self, features: Any, weights: Any = None, training: bool = True,
@@ -246,11 +269,15 @@ class Embedding:
                              f"pass optimizer= to Embedding (or to their TableConfig), or "
                              f"enqueue with training=False")
         training = bool(training)
+        if not self.pipeline_execution:
+            prepared = self._prepare_dense(features, weights, training, "learn")
+            if prepared is None:
+                bags = self._features.bags(features, weights, self.device)
+                prepared = preprocess(bags, self._features.tables, self._plan, training)
+            self._queue.put(training, prepared)
+            return
         bags = self._features.bags(features, weights, self.device)
         tables = self._features.tables
-        if not self.pipeline_execution:
-            self._queue.put(training, preprocess(bags, tables, self._plan, training))
-            return
         store = self._built()
 
         def stage() -> tuple[Prepared, list[Any] | None, Received]:
@@ -281,11 +308,13 @@ class Embedding:
         try:
             prepared = item.wait()
             if item.activations is None:  # (combine builds no graph: the store's need none)
-                item.activations, item.received = lookup(prepared, self._built(), self._comm)
+                item.activations, item.received = self._lookup(prepared)
         except BaseException:
             self._queue.discard(item)  # the batch is consumed; the engine takes the next one
             raise
         flat = [a.detach().requires_grad_(item.training) for a in item.activations]
+        if prepared.dense and self._dense is not None:
+            return self._dense.unflatten(flat)
         return self._features.unflatten(flat)
 
     @_serialized
@@ -314,13 +343,23 @@ class Embedding:
     def _apply(self, prepared: Prepared, received: Received, gradients: Any,
                warn_on_none: bool) -> None:
         """Checks everything, then applies a training batch's gradients (one step)."""
-        flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
         names, plan = self._features.names, self._plan
-        grads = check_gradients(prepared, flat, names, plan, warn_on_none)
+        flat = (self._dense.flat(gradients) if prepared.dense and self._dense is not None
+                else None)
+        dense = self._dense.gradients(prepared, flat) if flat is not None and self._dense else None
+        if flat is None:
+            flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
+        if dense is None:
+            grads = check_gradients(prepared, flat, names, plan, warn_on_none)
         gmul = gradient_multipliers(prepared, plan, self._step)  # these may raise: before any
         lrs = learning_rates(prepared, plan)  # write (and lrs last: a callable may count calls)
+        if dense is not None and self._dense is not None:  # (one kernel call per table)
+            self._queue.wait_all()  # background lookups read the tables: let them finish first
+            self._dense.update(prepared, dense, lrs, gmul)
+            self._step += 1
+            return
         nonfinite = nonfinite_gradients(prepared, grads, names, plan)
-        self._queue.wait_all()  # background lookups read the tables: let them finish first
+        self._queue.wait_all()
         apply_gradients(prepared, received, grads, self._built(), self._comm, self._step, lrs,
                         gmul, nonfinite)
         self._step += 1
@@ -341,10 +380,12 @@ class Embedding:
         if untrained:
             raise ValueError(f"tables {untrained} have no optimizer, so they cannot be trained; "
                              f"pass optimizer= to Embedding (or to their TableConfig)")
-        bags = self._features.bags(features, weights, self.device, learn=False)
-        prepared = preprocess(bags, self._features.tables, self._plan, True)
+        prepared = self._prepare_dense(features, weights, True, "check")
+        if prepared is None:
+            bags = self._features.bags(features, weights, self.device, learn=False)
+            prepared = preprocess(bags, self._features.tables, self._plan, True)
         self._queue.wait_all()
-        flat, received = lookup(prepared, self._built(), self._comm)
+        flat, received = self._lookup(prepared)
         return TrainingStep(functools.partial(self._apply, prepared, received),
                             self._features.unflatten(flat))
 
@@ -358,10 +399,13 @@ class Embedding:
         result mirror it.
         """
         template = self.feature_config if serving_config is None else serving_config
-        store = self._built()
-        bags, tables = self._features.serving_bags(template, features, weights, self.device)
+        prepared = (self._prepare_dense(features, weights, False, "any")
+                    if serving_config is None else None)
+        if prepared is None:
+            bags, tables = self._features.serving_bags(template, features, weights, self.device)
+            prepared = preprocess(bags, tables, self._plan, False)
         with torch.no_grad():
-            flat, _ = lookup(preprocess(bags, tables, self._plan, False), store, self._comm)
+            flat, _ = self._lookup(prepared)
         return unflatten_like(template, flat, is_feature)
 
     @_serialized

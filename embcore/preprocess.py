@@ -62,6 +62,7 @@ class Prepared:
     training: bool
     tables: tuple[TableBatch, ...]
     num_features: int               # F: the length of the flat activations and gradients
+    dense: bool = False             # made by the dense path (dense.py), which may look it up
 
 
 def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],

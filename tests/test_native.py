@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 from collections import Counter
 
@@ -671,6 +672,34 @@ def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
     w_unique, w_order, w_uoff = torch_dedup(want_ids)
     assert torch.equal(unique, w_unique) and torch.equal(order, w_order)
     assert torch.equal(uoff, w_uoff)
+
+
+@requires_native
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=4),
+       st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.02, 0.3]))
+def test_concat_dedup_limits_name_the_first_part_out_of_range(shapes, seed, bad_rate):
+    """With ``limits``, the result is the first part holding an id outside ``[0, limit)``
+    (negative or too large, int64 extremes included), else the same as without them."""
+    gen = torch.Generator().manual_seed(seed)
+    parts, limits = [], []
+    for n, limit in shapes:
+        p = torch.randint(0, limit, (n,), generator=gen)
+        bad = torch.rand(n, generator=gen) < bad_rate
+        wrong = torch.tensor([-1, limit, 2**63 - 1, -2**63, limit + 7])[
+            torch.randint(0, 5, (n,), generator=gen)]
+        parts.append(torch.where(bad, wrong, p))
+        limits.append(limit)
+    adds = list(itertools.accumulate([0] + limits[:-1]))
+    got = native.concat_dedup(parts, adds, sum(limits), limits)
+    first_bad = next((i for i, (p, lim) in enumerate(zip(parts, limits))
+                      if bool(((p < 0) | (p >= lim)).any())), None)
+    if first_bad is not None:
+        assert got == first_bad
+        return
+    assert not isinstance(got, int)
+    want = native.concat_dedup(parts, adds, sum(limits))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @requires_native

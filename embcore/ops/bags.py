@@ -115,8 +115,9 @@ def concat_dedup(parts: list[torch.Tensor], adds: list[int],
     """
     usable = native.usable(*parts)
     if num_rows is not None and usable:
-        ids, unique, order, uoff = native.concat_dedup([t.contiguous() for t in parts], adds,
-                                                       num_rows)
+        got = native.concat_dedup([t.contiguous() for t in parts], adds, num_rows)
+        assert not isinstance(got, int)  # (no limits: always a result)
+        ids, unique, order, uoff = got
         return ids, Dedup(unique, order, uoff)
     shifted = [t + a if a else t for t, a in zip(parts, adds)]
     ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)

@@ -35,8 +35,9 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 6  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
-# 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides
+ABI_VERSION = 7  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+# 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
+# 7: ec_concat_dedup's id limits
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -103,7 +104,7 @@ _SIGNATURES = {
     "ec_hyper_size": (_I, []),
     "ec_hyper_field_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ec_hyper_field": (ctypes.c_double, [_HP, ctypes.c_int]),
-    "ec_concat_dedup": (_I, [_P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
+    "ec_concat_dedup": (_I, [_P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
     "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I,
                                 _HP, ctypes.c_int]),
@@ -283,19 +284,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_local = threading.local()
+class _Local(threading.local):
+    single = False  # inside single_threaded() (a class default: a missing attribute would cost
+    #                 a caught AttributeError, a microsecond, on every kernel call)
+
+
+_local = _Local()
 
 
 def _threads() -> int:
     """Threads of a kernel: torch's count, or 1 on a thread inside ``single_threaded()``."""
-    return 1 if getattr(_local, "single", False) else torch.get_num_threads()
+    return 1 if _local.single else torch.get_num_threads()
 
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
     """Kernels called by this thread inside it run on one thread: the pipeline's background
     worker, whose helpers would otherwise take every core beside the caller's own."""
-    before = getattr(_local, "single", False)
+    before = _local.single
     _local.single = True
     try:
         yield
@@ -313,21 +319,27 @@ def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
     Returns:
         ``(unique (U,), order (nnz,), unique_offsets (U + 1,))``.
     """
-    _, unique, order, uoff = concat_dedup([ids], [0], num_rows)
+    got = concat_dedup([ids], [0], num_rows)
+    assert not isinstance(got, int)  # (no limits: always a result)
+    _, unique, order, uoff = got
     return unique, order, uoff
 
 
-def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: int,
+                 limits: Sequence[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
     """Concatenates ``parts[i] + adds[i]`` and deduplicates the result, in one call.
 
     Args:
         parts: contiguous int64 CPU id tensors (one per feature).
         adds: the row offset added to each part.
         num_rows: an upper bound of the shifted ids.
+        limits: None, or each part's bound: its ids must lie in ``[0, limits[i])`` (checked in
+            the same pass as the copy).
 
     Returns:
-        ``(ids (nnz,), unique (U,), order (nnz,), unique_offsets (U + 1,))``, views of one buffer.
+        ``(ids (nnz,), unique (U,), order (nnz,), unique_offsets (U + 1,))``, views of one
+        buffer; or, when ``limits`` are given and part ``i`` has an id outside its own, ``i``.
     """
     lib = _load()
     assert lib is not None
@@ -337,11 +349,16 @@ def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: i
     buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | unique_offsets]
     base = buf.data_ptr()
     bits = max(int(num_rows) - 1, 1).bit_length()
+    longs = _array(ctypes.c_int64, k)
     u = lib.ec_concat_dedup(_array(ctypes.c_void_p, k)(*[t.data_ptr() for t in parts]),
-                            _array(ctypes.c_int64, k)(*lens), _array(ctypes.c_int64, k)(*adds),
-                            k, bits, base, base + 8 * n, base + 16 * n, base + 24 * n,
-                            _threads())
-    return buf[:n], buf[2 * n:2 * n + u], buf[n:2 * n], buf[3 * n:3 * n + u + 1]
+                            longs(*lens), longs(*adds),
+                            None if limits is None else longs(*limits), k, bits, base,
+                            base + 8 * n, base + 16 * n, base + 24 * n, _threads())
+    if u < 0:
+        return -1 - u
+    # the four views in one call (a view costs about a microsecond: this runs every step)
+    ids, order, unique, _, uoff, _ = buf.split_with_sizes([n, n, u, n - u, u + 1, n - u])
+    return ids, unique, order, uoff
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
@@ -450,16 +467,19 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     lib = _load()
     assert lib is not None
     n = len(grads)
-    for g in grads:
-        if g.dim() != 2 or g.dtype != torch.float32 or (g.shape[1] > 1 and g.stride(1) != 1):
+    addresses, row_strides = [], []
+    for g in grads:  # (one pass: this runs once per table and step)
+        shape, stride = g.shape, g.stride()
+        if len(shape) != 2 or g.dtype != torch.float32 or (shape[1] > 1 and stride[1] != 1):
             raise ValueError(f"sparse_update: gradient parts must be 2-D float32 with unit column "
-                             f"stride, got {tuple(g.shape)} {g.dtype} strides {g.stride()}")
+                             f"stride, got {tuple(shape)} {g.dtype} strides {stride}")
+        addresses.append(g.data_ptr())
+        row_strides.append(stride[0] if shape[0] > 1 else shape[1])
     if unique_offsets is None and not grads[0].is_contiguous():
         raise ValueError("sparse_update: a (U, D) summed gradient must be contiguous")
-    ptrs = _array(ctypes.c_void_p, n)(*[g.data_ptr() for g in grads])
+    ptrs = _array(ctypes.c_void_p, n)(*addresses)
     st = _array(ctypes.c_int64, n + 1)(*(starts if starts is not None else [0] * (n + 1)))
-    strides = _array(ctypes.c_int64, n)(*[g.stride(0) if g.shape[0] > 1 else g.shape[1]
-                                          for g in grads])
+    strides = _array(ctypes.c_int64, n)(*row_strides)
     if not isinstance(hyper, Hyper):
         raise TypeError(f"hyper must be a native.Hyper, got {type(hyper).__name__}")
     lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),

@@ -373,7 +373,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 6; }
+int ec_abi_version() { return 7; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -493,15 +493,31 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
 
 // The ids of several features reading one physical table, each shifted by its table's first
 // row, concatenated into ids_out (sum of lens,), then deduplicated as ec_dedup. Returns U.
-i64 ec_concat_dedup(const i64* const* parts, const i64* lens, const i64* adds, i64 nparts,
-                    int bits, i64* ids_out, i64* order, i64* unique, i64* uoff, int nt) {
+// limits (nparts,) or nullptr: part p's ids must lie in [0, limits[p]); when one does not,
+// nothing is deduplicated and the result is -1 - p for the first such part (the caller then
+// reports it: the check costs nothing beside the copy, which reads every id anyway).
+i64 ec_concat_dedup(const i64* const* parts, const i64* lens, const i64* adds,
+                    const i64* limits, i64 nparts, int bits, i64* ids_out, i64* order,
+                    i64* unique, i64* uoff, int nt) {
   i64 n = 0;
   for (i64 p = 0; p < nparts; ++p) {
     const i64* src = parts[p];
     const i64 add = adds[p], len = lens[p];
     i64* dst = ids_out + n;
+    if (limits != nullptr) {
+      // one unsigned compare per id: a negative id wraps to a huge value
+      const std::uint64_t lim = std::uint64_t(limits[p]);
+      std::uint64_t bad = 0;
+#pragma omp simd reduction(|:bad)
+      for (i64 i = 0; i < len; ++i) {
+        bad |= std::uint64_t(std::uint64_t(src[i]) >= lim);
+        dst[i] = src[i] + add;
+      }
+      if (bad) return -1 - p;
+    } else {
 #pragma omp simd
-    for (i64 i = 0; i < len; ++i) dst[i] = src[i] + add;
+      for (i64 i = 0; i < len; ++i) dst[i] = src[i] + add;
+    }
     n += len;
   }
   return ec_dedup(ids_out, n, bits, order, unique, uoff, nt);

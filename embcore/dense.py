@@ -1,0 +1,248 @@
+"""The dense path: one kernel call per verb and table for batches of dense one-id features.
+
+Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
+(``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 in this
+process's memory, trained by an optimizer the fused kernels implement. The general verbs
+(preprocess.py, lookup.py, gradients.py) take every input kind, placement and optimizer; at small
+batches their Python costs more than the work itself (about 0.19 ms a step for two features of
+batch 16). ``DensePath`` takes those batches straight to the kernels:
+
+- ``prepare``: per physical table one ``native.concat_dedup``, which also checks the ids' range;
+- ``lookup``: per physical table one ``native.lookup`` into one buffer, viewed per feature;
+- ``gradients`` + ``update``: per physical table one ``native.sparse_update`` that reads the
+  activations' gradients where they are.
+
+``prepare`` builds the very ``Prepared`` preprocess.py would (``dense=True``), so the general
+lookup and apply accept it as well. Every method declines, having changed nothing, what it does
+not cover (it returns None): another input kind, dtype, device or layout, weights, a shape other
+than the fixed one, an id out of range, a gradient that is None or not exactly a float32 CPU
+tensor of its activation's shape, an optimizer without a fused kernel. The general path then takes
+that batch (and raises its errors). tests/test_dense.py holds both paths bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .features import Features, is_feature
+from .ops import native
+from .ops.bags import Bags, Dedup
+from .ops.update import _hyper, native_rule
+from .plan import ShardingPlan
+from .preprocess import FeatureSlice, Prepared, TableBatch
+from .store import RowStore
+
+_HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
+_enabled = True
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Switches the dense path on or off for engines built from now on (tests compare it with
+    the general path); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+class _Table:
+    """One physical table of the path: its features, their row offsets and vocabularies."""
+
+    def __init__(self, physical: int, features: list[int], adds: list[int], limits: list[int],
+                 rows: int, dim: int, rule: int | None) -> None:
+        self.physical = physical
+        self.features = features  # flat feature indices reading it, in flat order
+        self.adds = adds          # each feature's first row in the physical table
+        self.limits = limits      # each feature's vocabulary size
+        self.rows = rows
+        self.dim = dim
+        self.rule = rule          # the fused update's rule (None: none, or no optimizer)
+        self.hypers: dict[tuple[float, float | None], native.Hyper] = {}
+
+
+class DensePath:
+    """The dense path of one engine (see the module's docstring); ``of`` says whether it has one.
+
+    Args:
+        features: the engine's features (their shapes fixed so far are read, and fixed by
+            ``prepare(..., learn=True)`` as the general path does).
+        plan, store: the engine's plan and rows, held whole in this process on the CPU.
+    """
+
+    def __init__(self, features: Features, plan: ShardingPlan, store: RowStore) -> None:
+        self.features = features
+        self.plan = plan
+        self.store = store
+        template = features.template
+        # a flat dict template: its batches are read by key (flatten_like's order and checks)
+        self.keys = (tuple(template) if isinstance(template, dict)
+                     and all(is_feature(v) for v in template.values()) else None)
+        by_table: dict[int, _Table] = {}
+        for i, name in enumerate(features.tables):
+            place = plan.table(name)
+            t = by_table.get(place.physical)
+            if t is None:
+                p = plan.physical[place.physical]
+                opt, table = p.optimizer, store.tables[place.physical]
+                rule = (native_rule(opt, table) if opt is not None
+                        and not opt.skip_nonfinite_gradients else None)
+                t = by_table[place.physical] = _Table(place.physical, [], [], [], p.rows, p.dim,
+                                                      rule)
+            t.features.append(i)
+            t.adds.append(place.row_offset)
+            t.limits.append(features.configs[i].table.vocabulary_size)
+        self.tables = [by_table[p] for p in sorted(by_table)]  # physical table order
+        self.by_physical = by_table
+
+    @staticmethod
+    def of(features: Features, plan: ShardingPlan, store: RowStore,
+           world_size: int) -> DensePath | None:
+        """The engine's dense path, or None when its configuration leaves none: more than one
+        process, not the CPU, no fused kernels, a sequence feature or one with
+        ``output_shape``, a dynamic or offloaded table, a table that is not float32 (or
+        ``set_enabled(False)``)."""
+        if (not _enabled or world_size != 1 or store.device.type != "cpu"
+                or not native.available()):
+            return None
+        for f in features.configs:
+            if f.sequence_length or f.output_shape is not None or f.table.dynamic is not None:
+                return None
+        for p, phys in enumerate(plan.physical):
+            if p in store.cached or p in store.dynamic or not phys.layout.held_everywhere:
+                return None
+            t = store.tables[p]
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                return None
+        return DensePath(features, plan, store)
+
+    # ------------------------------------------------------------------------------ prepare
+    def unflatten(self, flat: list[Any]) -> Any:
+        """The feature_config structure from per-feature values (flat order)."""
+        return dict(zip(self.keys, flat)) if self.keys is not None else \
+            self.features.unflatten(flat)
+
+    def flat(self, value: Any) -> list[Any] | None:
+        """``value``'s leaves in flatten order when it is a dict of exactly the template's keys
+        (None otherwise: the caller's general path reads it)."""
+        if self.keys is None or type(value) is not dict or len(value) != len(self.keys):
+            return None
+        try:
+            return [value[k] for k in self.keys]
+        except KeyError:
+            return None
+
+    def prepare(self, batch: Any, training: bool, shapes: str) -> Prepared | None:
+        """The batch prepared as preprocess.py would, or None when the path does not cover it.
+
+        Args:
+            batch: the user's ids (no weights).
+            training: whether ``apply_gradients`` will follow.
+            shapes: ``"learn"``: every feature's shape must be the one fixed so far, and a
+                feature with none fixes it (``enqueue``); ``"check"``: the same without fixing
+                (``training_step``); ``"any"``: any batch shape (``lookup``).
+        """
+        flat = self.flat(batch)
+        if flat is None:
+            return None
+        fixed, declared = self.features.shapes, self.features.declared
+        natural: list[tuple[int, ...]] = []
+        for i, x in enumerate(flat):
+            if (type(x) is not torch.Tensor or x.dtype is not torch.int64 or x.is_nested
+                    or x.layout is not torch.strided or not x.is_cpu or not x.is_contiguous()):
+                return None
+            s = tuple(x.shape)
+            if len(s) >= 2 and s[-1] == 1:
+                s = s[:-1]
+            if not s or x.numel() == 0:
+                return None
+            if shapes != "any" and (fixed[i] != s if fixed[i] is not None
+                                    else declared[i] is not None):
+                return None
+            natural.append(s)
+        tables = []
+        for t in self.tables:
+            parts = [flat[i] for i in t.features]
+            got = native.concat_dedup(parts, t.adds, t.rows, t.limits)
+            if isinstance(got, int):  # an id out of range: the general path names it
+                return None
+            ids, unique, order, uoff = got
+            slices, start = [], 0
+            for i, part in zip(t.features, parts):
+                n = part.numel()
+                slices.append(FeatureSlice(i, start, n, natural[i]))
+                start += n
+            tables.append(TableBatch(t.physical, Bags(ids, None, None), Dedup(unique, order, uoff),
+                                     tuple(slices), None))
+        if shapes == "learn":
+            for i, s in enumerate(natural):
+                if fixed[i] is None:
+                    fixed[i] = s
+        return Prepared(training, tuple(tables), len(flat), dense=True)
+
+    # ------------------------------------------------------------------------------- lookup
+    def lookup(self, prepared: Prepared) -> list[torch.Tensor | None] | None:
+        """Per feature (flat order) its activation ``shape + (D,)``, or None to decline (a
+        table made differentiable or moved since: the general lookup handles it)."""
+        flat: list[torch.Tensor | None] = [None] * prepared.num_features
+        for tb in prepared.tables:
+            table = self.store.tables[tb.physical]
+            if table.requires_grad or not table.is_cpu:
+                return None
+            ids = tb.bags.ids
+            out = native.lookup(table, ids, None, None,
+                                torch.empty(ids.numel(), table.shape[1]))  # (R, D)
+            for s in tb.slices:
+                a = out[s.start:s.start + s.rows]
+                flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, table.shape[1])
+        return flat
+
+    # -------------------------------------------------------------------------------- apply
+    def gradients(self, prepared: Prepared,
+                  grads: Sequence[Any]) -> list[list[torch.Tensor]] | None:
+        """Per table of the batch, its features' gradients as ``(R_f, D)`` float32 rows; None to
+        decline: a gradient that is None or not a float32 CPU tensor of its activation's shape
+        (the general path converts or rejects it), or a table whose optimizer has no fused
+        kernel or skips non-finite gradients. Reads only (``update`` writes)."""
+        out = []
+        for tb in prepared.tables:
+            t = self.by_physical[tb.physical]
+            if t.rule is None:
+                return None
+            parts = []
+            for s in tb.slices:
+                g = grads[s.feature]
+                if (type(g) is not torch.Tensor or g.dtype is not torch.float32 or g.is_nested
+                        or g.layout is not torch.strided or not g.is_cpu):
+                    return None
+                if len(s.shape) == 1:
+                    if g.shape != (s.rows, t.dim) or (t.dim > 1 and g.stride(1) != 1):
+                        return None
+                elif g.shape != s.shape + (t.dim,) or not g.is_contiguous():
+                    return None
+                else:
+                    g = g.view(s.rows, t.dim)
+                parts.append(g)
+            out.append(parts)
+        return out
+
+    def update(self, prepared: Prepared, parts: list[list[torch.Tensor]],
+               lrs: Mapping[int, float], multipliers: Mapping[int, float | None]) -> None:
+        """Applies each table's optimizer to the batch's rows (``parts``: ``gradients``' result;
+        ``lrs`` / ``multipliers``: as gradients.py evaluates them, before any write)."""
+        for tb, g in zip(prepared.tables, parts):
+            t = self.by_physical[tb.physical]
+            assert t.rule is not None  # (gradients declined otherwise)
+            lr, gmul = lrs[tb.physical], multipliers[tb.physical]
+            hyper = t.hypers.get((lr, gmul))
+            if hyper is None:
+                if len(t.hypers) >= _HYPERS_KEPT:  # (a schedule: a new rate every step)
+                    t.hypers.clear()
+                opt = self.plan.physical[tb.physical].optimizer
+                hyper = t.hypers[(lr, gmul)] = _hyper(opt, lr, gradient_multiplier=gmul)
+            starts = [s.start for s in tb.slices] + [tb.bags.num_rows]
+            native.sparse_update(t.rule, self.store.tables[tb.physical],
+                                 self.store.slots[tb.physical].get("accumulators"),
+                                 tb.dedup.unique, hyper, g, starts, tb.dedup.unique_offsets,
+                                 tb.dedup.order)

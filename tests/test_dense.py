@@ -1,0 +1,213 @@
+"""The dense path (dense.py) against the general path: bit-identical activations, tables and slots
+over several steps, for every optimizer (those without a fused kernel decline at the update),
+every verb that takes it (enqueue / dequeue / apply_gradients, the layer's training step,
+lookup), and batches it declines mixed in; errors and shape rules as the general path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embcore as ec
+from embcore import dense
+from embcore.ops import native
+from strategies import any_optimizer
+from switches import dense_path
+
+requires_native = pytest.mark.skipif(not native.available(),
+                                     reason=f"fused kernels unavailable: {native.error()}")
+
+
+def engine(tables, features, optimizer, enabled, **kw):
+    """The same engine (same seed) with the dense path on or off."""
+    torch.manual_seed(0)
+    with dense_path(enabled):
+        emb = ec.Embedding(features(tables), optimizer, **kw)
+        emb.build()
+    assert (emb._dense is not None) == enabled
+    return emb
+
+
+@st.composite
+def setups(draw):
+    """Tables (stacked when dims agree), features (some sharing a table), one batch shape per
+    feature ((B,), (B, 1) or (B, L)), an optimizer, and per step how the batch is fed."""
+    n_tables = draw(st.integers(1, 3))
+    tables = [ec.TableConfig(vocabulary_size=draw(st.integers(1, 30)),
+                             dim=draw(st.sampled_from([1, 4, 8])),
+                             combiner=draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+                             name=f"t{i}") for i in range(n_tables)]
+    readers = draw(st.lists(st.integers(0, n_tables - 1), min_size=1, max_size=4))
+    b = draw(st.integers(1, 6))
+    shapes = [draw(st.sampled_from([(b,), (b, 1), (b, draw(st.integers(2, 3)))]))
+              for _ in readers]
+    opt, _, _ = draw(any_optimizer(dense_adam=False))
+    # per step: "dense" (taken whole), or a declined variant the general path must handle
+    steps = draw(st.lists(st.sampled_from(["dense", "dense", "int32", "none_grad",
+                                           "float64_grad", "strided_grad"]),
+                          min_size=1, max_size=4))
+    return tables, readers, shapes, opt, steps
+
+
+def features_of(readers):
+    return lambda tables: {f"f{i}": ec.FeatureConfig(table=tables[t])
+                           for i, t in enumerate(readers)}
+
+
+def batch_of(tables, readers, shapes, seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (t, shape) in enumerate(zip(readers, shapes)):
+        ids = torch.randint(0, tables[t].vocabulary_size, shape, generator=g)
+        out[f"f{i}"] = ids.to(torch.int32) if kind == "int32" else ids
+    return out
+
+
+def gradients_of(acts, seed, kind):
+    g = torch.Generator().manual_seed(seed + 1000)
+    out = {}
+    for i, (k, a) in enumerate(acts.items()):
+        grad = torch.randn(a.shape, generator=g)
+        if kind == "none_grad" and i == 0:
+            grad = None
+        elif kind == "float64_grad":
+            grad = grad.double()
+        elif kind == "strided_grad" and a.dim() == 2:
+            grad = torch.randn(a.shape[1], a.shape[0], generator=g).T  # column stride > 1
+        out[k] = grad
+    return out
+
+
+def state(emb):
+    return {k: v.clone() for k, v in emb.state_dict().items()}
+
+
+@requires_native
+@settings(max_examples=60, deadline=None)
+@given(setups())
+def test_the_dense_path_equals_the_general_path(setup):
+    tables, readers, shapes, opt, steps = setup
+    engines = [engine(tables, features_of(readers), opt, on) for on in (True, False)]
+    for step, kind in enumerate(steps):
+        batch = batch_of(tables, readers, shapes, step, kind)
+        outs = []
+        for emb in engines:
+            emb.enqueue(batch)
+            acts = emb.dequeue()
+            emb.apply_gradients(gradients_of(acts, step, kind), warn_on_none=False)
+            outs.append(acts)
+        for k in outs[0]:
+            assert torch.equal(outs[0][k], outs[1][k]), (step, kind, k)
+        a, b = state(engines[0]), state(engines[1])
+        for k in a:
+            assert torch.equal(a[k], b[k]), (step, kind, k)
+    served = [emb.lookup(batch_of(tables, readers, [(2,) for _ in readers], 99, "dense"))
+              for emb in engines]
+    assert all(torch.equal(served[0][k], served[1][k]) for k in served[0])
+
+
+@requires_native
+@settings(max_examples=25, deadline=None)
+@given(setups())
+def test_the_layer_on_the_dense_path_equals_the_general_path(setup):
+    tables, readers, shapes, opt, _ = setup
+    layers = []
+    for on in (True, False):
+        torch.manual_seed(0)
+        with dense_path(on):
+            layers.append(ec.EmbeddingLayer(features_of(readers)(tables), opt))
+    for step in range(3):
+        batch = batch_of(tables, readers, shapes, step, "dense")
+        outs = []
+        for layer in layers:
+            acts = layer(batch)
+            sum((a * (i + 1)).square().sum() for i, a in enumerate(acts.values())).backward()
+            outs.append({k: a.detach() for k, a in acts.items()})
+        assert all(torch.equal(outs[0][k], outs[1][k]) for k in outs[0])
+    a, b = (layer.engine.state_dict() for layer in layers)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def two_features(optimizer=None):
+    t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+    u = ec.TableConfig(vocabulary_size=5, dim=4, name="u")
+    torch.manual_seed(0)
+    emb = ec.Embedding({"a": ec.FeatureConfig(table=t), "b": ec.FeatureConfig(table=u)},
+                       optimizer or ec.Adagrad(learning_rate=0.1))
+    emb.build()
+    return emb
+
+
+@requires_native
+def test_dense_batches_take_the_dense_path_and_others_do_not():
+    emb = two_features()
+    assert emb._dense is not None
+    calls = []
+    real = emb._dense.lookup
+    emb._dense.lookup = lambda p: calls.append(p) or real(p)
+    emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([[4], [0], [4]])})
+    emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
+    assert len(calls) == 1
+    emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 0, 4])},
+                weights={"a": None, "b": None})  # weights: the general path
+    emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
+    assert len(calls) == 1
+    x = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # not contiguous: the general path
+    emb.enqueue({"a": x, "b": torch.tensor([4, 0, 4])})
+    emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
+    assert len(calls) == 1
+    assert emb.step == 3
+
+
+@requires_native
+@pytest.mark.parametrize("bad", [10, -1, 2**62])
+def test_an_id_out_of_range_raises_the_general_error_and_changes_nothing(bad):
+    emb = two_features()
+    before = state(emb)
+    with pytest.raises(ValueError, match=r"feature 'a' has id .* vocabulary_size 10"):
+        emb.enqueue({"a": torch.tensor([1, bad, 3]), "b": torch.tensor([4, 0, 4])})
+    with pytest.raises(ValueError, match=r"feature 'b' has id 5 .* vocabulary_size 5"):
+        emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 5, 4])})
+    with pytest.raises(RuntimeError, match="nothing enqueued"):
+        emb.dequeue()
+    after = state(emb)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@requires_native
+def test_shapes_are_fixed_and_checked_as_on_the_general_path():
+    emb = two_features()
+    emb.enqueue({"a": torch.tensor([1, 2]), "b": torch.tensor([[4], [0]])})  # fixes (2,)
+    emb.apply_gradients({k: torch.ones(2, 4) for k in emb.dequeue()})
+    with pytest.raises(ValueError, match=r"fixed at \[2\]"):
+        emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([4, 0, 4])})
+    with pytest.raises(ValueError, match=r"gradient of feature 'a'.*shape"):
+        emb.enqueue({"a": torch.tensor([1, 2]), "b": torch.tensor([4, 0])})
+        emb.dequeue()
+        emb.apply_gradients({"a": torch.ones(3, 4), "b": torch.ones(2, 4)})
+    # the refused gradients changed nothing: the batch still awaits its gradients
+    emb.apply_gradients({"a": torch.ones(2, 4), "b": torch.ones(2, 4)})
+    assert emb.step == 2
+    assert emb.lookup({"a": torch.tensor([1, 2, 3, 4]), "b": torch.tensor([0])})["a"].shape == (
+        4, 4)  # lookup: any batch shape
+
+
+def test_engines_the_dense_path_cannot_take_have_none():
+    t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+    seq = ec.Embedding({"a": ec.FeatureConfig(table=t, max_sequence_length=2)}, ec.SGD())
+    seq.build()
+    assert seq._dense is None
+    shaped = ec.Embedding({"a": ec.FeatureConfig(table=t, output_shape=[2, 2])}, ec.SGD())
+    shaped.build()
+    assert shaped._dense is None
+    half = ec.Embedding({"a": ec.FeatureConfig(table=ec.TableConfig(
+        vocabulary_size=10, dim=4, dtype=torch.float64))}, ec.SGD())
+    half.build()
+    assert half._dense is None
+    with dense_path(False):
+        off = ec.Embedding({"a": ec.FeatureConfig(table=t)}, ec.SGD())
+        off.build()
+    assert off._dense is None
+    assert dense.set_enabled(True) is True
