@@ -22,6 +22,8 @@ that batch (and raises its errors). tests/test_dense.py holds both paths bit-ide
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +38,7 @@ from .preprocess import FeatureSlice, Prepared, TableBatch
 from .store import RowStore
 
 _HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
+_LAYOUTS_KEPT = 64  # batch layouts (each feature's shape) whose fixed arguments are kept
 _enabled = True
 
 
@@ -60,6 +63,20 @@ class _Table:
         self.dim = dim
         self.rule = rule          # the fused update's rule (None: none, or no optimizer)
         self.hypers: dict[tuple[float, float | None], native.Hyper] = {}
+
+
+class _Layout:
+    """One physical table's share of a batch layout (each feature's shape): where its features'
+    rows sit, and the kernel call with the layout's fixed arguments."""
+
+    def __init__(self, t: _Table, shapes: list[tuple[int, ...]]) -> None:
+        sizes = [math.prod(shapes[i]) for i in t.features]
+        starts = [0, *itertools.accumulate(sizes)]
+        self.slices = tuple(FeatureSlice(i, start, n, shapes[i])
+                            for i, start, n in zip(t.features, starts, sizes))
+        self.sizes = sizes    # rows of each feature, for splitting the lookup's output
+        self.starts = starts  # their first rows, and the total
+        self.dedup = native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 
 class DensePath:
@@ -95,6 +112,7 @@ class DensePath:
             t.limits.append(features.configs[i].table.vocabulary_size)
         self.tables = [by_table[p] for p in sorted(by_table)]  # physical table order
         self.by_physical = by_table
+        self.layouts: dict[tuple[tuple[int, ...], ...], list[_Layout]] = {}
 
     @staticmethod
     def of(features: Features, plan: ShardingPlan, store: RowStore,
@@ -161,20 +179,20 @@ class DensePath:
                                     else declared[i] is not None):
                 return None
             natural.append(s)
+        key = tuple(natural)
+        layout = self.layouts.get(key)
+        if layout is None:
+            if len(self.layouts) >= _LAYOUTS_KEPT:  # (lookups of many batch shapes)
+                self.layouts.clear()
+            layout = self.layouts[key] = [_Layout(t, natural) for t in self.tables]
         tables = []
-        for t in self.tables:
-            parts = [flat[i] for i in t.features]
-            got = native.concat_dedup(parts, t.adds, t.rows, t.limits)
+        for t, lay in zip(self.tables, layout):
+            got = lay.dedup([flat[i] for i in t.features])
             if isinstance(got, int):  # an id out of range: the general path names it
                 return None
             ids, unique, order, uoff = got
-            slices, start = [], 0
-            for i, part in zip(t.features, parts):
-                n = part.numel()
-                slices.append(FeatureSlice(i, start, n, natural[i]))
-                start += n
             tables.append(TableBatch(t.physical, Bags(ids, None, None), Dedup(unique, order, uoff),
-                                     tuple(slices), None))
+                                     lay.slices, None))
         if shapes == "learn":
             for i, s in enumerate(natural):
                 if fixed[i] is None:
@@ -190,12 +208,11 @@ class DensePath:
             table = self.store.tables[tb.physical]
             if table.requires_grad or not table.is_cpu:
                 return None
-            ids = tb.bags.ids
-            out = native.lookup(table, ids, None, None,
-                                torch.empty(ids.numel(), table.shape[1]))  # (R, D)
-            for s in tb.slices:
-                a = out[s.start:s.start + s.rows]
-                flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, table.shape[1])
+            ids, d = tb.bags.ids, table.shape[1]
+            out = native.lookup(table, ids, None, None, torch.empty(ids.numel(), d))  # (R, D)
+            parts = out.split_with_sizes([s.rows for s in tb.slices])  # (one call: views)
+            for s, a in zip(tb.slices, parts):
+                flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, d)
         return flat
 
     # -------------------------------------------------------------------------------- apply

@@ -312,7 +312,10 @@ class Embedding:
         except BaseException:
             self._queue.discard(item)  # the batch is consumed; the engine takes the next one
             raise
-        flat = [a.detach().requires_grad_(item.training) for a in item.activations]
+        # the activations are the caller's leaves (detached unless they are already: the
+        # kernels' outputs are, and a detach costs a microsecond each)
+        flat = [(a.detach() if a.requires_grad else a).requires_grad_(item.training)
+                for a in item.activations]
         if prepared.dense and self._dense is not None:
             return self._dense.unflatten(flat)
         return self._features.unflatten(flat)
@@ -336,13 +339,13 @@ class Embedding:
                 Nothing is changed.
         """
         item = self._queue.awaiting()
-        self._apply(item.wait(), item.received, gradients, warn_on_none)
+        self._apply_held(item.wait(), item.received, gradients, warn_on_none)
         self._queue.applied()
 
-    @_serialized
-    def _apply(self, prepared: Prepared, received: Received, gradients: Any,
-               warn_on_none: bool) -> None:
-        """Checks everything, then applies a training batch's gradients (one step)."""
+    def _apply_held(self, prepared: Prepared, received: Received, gradients: Any,
+                    warn_on_none: bool) -> None:
+        """Checks everything, then applies a training batch's gradients (one step); the caller
+        holds the engine's lock (``_apply`` takes it)."""
         names, plan = self._features.names, self._plan
         flat = (self._dense.flat(gradients) if prepared.dense and self._dense is not None
                 else None)
@@ -363,6 +366,8 @@ class Embedding:
         apply_gradients(prepared, received, grads, self._built(), self._comm, self._step, lrs,
                         gmul, nonfinite)
         self._step += 1
+
+    _apply = _serialized(_apply_held)  # a training step's apply (TrainingStep)
 
     @_serialized
     def training_step(self, features: Any, weights: Any = None) -> TrainingStep:

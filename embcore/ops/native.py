@@ -341,24 +341,38 @@ def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: i
         ``(ids (nnz,), unique (U,), order (nnz,), unique_offsets (U + 1,))``, views of one
         buffer; or, when ``limits`` are given and part ``i`` has an id outside its own, ``i``.
     """
-    lib = _load()
-    assert lib is not None
-    k = len(parts)
-    lens = [t.numel() for t in parts]
-    n = sum(lens)
-    buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | unique_offsets]
-    base = buf.data_ptr()
-    bits = max(int(num_rows) - 1, 1).bit_length()
-    longs = _array(ctypes.c_int64, k)
-    u = lib.ec_concat_dedup(_array(ctypes.c_void_p, k)(*[t.data_ptr() for t in parts]),
-                            longs(*lens), longs(*adds),
-                            None if limits is None else longs(*limits), k, bits, base,
-                            base + 8 * n, base + 16 * n, base + 24 * n, _threads())
-    if u < 0:
-        return -1 - u
-    # the four views in one call (a view costs about a microsecond: this runs every step)
-    ids, order, unique, _, uoff, _ = buf.split_with_sizes([n, n, u, n - u, u + 1, n - u])
-    return ids, unique, order, uoff
+    return ConcatDedup([t.numel() for t in parts], adds, num_rows, limits)(parts)
+
+
+class ConcatDedup:
+    """``concat_dedup`` for parts of fixed lengths: the call's fixed arguments converted once
+    (the dense path makes one per batch layout and calls it every step)."""
+
+    def __init__(self, lens: Sequence[int], adds: Sequence[int], num_rows: int,
+                 limits: Sequence[int] | None = None) -> None:
+        k = len(lens)
+        longs = _array(ctypes.c_int64, k)
+        self.k, self.n = k, sum(lens)
+        self.lens, self.adds = longs(*lens), longs(*adds)
+        self.limits = None if limits is None else longs(*limits)
+        self.bits = max(int(num_rows) - 1, 1).bit_length()
+        self.pointers = _array(ctypes.c_void_p, k)
+
+    def __call__(self, parts: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
+        lib = _load()
+        assert lib is not None
+        n = self.n
+        buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
+        base = buf.data_ptr()
+        u = lib.ec_concat_dedup(self.pointers(*[t.data_ptr() for t in parts]), self.lens,
+                                self.adds, self.limits, self.k, self.bits, base, base + 8 * n,
+                                base + 16 * n, base + 24 * n, _threads())
+        if u < 0:
+            return -1 - u
+        # the four views in one call (a view costs about a microsecond: this runs every step)
+        ids, order, unique, _, uoff, _ = buf.split_with_sizes([n, n, u, n - u, u + 1, n - u])
+        return ids, unique, order, uoff
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
