@@ -75,6 +75,8 @@ class Features:
         # resolved by each batch's kind until a batch fixes the shape
         self.declared: list[tuple[int, ...] | None] = [None] * len(self.configs)
         self._index = {id(f): i for i, f in enumerate(self.configs)}
+        self._untrained = tuple(self.table_names[t] for t, o in self.optimizers.items()
+                                if o is None)
         self._all = range(len(self.configs))
 
     def __len__(self) -> int:
@@ -88,7 +90,8 @@ class Features:
         return {n: self.tables.count(n) for n in self.table_names.values()}
 
     def untrained_tables(self) -> list[str]:
-        return [self.table_names[t] for t, o in self.optimizers.items() if o is None]
+        """The tables without an optimizer (fixed at construction; checked every enqueue)."""
+        return list(self._untrained)
 
     def fix_shapes(self, per_replica_input_shapes: Any = None,
                    per_replica_batch_size: int | None = None) -> None:
