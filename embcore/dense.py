@@ -166,13 +166,20 @@ class DensePath:
             return None
         fixed, declared = self.features.shapes, self.features.declared
         natural: list[tuple[int, ...]] = []
+        steps: list[int] | None = None  # elements between ids, when a part is not contiguous
         for i, x in enumerate(flat):
             if (type(x) is not torch.Tensor or x.dtype is not torch.int64 or x.is_nested
-                    or x.layout is not torch.strided or not x.is_cpu or not x.is_contiguous()):
+                    or x.layout is not torch.strided or not x.is_cpu):
                 return None
             s = tuple(x.shape)
             if len(s) >= 2 and s[-1] == 1:
                 s = s[:-1]
+            if not x.is_contiguous():  # a column of a wider batch: read where it is
+                if len(s) != 1:
+                    return None
+                if steps is None:
+                    steps = [1] * len(flat)
+                steps[i] = x.stride(0)
             if not s or x.numel() == 0:
                 return None
             if shapes != "any" and (fixed[i] != s if fixed[i] is not None
@@ -187,7 +194,8 @@ class DensePath:
             layout = self.layouts[key] = [_Layout(t, natural) for t in self.tables]
         tables = []
         for t, lay in zip(self.tables, layout):
-            got = lay.dedup([flat[i] for i in t.features])
+            got = lay.dedup([flat[i] for i in t.features],
+                            None if steps is None else [steps[i] for i in t.features])
             if isinstance(got, int):  # an id out of range: the general path names it
                 return None
             ids, unique, order, uoff = got

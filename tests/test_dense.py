@@ -45,7 +45,7 @@ def setups(draw):
               for _ in readers]
     opt, _, _ = draw(any_optimizer(dense_adam=False))
     # per step: "dense" (taken whole), or a declined variant the general path must handle
-    steps = draw(st.lists(st.sampled_from(["dense", "dense", "int32", "none_grad",
+    steps = draw(st.lists(st.sampled_from(["dense", "dense", "columns", "int32", "none_grad",
                                            "float64_grad", "strided_grad"]),
                           min_size=1, max_size=4))
     return tables, readers, shapes, opt, steps
@@ -61,6 +61,10 @@ def batch_of(tables, readers, shapes, seed, kind):
     out = {}
     for i, (t, shape) in enumerate(zip(readers, shapes)):
         ids = torch.randint(0, tables[t].vocabulary_size, shape, generator=g)
+        if kind == "columns" and (len(shape) == 1 or shape == (shape[0], 1)):
+            wide = torch.full((shape[0], 3), -1, dtype=torch.int64)  # a column of a wider
+            wide[:, 1] = ids.reshape(-1)                            # batch: not contiguous
+            ids = wide[:, 1:2] if len(shape) == 2 else wide[:, 1]
         out[f"f{i}"] = ids.to(torch.int32) if kind == "int32" else ids
     return out
 
@@ -154,11 +158,15 @@ def test_dense_batches_take_the_dense_path_and_others_do_not():
                 weights={"a": None, "b": None})  # weights: the general path
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 1
-    x = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # not contiguous: the general path
-    emb.enqueue({"a": x, "b": torch.tensor([4, 0, 4])})
+    emb.enqueue({"a": torch.tensor([1, 2, 3], dtype=torch.int32),  # int32: the general path
+                 "b": torch.tensor([4, 0, 4])})
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 1
-    assert emb.step == 3
+    x = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # a column: the dense path, in place
+    emb.enqueue({"a": x, "b": torch.tensor([4, 0, 4])})
+    emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
+    assert len(calls) == 2
+    assert emb.step == 4
 
 
 @requires_native

@@ -676,29 +676,37 @@ def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
 
 @requires_native
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30)), min_size=1, max_size=4),
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.sampled_from([1, 1, 2, 5])),
+                min_size=1, max_size=4),
        st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.02, 0.3]))
-def test_concat_dedup_limits_name_the_first_part_out_of_range(shapes, seed, bad_rate):
-    """With ``limits``, the result is the first part holding an id outside ``[0, limit)``
-    (negative or too large, int64 extremes included), else the same as without them."""
+def test_concat_dedup_limits_and_steps(shapes, seed, bad_rate):
+    """``ConcatDedup`` reads each part every ``step`` elements (a column of a wider batch) and,
+    with ``limits``, returns the first part holding an id outside ``[0, limit)`` (negative or
+    too large, int64 extremes included); else the same as ``concat_dedup`` of contiguous
+    copies without limits."""
     gen = torch.Generator().manual_seed(seed)
-    parts, limits = [], []
-    for n, limit in shapes:
+    parts, limits, steps = [], [], []
+    for n, limit, step in shapes:
         p = torch.randint(0, limit, (n,), generator=gen)
         bad = torch.rand(n, generator=gen) < bad_rate
         wrong = torch.tensor([-1, limit, 2**63 - 1, -2**63, limit + 7])[
             torch.randint(0, 5, (n,), generator=gen)]
-        parts.append(torch.where(bad, wrong, p))
+        ids = torch.where(bad, wrong, p)
+        wide = torch.full((n, step), -5, dtype=torch.int64)  # the other columns: out of range
+        wide[:, 0] = ids
+        parts.append(wide[:, 0])  # stride `step`
         limits.append(limit)
+        steps.append(step)
     adds = list(itertools.accumulate([0] + limits[:-1]))
-    got = native.concat_dedup(parts, adds, sum(limits), limits)
+    call = native.ConcatDedup([p.numel() for p in parts], adds, sum(limits), limits)
+    got = call(parts, steps)
     first_bad = next((i for i, (p, lim) in enumerate(zip(parts, limits))
                       if bool(((p < 0) | (p >= lim)).any())), None)
     if first_bad is not None:
         assert got == first_bad
         return
     assert not isinstance(got, int)
-    want = native.concat_dedup(parts, adds, sum(limits))
+    want = native.concat_dedup([p.contiguous() for p in parts], adds, sum(limits))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -37,7 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread",
          "-shared", "-fPIC")
 ABI_VERSION = 7  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
-# 7: ec_concat_dedup's id limits
+# 7: ec_concat_dedup's id limits and steps
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -104,7 +104,8 @@ _SIGNATURES = {
     "ec_hyper_size": (_I, []),
     "ec_hyper_field_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ec_hyper_field": (ctypes.c_double, [_HP, ctypes.c_int]),
-    "ec_concat_dedup": (_I, [_P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P, ctypes.c_int]),
+    "ec_concat_dedup": (_I, [_P, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P,
+                             ctypes.c_int]),
     "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
     "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I,
                                 _HP, ctypes.c_int]),
@@ -353,20 +354,23 @@ class ConcatDedup:
         k = len(lens)
         longs = _array(ctypes.c_int64, k)
         self.k, self.n = k, sum(lens)
-        self.lens, self.adds = longs(*lens), longs(*adds)
+        self.lens, self.adds, self.steps = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
         self.bits = max(int(num_rows) - 1, 1).bit_length()
         self.pointers = _array(ctypes.c_void_p, k)
 
-    def __call__(self, parts: Sequence[torch.Tensor]
+    def __call__(self, parts: Sequence[torch.Tensor], steps: Sequence[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
+        """``parts``: int64 CPU tensors of the lengths given, contiguous, or ``steps[i]``
+        elements apart (e.g. a column of a wider batch) when ``steps`` are given."""
         lib = _load()
         assert lib is not None
         n = self.n
         buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
         base = buf.data_ptr()
         u = lib.ec_concat_dedup(self.pointers(*[t.data_ptr() for t in parts]), self.lens,
-                                self.adds, self.limits, self.k, self.bits, base, base + 8 * n,
+                                None if steps is None else self.steps(*steps), self.adds,
+                                self.limits, self.k, self.bits, base, base + 8 * n,
                                 base + 16 * n, base + 24 * n, _threads())
         if u < 0:
             return -1 - u

@@ -493,17 +493,23 @@ i64 ec_dedup(const i64* ids, i64 n, int bits, i64* order, i64* unique, i64* uoff
 
 // The ids of several features reading one physical table, each shifted by its table's first
 // row, concatenated into ids_out (sum of lens,), then deduplicated as ec_dedup. Returns U.
-// limits (nparts,) or nullptr: part p's ids must lie in [0, limits[p]); when one does not,
-// nothing is deduplicated and the result is -1 - p for the first such part (the caller then
-// reports it: the check costs nothing beside the copy, which reads every id anyway).
-i64 ec_concat_dedup(const i64* const* parts, const i64* lens, const i64* adds,
+// steps (nparts,) or nullptr (all 1): part p's id i is parts[p][i * steps[p]] (a column of a
+// wider batch is read where it is). limits (nparts,) or nullptr: part p's ids must lie in
+// [0, limits[p]); when one does not, nothing is deduplicated and the result is -1 - p for the
+// first such part (the caller then reports it: the check costs nothing beside the copy, which
+// reads every id anyway).
+i64 ec_concat_dedup(const i64* const* parts, const i64* lens, const i64* steps, const i64* adds,
                     const i64* limits, i64 nparts, int bits, i64* ids_out, i64* order,
                     i64* unique, i64* uoff, int nt) {
   i64 n = 0;
   for (i64 p = 0; p < nparts; ++p) {
     const i64* src = parts[p];
-    const i64 add = adds[p], len = lens[p];
+    const i64 add = adds[p], len = lens[p], step = steps ? steps[p] : 1;
     i64* dst = ids_out + n;
+    if (step != 1) {
+      for (i64 i = 0; i < len; ++i) dst[i] = src[i * step];
+      src = dst;  // (then shifted and checked in place below)
+    }
     if (limits != nullptr) {
       // one unsigned compare per id: a negative id wraps to a huge value
       const std::uint64_t lim = std::uint64_t(limits[p]);
