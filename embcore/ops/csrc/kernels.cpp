@@ -134,6 +134,21 @@ inline bool spin_until(Ready ready, int us) {
 constexpr int kHelperSpinUs = 300; // a helper's wait for the next job before it sleeps
 constexpr int kCallerSpinUs = 50;  // the caller's wait for claimed chunks before it sleeps
 constexpr uint64_t kClosed = 0xffffffffULL;  // chunk cursor of a finished job
+// A caller that waited for helpers longer than kLateNs and than a quarter of its own share of
+// the job found a helper holding a chunk off its core (another process has it; it gets the
+// core back after a time slice, milliseconds). The following jobs then run on the caller alone
+// for kSoloFirstNs, doubled (up to kSoloMostNs) each time the next job with helpers finds the
+// same, and back to kSoloFirstNs once helpers are on time: under a lasting neighbour nearly
+// every job runs alone, a passing one costs a few milliseconds at one thread. Results do not
+// depend on it (nor on the thread count).
+constexpr int64_t kLateNs = 200'000;
+constexpr int64_t kSoloFirstNs = 5'000'000;
+constexpr int64_t kSoloMostNs = 320'000'000;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 class Pool {
  public:
@@ -144,7 +159,8 @@ class Pool {
   // thread is running a job, runs them all on the caller (no waiting for the pool).
   void run(i64 n, int nt, void (*fn)(void*, i64), void* ctx) {
     std::unique_lock<std::mutex> busy(run_lock_, std::try_to_lock);
-    if (!busy.owns_lock() || nt <= 1 || n <= 1) {
+    const int64_t start = busy.owns_lock() && nt > 1 && n > 1 ? now_ns() : 0;
+    if (start == 0 || start < solo_until_) {  // (solo: helpers were late, see kLateNs)
       for (i64 c = 0; c < n; ++c) fn(ctx, c);
       return;
     }
@@ -166,11 +182,23 @@ class Pool {
       ++mine;
     }
     const i64 before = finished_.fetch_add(mine) + mine;
-    if (before < n && !spin_until([&] { return finished_.load() == n; }, kCallerSpinUs)) {
-      std::unique_lock<std::mutex> lk(m_);
-      caller_waiting_.store(true);
-      done_cv_.wait(lk, [&] { return finished_.load() == n; });
-      caller_waiting_.store(false);
+    if (before < n) {
+      const int64_t own = now_ns();
+      if (!spin_until([&] { return finished_.load() == n; }, kCallerSpinUs)) {
+        std::unique_lock<std::mutex> lk(m_);
+        caller_waiting_.store(true);
+        done_cv_.wait(lk, [&] { return finished_.load() == n; });
+        caller_waiting_.store(false);
+      }
+      const int64_t end = now_ns(), waited = end - own;
+      if (waited > kLateNs && 4 * waited > own - start) {  // a helper was off its core
+        solo_until_ = end + solo_ns_;
+        solo_ns_ = std::min(2 * solo_ns_, kSoloMostNs);
+      } else {
+        solo_ns_ = kSoloFirstNs;
+      }
+    } else {
+      solo_ns_ = kSoloFirstNs;
     }
     state_.store(gen << 32 | kClosed);  // no claim succeeds from here on
   }
@@ -238,6 +266,8 @@ class Pool {
   std::mutex run_lock_;  // one job at a time
   int started_ = 0;      // helpers started (under run_lock_)
   uint64_t gen_ = 0;     // the last job's generation (under run_lock_)
+  int64_t solo_until_ = 0;         // now_ns() before which jobs run on the caller alone
+  int64_t solo_ns_ = kSoloFirstNs;  // the next solo period (both under run_lock_)
   std::atomic<uint64_t> state_{0};  // generation << 32 | next chunk to claim (kClosed: done)
   std::atomic<void (*)(void*, i64)> fn_{nullptr};
   std::atomic<void*> ctx_{nullptr};
