@@ -5,37 +5,32 @@ and compat.py's private fast paths."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from embcore import compat, dense
 from embcore.ops import native
 
 
 @contextlib.contextmanager
-def kernels(enabled: bool) -> Iterator[None]:
+def _switched(set_enabled: Callable[[bool], bool], enabled: bool) -> Iterator[None]:
+    """``set_enabled(enabled)`` for the block, the previous setting restored after it."""
+    previous = set_enabled(enabled)
+    try:
+        yield
+    finally:
+        set_enabled(previous)
+
+
+def kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """``native.set_enabled(enabled)`` for the block."""
-    previous = native.set_enabled(enabled)
-    try:
-        yield
-    finally:
-        native.set_enabled(previous)
+    return _switched(native.set_enabled, enabled)
 
 
-@contextlib.contextmanager
-def private_paths(enabled: bool) -> Iterator[None]:
+def private_paths(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """``compat.set_private_fast_paths(enabled)`` for the block."""
-    previous = compat.set_private_fast_paths(enabled)
-    try:
-        yield
-    finally:
-        compat.set_private_fast_paths(previous)
+    return _switched(compat.set_private_fast_paths, enabled)
 
 
-@contextlib.contextmanager
-def dense_path(enabled: bool) -> Iterator[None]:
+def dense_path(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """``dense.set_enabled(enabled)`` for the block (it applies to engines built inside it)."""
-    previous = dense.set_enabled(enabled)
-    try:
-        yield
-    finally:
-        dense.set_enabled(previous)
+    return _switched(dense.set_enabled, enabled)

@@ -53,3 +53,13 @@ def test_serve_a_hashed_run_from_its_checkpoint_and_recorded_data(tmp_path, caps
     assert r["fp32"]["test_auc"] == pytest.approx(served["trained_eval"]["test_auc"], abs=1e-9)
     assert serve.cli(["--run", str(tmp_path / "nothing")]) == 1
     assert "holds no checkpoints/latest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--synthetic", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--synthetic", "--threads", "-1"], "--threads must be >= 0"),
+])
+def test_bad_values_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--run", "nowhere", *argv])
+    assert message in capsys.readouterr().err

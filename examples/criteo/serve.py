@@ -182,6 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
     return args
 
 
