@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .features import Features, is_feature
+from .features import Features
 from .ops import native
 from .ops.bags import Bags, Dedup
 from .ops.update import _hyper, native_rule
@@ -74,8 +74,6 @@ class _Layout:
         starts = [0, *itertools.accumulate(sizes)]
         self.slices = tuple(FeatureSlice(i, start, n, shapes[i])
                             for i, start, n in zip(t.features, starts, sizes))
-        self.sizes = sizes    # rows of each feature, for splitting the lookup's output
-        self.starts = starts  # their first rows, and the total
         self.dedup = native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 
@@ -92,10 +90,6 @@ class DensePath:
         self.features = features
         self.plan = plan
         self.store = store
-        template = features.template
-        # a flat dict template: its batches are read by key (flatten_like's order and checks)
-        self.keys = (tuple(template) if isinstance(template, dict)
-                     and all(is_feature(v) for v in template.values()) else None)
         by_table: dict[int, _Table] = {}
         for i, name in enumerate(features.tables):
             place = plan.table(name)
@@ -136,21 +130,6 @@ class DensePath:
         return DensePath(features, plan, store)
 
     # ------------------------------------------------------------------------------ prepare
-    def unflatten(self, flat: list[Any]) -> Any:
-        """The feature_config structure from per-feature values (flat order)."""
-        return dict(zip(self.keys, flat)) if self.keys is not None else \
-            self.features.unflatten(flat)
-
-    def flat(self, value: Any) -> list[Any] | None:
-        """``value``'s leaves in flatten order when it is a dict of exactly the template's keys
-        (None otherwise: the caller's general path reads it)."""
-        if self.keys is None or type(value) is not dict or len(value) != len(self.keys):
-            return None
-        try:
-            return [value[k] for k in self.keys]
-        except KeyError:
-            return None
-
     def prepare(self, batch: Any, training: bool, shapes: str) -> Prepared | None:
         """The batch prepared as preprocess.py would, or None when the path does not cover it.
 
@@ -161,7 +140,7 @@ class DensePath:
                 feature with none fixes it (``enqueue``); ``"check"``: the same without fixing
                 (``training_step``); ``"any"``: any batch shape (``lookup``).
         """
-        flat = self.flat(batch)
+        flat = self.features.flat_dict(batch)  # (another structure: the general path's)
         if flat is None:
             return None
         fixed, declared = self.features.shapes, self.features.declared

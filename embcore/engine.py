@@ -316,8 +316,6 @@ class Embedding:
         # kernels' outputs are, and a detach costs a microsecond each)
         flat = [(a.detach() if a.requires_grad else a).requires_grad_(item.training)
                 for a in item.activations]
-        if prepared.dense and self._dense is not None:
-            return self._dense.unflatten(flat)
         return self._features.unflatten(flat)
 
     @_serialized
@@ -347,18 +345,18 @@ class Embedding:
         """Checks everything, then applies a training batch's gradients (one step); the caller
         holds the engine's lock (``_apply`` takes it)."""
         names, plan = self._features.names, self._plan
-        flat = (self._dense.flat(gradients) if prepared.dense and self._dense is not None
-                else None)
-        dense = self._dense.gradients(prepared, flat) if flat is not None and self._dense else None
+        flat = self._features.flat_dict(gradients)
         if flat is None:
             flat = flatten_like(self._features.template, gradients, is_feature, "gradients")
+        path = self._dense if prepared.dense else None
+        dense = path.gradients(prepared, flat) if path is not None else None
         if dense is None:
             grads = check_gradients(prepared, flat, names, plan, warn_on_none)
         gmul = gradient_multipliers(prepared, plan, self._step)  # these may raise: before any
         lrs = learning_rates(prepared, plan)  # write (and lrs last: a callable may count calls)
-        if dense is not None and self._dense is not None:  # (one kernel call per table)
+        if path is not None and dense is not None:  # (one kernel call per table)
             self._queue.wait_all()  # background lookups read the tables: let them finish first
-            self._dense.update(prepared, dense, lrs, gmul)
+            path.update(prepared, dense, lrs, gmul)
             self._step += 1
             return
         nonfinite = nonfinite_gradients(prepared, grads, names, plan)

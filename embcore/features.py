@@ -78,6 +78,9 @@ class Features:
         self._untrained = tuple(self.table_names[t] for t, o in self.optimizers.items()
                                 if o is None)
         self._all = range(len(self.configs))
+        # a flat dict template (the common case): its structures are read and built by key
+        self._keys = (tuple(feature_config) if isinstance(feature_config, dict)
+                      and all(is_feature(v) for v in feature_config.values()) else None)
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -189,7 +192,21 @@ class Features:
 
     def unflatten(self, flat: list[Any]) -> Any:
         """The feature_config structure from per-feature values (flat order)."""
+        if self._keys is not None:
+            return dict(zip(self._keys, flat))
         return unflatten_like(self.template, flat, is_feature)
+
+    def flat_dict(self, value: Any) -> list[Any] | None:
+        """``value``'s leaves in flatten order when the template is a flat dict and ``value`` a
+        dict of exactly its keys (``flatten_like``'s result, without its walk); None
+        otherwise (``flatten_like`` then reads it, or says what differs)."""
+        keys = self._keys
+        if keys is None or type(value) is not dict or len(value) != len(keys):
+            return None
+        try:
+            return [value[k] for k in keys]
+        except KeyError:
+            return None
 
 
 def _flat_inputs(template: Any, features: Any, weights: Any,

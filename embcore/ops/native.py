@@ -354,7 +354,7 @@ class ConcatDedup:
         k = len(lens)
         longs = _array(ctypes.c_int64, k)
         self.k, self.n = k, sum(lens)
-        self.lens, self.adds, self.steps = longs(*lens), longs(*adds), longs
+        self.lens, self.adds, self._longs = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
         self.bits = max(int(num_rows) - 1, 1).bit_length()
         self.pointers = _array(ctypes.c_void_p, k)
@@ -369,7 +369,7 @@ class ConcatDedup:
         buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
         base = buf.data_ptr()
         u = lib.ec_concat_dedup(self.pointers(*[t.data_ptr() for t in parts]), self.lens,
-                                None if steps is None else self.steps(*steps), self.adds,
+                                None if steps is None else self._longs(*steps), self.adds,
                                 self.limits, self.k, self.bits, base, base + 8 * n,
                                 base + 16 * n, base + 24 * n, _threads())
         if u < 0:
