@@ -29,7 +29,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -167,9 +167,10 @@ class CachedRows:
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
 
     # ---------------------------------------------------------------- the step's rows
-    def resolve(self, rows: torch.Tensor, count: bool = True) -> torch.Tensor:
+    def resolve(self, rows: torch.Tensor, count: bool = True, read: bool = True) -> torch.Tensor:
         """(U,) cache rows of distinct shard rows ``rows`` (U,), brought in as needed
-        (``count``: a lookup, counted in the statistics).
+        (``count``: a lookup, counted in the statistics; ``read`` False: rows not cached get
+        cache rows but are not read, for values about to be written there).
 
         The answers to the last two calls are kept: the same ``rows`` tensor asked again (the
         update of a lookup's distinct rows) gets the same answer without a map step while no
@@ -201,10 +202,21 @@ class CachedRows:
             if bool((self.owner[new_rows] >= 0).any()):  # rows left: older answers are stale
                 self.generation += 1
             self._write_back(new_rows)
-            self._read(new_ids, new_rows)
+            self._read(new_ids, new_rows, read)
         out = slots.to(self.device) if self.device.type != "cpu" else slots
         self._recent = [(asked, out, self.generation)] + self._recent[:1]
         return out
+
+    def renew(self, rows: torch.Tensor,
+              write: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], None]
+              ) -> None:
+        """Gives distinct shard rows ``rows`` new values and slots (a dynamic table's rows given
+        to new ids): ``write(table, slots, at)`` writes them at cache rows ``at`` of the cache's
+        table and slots. Their old values are not read; the new ones reach the slow tier when
+        they leave the cache."""
+        at = self.resolve(rows, count=False, read=False)
+        write(self.table, self.slots, at)
+        self.touched(at)
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
@@ -251,12 +263,14 @@ class CachedRows:
         self._move(False, owners, slots)
         self.written_rows += owners.numel()
 
-    def _read(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Reads shard rows ``rows`` (with their slots) into cache rows ``slots``."""
-        self._move(True, rows, slots)
+    def _read(self, rows: torch.Tensor, slots: torch.Tensor, read: bool = True) -> None:
+        """Reads shard rows ``rows`` (with their slots) into cache rows ``slots`` (``read``
+        False: only gives them the cache rows)."""
+        if read:
+            self._move(True, rows, slots)
+            self.read_rows += rows.numel()
         self.owner[slots] = rows
         self.dirty[slots] = False
-        self.read_rows += rows.numel()
 
     def _grow(self, needed: int) -> None:
         """Makes room for a step of ``needed`` distinct rows: flush, then a larger cache."""

@@ -78,7 +78,10 @@ def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Ta
         out = torch.empty(ids.numel() + 1, table.shape[1], dtype=table.dtype,
                           device=table.device)  # (n_s + 1, D): the rows, then the status
         if failure is None:
-            torch.index_select(table, 0, answered[s], out=out[:-1])
+            if p.offloaded:  # (through its cache)
+                out[:-1] = store.gather(p.index, answered[s])
+            else:
+                torch.index_select(table, 0, answered[s], out=out[:-1])
             out[-1] = 0
         else:
             out.zero_()

@@ -30,6 +30,7 @@ import torch
 from .config import TableConfig
 from .optimizers import Optimizer
 from .cache import INDEX_BYTES_PER_ROW
+from .ops.vocab import MAP_BYTES_PER_ROW
 from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
 from .tiers import Curve, fast_rows, zipf_curve
@@ -123,12 +124,15 @@ class ShardingPlan:
 
     def bytes_per_rank(self, fast: bool = False) -> list[int]:
         """Parameter + slot bytes each rank holds (``fast``: in fast memory: the offloaded
-        tables' caches, with their index, in place of their rows)."""
+        tables' caches, with their index, in place of their rows, and the dynamic tables'
+        maps)."""
         out = [0] * self.world_size
         for p in self.physical:
             for r in range(self.world_size):
                 c0, c1 = p.columns[r]
                 frac = (c1 - c0) / p.dim if p.dim else 0.0
+                if fast and p.dynamic:
+                    out[r] += p.local_rows[r] * MAP_BYTES_PER_ROW
                 if fast and p.offloaded:
                     out[r] += p.cache_rows[r] * (int(p.bytes_per_row * frac)
                                                  + INDEX_BYTES_PER_ROW)
@@ -166,7 +170,8 @@ class ShardingPlan:
                              f"per rank: {' '.join(per_rank)}")
         if any(p.offloaded for p in self.physical):
             fast = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank(fast=True))
-            lines.append(f"  MB per rank in fast memory (tables + caches): {fast}")
+            lines.append(f"  MB per rank in fast memory (tables + caches"
+                         f"{' + maps' if any(p.dynamic for p in self.physical) else ''}): {fast}")
         return "\n".join(lines)
 
 
@@ -335,21 +340,28 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     local = {n: [len(placed[n].local_rows(r)) for r in range(world_size)] for n in cfg}
     per_rank = {name: [_local_bytes(placed[name], c, opt, r, local[name][r])
                        for r in range(world_size)] for name, c, opt in tables}
-    if all(sum(b[r] for b in per_rank.values()) <= budget for r in range(world_size)):
+    # a dynamic table's map stays in fast memory, wherever its rows are
+    maps = [sum(local[n][r] * MAP_BYTES_PER_ROW for n, c, _ in tables if c.dynamic is not None)
+            for r in range(world_size)]
+    if all(sum(b[r] for b in per_rank.values()) + maps[r] <= budget
+           for r in range(world_size)):
         return {}  # what fits changes nothing
-    pinned = {name for name, cfg, opt in tables  # raw ids; rules moving every row
-              if cfg.dynamic is not None or (opt is not None and opt.dense_update)}
+    pinned = {name for name, cfg, opt in tables  # rules moving every row every step
+              if opt is not None and opt.dense_update}
 
     def fill(fixed: set[str]) -> dict[str, list[int]]:
         """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first)."""
         out = {n: [0] * world_size for n in cfg if n not in fixed}
         for r in range(world_size):
-            left = budget - sum(per_rank[n][r] for n in fixed)
+            left = budget - maps[r] - sum(per_rank[n][r] for n in fixed)
             if left < 0:
+                what = ([f"the maps of dynamic tables ({MAP_BYTES_PER_ROW} bytes a row): "
+                         f"{maps[r]}"] if maps[r] else []) + [
+                    f"Adam(lazy_adam=False) table {n!r}: {per_rank[n][r]}"
+                    for n in sorted(pinned) if per_rank[n][r]]
                 raise ValueError(
                     f"memory_budget={budget} bytes is below what must stay in fast memory on "
-                    f"process {r}: {budget - left} bytes (dynamic tables and "
-                    f"Adam(lazy_adam=False) tables: {sorted(pinned)}); raise the budget")
+                    f"process {r}: {budget - left} bytes ({'; '.join(what)}); raise the budget")
             here = [n for n in out if local[n][r]]
             cost = [max(1, per_rank[n][r] // local[n][r]) + INDEX_BYTES_PER_ROW for n in here]
             got = fast_rows([local[n][r] for n in here], cost,

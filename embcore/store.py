@@ -16,7 +16,9 @@ drops gradients of that row and of rows given to another id since they were reso
 
 A table the plan offloads (``memory_budget``) keeps its shard in a slow tier with its hot rows
 in a write-back cache (cache.py): the three verbs take shard rows as always and resolve them to
-cache rows inside, reading misses and writing evicted updates back, so nothing else changes.
+cache rows inside, reading misses and writing evicted updates back, so nothing else changes. A
+dynamic table can be offloaded too: its map stays here, and the rows it gives new ids get their
+initial values in the cache (``CachedRows.renew``).
 
 ``RowStore`` keeps every other row in memory (host memory on the CPU, on huge pages where the
 system allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
@@ -76,17 +78,18 @@ class RowStore:
         self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                          else None)
         for p in plan.physical:
+            c0, c1 = p.columns[rank]
+            n_local = p.local_rows[rank]
+            if p.dynamic:  # rows get values at admission; one more row stays zero
+                name = p.tables[0]
+                self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
             if p.offloaded:
                 cache = self._offloaded(p, seed, device)
                 self.cached[p.index] = cache
                 self.tables.append(cache.table)
                 self.slots.append(cache.slots)
                 continue
-            c0, c1 = p.columns[rank]
-            n_local = p.local_rows[rank]
-            if p.dynamic:  # rows get values at admission; one more row stays zero
-                name = p.tables[0]
-                self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
+            if p.dynamic:
                 n_local += 1
             w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
             if p.dynamic:
@@ -108,10 +111,11 @@ class RowStore:
 
     def _offloaded(self, p: PhysicalTable, seed: int, device: torch.device) -> CachedRows:
         """Physical table ``p``'s shard in the slow tier (initialized in blocks of rows, so
-        memory stays bounded) and its empty cache."""
+        memory stays bounded; a dynamic table's rows are zeros until ids are admitted, and its
+        zero row comes after them) and its empty cache."""
         rank = self.comm.rank
         c0, c1 = p.columns[rank]
-        n_local = p.local_rows[rank]
+        n_local = p.local_rows[rank] + (1 if p.dynamic else 0)
         assert self._offload is not None
         pin = device.type == "cuda"
         files = device.type == "cpu"
@@ -123,7 +127,9 @@ class RowStore:
             return slow_tensor(path, shape, dtype, pin)
 
         w = allocate((n_local, c1 - c0), p.dtype)
-        for name in p.tables:
+        if p.dynamic and not files:  # (a new file reads as zeros)
+            w.zero_()
+        for name in (p.tables if not p.dynamic else ()):
             place = self.plan.table(name)
             rows = place.rank_rows(rank)
             start = place.local_offsets[rank]
@@ -200,15 +206,26 @@ class RowStore:
             distinct, inverse = _distinct(torch.cat(ids))
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
         if new_ids.numel():
-            initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, new_rows, self.tables[p],
-                            self.plan.physical[p].columns[self.comm.rank])
-            new_rows = new_rows.to(self.device)
-            opt = self.plan.physical[p].optimizer
-            for spec in (opt.slots if opt is not None else ()):
-                self.slots[p][spec.name].index_fill_(0, new_rows, spec.initial_value)
+            cache = self.cached.get(p)
+            if cache is None:
+                self._renew(p, new_ids, new_rows.to(self.device), self.tables[p], self.slots[p])
+            else:  # the new rows are written in the cache (their old values are not read)
+                with cache.lock:
+                    cache.renew(new_rows, lambda table, slots, at: self._renew(
+                        p, new_ids, at, table, slots))
         if inverse is None:
             return [rows], dyn.step
         return list(rows[inverse].split([t.numel() for t in ids])), dyn.step
+
+    def _renew(self, p: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
+               slots: dict[str, torch.Tensor]) -> None:
+        """Writes the initial values of a dynamic table's new ``ids`` (A,) and fresh slots into
+        rows ``at`` (A,) of ``table`` and ``slots``."""
+        initialize_rows(self.dynamic[p].table, self.dynamic[p].name, self.dynamic[p].seed, ids,
+                        at, table, self.plan.physical[p].columns[self.comm.rank])
+        opt = self.plan.physical[p].optimizer
+        for spec in (opt.slots if opt is not None else ()):
+            slots[spec.name].index_fill_(0, at, spec.initial_value)
 
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,
@@ -218,18 +235,6 @@ class RowStore:
         table, ``since`` is the map step ``rows`` were resolved at: rows not resident then (the
         zero row, possibly repeated), or given to another id since, are left alone; with
         ``grad`` as ``OutputGrads``, ``rows`` are the map's rows of its ``dedup.unique``."""
-        cache = self.cached.get(p)
-        if cache is not None:  # distinct shard rows -> their cache rows
-            with cache.lock:
-                slots = cache.resolve(rows, count=False)  # (hits, unless evicted since)
-                if isinstance(grad, OutputGrads):
-                    d = grad.dedup
-                    grad = OutputGrads(grad.parts, grad.starts, grad.bags,
-                                       Dedup(slots, d.order, d.unique_offsets))
-                update(cache.table, cache.slots, slots, grad, optimizer, lr, step,
-                       self.workspace, gradient_multiplier=gradient_multiplier)
-                cache.touched(slots)
-            return
         dyn = self.dynamic.get(p)
         if dyn is not None:
             assert since is not None
@@ -245,6 +250,18 @@ class RowStore:
                     grad = row_gradients(grad, self.workspace)  # (n, D)
                 if kept < rows.numel():
                     rows, grad = rows[keep], grad[keep]
+        cache = self.cached.get(p)
+        if cache is not None:  # distinct shard rows -> their cache rows
+            with cache.lock:
+                slots = cache.resolve(rows, count=False)  # (hits, unless evicted since)
+                if isinstance(grad, OutputGrads):
+                    d = grad.dedup
+                    grad = OutputGrads(grad.parts, grad.starts, grad.bags,
+                                       Dedup(slots, d.order, d.unique_offsets))
+                update(cache.table, cache.slots, slots, grad, optimizer, lr, step,
+                       self.workspace, gradient_multiplier=gradient_multiplier)
+                cache.touched(slots)
+            return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
         if dyn is not None and optimizer.dense_update:  # it moved every row, the zero row too

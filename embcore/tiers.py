@@ -4,8 +4,9 @@ The budget caps, per process, the bytes of the tables' rows and slots in fast me
 caches (rows, slots and ``cache.INDEX_BYTES_PER_ROW`` of index each). Tables that fit change
 nothing. Otherwise fast memory goes where it serves the most lookups:
 
-- Tables that must stay in fast memory take their bytes first: dynamic tables (raw ids) and
-  tables whose optimizer moves every row every step (``Adam(lazy_adam=False)``).
+- What must stay in fast memory takes its bytes first: the maps of dynamic tables (raw ids;
+  ``ops.vocab.MAP_BYTES_PER_ROW`` a row of capacity, wherever their rows are) and tables whose
+  optimizer moves every row every step (``Adam(lazy_adam=False)``).
 - Every other table's rows are ranked from most to least looked up, and the budget left is
   filled greedily, in blocks of rows, with the block that serves the most lookups per byte
   among all tables. A table's share of lookups held by its ``k`` hottest rows is its **curve**:

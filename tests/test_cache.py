@@ -100,13 +100,19 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     caches = [sum(p.cache_rows[0] for p in make_plan(specs, 1, None, None, b).physical
                   if p.offloaded) for b in (30_000, 60_000)]
     assert caches[1] > caches[0]
-    # Dynamic tables and rules that move every row stay in fast memory.
+    # A dynamic table goes to the slow tier like any other; its map stays in fast memory and is
+    # charged to the budget (65 bytes a row of capacity). Rules that move every row stay.
     dyn = make_plan(_specs(dynamic=True), 1, None, None, 200_000)
-    assert "huge" not in {n for p in dyn.physical if p.offloaded for n in p.tables}
+    huge = next(p for p in dyn.physical if "huge" in p.tables)
+    assert huge.offloaded and huge.dynamic
+    assert dyn.bytes_per_rank(fast=True)[0] <= 200_000
+    assert "+ maps" in str(dyn)
     dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
     assert not any(p.offloaded for p in dense.physical)
-    with pytest.raises(ValueError, match="below what must stay in fast memory"):
+    with pytest.raises(ValueError, match=r"maps of dynamic tables \(65 bytes a row\): 195000"):
         make_plan(_specs(dynamic=True), 1, None, None, 1000)
+    with pytest.raises(ValueError, match="Adam\\(lazy_adam=False\\) table 'big'"):
+        make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 1000)
     # Per process: row-split tables hold half their rows on each of 2 processes.
     two = make_plan(specs, 2, "row_div", None, 15_000)
     assert all(p.cache_rows[0] > 0 and p.cache_rows[1] > 0 for p in two.physical if p.offloaded)
@@ -138,11 +144,16 @@ NAMES = sorted(OPTIMIZERS)
 @given(data=st.data(), opt=st.sampled_from([n for n in NAMES if n != "adam_dense"]),
        fraction=st.sampled_from([0.0, 0.3, 0.7]), steps=st.integers(1, 4))
 def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
-    """Property: random tables, features of every input kind and batch sizes (through the layer,
-    whose batches may change shape), any optimizer, a budget below the tables' bytes (0: caches
-    of one row, which every step grows) -> bit-identical to no budget."""
+    """Property: random tables (dynamic or not), features of every input kind and batch sizes
+    (through the layer, whose batches may change shape), any optimizer, a budget below the
+    tables' bytes (0: caches of one row, which every step grows) -> bit-identical to no
+    budget."""
+    dyn = st.one_of(st.none(), st.builds(ec.DynamicVocabulary,
+                                         eviction=st.sampled_from(["lru", "lfu"]),
+                                         admit_after=st.integers(1, 2)))
     tables = [ec.TableConfig(vocabulary_size=data.draw(st.integers(1, 40)), dim=d, name=f"t{i}",
-                             combiner=data.draw(st.sampled_from(["sum", "mean", "sqrtn"])))
+                             combiner=data.draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+                             dynamic=data.draw(dyn))
               for i, d in enumerate(data.draw(st.lists(st.sampled_from([2, 3]), min_size=1,
                                                        max_size=3)))]
     first = [data.draw(cases(tables[data.draw(st.integers(0, len(tables) - 1))]))
@@ -168,8 +179,10 @@ def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
             acts_seen.append({k: a.detach().clone() for k, a in acts.items()})
             sum((a * grads_for(acts, s)[k]).sum() for k, a in sorted(acts.items())).backward()
         results.append((acts_seen, _state(layer.engine)))
-        if budget is None:
-            budget = int(layer.engine.plan.bytes_per_rank()[0] * fraction)
+        if budget is None:  # (dynamic tables' maps stay in fast memory)
+            plan = layer.engine.plan
+            maps = plan.bytes_per_rank(fast=True)[0] - plan.bytes_per_rank()[0]
+            budget = maps + int(plan.bytes_per_rank()[0] * fraction)
     assert any(p.offloaded for p in layer.engine.plan.physical)
     _assert_same(results[0][0], results[1][0], results[0][1], results[1][1])
 
@@ -196,6 +209,79 @@ def test_every_optimizer_with_evictions_every_step(opt):
     assert set(stats) == {n for p in emb.plan.physical if p.offloaded for n in p.tables}
     cache = next(iter(emb._store.cached.values()))
     assert cache.written_rows > 0  # updated rows went back to the slow tier
+
+
+def _raw_batches(steps, seed=0):
+    """Raw int64 ids from a pool of 120 (a dynamic table of capacity 40 evicts every step), of
+    two kinds (dense (B, 3) and jagged), and a static table's ids."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        raw = (torch.randint(-60, 60, (8, 3), generator=g) * (2**40 + 7))
+        lengths = torch.randint(0, 4, (8,), generator=g)
+        values = torch.randint(-60, 60, (int(lengths.sum()),), generator=g) * (2**40 + 7)
+        jag = torch.nested.nested_tensor_from_jagged(values, torch.cat(
+            [torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+        out.append(({"d": raw, "j": jag, "s": torch.randint(0, 30, (8,), generator=g)}, None))
+    return out
+
+
+def _raw_engine(opt, budget, eviction="lru", admit_after=1, pipelined=False, sharding=None,
+                capacity=40):
+    torch.manual_seed(5)
+    dyn = ec.TableConfig(vocabulary_size=capacity, dim=3, name="dyn", combiner="mean",
+                         dynamic=ec.DynamicVocabulary(eviction=eviction,
+                                                      admit_after=admit_after))
+    static = ec.TableConfig(vocabulary_size=30, dim=3, name="static")
+    fc = {"d": ec.FeatureConfig(table=dyn), "j": ec.FeatureConfig(table=dyn),
+          "s": ec.FeatureConfig(table=static)}
+    return ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=budget,
+                        pipeline_execution=pipelined, sharding=sharding,
+                        **({"timeout": 60} if sharding else {}))
+
+
+@pytest.mark.parametrize("opt,eviction,admit_after",
+                         [(o, "lru", 1) for o in NAMES if o != "adam_dense"]
+                         + [("adagrad", "lfu", 1), ("adagrad", "lru", 2), ("sgd", "lfu", 2)])
+def test_dynamic_tables_in_the_slow_tier_equal_in_memory(opt, eviction, admit_after):
+    """A dynamic table offloaded (its map in fast memory, its rows behind a cache of a few rows):
+    ids evicted from the map every step, new ids' rows written straight into the cache, an
+    evaluation lookup between steps -> bit-identical to no budget."""
+    batches = _raw_batches(8)
+    runs = []
+    for budget in (None, 40 * 65 + 200):  # the map, and a few rows
+        emb = _raw_engine(opt, budget, eviction, admit_after)
+        acts = _run(emb, batches[:5])
+        emb.enqueue(batches[5][0], training=False)  # evaluation: admits nothing
+        acts.append({k: a.clone() for k, a in emb.dequeue().items()})
+        acts += _run(emb, batches[5:])
+        runs.append((acts, _state(emb), emb))
+    _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+    emb = runs[1][2]
+    assert {n for p in emb.plan.physical if p.offloaded for n in p.tables} == {"dyn", "static"}
+    stats = emb.cache_stats()
+    assert stats["dyn"]["misses"] > 0 and stats["dyn"]["hits"] > 0
+    assert torch.equal(emb.vocabulary("dyn")[0], runs[0][2].vocabulary("dyn")[0])
+
+
+def test_dynamic_tables_in_the_slow_tier_pipelined_and_through_checkpoints(tmp_path):
+    """Pipelined (the next batch's map step, with its evictions and new rows, runs before the
+    pending update), then saved and loaded under another budget -> as without a budget."""
+    batches = _raw_batches(10, seed=3)
+    runs = []
+    for budget in (None, 40 * 65 + 150):
+        emb = _raw_engine("adagrad", budget, pipelined=True)
+        runs.append((_run(emb, batches[:6]), _state(emb)))
+    _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+    emb = _raw_engine("adagrad", 40 * 65 + 150)
+    _run(emb, batches[:6])
+    ec.save(tmp_path / "ck", emb)
+    outs = []
+    for budget in (None, 40 * 65 + 100):
+        other = _raw_engine("adagrad", budget)
+        ec.load(tmp_path / "ck", other)
+        outs.append((_run(other, batches[6:]), _state(other)))
+    _assert_same(outs[0][0], outs[1][0], outs[0][1], outs[1][1])
 
 
 def test_batch_eviction_frees_rows_ahead_and_stays_exact():
@@ -343,6 +429,30 @@ def _sharded_worker(rank, world, init, cases_, steps):
         _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
 
 
+def _sharded_dynamic_worker(rank, world, init, strategies):
+    init()
+    batches = []
+    for feats, _ in _raw_batches(5, seed=7):  # this rank's half of each batch
+        half = {k: v[rank * 4:(rank + 1) * 4] if not v.is_nested else
+                torch.nested.nested_tensor_from_jagged(
+                    v.values()[v.offsets()[rank * 4]:v.offsets()[rank * 4 + 4]],
+                    v.offsets()[rank * 4:rank * 4 + 5] - v.offsets()[rank * 4])
+                for k, v in feats.items()}
+        batches.append((half, None))
+    for strategy in strategies:
+        runs = []
+        budget = None
+        for _ in range(2):
+            emb = _raw_engine("adagrad", budget, sharding={"dyn": strategy, "static": "row_mod"},
+                              capacity=80)
+            runs.append((_run(emb, batches, grads_seed=rank * 100), {
+                t.name: v.clone() for t, v in emb.embedding_tables.items()}))
+            assert (budget is None) != any(p.offloaded for p in emb.plan.physical)
+            fast = emb.plan.bytes_per_rank(fast=True)
+            budget = max(fast) - min(emb.plan.bytes_per_rank()) + 150  # the maps and a few rows
+        _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+
+
 MIXED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "replicated",
          "f": "row_mod"}
 
@@ -350,6 +460,12 @@ MIXED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "repl
 def test_sharded_cached_tables_equal_in_memory_tables():
     """W = 2, every strategy (mixed in one engine), two optimizers: a budget changes nothing."""
     run_on(2, _sharded_worker, [("adagrad", MIXED), ("ftrl", MIXED), ("rowwise", MIXED)], 4)
+
+
+def test_sharded_dynamic_tables_in_the_slow_tier_equal_in_memory():
+    """W = 2, a dynamic table split by hash (each owner's map, rows offloaded) or replicated:
+    a budget changes nothing."""
+    run_on(2, _sharded_dynamic_worker, ["hash", "replicated"])
 
 
 # ------------------------------------------------------------------------------ profiles

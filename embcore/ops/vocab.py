@@ -62,6 +62,10 @@ from . import native
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
+# Fast-memory bytes of a dynamic table's map per row of capacity, at most (NativeVocabMap: 33 of
+# per-row state and 16 of hash slots, plus 16 for the sorted view when asked for): what a
+# ``memory_budget`` charges for it.
+MAP_BYTES_PER_ROW = 65
 _SORT_QUERIES = 16384  # find sorts this many ids or more before searching them (on the CPU)
 _STATE_KEYS = ("ids", "rows", "last_use", "frequency", "pending_ids", "pending_counts", "step")
 
