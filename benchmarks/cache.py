@@ -1,7 +1,10 @@
 """Tables beyond memory: hit rate and throughput against cache size (the curve nobody publishes).
 
-    python benchmarks/cache.py [--workload W1|W2] [--alphas 1.05,1.2]
+    python benchmarks/cache.py [--workload W1|W2] [--alphas 1.05,1.2] [--raw]
                                [--fractions 0.01,0.05,0.1,0.25,0.5] [--steps 30] [--warmup 200]
+
+``--raw``: every table dynamic (raw 63-bit ids, ``workloads.raw_ids``; capacity the workload's
+rows), its map in fast memory and its rows behind the cache; the budget adds the maps' bytes.
 
 For each Zipf exponent, trains the workload (exact Adagrad through ``ec.Embedding``, the same
 batches and gradients for every run) in memory, then with a ``memory_budget`` whose caches hold
@@ -30,8 +33,9 @@ import time
 import torch
 
 import embcore as ec
+from embcore.ops.vocab import MAP_BYTES_PER_ROW
 from cache_workloads import batches_for
-from workloads import get_workload
+from workloads import get_workload, raw_ids
 
 LR, ACC0 = 0.01, 0.1
 
@@ -48,9 +52,19 @@ def rss() -> dict[str, float]:
 
 
 def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
-        offload_dir: str | None, repeats: int = 3) -> dict:
+        offload_dir: str | None, repeats: int = 3, raw: bool = False) -> dict:
+    dyn = ec.DynamicVocabulary() if raw else None
     tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner=w.combiner,
-                             name=f"t{t}") for t in range(w.tables)]
+                             name=f"t{t}", dynamic=dyn) for t in range(w.tables)]
+    raw_maps = [raw_ids(w.rows, t) for t in range(w.tables)] if raw else None
+
+    def batch(i: int) -> dict[str, torch.Tensor]:
+        feats = batches_for(w, alpha, i)
+        if raw_maps is None:
+            return feats
+        return {k: raw_maps[t][v] if not v.is_nested else torch.nested.nested_tensor_from_jagged(
+            raw_maps[t][v.values()], v.offsets()) for t, (k, v) in enumerate(feats.items())}
+
     fc = {f"f{t}": ec.FeatureConfig(table=tables[t]) for t in range(w.tables)}
     torch.manual_seed(0)
     emb = ec.Embedding(fc, ec.Adagrad(learning_rate=LR, initial_accumulator_value=ACC0),
@@ -68,13 +82,13 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
         emb.apply_gradients(grads)
 
     for i in range(warmup):
-        step(batches_for(w, alpha, i))
+        step(batch(i))
     stores = list(emb._store.cached.values()) if emb._store is not None else []
     before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows)
               for c in stores]
     times = []
     for r in range(repeats):  # the median of ``repeats`` loops, each on new batches
-        timed = [batches_for(w, alpha, warmup + r * steps + i) for i in range(steps)]
+        timed = [batch(warmup + r * steps + i) for i in range(steps)]
         t0 = time.perf_counter()
         for feats in timed:
             step(feats)
@@ -108,6 +122,7 @@ def spawn(args: argparse.Namespace, alpha: float, budget: int | None) -> dict:
            "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--repeats", str(args.repeats)]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--raw"] if args.raw else []
     cmd += ["--offload-dir", args.offload_dir] if args.offload_dir else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -126,6 +141,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--raw", action="store_true", help="dynamic tables with raw 63-bit ids")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # alpha,budget: one run
     args = ap.parse_args()
@@ -133,10 +149,12 @@ def main() -> None:
     if args.single is not None:
         alpha, budget = args.single.split(",")
         print(json.dumps(run(w, float(alpha), None if budget == "None" else int(budget),
-                             args.warmup, args.steps, args.offload_dir, args.repeats)))
+                             args.warmup, args.steps, args.offload_dir, args.repeats,
+                             args.raw)))
         return
     row_bytes = w.dim * 4 * 2  # parameters + Adagrad accumulators
-    print(f"# {w.name}: {w.tables} x {w.rows} x D{w.dim}, B{w.batch}, L{w.bag}; exact Adagrad; "
+    print(f"# {w.name}{'-raw' if args.raw else ''}: {w.tables} x {w.rows} x D{w.dim}, B{w.batch}, "
+          f"L{w.bag}; exact Adagrad; "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads", flush=True)
     print(f"{'alpha':>5} {'cache':>6} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'read/st':>8} "
@@ -149,7 +167,8 @@ def main() -> None:
               f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
               f"{base['setup_s']:>7.1f}", flush=True)
         for f in [float(x) for x in args.fractions.split(",")]:
-            budget = int(f * w.tables * w.rows * (row_bytes + 80))
+            budget = int(f * w.tables * w.rows * (row_bytes + 80)
+                         + (w.tables * w.rows * MAP_BYTES_PER_ROW if args.raw else 0))
             res = spawn(args, alpha, budget)
             same = res["sha256"] == base["sha256"]
             res.update(fraction=f, vs_memory=res["ex_per_s"] / base["ex_per_s"], exact=same)
