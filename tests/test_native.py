@@ -173,7 +173,8 @@ def test_dedup_all_distinct_and_all_equal():
 # ------------------------------------------------------------------------------------ lookup
 @requires_native
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 40), st.sampled_from([1, 3, 8, 33]), st.integers(0, 30),
+@given(st.integers(1, 40), st.sampled_from([1, 3, 8, 16, 33, 64, 96, 128, 192, 256]),
+       st.integers(0, 30),
        st.integers(0, 6), st.booleans(), st.integers(0, 2**31 - 1))
 def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
     gen = torch.Generator().manual_seed(seed)
