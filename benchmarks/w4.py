@@ -1,7 +1,7 @@
 """W4: Criteo Kaggle's 26 tables (33.8M rows), D 128, exact Adagrad, beyond this machine's memory.
 
     python benchmarks/w4.py [--budget 8GiB] [--steps 30] [--warmup 30] [--batch 4096]
-                            [--offload-dir DIR] [--scale 1.0] [--peer plain]
+                            [--offload-dir DIR] [--scale 1.0] [--peer plain] [--raw]
 
 Rows + Adagrad accumulators take 33.8M x 128 x 4 x 2 bytes = 34.6 GB, more than the 24 GiB of
 this machine. embcore trains them under ``--budget`` of fast memory (the rest in files under
@@ -11,6 +11,10 @@ Tables are initialized uniform in [-0.05, 0.05] (fast to draw; the default trunc
 costs minutes at this size). Prints setup time, ex/s, the cache hit rate, rows read and written
 per step, the process's anonymous and file-backed resident memory, and disk traffic
 (/proc/self/io).
+
+``--raw``: every table dynamic (raw 63-bit ids: each id times an odd constant, modulo 2^64,
+xor a per-table constant, one to one), its capacity the table's rows, the default initializer;
+the maps (65 bytes a row, 2.2 GB) stay in fast memory, the rows and slots go to the slow tier.
 
 ``--peer plain`` instead asks plain PyTorch (``nn.EmbeddingBag`` tables with Adagrad state, in
 memory, as FBGEMM's CPU TBE and TorchRec's CPU sharding hold them) for the same tables, under an
@@ -32,6 +36,11 @@ from tiers_util import KAGGLE, fmt_bytes, proc_io, rss
 from embcore.tiers import parse_budget
 
 
+def raw(ids: torch.Tensor, t: int) -> torch.Tensor:
+    """Raw 63-bit-looking ids, one to one with ``ids`` (int64 arithmetic wraps)."""
+    return ids * -7046029254386353131 ^ ((t + 1) * 0x2545F4914F6CDD1D % (1 << 63))
+
+
 def zipf_batch(rows: list[int], batch: int, step: int, perms: list[np.ndarray]) -> dict:
     out = {}
     for t, n in enumerate(rows):
@@ -46,13 +55,17 @@ def zipf_batch(rows: list[int], batch: int, step: int, perms: list[np.ndarray]) 
 
 
 def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
-    tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
-                             initializer=functools.partial(torch.nn.init.uniform_, a=-0.05,
-                                                           b=0.05))
-              for t, n in enumerate(rows)]
+    if args.raw:  # (the default initializer: a callable one runs per admitted id)
+        tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
+                                 dynamic=ec.DynamicVocabulary()) for t, n in enumerate(rows)]
+    else:
+        tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
+                                 initializer=functools.partial(torch.nn.init.uniform_, a=-0.05,
+                                                               b=0.05))
+                  for t, n in enumerate(rows)]
     fc = {f"C{t + 1}": ec.FeatureConfig(table=tables[t]) for t in range(len(rows))}
     total = sum(rows) * args.dim * 4 * 2
-    print(f"# W4: {len(rows)} tables, {sum(rows):,} rows, D{args.dim}, exact Adagrad: "
+    print(f"# W4{'-raw' if args.raw else ''}: {len(rows)} tables, {sum(rows):,} rows, D{args.dim}, exact Adagrad: "
           f"{fmt_bytes(total)} of rows + slots; budget {args.budget}; batch {args.batch}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     io0, t0 = proc_io(), time.perf_counter()
@@ -72,7 +85,10 @@ def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
              for t in range(len(rows))}
 
     def step(i: int) -> None:
-        emb.enqueue(zipf_batch(rows, args.batch, i, perms))
+        batch = zipf_batch(rows, args.batch, i, perms)
+        if args.raw:
+            batch = {k: raw(v, t) for t, (k, v) in enumerate(batch.items())}
+        emb.enqueue(batch)
         emb.dequeue()
         emb.apply_gradients(grads)
 
@@ -135,6 +151,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="rows x scale (a smaller W4)")
     ap.add_argument("--offload-dir", default=None)
     ap.add_argument("--peer", choices=["plain"], default=None)
+    ap.add_argument("--raw", action="store_true", help="dynamic tables, raw 63-bit ids")
     args = ap.parse_args()
     parse_budget(args.budget)
     rows = [max(2, round(n * args.scale)) for n in KAGGLE]
