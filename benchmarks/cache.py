@@ -11,7 +11,7 @@ batches and gradients for every run) in memory, then with a ``memory_budget`` wh
 the given fraction of the rows (every table offloaded: equal tables get equal shares; at 100%
 the tables fit and stay in memory: that is the in-memory run). After
 ``--warmup`` steps that fill the caches, it times ``--repeats`` loops of ``--steps`` steps on new
-batches and prints, per run: ex/s (the median loop), the ratio to the in-memory run, the cache hit rate over the timed steps, rows read from
+batches and prints, per run: ex/s (the median loop), the ratio to the in-memory run, the cache hit rate over the timed steps (rows found in the cache over all rows looked up; with ``--raw``, the rows given to new ids, nothing read for them, are counted apart: new/st), rows read from
 and written to the slow tier per step, and the process's anonymous and file-backed resident
 memory (RssAnon / RssFile). Every run's final tables are checked equal to the in-memory run's.
 
@@ -84,8 +84,8 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
     for i in range(warmup):
         step(batch(i))
     stores = list(emb._store.cached.values()) if emb._store is not None else []
-    before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows)
-              for c in stores]
+    before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows,
+               c.new.sum().item()) for c in stores]
     times = []
     for r in range(repeats):  # the median of ``repeats`` loops, each on new batches
         timed = [batch(warmup + r * steps + i) for i in range(steps)]
@@ -99,11 +99,13 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
     out = {"alpha": alpha, "budget": budget, "ex_per_s": steps * w.batch / dt,
            "ms_per_step": 1000 * dt / steps, "setup_s": setup, **mem}
     if stores:
+        new = sum(c.new.sum().item() - b[4] for c, b in zip(stores, before))  # new ids' rows
         hits = sum(c.hits.sum().item() - b[0] for c, b in zip(stores, before))
         misses = sum(c.misses.sum().item() - b[1] for c, b in zip(stores, before))
         out.update(cache_rows=sum(c.capacity for c in stores),
                    rows=sum(c.rows for c in stores),
-                   hit_rate=hits / max(hits + misses, 1),
+                   hit_rate=hits / max(hits + misses + new, 1),
+                   new_per_step=new / steps_all,
                    read_per_step=sum(c.read_rows - b[2] for c, b in zip(stores, before))
                    / steps_all,
                    written_per_step=sum(c.written_rows - b[3] for c, b in zip(stores, before))
@@ -157,13 +159,15 @@ def main() -> None:
           f"L{w.bag}; exact Adagrad; "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads", flush=True)
-    print(f"{'alpha':>5} {'cache':>6} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'read/st':>8} "
+    print(f"{'alpha':>5} {'cache':>6} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'new/st':>7} "
+          f"{'read/st':>8} "
           f"{'write/st':>8} {'anon MiB':>8} {'file MiB':>8} {'setup s':>7}", flush=True)
     results = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         base = spawn(args, alpha, None)
         results.append(base)
-        print(f"{alpha:>5} {'memory':>6} {base['ex_per_s']:>9.0f} {1.0:>6.2f} {'':>6} {'':>8} "
+        print(f"{alpha:>5} {'memory':>6} {base['ex_per_s']:>9.0f} {1.0:>6.2f} {'':>6} {'':>7} "
+              f"{'':>8} "
               f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
               f"{base['setup_s']:>7.1f}", flush=True)
         for f in [float(x) for x in args.fractions.split(",")]:
@@ -174,7 +178,8 @@ def main() -> None:
             res.update(fraction=f, vs_memory=res["ex_per_s"] / base["ex_per_s"], exact=same)
             results.append(res)
             print(f"{alpha:>5} {f:>6.0%} {res['ex_per_s']:>9.0f} {res['vs_memory']:>6.2f} "
-                  f"{res['hit_rate']:>6.1%} {res['read_per_step']:>8.0f} "
+                  f"{res['hit_rate']:>6.1%} {res['new_per_step']:>7.0f} "
+                  f"{res['read_per_step']:>8.0f} "
                   f"{res['written_per_step']:>8.0f} {res['RssAnon']:>8.0f} "
                   f"{res['RssFile']:>8.0f} {res['setup_s']:>7.1f}"
                   f"{'' if same else '  NOT EXACT'}", flush=True)

@@ -97,20 +97,22 @@ def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
         step(i)
     warm = time.perf_counter() - t0
     caches = list(emb._store.cached.values())
-    before = [(int(c.hits.sum()), int(c.misses.sum()), c.read_rows, c.written_rows)
-              for c in caches]
+    before = [(int(c.hits.sum()), int(c.misses.sum()), c.read_rows, c.written_rows,
+               int(c.new.sum())) for c in caches]
     io2, t0 = proc_io(), time.perf_counter()
     for i in range(args.steps):
         step(args.warmup + i)
     dt = time.perf_counter() - t0
     io3 = proc_io()
+    new = sum(int(c.new.sum()) - b[4] for c, b in zip(caches, before))  # new ids' rows
     hits = sum(int(c.hits.sum()) - b[0] for c, b in zip(caches, before))
     misses = sum(int(c.misses.sum()) - b[1] for c, b in zip(caches, before))
     read = sum(c.read_rows - b[2] for c, b in zip(caches, before)) / args.steps
     written = sum(c.written_rows - b[3] for c, b in zip(caches, before)) / args.steps
     print(f"warm-up {args.warmup} steps {warm:.1f} s; timed {args.steps} steps: "
           f"{args.steps * args.batch / dt:,.0f} ex/s ({1000 * dt / args.steps:.0f} ms/step), "
-          f"hit rate {hits / max(hits + misses, 1):.1%}, rows read / written per step "
+          f"hit rate {hits / max(hits + misses + new, 1):.1%} (new ids' rows "
+          f"{new / args.steps:,.0f} a step), rows read / written per step "
           f"{read:,.0f} / {written:,.0f}, disk read "
           f"{fmt_bytes(io3['read_bytes'] - io2['read_bytes'])} written {fmt_bytes(io3['write_bytes'] - io2['write_bytes'])}; {rss()}", flush=True)
 

@@ -146,6 +146,7 @@ class CachedRows:
         self._bounds = torch.tensor(list(bounds)[1:-1], dtype=torch.int64)  # (T - 1,)
         self.hits = torch.zeros(len(self.members), dtype=torch.int64)
         self.misses = torch.zeros(len(self.members), dtype=torch.int64)
+        self.new = torch.zeros(len(self.members), dtype=torch.int64)  # rows renewed (new ids)
         self.read_rows = 0     # rows read from the slow tier
         self.written_rows = 0  # rows written back
         self._grew = False
@@ -165,6 +166,7 @@ class CachedRows:
         self.map = vocab_map(capacity, eviction="lru", name=f"{self.name} (cache)")
         self.owner = torch.full((capacity,), -1, dtype=torch.int64)  # shard row held, -1 free
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.fresh = torch.zeros(capacity, dtype=torch.bool)  # renewed, not yet looked up
 
     # ---------------------------------------------------------------- the step's rows
     def resolve(self, rows: torch.Tensor, count: bool = True, read: bool = True) -> torch.Tensor:
@@ -183,7 +185,7 @@ class CachedRows:
                     self.owner[s.cpu() if s.device.type != "cpu" else s],
                     r.cpu() if r.device.type != "cpu" else r)):
                 if count:
-                    self._count(r.cpu(), r.new_empty(0, device="cpu"))
+                    self._count(r.cpu(), r.new_empty(0, device="cpu"), s.cpu())
                 return s
         rows = rows.to(torch.int64)
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
@@ -196,8 +198,8 @@ class CachedRows:
             self._write_back(freed)
             self.owner[freed] = -1
             self.generation += 1
-        if count:
-            self._count(cpu_rows, new_ids)
+        if count:  # (before the new rows are read: owners still tell the hits)
+            self._count(cpu_rows, new_ids, slots)
         if new_rows.numel():
             if bool((self.owner[new_rows] >= 0).any()):  # rows left: older answers are stale
                 self.generation += 1
@@ -217,21 +219,33 @@ class CachedRows:
         at = self.resolve(rows, count=False, read=False)
         write(self.table, self.slots, at)
         self.touched(at)
+        self.fresh[at.cpu() if at.device.type != "cpu" else at] = True  # (counted as new)
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
         self.dirty[slots.cpu() if slots.device.type != "cpu" else slots] = True
 
-    def _count(self, rows: torch.Tensor, new_ids: torch.Tensor) -> None:
-        if len(self.members) == 1:
-            self.misses[0] += new_ids.numel()
-            self.hits[0] += rows.numel() - new_ids.numel()
-            return
+    def _count(self, rows: torch.Tensor, new_ids: torch.Tensor, slots: torch.Tensor) -> None:
+        """Counts a lookup of distinct shard rows ``rows`` at cache rows ``slots`` (CPU), of
+        which ``new_ids`` are read now: the others are hits, or new when ``renew`` put them
+        there since the last lookup (counted once)."""
+        fresh = self.fresh[slots] & (self.owner[slots] == rows)  # (U,) renewed, still here
+        fresh_rows = rows[fresh]
+        if fresh_rows.numel():
+            self.fresh[slots[fresh]] = False
         n = len(self.members)
+        if n == 1:
+            self.misses[0] += new_ids.numel()
+            self.new[0] += fresh_rows.numel()
+            self.hits[0] += rows.numel() - new_ids.numel() - fresh_rows.numel()
+            return
         missed = torch.bincount(torch.bucketize(new_ids, self._bounds, right=True), minlength=n)
+        renewed = torch.bincount(torch.bucketize(fresh_rows, self._bounds, right=True),
+                                 minlength=n)
         self.misses += missed
+        self.new += renewed
         self.hits += torch.bincount(torch.bucketize(rows, self._bounds, right=True),
-                                    minlength=n) - missed
+                                    minlength=n) - missed - renewed
 
     def _write_back(self, slots: torch.Tensor) -> None:
         """Writes the updated rows among cache rows ``slots`` to the slow tier."""
@@ -300,12 +314,15 @@ class CachedRows:
         self._allocate(self.capacity)
 
     def stats(self) -> dict[str, dict[str, float | int]]:
-        """``{member table: {"hits", "misses", "hit_rate"}}`` (rows found in the cache or read
-        from the slow tier, over the steps so far)."""
+        """``{member table: {"hits", "misses", "new", "hit_rate"}}`` over the steps so far:
+        distinct rows of each lookup found in the cache, read from the slow tier, or given to a
+        new id in that step (a dynamic table's: written in the cache, nothing read);
+        ``hit_rate`` is hits over all three."""
         out = {}
         for i, name in enumerate(self.members):
-            h, m = int(self.hits[i]), int(self.misses[i])
-            out[name] = {"hits": h, "misses": m, "hit_rate": h / (h + m) if h + m else 0.0}
+            h, m, n = int(self.hits[i]), int(self.misses[i]), int(self.new[i])
+            out[name] = {"hits": h, "misses": m, "new": n,
+                         "hit_rate": h / (h + m + n) if h + m + n else 0.0}
         return out
 
     def to(self, device: torch.device) -> None:

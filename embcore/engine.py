@@ -150,9 +150,11 @@ class Embedding:
 
     @_serialized
     def cache_stats(self) -> dict[str, dict[str, float | int]]:
-        """``{table: {"hits": int, "misses": int, "hit_rate": float}}`` for the tables in the slow
-        tier (``memory_budget``), on this process: distinct rows of each step found in the cache
-        or read from the slow tier, since construction. Tables in fast memory have no entry."""
+        """``{table: {"hits": int, "misses": int, "new": int, "hit_rate": float}}`` for the
+        tables in the slow tier (``memory_budget``), on this process: distinct rows of each step
+        found in the cache, read from the slow tier, or given to a new id of a dynamic table in
+        that step (nothing read), since construction; ``hit_rate`` is hits over all three.
+        Tables in fast memory have no entry."""
         return self._built().cache_stats()
 
     @property

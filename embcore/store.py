@@ -279,7 +279,8 @@ class RowStore:
         self.device, self.workspace = device, Workspace()
 
     def cache_stats(self) -> dict[str, dict[str, float | int]]:
-        """``{table: {"hits", "misses", "hit_rate"}}`` of the offloaded tables on this process."""
+        """``{table: {"hits", "misses", "new", "hit_rate"}}`` of the offloaded tables on this
+        process (``CachedRows.stats``)."""
         out: dict[str, dict[str, float | int]] = {}
         for cache in self.cached.values():
             out.update(cache.stats())

@@ -260,7 +260,10 @@ def test_dynamic_tables_in_the_slow_tier_equal_in_memory(opt, eviction, admit_af
     emb = runs[1][2]
     assert {n for p in emb.plan.physical if p.offloaded for n in p.tables} == {"dyn", "static"}
     stats = emb.cache_stats()
-    assert stats["dyn"]["misses"] > 0 and stats["dyn"]["hits"] > 0
+    assert stats["dyn"]["misses"] > 0 and stats["dyn"]["hits"] > 0 and stats["dyn"]["new"] > 0
+    assert stats["static"]["new"] == 0
+    d = stats["dyn"]
+    assert d["hit_rate"] == d["hits"] / (d["hits"] + d["misses"] + d["new"])
     assert torch.equal(emb.vocabulary("dyn")[0], runs[0][2].vocabulary("dyn")[0])
 
 
