@@ -9,11 +9,12 @@ rows), its map in fast memory and its rows behind the cache; the budget adds the
 For each Zipf exponent, trains the workload (exact Adagrad through ``ec.Embedding``, the same
 batches and gradients for every run) in memory, then with a ``memory_budget`` whose caches hold
 the given fraction of the rows (every table offloaded: equal tables get equal shares; at 100%
-the tables fit and stay in memory: that is the in-memory run). After
-``--warmup`` steps that fill the caches, it times ``--repeats`` loops of ``--steps`` steps on new
-batches and prints, per run: ex/s (the median loop), the ratio to the in-memory run, the cache hit rate over the timed steps (rows found in the cache over all rows looked up; with ``--raw``, the rows given to new ids, nothing read for them, are counted apart: new/st), rows read from
-and written to the slow tier per step, and the process's anonymous and file-backed resident
-memory (RssAnon / RssFile). Every run's final tables are checked equal to the in-memory run's.
+the tables fit and stay in memory: that is the in-memory run). After ``--warmup`` steps that
+fill the caches, it times ``--repeats`` loops of ``--steps`` steps on new batches and prints, per
+run: ex/s (the median loop), the ratio to the in-memory run, the cache hit rate over the timed
+steps (rows found in the cache over all rows looked up; with ``--raw`` the rows given to new ids,
+nothing read for them, are counted apart: new/st), rows read from and written to the slow tier
+per step, and the process's anonymous and file-backed resident memory (RssAnon / RssFile). Every run's final tables are checked equal to the in-memory run's.
 
 Each run is its own process (memory figures of one run only); the final tables' SHA-256 is
 compared with the in-memory run's. The slow tier's files go to ``--offload-dir`` (default: a

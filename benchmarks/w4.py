@@ -65,7 +65,8 @@ def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
                   for t, n in enumerate(rows)]
     fc = {f"C{t + 1}": ec.FeatureConfig(table=tables[t]) for t in range(len(rows))}
     total = sum(rows) * args.dim * 4 * 2
-    print(f"# W4{'-raw' if args.raw else ''}: {len(rows)} tables, {sum(rows):,} rows, D{args.dim}, exact Adagrad: "
+    print(f"# W4{'-raw' if args.raw else ''}: {len(rows)} tables, {sum(rows):,} rows, "
+          f"D{args.dim}, exact Adagrad: "
           f"{fmt_bytes(total)} of rows + slots; budget {args.budget}; batch {args.batch}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     io0, t0 = proc_io(), time.perf_counter()
