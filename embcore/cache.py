@@ -147,6 +147,7 @@ class CachedRows:
         self.hits = torch.zeros(len(self.members), dtype=torch.int64)
         self.misses = torch.zeros(len(self.members), dtype=torch.int64)
         self.new = torch.zeros(len(self.members), dtype=torch.int64)  # rows renewed (new ids)
+        self.renewing = False  # whether renew was ever called (lookups then look for its rows)
         self.read_rows = 0     # rows read from the slow tier
         self.written_rows = 0  # rows written back
         self._grew = False
@@ -220,6 +221,7 @@ class CachedRows:
         write(self.table, self.slots, at)
         self.touched(at)
         self.fresh[at.cpu() if at.device.type != "cpu" else at] = True  # (counted as new)
+        self.renewing = True
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
@@ -229,10 +231,12 @@ class CachedRows:
         """Counts a lookup of distinct shard rows ``rows`` at cache rows ``slots`` (CPU), of
         which ``new_ids`` are read now: the others are hits, or new when ``renew`` put them
         there since the last lookup (counted once)."""
-        fresh = self.fresh[slots] & (self.owner[slots] == rows)  # (U,) renewed, still here
-        fresh_rows = rows[fresh]
-        if fresh_rows.numel():
-            self.fresh[slots[fresh]] = False
+        fresh_rows = rows[:0]
+        if self.renewing:  # (a dynamic table's cache)
+            fresh = self.fresh[slots] & (self.owner[slots] == rows)  # (U,) renewed, still here
+            fresh_rows = rows[fresh]
+            if fresh_rows.numel():
+                self.fresh[slots[fresh]] = False
         n = len(self.members)
         if n == 1:
             self.misses[0] += new_ids.numel()
