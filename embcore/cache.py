@@ -289,6 +289,8 @@ class CachedRows:
             self.read_rows += rows.numel()
         self.owner[slots] = rows
         self.dirty[slots] = False
+        if self.renewing:  # a renewed row that left, not yet counted: its flag goes with it
+            self.fresh[slots] = False
 
     def _grow(self, needed: int) -> None:
         """Makes room for a step of ``needed`` distinct rows: flush, then a larger cache."""
