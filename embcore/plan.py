@@ -355,7 +355,8 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
         for r in range(world_size):
             left = budget - maps[r] - sum(per_rank[n][r] for n in fixed)
             if left < 0:
-                what = ([f"the maps of dynamic tables ({MAP_BYTES_PER_ROW} bytes a row): "
+                dyn = sorted(n for n, c, _ in tables if c.dynamic is not None and local[n][r])
+                what = ([f"the maps of dynamic tables {dyn} ({MAP_BYTES_PER_ROW} bytes a row): "
                          f"{maps[r]}"] if maps[r] else []) + [
                     f"Adam(lazy_adam=False) table {n!r}: {per_rank[n][r]}"
                     for n in sorted(pinned) if per_rank[n][r]]

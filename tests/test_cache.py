@@ -109,7 +109,8 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     assert "+ maps" in str(dyn)
     dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
     assert not any(p.offloaded for p in dense.physical)
-    with pytest.raises(ValueError, match=r"maps of dynamic tables \(65 bytes a row\): 195000"):
+    with pytest.raises(ValueError,
+                       match=r"maps of dynamic tables \['huge'\] \(65 bytes a row\): 195000"):
         make_plan(_specs(dynamic=True), 1, None, None, 1000)
     with pytest.raises(ValueError, match="Adam\\(lazy_adam=False\\) table 'big'"):
         make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 1000)
