@@ -34,6 +34,7 @@ import time
 import torch
 
 import embcore as ec
+from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 from embcore.ops.vocab import MAP_BYTES_PER_ROW
 from cache_workloads import batches_for
 from workloads import get_workload, raw_ids
@@ -172,7 +173,8 @@ def main() -> None:
               f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
               f"{base['setup_s']:>7.1f}", flush=True)
         for f in [float(x) for x in args.fractions.split(",")]:
-            budget = int(f * w.tables * w.rows * (row_bytes + 80)
+            budget = int(f * w.tables * w.rows * (row_bytes + INDEX_BYTES_PER_ROW)
+                         + w.tables * w.rows * WHERE_BYTES_PER_ROW
                          + (w.tables * w.rows * MAP_BYTES_PER_ROW if args.raw else 0))
             res = spawn(args, alpha, budget)
             same = res["sha256"] == base["sha256"]

@@ -24,6 +24,7 @@ import time
 import torch
 
 import embcore as ec
+from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cache_workloads import batches_for  # noqa: E402
@@ -38,7 +39,8 @@ def run(pipelined: bool, steps: int, batch_size: int, cache_fraction: float | No
               for i in range(wl.tables)]
     fc = {f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(tables)}
     budget = (None if cache_fraction is None else
-              int(cache_fraction * wl.tables * wl.rows * (wl.dim * 8 + 80)))
+              int(cache_fraction * wl.tables * wl.rows * (wl.dim * 8 + INDEX_BYTES_PER_ROW)
+                  + wl.tables * wl.rows * WHERE_BYTES_PER_ROW))
     emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), pipeline_execution=pipelined,
                        memory_budget=budget)
     mlp = torch.nn.Sequential(torch.nn.Linear(wl.tables * wl.dim, 512), torch.nn.ReLU(),

@@ -7,14 +7,15 @@ memory when the tables live on a GPU. The **cache** holds ``capacity`` of those 
 its slots, in fast memory, laid out like an in-memory shard of ``capacity`` rows, so the step's
 lookup and fused update run on it unchanged.
 
-The cache's index is a ``VocabMap`` (ops/vocab.py) whose ids are shard rows: a step's distinct
-rows are resolved by one map step, which admits the missing ones and, when the cache is full,
-evicts the least recently used rows that this step does not touch (ties: the smaller row),
-and an eighth of the cache more at once (written back at once: ``SPARE_SHARE``), so that the next
-steps admit into free rows without scanning. Before a cache row is given to a new shard row, its old row is written back to the slow tier
-if it was updated since it was read (write-back); then the new row is read whole, with its
-slots. Rows move whole, values unchanged, so a run with a cache computes exactly what a run
-without one computes: the cache decides where a row is, never what it holds.
+The cache's index (``CacheIndex``, ops/cache_index.py) holds the cache row of every shard row:
+a step's distinct rows are resolved by one index step, which admits the missing ones and, when
+the cache is full, evicts the least recently used rows that this step does not use (ties: the
+lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``), so that the next
+steps admit into free rows without scanning. Before a cache row is given to a new shard row,
+its old row is written back to the slow tier if it was updated since it was read (write-back);
+then the new row is read whole, with its slots. Rows move whole, values unchanged, so a run
+with a cache computes exactly what a run without one computes: the cache decides where a row
+is, never what it holds.
 
 A step whose distinct rows outnumber the cache grows the cache to hold them (with a warning):
 the step's working set must be in fast memory.
@@ -35,16 +36,17 @@ from pathlib import Path
 import torch
 
 from .ops import native
-from .ops.memory import advise_random
-from .ops.vocab import vocab_map
+from .ops.memory import advise_random, empty_table
+from .ops.cache_index import MAX_CAPACITY, CacheIndex
 
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
 # (the least recently used ones), so that the next steps admit into free rows without scanning.
 SPARE_SHARE = 8
 
-# Bytes of index per cache row: the map's per-row state and hash slots (at most 49 + 16), the
-# owner row and the dirty flag.
-INDEX_BYTES_PER_ROW = 80
+# Bytes of index (ops/cache_index.py) per cache row: its owner, stamp, dirty and fresh flags
+# and free-stack entry; and per row of an offloaded shard: where it is cached.
+INDEX_BYTES_PER_ROW = 26
+WHERE_BYTES_PER_ROW = 4
 
 
 def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
@@ -143,31 +145,42 @@ class CachedRows:
         self.name, self.slow, self.device = name, slow, device
         self.rows = slow["parameters"].shape[0]
         self.members = list(members)
-        self._bounds = torch.tensor(list(bounds)[1:-1], dtype=torch.int64)  # (T - 1,)
-        self.hits = torch.zeros(len(self.members), dtype=torch.int64)
-        self.misses = torch.zeros(len(self.members), dtype=torch.int64)
-        self.new = torch.zeros(len(self.members), dtype=torch.int64)  # rows renewed (new ids)
-        self.renewing = False  # whether renew was ever called (lookups then look for its rows)
+        self._bounds = list(bounds)[1:-1]  # the first row of members 1..T-1
         self.read_rows = 0     # rows read from the slow tier
         self.written_rows = 0  # rows written back
+        self.evictions = 0     # steps that evicted rows
         self._grew = False
         self.lock = threading.RLock()  # held by the store across a resolve and its use
-        self._allocate(max(1, min(int(capacity), self.rows)))
+        self._allocate(max(1, min(int(capacity), self.rows, MAX_CAPACITY)))
 
     def _allocate(self, capacity: int) -> None:
-        """An empty cache of ``capacity`` rows."""
+        """An empty cache of ``capacity`` rows (the statistics carry over)."""
         self.generation = getattr(self, "generation", 0) + 1
         self._recent: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (rows, slots, gen.)
         self.capacity = capacity
-        self.table = torch.empty((capacity,) + tuple(self.slow["parameters"].shape[1:]),
-                                 dtype=self.slow["parameters"].dtype, device=self.device)
-        self.slots = {k: torch.empty((capacity,) + tuple(v.shape[1:]), dtype=v.dtype,
-                                     device=self.device)
+        self.table = empty_table((capacity,) + tuple(self.slow["parameters"].shape[1:]),
+                                 self.slow["parameters"].dtype, self.device)
+        self.slots = {k: empty_table((capacity,) + tuple(v.shape[1:]), v.dtype, self.device)
                       for k, v in self.slow.items() if k != "parameters"}
-        self.map = vocab_map(capacity, eviction="lru", name=f"{self.name} (cache)")
-        self.owner = torch.full((capacity,), -1, dtype=torch.int64)  # shard row held, -1 free
-        self.dirty = torch.zeros(capacity, dtype=torch.bool)
-        self.fresh = torch.zeros(capacity, dtype=torch.bool)  # renewed, not yet looked up
+        old = getattr(self, "index", None)
+        self.index = CacheIndex(self.rows, capacity, self._bounds)
+        if old is not None:
+            self.index.counts.copy_(old.counts)
+
+    @property
+    def hits(self) -> torch.Tensor:
+        """(T,) distinct rows of lookups found in the cache, per member table."""
+        return self.index.counts[0]
+
+    @property
+    def misses(self) -> torch.Tensor:
+        """(T,) distinct rows of lookups read from the slow tier, per member table."""
+        return self.index.counts[1]
+
+    @property
+    def new(self) -> torch.Tensor:
+        """(T,) distinct rows of lookups given to new ids since the last lookup (``renew``)."""
+        return self.index.counts[2]
 
     # ---------------------------------------------------------------- the step's rows
     def resolve(self, rows: torch.Tensor, count: bool = True, read: bool = True) -> torch.Tensor:
@@ -176,37 +189,33 @@ class CachedRows:
         cache rows but are not read, for values about to be written there).
 
         The answers to the last two calls are kept: the same ``rows`` tensor asked again (the
-        update of a lookup's distinct rows) gets the same answer without a map step while no
-        cached row has left since (the cache's generation), or while its rows are all still in
-        the cache rows it gave (one comparison: with pipelining the next batch's lookup comes
-        between, and evicts other rows)."""
+        update of a lookup's distinct rows) gets the same answer without an index step while
+        no cached row has left since (the cache's generation), or while its rows are all still
+        in the cache rows it gave (one comparison: with pipelining the next batch's lookup
+        comes between, and evicts other rows)."""
         asked = rows
         for r, s, g in self._recent:  # the update of a lookup's rows, still where they were
             if r is asked and (g == self.generation or torch.equal(
-                    self.owner[s.cpu() if s.device.type != "cpu" else s],
+                    self.index.owner[s.cpu() if s.device.type != "cpu" else s],
                     r.cpu() if r.device.type != "cpu" else r)):
-                if count:
-                    self._count(r.cpu(), r.new_empty(0, device="cpu"), s.cpu())
+                if count:  # (counted again: hits, as the index would)
+                    self._count_hits(r.cpu(), s.cpu())
                 return s
         rows = rows.to(torch.int64)
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
         if cpu_rows.numel() > self.capacity:
             self._grow(cpu_rows.numel())
-        slots, new_ids, new_rows = self.map.train_step(
-            cpu_rows, check=False, spare=self.capacity // SPARE_SHARE)  # (U,), (A,), (A,)
-        freed = self.map.last_freed  # evicted ahead: written back now, before any reads
-        if freed.numel():
-            self._write_back(freed)
-            self.owner[freed] = -1
+        step = self.index.step(cpu_rows, count, spare=self.capacity // SPARE_SHARE)
+        assert step is not None  # (the cache holds the step's rows)
+        if step.evicted:  # rows left: older answers may be stale
             self.generation += 1
-        if count:  # (before the new rows are read: owners still tell the hits)
-            self._count(cpu_rows, new_ids, slots)
-        if new_rows.numel():
-            if bool((self.owner[new_rows] >= 0).any()):  # rows left: older answers are stale
-                self.generation += 1
-            self._write_back(new_rows)
-            self._read(new_ids, new_rows, read)
-        out = slots.to(self.device) if self.device.type != "cpu" else slots
+            self.evictions += 1
+        if step.out_rows.numel():  # evicted updates, written back before any reads
+            self._copy_out(step.out_slots, step.out_rows)
+        if step.miss_rows.numel() and read:
+            self._move(True, step.miss_rows, step.miss_slots)
+            self.read_rows += step.miss_rows.numel()
+        out = step.slots.to(self.device) if self.device.type != "cpu" else step.slots
         self._recent = [(asked, out, self.generation)] + self._recent[:1]
         return out
 
@@ -219,46 +228,25 @@ class CachedRows:
         they leave the cache."""
         at = self.resolve(rows, count=False, read=False)
         write(self.table, self.slots, at)
-        self.touched(at)
-        self.fresh[at.cpu() if at.device.type != "cpu" else at] = True  # (counted as new)
-        self.renewing = True
+        cpu_at = at.cpu() if at.device.type != "cpu" else at
+        self.index.mark(self.index.dirty, cpu_at)
+        self.index.mark(self.index.fresh, cpu_at)  # (counted as new by the next lookup)
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
-        self.dirty[slots.cpu() if slots.device.type != "cpu" else slots] = True
+        self.index.mark(self.index.dirty, slots.cpu() if slots.device.type != "cpu" else slots)
 
-    def _count(self, rows: torch.Tensor, new_ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """Counts a lookup of distinct shard rows ``rows`` at cache rows ``slots`` (CPU), of
-        which ``new_ids`` are read now: the others are hits, or new when ``renew`` put them
-        there since the last lookup (counted once)."""
-        fresh_rows = rows[:0]
-        if self.renewing:  # (a dynamic table's cache)
-            fresh = self.fresh[slots] & (self.owner[slots] == rows)  # (U,) renewed, still here
-            fresh_rows = rows[fresh]
-            if fresh_rows.numel():
-                self.fresh[slots[fresh]] = False
+    def _count_hits(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Counts a lookup of distinct shard rows ``rows`` all held at cache rows ``slots``
+        (CPU): hits, or new for rows ``renew`` put there since the last lookup (counted once)."""
+        fresh = self.index.fresh[slots]
+        member = torch.bucketize(rows, self.index.bounds, right=True)
         n = len(self.members)
-        if n == 1:
-            self.misses[0] += new_ids.numel()
-            self.new[0] += fresh_rows.numel()
-            self.hits[0] += rows.numel() - new_ids.numel() - fresh_rows.numel()
-            return
-        missed = torch.bincount(torch.bucketize(new_ids, self._bounds, right=True), minlength=n)
-        renewed = torch.bincount(torch.bucketize(fresh_rows, self._bounds, right=True),
-                                 minlength=n)
-        self.misses += missed
-        self.new += renewed
-        self.hits += torch.bincount(torch.bucketize(rows, self._bounds, right=True),
-                                    minlength=n) - missed - renewed
-
-    def _write_back(self, slots: torch.Tensor) -> None:
-        """Writes the updated rows among cache rows ``slots`` to the slow tier."""
-        owners = self.owner[slots]  # (A,)
-        keep = self.dirty[slots] & (owners >= 0)
-        if bool(keep.any()):
-            slots, owners = slots[keep], owners[keep]
-            self._copy_out(slots, owners)
-            self.dirty[slots] = False
+        if bool(fresh.any()):
+            self.index.fresh[slots[fresh]] = False
+            self.new.add_(torch.bincount(member[fresh], minlength=n))
+            member = member[~fresh]
+        self.hits.add_(torch.bincount(member, minlength=n))
 
     def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or
@@ -281,17 +269,6 @@ class CachedRows:
         self._move(False, owners, slots)
         self.written_rows += owners.numel()
 
-    def _read(self, rows: torch.Tensor, slots: torch.Tensor, read: bool = True) -> None:
-        """Reads shard rows ``rows`` (with their slots) into cache rows ``slots`` (``read``
-        False: only gives them the cache rows)."""
-        if read:
-            self._move(True, rows, slots)
-            self.read_rows += rows.numel()
-        self.owner[slots] = rows
-        self.dirty[slots] = False
-        if self.renewing:  # a renewed row that left, not yet counted: its flag goes with it
-            self.fresh[slots] = False
-
     def _grow(self, needed: int) -> None:
         """Makes room for a step of ``needed`` distinct rows: flush, then a larger cache."""
         grown = min(max(needed, self.capacity + self.capacity // 2), self.rows)
@@ -307,10 +284,10 @@ class CachedRows:
     # ---------------------------------------------------------------- outside the step
     def flush(self) -> None:
         """Writes every updated cache row back; the cache keeps its rows (now clean)."""
-        slots = (self.dirty & (self.owner >= 0)).nonzero().squeeze(1)  # (a row held: always)
+        slots = self.index.dirty_slots()
         if slots.numel():
-            self._copy_out(slots, self.owner[slots])
-            self.dirty[slots] = False
+            self._copy_out(slots, self.index.owner[slots])
+            self.index.dirty[slots] = False
 
     def drop(self, write_back: bool = True) -> None:
         """Empties the cache (after writing updated rows back, unless ``write_back`` is

@@ -29,7 +29,7 @@ import torch
 
 from .config import TableConfig
 from .optimizers import Optimizer
-from .cache import INDEX_BYTES_PER_ROW
+from .cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 from .ops.vocab import MAP_BYTES_PER_ROW
 from .placement import Placement, make_placement
 from .placement import STRATEGIES as _PLACEMENTS
@@ -134,8 +134,9 @@ class ShardingPlan:
                 if fast and p.dynamic:
                     out[r] += p.local_rows[r] * MAP_BYTES_PER_ROW
                 if fast and p.offloaded:
-                    out[r] += p.cache_rows[r] * (int(p.bytes_per_row * frac)
-                                                 + INDEX_BYTES_PER_ROW)
+                    out[r] += (p.cache_rows[r] * (int(p.bytes_per_row * frac)
+                                                  + INDEX_BYTES_PER_ROW)
+                               + p.local_rows[r] * WHERE_BYTES_PER_ROW)
                 else:
                     out[r] += int(p.local_rows[r] * p.bytes_per_row * frac)
         return out
@@ -165,7 +166,8 @@ class ShardingPlan:
                 for r in range(w):
                     c0, c1 = p.columns[r]
                     row = int(p.bytes_per_row * (c1 - c0) / max(p.dim, 1)) + INDEX_BYTES_PER_ROW
-                    per_rank.append(f"{p.cache_rows[r]}/{p.cache_rows[r] * row / 2**20:.2f}")
+                    mb = (p.cache_rows[r] * row + p.local_rows[r] * WHERE_BYTES_PER_ROW) / 2**20
+                    per_rank.append(f"{p.cache_rows[r]}/{mb:.2f}")
                 lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MB "
                              f"per rank: {' '.join(per_rank)}")
         if any(p.offloaded for p in self.physical):
@@ -349,33 +351,46 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     pinned = {name for name, cfg, opt in tables  # rules moving every row every step
               if opt is not None and opt.dense_update}
 
-    def fill(fixed: set[str]) -> dict[str, list[int]]:
-        """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first)."""
+    def fill(fixed: set[str], indexed: set[str] = set()) -> dict[str, list[int]]:
+        """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first, as
+        are the cache indexes of the tables ``indexed``)."""
         out = {n: [0] * world_size for n in cfg if n not in fixed}
         for r in range(world_size):
-            left = budget - maps[r] - sum(per_rank[n][r] for n in fixed)
-            if left < 0:
+            here = [n for n in out if local[n][r]]
+            cost = [max(1, per_rank[n][r] // local[n][r]) + INDEX_BYTES_PER_ROW for n in here]
+            index = sum(local[n][r] * WHERE_BYTES_PER_ROW for n in indexed)
+            floor = [1 if n in indexed else 0 for n in here]  # a cache row each, first
+            least = sum(c * f for c, f in zip(cost, floor))
+            left = budget - maps[r] - index - sum(per_rank[n][r] for n in fixed)
+            if left < least:
                 dyn = sorted(n for n, c, _ in tables if c.dynamic is not None and local[n][r])
                 what = ([f"the maps of dynamic tables {dyn} ({MAP_BYTES_PER_ROW} bytes a row): "
                          f"{maps[r]}"] if maps[r] else []) + [
                     f"Adam(lazy_adam=False) table {n!r}: {per_rank[n][r]}"
-                    for n in sorted(pinned) if per_rank[n][r]]
+                    for n in sorted(pinned) if per_rank[n][r]] + (
+                    [f"the cache indexes of the offloaded tables {sorted(indexed)} "
+                     f"({WHERE_BYTES_PER_ROW} bytes a row) and a cache row of each: "
+                     f"{index + least}"] if indexed else [])
                 raise ValueError(
                     f"memory_budget={budget} bytes is below what must stay in fast memory on "
-                    f"process {r}: {budget - left} bytes ({'; '.join(what)}); raise the budget")
-            here = [n for n in out if local[n][r]]
-            cost = [max(1, per_rank[n][r] // local[n][r]) + INDEX_BYTES_PER_ROW for n in here]
-            got = fast_rows([local[n][r] for n in here], cost,
+                    f"process {r}: {budget - left + least} bytes ({'; '.join(what)}); raise "
+                    f"the budget")
+            got = fast_rows([local[n][r] - f for n, f in zip(here, floor)], cost,
                             [float(lookups.get(n, 1)) for n in here],
                             [curves.get(n) or zipf_curve(cfg[n].vocabulary_size) for n in here],
-                            left)
-            for n, k in zip(here, got):
-                out[n][r] = k
+                            left - least)
+            for n, k, f in zip(here, got, floor):
+                out[n][r] = k + f
         return out
 
-    # Pass 1 decides the tiers; pass 2 sizes the caches, the tables kept whole charged their
-    # own bytes (no cache index).
-    first = fill(pinned)
+    # Pass 1 decides the tiers, every table's index entries charged as if it were offloaded
+    # (when the budget allows; else none), so that pass 2 fits; pass 2 sizes the caches, the
+    # tables kept whole charged their own bytes (no cache index), the offloaded ones their
+    # index's entry per row first.
+    try:
+        first = fill(pinned, set(cfg) - pinned)
+    except ValueError:
+        first = fill(pinned)
     whole = pinned | {n for n, f in first.items() if f == local[n]}
     return {n: [min(k, max(1, f)) for f, k in zip(fast_r, local[n])]
-            for n, fast_r in fill(whole).items() if fast_r != local[n]}
+            for n, fast_r in fill(whole, set(first) - whole).items()}

@@ -28,8 +28,9 @@ table's rows on this process (``local``), whole tables (``whole``) and the check
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -154,12 +155,33 @@ class RowStore:
         cache = self.cached.get(p)
         if cache is None:
             return combine(self.tables[p], index, bags)
-        with cache.lock:  # (a background lookup may run beside a main-thread one)
-            if dedup is not None:
-                slots = cache.resolve(dedup.unique).index_select(0, dedup.inverse)  # (nnz,)
-            else:
-                slots = self._cache_rows(cache, index)
-            return combine(cache.table, slots, bags)
+        if dedup is None:
+            with cache.lock:  # (a background lookup may run beside a main-thread one)
+                slots = self._cache_rows(cache, index)  # (first: it may grow the cache)
+                return combine(cache.table, slots, bags)
+        with self.held(p, dedup.unique) as (table, _, at):
+            return combine(table, _occurrences(at, dedup), bags)
+
+    @contextlib.contextmanager
+    def held(self, p: int, rows: torch.Tensor, count: bool = True, write: bool = False
+             ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        """``(table, slots, at)``: where distinct shard rows ``rows`` of physical table ``p``
+        are, for the block's reads (``write``: and writes). In memory: the shard's table and
+        slots, and ``rows``. Offloaded: the cache's table and slots and the cache rows of
+        ``rows``, brought in (``count``: a lookup, counted in the statistics) and held there
+        under the cache's lock; with ``write`` they are marked updated (written back when they
+        leave)."""
+        cache = self.cached.get(p)
+        if cache is None:
+            yield self.tables[p], self.slots[p], rows
+            return
+        with cache.lock:
+            at = cache.resolve(rows, count=count)
+            try:
+                yield cache.table, cache.slots, at
+            finally:
+                if write:
+                    cache.touched(at)
 
     def gather(self, p: int, rows: torch.Tensor) -> torch.Tensor:
         """(n, D_r) the shard rows ``rows`` of physical table ``p``."""
@@ -250,17 +272,15 @@ class RowStore:
                     grad = row_gradients(grad, self.workspace)  # (n, D)
                 if kept < rows.numel():
                     rows, grad = rows[keep], grad[keep]
-        cache = self.cached.get(p)
-        if cache is not None:  # distinct shard rows -> their cache rows
-            with cache.lock:
-                slots = cache.resolve(rows, count=False)  # (hits, unless evicted since)
+        if p in self.cached:  # distinct shard rows -> their cache rows (hits, unless evicted
+            # since the lookup)
+            with self.held(p, rows, count=False, write=True) as (table, slots, at):
                 if isinstance(grad, OutputGrads):
                     d = grad.dedup
                     grad = OutputGrads(grad.parts, grad.starts, grad.bags,
-                                       Dedup(slots, d.order, d.unique_offsets))
-                update(cache.table, cache.slots, slots, grad, optimizer, lr, step,
-                       self.workspace, gradient_multiplier=gradient_multiplier)
-                cache.touched(slots)
+                                       Dedup(at, d.order, d.unique_offsets))
+                update(table, slots, at, grad, optimizer, lr, step, self.workspace,
+                       gradient_multiplier=gradient_multiplier)
             return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
@@ -413,6 +433,13 @@ class RowStore:
             new.update({f"{place.name}/{k}": v for k, v in moved.items()})
             out[place.physical] = (vmap, seed)
         return out
+
+
+def _occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
+    """(nnz,) ``at`` (U,), given per distinct row of ``dedup``, at each of its occurrences."""
+    if native.usable(at, dedup.order):
+        return native.expand(at, dedup.order, dedup.unique_offsets)
+    return at.index_select(0, dedup.inverse)
 
 
 def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

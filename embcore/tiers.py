@@ -1,7 +1,8 @@
 """Tiers (pure): which tables a ``memory_budget`` sends to the slow tier, and their cache sizes.
 
 The budget caps, per process, the bytes of the tables' rows and slots in fast memory plus the
-caches (rows, slots and ``cache.INDEX_BYTES_PER_ROW`` of index each). Tables that fit change
+caches (rows, slots and ``cache.INDEX_BYTES_PER_ROW`` of index each, and
+``cache.WHERE_BYTES_PER_ROW`` for each row of an offloaded table). Tables that fit change
 nothing. Otherwise fast memory goes where it serves the most lookups:
 
 - What must stay in fast memory takes its bytes first: the maps of dynamic tables (raw ids;
@@ -15,6 +16,8 @@ nothing. Otherwise fast memory goes where it serves the most lookups:
   lookups the table serves per step (measured, or the number of features reading it).
 - A table that gets all its rows stays in fast memory; the others go to the slow tier with a
   cache of the rows they got (at least one), on every process that holds some of their rows.
+  The caches are then sized again with the offloaded tables' index entries (per row) charged
+  first (plan.py).
 
 So small, heavily read tables stay in memory and the largest tables are the ones offloaded, with
 caches sized by how skewed their lookups are.

@@ -12,11 +12,13 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
 from distributed import run_on
+from switches import kernels
+from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 from embcore.plan import make_plan
 from embcore.tiers import parse_budget
 from strategies import cases
@@ -93,7 +95,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
         slow = {n for p in plan.physical if p.offloaded for n in p.tables}
         assert "huge" in slow and "small" not in slow  # the largest go, the smallest stay
         assert plan.bytes_per_rank(fast=True)[0] <= budget
-        assert plan.bytes_per_rank(fast=True)[0] > budget - (row + 80) * 8  # filled
+        assert plan.bytes_per_rank(fast=True)[0] > budget - (row + INDEX_BYTES_PER_ROW) * 8  # full
         text = str(plan)
         assert "[slow tier, cached]" in text and "MB per rank in fast memory" in text
     # more budget, more cache
@@ -102,11 +104,15 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     assert caches[1] > caches[0]
     # A dynamic table goes to the slow tier like any other; its map stays in fast memory and is
     # charged to the budget (65 bytes a row of capacity). Rules that move every row stay.
-    dyn = make_plan(_specs(dynamic=True), 1, None, None, 200_000)
+    dyn = make_plan(_specs(dynamic=True), 1, None, None, 240_000)
     huge = next(p for p in dyn.physical if "huge" in p.tables)
     assert huge.offloaded and huge.dynamic
-    assert dyn.bytes_per_rank(fast=True)[0] <= 200_000
+    assert dyn.bytes_per_rank(fast=True)[0] <= 240_000
     assert "+ maps" in str(dyn)
+    # An offloaded table's cache index holds 4 bytes for each of its rows, charged first.
+    with pytest.raises(ValueError, match=r"cache indexes of the offloaded tables \[.*'huge'"
+                                         r".*\(4 bytes a row\)"):
+        make_plan(_specs(dynamic=True), 1, None, None, 200_000)
     dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
     assert not any(p.offloaded for p in dense.physical)
     with pytest.raises(ValueError,
@@ -118,6 +124,25 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     two = make_plan(specs, 2, "row_div", None, 15_000)
     assert all(p.cache_rows[0] > 0 and p.cache_rows[1] > 0 for p in two.physical if p.offloaded)
     assert max(two.bytes_per_rank(fast=True)) <= 15_000
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from([1, 4, 8]), st.booleans()),
+                      min_size=1, max_size=5),
+       budget=st.integers(0, 150_000), world=st.sampled_from([1, 2]),
+       strategy=st.sampled_from([None, "row_div", "row_mod", "table"]))
+def test_a_plan_fits_its_budget_or_raises(sizes, budget, world, strategy):
+    """Property: whatever the tables (some dynamic) and budget, the plan's fast memory (tables,
+    caches with their index, maps) fits the budget on every process, or the planner raises."""
+    specs = [(f"t{i}", ec.TableConfig(vocabulary_size=n, dim=d, name=f"t{i}",
+                                      dynamic=ec.DynamicVocabulary() if dyn else None),
+              ec.Adagrad(learning_rate=0.1)) for i, (n, d, dyn) in enumerate(sizes)]
+    try:
+        plan = make_plan(specs, world, strategy, None, budget)
+    except ValueError as e:
+        assert "below what must stay in fast memory" in str(e)
+        return
+    assert max(plan.bytes_per_rank(fast=True)) <= budget
 
 
 def test_planner_follows_the_lookup_curves():
@@ -147,7 +172,7 @@ NAMES = sorted(OPTIMIZERS)
 def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
     """Property: random tables (dynamic or not), features of every input kind and batch sizes
     (through the layer, whose batches may change shape), any optimizer, a budget below the
-    tables' bytes (0: caches of one row, which every step grows) -> bit-identical to no
+    tables' bytes (0: caches of one row, which most steps grow) -> bit-identical to no
     budget."""
     dyn = st.one_of(st.none(), st.builds(ec.DynamicVocabulary,
                                          eviction=st.sampled_from(["lru", "lfu"]),
@@ -180,18 +205,29 @@ def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
             acts_seen.append({k: a.detach().clone() for k, a in acts.items()})
             sum((a * grads_for(acts, s)[k]).sum() for k, a in sorted(acts.items())).backward()
         results.append((acts_seen, _state(layer.engine)))
-        if budget is None:  # (dynamic tables' maps stay in fast memory)
+        if budget is None:  # (dynamic tables' maps and the caches' indexes stay in fast memory)
             plan = layer.engine.plan
             maps = plan.bytes_per_rank(fast=True)[0] - plan.bytes_per_rank()[0]
-            budget = maps + int(plan.bytes_per_rank()[0] * fraction)
+            index = sum(p.local_rows[0] for p in plan.physical) * WHERE_BYTES_PER_ROW
+            least = sum(plan.physical[t.physical].bytes_per_row + INDEX_BYTES_PER_ROW
+                        for t in plan.tables)  # a cache row of each table
+            rows = plan.bytes_per_rank()[0]
+            assume(index + least < rows)  # (else the tables are too small to offload)
+            budget = min(maps + index + least + int(rows * fraction), maps + rows - 1)
     assert any(p.offloaded for p in layer.engine.plan.physical)
     _assert_same(results[0][0], results[1][0], results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("opt", NAMES)
-def test_every_optimizer_with_evictions_every_step(opt):
+@pytest.mark.parametrize("opt,fused", [(o, True) for o in NAMES] + [("adagrad", False)])
+def test_every_optimizer_with_evictions_every_step(opt, fused):
     """Six tables of test_sharded's config, eight features of every kind; a budget whose caches
-    hold a handful of rows: misses, evictions and write-backs every step."""
+    hold a handful of rows: misses, evictions and write-backs every step (``fused`` False: the
+    cached run on torch ops only, its index included)."""
+    with kernels(fused):
+        _evictions_every_step(opt)
+
+
+def _evictions_every_step(opt):
     fc, _ = config(opt, {})
     if OPTIMIZERS[opt]().dense_update:  # every row moves every step: it stays in fast memory
         with pytest.raises(ValueError, match="below what must stay in fast memory"):
@@ -227,6 +263,9 @@ def _raw_batches(steps, seed=0):
     return out
 
 
+RAW_INDEX = (40 + 30) * WHERE_BYTES_PER_ROW  # _raw_engine's caches' indexes
+
+
 def _raw_engine(opt, budget, eviction="lru", admit_after=1, pipelined=False, sharding=None,
                 capacity=40):
     torch.manual_seed(5)
@@ -250,7 +289,7 @@ def test_dynamic_tables_in_the_slow_tier_equal_in_memory(opt, eviction, admit_af
     evaluation lookup between steps -> bit-identical to no budget."""
     batches = _raw_batches(8)
     runs = []
-    for budget in (None, 40 * 65 + 200):  # the map, and a few rows
+    for budget in (None, 40 * 65 + RAW_INDEX + 200):  # the map, the indexes, a few rows
         emb = _raw_engine(opt, budget, eviction, admit_after)
         acts = _run(emb, batches[:5])
         emb.enqueue(batches[5][0], training=False)  # evaluation: admits nothing
@@ -273,15 +312,15 @@ def test_dynamic_tables_in_the_slow_tier_pipelined_and_through_checkpoints(tmp_p
     pending update), then saved and loaded under another budget -> as without a budget."""
     batches = _raw_batches(10, seed=3)
     runs = []
-    for budget in (None, 40 * 65 + 150):
+    for budget in (None, 40 * 65 + RAW_INDEX + 150):
         emb = _raw_engine("adagrad", budget, pipelined=True)
         runs.append((_run(emb, batches[:6]), _state(emb)))
     _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
-    emb = _raw_engine("adagrad", 40 * 65 + 150)
+    emb = _raw_engine("adagrad", 40 * 65 + RAW_INDEX + 150)
     _run(emb, batches[:6])
     ec.save(tmp_path / "ck", emb)
     outs = []
-    for budget in (None, 40 * 65 + 100):
+    for budget in (None, 40 * 65 + RAW_INDEX + 100):
         other = _raw_engine("adagrad", budget)
         ec.load(tmp_path / "ck", other)
         outs.append((_run(other, batches[6:]), _state(other)))
@@ -306,9 +345,10 @@ def test_batch_eviction_frees_rows_ahead_and_stays_exact():
             cache = next(iter(emb._store.cached.values()))
             assert cache.capacity >= 200
             for i, b in enumerate(batches[1:], start=1):
-                written = cache.written_rows
+                written, rounds = cache.written_rows, cache.evictions
                 _run(emb, [b], grads_seed=i)  # (the gradients of step i, as in one run)
-                freed_seen += cache.map.last_freed.numel()
+                # a step that evicted left rows free for the next ones
+                freed_seen += cache.evictions > rounds and cache.index.n_free > 0
                 assert cache.written_rows >= written
             runs.append(_state(emb))
         else:
@@ -370,7 +410,7 @@ def test_checkpoints_load_under_any_budget(tmp_path):
 
 def test_slow_tier_files_live_in_offload_dir_and_go_with_the_engine(tmp_path):
     fc, _ = config("sgd", {})
-    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=500, offload_dir=tmp_path)
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=1200, offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
     files = list(tmp_path.rglob("*.bin"))
     assert files, "the slow tier's files are under offload_dir"
@@ -397,7 +437,7 @@ def test_files_a_killed_process_left_are_removed_by_the_next_one(tmp_path):
         d.mkdir()
         (d / "p0-1.bin").write_bytes(b"x" * 10)
     fc, _ = config("sgd", {})
-    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=500, offload_dir=tmp_path)
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=1200, offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
     assert not dead.exists() and live.exists() and other.exists()
 
@@ -405,7 +445,7 @@ def test_files_a_killed_process_left_are_removed_by_the_next_one(tmp_path):
 def test_a_step_larger_than_its_cache_grows_it_with_one_warning():
     t = ec.TableConfig(vocabulary_size=200, dim=4, name="t")
     emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
-                       memory_budget=64 * 10)
+                       memory_budget=200 * WHERE_BYTES_PER_ROW + 64 * 10)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -423,7 +463,7 @@ def _sharded_worker(rank, world, init, cases_, steps):
     for opt_name, strategies in cases_:
         fc, strategies = config(opt_name, strategies)
         runs = []
-        for budget in (None, 800):
+        for budget in (None, 1200):
             torch.manual_seed(7)
             emb = ec.Embedding(fc, OPTIMIZERS[opt_name](), sharding=strategies, timeout=60,
                                memory_budget=budget)
@@ -453,7 +493,8 @@ def _sharded_dynamic_worker(rank, world, init, strategies):
                 t.name: v.clone() for t, v in emb.embedding_tables.items()}))
             assert (budget is None) != any(p.offloaded for p in emb.plan.physical)
             fast = emb.plan.bytes_per_rank(fast=True)
-            budget = max(fast) - min(emb.plan.bytes_per_rank()) + 150  # the maps and a few rows
+            # the maps, the caches' indexes (at most 80 + 30 rows) and a few rows
+            budget = max(fast) - min(emb.plan.bytes_per_rank()) + 110 * WHERE_BYTES_PER_ROW + 150
         _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
 
 

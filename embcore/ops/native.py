@@ -35,9 +35,9 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 7  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+ABI_VERSION = 8  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
-# 7: ec_concat_dedup's id limits and steps
+# 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -122,6 +122,10 @@ _SIGNATURES = {
     "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
                            _P, _P, _I, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
+    "ec_cache_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
+                           _P, _P]),
+    "ec_set_flags": (None, [_P, _P, _I, ctypes.c_int]),
+    "ec_expand": (None, [_P, _P, _P, _I, _P]),
     "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _I]),
 }
@@ -419,6 +423,18 @@ def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return out
 
 
+def expand(values: torch.Tensor, order: torch.Tensor, unique_offsets: torch.Tensor
+           ) -> torch.Tensor:
+    """(nnz,) int64: ``values`` (U,) of a ``Dedup``'s distinct rows at their occurrences
+    (``values[dedup.inverse]`` without the inverse)."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(order.numel(), dtype=torch.int64)
+    lib.ec_expand(values.data_ptr(), order.data_ptr(), unique_offsets.data_ptr(),
+                  values.numel(), out.data_ptr())
+    return out
+
+
 def minmax(ids: torch.Tensor) -> tuple[int, int]:
     """Smallest and largest of (n > 0,) contiguous int64 ids."""
     lib = _load()
@@ -593,6 +609,45 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tenso
     if rc != 0:
         return None, info[0], info[1], hint, 0
     return new_rows, 0, 0, info[2], info[3]
+
+
+def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor,
+               dirty: torch.Tensor, fresh: torch.Tensor, free: torch.Tensor, n_free: int,
+               clock: int, spare: int, bounds: torch.Tensor | None,
+               counts: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+    """One step of a cache's index (kernels.cpp's ``ec_cache_step``; ``CacheIndex.step`` is its
+    torch-ops twin and documents it).
+
+    Returns:
+        ``(slots (U,), miss_rows (M,), miss_slots (M,), out_rows (O,), out_slots (O,),
+        n_free, n_evicted)``, or None when ``rows`` outnumber the cache rows (nothing changed).
+    """
+    lib = _load()
+    assert lib is not None
+    n = rows.numel()
+    slots = torch.empty(n, dtype=torch.int64)
+    miss_rows = torch.empty(n, dtype=torch.int64)
+    miss_slots = torch.empty(n, dtype=torch.int64)
+    out_rows = torch.empty(owner.numel(), dtype=torch.int64)
+    out_slots = torch.empty(owner.numel(), dtype=torch.int64)
+    io = (ctypes.c_int64 * 4)(n_free, 0, 0, 0)
+    rc = lib.ec_cache_step(rows.data_ptr(), n, where.data_ptr(), owner.data_ptr(),
+                           stamp.data_ptr(), dirty.data_ptr(), fresh.data_ptr(), free.data_ptr(),
+                           owner.numel(), clock, spare, slots.data_ptr(), miss_rows.data_ptr(),
+                           miss_slots.data_ptr(), out_rows.data_ptr(), out_slots.data_ptr(),
+                           _ptr(bounds), 0 if bounds is None else bounds.numel(), _ptr(counts),
+                           io)
+    if rc != 0:
+        return None
+    m, o = io[1], io[2]
+    return (slots, miss_rows[:m], miss_slots[:m], out_rows[:o], out_slots[:o], io[0], io[3])
+
+
+def set_flags(flags: torch.Tensor, idx: torch.Tensor, value: bool) -> None:
+    """``flags[idx] = value``: ``flags`` a contiguous bool tensor, ``idx`` (n,) int64 in range."""
+    lib = _load()
+    assert lib is not None
+    lib.ec_set_flags(flags.data_ptr(), idx.data_ptr(), idx.numel(), int(value))
 
 
 def _seed64(seed: int) -> int:

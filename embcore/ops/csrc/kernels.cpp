@@ -27,6 +27,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 typedef int64_t i64;
@@ -430,7 +431,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 7; }
+int ec_abi_version() { return 8; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -866,6 +867,14 @@ void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* ds
   });
 }
 
+// Each distinct row's value at its occurrences: out[order[j]] = values[u] for j in
+// [uoff[u], uoff[u+1]) (a Dedup's layout: the cache rows of a batch's ids from its distinct
+// rows' ones).
+void ec_expand(const i64* values, const i64* order, const i64* uoff, i64 n_unique, i64* out) {
+  for (i64 u = 0; u < n_unique; ++u)
+    for (i64 j = uoff[u]; j < uoff[u + 1]; ++j) out[order[j]] = values[u];
+}
+
 // Bag of every occurrence: bags[k] = r for k in [offsets[r], offsets[r+1]).
 void ec_bag_of(const i64* offsets, i64 r_rows, i64* bags) {
   for (i64 r = 0; r < r_rows; ++r)
@@ -1069,6 +1078,136 @@ i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* la
     slots[vocab_slot(slots, mask, row_key, id)] = q;
   }
   return 0;
+}
+
+// ---- the cache's index (ops/cache_index.py) ------------------------------------------------
+// One step of a write-back cache's index over a shard of N rows with C cache rows. State:
+// where (N,) int32: the cache row holding each shard row, or -1; owner (C,): the shard row each
+// cache row holds, or -1; stamp (C,): the clock of its last use; dirty, fresh (C,) uint8 flags;
+// free (C,): a stack of the free cache rows, io[0] of them.
+//
+// rows (U,) are distinct shard rows (U <= C); slots (U,) out: their cache rows. Cached rows
+// (hits) get stamp = clock. When the rows not cached (misses) outnumber the free cache rows,
+// the least recently used cache rows not used at this clock are evicted, by (stamp, cache row),
+// need + spare of them (or every one there is): the dirty ones are listed in out_rows / out_slots
+// (to be written back now; flag cleared), and every evicted cache row joins the free stack, the
+// lower ones on top. Misses take cache rows from the top of the stack in their order and are
+// listed in miss_rows / miss_slots (to be read now). With counts (3T,) given, each row is
+// counted for its member table (bounds (T-1,): the first row of members 1..T-1): a miss in
+// misses, a hit on a fresh row in news (the flag cleared), any other hit in hits.
+// io: [n_free (in/out), n_miss, n_out, n_evicted] (out). Returns 0, or -1 when U > C
+// (nothing changed).
+namespace {
+thread_local std::vector<i64> cache_hist;
+constexpr i64 kFreeStamp = INT64_MAX;  // the stamp of a free cache row
+thread_local std::vector<std::pair<i64, i64>> cache_ties;
+}  // namespace
+
+i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* stamp,
+                  uint8_t* dirty, uint8_t* fresh, i64* free_rows, i64 capacity, i64 clock,
+                  i64 spare, i64* slots, i64* miss_rows, i64* miss_slots, i64* out_rows,
+                  i64* out_slots, const i64* bounds, i64 n_bounds, i64* counts, i64* io) {
+  if (n_rows > capacity) return -1;
+  i64 n_free = io[0], n_miss = 0, n_out = 0, n_evicted = 0;
+  const i64 members = n_bounds + 1;
+  for (i64 u = 0; u < n_rows; ++u) {
+    if (u + kPrefetch < n_rows) __builtin_prefetch(where + rows[u + kPrefetch]);
+    const i64 r = rows[u];
+    const int32_t s = where[r];
+    i64 m = 0;
+    if (counts != nullptr)
+      m = i64(std::upper_bound(bounds, bounds + n_bounds, r) - bounds);
+    if (s >= 0) {
+      stamp[s] = clock;
+      slots[u] = s;
+      if (counts != nullptr) {
+        if (fresh[s]) {
+          fresh[s] = 0;
+          ++counts[2 * members + m];
+        } else {
+          ++counts[m];
+        }
+      }
+    } else {
+      slots[u] = -1;
+      miss_rows[n_miss++] = r;
+      if (counts != nullptr) ++counts[members + m];
+    }
+  }
+  if (n_miss > n_free) {  // evict the least recently used rows not used now
+    // A histogram of the candidates' ages (clock - stamp >= 1; free rows have the largest
+    // stamp), the oldest in the last bin, gives the age of the k-th oldest; its ties go by
+    // cache row. Should the last bin hold more than k, they are ordered exactly.
+    constexpr i64 kBins = 4096;
+    cache_hist.assign(size_t(kBins + 1), 0);
+    i64* hist = cache_hist.data();  // hist[kBins]: rows used now or free (not candidates)
+    for (i64 s = 0; s < capacity; ++s) {
+      const i64 age = clock - stamp[s];  // (< 1 when used now or free)
+      ++hist[age < 1 ? kBins : std::min(age, kBins - 1)];
+    }
+    const i64 candidates = capacity - hist[kBins];
+    const i64 k = std::min(n_miss - n_free + spare, candidates);
+    i64 b = kBins - 1, above = 0;  // above: the candidates older than bin b
+    while (b > 1 && above + hist[b] < k) above += hist[b--];
+    const i64 ties = k - above;  // the lowest cache rows of bin b, or its oldest (last bin)
+    std::pair<i64, i64> last{clock, -1};
+    if (b == kBins - 1 && ties < hist[b]) {
+      cache_ties.clear();
+      for (i64 s = 0; s < capacity; ++s)
+        if (stamp[s] < clock && clock - stamp[s] >= kBins - 1) cache_ties.emplace_back(stamp[s], s);
+      std::nth_element(cache_ties.begin(), cache_ties.begin() + (ties - 1), cache_ties.end());
+      last = cache_ties[size_t(ties - 1)];
+    }
+    i64 taken = 0;  // of bin b
+    i64* top = free_rows + n_free + k - 1;  // victims in ascending order: the lowest on top
+    if (last.second < 0) {  // (branch-free: which rows go is not predictable)
+      for (i64 s = 0; s < capacity && n_evicted < k; ++s) {
+        const i64 age = std::min(clock - stamp[s], kBins - 1);  // (< 1: used now or free)
+        const bool tie = age == b, take = age > b || (tie && taken < ties);
+        taken += tie & take;
+        *(top - n_evicted) = s;
+        n_evicted += take;
+      }
+    } else {
+      for (i64 s = 0; s < capacity && n_evicted < k; ++s)
+        if (stamp[s] < clock && std::make_pair(stamp[s], s) <= last) *(top - n_evicted++) = s;
+    }
+    for (i64 j = 0; j < k; ++j) {  // (the shard rows' entries: random writes, prefetched)
+      if (j + kPrefetch < k) __builtin_prefetch(where + owner[free_rows[n_free + j + kPrefetch]], 1);
+      const i64 s = free_rows[n_free + j];
+      if (dirty[s]) {
+        out_rows[n_out] = owner[s];
+        out_slots[n_out++] = s;
+        dirty[s] = 0;
+      }
+      where[owner[s]] = -1;
+      owner[s] = -1;
+      stamp[s] = kFreeStamp;
+      fresh[s] = 0;
+    }
+    n_free += k;
+  }
+  for (i64 u = 0, j = 0; u < n_rows; ++u) {
+    if (slots[u] >= 0) continue;
+    const i64 s = free_rows[--n_free], r = rows[u];
+    where[r] = int32_t(s);
+    owner[s] = r;
+    stamp[s] = clock;
+    dirty[s] = 0;
+    fresh[s] = 0;
+    slots[u] = s;
+    miss_slots[j++] = s;
+  }
+  io[0] = n_free;
+  io[1] = n_miss;
+  io[2] = n_out;
+  io[3] = n_evicted;
+  return 0;
+}
+
+// flags[idx[i]] = value for i < n.
+void ec_set_flags(uint8_t* flags, const i64* idx, i64 n, int value) {
+  for (i64 i = 0; i < n; ++i) flags[idx[i]] = uint8_t(value);
 }
 
 }  // extern "C"

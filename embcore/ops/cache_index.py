@@ -1,0 +1,142 @@
+"""The index of a write-back cache (cache.py): which cache row holds which shard row.
+
+A shard of ``N`` rows has a cache of ``C`` rows. The index is direct: ``where`` (N,) int32 holds
+each shard row's cache row, or -1, so a step finds a row with one read (4 bytes a shard row, the
+price of a hash map's probes saved on every lookup). Per cache row: ``owner`` (the shard row it
+holds, or -1), ``stamp`` (the clock of its last use; ``FREE_STAMP`` when free), ``dirty`` (updated since read: written
+back before it is given to another row) and ``fresh`` (given to a new id of a dynamic table and
+not looked up since: counted as new, not as a hit). The free cache rows form a stack.
+
+``step(rows)`` takes a step's distinct shard rows and returns their cache rows:
+
+- a cached row (a hit) gets ``stamp = clock`` (the clock advances once per step);
+- when the rows not cached (misses) outnumber the free cache rows, the least recently used cache
+  rows that this step does not use are evicted, by ``(stamp, cache row)``: as many as the misses
+  need plus ``spare`` more (so that the next steps admit into free rows without a scan), or every
+  one there is. Their dirty ones are returned (to be written back now) and every evicted row
+  joins the free stack, the lower ones on top;
+- misses take cache rows from the top of the stack, in their order, and are returned (to be read).
+
+Which rows the cache keeps decides only where a row is, never what it holds: results do not
+depend on this policy. ``step`` runs on the fused kernels (``native.cache_step``) and otherwise
+on torch ops, below, which are also its specification (tests/test_cache_index.py holds them
+equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from . import native
+
+MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
+FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
+
+
+class Step(NamedTuple):
+    slots: torch.Tensor       # (U,) the cache rows of the step's rows
+    miss_rows: torch.Tensor   # (M,) shard rows to read ...
+    miss_slots: torch.Tensor  # (M,) ... into these cache rows
+    out_rows: torch.Tensor    # (O,) shard rows to write back (evicted, dirty) ...
+    out_slots: torch.Tensor   # (O,) ... from these cache rows (before the reads)
+    evicted: int              # cache rows evicted (dirty or not)
+
+
+class CacheIndex:
+    """The index of a cache of ``capacity`` rows over a shard of ``rows`` rows.
+
+    Args:
+        rows: shard rows ``N``.
+        capacity: cache rows ``C`` (at most ``MAX_CAPACITY``).
+        bounds: the first shard row of each member table but the first (per-table counts).
+    """
+
+    def __init__(self, rows: int, capacity: int, bounds: Sequence[int] = ()) -> None:
+        if not 1 <= capacity <= MAX_CAPACITY:
+            raise ValueError(f"a cache holds 1 to {MAX_CAPACITY} rows, not {capacity}")
+        self.rows, self.capacity = rows, capacity
+        self.where = torch.full((rows,), -1, dtype=torch.int32)
+        self.owner = torch.full((capacity,), -1, dtype=torch.int64)
+        self.stamp = torch.full((capacity,), FREE_STAMP, dtype=torch.int64)
+        self.dirty = torch.zeros(capacity, dtype=torch.bool)
+        self.fresh = torch.zeros(capacity, dtype=torch.bool)
+        self.free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)  # row 0 on top
+        self.n_free = capacity
+        self.clock = 0
+        self.bounds = torch.tensor(list(bounds), dtype=torch.int64)  # (T - 1,)
+        self.counts = torch.zeros(3, len(self.bounds) + 1, dtype=torch.int64)  # hits, misses, new
+
+    def step(self, rows: torch.Tensor, count: bool = True, spare: int = 0) -> Step | None:
+        """Cache rows for distinct shard rows ``rows`` (U,) int64 CPU (see the module's
+        docstring; ``count``: add each row to its member table's hits, misses or new in
+        ``counts``). None when U exceeds the capacity (nothing changed)."""
+        if rows.numel() > self.capacity:
+            return None
+        self.clock += 1
+        if native.usable(rows):
+            got = native.cache_step(rows.contiguous(), self.where, self.owner, self.stamp,
+                                    self.dirty, self.fresh, self.free, self.n_free, self.clock,
+                                    spare, self.bounds if count else None,
+                                    self.counts if count else None)
+            assert got is not None
+            slots, miss_rows, miss_slots, out_rows, out_slots, self.n_free, evicted = got
+            return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
+        return self._step(rows, count, spare)
+
+    def _step(self, rows: torch.Tensor, count: bool, spare: int) -> Step:
+        """``step`` in torch ops."""
+        clock = self.clock
+        slots = self.where[rows].to(torch.int64)  # (U,)
+        hit = slots >= 0
+        hit_slots = slots[hit]
+        self.stamp[hit_slots] = clock
+        miss_rows = rows[~hit]
+        if count:
+            member = torch.bucketize(rows, self.bounds, right=True)  # (U,)
+            new = torch.zeros_like(hit)
+            new[hit] = self.fresh[hit_slots]
+            self.fresh[hit_slots] = False
+            n = self.counts.shape[1]
+            for i, which in enumerate((hit & ~new, ~hit, new)):
+                self.counts[i] += torch.bincount(member[which], minlength=n)
+        out_rows = out_slots = rows.new_empty(0)
+        evicted = 0
+        if miss_rows.numel() > self.n_free:
+            candidates = (self.stamp < clock).nonzero().squeeze(1)  # (free rows: FREE_STAMP)
+            k = min(miss_rows.numel() - self.n_free + spare, candidates.numel())
+            oldest = torch.sort(self.stamp[candidates], stable=True).indices[:k]  # ties: lower
+            victims = candidates[oldest].sort(descending=True).values  # (k,)
+            out_slots = victims[self.dirty[victims]]
+            out_rows = self.owner[out_slots]
+            self.dirty[victims] = False
+            self.fresh[victims] = False
+            self.where[self.owner[victims]] = -1
+            self.owner[victims] = -1
+            self.stamp[victims] = FREE_STAMP
+            self.free[self.n_free:self.n_free + k] = victims  # the lowest ends on top
+            self.n_free += k
+            evicted = k
+        m = miss_rows.numel()
+        miss_slots = self.free[self.n_free - m:self.n_free].flip(0)  # popped from the top
+        self.n_free -= m
+        slots[~hit] = miss_slots
+        self.where[miss_rows] = miss_slots.to(torch.int32)
+        self.owner[miss_slots] = miss_rows
+        self.stamp[miss_slots] = clock
+        self.dirty[miss_slots] = False
+        self.fresh[miss_slots] = False
+        return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
+
+    def mark(self, flags: torch.Tensor, slots: torch.Tensor) -> None:
+        """``flags[slots] = True`` (``dirty`` or ``fresh``; ``slots`` (n,) int64 CPU)."""
+        if native.usable(slots):
+            native.set_flags(flags, slots.contiguous(), True)
+        else:
+            flags[slots] = True
+
+    def dirty_slots(self) -> torch.Tensor:
+        """(n,) the cache rows updated since read (each holds a row)."""
+        return (self.dirty & (self.owner >= 0)).nonzero().squeeze(1)

@@ -1,0 +1,156 @@
+"""The cache's index (ops/cache_index.py): the fused kernel equals the torch-ops twin step for
+step, and both equal a plain-Python model of the policy the module's docstring states (LRU by
+(stamp, cache row) among the rows a step does not use, spare rows freed ahead, a free stack)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embcore.ops import native
+from embcore.ops.cache_index import CacheIndex, Step
+from switches import kernels
+
+STATE = ("where", "owner", "stamp", "dirty", "fresh")
+
+
+class Model:
+    """The policy in plain Python (the test's oracle)."""
+
+    def __init__(self, rows, capacity, bounds):
+        self.where = {}  # shard row -> cache row
+        self.owner = [-1] * capacity
+        self.stamp = [None] * capacity
+        self.dirty = [False] * capacity
+        self.fresh = [False] * capacity
+        self.free = list(range(capacity - 1, -1, -1))  # the top is the end
+        self.clock = 0
+        self.bounds = bounds
+        self.counts = [[0] * (len(bounds) + 1) for _ in range(3)]
+
+    def step(self, rows, count, spare):
+        self.clock += 1
+        slots, misses = [], []
+        for r in rows:
+            member = sum(b <= r for b in self.bounds)
+            s = self.where.get(r)
+            if s is None:
+                misses.append(r)
+                slots.append(None)
+                if count:
+                    self.counts[1][member] += 1
+                continue
+            self.stamp[s] = self.clock
+            slots.append(s)
+            if count:
+                self.counts[2 if self.fresh[s] else 0][member] += 1
+                self.fresh[s] = False
+        out, evicted = [], 0
+        if len(misses) > len(self.free):
+            candidates = sorted((self.stamp[s], s) for s in range(len(self.owner))
+                                if self.owner[s] >= 0 and self.stamp[s] < self.clock)
+            victims = sorted(s for _, s in
+                             candidates[:len(misses) - len(self.free) + spare])
+            for s in reversed(victims):
+                if self.dirty[s]:
+                    out.append((self.owner[s], s))
+                del self.where[self.owner[s]]
+                self.owner[s], self.stamp[s] = -1, None
+                self.dirty[s] = self.fresh[s] = False
+                self.free.append(s)
+            evicted = len(victims)
+        taken = []
+        for r in misses:
+            s = self.free.pop()
+            self.where[r], self.owner[s], self.stamp[s] = s, r, self.clock
+            self.dirty[s] = self.fresh[s] = False
+            taken.append(s)
+        it = iter(taken)
+        slots = [s if s is not None else next(it) for s in slots]
+        return slots, misses, taken, out, evicted
+
+
+@st.composite
+def runs(draw):
+    rows = draw(st.integers(1, 60))
+    capacity = draw(st.integers(1, rows))
+    bounds = sorted(set(draw(st.lists(st.integers(1, max(rows - 1, 1)), max_size=3))))
+    steps = []
+    for _ in range(draw(st.integers(1, 12))):
+        asked = draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=capacity))
+        steps.append((asked, draw(st.booleans()), draw(st.integers(0, capacity)),
+                      draw(st.lists(st.integers(0, len(asked) - 1), max_size=4))
+                      if asked else [],
+                      draw(st.sampled_from(["dirty", "fresh"]))))
+    return rows, capacity, bounds, steps
+
+
+def _check_step(index, got, want):
+    slots, misses, taken, out, evicted = want
+    assert isinstance(got, Step)
+    assert got.slots.tolist() == slots
+    assert got.miss_rows.tolist() == misses
+    assert got.miss_slots.tolist() == taken
+    assert list(zip(got.out_rows.tolist(), got.out_slots.tolist())) == out
+    assert got.evicted == evicted
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs())
+def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
+    rows, capacity, bounds, steps = run
+    indexes = {"torch": CacheIndex(rows, capacity, bounds)}
+    if native.available():
+        indexes["native"] = CacheIndex(rows, capacity, bounds)
+    model = Model(rows, capacity, bounds)
+    for asked, count, spare, marked, flag in steps:
+        want = model.step(asked, count, spare)
+        for i in marked:
+            getattr(model, flag)[want[0][i]] = True
+        for name, index in indexes.items():
+            with kernels(name == "native"):
+                got = index.step(torch.tensor(asked, dtype=torch.int64), count, spare)
+                _check_step(index, got, want)
+                if marked:  # the engine marks updated (dirty) and renewed (fresh) rows
+                    index.mark(getattr(index, flag), got.slots[torch.tensor(marked)])
+            assert index.counts.tolist() == model.counts
+            assert index.n_free == len(model.free)
+            assert index.free[:index.n_free].tolist() == model.free
+            assert index.owner.tolist() == model.owner
+            held = {r: int(index.where[r]) for r in range(rows) if index.where[r] >= 0}
+            assert held == model.where
+            assert index.dirty_slots().tolist() == [s for s in range(capacity)
+                                                    if model.dirty[s]]
+    if "native" in indexes:
+        for key in STATE:
+            assert torch.equal(getattr(indexes["native"], key), getattr(indexes["torch"], key))
+
+
+def test_a_step_beyond_the_capacity_changes_nothing():
+    index = CacheIndex(10, 2)
+    assert index.step(torch.tensor([1, 2, 3])) is None
+    assert index.clock == 0 and index.n_free == 2 and bool((index.where == -1).all())
+
+
+def test_the_capacity_is_checked():
+    with pytest.raises(ValueError, match="1 to"):
+        CacheIndex(10, 0)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_rows_unused_for_thousands_of_steps_are_evicted_oldest_first(kernel):
+    """Ages beyond the kernel's histogram (4095 steps) are ordered exactly too."""
+    if kernel and not native.available():
+        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    index, model = CacheIndex(20, 8), Model(20, 8, [])
+    steps = [[5, 1, 2], [3, 0], [7, 6, 4]] + [[]] * 5000 + [[9], [8, 10, 11]]
+    with kernels(kernel):
+        for asked in steps:
+            want = model.step(asked, True, 2)
+            _check_step(index, index.step(torch.tensor(asked, dtype=torch.int64), True, 2),
+                        want)
+    assert index.owner.tolist() == model.owner
+    # the second step evicted rows 3, 0 (used at clock 2) and 7 (clock 3, the lowest cache row)
+    assert want[4] == 3 and sorted(model.where) == [4, 6, 8, 9, 10, 11]
