@@ -1,9 +1,12 @@
 """The dense path (dense.py) against the general path: bit-identical activations, tables and slots
 over several steps, for every optimizer (those without a fused kernel decline at the update),
+tables in memory or offloaded behind caches,
 every verb that takes it (enqueue / dequeue / apply_gradients, the layer's training step,
 lookup), and batches it declines mixed in; errors and shape rules as the general path's."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from hypothesis import strategies as st
 
 import embcore as ec
 from embcore import dense
+from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 from embcore.ops import native
 from strategies import any_optimizer
 from switches import dense_path
@@ -48,7 +52,13 @@ def setups(draw):
     steps = draw(st.lists(st.sampled_from(["dense", "dense", "columns", "int32", "none_grad",
                                            "float64_grad", "strided_grad"]),
                           min_size=1, max_size=4))
-    return tables, readers, shapes, opt, steps
+    # the tables in memory, or offloaded behind caches of a row or two (grown to each step's
+    # rows: the budget holds the caches' indexes and a row of each, slots included) or of a few
+    # rows (evicting)
+    index = sum(t.vocabulary_size * WHERE_BYTES_PER_ROW + t.dim * 4 * 3 + INDEX_BYTES_PER_ROW
+                for t in tables)
+    budget = draw(st.sampled_from([None, index, index + 400]))
+    return tables, readers, shapes, opt, steps, budget
 
 
 def features_of(readers):
@@ -92,8 +102,14 @@ def state(emb):
 @settings(max_examples=60, deadline=None)
 @given(setups())
 def test_the_dense_path_equals_the_general_path(setup):
-    tables, readers, shapes, opt, steps = setup
-    engines = [engine(tables, features_of(readers), opt, on) for on in (True, False)]
+    tables, readers, shapes, opt, steps, budget = setup
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (caches that grow warn)
+        engines = [engine(tables, features_of(readers), opt, on, memory_budget=budget)
+                   for on in (True, False)]
+    plan = engines[0].plan
+    if budget is not None and plan.bytes_per_rank()[0] > budget:
+        assert any(p.offloaded for p in plan.physical)
     for step, kind in enumerate(steps):
         batch = batch_of(tables, readers, shapes, step, kind)
         outs = []
@@ -116,7 +132,7 @@ def test_the_dense_path_equals_the_general_path(setup):
 @settings(max_examples=25, deadline=None)
 @given(setups())
 def test_the_layer_on_the_dense_path_equals_the_general_path(setup):
-    tables, readers, shapes, opt, _ = setup
+    tables, readers, shapes, opt, _, _ = setup
     layers = []
     for on in (True, False):
         torch.manual_seed(0)
