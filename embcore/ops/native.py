@@ -628,8 +628,9 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
     slots = torch.empty(n, dtype=torch.int64)
     miss_rows = torch.empty(n, dtype=torch.int64)
     miss_slots = torch.empty(n, dtype=torch.int64)
-    out_rows = torch.empty(owner.numel(), dtype=torch.int64)
-    out_slots = torch.empty(owner.numel(), dtype=torch.int64)
+    most = min(n + max(spare, 0), owner.numel())  # rows an eviction may write back
+    out_rows = torch.empty(most, dtype=torch.int64)
+    out_slots = torch.empty(most, dtype=torch.int64)
     io = (ctypes.c_int64 * 4)(n_free, 0, 0, 0)
     rc = lib.ec_cache_step(rows.data_ptr(), n, where.data_ptr(), owner.data_ptr(),
                            stamp.data_ptr(), dirty.data_ptr(), fresh.data_ptr(), free.data_ptr(),

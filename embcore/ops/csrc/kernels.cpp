@@ -851,16 +851,19 @@ __attribute__((optimize("fp-contract=off"))) void ec_combiner_scales(
 
 // Row moves between two arrays of rows (the cache and its slow tier): for i < n,
 // dst[dst_rows[i]] = src[src_rows[i]], each row row_bytes long, rows src_stride / dst_stride
-// bytes apart. One pass, no temporary; the source rows ahead are prefetched.
+// bytes apart. One pass, no temporary; the rows ahead are prefetched, sources and destinations.
 void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* dst,
                   i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int nt) {
   nt = threads_for(n * (row_bytes / 4), nt);
   const i64 chunks = chunks_for(n * (row_bytes / 4), nt);
   parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64, i64 lo, i64 hi) {
     for (i64 i = lo; i < hi; ++i) {
-      if (i + kPrefetch < hi)
+      if (i + kPrefetch < hi) {
         prefetch_read(reinterpret_cast<const float*>(src + src_rows[i + kPrefetch] * src_stride),
                       row_bytes / 4);
+        prefetch_write(reinterpret_cast<const float*>(dst + dst_rows[i + kPrefetch] * dst_stride),
+                       row_bytes / 4);
+      }
       std::memcpy(dst + dst_rows[i] * dst_stride, src + src_rows[i] * src_stride,
                   size_t(row_bytes));
     }
@@ -1115,8 +1118,12 @@ i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* 
     const i64 r = rows[u];
     const int32_t s = where[r];
     i64 m = 0;
-    if (counts != nullptr)
-      m = i64(std::upper_bound(bounds, bounds + n_bounds, r) - bounds);
+    if (counts != nullptr && n_bounds > 0) {  // the member: bounds <= r, searched branch-free
+      const i64* base = bounds;                 // (a fixed trip count: no mispredictions)
+      for (i64 len = n_bounds; len > 1; len -= len / 2)
+        base = base[len / 2] <= r ? base + len / 2 : base;
+      m = i64(base - bounds) + (*base <= r);
+    }
     if (s >= 0) {
       stamp[s] = clock;
       slots[u] = s;
