@@ -154,3 +154,42 @@ def test_rows_unused_for_thousands_of_steps_are_evicted_oldest_first(kernel):
     assert index.owner.tolist() == model.owner
     # the second step evicted rows 3, 0 (used at clock 2) and 7 (clock 3, the lowest cache row)
     assert want[4] == 3 and sorted(model.where) == [4, 6, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_the_kernel_splits_over_threads_with_the_same_result(threads):
+    """Steps large enough for the kernel's chunks (rows, cache rows, victims) equal the torch
+    twin's step for step on any thread count: skewed rows, evictions every few steps, ties in
+    age, dirty and fresh rows, and members counted."""
+    if not native.available():
+        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    rows, capacity = 60_000, 12_000
+    bounds = [7_000, 20_000, 41_000]
+    g = torch.Generator().manual_seed(threads)
+    indexes = {k: CacheIndex(rows, capacity, bounds) for k in ("native", "torch")}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    evictions = written = 0
+    try:
+        for step in range(14):
+            asked = torch.unique((torch.rand(9_000, generator=g) ** 3 * rows).long())
+            asked = asked[torch.randperm(asked.numel(), generator=g)]  # first-occurrence order
+            spare = [0, capacity // 8, 37][step % 3]
+            got = {}
+            for name, index in indexes.items():
+                with kernels(name == "native"):
+                    got[name] = index.step(asked, step % 4 != 3, spare)
+                    marked = got[name].slots[::3 + step % 2]
+                    index.mark(index.dirty if step % 5 else index.fresh, marked)
+            a, b = got["native"], got["torch"]
+            for field in Step._fields:
+                x, y = getattr(a, field), getattr(b, field)
+                assert (x == y) if isinstance(x, int) else torch.equal(x, y), (step, field)
+            evictions += a.evicted > 0
+            written += a.out_rows.numel()
+        assert evictions >= 5 and written > 0  # (the run exercised the eviction's chunks)
+        for key in STATE + ("counts",):
+            assert torch.equal(getattr(indexes["native"], key), getattr(indexes["torch"], key))
+        assert indexes["native"].n_free == indexes["torch"].n_free
+    finally:
+        torch.set_num_threads(before)

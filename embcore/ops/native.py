@@ -35,9 +35,10 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 8  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+ABI_VERSION = 9  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
-# 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand
+# 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
+# 9: ec_cache_step's threads
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -123,7 +124,7 @@ _SIGNATURES = {
                            _P, _P, _I, _P]),
     "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
     "ec_cache_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
-                           _P, _P]),
+                           _P, _P, ctypes.c_int]),
     "ec_set_flags": (None, [_P, _P, _I, ctypes.c_int]),
     "ec_expand": (None, [_P, _P, _P, _I, _P]),
     "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
@@ -637,7 +638,7 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
                            owner.numel(), clock, spare, slots.data_ptr(), miss_rows.data_ptr(),
                            miss_slots.data_ptr(), out_rows.data_ptr(), out_slots.data_ptr(),
                            _ptr(bounds), 0 if bounds is None else bounds.numel(), _ptr(counts),
-                           io)
+                           io, _threads())
     if rc != 0:
         return None
     m, o = io[1], io[2]
