@@ -65,6 +65,27 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
     return t[:numel].view(shape)
 
 
+RECORD_ALIGN = 64  # bytes: a slow-tier record's size is a multiple of this
+
+
+def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]]
+                 ) -> list[torch.Tensor]:
+    """One mapped file (sparse until written) of ``rows`` records, each holding one row of every
+    field ``(dtype, width)`` side by side (aligned to its dtype; a record padded to
+    ``RECORD_ALIGN`` bytes); returns each field's ``(rows, width)`` view, rows ``record`` bytes
+    apart. A row of a table and its slots are then one record: moving it reads or dirties one
+    or two pages of the file, not one or two per array (a page fault reads, and a dirtied page
+    writes, 4 KiB: a file per array doubled both)."""
+    offsets, at = [], 0
+    for dtype, width in fields:
+        at = -(-at // dtype.itemsize) * dtype.itemsize
+        offsets.append(at)
+        at += width * dtype.itemsize
+    record = max(-(-at // RECORD_ALIGN) * RECORD_ALIGN, RECORD_ALIGN)
+    raw = slow_tensor(path, (rows, record), torch.uint8)
+    return [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
+
+
 class OffloadDir:
     """The directory of an engine's slow-tier files, ``embcore-offload-<host>-p<pid>-r<rank>-*``
     under ``offload_dir`` (default: the system's temporary directory). The files and the

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .cache import CachedRows, OffloadDir, slow_tensor
+from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
 from .comm import Communicator
 from .config import TableConfig, initial_rows
 from .ops.bags import Bags, Dedup
@@ -111,37 +111,51 @@ class RowStore:
                                              allocate=empty_table) if opt is not None else {})
 
     def _offloaded(self, p: PhysicalTable, seed: int, device: torch.device) -> CachedRows:
-        """Physical table ``p``'s shard in the slow tier (initialized in blocks of rows, so
-        memory stays bounded; a dynamic table's rows are zeros until ids are admitted, and its
-        zero row comes after them) and its empty cache."""
+        """Physical table ``p``'s shard in the slow tier and its empty cache.
+
+        On the CPU a static table's rows and slots are one file of records (``slow_records``: a
+        row and its slots side by side), initialized in one pass in blocks of rows (memory stays
+        bounded; each page written once). A dynamic table keeps a file per array: its rows are
+        zeros until ids are admitted (the parameters' file stays sparse, unwritten) and its zero
+        row comes after them. For a GPU: pinned host memory, an array each."""
         rank = self.comm.rank
         c0, c1 = p.columns[rank]
         n_local = p.local_rows[rank] + (1 if p.dynamic else 0)
         assert self._offload is not None
         pin = device.type == "cuda"
         files = device.type == "cpu"
+        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        opt = p.optimizer
+        specs = list(opt.slots) if opt is not None else []
+        slots: dict[str, torch.Tensor]
+        if files and not p.dynamic:
+            views = slow_records(self._offload.file(f"p{p.index}.bin"), n_local,
+                                 [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0)
+                                                         for s in specs])
+            w, slots = views[0], {s.name: v for s, v in zip(specs, views[1:])}
+        else:
+            def allocate(shape: tuple[int, ...], dtype: torch.dtype, _: Any = None,
+                         key: list[int] = [0]) -> torch.Tensor:
+                key[0] += 1
+                path = self._offload.file(f"p{p.index}-{key[0]}.bin") if files else None
+                return slow_tensor(path, shape, dtype, pin)
 
-        def allocate(shape: tuple[int, ...], dtype: torch.dtype, _: Any = None,
-                     key: list[int] = [0]) -> torch.Tensor:
-            key[0] += 1
-            path = self._offload.file(f"p{p.index}-{key[0]}.bin") if files else None
-            return slow_tensor(path, shape, dtype, pin)
-
-        w = allocate((n_local, c1 - c0), p.dtype)
-        if p.dynamic and not files:  # (a new file reads as zeros)
-            w.zero_()
+            w = allocate((n_local, c1 - c0), p.dtype)
+            if p.dynamic and not files:  # (a new file reads as zeros)
+                w.zero_()
+            slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device="cpu",
+                                    allocate=allocate) if opt is not None else {})
         for name in (p.tables if not p.dynamic else ()):
             place = self.plan.table(name)
             rows = place.rank_rows(rank)
             start = place.local_offsets[rank]
             for i in range(0, len(rows), INIT_ROWS):
                 block = rows[i:i + INIT_ROWS]
-                values = initial_rows(self.configs[name], name, seed, block)  # (n, D)
-                w[start + i:start + i + len(block)] = values[:, c0:c1]
-        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        opt = p.optimizer
-        slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device="cpu",
-                                allocate=allocate) if opt is not None else {})
+                at = slice(start + i, start + i + len(block))
+                w[at] = initial_rows(self.configs[name], name, seed, block)[:, c0:c1]  # (n, C)
+                if files:  # (the records' slots, in the same pass)
+                    for spec in specs:
+                        slots[spec.name][at].fill_(spec.initial_value)
         bounds = [self.plan.table(n).local_offsets[rank] for n in p.tables] + [n_local]
         return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
                           bounds, p.tables)

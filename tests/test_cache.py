@@ -583,3 +583,29 @@ def test_profile_of_raw_ids_counts_every_id():
     assert prof.distinct == len(counts) and prof.lookups_per_batch == 30
     for k, share in prof.points:
         assert share == pytest.approx(sum(freq[:k]) / sum(freq), abs=1e-12)
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise", "momentum", "sgd"])
+def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt):
+    """Moving a row reads (and dirties) the pages of one record, not one page per array: each
+    offloaded static physical table is one file whose records hold a row and its slots, each
+    field aligned, the record a multiple of RECORD_ALIGN bytes; the arrays are views of it."""
+    from embcore.cache import RECORD_ALIGN
+    fc, _ = config(opt, {})
+    emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1200, offload_dir=tmp_path)
+    _run(emb, [concat(global_batch(0, 2))])
+    caches = list(emb._store.cached.values())
+    assert caches, "the budget offloads a table"
+    for cache in caches:
+        arrays = list(cache.slow.values())
+        record = arrays[0].stride(0) * arrays[0].element_size()
+        assert record % RECORD_ALIGN == 0
+        assert all(a.stride(0) * a.element_size() == record for a in arrays)
+        assert len({a.untyped_storage().data_ptr() for a in arrays}) == 1  # one mapping
+        starts = sorted(a.data_ptr() - arrays[0].data_ptr() for a in arrays)
+        widths = sorted((a.data_ptr() - arrays[0].data_ptr(), a.shape[1] * a.element_size())
+                        for a in arrays)
+        assert starts[0] == 0 and all(o + w <= record for o, w in widths)
+        assert all(o1 + w1 <= o2 for (o1, w1), (o2, _) in zip(widths, widths[1:]))  # apart
+    files = list(tmp_path.rglob("*.bin"))
+    assert len(files) == len(caches)
