@@ -28,6 +28,7 @@ import re
 import socket
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -42,6 +43,14 @@ from .ops.cache_index import MAX_CAPACITY, CacheIndex
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
 # (the least recently used ones), so that the next steps admit into free rows without scanning.
 SPARE_SHARE = 8
+
+# A move of rows to or from the slow tier's files that took longer than this per row waited
+# for the disk (a page fault reads 4 KiB; from the page cache a row moves in well under a
+# microsecond): the next moves ask for all their rows' pages first (``madvise(MADV_WILLNEED)``,
+# ``native.will_need``), so that the disk reads them with many requests in flight, until a move
+# is fast again (the advice costs a system call per row, 0.45 us on a resident page).
+SLOW_ROW_SECONDS = 2e-6
+SLOW_ROW_MIN_ROWS = 64  # moves of fewer rows are not timed
 
 # Bytes of index (ops/cache_index.py) per cache row: its owner, stamp, dirty and fresh flags
 # and free-stack entry; and per row of an offloaded shard: where it is cached.
@@ -159,10 +168,12 @@ class CachedRows:
         device: where the cache lives.
         bounds: (T + 1,) first local row of each member table, then N (per-table statistics).
         members: the member tables' names.
+        mapped: whether the slow tier is mapped files (reads may wait for the disk).
     """
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
-                 device: torch.device, bounds: Sequence[int], members: Sequence[str]) -> None:
+                 device: torch.device, bounds: Sequence[int], members: Sequence[str],
+                 mapped: bool = False) -> None:
         self.name, self.slow, self.device = name, slow, device
         self.rows = slow["parameters"].shape[0]
         self.members = list(members)
@@ -171,6 +182,8 @@ class CachedRows:
         self.written_rows = 0  # rows written back
         self.evictions = 0     # steps that evicted rows
         self._grew = False
+        self.mapped = mapped
+        self.read_ahead = False  # moves ask for their pages first (SLOW_ROW_SECONDS)
         self.lock = threading.RLock()  # held by the store across a resolve and its use
         self._allocate(max(1, min(int(capacity), self.rows, MAX_CAPACITY)))
 
@@ -272,10 +285,31 @@ class CachedRows:
     def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or
         back; the parameters and every slot, whole rows. One pass per array on the CPU kernels
-        (``native.copy_rows``), else a gather and a scatter."""
+        (``native.copy_rows``), else a gather and a scatter. From mapped files, while moves wait
+        for the disk, the rows' pages are asked for first (``SLOW_ROW_SECONDS``)."""
         direct = self.device.type == "cpu" and native.usable(rows)
+        timed = direct and self.mapped and rows.numel() >= SLOW_ROW_MIN_ROWS
         if direct:
             rows, slots = rows.contiguous(), slots.contiguous()
+        if timed and self.read_ahead:
+            self._advise(rows)
+        start = time.perf_counter()
+        self._copy(to_cache, rows, slots, direct)
+        if timed:
+            self.read_ahead = time.perf_counter() - start > SLOW_ROW_SECONDS * rows.numel()
+
+    def _advise(self, rows: torch.Tensor) -> None:
+        """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
+        stride: the parameters come first in it)."""
+        seen = set()
+        for slow in self.slow.values():
+            mapping = slow.untyped_storage().data_ptr()
+            if mapping not in seen:
+                seen.add(mapping)
+                native.will_need(slow, rows)
+
+    def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
+              direct: bool) -> None:
         for key, slow in self.slow.items():
             cache = self.table if key == "parameters" else self.slots[key]
             src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache

@@ -158,7 +158,7 @@ class RowStore:
                         slots[spec.name][at].fill_(spec.initial_value)
         bounds = [self.plan.table(n).local_offsets[rank] for n in p.tables] + [n_local]
         return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
-                          bounds, p.tables)
+                          bounds, p.tables, mapped=files)
 
     # ------------------------------------------------------------------------ the step's rows
     def combine(self, p: int, index: torch.Tensor, bags: Bags,

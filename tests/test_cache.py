@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import embcore as ec
 from distributed import run_on
 from switches import kernels
+from embcore import cache as cache_module
 from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.ops import native
 from embcore.plan import make_plan
 from embcore.tiers import parse_budget
 from strategies import cases
@@ -225,6 +227,39 @@ def test_every_optimizer_with_evictions_every_step(opt, fused):
     cached run on torch ops only, its index included)."""
     with kernels(fused):
         _evictions_every_step(opt)
+
+
+@pytest.mark.parametrize("opt", ["adagrad", "rowwise", "sgd"])
+def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
+    """Every move timed and judged slow (the disk's case): each asks for its rows' pages first
+    (madvise), static tables (one file of records) and dynamic ones (a file per array) alike;
+    the runs stay bit-identical to the in-memory run."""
+    if not native.available():
+        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    monkeypatch.setattr(cache_module, "SLOW_ROW_SECONDS", -1.0)
+    monkeypatch.setattr(cache_module, "SLOW_ROW_MIN_ROWS", 1)
+    advised = []
+    real = native.will_need
+    monkeypatch.setattr(native, "will_need", lambda t, r: advised.append(r.numel()) or real(t, r))
+    _evictions_every_step(opt)
+    assert advised, "the moves asked for their pages"
+    advised.clear()
+    runs = []
+    for budget in (None, 40 * 65 + RAW_INDEX + 200):
+        emb = _raw_engine(opt, budget)
+        runs.append((_run(emb, _raw_batches(5)), _state(emb), emb))
+    _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
+    assert any(p.offloaded and p.dynamic for p in runs[1][2].plan.physical) and advised
+
+
+def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
+    if not native.available():
+        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    from embcore.cache import slow_tensor
+    t = slow_tensor(tmp_path / "t.bin", (1024, 16), torch.float32)  # 64-byte rows, 64 a page
+    rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)
+    assert native.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
+    assert native.will_need(t, rows[:0]) == 0
 
 
 def _evictions_every_step(opt):

@@ -35,10 +35,10 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 9  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+ABI_VERSION = 10  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
 # 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
-# 9: ec_cache_step's threads
+# 9: ec_cache_step's threads, 10: ec_will_need
 
 # Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
@@ -126,6 +126,7 @@ _SIGNATURES = {
     "ec_cache_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
                            _P, _P, ctypes.c_int]),
     "ec_set_flags": (None, [_P, _P, _I, ctypes.c_int]),
+    "ec_will_need": (_I, [_P, _I, _P, _I, _I]),
     "ec_expand": (None, [_P, _P, _P, _I, _P]),
     "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
                               ctypes.c_double, _P, _I]),
@@ -413,6 +414,18 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
     lib.ec_copy_rows(src.data_ptr(), src.stride(0) * size, src_rows.data_ptr(), dst.data_ptr(),
                      dst.stride(0) * size, dst_rows.data_ptr(), src_rows.numel(),
                      src.shape[1] * size, _threads())
+
+
+def will_need(src: torch.Tensor, rows: torch.Tensor) -> int:
+    """Asks the kernel to read the pages under rows ``rows`` ((n,) int64, contiguous, in range)
+    of ``src`` (a 2-D CPU tensor of a mapped file, rows contiguous; each row's whole stride:
+    a record's other fields too) ahead (``madvise(MADV_WILLNEED)``); returns the system calls
+    made."""
+    lib = _load()
+    assert lib is not None
+    size = src.element_size()
+    return lib.ec_will_need(src.data_ptr(), src.stride(0) * size, rows.data_ptr(), rows.numel(),
+                            max(src.stride(0), src.shape[1]) * size)
 
 
 def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:

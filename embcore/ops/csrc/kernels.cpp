@@ -14,6 +14,7 @@
 //
 // Legend: N rows, D dim, nnz id occurrences, R output rows (bags), U unique rows.
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -431,7 +432,7 @@ thread_local std::vector<i64> dedup_slots;
 
 extern "C" {
 
-int ec_abi_version() { return 9; }
+int ec_abi_version() { return 10; }
 
 // sizeof(EcHyper), for native.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
@@ -847,6 +848,32 @@ __attribute__((optimize("fp-contract=off"))) void ec_combiner_scales(
       out[k] = combiner == 0 ? w : (denom != 0.f ? w / denom : 0.f);
     }
   }
+}
+
+// Asks the kernel to read the pages under rows rows[i] (i < n; each row_bytes long, rows
+// stride bytes apart from base) of a mapped file ahead (madvise MADV_WILLNEED): the reads are
+// submitted at once, so that the row moves that follow find them in flight rather than
+// faulting them in one at a time. A system call per row (none for a row on the previous row's
+// pages); advice only. Returns the calls made (0 where madvise is not available).
+i64 ec_will_need(const char* base, i64 stride, const i64* rows, i64 n, i64 row_bytes) {
+#if defined(__linux__) && defined(MADV_WILLNEED)
+  const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+  uintptr_t last_lo = 1, last_hi = 0;  // (an empty range)
+  i64 calls = 0;
+  for (i64 i = 0; i < n; ++i) {
+    const uintptr_t at = uintptr_t(base + rows[i] * stride);
+    const uintptr_t lo = at & ~(page - 1), hi = (at + uintptr_t(row_bytes) + page - 1) & ~(page - 1);
+    if (lo >= last_lo && hi <= last_hi) continue;
+    madvise(reinterpret_cast<void*>(lo), size_t(hi - lo), MADV_WILLNEED);
+    last_lo = lo;
+    last_hi = hi;
+    ++calls;
+  }
+  return calls;
+#else
+  (void)base; (void)stride; (void)rows; (void)n; (void)row_bytes;
+  return 0;
+#endif
 }
 
 // Row moves between two arrays of rows (the cache and its slow tier): for i < n,
