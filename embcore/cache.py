@@ -10,7 +10,8 @@ lookup and fused update run on it unchanged.
 The cache's index (``CacheIndex``, ops/cache_index.py) holds the cache row of every shard row:
 a step's distinct rows are resolved by one index step, which admits the missing ones and, when
 the cache is full, evicts the least recently used rows that this step does not use (ties: the
-lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``), so that the next
+lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``; at most
+``SPARE_STEPS`` times the step's rows), so that the next
 steps admit into free rows without scanning. Before a cache row is given to a new shard row,
 its old row is written back to the slow tier if it was updated since it was read (write-back);
 then the new row is read whole, with its slots. Rows move whole, values unchanged, so a run
@@ -41,8 +42,11 @@ from .ops.memory import advise_random, empty_table
 from .ops.cache_index import MAX_CAPACITY, CacheIndex
 
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
-# (the least recently used ones), so that the next steps admit into free rows without scanning.
+# (the least recently used ones), so that the next steps admit into free rows without scanning;
+# at most SPARE_STEPS times the step's distinct rows (a large cache would otherwise write
+# back hundreds of thousands of rows in one step: W4's cache of 7.5M rows, 937k).
 SPARE_SHARE = 8
+SPARE_STEPS = 16
 
 # A move of rows to or from the slow tier's files that took longer than this per row waited
 # for the disk (a page fault reads 4 KiB; from the page cache a row moves in well under a
@@ -239,7 +243,8 @@ class CachedRows:
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
         if cpu_rows.numel() > self.capacity:
             self._grow(cpu_rows.numel())
-        step = self.index.step(cpu_rows, count, spare=self.capacity // SPARE_SHARE)
+        spare = min(self.capacity // SPARE_SHARE, SPARE_STEPS * cpu_rows.numel())
+        step = self.index.step(cpu_rows, count, spare=spare)
         assert step is not None  # (the cache holds the step's rows)
         if step.evicted:  # rows left: older answers may be stale
             self.generation += 1
