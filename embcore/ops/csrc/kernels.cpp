@@ -60,7 +60,7 @@ constexpr int kHyperFieldCount = int(sizeof(kHyperFields) / sizeof(kHyperFields[
 static_assert(sizeof(EcHyper) == kHyperFieldCount * sizeof(double),
               "kHyperFields must list every field of EcHyper");
 
-constexpr i64 kPrefetch = 8;              // table rows ahead whose cache lines are requested early
+constexpr i64 kPrefetch = 16;             // table rows ahead whose cache lines are requested early
 constexpr i64 kPrefetchOccurrences = 16;  // output gradient rows ahead (backward)
 constexpr i64 kSerialWork = 16384;  // below this many floats touched, one thread
 
