@@ -193,8 +193,8 @@ class DensePath:
         """Per feature (flat order) its activation ``shape + (D,)``, or None to decline (a
         table made differentiable or moved since: the general lookup handles it)."""
         flat: list[torch.Tensor | None] = [None] * prepared.num_features
-        for tb in prepared.tables:
-            table = self.store.tables[tb.physical]
+        for tb in prepared.tables:  # (all checked first: declining after a cached table's rows
+            table = self.store.tables[tb.physical]  # were brought in would count them twice)
             if table.requires_grad or not table.is_cpu:
                 return None
         for tb in prepared.tables:
