@@ -19,7 +19,11 @@ from pathlib import Path
 
 def load(path: str) -> list[dict]:
     """The runs of one ``cache.py --json`` output (its last line)."""
-    lines = [s for s in Path(path).read_text().splitlines() if s.startswith("[")]
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SystemExit(f"{path}: {e.strerror or e}")
+    lines = [s for s in text.splitlines() if s.startswith("[")]
     if not lines:
         raise SystemExit(f"{path}: no JSON line (run cache.py with --json)")
     return json.loads(lines[-1])

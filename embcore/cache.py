@@ -237,7 +237,7 @@ class CachedRows:
                     self.index.owner[s.cpu() if s.device.type != "cpu" else s],
                     r.cpu() if r.device.type != "cpu" else r)):
                 if count:  # (counted again: hits, as the index would)
-                    self._count_hits(r.cpu(), s.cpu())
+                    self.index.count_held(r.cpu(), s.cpu())
                 return s
         rows = rows.to(torch.int64)
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
@@ -274,18 +274,6 @@ class CachedRows:
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
         self.index.mark(self.index.dirty, slots.cpu() if slots.device.type != "cpu" else slots)
-
-    def _count_hits(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Counts a lookup of distinct shard rows ``rows`` all held at cache rows ``slots``
-        (CPU): hits, or new for rows ``renew`` put there since the last lookup (counted once)."""
-        fresh = self.index.fresh[slots]
-        member = torch.bucketize(rows, self.index.bounds, right=True)
-        n = len(self.members)
-        if bool(fresh.any()):
-            self.index.fresh[slots[fresh]] = False
-            self.new.add_(torch.bincount(member[fresh], minlength=n))
-            member = member[~fresh]
-        self.hits.add_(torch.bincount(member, minlength=n))
 
     def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or

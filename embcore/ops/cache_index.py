@@ -130,6 +130,19 @@ class CacheIndex:
         self.fresh[miss_slots] = False
         return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
 
+    def count_held(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Counts a lookup of distinct shard rows ``rows`` already held at cache rows ``slots``
+        (both (U,) int64 CPU; no step): each a hit, or new when its fresh flag is set (then
+        cleared), as ``step`` counts them."""
+        fresh = self.fresh[slots]
+        member = torch.bucketize(rows, self.bounds, right=True)
+        n = self.counts.shape[1]
+        if bool(fresh.any()):
+            self.fresh[slots[fresh]] = False
+            self.counts[2] += torch.bincount(member[fresh], minlength=n)
+            member = member[~fresh]
+        self.counts[0] += torch.bincount(member, minlength=n)
+
     def mark(self, flags: torch.Tensor, slots: torch.Tensor) -> None:
         """``flags[slots] = True`` (``dirty`` or ``fresh``; ``slots`` (n,) int64 CPU)."""
         if native.usable(slots):
