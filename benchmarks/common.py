@@ -79,6 +79,9 @@ def parse_args(system: str, fill: int = -1) -> argparse.Namespace:
                         f"torch.save the tables to PATH")
     p.add_argument("--profile", action="store_true",
                    help="also print the top 10 ops by self CPU time of 3 steps (stderr)")
+    p.add_argument("--threads", type=int, default=THREADS,
+                   help="torch's intra-op threads (default %(default)s, as in run.py; set "
+                        "OMP_NUM_THREADS to the same value for peers that read it)")
     p.add_argument("--fill", type=int, default=fill,
                    help="stream mode when >= 0: every step a new batch, after this many untimed "
                         "fill steps (default %(default)s; < 0: cycle over the pre-generated "
@@ -117,6 +120,7 @@ def main(system: str, build: Build, versions: dict[str, str], fill: int = -1,
     """Runs one system; ``fill``: the default of ``--fill`` (stream mode when >= 0); ``extra``:
     fields added to the result line (e.g. a W1-raw system's capacity)."""
     args = parse_args(system, fill)
+    torch.set_num_threads(args.threads)
     if args.fill >= 0 and not args.check:
         return main_stream(system, build, versions, args, extra or {})
     w = get_workload(args.workload, args.quick)

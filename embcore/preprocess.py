@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .ops import native
 from .ops.bags import Bags, Dedup, concat_dedup
 from .plan import ShardingPlan
 
@@ -110,7 +111,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],
     if unit:
         return (Bags(ids, None, None), dd), tuple(slices)
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return (Bags(ids, torch.cat(offsets), torch.cat(scales)), dd), tuple(slices)
+    return (Bags(ids, native.concat(offsets), native.concat(scales)), dd), tuple(slices)
 
 
 def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | None:

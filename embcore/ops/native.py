@@ -316,6 +316,27 @@ def single_threaded() -> Iterator[None]:
         _local.single = before
 
 
+def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of 1-D tensors, on the calling thread alone when they are contiguous
+    CPU tensors of one dtype (one ``memmove`` each).
+
+    ``torch.cat`` of a batch's ids or scales (over 32768 elements) is a parallel op: it wakes
+    torch's OpenMP workers, which then spin for milliseconds waiting for the next one, on the
+    core the kernels' helper needs (a W2 step: torch's idle worker took 40% of the second core).
+    A copy of a few MB needs no second thread.
+    """
+    first = parts[0]
+    if not all(p.is_cpu and p.dim() == 1 and p.dtype == first.dtype and p.is_contiguous()
+               for p in parts) or torch.compiler.is_compiling():
+        return torch.cat(list(parts))
+    out = torch.empty(sum(p.numel() for p in parts), dtype=first.dtype)
+    size, at = out.element_size(), out.data_ptr()
+    for p in parts:
+        ctypes.memmove(at, p.data_ptr(), p.numel() * size)
+        at += p.numel() * size
+    return out
+
+
 def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable sort with run-length encoding, as ``preprocess.dedup``.
 
