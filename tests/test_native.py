@@ -170,6 +170,21 @@ def test_dedup_all_distinct_and_all_equal():
                 assert torch.equal(g, w)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=6),
+       st.sampled_from([torch.float32, torch.int64]), st.booleans(), st.integers(0, 2**31))
+def test_concat_equals_torch_cat(lengths, dtype, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(-1000, 1000, (2 * n if strided else n,), generator=gen).to(dtype)
+             for n in lengths]
+    if strided:  # every other element: not contiguous, so torch.cat's path
+        parts = [p[::2] for p in parts]
+    got = native.concat(parts)
+    assert got.dtype == dtype and torch.equal(got, torch.cat(parts))
+    mixed = parts + [torch.ones(3, dtype=torch.float64)]  # dtypes differ: torch.cat's promotion
+    assert torch.equal(native.concat(mixed), torch.cat(mixed))
+
+
 # ------------------------------------------------------------------------------------ lookup
 @requires_native
 @settings(max_examples=60, deadline=None)
