@@ -35,6 +35,17 @@ static int64_t* load(const char* path, long* n) {
 
 #define AHEAD 16
 
+// Sums rows[0..n) of t (D floats each) into acc, the rows AHEAD further on prefetched.
+static void read_rows(const float* restrict t, long d, const int64_t* restrict rows, long n,
+                      float* restrict acc) {
+  for (long k = 0; k < n; ++k) {
+    if (k + AHEAD < n)
+      for (long o = 0; o < d; o += 16) __builtin_prefetch(t + rows[k + AHEAD] * d + o, 0, 1);
+    const float* restrict r = t + rows[k] * d;
+    for (long c = 0; c < d; ++c) acc[c] += r[c];
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc != 5) { fprintf(stderr, "usage: floor IDS UNIQUE ROWS DIM\n"); return 2; }
   long n, u;
@@ -54,21 +65,11 @@ int main(int argc, char** argv) {
     double s[3];
     memset(flush, rep, flush_bytes);
     double t0 = now();
-    for (long k = 0; k < n; ++k) {
-      if (k + AHEAD < n)
-        for (long o = 0; o < d; o += 16) __builtin_prefetch(t + ids[k + AHEAD] * d + o, 0, 1);
-      const float* restrict r = t + ids[k] * d;
-      for (long c = 0; c < d; ++c) acc[c] += r[c];
-    }
+    read_rows(t, d, ids, n, acc);
     s[0] = now() - t0;
     memset(flush, rep + 1, flush_bytes);
     t0 = now();
-    for (long k = 0; k < u; ++k) {
-      if (k + AHEAD < u)
-        for (long o = 0; o < d; o += 16) __builtin_prefetch(t + uq[k + AHEAD] * d + o, 0, 1);
-      const float* restrict r = t + uq[k] * d;
-      for (long c = 0; c < d; ++c) acc[c] += r[c];
-    }
+    read_rows(t, d, uq, u, acc);
     s[1] = now() - t0;
     memset(flush, rep + 2, flush_bytes);
     t0 = now();
