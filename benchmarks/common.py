@@ -66,6 +66,13 @@ def take_option(flag: str, default: Any, kind: Callable[[str], Any] = int) -> An
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of threads, got {value}")
+    return value
+
+
 def parse_args(system: str, fill: int = -1) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"One benchmark run of {system}; prints one JSON line.")
     p.add_argument("--workload", required=True, choices=WORKLOADS)
@@ -79,7 +86,7 @@ def parse_args(system: str, fill: int = -1) -> argparse.Namespace:
                         f"torch.save the tables to PATH")
     p.add_argument("--profile", action="store_true",
                    help="also print the top 10 ops by self CPU time of 3 steps (stderr)")
-    p.add_argument("--threads", type=int, default=THREADS,
+    p.add_argument("--threads", type=_positive, default=THREADS,
                    help="torch's intra-op threads (default %(default)s, as in run.py; set "
                         "OMP_NUM_THREADS to the same value for peers that read it)")
     p.add_argument("--fill", type=int, default=fill,

@@ -320,15 +320,17 @@ def concat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` of 1-D tensors, on the calling thread alone when they are contiguous
     CPU tensors of one dtype (one ``memmove`` each).
 
-    ``torch.cat`` of a batch's ids or scales (over 32768 elements) is a parallel op: it wakes
-    torch's OpenMP workers, which then spin for milliseconds waiting for the next one, on the
-    core the kernels' helper needs (a W2 step: torch's idle worker took 40% of the second core).
-    A copy of a few MB needs no second thread.
+    ``torch.cat`` of a batch's scales (over 32768 elements) is a parallel op: it wakes torch's
+    OpenMP workers, which then spin for about 7.5 ms waiting for the next one, on the core the
+    kernels' helper needs (a W2 step: torch's idle worker took 45% of the second core). A copy of
+    a few MB needs no second thread.
     """
     first = parts[0]
-    if not all(p.is_cpu and p.dim() == 1 and p.dtype == first.dtype and p.is_contiguous()
-               for p in parts) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (traced tensors have no data)
         return torch.cat(list(parts))
+    for p in parts:  # a loop, not all(genexpr): this runs twice per table and step
+        if not (p.is_cpu and p.dim() == 1 and p.dtype == first.dtype and p.is_contiguous()):
+            return torch.cat(list(parts))
     out = torch.empty(sum(p.numel() for p in parts), dtype=first.dtype)
     size, at = out.element_size(), out.data_ptr()
     for p in parts:
