@@ -32,12 +32,12 @@ import sys
 import time
 
 import torch
-
-import embcore as ec
-from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from embcore.ops.vocab import MAP_BYTES_PER_ROW
 from cache_workloads import batches_for
 from workloads import get_workload, raw_ids
+
+import embcore as ec
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.ops.vocab import MAP_BYTES_PER_ROW
 
 LR, ACC0 = 0.01, 0.1
 

@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 ARGV = sys.argv[1:]  # before the sys_raw_* imports take their options out of sys.argv
-import torch  # noqa: E402
-
 import common  # noqa: E402
-from embcore.vocabulary import initial_values  # noqa: E402
 import sys_raw_embcore  # noqa: E402
 import sys_raw_plain  # noqa: E402
+import torch  # noqa: E402
 from workloads import Workload, stream_batch, upstream_grads  # noqa: E402
+
+from embcore.state.vocabulary import initial_values  # noqa: E402
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import time
 import torch
 
 import embcore as ec
-from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cache_workloads import batches_for  # noqa: E402

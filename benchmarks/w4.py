@@ -30,10 +30,10 @@ import time
 
 import numpy as np
 import torch
+from tiers_util import KAGGLE, fmt_bytes, proc_io, rss
 
 import embcore as ec
-from tiers_util import KAGGLE, fmt_bytes, proc_io, rss
-from embcore.tiers import parse_budget
+from embcore.config.budget import parse_budget
 
 
 def raw(ids: torch.Tensor, t: int) -> torch.Tensor:

@@ -4,18 +4,17 @@ TensorFlow's TPU embedding system (tables, features, an engine that looks up ids
 sparse optimizer in place, checkpoints and serving) rebuilt for CPUs and GPUs. See README.md.
 """
 
-__version__ = "0.1.0"
-
+from .base.version import __version__
 from .checkpoint import load, save
-from .config import DynamicVocabulary, FeatureConfig, TableConfig
+from .config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
+from .config.spec import EmbeddingSpec
+from .config.tables import DynamicVocabulary, FeatureConfig, TableConfig
 from .engine import Embedding
 from .layer import EmbeddingLayer
-from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
-from .plan import ShardingPlan
-from .profile import LookupProfile, profile
-from .quantize import QuantizedTable, quantize_table
-from .serving import serving_embedding_lookup
-from .spec import EmbeddingSpec
+from .planning.plan import ShardingPlan
+from .planning.profile import LookupProfile, profile
+from .serving.quantize import QuantizedTable, quantize_table
+from .serving.serve import serving_embedding_lookup
 
 cpu_embedding_lookup = serving_embedding_lookup
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .comm import CollectiveError
+from .base.comm import CollectiveError
 from .engine import Embedding
 from .layer import EmbeddingLayer
 

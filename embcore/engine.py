@@ -17,25 +17,29 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from . import __version__
-from .comm import Communicator, make_communicator
-from .config import TableConfig
-from .dense import DensePath
-from .features import Features, is_feature
-from .gradients import (apply_gradients, check_gradients, gradient_multipliers, learning_rates,
-                        nonfinite_gradients)
-from .lookup import Received, lookup
-from .nest import flatten_like, unflatten_like
-from .optimizers import Optimizer
-from .plan import ShardingPlan, make_plan
+from .base.comm import Communicator, make_communicator
+from .base.nest import flatten_like, unflatten_like
+from .base.version import __version__
+from .config.budget import parse_budget
+from .config.optimizers import Optimizer
+from .config.spec import EmbeddingSpec
+from .config.tables import TableConfig
+from .inputs.features import Features, is_feature
 from .ops import native
-from .profile import LookupProfile
-from .spec import EmbeddingSpec
-from .tiers import parse_budget
-from .preprocess import Prepared, preprocess
-from .protocol import StepQueue, TrainingStep
-from .store import RowStore
-
+from .planning.plan import ShardingPlan, make_plan
+from .planning.profile import LookupProfile
+from .state.store import RowStore
+from .step.fast import DensePath
+from .step.gradients import (
+    apply_gradients,
+    check_gradients,
+    gradient_multipliers,
+    learning_rates,
+    nonfinite_gradients,
+)
+from .step.lookup import Received, lookup
+from .step.preprocess import Prepared, preprocess
+from .step.queue import StepQueue, TrainingStep
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -74,7 +78,7 @@ class Embedding:
             the same order.
         device: where tables, slots and the step's work live (default CPU).
         timeout: seconds (or a timedelta) any collective may wait before raising
-            ``embcore.comm.CollectiveError`` (a process died or stalls); default 300.
+            ``embcore.base.comm.CollectiveError`` (a process died or stalls); default 300.
         memory_budget: None, or the bytes (an int, or a string like ``"4GiB"``) this process's
             tables, slots and caches may take in fast memory. Tables beyond it go to a slow
             tier with their hot rows in a write-back cache; results are bit-identical

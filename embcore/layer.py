@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from .config import TableConfig
+from .base.nest import flatten_like, unflatten_like
+from .config.tables import TableConfig
+from .config.torch_optim import resolve_optimizer
 from .engine import Embedding
-from .features import is_feature
-from .nest import flatten_like, unflatten_like
-from .optimizer_specs import resolve_optimizer
-from .serving import ServingModule, serving_embedding_lookup
+from .inputs.features import is_feature
+from .serving.serve import ServingModule, serving_embedding_lookup
 
 
 class _EngineStep(torch.autograd.Function):
@@ -140,7 +140,7 @@ class EmbeddingLayer(torch.nn.Module):
         """The layer ``spec`` (an ``ec.EmbeddingSpec``) describes; ``kwargs``: the arguments a
         spec does not hold (``process_group``, ``device``, ``timeout``, ``offload_dir``,
         ``profile``)."""
-        from .spec import EmbeddingSpec
+        from .config.spec import EmbeddingSpec
         if not isinstance(spec, EmbeddingSpec):
             raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
         return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,

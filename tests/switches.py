@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from embcore import compat, dense
+from embcore.base import compat
 from embcore.ops import native
+from embcore.step import fast as dense
 
 
 @contextlib.contextmanager

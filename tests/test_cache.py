@@ -12,19 +12,19 @@ import warnings
 
 import pytest
 import torch
+from distributed import run_on
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from strategies import cases
+from switches import kernels
+from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
 
 import embcore as ec
-from distributed import run_on
-from switches import kernels
-from embcore import cache as cache_module
-from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.config.budget import parse_budget
 from embcore.ops import native
-from embcore.plan import make_plan
-from embcore.tiers import parse_budget
-from strategies import cases
-from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.planning.plan import make_plan
+from embcore.state import cache as cache_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:table .* a step touches")
 
@@ -151,7 +151,7 @@ def test_planner_follows_the_lookup_curves():
     """Two equal tables: the one whose lookups are concentrated on few rows needs fewer fast
     rows for the same hits, so the greedy gives the spread-out one more (or: with a flat curve,
     rows are worth their average; the skewed table's cold rows are worth nothing)."""
-    from embcore.tiers import fast_rows, profile_curve, zipf_curve
+    from embcore.planning.tiers import fast_rows, profile_curve, zipf_curve
 
     skewed = profile_curve([(10, 0.9), (100, 1.0)], 1000)  # 10 rows serve 90%
     flat = profile_curve([(500, 0.5)], 1000)
@@ -255,7 +255,7 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
 def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
     if not native.available():
         pytest.skip(f"fused kernels unavailable: {native.error()}")
-    from embcore.cache import slow_tensor
+    from embcore.state.cache import slow_tensor
     t = slow_tensor(tmp_path / "t.bin", (1024, 16), torch.float32)  # 64-byte rows, 64 a page
     rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)
     assert native.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
@@ -625,7 +625,7 @@ def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt)
     """Moving a row reads (and dirties) the pages of one record, not one page per array: each
     offloaded static physical table is one file whose records hold a row and its slots, each
     field aligned, the record a multiple of RECORD_ALIGN bytes; the arrays are views of it."""
-    from embcore.cache import RECORD_ALIGN
+    from embcore.state.cache import RECORD_ALIGN
     fc, _ = config(opt, {})
     emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1200, offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])

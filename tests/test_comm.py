@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from embcore.comm import DEFAULT_TIMEOUT, LocalCommunicator, _as_timeout, make_communicator
+from embcore.base.comm import DEFAULT_TIMEOUT, LocalCommunicator, _as_timeout, make_communicator
 
 
 def test_local_communicator_is_the_identity():

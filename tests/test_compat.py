@@ -14,11 +14,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from embcore import compat
 from switches import private_paths
 
-
+from embcore.base import compat
 
 
 def both(fn, *args):

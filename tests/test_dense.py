@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import embcore as ec
-from embcore import dense
-from embcore.cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from embcore.ops import native
 from strategies import any_optimizer
 from switches import dense_path
+
+import embcore as ec
+from embcore.ops import native
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.step import fast as dense
 
 requires_native = pytest.mark.skipif(not native.available(),
                                      reason=f"fused kernels unavailable: {native.error()}")

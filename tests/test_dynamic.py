@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from distributed import run_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,9 +16,7 @@ import embcore as ec
 from embcore.ops import native
 from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.ops.reference_vocab import ReferenceVocabulary
-from embcore.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
-
-from distributed import run_on
+from embcore.state.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]
 

@@ -69,7 +69,7 @@ def test_same_seed_same_tables_and_initializer_options():
     assert torch.equal(a, b)
     std = 1 / 3 ** 0.5
     assert a.abs().max() <= 2 * std + 1e-6 and abs(a.std().item() - 0.88 * std) < 0.02
-    from embcore.config import initial_rows
+    from embcore.config.tables import initial_rows
     rows = torch.tensor([3, 65535, 65536, 69999])  # any subset gives the same rows
     assert torch.equal(initial_rows(t, "big", 123, rows),
                        initial_rows(t, "big", 123, torch.arange(70000))[rows])
@@ -355,6 +355,7 @@ def test_threads_sharing_an_engine_never_lose_or_double_an_update(pipelined):
     serialized, so each dequeued training batch is applied at most once, every apply that
     returned is counted in the step, and out-of-order calls raise RuntimeError, nothing else."""
     import threading
+
     from switches import kernels
     t = ec.TableConfig(vocabulary_size=8, dim=64, combiner="sum", name="t")
     with kernels(False):  # the torch-ops path, where updates were lost before

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from switches import kernels, private_paths
 
 import embcore as ec
-from embcore import compat
+from embcore.base import compat
 from embcore.ops import native
-from switches import kernels, private_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = "clicks"       # the feature given the malformed inputs; errors must name it
@@ -423,7 +423,7 @@ def test_fuzz_offsets_sparse_indices_and_ids(torch_fallbacks):
 # ------------------------------------------------------------- the crashers, in a child process
 CRASHERS = textwrap.dedent("""
     import torch, embcore as ec
-    from embcore import compat
+    from embcore.base import compat
     from embcore.ops import native
     J = torch.nested.nested_tensor_from_jagged
     t = ec.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
@@ -569,7 +569,7 @@ def test_weights_with_validation_off_still_skip_only_the_finiteness_check():
 # ------------------------------------------------------------------------ the checks themselves
 @pytest.mark.skipif(not native.available(), reason="the fused kernels are unavailable")
 def test_kernel_checks_equal_their_torch_twins():
-    from embcore.inputs import check_offsets, strictly_increasing
+    from embcore.inputs.canonical import check_offsets, strictly_increasing
     rng = random.Random(1)
     for _ in range(300):
         values, offsets, ok = _random_offsets(rng)

@@ -6,11 +6,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import cases
 
 import embcore as ec
-from embcore.ops.reference import (bag_scale, reference_bags, reference_lookup,
-                                   reference_row_gradients)
-from strategies import cases
+from embcore.ops.reference import (
+    bag_scale,
+    reference_bags,
+    reference_lookup,
+    reference_row_gradients,
+)
 
 
 def magnitude(feature, ids, weights, table=None, grad=None):

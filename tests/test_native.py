@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import common_options, jagged, rounded
+from switches import kernels
 
 import embcore as ec
-from embcore import inputs
+from embcore.inputs import canonical as inputs
 from embcore.ops import native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import _hyper
-from strategies import common_options, jagged, rounded
-from switches import kernels
 
 requires_native = pytest.mark.skipif(
     not native.available(),

@@ -14,11 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore
-import embcore.optimizers as eo
+import embcore.config.optimizers as eo
+from embcore.config.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowwiseAdagrad,
+    SlotSpec,
+)
+from embcore.config.torch_optim import resolve_optimizer
 from embcore.ops.reference_optim import reference_update, to_rows
-from embcore.optimizer_specs import resolve_optimizer
-from embcore.optimizers import (FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer,
-                                RowwiseAdagrad, SlotSpec)
 
 MAX_EXAMPLES = 50
 CLASSES = (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)

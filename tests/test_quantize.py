@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from strategies import cases
 
 import embcore as ec
-from embcore.quantize import dequantize_int8_rowwise, quantize_int8_rowwise
-from strategies import cases
+from embcore.serving.quantize import dequantize_int8_rowwise, quantize_int8_rowwise
 
 F32_MAX = torch.finfo(torch.float32).max
 

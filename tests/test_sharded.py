@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
+from distributed import run_on
 
 import embcore as ec
-from distributed import run_on
-from embcore.comm import CollectiveError
-from embcore.shards import gather_whole
+from embcore.base.comm import CollectiveError
+from embcore.state.dtensors import gather_whole
 
 OPTIMIZERS = {
     "sgd": lambda: ec.SGD(learning_rate=0.5, clipvalue=1.0),
@@ -170,7 +170,7 @@ def test_sharded_equals_single_process(world):
 
 def test_plan_prints_and_rejects_impossible_splits():
     t = ec.TableConfig(vocabulary_size=100, dim=2, name="narrow")
-    from embcore.plan import make_plan
+    from embcore.planning.plan import make_plan
     with pytest.raises(ValueError, match="needs dim >= 4"):
         make_plan([("narrow", t, ec.SGD())], 4, "column")
     with pytest.raises(ValueError, match="column split cannot hold"):
@@ -220,8 +220,9 @@ def test_failing_rank_makes_the_others_raise(mode, tmp_path):
 
 
 def _reshard_worker(rank, world, init, root):
-    import torch.distributed as dist
     from pathlib import Path
+
+    import torch.distributed as dist
     root = Path(root)
     batches = [global_batch(s, world) for s in range(3)]
     fc, strategies = config("adagrad", MIXED)

@@ -13,14 +13,14 @@ that reads layouts), as a layout whose local rows are not ascending would have t
 from __future__ import annotations
 
 import torch
+from distributed import run_on
 
 import embcore as ec
-from distributed import run_on
-from embcore import shards
-from embcore.comm import make_communicator
-from embcore.placement import STRATEGIES as PLACEMENTS
-from embcore.plan import STRATEGIES, make_plan
-from embcore.shards import from_value, gather_whole, to_sharded
+from embcore.base.comm import make_communicator
+from embcore.planning.placement import STRATEGIES as PLACEMENTS
+from embcore.planning.plan import STRATEGIES, make_plan
+from embcore.state import dtensors as shards
+from embcore.state.dtensors import from_value, gather_whole, to_sharded
 
 
 def tables(world: int) -> list[tuple[str, int, int]]:

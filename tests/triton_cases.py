@@ -35,16 +35,16 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.inputs import canonicalize  # noqa: E402
+from embcore.inputs.canonical import canonicalize  # noqa: E402
 from embcore.ops import gpu  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
 from embcore.ops.combine import combine, combine_backward  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
 from embcore.ops.reference_optim import reference_update  # noqa: E402
 from embcore.ops.update import update  # noqa: E402
-from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 

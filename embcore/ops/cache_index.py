@@ -34,6 +34,10 @@ from . import native
 
 MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
 FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
+# Bytes of index per cache row: its owner, stamp, dirty and fresh flags and free-stack entry;
+# and per row of an offloaded shard: where it is cached (the planner charges both).
+INDEX_BYTES_PER_ROW = 26
+WHERE_BYTES_PER_ROW = 4
 
 
 class Step(NamedTuple):

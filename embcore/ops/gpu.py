@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from ..optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
+from ..config.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowwiseAdagrad,
+)
 from .native import Hyper
 
 _kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing

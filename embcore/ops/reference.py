@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from ..config import FeatureConfig
+from ..config.tables import FeatureConfig
 
 Bag = list[tuple[int, float]]  # (id, weight) pairs of one output row
 

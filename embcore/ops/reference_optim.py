@@ -13,7 +13,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
+from ..config.optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowwiseAdagrad,
+)
 
 Rows = list[list[float]]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
+from ..config.optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
 from . import gpu, native
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace

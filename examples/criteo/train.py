@@ -51,6 +51,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embcore as ec  # noqa: E402
+from embcore.planning.plan import STRATEGIES  # noqa: E402
 from criteo.data import (  # noqa: E402
     NUM_SPARSE,
     DataError,
@@ -166,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the tables and the dense part train")
     t.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (0: torch's default)")
-    t.add_argument("--sharding", choices=[*ec.plan.STRATEGIES, "auto"], **table,
+    t.add_argument("--sharding", choices=[*STRATEGIES, "auto"], **table,
                    help="how the tables are split under torchrun (several processes; default "
                         "auto)")
     o = p.add_argument_group("output")

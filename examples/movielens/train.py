@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import embcore as ec
+from embcore.planning.plan import STRATEGIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # data.py, model.py, serve.py beside us
 from data import (  # noqa: E402
@@ -115,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's "
                         "default). One suits this small model: with two, on two cores, any "
                         "other busy process made each step about 30x slower")
-    t.add_argument("--sharding", default="row_mod", choices=[*ec.plan.STRATEGIES, "auto"],
+    t.add_argument("--sharding", default="row_mod", choices=[*STRATEGIES, "auto"],
                    help="how the tables are split when launched with torchrun (several "
                         "processes): row_mod, row_div, table, column, replicated or auto")
     o = p.add_argument_group("output")

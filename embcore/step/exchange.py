@@ -14,12 +14,29 @@ All collectives go through ``comm`` (and time out there).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .comm import Communicator
-from .plan import PhysicalTable
+from ..base.comm import Communicator
+from ..planning.plan import PhysicalTable
+from ..state.store import RowStore
 from .preprocess import TableBatch
-from .store import RowStore
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The owner side of one physical table's lookup, for the gradients' exchange: per asking
+    process, the shard rows this process answered with (a dynamic table's raw ids resolved by
+    its map), and the map step they are valid at (None: a static table)."""
+
+    rows: list[torch.Tensor]
+    since: int | None = None
+
+
+# Per physical table of a batch, what this process answered (None when the table needed no
+# exchange and no map): the owner side of apply_gradients.
+Received = tuple[Answered | None, ...]
 
 
 def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,

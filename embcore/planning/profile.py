@@ -100,7 +100,7 @@ def profile(batches: Iterable[Any], feature_config: Any,
     Raises:
         ValueError / TypeError: batches that ``enqueue`` would refuse, naming the feature.
     """
-    from .features import Features  # (features.py imports the planner's modules)
+    from ..inputs.features import Features  # (features.py imports the planner's modules)
 
     features = Features(feature_config, None)
     counts: dict[str, torch.Tensor] = {}  # per row (static), or per id seen (dynamic)

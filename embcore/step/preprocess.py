@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import native
-from .ops.bags import Bags, Dedup, concat_dedup
-from .plan import ShardingPlan
+from ..ops import native
+from ..ops.bags import Bags, Dedup, concat_dedup
+from ..planning.plan import ShardingPlan
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from .config import TableConfig
+from ..config.tables import TableConfig
 
 Precision = Literal["fp16", "int8"]
 PRECISIONS: tuple[str, ...] = ("fp16", "int8")

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .config import TableConfig, default_initializer, init_seed
-from .ops import hashing, native
-from .ops.vocab import VocabMap, vocab_map
+from ..config.tables import TableConfig, default_initializer, init_seed
+from ..ops import hashing, native
+from ..ops.vocab import VocabMap, vocab_map
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -90,7 +90,9 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
         return (inverse_normal(p) / math.sqrt(dim)).to(torch.float32)
     out = torch.empty(n, dim, dtype=torch.float32)  # (n, D)
     init = table.initializer if callable(table.initializer) else default_initializer(dim)
-    from .config import _fill  # one place that runs initializers and checks what they leave
+    from ..config.tables import (
+        _fill,  # one place that runs initializers and checks what they leave
+    )
     keys = hashing.splitmix64(ids.cpu() ^ hashing._signed(seed & hashing.MASK64)).tolist()
     for k, key in enumerate(keys):
         with torch.random.fork_rng(devices=[]):

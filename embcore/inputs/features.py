@@ -14,12 +14,17 @@ from typing import Any
 
 import torch
 
-from .config import FeatureConfig, TableConfig, resolve_table_names
-from .inputs import canonicalize, output_shape_from_input_shape, resolve_shape
-from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
-                   unflatten_like)
-from .ops.bags import Bags
-from .optimizers import Optimizer
+from ..base.nest import (
+    flatten_like,
+    from_keyed_jagged,
+    is_keyed_jagged,
+    leaves_with_paths,
+    unflatten_like,
+)
+from ..config.optimizers import Optimizer
+from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
+from ..ops.bags import Bags
+from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
 
 
 def is_feature(x: Any) -> bool:

@@ -35,18 +35,18 @@ from typing import Any
 
 import torch
 
+from ..base.comm import Communicator
+from ..config.optimizers import Optimizer
+from ..config.tables import TableConfig, initial_rows
+from ..ops import native
+from ..ops.bags import Bags, Dedup
+from ..ops.combine import OutputGrads, combine, row_gradients
+from ..ops.memory import empty_table
+from ..ops.update import update
+from ..ops.workspace import Workspace
+from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
-from .comm import Communicator
-from .config import TableConfig, initial_rows
-from .ops.bags import Bags, Dedup
-from .ops.combine import OutputGrads, combine, row_gradients
-from .ops import native
-from .ops.memory import empty_table
-from .ops.update import update
-from .ops.workspace import Workspace
-from .optimizers import Optimizer
-from .plan import PhysicalTable, ShardingPlan
-from .shards import from_value, gather_whole, to_sharded
+from .dtensors import from_value, gather_whole, to_sharded
 from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows
 
 INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time

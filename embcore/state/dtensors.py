@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .comm import Communicator
-from .plan import PhysicalTable, TablePlacement
+from ..base.comm import Communicator
+from ..planning.plan import PhysicalTable, TablePlacement
 
 
 def _held(place: TablePlacement, phys: PhysicalTable, rank: int,

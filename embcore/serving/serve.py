@@ -15,12 +15,17 @@ from typing import Any
 
 import torch
 
-from .config import FeatureConfig, TableConfig, resolve_table_names
-from .features import is_feature as _is_feature
-from .inputs import canonicalize, resolve_shape
-from .nest import (flatten_like, from_keyed_jagged, is_keyed_jagged, leaves_with_paths,
-                   unflatten_like)
-from .ops.combine import combine
+from ..base.nest import (
+    flatten_like,
+    from_keyed_jagged,
+    is_keyed_jagged,
+    leaves_with_paths,
+    unflatten_like,
+)
+from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
+from ..inputs.canonical import canonicalize, resolve_shape
+from ..inputs.features import is_feature as _is_feature
+from ..ops.combine import combine
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
 
 Table = torch.Tensor | QuantizedTable  # (N, D) rows, plain or quantized

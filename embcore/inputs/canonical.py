@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .compat import jagged_parts, sparse_parts
-from .config import FeatureConfig
-from .ops import native
-from .ops.bags import Bags, bag_index
+from ..base.compat import jagged_parts, sparse_parts
+from ..config.tables import FeatureConfig
+from ..ops import native
+from ..ops.bags import Bags, bag_index
 
 INT_DTYPES = (torch.int32, torch.int64)
 

@@ -79,7 +79,7 @@ def resolve_optimizer(spec: Any) -> Optimizer:
         TypeError: an unknown keyword argument, or a ``spec`` of another kind.
 
     Example:
-        >>> import functools, torch, embcore.optimizer_specs as eo
+        >>> import functools, torch, embcore.config.torch_optim as eo
         >>> eo.resolve_optimizer(functools.partial(torch.optim.Adagrad, lr=0.1))
         Adagrad(learning_rate=0.1, initial_accumulator_value=0)
     """

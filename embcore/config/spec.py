@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from .config import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
-from .nest import leaves_with_paths
+from ..base.nest import leaves_with_paths
+from .budget import parse_budget
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
-from .tiers import parse_budget
+from .tables import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
 
 FORMAT = "embcore-spec-1"
 OPTIMIZERS = {c.__name__: c for c in (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)}

@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 import torch
 
-from .config import TableConfig
-from .optimizers import Optimizer
-from .cache import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from .ops.vocab import MAP_BYTES_PER_ROW
-from .placement import Placement, make_placement
+from ..config.optimizers import Optimizer
+from ..config.tables import TableConfig
+from ..ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from ..ops.vocab import MAP_BYTES_PER_ROW
 from .placement import STRATEGIES as _PLACEMENTS
+from .placement import Placement, make_placement
 from .tiers import Curve, fast_rows, zipf_curve
 
 Strategy = Literal["replicated", "table", "row_div", "row_mod", "column", "hash"]

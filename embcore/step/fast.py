@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from .features import Features
-from .ops import native
-from .ops.bags import Bags, Dedup
-from .ops.update import _hyper, native_rule
-from .plan import ShardingPlan
+from ..inputs.features import Features
+from ..ops import native
+from ..ops.bags import Bags, Dedup
+from ..ops.update import _hyper, native_rule
+from ..planning.plan import ShardingPlan
+from ..state.store import RowStore
 from .preprocess import FeatureSlice, Prepared, TableBatch
-from .store import RowStore
 
 _HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
 _LAYOUTS_KEPT = 64  # batch layouts (each feature's shape) whose fixed arguments are kept

@@ -26,14 +26,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .comm import Communicator
-from .exchange import gradients_at_owner
-from .lookup import Received
-from .ops.combine import OutputGrads, row_gradients
-from .optimizers import Optimizer
-from .plan import ShardingPlan
+from ..base.comm import Communicator
+from ..config.optimizers import Optimizer
+from ..ops.combine import OutputGrads, row_gradients
+from ..planning.plan import ShardingPlan
+from ..state.store import RowStore
+from .exchange import Received, gradients_at_owner
 from .preprocess import Prepared
-from .store import RowStore
 
 
 def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence[str],

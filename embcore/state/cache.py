@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from .ops import native
-from .ops.memory import advise_random, empty_table
-from .ops.cache_index import MAX_CAPACITY, CacheIndex
+from ..ops import native
+from ..ops.cache_index import INDEX_BYTES_PER_ROW, MAX_CAPACITY, CacheIndex
+from ..ops.memory import advise_random, empty_table
 
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
 # (the least recently used ones), so that the next steps admit into free rows without scanning;
@@ -55,11 +55,6 @@ SPARE_STEPS = 16
 # is fast again (the advice costs a system call per row, 0.45 us on a resident page).
 SLOW_ROW_SECONDS = 2e-6
 SLOW_ROW_MIN_ROWS = 64  # moves of fewer rows are not timed
-
-# Bytes of index (ops/cache_index.py) per cache row: its owner, stamp, dirty and fresh flags
-# and free-stack entry; and per row of an offloaded shard: where it is cached.
-INDEX_BYTES_PER_ROW = 26
-WHERE_BYTES_PER_ROW = 4
 
 
 def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,

@@ -1,0 +1,3 @@
+"""embcore's version (checkpoint manifests record it)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""What a user declares: tables and features, optimizers, an engine's spec as data."""

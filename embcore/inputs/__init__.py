@@ -1,0 +1,1 @@
+"""A user's batch, validated and made canonical: one ``Bags`` per feature."""

@@ -1,0 +1,1 @@
+"""Where every table lives: stacking, placements, tiers, lookup profiles."""

@@ -1,0 +1,1 @@
+"""Serving: plain-torch lookups over snapshot tables, quantized or not."""

@@ -1,0 +1,1 @@
+"""One training step: preprocess, lookup, apply gradients; the fast path; the queue."""
