@@ -1,4 +1,4 @@
-// Single-thread memory floors of one W2 step's row accesses (run by benchmarks/floor.py).
+// Single-thread memory floors of one W2 step's row accesses (run by benchmarks/studies/floor.py).
 //
 // Reads the step's ids (int64, bag order, tables stacked) and their distinct rows (sorted) from
 // two files, then times, on one thread, with rows 16 ahead prefetched as embcore's kernels do:

@@ -1,6 +1,6 @@
 """The memory-bandwidth bound: measured copy bandwidth, and the bytes a training step must move.
 
-    python benchmarks/bound.py [--mib 1024] --json     # prints {"copy_gbps": ...}
+    python benchmarks/core/bound.py [--mib 1024] --json     # prints {"copy_gbps": ...}
 
 Bytes per step, per table, with U unique rows touched (mean over the workload's batches):
     exact Adagrad:    U * D * 4 * 4        read w, read a, write a, write w (float32)

@@ -1,6 +1,6 @@
-"""Single-thread memory floors of one W2 step (issue 15): what reading its rows costs one core.
+"""Single-thread memory floors of one W2 step: what reading its rows costs one core.
 
-    python benchmarks/floor.py [--quick]
+    python benchmarks/studies/floor.py [--quick]
 
 Writes one W2 batch's ids (the 8 tables stacked, bag order) and their distinct rows to a
 temporary directory, compiles ``floor.c`` with the C compiler on PATH and runs it on one thread:
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent  # floor.c
+sys.path.insert(0, str(HERE.parent / "core"))  # workloads.py
 from workloads import get_workload, make_batches  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Tables beyond memory: hit rate and throughput against cache size (the curve nobody publishes).
 
-    python benchmarks/cache.py [--workload W1|W2] [--alphas 1.05,1.2] [--raw]
+    python benchmarks/studies/cache.py [--workload W1|W2] [--alphas 1.05,1.2] [--raw]
                                [--fractions 0.01,0.05,0.1,0.25,0.5] [--steps 30] [--warmup 200]
 
 ``--raw``: every table dynamic (raw 63-bit ids, ``workloads.raw_ids``; capacity the workload's
@@ -30,14 +30,17 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
-from cache_workloads import batches_for
-from workloads import get_workload, raw_ids
 
-import embcore as ec
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from embcore.ops.vocab import MAP_BYTES_PER_ROW
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # workloads.py
+from cache_workloads import batches_for  # noqa: E402
+from workloads import get_workload, raw_ids  # noqa: E402
+
+import embcore as ec  # noqa: E402
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW  # noqa: E402
+from embcore.ops.vocab import MAP_BYTES_PER_ROW  # noqa: E402
 
 LR, ACC0 = 0.01, 0.1
 

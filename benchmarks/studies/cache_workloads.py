@@ -1,4 +1,4 @@
-"""Batches of the standard workloads with a chosen Zipf exponent (benchmarks/cache.py).
+"""Batches of the standard workloads with a chosen Zipf exponent (benchmarks/studies/cache.py).
 
 As workloads.py (inverse-CDF sampling over ranks, a fixed random permutation of each table's
 rows), with ``alpha`` in place of its fixed 1.05.

@@ -1,7 +1,8 @@
 """Plain PyTorch with raw ids (W1-raw's peer): a Python mapping raw id -> row per table, then one
 ``nn.EmbeddingBag(capacity, D, sparse=True)`` per table + ``torch.optim.Adagrad``.
 
-    python benchmarks/sys_raw_plain.py --workload W1 --capacity 100000 --mapping dict|lru --json
+    python benchmarks/systems/sys_raw_plain.py \\
+        --workload W1 --capacity 100000 --mapping dict|lru --json
 
 Each step, per table: ``torch.unique`` of the batch's raw ids, a Python loop over the distinct ids
 only (``map(d.get, keys)`` for the hits, a loop over the misses), the rows gathered back through
@@ -22,12 +23,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections import OrderedDict, deque
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import common
-from workloads import RAW_FILL, Batch, Workload, raw_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import RAW_FILL, Batch, Workload, raw_ids  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch.optim.Adagrad
 

@@ -4,7 +4,8 @@
 in front of an unsharded ``EmbeddingBagCollection`` fed ``KeyedJaggedTensor``s. Runs in the peers'
 venv on the CPU.
 
-    .venv-peers/bin/python benchmarks/sys_raw_torchrec.py --workload W1 --capacity 100000 --json
+    .venv-peers/bin/python benchmarks/systems/sys_raw_torchrec.py \\
+        --workload W1 --capacity 100000 --json
 
 What runs, and why (torchrec 1.8.0, read in its source and checked here):
 
@@ -28,11 +29,13 @@ What runs, and why (torchrec 1.8.0, read in its source and checked here):
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-import common
-from workloads import RAW_FILL, Batch, Workload, raw_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import RAW_FILL, Batch, Workload, raw_ids  # noqa: E402
 
 CAPACITY = common.take_option("--capacity", 100_000)
 EVICTION = common.take_option("--eviction", "lru", str)

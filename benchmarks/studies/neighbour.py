@@ -1,7 +1,7 @@
-"""A neighbour process for the contention benchmark (benchmarks/contention.py).
+"""A neighbour process for the contention benchmark (benchmarks/studies/contention.py).
 
-    python benchmarks/neighbour.py busy     # one core kept busy (what `yes > /dev/null` does)
-    python benchmarks/neighbour.py loader   # a data loader producing the next batches
+    python benchmarks/studies/neighbour.py busy    # one core kept busy (as `yes > /dev/null`)
+    python benchmarks/studies/neighbour.py loader  # a data loader producing the next batches
 
 ``loader`` is what sits beside real training: a ``torch.utils.data.DataLoader`` with one worker
 process that builds W1-sized batches (26 features x 4096 Zipf ids, numpy, then tensors, as a

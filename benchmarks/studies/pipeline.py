@@ -1,6 +1,6 @@
 """Pipelined vs exact execution on W1 + a dense MLP (docs/semantics.md section 6).
 
-    python benchmarks/pipeline.py [--steps 20] [--batch 4096] [--cache-fraction 0.1]
+    python benchmarks/studies/pipeline.py [--steps 20] [--batch 4096] [--cache-fraction 0.1]
 
 One training loop for both modes: dequeue batch i, enqueue batch i+1, run the MLP forward and
 backward, apply the embedding gradients. With ``pipeline_execution=True`` the enqueue of batch i+1
@@ -20,13 +20,14 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import embcore as ec
 from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # workloads.py
 from cache_workloads import batches_for  # noqa: E402
 from workloads import get_workload, make_batches  # noqa: E402
 

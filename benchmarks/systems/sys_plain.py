@@ -1,17 +1,20 @@
 """Plain PyTorch: one ``nn.EmbeddingBag(sparse=True)`` per table + ``torch.optim.Adagrad``.
 
-    python benchmarks/sys_plain.py --workload W1 [--quick] --json
+    python benchmarks/systems/sys_plain.py --workload W1 [--quick] --json
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import common
-from workloads import Batch, Workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import Batch, Workload  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Sparse invariant checks")  # torch.optim.Adagrad
 

@@ -1,6 +1,6 @@
 """embcore with raw ids (W1-raw): every table dynamic, ids replaced by random 63-bit values.
 
-    python benchmarks/sys_raw_embcore.py --workload W1 --capacity 100000 [--quick] --json
+    python benchmarks/systems/sys_raw_embcore.py --workload W1 --capacity 100000 [--quick] --json
 
 The ids are W1's (the same Zipf frequencies) sent through a fixed random one-to-one map per table
 into [0, 2^63) (``workloads.raw_ids``); each table is ``dynamic`` with ``--capacity`` rows (100k:
@@ -13,12 +13,15 @@ line adds the maps' resident ids and bytes (``map_bytes``: every tensor of each 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-import common
-import embcore as ec
-from workloads import RAW_FILL, Batch, Workload, raw_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import RAW_FILL, Batch, Workload, raw_ids  # noqa: E402
+
+import embcore as ec  # noqa: E402
 
 CAPACITY = common.take_option("--capacity", 100_000)
 EVICTION = common.take_option("--eviction", "lru", str)

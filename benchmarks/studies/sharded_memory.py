@@ -1,6 +1,6 @@
 """Per-process memory and step throughput of a sharded engine at W = 1, 2 and 4 (gloo, CPU).
 
-    python benchmarks/sharded_memory.py [--quick] [--workloads W1 W2] [--worlds 1 2 4]
+    python benchmarks/studies/sharded_memory.py [--quick] [--workloads W1 W2] [--worlds 1 2 4]
 
 Each world size runs in fresh processes (torch.multiprocessing, gloo on 127.0.0.1). Every process
 enqueues its own batch of the workload's per-process batch size, so W processes train on W times
@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 
 import embcore as ec
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # workloads.py
 from workloads import get_workload, make_batches  # noqa: E402
 
 STEPS = 6

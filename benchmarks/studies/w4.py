@@ -1,12 +1,12 @@
 """W4: Criteo Kaggle's 26 tables (33.8M rows), D 128, exact Adagrad, beyond this machine's memory.
 
-    python benchmarks/w4.py [--budget 8GiB] [--steps 30] [--warmup 30] [--batch 4096]
-                            [--offload-dir DIR] [--scale 1.0] [--peer plain] [--raw]
+    python benchmarks/studies/w4.py [--budget 8GiB] [--steps 30] [--warmup 30] [--batch 4096]
+                                    [--offload-dir DIR] [--scale 1.0] [--peer plain] [--raw]
 
 Rows + Adagrad accumulators take 33.8M x 128 x 4 x 2 bytes = 34.6 GB, more than the 24 GiB of
 this machine. embcore trains them under ``--budget`` of fast memory (the rest in files under
 ``--offload-dir``, 34.6 GB of disk, removed at the end). Each feature takes one id per example,
-Zipf(1.05) over its table's rows through a fixed permutation (benchmarks/workloads.py's rule).
+Zipf(1.05) over its table's rows through a fixed permutation (benchmarks/core/workloads.py's rule).
 Tables are initialized uniform in [-0.05, 0.05] (fast to draw; the default truncated normal
 costs minutes at this size). Prints setup time, ex/s, the cache hit rate, rows read and written
 per step, the process's anonymous and file-backed resident memory, and disk traffic

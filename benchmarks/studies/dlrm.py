@@ -1,8 +1,8 @@
 """End-to-end DLRM-DCNv2 training steps: embcore against TorchRec, same dense model and batches.
 
-    .venv/bin/python benchmarks/dlrm.py                          # both systems, both sizes
-    .venv/bin/python benchmarks/dlrm.py --size small --repeats 3   # medians of 3 interleaved
-    .venv/bin/python benchmarks/dlrm.py --system embcore --size mlperf --json   # one run
+    .venv/bin/python benchmarks/studies/dlrm.py                         # both systems, both sizes
+    .venv/bin/python benchmarks/studies/dlrm.py --size small --repeats 3  # medians of 3 interleaved
+    .venv/bin/python benchmarks/studies/dlrm.py --system embcore --size mlperf --json  # one run
 
 The model is examples/criteo/model.py's DLRM-DCNv2 (bottom MLP, 26 tables, low-rank cross
 layers, top MLP, one logit) in both systems: the dense part is the same ``DenseArch`` module,
@@ -16,7 +16,8 @@ A step: forward, mean binary cross-entropy, backward (the tables update themselv
 ``torch.optim.Adagrad`` (lr 0.005, MLPerf's) on the dense part. Tables: exact Adagrad (lr 0.005,
 accumulators from 0) by default, ``--optimizer rowwise`` for row-wise Adagrad (MLPerf's choice).
 Rows per table: Criteo Kaggle's 26 cardinalities capped at ``--max-rows`` (memory: 2 systems x
-26 tables on a 24 GiB machine); ids follow Zipf(1.05) over each table (benchmarks/workloads.py).
+26 tables on a 24 GiB machine); ids follow Zipf(1.05) over each table
+(benchmarks/core/workloads.py).
 
 Sizes: ``mlperf`` is MLPerf's model (D 128, bottom 512-256-128, 3 cross layers of rank 512, top
 1024-1024-512-256, batch 4096: about 90 MFLOP an example, so the dense part dominates on a CPU);
@@ -44,9 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT), str(ROOT / "examples")]
+HERE = Path(__file__).resolve().parent  # benchmarks/studies
+ROOT = HERE.parents[1]                  # the repository
+sys.path[:0] = [str(HERE), str(ROOT / "benchmarks" / "core"), str(ROOT), str(ROOT / "examples")]
 from workloads import _permutation, zipf_ids  # noqa: E402
 
 KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,

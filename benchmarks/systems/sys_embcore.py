@@ -1,15 +1,20 @@
 """embcore's engine (``ec.Embedding``) on a standard workload: enqueue, dequeue, apply_gradients.
 
-    python benchmarks/sys_embcore.py --workload W1 [--optimizer rowwise] [--quick] --json
+    python benchmarks/systems/sys_embcore.py --workload W1 [--optimizer rowwise] [--quick] --json
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-import common
-import embcore as ec
-from workloads import Batch, Workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import Batch, Workload  # noqa: E402
+
+import embcore as ec  # noqa: E402
 
 
 class EmbcoreSystem:

@@ -1,8 +1,8 @@
 """Runs the standard workloads (benchmarks/README.md) for embcore and every peer, side by side, one
-fresh subprocess per system, and writes benchmarks/RESULTS.md.
+fresh subprocess per system (the scripts of benchmarks/systems/), and writes benchmarks/RESULTS.md.
 
-    .venv/bin/python benchmarks/run.py --quick          # a few minutes
-    .venv/bin/python benchmarks/run.py                  # full sizes (W2: 8 GiB per system)
+    .venv/bin/python benchmarks/core/run.py --quick          # a few minutes
+    .venv/bin/python benchmarks/core/run.py                  # full sizes (W2: 8 GiB per system)
 
 embcore and plain PyTorch run with this interpreter; FBGEMM, TorchRec and JAX with
 ``--peers-python`` (default .venv-peers/bin/python); a peer that cannot be imported shows as
@@ -23,13 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+HERE = Path(__file__).resolve().parent             # benchmarks/core
+ROOT = HERE.parents[1]                             # the repository
+SYSTEMS_DIR = ROOT / "benchmarks" / "systems"      # one script per system measured
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 sys.path.insert(0, str(HERE))
 import bound  # noqa: E402
 from workloads import WORKLOADS, get_workload, make_batches, unique_rows  # noqa: E402
 
-# (label, script, optimizer, which python)
+# (label, script in benchmarks/systems/, optimizer, which python)
 SYSTEMS = [
     ("embcore", "sys_embcore.py", "adagrad", "main"),
     ("plain PyTorch", "sys_plain.py", "adagrad", "main"),
@@ -44,7 +46,7 @@ SYSTEMS = [
 BUSY_PCT = 20  # other processes' CPU use above which a run is considered disturbed
 OPT_NAME = {"adagrad": "Adagrad", "rowwise": "row-wise Adagrad"}
 
-# Quoted from the issue (same harness on this machine), NOT re-measured here.
+# Quoted with the speed targets (the same harness on this machine), NOT re-measured here.
 QUOTED = {  # system: (W1 ex/s, W2 ex/s, W3-B16 ms/step, W3-B1024 ms/step)
     "FBGEMM TBE, exact Adagrad": ("76k", "12.2k", "0.25", "0.66"),
     "TorchRec, exact Adagrad": ("64k", "12.4k", "0.32", "0.95"),
@@ -102,7 +104,8 @@ def run_system(sysdef: tuple, workload: str, args: argparse.Namespace) -> dict:
     if py is None:
         return {"system": label, "optimizer": opt, "workload": workload,
                 "status": "not installed", "error": f"no peers python ({args.peers_python})"}
-    cmd = [py, str(HERE / script), "--workload", workload, "--optimizer", opt, "--json", *options]
+    cmd = [py, str(SYSTEMS_DIR / script), "--workload", workload, "--optimizer", opt, "--json",
+           *options]
     best: dict | None = None
     for attempt in range(1 + args.retries):  # re-run when other processes took the CPUs
         wait_idle(args.wait_idle)
@@ -151,9 +154,9 @@ def check(args: argparse.Namespace, workload: str = "W3-B16") -> list[str]:
                 label, script, _, kind = sysdef
                 py = python_for(kind, args)
                 path = f"{tmp}/{script}.{opt}.pt"
-                r = (run_json([py, str(HERE / script), "--workload", workload, "--optimizer", opt,
-                               "--json", "--check", path], args.timeout) if py else
-                     {"status": "not installed"})
+                r = (run_json([py, str(SYSTEMS_DIR / script), "--workload", workload,
+                               "--optimizer", opt, "--json", "--check", path], args.timeout)
+                     if py else {"status": "not installed"})
                 if r.get("status") != "checked":
                     lines.append(f"check {workload} {OPT_NAME[opt]:<16} {label:<14} "
                                  f"{r.get('status')}")
@@ -217,7 +220,7 @@ def machine() -> dict:
 def add_runner_options(p: argparse.ArgumentParser, timeout: int) -> None:
     """The options of a driver running systems in fresh processes (run.py, raw_ids.py)."""
     p.add_argument("--peers-python", default=str(ROOT / ".venv-peers/bin/python"))
-    p.add_argument("--out", default=str(HERE / "RESULTS.md"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--timeout", type=int, default=timeout, help="seconds per system run")
     p.add_argument("--wait-idle", type=float, default=0,
                    help="before each system, wait up to this many seconds for the CPUs to be "
@@ -240,7 +243,7 @@ def main() -> None:
                    help="append the top 10 ops (self CPU) of embcore's W1 steps to the output")
     args = p.parse_args()
     started = time.time()
-    command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/core/run.py " + " ".join(sys.argv[1:])
     mach = machine()
     load0 = os.getloadavg()
     print(f"machine: {mach}; load average {load0[0]:.2f}", flush=True)
@@ -273,9 +276,9 @@ def main() -> None:
     prof = ""
     if args.profile:
         wait_idle(args.wait_idle)
-        pr = subprocess.run([sys.executable, str(HERE / "sys_embcore.py"), "--workload", "W1",
-                             "--quick", "--json", "--profile"], capture_output=True, text=True,
-                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="2"))
+        pr = subprocess.run([sys.executable, str(SYSTEMS_DIR / "sys_embcore.py"), "--workload",
+                             "W1", "--quick", "--json", "--profile"], capture_output=True,
+                            text=True, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="2"))
         prof = "\n".join(ln for ln in pr.stderr.strip().splitlines()
                          if not ln.startswith("USDT"))
 
@@ -325,7 +328,7 @@ def write_results(args, command, mach, load0, bw, results, lines, checks, prof, 
         "Throughput = batch / (median over 3 repeats of the time per step); a step = lookup + "
         "backward with a fixed upstream gradient + the sparse optimizer update. `vs best peer` = "
         "throughput / the fastest non-embcore system with the same optimizer; `vs plain` = "
-        "throughput / plain PyTorch (exact Adagrad). `% of bound`: see benchmarks/bound.py. "
+        "throughput / plain PyTorch (exact Adagrad). `% of bound`: see benchmarks/core/bound.py. "
         "Page faults/step: minor faults per timed step (fresh pages for large per-step "
         "temporaries, see ops/workspace.py). Peak RSS is the whole subprocess (batches included)."
         + (f" Each system ran {args.rounds} times; the table keeps its fastest undisturbed run."
@@ -341,7 +344,8 @@ def write_results(args, command, mach, load0, bw, results, lines, checks, prof, 
         "",
         "### Quoted, not re-measured",
         "",
-        "Peer numbers quoted by the issue (same harness on this machine); kept for reference only.",
+        "Peer numbers quoted with the speed targets (the same harness on this machine); kept "
+        "for reference only.",
         "",
         "| system | W1 ex/s | W2 ex/s | W3-B16 ms/step | W3-B1024 ms/step |",
         "|---|---|---|---|---|",
@@ -361,9 +365,10 @@ def save_section(path: Path, mode: str, text: str) -> None:
     mode -->`` / ``<!-- end mode -->`` markers), or appends it; everything else in the file (other
     modes' sections, hand-written ones such as the engineering log) is kept as it is."""
     old = path.read_text() if path.exists() else (
-        "# embcore benchmark results\n\nWritten by `benchmarks/run.py`, `raw_ids.py` and "
-        "`contention.py` (see benchmarks/README.md), one marked section per mode, the latest "
-        "run of each; hand-written sections between them are kept.\n")
+        "# embcore benchmark results\n\nWritten by `benchmarks/core/run.py`, "
+        "`benchmarks/studies/raw_ids.py` and `benchmarks/studies/contention.py` (see "
+        "benchmarks/README.md), one marked section per mode, the latest run of each; "
+        "hand-written sections between them are kept.\n")
     begin, end = f"<!-- begin {mode} -->", f"<!-- end {mode} -->"
     block = f"{begin}\n{text.strip(chr(10))}\n{end}"
     if begin in old and end in old:

@@ -2,17 +2,20 @@
 underneath) fed ``KeyedJaggedTensor``s, with ``torch.optim.Adagrad`` or
 ``torchrec.optim.RowWiseAdagrad`` (``--optimizer rowwise``). Runs in the peers' venv.
 
-    .venv-peers/bin/python benchmarks/sys_torchrec.py --workload W1 [--optimizer rowwise] --json
+    .venv-peers/bin/python benchmarks/systems/sys_torchrec.py \\
+        --workload W1 [--optimizer rowwise] --json
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
-import common
-from workloads import Batch, Workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import Batch, Workload  # noqa: E402
 
 try:
     import fbgemm_gpu

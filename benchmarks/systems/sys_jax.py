@@ -3,7 +3,7 @@ gradient, the exact Adagrad or row-wise Adagrad update of the touched rows), wit
 accumulators and a per-table workspace donated so that XLA updates them in place. Runs in the
 peers' venv (``jax``, ``jaxlib``).
 
-    .venv-peers/bin/python benchmarks/sys_jax.py --workload W1 [--optimizer rowwise] --json
+    .venv-peers/bin/python benchmarks/systems/sys_jax.py --workload W1 [--optimizer rowwise] --json
 
 Update rule, the same as embcore's: per table, the gradients of duplicate ids are summed first,
 then for every touched row ``a += g*g; w -= lr * g / sqrt(a)`` (exact Adagrad), or
@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import common
-from workloads import Batch, Workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # common, workloads
+import common  # noqa: E402
+from workloads import Batch, Workload  # noqa: E402
 
 try:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no GPU/TPU probing

@@ -1,8 +1,8 @@
 """GPU: embcore's Triton kernels, embcore's torch-ops path and plain PyTorch on one CUDA GPU.
 
-    .venv/bin/python benchmarks/gpu.py                    # W1, W2, DLRM; Adagrad
-    .venv/bin/python benchmarks/gpu.py --workloads W1 --optimizer adam --steps 50
-    .venv/bin/python benchmarks/gpu.py --smoke            # no GPU: tiny sizes on the CPU, the
+    .venv/bin/python benchmarks/studies/gpu.py            # W1, W2, DLRM; Adagrad
+    .venv/bin/python benchmarks/studies/gpu.py --workloads W1 --optimizer adam --steps 50
+    .venv/bin/python benchmarks/studies/gpu.py --smoke    # no GPU: tiny sizes on the CPU, the
                                                           # Triton path in its interpreter (a
                                                           # check that the script runs, no timing)
 
@@ -46,7 +46,7 @@ if "--smoke" in sys.argv:  # the interpreter must be chosen before triton is fir
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import embcore as ec  # noqa: E402
 from embcore.ops import gpu  # noqa: E402
 
@@ -260,8 +260,8 @@ def main() -> int:
             gpu.force_on_cpu(True)
     else:
         if not torch.cuda.is_available():
-            print("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False on this "
-                  "machine); --smoke runs tiny sizes on the CPU to check the script",
+            print("benchmarks/studies/gpu.py needs a CUDA GPU (torch.cuda.is_available() is "
+                  "False on this machine); --smoke runs tiny sizes on the CPU to check the script",
                   file=sys.stderr)
             return 2
         if "embcore-triton" in args.systems and not gpu.available():

@@ -3,8 +3,8 @@
 with embcore's ``initial_values`` (the same function of the table's seed and the id); their id ->
 row maps and their rows must agree.
 
-    .venv/bin/python benchmarks/check_raw.py [--capacity 100000] [--mapping dict|lru]
-                                             [--tables 3] [--steps 3]
+    .venv/bin/python benchmarks/systems/check_raw.py [--capacity 100000] [--mapping dict|lru]
+                                                     [--tables 3] [--steps 3]
 
 Why they can agree: both give new ids (ascending) the lowest free rows first. With eviction, the
 OrderedDict LRU (``--mapping lru``) evicts in embcore's order too when its ``exact_lru_order`` is
@@ -22,7 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "core")]  # the sys_raw_* scripts; common, workloads
 ARGV = sys.argv[1:]  # before the sys_raw_* imports take their options out of sys.argv
 import common  # noqa: E402
 import sys_raw_embcore  # noqa: E402

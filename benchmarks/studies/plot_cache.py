@@ -1,8 +1,9 @@
 """The cache curve as a picture: hit rate and throughput against cache size, from cache.py's JSON.
 
-    python benchmarks/cache.py --json > w1.txt
-    python benchmarks/cache.py --workload W2 --quick --json > w2.txt
-    python benchmarks/plot_cache.py W1=w1.txt W2-quick=w2.txt --out benchmarks/cache_curve.png
+    python benchmarks/studies/cache.py --json > w1.txt
+    python benchmarks/studies/cache.py --workload W2 --quick --json > w2.txt
+    python benchmarks/studies/plot_cache.py W1=w1.txt W2-quick=w2.txt \\
+        --out benchmarks/studies/cache_curve.png
 
 Each argument is ``LABEL=FILE``, FILE the output of ``cache.py --json`` (its last line is the
 JSON list of runs). Left: the hit rate of each cached run against its cache size (share of the
@@ -32,7 +33,7 @@ def load(path: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="LABEL=FILE, FILE from cache.py --json")
-    ap.add_argument("--out", default="benchmarks/cache_curve.png")
+    ap.add_argument("--out", default="benchmarks/studies/cache_curve.png")
     args = ap.parse_args()
     import matplotlib
     matplotlib.use("Agg")
@@ -63,7 +64,7 @@ def main() -> None:
     ax_speed.set_ylim(0, 1.05)
     ax_hit.set_ylim(0, 102)
     ax_hit.legend(fontsize=8)
-    fig.suptitle("embcore: exact write-back cache over a slow tier (benchmarks/cache.py)")
+    fig.suptitle("embcore: exact write-back cache over a slow tier (benchmarks/studies/cache.py)")
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
     print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
-"""W1-raw (issue 11): W1 with every id replaced by a random 63-bit value, embcore's dynamic tables
+"""W1-raw: W1 with every id replaced by a random 63-bit value, embcore's dynamic tables
 against plain PyTorch with a Python dict and TorchRec's managed-collision EBC, side by side.
 
-    .venv/bin/python benchmarks/raw_ids.py --quick          # a smoke run
-    .venv/bin/python benchmarks/raw_ids.py --wait-idle 60   # the measurement
+    .venv/bin/python benchmarks/studies/raw_ids.py --quick          # a smoke run
+    .venv/bin/python benchmarks/studies/raw_ids.py --wait-idle 60   # the measurement
 
 Each system runs in a fresh subprocess (run.py's ``run_system``: retries when other processes
 took the CPUs), in stream mode (common.py): ``--fill`` untimed steps on new batches (default
@@ -25,14 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # run.py, workloads.py
 import run  # noqa: E402  (run_system, python_for, wait_idle, machine, git_state, save_section)
 from workloads import RAW_FILL, get_workload  # noqa: E402
 
 SECTION = "w1-raw"
 STATIC = "embcore static"
-TARGET_STATIC, TARGET_PEER = 0.7, 3.0  # issue 11: raw >= 0.7x static W1 and >= 3x the best peer
+TARGET_STATIC, TARGET_PEER = 0.7, 3.0  # the targets: raw >= 0.7x static W1, >= 3x the best peer
 
 
 def systems(capacities: list[int]) -> list[tuple]:
@@ -140,7 +139,7 @@ def main() -> None:
     run.add_runner_options(p, timeout=1800)
     args = p.parse_args()
     started = time.time()
-    command = "python benchmarks/raw_ids.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/studies/raw_ids.py " + " ".join(sys.argv[1:])
     # The subprocesses measure this checkout's embcore, not whatever the venv's install points at.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [str(run.ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
@@ -172,7 +171,7 @@ def write_results(args, command, mach, load0, results, lines, tgt, mem, elapsed)
     notes = sorted({r["note"] for r in results if r.get("note")})
     load1 = os.getloadavg()
     md = [
-        "## W1-raw (issue 11): raw 63-bit ids",
+        "## W1-raw: raw 63-bit ids",
         "",
         f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"- command: `{command}` ({elapsed / 60:.1f} min)",

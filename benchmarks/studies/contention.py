@@ -1,8 +1,8 @@
-"""Every system side by side on a quiet machine and beside a neighbour process (issue 15).
+"""Every system side by side on a quiet machine and beside a neighbour process.
 
-    .venv/bin/python benchmarks/contention.py --quick --workloads W1 W2
+    .venv/bin/python benchmarks/studies/contention.py --quick --workloads W1 W2
 
-For each workload and system (benchmarks/run.py's list, each in a fresh process, 2 threads) it
+For each workload and system (run.py's list, each in a fresh process, 2 threads) it
 runs three conditions back to back, so that drift of this shared machine touches all three alike:
 
 - quiet: nothing else started;
@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent  # neighbour.py
+sys.path.insert(0, str(HERE.parent / "core"))  # run.py
 import run  # noqa: E402
 
 CONDITIONS = ("quiet", "busy", "loader")
@@ -114,7 +114,7 @@ def main() -> None:
     args.retries = 0  # a neighbour is the point here: never re-run a disturbed system
     args.wait_idle = 0
     started = time.time()
-    command = "python benchmarks/contention.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/studies/contention.py " + " ".join(sys.argv[1:])
     mach = run.machine()
     results = []
     for w in args.workloads:

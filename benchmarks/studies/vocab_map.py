@@ -1,6 +1,6 @@
 """Timings of the vocabulary maps (embcore/ops/vocab.py): ``find`` and ``train_step``.
 
-    python benchmarks/vocab_map.py [--threads N] [--repeats 7] [--device cpu] [--map native]
+    python benchmarks/studies/vocab_map.py [--threads N] [--repeats 7] [--device cpu] [--map native]
 
 ``--map native`` (the CPU default of the engine: a hash index stepped by the fused kernels) or
 ``torch`` (``VocabMap``: sorted ids and torch ops, the path of other devices).

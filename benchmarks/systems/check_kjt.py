@@ -1,7 +1,7 @@
 """embcore with TorchRec's real KeyedJaggedTensor (torchrec is not an embcore dependency: this runs
 in the peers' environment, with embcore from the checkout on the path):
 
-    PYTHONPATH=. .venv-peers/bin/python benchmarks/check_kjt.py
+    PYTHONPATH=. .venv-peers/bin/python benchmarks/systems/check_kjt.py
 
 A KJT of two keys (with and without weights) is looked up, trained and served through embcore and
 compared with the same batch given as jagged tensors; prints one line and exits 1 on a mismatch.
