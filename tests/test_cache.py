@@ -210,7 +210,7 @@ def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
         if budget is None:  # (dynamic tables' maps and the caches' indexes stay in fast memory)
             plan = layer.engine.plan
             maps = plan.bytes_per_rank(fast=True)[0] - plan.bytes_per_rank()[0]
-            index = sum(p.local_rows[0] for p in plan.physical) * WHERE_BYTES_PER_ROW
+            index = sum(p.row_counts[0] for p in plan.physical) * WHERE_BYTES_PER_ROW
             least = sum(plan.physical[t.physical].bytes_per_row + INDEX_BYTES_PER_ROW
                         for t in plan.tables)  # a cache row of each table
             rows = plan.bytes_per_rank()[0]
@@ -264,7 +264,7 @@ def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
 
 def _evictions_every_step(opt):
     fc, _ = config(opt, {})
-    if OPTIMIZERS[opt]().dense_update:  # every row moves every step: it stays in fast memory
+    if OPTIMIZERS[opt]().updates_every_row:  # every row moves every step: it stays in fast memory
         with pytest.raises(ValueError, match="below what must stay in fast memory"):
             ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1500)
         return

@@ -1,4 +1,4 @@
-"""The dense path (dense.py) against the general path: bit-identical activations, tables and slots
+"""The fast path (step/fast.py) against the general path: bit-identical activations, tables and slots
 over several steps, for every optimizer (those without a fused kernel decline at the update),
 tables in memory or offloaded behind caches,
 every verb that takes it (enqueue / dequeue / apply_gradients, the layer's training step,
@@ -13,24 +13,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import any_optimizer
-from switches import dense_path
+from switches import fast_path
 
 import embcore as ec
 from embcore.ops import native
 from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from embcore.step import fast as dense
+from embcore.step import fast
+from embcore.step.fast import FastPath
 
 requires_native = pytest.mark.skipif(not native.available(),
                                      reason=f"fused kernels unavailable: {native.error()}")
 
 
 def engine(tables, features, optimizer, enabled, **kw):
-    """The same engine (same seed) with the dense path on or off."""
+    """The same engine (same seed) with the fast path on or off."""
     torch.manual_seed(0)
-    with dense_path(enabled):
+    with fast_path(enabled):
         emb = ec.Embedding(features(tables), optimizer, **kw)
         emb.build()
-    assert (emb._dense is not None) == enabled
+    assert isinstance(emb._path, FastPath) == enabled
     return emb
 
 
@@ -101,7 +102,7 @@ def state(emb):
 @requires_native
 @settings(max_examples=60, deadline=None)
 @given(setups())
-def test_the_dense_path_equals_the_general_path(setup):
+def test_the_fast_path_equals_the_general_path(setup):
     tables, readers, shapes, opt, steps, budget = setup
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (caches that grow warn)
@@ -131,12 +132,12 @@ def test_the_dense_path_equals_the_general_path(setup):
 @requires_native
 @settings(max_examples=25, deadline=None)
 @given(setups())
-def test_the_layer_on_the_dense_path_equals_the_general_path(setup):
+def test_the_layer_on_the_fast_path_equals_the_general_path(setup):
     tables, readers, shapes, opt, _, _ = setup
     layers = []
     for on in (True, False):
         torch.manual_seed(0)
-        with dense_path(on):
+        with fast_path(on):
             layers.append(ec.EmbeddingLayer(features_of(readers)(tables), opt))
     for step in range(3):
         batch = batch_of(tables, readers, shapes, step, "dense")
@@ -161,12 +162,12 @@ def two_features(optimizer=None):
 
 
 @requires_native
-def test_dense_batches_take_the_dense_path_and_others_do_not():
+def test_dense_batches_take_the_fast_path_and_others_do_not():
     emb = two_features()
-    assert emb._dense is not None
+    assert isinstance(emb._path, FastPath)
     calls = []
-    real = emb._dense.lookup
-    emb._dense.lookup = lambda p: calls.append(p) or real(p)
+    real = emb._path.lookup
+    emb._path.lookup = lambda p: calls.append(p) or real(p)
     emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([[4], [0], [4]])})
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 1
@@ -178,7 +179,7 @@ def test_dense_batches_take_the_dense_path_and_others_do_not():
                  "b": torch.tensor([4, 0, 4])})
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 1
-    x = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # a column: the dense path, in place
+    x = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # a column: the fast path, in place
     emb.enqueue({"a": x, "b": torch.tensor([4, 0, 4])})
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 2
@@ -218,20 +219,20 @@ def test_shapes_are_fixed_and_checked_as_on_the_general_path():
         4, 4)  # lookup: any batch shape
 
 
-def test_engines_the_dense_path_cannot_take_have_none():
+def test_engines_the_fast_path_cannot_take_have_none():
     t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
     seq = ec.Embedding({"a": ec.FeatureConfig(table=t, max_sequence_length=2)}, ec.SGD())
     seq.build()
-    assert seq._dense is None
+    assert not isinstance(seq._path, FastPath)
     shaped = ec.Embedding({"a": ec.FeatureConfig(table=t, output_shape=[2, 2])}, ec.SGD())
     shaped.build()
-    assert shaped._dense is None
+    assert not isinstance(shaped._path, FastPath)
     half = ec.Embedding({"a": ec.FeatureConfig(table=ec.TableConfig(
         vocabulary_size=10, dim=4, dtype=torch.float64))}, ec.SGD())
     half.build()
-    assert half._dense is None
-    with dense_path(False):
+    assert not isinstance(half._path, FastPath)
+    with fast_path(False):
         off = ec.Embedding({"a": ec.FeatureConfig(table=t)}, ec.SGD())
         off.build()
-    assert off._dense is None
-    assert dense.set_enabled(True) is True
+    assert not isinstance(off._path, FastPath)
+    assert fast.set_enabled(True) is True

@@ -352,7 +352,7 @@ def _sharded_body(rank, world, init, strategy):
     ids, rows = emb.vocabulary(t)
     if strategy == "hash":
         assert bool((owner(ids, world) == rank).all())
-        assert rows.numel() == 0 or int(rows.max()) < emb.plan.physical[0].local_rows[rank]
+        assert rows.numel() == 0 or int(rows.max()) < emb.plan.physical[0].row_counts[rank]
     everyone = torch.unique(torch.cat(emb.comm.all_to_all([ids] * world)))
     assert torch.equal(everyone, want_ids)
     whole = emb.embedding_tables[t]  # a collective

@@ -80,7 +80,7 @@ def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, so
     with kernels(False):
         update(new_table, new_slots, rows, grad, opt, lr, step)
     touched = rows
-    if opt.dense_update:  # every row moves; untouched ones with a zero gradient
+    if opt.updates_every_row:  # every row moves; untouched ones with a zero gradient
         full = torch.zeros(n, d, dtype=torch.float64)
         full[rows] = row_grads
         touched, row_grads = torch.arange(n), full

@@ -320,9 +320,9 @@ def test_defaults_are_tf_defaults() -> None:
 
 
 def test_dense_update_only_for_non_lazy_adam() -> None:
-    assert Adam(lazy_adam=False).dense_update
-    assert not Adam().dense_update
-    assert not any(cls().dense_update for cls in (SGD, Adagrad, RowwiseAdagrad,
+    assert Adam(lazy_adam=False).updates_every_row
+    assert not Adam().updates_every_row
+    assert not any(cls().updates_every_row for cls in (SGD, Adagrad, RowwiseAdagrad,
                                                   AdagradMomentum, FTRL))
 
 
@@ -482,7 +482,7 @@ def test_resolve_torch_classes() -> None:
     assert isinstance(adam, Adam) and callable(adam.learning_rate)
     assert (adam.beta_1, adam.beta_2, adam.epsilon, adam.lazy_adam, adam.sum_inside_sqrt) == (
         0.8, 0.99, 1e-6, False, False)
-    assert adam.dense_update
+    assert adam.updates_every_row
     assert adam.current_learning_rate() == pytest.approx(0.01 * math.sqrt(1 - 0.99) / (1 - 0.8))
     assert adam.current_learning_rate() == pytest.approx(
         0.01 * math.sqrt(1 - 0.99**2) / (1 - 0.8**2))

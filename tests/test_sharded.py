@@ -176,14 +176,14 @@ def test_plan_prints_and_rejects_impossible_splits():
     with pytest.raises(ValueError, match="column split cannot hold"):
         make_plan([("narrow", t, ec.RowwiseAdagrad())], 2, "column")
     plan = make_plan([("narrow", t, ec.Adagrad())], 4, "row_div")
-    assert plan.table("narrow").local_rows == (25, 25, 25, 25)
+    assert plan.table("narrow").row_counts == (25, 25, 25, 25)
     assert "row_div" in str(plan) and "MB per rank" in str(plan)
     big = ec.TableConfig(vocabulary_size=100_000, dim=64, name="big")
     small = ec.TableConfig(vocabulary_size=10, dim=64, name="small")
     auto = make_plan([("big", big, ec.Adagrad()), ("small", small, ec.Adagrad())], 2, "auto")
     assert auto.table("small").strategy == "replicated"
     assert auto.table("big").strategy == "row_mod"
-    assert make_plan([("big", big, ec.Adagrad())], 3, "row_div").table("big").local_rows == (
+    assert make_plan([("big", big, ec.Adagrad())], 3, "row_div").table("big").row_counts == (
         33334, 33333, 33333)
 
 

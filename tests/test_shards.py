@@ -49,7 +49,7 @@ def native(place, phys, w: torch.Tensor, rank: int, world: int,
            reverse: bool = False) -> torch.Tensor:
     """What ``rank`` holds of the whole ``w`` in the plan's layout (written out directly)."""
     c0, c1 = phys.columns[rank] if w.shape[1] == place.dim else (0, w.shape[1])
-    rows = place.rank_rows(rank)
+    rows = place.held_rows(rank)
     return w[rows.flip(0) if reverse else rows][:, c0:c1]
 
 

@@ -51,6 +51,14 @@ class Communicator(Protocol):
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
 
+def shared_seed(comm: Communicator, device: torch.device) -> int:
+    """One draw from torch's global RNG, rank 0's on every process (a collective when W > 1):
+    ``torch.manual_seed`` before an engine's construction fixes its tables, whatever the world
+    size and plan."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    return int(comm.all_gather(seed.to(device))[0].item())
+
+
 class LocalCommunicator:
     """World size 1: every collective is the identity."""
 

@@ -175,7 +175,7 @@ class Optimizer:
         return ()
 
     @property
-    def dense_update(self) -> bool:
+    def updates_every_row(self) -> bool:
         """True when every row must be updated every step (with g = 0 where untouched)."""
         return False
 
@@ -533,7 +533,7 @@ class Adam(Optimizer):
         beta_1, beta_2: in [0, 1), the moments' decays.
         epsilon: > 0, see the update.
         lazy_adam: True updates the touched rows only; False decays the moments and moves every
-            row every step as with g = 0 (``dense_update``), like dense Adam.
+            row every step as with g = 0 (``updates_every_row``), like TF's non-lazy Adam.
         sum_inside_sqrt: where epsilon enters, see the update.
 
     Update (slots ``momenta`` = 0, ``velocities`` = 0)::
@@ -576,7 +576,7 @@ class Adam(Optimizer):
         return SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0)
 
     @property
-    def dense_update(self) -> bool:
+    def updates_every_row(self) -> bool:
         return not self.lazy_adam
 
     def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:

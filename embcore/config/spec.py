@@ -17,9 +17,9 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from ..base.nest import leaves_with_paths
 from .budget import parse_budget
 from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
 from .tables import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
+
+T = TypeVar("T")
 
 FORMAT = "embcore-spec-1"
 OPTIMIZERS = {c.__name__: c for c in (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)}
@@ -132,6 +134,19 @@ class EmbeddingSpec:
             raise ValueError(f"{path}: the checkpoint holds no spec "
                              f"({manifest.get('spec_error', 'saved before specs existed')})")
         return cls.from_dict(spec)
+
+    @classmethod
+    def manifest_entry(cls, feature_config: Any, optimizer: Optimizer | None, sharding: Any,
+                       memory_budget: Any, pipeline_execution: bool) -> dict[str, Any]:
+        """What a checkpoint's manifest says of the engine built from these arguments:
+        ``{"spec": its spec as data}``, or ``{"spec": None, "spec_error": why}`` when a callable
+        in it is not data (``from_checkpoint`` reads it)."""
+        try:
+            spec = cls(feature_config, optimizer, sharding=sharding, memory_budget=memory_budget,
+                       pipeline_execution=pipeline_execution)
+            return {"spec": spec.to_dict()}
+        except (ValueError, TypeError) as e:
+            return {"spec": None, "spec_error": str(e)}
 
 
 # -------------------------------------------------------------------------------- tables
@@ -240,3 +255,18 @@ def _structure_from(x: Any, tables: Mapping[str, TableConfig]) -> Any:
     if isinstance(x, list):
         return [_structure_from(v, tables) for v in x]
     raise TypeError(f"unexpected {type(x).__name__} in the spec's features")
+
+
+def from_spec(cls: Callable[..., T], spec: EmbeddingSpec, **kwargs: Any) -> T:
+    """The engine or layer (``cls``: ``ec.Embedding.from_spec``, ``ec.EmbeddingLayer.from_spec``)
+    that ``spec`` describes; ``kwargs``: the arguments a spec does not hold (``process_group``,
+    ``device``, ``timeout``, ``offload_dir``, ``profile``).
+
+    Raises:
+        TypeError: ``spec`` is not an ``ec.EmbeddingSpec``.
+    """
+    if not isinstance(spec, EmbeddingSpec):
+        raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
+    return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,
+               memory_budget=spec.memory_budget, pipeline_execution=spec.pipeline_execution,
+               **kwargs)

@@ -4,11 +4,13 @@
 every features / weights / activations / gradients structure mirrors), the flat list of
 FeatureConfigs with their resolved names, the tables they read and each feature's fixed activation
 shape (docs/semantics.md section 1). ``bags`` turns a user's batch into one ``Bags`` per feature
-(inputs.py), validated as a whole before anything changes.
+(canonical.py), validated as a whole before anything changes; ``Shapes`` says how a batch's shapes
+meet the fixed ones.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +27,15 @@ from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.bags import Bags
 from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
+
+
+class Shapes(enum.Enum):
+    """How a batch's activation shapes meet the shapes fixed so far (``output_shape``,
+    ``build``, or an earlier batch)."""
+
+    FIX = "fix"      # must equal the fixed shape; a feature with none is fixed by the batch
+    CHECK = "check"  # must equal the fixed shape; fixes nothing (the layer: batch sizes vary)
+    ANY = "any"      # any shape (``lookup``: only ``output_shape`` applies)
 
 
 def is_feature(x: Any) -> bool:
@@ -97,9 +108,25 @@ class Features:
     def lookups_per_table(self) -> dict[str, int]:
         return {n: self.tables.count(n) for n in self.table_names.values()}
 
-    def untrained_tables(self) -> list[str]:
-        """The tables without an optimizer (fixed at construction; checked every enqueue)."""
-        return list(self._untrained)
+    def check_trainable(self, hint: str = "") -> None:
+        """Raises ValueError naming the tables without an optimizer (fixed at construction),
+        which a training batch cannot update; ``hint`` ends the message (another way out)."""
+        if self._untrained:
+            raise ValueError(f"tables {list(self._untrained)} have no optimizer, so they cannot "
+                             f"be trained; pass optimizer= to Embedding (or to their "
+                             f"TableConfig){hint}")
+
+    def table_name(self, table: TableConfig | str) -> str:
+        """The name of one of these features' tables, given as its config or its name.
+
+        Raises:
+            ValueError: a table no feature reads.
+        """
+        name = self.table_names.get(table) if isinstance(table, TableConfig) else table
+        if name not in self.table_names.values():
+            raise ValueError(f"{table!r} is not a table of this engine; its tables are "
+                             f"{sorted(self.table_names.values())}")
+        return name
 
     def fix_shapes(self, per_replica_input_shapes: Any = None,
                    per_replica_batch_size: int | None = None) -> None:
@@ -164,19 +191,20 @@ class Features:
         return out, tables
 
     def bags(self, features: Any, weights: Any, device: torch.device,
-             learn: bool = True) -> list[Bags | None]:
-        """One ``Bags`` per feature of a training batch, its shapes checked against those fixed
-        so far (``learn``: the batch fixes the shapes of features that had none). Nothing
-        changes unless the whole batch is valid.
+             shapes: Shapes) -> list[Bags | None]:
+        """One ``Bags`` per feature of a batch, its shapes as ``shapes`` says (``Shapes.ANY``:
+        ``serving_bags`` of these features). Nothing changes unless the whole batch is valid.
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
         """
+        if shapes is Shapes.ANY:
+            return self.serving_bags(self.template, features, weights, device)[0]
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
         out: list[Bags | None] = [_bags(self.configs[i], self.names[i], self.tables[i], ids, w,
                                         device, self.shapes[i], self.declared[i])
                                   for i, ids, w in zip(self._all, flat_ids, flat_w)]
-        if learn:
+        if shapes is Shapes.FIX:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and not self.configs[i].output_shape:
                     self.shapes[i], self.declared[i] = b.shape, None
@@ -200,6 +228,11 @@ class Features:
         if self._keys is not None:
             return dict(zip(self._keys, flat))
         return unflatten_like(self.template, flat, is_feature)
+
+    def flatten(self, value: Any, what: str) -> list[Any]:
+        """``value``'s leaves in flatten order (``what`` names it in errors)."""
+        flat = self.flat_dict(value)
+        return flat if flat is not None else flatten_like(self.template, value, is_feature, what)
 
     def flat_dict(self, value: Any) -> list[Any] | None:
         """``value``'s leaves in flatten order when the template is a flat dict and ``value`` a

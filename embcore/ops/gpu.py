@@ -167,7 +167,7 @@ def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
     if t is AdagradMomentum:
         return (k.MOMENTUM, (opt.momentum, opt.beta2, opt.epsilon, -1.0 / opt.exponent),
                 bool(opt.use_nesterov), opt.beta2 == 1)
-    if t is Adam and not opt.dense_update:
+    if t is Adam and not opt.updates_every_row:
         return (k.ADAM, (opt.beta_1, 1 - opt.beta_1, opt.beta_2, 1 - opt.beta_2, opt.epsilon),
                 bool(opt.sum_inside_sqrt), False)
     if t is FTRL:

@@ -77,7 +77,7 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if gradient_multiplier is None and in_place_supported(optimizer, table):
         apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
         return
-    if optimizer.dense_update:  # every row moves, untouched ones with g = 0
+    if optimizer.updates_every_row:  # every row moves, untouched ones with g = 0
         full = torch.zeros(table.shape, dtype=summed.dtype, device=summed.device)  # (N, D)
         full[rows] = summed
         rows, summed = torch.arange(table.shape[0], device=table.device), full

@@ -4,7 +4,7 @@ One small class per sharding strategy (docs/semantics.md section 5). Everything 
 strategy is a method here, so the plan, the routing of ids, the exchange and the checkpoint layout
 ask the placement instead of testing strategy names:
 
-- ``local_rows(rank)``: the table's row ids held by ``rank``, in the order of its shard;
+- ``held_rows(rank)``: the table's row ids held by ``rank``, in the order of its shard;
 - ``columns(rank)``: the column range ``[c0, c1)`` held by ``rank``;
 - ``owner_of(rows)``: the rank holding each row and its index in that rank's rows of the table;
 - ``held_everywhere`` / ``splits_columns``: whether a lookup needs no exchange (every process
@@ -50,7 +50,7 @@ class Placement:
     def check(cls, table: str, dim: int, optimizer: Any, world: int) -> None:
         """Raises ValueError when the strategy cannot hold this table (at plan time)."""
 
-    def local_rows(self, rank: int) -> torch.Tensor:
+    def held_rows(self, rank: int) -> torch.Tensor:
         """(n_r,) int64 row ids held by ``rank``, in local order."""
         return torch.arange(self.rows)
 
@@ -58,7 +58,7 @@ class Placement:
         return 0, self.dim
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For row ids ``rows``: (owner rank, index among the owner's ``local_rows``)."""
+        """For row ids ``rows``: (owner rank, index among the owner's ``held_rows``)."""
         return torch.zeros_like(rows), rows
 
     def owner_of_ids(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ class WholeTable(Placement):
     strategy = "table"
     replicated = False
 
-    def local_rows(self, rank: int) -> torch.Tensor:
+    def held_rows(self, rank: int) -> torch.Tensor:
         return torch.arange(self.rows if rank == self.owner else 0)
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +93,7 @@ class RowDiv(Placement):
 
     raw_ids = False
 
-    def local_rows(self, rank: int) -> torch.Tensor:
+    def held_rows(self, rank: int) -> torch.Tensor:
         sizes = split_sizes(self.rows, self.world)
         start = sum(sizes[:rank])
         return torch.arange(start, start + sizes[rank])
@@ -115,7 +115,7 @@ class RowMod(Placement):
     replicated = False
     raw_ids = False
 
-    def local_rows(self, rank: int) -> torch.Tensor:
+    def held_rows(self, rank: int) -> torch.Tensor:
         return torch.arange(rank, max(rank, self.rows), self.world)  # empty when rank >= rows
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +155,8 @@ class Hashed(Placement):
 
     row_ids = False
 
-    def local_rows(self, rank: int) -> torch.Tensor:
-        return RowDiv.local_rows(self, rank)
+    def held_rows(self, rank: int) -> torch.Tensor:
+        return RowDiv.held_rows(self, rank)
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return RowDiv.owner_of(self, rows)

@@ -42,7 +42,7 @@ AUTO_REPLICATE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
-class TablePlacement:
+class LogicalTable:
     """One logical table inside the plan."""
 
     name: str
@@ -52,22 +52,22 @@ class TablePlacement:
     rows: int            # N
     dim: int             # D
     slot_names: tuple[str, ...]
-    layout: Placement    # how its rows and columns are spread over the processes
-    local_rows: tuple[int, ...] = ()     # rows of this table held by each rank
+    placement: Placement  # how its rows and columns are spread over the processes
+    row_counts: tuple[int, ...] = ()     # how many rows of this table each rank holds
     local_offsets: tuple[int, ...] = ()  # where they start in each rank's physical shard
 
     @property
     def owner(self) -> int:
         """The owner process of a ``"table"`` table (0 for the other strategies)."""
-        return getattr(self.layout, "owner", 0)
+        return getattr(self.placement, "owner", 0)
 
-    def rank_rows(self, rank: int) -> torch.Tensor:
+    def held_rows(self, rank: int) -> torch.Tensor:
         """Row ids (0..N-1) of this table held by ``rank``, in local order."""
-        return self.layout.local_rows(rank)
+        return self.placement.held_rows(rank)
 
     def owner_and_local(self, rel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For row ids ``rel`` (0..N-1): their owner rank and their row in its physical shard."""
-        owner, local = self.layout.owner_of(rel)
+        owner, local = self.placement.owner_of(rel)
         offsets = torch.tensor(self.local_offsets, dtype=rel.dtype, device=rel.device)
         return owner, local + offsets[owner]
 
@@ -83,8 +83,8 @@ class PhysicalTable:
     dtype: torch.dtype
     strategy: str
     optimizer: Optimizer | None
-    layout: Placement    # its first member's placement (all members share the strategy)
-    local_rows: tuple[int, ...] = ()   # rows of the shard on each rank
+    placement: Placement  # its first member's (all members share the strategy)
+    row_counts: tuple[int, ...] = ()   # how many rows the shard has on each rank
     columns: tuple[tuple[int, int], ...] = ()  # column range held by each rank
     dynamic: bool = False  # a dynamic table's (raw ids mapped to rows by each owner)
     cache_rows: tuple[int, ...] = ()  # offloaded (memory_budget): cache rows on each rank
@@ -106,10 +106,10 @@ class ShardingPlan:
     """Frozen placement of every table; ``print(plan)`` shows it."""
 
     world_size: int
-    tables: tuple[TablePlacement, ...]
+    tables: tuple[LogicalTable, ...]
     physical: tuple[PhysicalTable, ...]
 
-    def table(self, name: str) -> TablePlacement:
+    def table(self, name: str) -> LogicalTable:
         for t in self.tables:
             if t.name == name:
                 return t
@@ -120,7 +120,7 @@ class ShardingPlan:
         """JSON-able description (goes into checkpoint manifests)."""
         return [{"table": t.name, "strategy": t.strategy, "physical": t.physical,
                  "row_offset": t.row_offset, "rows": t.rows, "dim": t.dim, "owner": t.owner,
-                 "local_rows": list(t.local_rows)} for t in self.tables]
+                 "local_rows": list(t.row_counts)} for t in self.tables]
 
     def bytes_per_rank(self, fast: bool = False) -> list[int]:
         """Parameter + slot bytes each rank holds (``fast``: in fast memory: the offloaded
@@ -132,13 +132,13 @@ class ShardingPlan:
                 c0, c1 = p.columns[r]
                 frac = (c1 - c0) / p.dim if p.dim else 0.0
                 if fast and p.dynamic:
-                    out[r] += p.local_rows[r] * MAP_BYTES_PER_ROW
+                    out[r] += p.row_counts[r] * MAP_BYTES_PER_ROW
                 if fast and p.offloaded:
                     out[r] += (p.cache_rows[r] * (int(p.bytes_per_row * frac)
                                                   + INDEX_BYTES_PER_ROW)
-                               + p.local_rows[r] * WHERE_BYTES_PER_ROW)
+                               + p.row_counts[r] * WHERE_BYTES_PER_ROW)
                 else:
-                    out[r] += int(p.local_rows[r] * p.bytes_per_row * frac)
+                    out[r] += int(p.row_counts[r] * p.bytes_per_row * frac)
         return out
 
     def __str__(self) -> str:
@@ -153,8 +153,8 @@ class ShardingPlan:
             per_rank = []
             for r in range(w):
                 c0, c1 = p.columns[r]
-                mb = t.local_rows[r] * p.bytes_per_row * (c1 - c0) / max(p.dim, 1) / 2**20
-                per_rank.append(f"{t.local_rows[r]}/{mb:.2f}")
+                mb = t.row_counts[r] * p.bytes_per_row * (c1 - c0) / max(p.dim, 1) / 2**20
+                per_rank.append(f"{t.row_counts[r]}/{mb:.2f}")
             tier = "  [slow tier, cached]" if p.offloaded else ""
             lines.append(f"  {t.name:<20} {t.strategy:<10} {t.physical:>8} {t.rows:>10} "
                          f"{t.dim:>5}  {' '.join(per_rank)}{tier}")
@@ -166,7 +166,7 @@ class ShardingPlan:
                 for r in range(w):
                     c0, c1 = p.columns[r]
                     row = int(p.bytes_per_row * (c1 - c0) / max(p.dim, 1)) + INDEX_BYTES_PER_ROW
-                    mb = (p.cache_rows[r] * row + p.local_rows[r] * WHERE_BYTES_PER_ROW) / 2**20
+                    mb = (p.cache_rows[r] * row + p.row_counts[r] * WHERE_BYTES_PER_ROW) / 2**20
                     per_rank.append(f"{p.cache_rows[r]}/{mb:.2f}")
                 lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MB "
                              f"per rank: {' '.join(per_rank)}")
@@ -293,26 +293,25 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
                name if cfg.dynamic is not None else None,  # a dynamic table stands alone
                name in offloaded)  # tiers do not mix
         groups.setdefault(key, []).append((name, cfg, opt))
-    placements: dict[str, TablePlacement] = {}
+    placements: dict[str, LogicalTable] = {}
     physical: list[PhysicalTable] = []
     for members in groups.values():
         index, offset = len(physical), 0
         shard_rows = [0] * world_size
         strategy = strategies[members[0][0]]
-        layouts = []
+        first = placed[members[0][0]]  # (all members share the strategy)
         for name, cfg, opt in members:
             slots = tuple(s.name for s in opt.slots) if opt is not None else ()
-            layout = placed[name]
-            layouts.append(layout)
-            rows = tuple(len(layout.local_rows(r)) for r in range(world_size))
-            placements[name] = TablePlacement(name, strategy, index, offset, cfg.vocabulary_size,
-                                              cfg.dim, slots, layout, rows, tuple(shard_rows))
+            placement = placed[name]
+            rows = tuple(len(placement.held_rows(r)) for r in range(world_size))
+            placements[name] = LogicalTable(name, strategy, index, offset, cfg.vocabulary_size,
+                                            cfg.dim, slots, placement, rows, tuple(shard_rows))
             shard_rows = [a + b for a, b in zip(shard_rows, rows)]
             offset += cfg.vocabulary_size
         _, cfg0, opt0 = members[0]
-        columns = tuple(layouts[0].columns(r) for r in range(world_size))
+        columns = tuple(first.columns(r) for r in range(world_size))
         physical.append(PhysicalTable(index, tuple(n for n, _, _ in members), offset, cfg0.dim,
-                                      cfg0.dtype, strategy, opt0, layouts[0], tuple(shard_rows),
+                                      cfg0.dtype, strategy, opt0, first, tuple(shard_rows),
                                       columns, cfg0.dynamic is not None,
                                       tuple(sum(caches[n][r] for n, _, _ in members)
                                             for r in range(world_size))
@@ -320,10 +319,10 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     return ShardingPlan(world_size, tuple(placements[n] for n, _, _ in tables), tuple(physical))
 
 
-def _local_bytes(layout: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int,
+def _local_bytes(placement: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int,
                  rows: int) -> int:
     """Parameter + slot bytes of a table's ``rows`` rows on ``rank``."""
-    c0, c1 = layout.columns(rank)
+    c0, c1 = placement.columns(rank)
     return int(rows * _table_bytes(cfg, opt) / cfg.vocabulary_size * (c1 - c0) / cfg.dim)
 
 
@@ -339,7 +338,7 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     if budget is None:
         return {}
     cfg = {n: c for n, c, _ in tables}
-    local = {n: [len(placed[n].local_rows(r)) for r in range(world_size)] for n in cfg}
+    local = {n: [len(placed[n].held_rows(r)) for r in range(world_size)] for n in cfg}
     per_rank = {name: [_local_bytes(placed[name], c, opt, r, local[name][r])
                        for r in range(world_size)] for name, c, opt in tables}
     # a dynamic table's map stays in fast memory, wherever its rows are
@@ -349,7 +348,7 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
            for r in range(world_size)):
         return {}  # what fits changes nothing
     pinned = {name for name, cfg, opt in tables  # rules moving every row every step
-              if opt is not None and opt.dense_update}
+              if opt is not None and opt.updates_every_row}
 
     def fill(fixed: set[str], indexed: set[str] = set()) -> dict[str, list[int]]:
         """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first, as

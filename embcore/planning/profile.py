@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..inputs.features import Features, Shapes
+from .plan import ShardingPlan, make_plan
 from .tiers import Curve, profile_curve
 
 FORMAT = "embcore-profile-1"
@@ -77,11 +79,45 @@ class LookupProfile:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
     @classmethod
+    def of(cls, value: LookupProfile | str | os.PathLike | None) -> LookupProfile | None:
+        """``Embedding(profile=...)``: a profile, the path of a saved one, or None.
+
+        Raises:
+            TypeError: anything else. ValueError: a file that is not a profile.
+        """
+        if isinstance(value, (str, os.PathLike)):
+            return cls.load(value)
+        if value is not None and not isinstance(value, LookupProfile):
+            raise TypeError(f"profile must be an ec.profile(...) result, its path or None, got "
+                            f"{type(value).__name__}")
+        return value
+
+    def weigh(self, features: Features) -> tuple[dict[str, float], dict[str, Curve]]:
+        """The planner's inputs for ``features``' tables: lookups per batch (measured where
+        this profile has the table, else the number of features reading it) and the measured
+        curves."""
+        lookups: dict[str, float] = dict(features.lookups_per_table())
+        lookups.update({n: v for n, v in self.lookups().items() if n in lookups})
+        curves = {n: c for n, t, _ in features.table_specs()
+                  if (c := self.curve(n, t.vocabulary_size)) is not None}
+        return lookups, curves
+
+    @classmethod
     def load(cls, path: str | os.PathLike) -> LookupProfile:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not an embcore profile (not JSON: {e})") from None
+
+
+def plan_features(features: Features, world_size: int, sharding: Any, budget: int | None,
+                  profile: LookupProfile | None) -> ShardingPlan:
+    """The plan of an engine's tables (plan.py's ``make_plan``), its tables weighed by their
+    lookups per batch and curves: measured where ``profile`` has them, else the number of
+    features reading each table and the Zipf prior."""
+    lookups, curves = (profile.weigh(features) if profile is not None
+                       else (features.lookups_per_table(), {}))
+    return make_plan(features.table_specs(), world_size, sharding, lookups, budget, curves)
 
 
 def profile(batches: Iterable[Any], feature_config: Any,
@@ -100,7 +136,6 @@ def profile(batches: Iterable[Any], feature_config: Any,
     Raises:
         ValueError / TypeError: batches that ``enqueue`` would refuse, naming the feature.
     """
-    from ..inputs.features import Features  # (features.py imports the planner's modules)
 
     features = Features(feature_config, None)
     counts: dict[str, torch.Tensor] = {}  # per row (static), or per id seen (dynamic)
@@ -111,7 +146,7 @@ def profile(batches: Iterable[Any], feature_config: Any,
     for batch in batches:
         feats, weights = batch if isinstance(batch, tuple) and len(batch) == 2 and not \
             isinstance(batch[0], torch.Tensor) else (batch, None)
-        bags = features.bags(feats, weights, torch.device("cpu"), learn=False)
+        bags = features.bags(feats, weights, torch.device("cpu"), Shapes.CHECK)
         n_batches += 1
         for table, b in zip(features.tables, bags):
             if b is None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..ops import native
-from ..ops.cache_index import INDEX_BYTES_PER_ROW, MAX_CAPACITY, CacheIndex
+from ..ops.cache_index import MAX_CAPACITY, CacheIndex
 from ..ops.memory import advise_random, empty_table
 
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
@@ -109,6 +109,21 @@ class OffloadDir:
                                           dir=base))
         self.files: list[Path] = []
         self._finalizer = weakref.finalize(self, OffloadDir._remove, self.path, self.files)
+
+    @staticmethod
+    def check(offload_dir: object) -> None:
+        """Raises unless ``offload_dir`` is None or a path that is (or can become) a directory.
+
+        Raises:
+            TypeError: not a path. ValueError: an existing file.
+        """
+        if offload_dir is None:
+            return
+        if not isinstance(offload_dir, (str, os.PathLike)):
+            raise TypeError(f"offload_dir must be a path or None, got "
+                            f"{type(offload_dir).__name__}")
+        if os.path.exists(offload_dir) and not os.path.isdir(offload_dir):
+            raise ValueError(f"offload_dir={str(offload_dir)!r} exists and is not a directory")
 
     @staticmethod
     def _sweep(base: Path, host: str) -> None:

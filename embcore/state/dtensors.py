@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
-from ..planning.plan import PhysicalTable, TablePlacement
+from ..planning.plan import PhysicalTable, LogicalTable
 
 
-def _held(place: TablePlacement, phys: PhysicalTable, rank: int,
+def _held(place: LogicalTable, phys: PhysicalTable, rank: int,
           cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """What ``rank`` holds of a logical table's ``(N, cols)`` tensor: (the row ids 0..N-1, in
     its local order; the column range ``(c0, c1)``). The only facts about layouts used here.
@@ -36,8 +36,8 @@ def _held(place: TablePlacement, phys: PhysicalTable, rank: int,
     another width (a row-wise slot, one column per row) is held whole wherever its rows are
     (plans never split those by columns).
     """
-    rows = place.layout.local_rows(rank)
-    c0, c1 = place.layout.columns(rank)
+    rows = place.placement.held_rows(rank)
+    c0, c1 = place.placement.columns(rank)
     if cols != phys.dim:
         if (c0, c1) != (0, phys.dim):
             raise ValueError(f"table {place.name!r}: a tensor {cols} columns wide cannot follow "
@@ -77,7 +77,7 @@ def _chunk_of(rows: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor
     return torch.bucketize(rows, ends, right=True)  # empty chunks hold nothing
 
 
-def to_sharded(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor, cols: int,
+def to_sharded(place: LogicalTable, phys: PhysicalTable, local: torch.Tensor, cols: int,
                comm: Communicator) -> Any:
     """This rank's share of an ``(N, cols)`` table as DCP understands it (a copy): a ``DTensor``
     placed ``Shard(0)`` whose local tensor is this rank's ``torch.chunk`` block of full rows.
@@ -87,7 +87,7 @@ def to_sharded(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor, 
     world size 1, come back as plain tensors (DCP saves them once).
     """
     rank, world = comm.rank, comm.world_size
-    if place.layout.held_everywhere:
+    if place.placement.held_everywhere:
         return local.clone()
     dev = local.device
     chunks = _chunks(place.rows, world)
@@ -113,7 +113,7 @@ def to_sharded(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor, 
                                  shape=torch.Size([place.rows, cols]), stride=(cols, 1))
 
 
-def from_value(place: TablePlacement, phys: PhysicalTable, value: torch.Tensor,
+def from_value(place: LogicalTable, phys: PhysicalTable, value: torch.Tensor,
                comm: Communicator) -> torch.Tensor:
     """This rank's native-layout rows from a whole ``(N, C)`` tensor, or from a ``to_sharded``
     DTensor (e.g. filled by ``dcp.load``: then the inverse exchange of ``to_sharded``)."""
@@ -141,11 +141,11 @@ def from_value(place: TablePlacement, phys: PhysicalTable, value: torch.Tensor,
     return out
 
 
-def gather_whole(place: TablePlacement, phys: PhysicalTable, local: torch.Tensor,
+def gather_whole(place: LogicalTable, phys: PhysicalTable, local: torch.Tensor,
                  comm: Communicator) -> torch.Tensor:
     """The whole ``(N, C)`` logical table from every rank's native-layout rows (a collective)."""
     rank, world = comm.rank, comm.world_size
-    if place.layout.held_everywhere:
+    if place.placement.held_everywhere:
         return local
     _, (c0, c1) = _held(place, phys, rank, phys.dim)
     cols = phys.dim if local.shape[1] == c1 - c0 else local.shape[1]  # else a row-wise slot

@@ -47,7 +47,8 @@ from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
 from .dtensors import from_value, gather_whole, to_sharded
-from .vocabulary import ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows
+from .vocabulary import (ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows,
+                         whole_vocabulary)
 
 INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
 
@@ -80,7 +81,7 @@ class RowStore:
                          else None)
         for p in plan.physical:
             c0, c1 = p.columns[rank]
-            n_local = p.local_rows[rank]
+            n_local = p.row_counts[rank]
             if p.dynamic:  # rows get values at admission; one more row stays zero
                 name = p.tables[0]
                 self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
@@ -97,7 +98,7 @@ class RowStore:
                 w.zero_()
             for name in (p.tables if not p.dynamic else ()):
                 place = plan.table(name)
-                rows = place.rank_rows(rank)
+                rows = place.held_rows(rank)
                 start = place.local_offsets[rank]
                 if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
                     initial_rows(configs[name], name, seed, rows, out=w[start:start + len(rows)])
@@ -120,7 +121,7 @@ class RowStore:
         row comes after them. For a GPU: pinned host memory, an array each."""
         rank = self.comm.rank
         c0, c1 = p.columns[rank]
-        n_local = p.local_rows[rank] + (1 if p.dynamic else 0)
+        n_local = p.row_counts[rank] + (1 if p.dynamic else 0)
         assert self._offload is not None
         pin = device.type == "cuda"
         files = device.type == "cpu"
@@ -147,7 +148,7 @@ class RowStore:
                                     allocate=allocate) if opt is not None else {})
         for name in (p.tables if not p.dynamic else ()):
             place = self.plan.table(name)
-            rows = place.rank_rows(rank)
+            rows = place.held_rows(rank)
             start = place.local_offsets[rank]
             for i in range(0, len(rows), INIT_ROWS):
                 block = rows[i:i + INIT_ROWS]
@@ -298,7 +299,7 @@ class RowStore:
             return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
-        if dyn is not None and optimizer.dense_update:  # it moved every row, the zero row too
+        if dyn is not None and optimizer.updates_every_row:  # it moved every row, the zero row too
             self.tables[p][dyn.zero_row] = 0
 
     def to(self, device: torch.device) -> None:
@@ -336,7 +337,7 @@ class RowStore:
             full = self.tables[place.physical] if key == "parameters" else \
                 self.slots[place.physical][key]
         start = place.local_offsets[self.comm.rank]
-        return full[start:start + place.local_rows[self.comm.rank]]
+        return full[start:start + place.row_counts[self.comm.rank]]
 
     def whole(self, name: str, key: str = "parameters") -> torch.Tensor:
         """The whole ``(N, C)`` logical table: a view with one process, else a gathered copy (a
@@ -344,6 +345,25 @@ class RowStore:
         place = self.plan.table(name)
         return gather_whole(place, self.plan.physical[place.physical], self.local(name, key),
                             self.comm)
+
+    def vocabulary(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dynamic table's resident ids on this process and their rows in its shard
+        (``Embedding.vocabulary``).
+
+        Raises:
+            ValueError: the table is not dynamic.
+        """
+        dyn = self.dynamic.get(self.plan.table(name).physical)
+        if dyn is None:
+            raise ValueError(f"table {name!r} is not dynamic: its ids are its rows (give it "
+                             f"TableConfig(dynamic=ec.DynamicVocabulary()) for raw ids)")
+        return dyn.resident()
+
+    def whole_vocabulary(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dynamic table's resident ids on every process and their rows of the whole logical
+        table (a collective when sharded)."""
+        ids, rows = self.vocabulary(name)
+        return whole_vocabulary(ids, rows, self.plan.table(name).placement, self.comm)
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """``{"<table>/<parameters or slot>": (N, C)}`` of every logical table."""
@@ -443,7 +463,7 @@ class RowStore:
             step = int(torch.as_tensor(values[prefix + "step"]))
             seed = int(torch.as_tensor(values[prefix + "seed"])) if prefix + "seed" in values \
                 else None
-            vmap, moved = dyn.rehome(rows_state, floats, step, place.layout, self.comm)
+            vmap, moved = dyn.rehome(rows_state, floats, step, place.placement, self.comm)
             new.update({f"{place.name}/{k}": v for k, v in moved.items()})
             out[place.physical] = (vmap, seed)
         return out

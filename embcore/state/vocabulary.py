@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 import threading
 import warnings
-from typing import Any
 
 import torch
 
+from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
 from ..ops import hashing, native
 from ..ops.vocab import VocabMap, vocab_map
+from ..planning.placement import Placement
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -199,17 +200,18 @@ class DynamicRows:
         return torch.tensor(self.steps if key == "step" else self.seed, dtype=torch.int64)
 
     def rehome(self, rows_state: dict[str, torch.Tensor], floats: dict[str, torch.Tensor],
-               step: int, layout: Any, comm: Any) -> tuple[VocabMap, dict[str, torch.Tensor]]:
+               step: int, placement: Placement,
+               comm: Communicator) -> tuple[VocabMap, dict[str, torch.Tensor]]:
         """A loaded shard made this process's map (nothing of ``self`` changes).
 
         Args:
             rows_state: ``{"ids", "last_use", "frequency"}``, (n,) each, over the rows this
                 process holds of the checkpoint's logical table (last use 0: a free row).
             floats: ``{"parameters" or slot: (n, C)}`` over the same rows.
-            step: the checkpoint's map step. layout: the table's placement. comm: the
+            step: the checkpoint's map step. placement: the table's placement. comm: the
                 communicator.
 
-        Every resident id goes to the process owning it under ``layout`` (one all_to_all per
+        Every resident id goes to the process owning it under ``placement`` (one all_to_all per
         tensor when sharded). An id that stays keeps its row; the others take the lowest free
         rows in ascending id order. When more ids reach a process than it has rows, the
         lowest-scored are dropped (as eviction would) with a warning.
@@ -227,8 +229,8 @@ class DynamicRows:
         ints = torch.stack([ids, rows_state["last_use"][local_rows],
                             rows_state["frequency"][local_rows], local_rows], 1)  # (k, 4)
         vals = {k: v[local_rows] for k, v in floats.items()}
-        if not layout.held_everywhere:
-            dest = layout.owner_of_ids(ids)  # (k,)
+        if not placement.held_everywhere:
+            dest = placement.owner_of_ids(ids)  # (k,)
             order = torch.argsort(dest, stable=True)
             counts = torch.bincount(dest, minlength=comm.world_size).tolist()
             got = comm.all_to_all(list(ints[order].split(counts)))  # W x (k_s, 4)
@@ -280,3 +282,18 @@ class DynamicRows:
             self.map, self.steps = vmap, vmap.step
             if seed is not None:
                 self.seed = seed
+
+
+def whole_vocabulary(ids: torch.Tensor, rows: torch.Tensor, placement: Placement,
+                     comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every process's resident ids of a dynamic table and their rows of the whole logical
+    table, ids ascending (what serving needs), from this process's ``ids`` (R,) and ``rows``
+    (R,) of its shard: an all-to-all unless every process holds the whole table."""
+    if placement.held_everywhere:
+        return ids, rows
+    rows = placement.held_rows(comm.rank)[rows]  # (R,) rows of the logical table
+    w = comm.world_size
+    all_ids = torch.cat(comm.all_to_all([ids] * w))  # (sum R,)
+    all_rows = torch.cat(comm.all_to_all([rows.to(ids.device)] * w))  # (sum R,)
+    order = torch.argsort(all_ids)
+    return all_ids[order], all_rows[order]

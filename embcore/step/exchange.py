@@ -36,7 +36,7 @@ class Answered:
 
 # Per physical table of a batch, what this process answered (None when the table needed no
 # exchange and no map): the owner side of apply_gradients.
-Received = tuple[Answered | None, ...]
+Answers = tuple[Answered | None, ...]
 
 
 def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
@@ -62,7 +62,7 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
         return _fetch_dynamic(comm, p, store, tb, asked, training)
     answered, since = store.resolve(p.index, asked, training)
     answers = [store.gather(p.index, rows) for rows in answered]  # W x (n_s, D_r)
-    if p.layout.splits_columns:
+    if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
         back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
         return torch.cat(back, dim=1), answered, since
@@ -153,7 +153,7 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
         rows = touched.nonzero().squeeze(1)
         return rows, dense[rows]
     assert answered is not None, "fetch_rows recorded what each rank asked for"
-    if p.layout.splits_columns:
+    if p.placement.splits_columns:
         chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
         c0, c1 = p.columns[comm.rank]
         got = comm.all_to_all(chunks, [t.numel() for t in answered], c1 - c0)

@@ -1,41 +1,44 @@
-"""The dense path: one kernel call per verb and table for batches of dense one-id features.
+"""The fast path: one kernel call per verb and table for batches of dense one-id features.
 
 Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
 (``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 in this
 process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``),
-trained by an optimizer the fused kernels implement. The general verbs
-(preprocess.py, lookup.py, gradients.py) take every input kind, placement and optimizer; at small
-batches their Python costs more than the work itself (about 0.19 ms a step for two features of
-batch 16). ``DensePath`` takes those batches straight to the kernels:
+trained by an optimizer the fused kernels implement. The general path (path.py, over
+preprocess.py, lookup.py and gradients.py) takes every input kind, placement and optimizer; at
+small batches its Python costs more than the work itself (about 0.19 ms a step for two features
+of batch 16). ``FastPath`` takes those batches straight to the kernels:
 
 - ``prepare``: per physical table one ``native.concat_dedup``, which also checks the ids' range;
 - ``lookup``: per physical table one ``native.lookup`` into one buffer, viewed per feature;
-- ``gradients`` + ``update``: per physical table one ``native.sparse_update`` that reads the
-  activations' gradients where they are.
+- ``apply``: per physical table one ``native.sparse_update`` that reads the activations'
+  gradients where they are (multipliers and learning rates from gradients.py, before any write).
 
-``prepare`` builds the very ``Prepared`` preprocess.py would (``dense=True``), so the general
-lookup and apply accept it as well. Every method declines, having changed nothing, what it does
-not cover (it returns None): another input kind, dtype, device or layout, weights, a shape other
-than the fixed one, an id out of range, a gradient that is None or not exactly a float32 CPU
-tensor of its activation's shape, an optimizer without a fused kernel. The general path then takes
-that batch (and raises its errors). tests/test_dense.py holds both paths bit-identical.
+``prepare`` builds the very ``Prepared`` preprocess.py would, so the general path can take over
+any of its batches. Every verb hands to the general path, having changed nothing, what it does
+not cover: another input kind, dtype, device or layout, weights, a serving_config, a shape other
+than the fixed one, an id out of range (``prepare``: the batch is then the general path's); a
+table made differentiable or moved since (``lookup``); a gradient that is None or not exactly a
+float32 CPU tensor of its activation's shape, an optimizer without a fused kernel or one that
+skips non-finite gradients (``apply``). The general path then raises its errors.
+tests/test_fast.py holds both paths bit-identical.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..inputs.features import Features
+from ..inputs.features import Shapes
 from ..ops import native
 from ..ops.bags import Bags, Dedup
 from ..ops.update import _hyper, native_rule
-from ..planning.plan import ShardingPlan
-from ..state.store import RowStore
+from .exchange import Answers
+from .gradients import gradient_multipliers, learning_rates
+from .path import Activations, Batch, GeneralPath, StepPath
 from .preprocess import FeatureSlice, Prepared, TableBatch
 
 _HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
@@ -44,7 +47,7 @@ _enabled = True
 
 
 def set_enabled(enabled: bool) -> bool:
-    """Switches the dense path on or off for engines built from now on (tests compare it with
+    """Switches the fast path on or off for engines built from now on (tests compare it with
     the general path); returns the previous setting."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
@@ -78,19 +81,20 @@ class _Layout:
         self.dedup = native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 
-class DensePath:
-    """The dense path of one engine (see the module's docstring); ``of`` says whether it has one.
+class FastPath:
+    """The fast path of one engine, in front of its general path (see the module's docstring);
+    ``of`` gives it where the engine's configuration allows one, else the general path.
 
     Args:
-        features: the engine's features (their shapes fixed so far are read, and fixed by
-            ``prepare(..., learn=True)`` as the general path does).
-        plan, store: the engine's plan and rows, held whole in this process on the CPU.
+        general: the engine's general path (its features, plan and rows, held whole in this
+            process on the CPU), which takes what this path declines.
     """
 
-    def __init__(self, features: Features, plan: ShardingPlan, store: RowStore) -> None:
-        self.features = features
-        self.plan = plan
-        self.store = store
+    def __init__(self, general: GeneralPath) -> None:
+        self.general = general
+        self.features = features = general.features
+        self.plan = plan = general.plan
+        self.store = store = general.store
         by_table: dict[int, _Table] = {}
         for i, name in enumerate(features.tables):
             place = plan.table(name)
@@ -110,37 +114,64 @@ class DensePath:
         self.layouts: dict[tuple[tuple[int, ...], ...], list[_Layout]] = {}
 
     @staticmethod
-    def of(features: Features, plan: ShardingPlan, store: RowStore,
-           world_size: int) -> DensePath | None:
-        """The engine's dense path, or None when its configuration leaves none: more than one
-        process, not the CPU, no fused kernels, a sequence feature or one with
-        ``output_shape``, a dynamic table, a table that is not float32 (or
-        ``set_enabled(False)``). An offloaded table's rows are read and updated in its cache
-        (``RowStore.held``)."""
-        if (not _enabled or world_size != 1 or store.device.type != "cpu"
+    def of(general: GeneralPath) -> StepPath:
+        """The engine's path: a fast path in front of ``general``, or ``general`` alone when
+        the configuration leaves no batch to a fast path: more than one process, not the CPU,
+        no fused kernels, a sequence feature or one with ``output_shape``, a dynamic table, a
+        table that is not float32 (or ``set_enabled(False)``). An offloaded table's rows are
+        read and updated in its cache (``RowStore.held``)."""
+        store, plan = general.store, general.plan
+        if (not _enabled or general.comm.world_size != 1 or store.device.type != "cpu"
                 or not native.available()):
-            return None
-        for f in features.configs:
+            return general
+        for f in general.features.configs:
             if f.sequence_length or f.output_shape is not None or f.table.dynamic is not None:
-                return None
+                return general
         for p, phys in enumerate(plan.physical):
-            if p in store.dynamic or not phys.layout.held_everywhere:
-                return None
+            if p in store.dynamic or not phys.placement.held_everywhere:
+                return general
             t = store.tables[p]
             if t.dtype != torch.float32 or not t.is_contiguous():
-                return None
-        return DensePath(features, plan, store)
+                return general
+        return FastPath(general)
+
+    def prepare(self, features: Any, weights: Any, training: bool, shapes: Shapes,
+                template: Any = None) -> Batch:
+        prepared = (self._prepare(features, training, shapes)
+                    if weights is None and template is None else None)
+        if prepared is None:
+            return self.general.prepare(features, weights, training, shapes, template)
+        return Batch(self, prepared)
+
+    def staged(self, features: Any, weights: Any,
+               training: bool) -> Callable[[], tuple[Batch, Activations | None, Answers]]:
+        return self.general.staged(features, weights, training)  # (the worker's: one thread)
+
+    def lookup(self, prepared: Prepared) -> tuple[Activations, Answers]:
+        flat = self._lookup(prepared)
+        if flat is None:
+            return self.general.lookup(prepared)
+        return flat, (None,) * len(prepared.tables)  # (no exchange, no map)
+
+    def apply(self, prepared: Prepared, answers: Answers, grads: Sequence[object], step: int,
+              warn_on_none: bool, before_write: Callable[[], None]) -> None:
+        parts = self._gradients(prepared, grads)
+        if parts is None:
+            self.general.apply(prepared, answers, grads, step, warn_on_none, before_write)
+            return
+        multipliers = gradient_multipliers(prepared, self.plan, step)  # these may raise: before
+        lrs = learning_rates(prepared, self.plan)  # any write (lrs last: a callable may count)
+        before_write()
+        self._update(prepared, parts, lrs, multipliers)
 
     # ------------------------------------------------------------------------------ prepare
-    def prepare(self, batch: Any, training: bool, shapes: str) -> Prepared | None:
+    def _prepare(self, batch: Any, training: bool, shapes: Shapes) -> Prepared | None:
         """The batch prepared as preprocess.py would, or None when the path does not cover it.
 
         Args:
             batch: the user's ids (no weights).
             training: whether ``apply_gradients`` will follow.
-            shapes: ``"learn"``: every feature's shape must be the one fixed so far, and a
-                feature with none fixes it (``enqueue``); ``"check"``: the same without fixing
-                (``training_step``); ``"any"``: any batch shape (``lookup``).
+            shapes: how its shapes meet those fixed so far (features.py).
         """
         flat = self.features.flat_dict(batch)  # (another structure: the general path's)
         if flat is None:
@@ -163,7 +194,7 @@ class DensePath:
                 steps[i] = x.stride(0)
             if not s or x.numel() == 0:
                 return None
-            if shapes != "any" and (fixed[i] != s if fixed[i] is not None
+            if shapes is not Shapes.ANY and (fixed[i] != s if fixed[i] is not None
                                     else declared[i] is not None):
                 return None
             natural.append(s)
@@ -182,14 +213,14 @@ class DensePath:
             ids, unique, order, uoff = got
             tables.append(TableBatch(t.physical, Bags(ids, None, None), Dedup(unique, order, uoff),
                                      lay.slices, None))
-        if shapes == "learn":
+        if shapes is Shapes.FIX:
             for i, s in enumerate(natural):
                 if fixed[i] is None:
                     fixed[i] = s
-        return Prepared(training, tuple(tables), len(flat), dense=True)
+        return Prepared(training, tuple(tables), len(flat))
 
     # ------------------------------------------------------------------------------- lookup
-    def lookup(self, prepared: Prepared) -> list[torch.Tensor | None] | None:
+    def _lookup(self, prepared: Prepared) -> Activations | None:
         """Per feature (flat order) its activation ``shape + (D,)``, or None to decline (a
         table made differentiable or moved since: the general lookup handles it)."""
         flat: list[torch.Tensor | None] = [None] * prepared.num_features
@@ -213,12 +244,12 @@ class DensePath:
         return flat
 
     # -------------------------------------------------------------------------------- apply
-    def gradients(self, prepared: Prepared,
-                  grads: Sequence[Any]) -> list[list[torch.Tensor]] | None:
+    def _gradients(self, prepared: Prepared,
+                   grads: Sequence[object]) -> list[list[torch.Tensor]] | None:
         """Per table of the batch, its features' gradients as ``(R_f, D)`` float32 rows; None to
         decline: a gradient that is None or not a float32 CPU tensor of its activation's shape
         (the general path converts or rejects it), or a table whose optimizer has no fused
-        kernel or skips non-finite gradients. Reads only (``update`` writes)."""
+        kernel or skips non-finite gradients. Reads only (``_update`` writes)."""
         out = []
         for tb in prepared.tables:
             t = self.by_physical[tb.physical]
@@ -241,13 +272,13 @@ class DensePath:
             out.append(parts)
         return out
 
-    def update(self, prepared: Prepared, parts: list[list[torch.Tensor]],
-               lrs: Mapping[int, float], multipliers: Mapping[int, float | None]) -> None:
-        """Applies each table's optimizer to the batch's rows (``parts``: ``gradients``' result;
+    def _update(self, prepared: Prepared, parts: list[list[torch.Tensor]],
+                lrs: Mapping[int, float], multipliers: Mapping[int, float | None]) -> None:
+        """Applies each table's optimizer to the batch's rows (``parts``: ``_gradients``' result;
         ``lrs`` / ``multipliers``: as gradients.py evaluates them, before any write)."""
         for tb, g in zip(prepared.tables, parts):
             t = self.by_physical[tb.physical]
-            assert t.rule is not None  # (gradients declined otherwise)
+            assert t.rule is not None  # (_gradients declined otherwise)
             lr, gmul = lrs[tb.physical], multipliers[tb.physical]
             hyper = t.hypers.get((lr, gmul))
             if hyper is None:

@@ -11,18 +11,18 @@ table's optimizer where the row is held:
 - a dynamic table (raw ids): as when sharded, with the rows its map resolved at the lookup; the
   store drops the gradients of ids not resident and of rows given to another id since.
 
-Everything that can reject a call runs before the first table is written: ``check_gradients``
-(kinds, dtypes and shapes of the gradients) and ``learning_rates`` in the engine, then, at the start
-of ``apply_gradients``, each optimizer's ``gradient_multiplier(step)`` (``gradient_multipliers``)
-and the gradients' conversion to the tables' device and working dtype. ``apply_gradients`` also
-skips, as a whole, the tables of an optimizer with ``skip_nonfinite_gradients`` whose gradients hold
-NaN or inf (docs/semantics.md section 3).
+Everything that can reject a call runs before the first table is written (``apply_step``):
+``check_gradients`` (kinds, dtypes and shapes of the gradients), each optimizer's
+``gradient_multiplier(step)`` (``gradient_multipliers``) and ``learning_rates``, then, at the
+start of ``apply_gradients``, the gradients' conversion to the tables' device and working dtype.
+``apply_gradients`` also skips, as a whole, the tables of an optimizer with
+``skip_nonfinite_gradients`` whose gradients hold NaN or inf (docs/semantics.md section 3).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from ..config.optimizers import Optimizer
 from ..ops.combine import OutputGrads, row_gradients
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
-from .exchange import Received, gradients_at_owner
+from .exchange import Answers, gradients_at_owner
 from .preprocess import Prepared
 
 
@@ -144,7 +144,36 @@ def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
     return out
 
 
-def apply_gradients(prepared: Prepared, received: Received,
+def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
+               names: Sequence[str], store: RowStore, comm: Communicator, step: int,
+               warn_on_none: bool, before_write: Callable[[], None]) -> None:
+    """The third verb whole: checks a training batch's gradients, evaluates its gradient
+    multipliers and learning rates (in that order: a bad multiplier raises before a counting
+    learning-rate callable moves) and finds its non-finite gradients, all before any write;
+    then ``before_write()`` (the engine lets background lookups of later batches finish, they
+    read the tables) and ``apply_gradients``.
+
+    Args:
+        prepared, answers: the training batch and what its lookup's exchange recorded.
+        grads: per feature (flat order) the gradient of its activation, or None for zero.
+        names: the features' names (flat order), for errors and warnings.
+        store, comm: the rows and the communicator; step: updates applied so far.
+        warn_on_none: warn when a None gradient still moves rows.
+
+    Raises:
+        TypeError / ValueError: as ``check_gradients``, or from a multiplier or learning rate.
+            Nothing is written.
+    """
+    plan = store.plan
+    checked = check_gradients(prepared, grads, names, plan, warn_on_none)
+    multipliers = gradient_multipliers(prepared, plan, step)
+    lrs = learning_rates(prepared, plan)
+    nonfinite = nonfinite_gradients(prepared, checked, names, plan)
+    before_write()
+    apply_gradients(prepared, answers, checked, store, comm, step, lrs, multipliers, nonfinite)
+
+
+def apply_gradients(prepared: Prepared, answers: Answers,
                     grads: Sequence[torch.Tensor | None], store: RowStore, comm: Communicator,
                     step: int, lrs: Mapping[int, float],
                     multipliers: Mapping[int, float | None],
@@ -156,7 +185,7 @@ def apply_gradients(prepared: Prepared, received: Received,
     warning) and every gradient is converted to the tables' device and working dtype.
 
     Args:
-        prepared: the training batch; received: what its lookup's exchange recorded.
+        prepared: the training batch; answers: what its lookup's exchange recorded.
         grads: ``check_gradients``' result: per feature (flat order) its activation's gradient,
             or None for zero.
         store: the rows; comm: the communicator; step: updates applied so far.
@@ -166,7 +195,7 @@ def apply_gradients(prepared: Prepared, received: Received,
     """
     plan = store.plan
     skipped = _skipped(prepared, plan, nonfinite, comm, store.device)
-    todo = [(tb, got) for tb, got in zip(prepared.tables, received) if tb.physical not in skipped]
+    todo = [(tb, got) for tb, got in zip(prepared.tables, answers) if tb.physical not in skipped]
     parts = {}  # physical table -> (R_f, D) per feature, in the update's device and dtype
     for tb, _ in todo:
         p = plan.physical[tb.physical]

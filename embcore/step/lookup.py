@@ -13,12 +13,12 @@ import torch
 from ..base.comm import Communicator
 from ..ops.combine import combine
 from ..state.store import RowStore
-from .exchange import Answered, Received, fetch_rows
+from .exchange import Answered, Answers, fetch_rows
 from .preprocess import Prepared, TableBatch
 
 
 def lookup(prepared: Prepared, store: RowStore,
-           comm: Communicator) -> tuple[list[torch.Tensor | None], Received]:
+           comm: Communicator) -> tuple[list[torch.Tensor | None], Answers]:
     """The activations of a batch (a collective when a table is sharded).
 
     Returns:

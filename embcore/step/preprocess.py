@@ -63,7 +63,6 @@ class Prepared:
     training: bool
     tables: tuple[TableBatch, ...]
     num_features: int               # F: the length of the flat activations and gradients
-    dense: bool = False             # made by the dense path (dense.py), which may look it up
 
 
 def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
@@ -123,12 +122,12 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | No
     """
     p = plan.physical[physical]
     w = plan.world_size
-    if p.layout.held_everywhere:
+    if p.placement.held_everywhere:
         return None
-    if p.layout.splits_columns:  # every rank holds every row, in the global row layout
+    if p.placement.splits_columns:  # every rank holds every row, in the global row layout
         return Route([unique] * w, None)
     if p.dynamic:  # raw ids go to their owners, whose maps turn them into rows
-        owner = p.layout.owner_of_ids(unique)  # (U,)
+        owner = p.placement.owner_of_ids(unique)  # (U,)
         order = torch.argsort(owner, stable=True)  # (U,)
         counts = torch.bincount(owner, minlength=w).tolist()
         return Route(list(unique[order].split(counts)), order)

@@ -1,10 +1,10 @@
-"""The mid-level API's protocol: ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, checked; and
-the layer's self-contained ``TrainingStep``.
+"""The queue of the mid-level API: ``enqueue`` -> ``dequeue`` -> ``apply_gradients``, in order;
+and the layer's self-contained ``TrainingStep``.
 
 ``StepQueue`` holds the enqueued batches and the training batch awaiting its gradients, and says
 exactly what is wrong when a call breaks the order (docs/semantics.md section 6). A refused call
 raises before anything changes. With ``pipeline_execution`` a batch may be prepared by a
-background worker (``Queued.prepared`` is then a Future) and up to two batches may be queued.
+background worker (``Queued.batch`` is then a Future) and up to two batches may be queued.
 """
 
 from __future__ import annotations
@@ -15,26 +15,33 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
-from .preprocess import Prepared
+from .exchange import Answers
+from .path import Activations, Batch
 
 
 @dataclass
 class Queued:
     """An enqueued batch: prepared now, or by the pipeline's worker (which, with one process,
-    also looks it up)."""
+    also looks it up); its activations and answers once looked up."""
 
     training: bool
-    prepared: Prepared | Future
-    activations: list[torch.Tensor | None] | None = None
-    received: tuple[Any, ...] = ()
+    batch: Batch | Future
+    activations: Activations | None = None
+    answers: Answers = ()
 
-    def wait(self) -> Prepared:
+    def wait(self) -> Batch:
         """The prepared batch, once the background work (if any) is done."""
-        if isinstance(self.prepared, Future):
-            self.prepared, self.activations, self.received = self.prepared.result()
-        return self.prepared
+        if isinstance(self.batch, Future):
+            self.batch, self.activations, self.answers = self.batch.result()
+        return self.batch
+
+    def look_up(self) -> Activations:
+        """Its activations (looked up now unless the worker did)."""
+        batch = self.wait()
+        if self.activations is None:
+            self.activations, self.answers = batch.lookup()
+        return self.activations
 
 
 class StepQueue:
@@ -52,14 +59,15 @@ class StepQueue:
             raise RuntimeError("enqueue() called again before dequeue() of the batch already "
                                "enqueued; call dequeue() after every enqueue()")
 
-    def put(self, training: bool, prepared: Prepared | None = None,
-            background: Callable[[], tuple[Prepared, Any, Any]] | None = None) -> None:
-        """Queues a batch ``prepared`` now, or by ``background()`` on the pipeline's worker
-        (returning ``(prepared, activations or None, received)``)."""
+    def put(self, training: bool, batch: Batch | None = None,
+            background: Callable[[], tuple[Batch, Any, Any]] | None = None) -> None:
+        """Queues a ``batch`` prepared now, or by ``background()`` on the pipeline's worker
+        (returning ``(batch, activations or None, answers)``)."""
         self.check_room()
         if background is None:
-            assert prepared is not None
-            self._queue.append(Queued(training, prepared))
+            if batch is None:
+                raise TypeError("StepQueue.put needs a batch or a background function")
+            self._queue.append(Queued(training, batch))
             return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embcore")
@@ -79,6 +87,20 @@ class StepQueue:
         if item.training:
             self._awaiting = item
         return item
+
+    def dequeue(self) -> Activations:
+        """The oldest batch's activations, looked up now unless the worker did (``take``), as
+        the caller's leaves: detached (the kernels' outputs already are: a detach costs a
+        microsecond each), requiring grad after a training enqueue. A lookup that raises
+        consumes the batch (it awaits no gradients)."""
+        item = self.take()
+        try:
+            activations = item.look_up()
+        except BaseException:
+            self.discard(item)
+            raise
+        return [(a.detach() if a.requires_grad else a).requires_grad_(item.training)
+                for a in activations]
 
     def awaiting(self) -> Queued:
         """The training batch whose gradients are due, for ``apply_gradients``."""
