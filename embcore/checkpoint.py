@@ -51,25 +51,32 @@ from typing import Any
 import torch
 
 from .base.comm import CollectiveError
+from .base.compat import (
+    DCP_INDEX,
+    DCP_INDEX_PRIVATE_GLOBALS,
+    DCP_NO_PROCESS_GROUP_WARNING,
+    PICKLED_PATH_MODULES,
+    dcp_index_name,
+)
 from .engine import Embedding
 from .layer import EmbeddingLayer
 
 FORMAT = "embcore.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-_METADATA = ".metadata"  # DCP's index file
+_METADATA = DCP_INDEX  # DCP's index file (".metadata")
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # (module, name) pairs the metadata unpickler resolves; torch dtypes are allowed besides (below).
+# The private ones (two DCP classes, and the function that maps "torch.strided" to the layout
+# object) are declared in compat.py: DCP_INDEX_PRIVATE_GLOBALS.
 ALLOWED_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     [(_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "ChunkStorageMetadata",
-                                  "TensorStorageMetadata", "TensorProperties", "StorageMeta",
-                                  "_MEM_FORMAT_ENCODING")]
-    + [("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-       ("torch", "Size"),
-       ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
+                                  "TensorStorageMetadata", "TensorProperties", "StorageMeta")]
+    + list(DCP_INDEX_PRIVATE_GLOBALS)
+    + [("torch", "Size"),
        ("collections", "OrderedDict")]
-    + [(m, n) for m in ("pathlib", "pathlib._local")  # StorageMeta.checkpoint_id
+    + [(m, n) for m in PICKLED_PATH_MODULES  # StorageMeta.checkpoint_id
        for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
                  "PureWindowsPath")]
     + [("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float",
@@ -117,7 +124,7 @@ def _dcp() -> SimpleNamespace:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             rank = kwargs.get("rank")
-            path = Path(self.path) / (_METADATA if rank is None else f"__{rank}{_METADATA}")
+            path = Path(self.path) / dcp_index_name(rank)
             with open(path, "rb") as f:
                 md = RestrictedMetadataUnpickler(f).load()
             if not isinstance(md, Metadata):
@@ -131,7 +138,7 @@ def _dcp() -> SimpleNamespace:
                 if getattr(info, "transform_descriptors", None):
                     raise ValueError(f"checkpoint index asks for stream transforms "
                                      f"{info.transform_descriptors}; embcore writes none")
-            if getattr(md, "storage_meta", None) is not None:
+            if getattr(md, "storage_meta", None) is not None:  # as DCP's reader does (compat.py)
                 md.storage_meta.load_id = self.load_id
             return md
 
@@ -173,8 +180,8 @@ def _dcp_call(what: str, world_size: int = 1) -> Iterator[None]:
     that the checkpoint is corrupt; a failed collective with several processes becomes a
     ``CollectiveError``."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
-                                "or uninitialized", category=UserWarning)
+        warnings.filterwarnings("ignore", message=DCP_NO_PROCESS_GROUP_WARNING,
+                                category=UserWarning)
         try:
             yield
         except _dcp().CheckpointException as e:

@@ -1,13 +1,21 @@
-"""embcore/compat.py: each torch private fast path against its public fallback.
+"""embcore/base/compat.py: each torch private fast path against its public fallback, and the
+torch private names embcore relies on.
 
 Every function is run on random inputs with the private paths switched on and off and must give
 the same results (exceptions, documented in compat.py, are checked as such); the guards are
-checked to take the fallback where the private path does not apply.
+checked to take the fallback where the private path does not apply. The installed torch must lie
+in the range compat.py was checked on, every private name it declares must still exist there,
+and no other module may use one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import inspect
+import pathlib
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -196,20 +204,166 @@ PRIVATE_TORCH = re.compile(
     r"|torch\.ops\.aten\._"                                 # private ATen ops
     r"|\._(values|offsets|lengths|indices|ragged_idx|nnz)\b"  # private tensor accessors
     r"|getattr\([^)]*[\"']_(values|offsets|lengths|ragged_idx)[\"']")
+# The names compat.py declares (PRIVATE_NAMES' last parts), DCP's per-rank index file name and
+# Python 3.13's pathlib module; not the fields of DCP's index records that checkpoint.py reads
+# (``info.relative_path``, ...), which only compat.py's list names as private.
+_FIELDS_READ_ELSEWHERE = {"relative_path", "transform_descriptors", "load_id"}
+_DECLARED = sorted({k.rsplit(":", 1)[1].rsplit(".", 1)[-1] for k in compat.PRIVATE_NAMES}
+                   - _FIELDS_READ_ELSEWHERE)
+DECLARED_NAME = re.compile(r"\b(" + "|".join(map(re.escape, _DECLARED)) + r")\b"
+                           r"|pathlib\._local|__\{rank\}")
 # Files that still hold a private use, to be switched to compat.py (then removed from here).
-PENDING: set[str] = set()  # files still to move onto compat.py
+PENDING: set[str] = set()  # files still to move onto compat.py, relative to embcore/
 
 
 def test_no_torch_private_api_outside_compat():
-    root = Path(compat.__file__).parent
+    root = Path(compat.__file__).parent.parent  # embcore/
     found = {}
     for path in sorted(root.rglob("*.py")):
         name = path.relative_to(root).as_posix()
-        if name == "compat.py" or name in PENDING:
+        if name == "base/compat.py" or name in PENDING:
             continue
         hits = [f"{name}:{i}: {line.strip()}"
                 for i, line in enumerate(path.read_text().splitlines(), 1)
-                if PRIVATE_TORCH.search(line)]
+                if PRIVATE_TORCH.search(line) or DECLARED_NAME.search(line)]
         if hits:
             found[name] = hits
-    assert not found, f"torch private APIs outside embcore/compat.py: {found}"
+    assert not found, f"torch private APIs outside embcore/base/compat.py: {found}"
+
+
+def test_the_rule_scans_the_whole_package():
+    """The scan above reads every layer, and its patterns catch what compat.py declares."""
+    root = Path(compat.__file__).parent.parent
+    scanned = {p.relative_to(root).parts[0] for p in root.rglob("*.py")}
+    assert {"base", "config", "ops", "inputs", "planning", "state", "step", "serving",
+            "checkpoint.py"} <= scanned
+    for line in ('("torch.distributed.checkpoint.filesystem", "_StorageInfo")',
+                 "Shard.local_shard_size_and_offset(n, world, r)", 'f"__{rank}.metadata"',
+                 '("pathlib", "pathlib._local")', "torch.serialization._get_layout"):
+        assert DECLARED_NAME.search(line) or PRIVATE_TORCH.search(line), line
+    assert not DECLARED_NAME.search("md.storage_meta.load_id = self.load_id")
+
+
+# ------------------------------------------------------------------ the torch release checked
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``"2.13.0+cpu"``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def test_installed_torch_is_in_the_tested_range():
+    first, last = compat.TESTED_TORCH
+    assert first <= last
+    got = _release(torch.__version__)
+    assert first <= got <= last, (
+        f"torch {torch.__version__} is outside the releases embcore/base/compat.py was checked "
+        f"on ({first[0]}.{first[1]} to {last[0]}.{last[1]}). Re-check on it each private name of "
+        f"compat.PRIVATE_NAMES (what each is for is listed there): the DCP index classes the "
+        f"checkpoint unpickler allows (run tests/test_checkpoint.py), DTensor's Shard(0) chunk "
+        f"rule (tests/test_shards.py), the jagged / sparse fields (tests/test_compat.py, "
+        f"tests/test_input_safety.py); then widen compat.TESTED_TORCH.")
+
+
+def _resolve(spec: str) -> object:
+    """The object ``"module:attr.path"`` names; the last part may also be a dataclass field or
+    an annotated (instance) field of a class. Raises AttributeError / ImportError if gone."""
+    module, path = spec.split(":")
+    obj: object = importlib.import_module(module)
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        if i == len(parts) - 1 and inspect.isclass(obj):
+            fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) \
+                else set()
+            for c in obj.__mro__:
+                fields |= set(inspect.get_annotations(c))
+            if part in fields:
+                return part
+        raise AttributeError(f"{spec}: {part!r} is gone")
+    return obj
+
+
+def test_every_declared_private_name_exists():
+    missing = {}
+    for spec, use in compat.PRIVATE_NAMES.items():
+        try:
+            _resolve(spec)
+        except (ImportError, AttributeError) as e:
+            missing[spec] = f"{use} ({type(e).__name__}: {e})"
+    assert not missing, (f"torch {torch.__version__} lacks private names embcore relies on "
+                         f"(compat.PRIVATE_NAMES): {missing}")
+
+
+def test_resolve_refuses_a_name_that_is_gone():
+    assert _resolve("torch.distributed.checkpoint.filesystem:_StorageInfo.relative_path")
+    for spec in ("torch:Tensor._no_such_accessor", "torch.no_such_module:x",
+                 "torch.distributed.checkpoint.metadata:StorageMeta.no_such_field"):
+        with pytest.raises((ImportError, AttributeError)):
+            _resolve(spec)
+
+
+def test_dcp_index_private_globals_are_declared():
+    for module, name in compat.DCP_INDEX_PRIVATE_GLOBALS:
+        assert f"{module}:{name}" in compat.PRIVATE_NAMES
+
+
+# ------------------------------------------------------------------------------ DCP's index
+def test_dcp_index_names_are_dcp_s(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader, filesystem
+
+    assert compat.DCP_INDEX == filesystem._metadata_fn == ".metadata"
+    reader = FileSystemReader(tmp_path)
+    for rank in (None, 0, 3):
+        assert Path(reader._get_metadata_path(rank)) == tmp_path / compat.dcp_index_name(rank)
+    assert compat.dcp_index_name(3) == "__3.metadata"
+
+
+def test_dcp_warns_as_checkpoint_py_expects(tmp_path):
+    """The warning checkpoint.py silences is the one DCP's save and load give without a group."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"x": torch.arange(4.0)}
+    for call in (lambda: dcp.save(state, checkpoint_id=tmp_path, no_dist=True),
+                 lambda: dcp.load(state, checkpoint_id=tmp_path, no_dist=True)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            call()
+        assert any(str(w.message).startswith(compat.DCP_NO_PROCESS_GROUP_WARNING)
+                   for w in seen), [str(w.message) for w in seen]
+
+
+def test_paths_pickle_under_a_listed_module():
+    assert pathlib.PosixPath.__module__ in compat.PICKLED_PATH_MODULES
+    assert pathlib.Path.__module__ in compat.PICKLED_PATH_MODULES
+
+
+# ------------------------------------------------------------------------ Shard(0) chunks
+def test_shard_chunk_private_equals_public():
+    for rows in range(23):
+        for world in range(1, 7):
+            chunks = [both(compat.shard_chunk, rows, world, r) for r in range(world)]
+            for on, off in chunks:
+                assert on == off and all(type(v) is int for v in on)
+            # torch.chunk's blocks, then empty chunks starting at the end
+            blocks = [(int(c[0]), c.numel()) if c.numel() else None
+                      for c in torch.arange(rows).chunk(world)] if rows else []
+            want = blocks + [(rows, 0)] * (world - len(blocks))
+            assert [on for on, _ in chunks] == want, (rows, world)
+
+
+def test_shard_chunk_without_dtensor_s_rule_uses_the_fallback(monkeypatch):
+    from torch.distributed.tensor import Shard
+
+    def forbidden(*args):
+        raise AssertionError("DTensor's rule was called")
+
+    monkeypatch.setattr(Shard, "local_shard_size_and_offset", forbidden)
+    with private_paths(False):
+        assert compat.shard_chunk(10, 4, 3) == (9, 1)
+    with private_paths(True), pytest.raises(AssertionError, match="DTensor's rule"):
+        compat.shard_chunk(10, 4, 3)
+    monkeypatch.delattr(Shard, "local_shard_size_and_offset")
+    with private_paths(True):
+        assert compat.shard_chunk(10, 4, 3) == (9, 1) and compat.shard_chunk(2, 4, 3) == (2, 0)

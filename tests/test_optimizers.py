@@ -319,7 +319,7 @@ def test_defaults_are_tf_defaults() -> None:
         SGD(0.1, True)  # common arguments are keyword-only
 
 
-def test_dense_update_only_for_non_lazy_adam() -> None:
+def test_every_row_update_only_for_non_lazy_adam() -> None:
     assert Adam(lazy_adam=False).updates_every_row
     assert not Adam().updates_every_row
     assert not any(cls().updates_every_row for cls in (SGD, Adagrad, RowwiseAdagrad,

@@ -1,4 +1,4 @@
-"""shards.py on W = 3 processes (the default group) and W = 2 (a subgroup of two of them), gloo
+"""state/dtensors.py on W = 3 processes (the default group) and W = 2 (a subgroup of two of them), gloo
 on CPU, every strategy, without an engine.
 
 For each logical tensor (parameters, and a row-wise slot one column wide where the strategy can

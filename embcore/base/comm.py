@@ -3,9 +3,9 @@
 Every collective of embcore's own (the exchanges of a step, the gathers of whole tables and
 checkpoint shards, the agreements of a save) is issued here and nowhere else, each waited on with
 a timeout. Other files import ``torch.distributed`` without issuing collectives of their own:
-shards.py for the ``ShardedTensor`` classes, checkpoint.py for ``torch.distributed.checkpoint``,
-whose ``save`` / ``load`` run their own collectives over the same group (under the process
-group's timeout, not this module's).
+state/dtensors.py for ``DTensor`` (the checkpoint shards), checkpoint.py for
+``torch.distributed.checkpoint``, whose ``save`` / ``load`` run their own collectives over the
+same group (under the process group's timeout, not this module's).
 
 Two communicators with one interface:
 - ``LocalCommunicator``: world size 1; every collective returns its own data. A single process runs

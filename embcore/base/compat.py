@@ -1,7 +1,11 @@
-"""The one place embcore touches torch's private APIs: each use guarded, with a public fallback.
+"""The one place embcore touches torch's private APIs: each use guarded, with a public fallback,
+or, where torch has no public equivalent, named here for the module that needs it.
 
-The rule: no torch private API (``x._values``, ``torch.ops.aten._...``) anywhere else in the
-package. Each private use here is a small function that
+The rule: no torch private API (``x._values``, ``torch.ops.aten._...``, DCP's ``_StorageInfo``)
+anywhere else in the package. ``PRIVATE_NAMES`` (at the end) lists every one embcore relies on,
+what it is used for and where; ``TESTED_TORCH`` the torch releases they were checked on, which
+tests/test_compat.py pins (it fails on any other release, and when a declared name is gone).
+Each private fast path here is a small function that
 
 - takes the private path only when the module switch is on and a feature guard says the private
   API exists (and applies to these arguments), and
@@ -14,6 +18,12 @@ backward of a combine into a kept buffer, is about twice as slow as the public
 CPU, AMD EPYC, 2 cores shared with other jobs: ``timeit``, the best of 7 or more repeats, the CPU
 time of one thread unless said. Tests run every function with the switch on and off
 (``set_private_fast_paths``) and compare.
+
+The names without a public equivalent are constants here, imported by their one user:
+checkpoint.py's restricted unpickler must resolve the private classes and functions that a
+``torch.distributed.checkpoint`` (DCP) index pickles (``DCP_INDEX_PRIVATE_GLOBALS``,
+``PICKLED_PATH_MODULES``), and finds that index under DCP's file names (``DCP_INDEX``,
+``dcp_index_name``).
 """
 
 from __future__ import annotations
@@ -139,3 +149,105 @@ def sparse_parts(x: torch.Tensor,
     if check is not None:
         check(indices, values)
     return indices, values
+
+
+# ------------------------------------------------------------------- DTensor's Shard(0) chunks
+def shard_chunk(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """``(first row, rows)`` of ``rank``'s chunk of a ``rows``-row tensor placed ``Shard(0)`` over
+    ``world`` ranks, as DTensor cuts it: ``torch.chunk``'s rule, ``ceil(rows / world)`` rows per
+    rank, the last chunks smaller or empty (an empty chunk starts at ``rows``). state/dtensors.py
+    lays its checkpoint shards out this way.
+
+    Private path: ``torch.distributed.tensor.Shard.local_shard_size_and_offset`` (a static method
+    outside DTensor's documented API; guard: it exists), DTensor's own rule, so the chunks stay
+    the ones ``DTensor.from_local`` and DCP expect. Public fallback: that rule, restated. Not a
+    speed path (either costs microseconds, once per table and rank of a ``state_dict``); the two
+    are compared in tests/test_compat.py, which fails if DTensor's rule ever changes.
+    """
+    if _private:
+        from torch.distributed.tensor import Shard  # imported by dtensors.py already
+
+        sizer = getattr(Shard, "local_shard_size_and_offset", None)
+        if sizer is not None:
+            size, start = sizer(rows, world, rank)
+            return int(start), int(size)
+    full = -(-rows // world)  # ceil
+    start = min(full * rank, rows)
+    return start, min(full, rows - start)
+
+
+# ------------------------------------------------------------ DCP's index: names and classes
+DCP_INDEX = ".metadata"
+"""The file DCP writes its index to (``torch.distributed.checkpoint.filesystem._metadata_fn``)."""
+
+
+def dcp_index_name(rank: int | None = None) -> str:
+    """The file name of DCP's index: ``.metadata``, or a rank's own ``__{rank}.metadata`` (what
+    ``FileSystemReader.read_metadata(rank=...)`` reads: ``FileSystemReader._get_metadata_path``)."""
+    return DCP_INDEX if rank is None else f"__{rank}{DCP_INDEX}"
+
+
+# (module, name) of the private globals a DCP index pickles, which checkpoint.py's restricted
+# unpickler must resolve (beside DCP's public metadata dataclasses, which it lists itself).
+DCP_INDEX_PRIVATE_GLOBALS: frozenset[tuple[str, str]] = frozenset({
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+})
+
+# The modules pathlib's classes pickle under: ``pathlib``, and from Python 3.13 on its private
+# ``pathlib._local`` (a DCP index holds the checkpoint's path, ``StorageMeta.checkpoint_id``).
+PICKLED_PATH_MODULES: tuple[str, ...] = ("pathlib", "pathlib._local")
+
+# The warning DCP's save and load give when no process group is used (W = 1), which
+# checkpoint.py silences: the start of its text (torch.distributed.checkpoint.state_dict_saver
+# and state_dict_loader).
+DCP_NO_PROCESS_GROUP_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+# --------------------------------------------------------------------------- the private names
+TESTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 13))
+"""The torch releases ``(major, minor)``, first and last inclusive, on which every name of
+``PRIVATE_NAMES`` was checked to exist and to mean what embcore takes it to mean, and the whole
+test suite run: torch 2.13 (2.13.0) only. pyproject.toml admits torch >= 2.4, which the public
+APIs embcore uses need; releases between were not checked here. tests/test_compat.py fails on a
+torch outside this range: re-check each name below on it (tests/test_compat.py,
+test_checkpoint.py, test_shards.py, test_input_safety.py), then widen the range."""
+
+PRIVATE_NAMES: dict[str, str] = {
+    # "module:attribute.path" (an attribute, a dataclass field or an annotated field of a class)
+    #   -> where embcore uses it, and what for
+    "torch:Tensor._indices": "compat.sparse_parts: a sparse COO tensor's stored indices "
+                             "(uncoalesced too; the checked coalesce reads them as well)",
+    "torch:Tensor._values": "compat.sparse_parts: a sparse COO tensor's stored values",
+    "torch.nested._internal.nested_tensor:NestedTensor._values":
+        "compat.jagged_parts: a jagged tensor's values without values()'s Python dispatch",
+    "torch.nested._internal.nested_tensor:NestedTensor._offsets":
+        "compat.jagged_parts: a jagged tensor's offsets",
+    "torch.nested._internal.nested_tensor:NestedTensor._lengths":
+        "compat.jagged_parts: a jagged tensor's lengths (or None)",
+    "torch:_C.DisableTorchFunctionSubclass":
+        "compat._autograd_matters: reads a NestedTensor's requires_grad without its "
+        "__torch_function__",
+    "torch.distributed.tensor:Shard.local_shard_size_and_offset":
+        "compat.shard_chunk (state/dtensors.py): the rows of each rank's Shard(0) chunk",
+    "torch.distributed.checkpoint.metadata:_MEM_FORMAT_ENCODING":
+        "checkpoint.py: the unpickler resolves it (TensorProperties pickles its memory format "
+        "as one)",
+    "torch.distributed.checkpoint.filesystem:_StorageInfo":
+        "checkpoint.py: the unpickler resolves it (an index entry's file, offset and length)",
+    "torch.distributed.checkpoint.filesystem:_StorageInfo.relative_path":
+        "checkpoint.py: refuses an index entry whose data file lies outside the checkpoint",
+    "torch.distributed.checkpoint.filesystem:_StorageInfo.transform_descriptors":
+        "checkpoint.py: refuses an index entry that asks for stream transforms",
+    "torch.serialization:_get_layout":
+        "checkpoint.py: the unpickler resolves it (torch.layout's pickle reducer)",
+    "torch.distributed.checkpoint.filesystem:_metadata_fn":
+        "checkpoint.py: the index file's name, DCP_INDEX",
+    "torch.distributed.checkpoint.filesystem:FileSystemReader._get_metadata_path":
+        "checkpoint.py: a rank's index file name, dcp_index_name(rank), which its reader "
+        "re-implements",
+    "torch.distributed.checkpoint.metadata:StorageMeta.load_id":
+        "checkpoint.py: its reader stamps the index with the reader's load_id, as "
+        "FileSystemReader.read_metadata does",
+}

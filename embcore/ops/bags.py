@@ -2,9 +2,9 @@
 
 Every input, whatever its kind, becomes ``Bags``: ``R`` output rows, row ``r`` being
 ``sum_k scales[k] * E[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``. A feature's batch is one
-``Bags`` (inputs.py); the features reading one physical table are concatenated into one ``Bags``
-(preprocess.py) and deduplicated once (``Dedup``). The lookup and its gradient (ops/combine.py) and
-the fused update (ops/update.py) read only these two types.
+``Bags`` (inputs/canonical.py); the features reading one physical table are concatenated into
+one ``Bags`` (step/preprocess.py) and deduplicated once (``Dedup``). The lookup and its gradient
+(ops/combine.py) and the fused update (ops/update.py) read only these two types.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
 - ``lookup``: float32 tables, unit bags or bags with offsets and optional scales;
 - ``sparse_update``: float32 tables and slots, SGD, Adagrad, RowwiseAdagrad, AdagradMomentum,
   Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
-  every option of DESIGN 2.3 (gradient multiplier, gradient clipping, decoupled weight decay,
-  weight clipping), from summed row gradients or from the output gradients' occurrences;
+  every option of the update step (docs/semantics.md section 3: gradient multiplier, gradient
+  clipping, decoupled weight decay, weight clipping), from summed row gradients or from the output
+  gradients' occurrences;
 - deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
   stable, so the occurrence order is the CPU's).
 
@@ -198,7 +199,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         opt: the rule and its own hyper-parameters.
         table: (N, D) contiguous float32; slots: ``{name: (N, D) or (N, 1)}`` contiguous float32.
         rows: (U,) distinct int64 rows.
-        hyper: learning rate and DESIGN 2.3's options (``update._hyper``).
+        hyper: learning rate and the update step's options (``update._hyper``).
         grad: with ``unique_offsets``, the (R, D) output gradients; without, (U, D) row u the
             summed gradient of ``rows[u]``.
         unique_offsets, order: a ``Dedup``'s (occurrences of each row, sorted).

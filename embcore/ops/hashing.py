@@ -11,7 +11,7 @@ whenever it is admitted:
 - ``uniform(seed, ids, D)``: ``(n, D)`` float64 values in (0, 1), entry ``(i, j)`` from
   ``splitmix64(splitmix64(seed ^ splitmix64(id_i)) + j)``'s top 53 bits.
 
-int64 tensors wrap on overflow in torch's CPU and CUDA kernels; tests/test_hashing.py checks every
+int64 tensors wrap on overflow in torch's CPU and CUDA kernels; tests/test_dynamic.py checks every
 function against Python integers.
 """
 

@@ -1,7 +1,7 @@
 """The readable reference of lookup, combine and gradient: plain loops, the specification.
 
 Everything here reads the user's raw inputs (dense / jagged / sparse tensors) directly, without the
-canonical form of ``inputs.py``, so tests comparing the fast path against it check the
+canonical form of ``inputs/canonical.py``, so tests comparing the fast path against it check the
 canonicalization too. Slow on purpose; only for tests.
 """
 

@@ -9,8 +9,9 @@ columns past D. Every sum runs in float32 in the order the CPU kernels use (csrc
 - lookup: bag r = ``sum_k scales[k] * table[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``,
   k ascending, starting from zero (a unit lookup is a plain copy);
 - update: the gradient of distinct row u = ``sum_j scale(order[j]) * grad_out[bag(order[j])]``
-  over ``j in [unique_offsets[u], unique_offsets[u+1])``, j ascending; then, per row, DESIGN 2.3's
-  steps: multiplier, clipping, the rule, decoupled weight decay, weight clipping.
+  over ``j in [unique_offsets[u], unique_offsets[u+1])``, j ascending; then, per row, the update
+  step's five steps (docs/semantics.md section 3): multiplier, clipping, the rule, decoupled
+  weight decay, weight clipping.
 
 Divisions and square roots are the correctly rounded ``div_rn`` / ``sqrt_rn`` (Triton's ``/`` and
 ``sqrt`` are approximate on NVIDIA GPUs), so SGD / Adagrad / RowwiseAdagrad do the CPU kernel's
@@ -72,7 +73,7 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
              mask=live_r[:, None] & live_c[None, :])
 
 
-# -- the optimizer rules on a tile (step 3 of DESIGN 2.3): (w, slot 1, slot 2) -> new ones ----------
+# -- the optimizer rules on a tile (step 3 of the update): (w, slot 1, slot 2) -> new ones ---------
 
 @jit
 def _adagrad(w, g, a, lr):
@@ -152,7 +153,7 @@ def sparse_update_kernel(
         grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
         uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
         out_ptr,                              # (U, D) summed gradients (RULE == NONE)
-        lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # DESIGN 2.3 steps 1-5
+        lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # the update's steps 1-5
         h1, h2, h3, h4, h5,                   # the rule's own hyper-parameters (gpu.py)
         RULE: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,  # the rule and its two flags
         DIRECT: tl.constexpr, UNIT: tl.constexpr, SCALED: tl.constexpr,

@@ -3,8 +3,8 @@
 Table stacking: logical tables of equal dim, dtype, optimizer math and placement share one physical
 table, each at its own row offset, so a step does one dedup, one exchange, one lookup and one
 optimizer update per physical table rather than per table or per feature. Combiners and
-initializers do not matter for stacking: combining is folded into per-id scales (inputs.py) and
-initial values are made per table.
+initializers do not matter for stacking: combining is folded into per-id scales
+(inputs/canonical.py) and initial values are made per table.
 
 Strategies (docs/semantics.md section 5), each applied to every logical table on its own:
 - ``replicated``: every process holds the whole table; gradients are summed across processes.

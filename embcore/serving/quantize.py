@@ -14,7 +14,7 @@ A row costs ``D + 8`` bytes instead of ``4 D``. fp16 is a plain cast (``2 D`` by
 
 Memory stays quantized: a lookup gathers the codes of the rows it reads (with their scales and
 biases) and dequantizes only those, ``rows(index)``; the activations are float32. Functions here
-are pure; ``ServingModule`` (serving.py) holds the tensors as buffers.
+are pure; ``ServingModule`` (serve.py) holds the tensors as buffers.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Serving: lookups with plain torch ops on plain tensors, and the exportable serving module.
 
 ``serving_embedding_lookup`` computes exactly what the engine's lookup computes (the same bags from
-inputs.py, the same ``combine`` from ops/combine.py), from tables given as tensors: no engine, no
-optimizer, no queue. It is differentiable w.r.t. the tables, which is how
+inputs/canonical.py, the same ``combine`` from ops/combine.py), from tables given as tensors: no
+engine, no optimizer, no queue. It is differentiable w.r.t. the tables, which is how
 ``EmbeddingLayer(optimizer=None)`` trains them. A table may also be a ``QuantizedTable``
 (quantize.py: int8 row-wise or fp16): the rows a batch reads are gathered quantized, dequantized
 to float32, then combined by the same ``combine``.

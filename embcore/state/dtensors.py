@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
-from ..planning.plan import PhysicalTable, LogicalTable
+from ..base.compat import shard_chunk
+from ..planning.plan import LogicalTable, PhysicalTable
 
 
 def _held(place: LogicalTable, phys: PhysicalTable, rank: int,
@@ -64,11 +65,7 @@ def _is_dtensor(value: Any) -> bool:
 
 def _chunks(n: int, world: int) -> list[tuple[int, int]]:
     """Per rank: (first row, rows) of its ``Shard(0)`` chunk of ``n`` rows, as DTensor has it."""
-    out = []
-    for r in range(world):
-        size, start = _dt().Shard.local_shard_size_and_offset(n, world, r)
-        out.append((int(start), int(size)))
-    return out
+    return [shard_chunk(n, world, r) for r in range(world)]
 
 
 def _chunk_of(rows: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:

@@ -23,7 +23,7 @@ initial values in the cache (``CachedRows.renew``).
 ``RowStore`` keeps every other row in memory (host memory on the CPU, on huge pages where the
 system allows; device memory on a GPU). It also owns what the rows look like outside the step: a logical
 table's rows on this process (``local``), whole tables (``whole``) and the checkpoint view
-(``state_dict`` / ``load_state_dict``), through the plan's placements and ``shards.py``.
+(``state_dict`` / ``load_state_dict``), through the plan's placements and ``dtensors.py``.
 """
 
 from __future__ import annotations
