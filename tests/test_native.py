@@ -1,11 +1,16 @@
-"""The fused CPU kernels (ops/native.py, ops/csrc/kernels.cpp) against torch and the references.
+"""The fused CPU kernels (ops/native.py, ops/csrc/) against torch and the references.
 
 Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
 torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
 ``reference_optim.reference_update`` (with the row gradients summed here in float64), ``minmax``
-and ``combiner_scales`` against torch and the torch-ops twin in ``inputs.py``. The engine is then
-trained with the kernels on and off and must give the same tables and slots. Everything but the
-switched-off test is skipped when the kernels cannot be built.
+and ``combiner_scales`` against torch and the torch-ops twin in ``inputs/canonical.py``. The
+engine is then trained with the kernels on and off and must give the same tables and slots.
+Everything but the switched-off test is skipped when the kernels cannot be built.
+
+The ctypes boundary: every wrapper refuses a tensor of the wrong dtype, layout, device or length
+with an error naming the kernel and the argument (before the kernel runs), the Python
+declarations of the kernels' arguments agree with the C definitions in csrc/, the ABI version has
+one source (native.ABI_VERSION, passed to the compiler) and the build key covers every source.
 """
 
 from __future__ import annotations
@@ -868,3 +873,374 @@ def test_copy_rows_equals_index_ops(data, dtype, width, threads):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(dst, want)
+
+
+# ----------------------------------------------------------------------- the ctypes boundary
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor of ``t``'s values (its data pointer reads as 0)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor_from_jagged(t, torch.tensor([0, t.numel()]))
+
+
+def boundary_cases():
+    """(call, exception, message): each passes one wrong argument to a wrapper; the message
+    names the kernel and the argument and says what it must be."""
+    i64 = torch.int64
+    table, ids = torch.randn(10, 4), torch.tensor([1, 2, 3, 4])
+    offsets, scales = torch.tensor([0, 1, 4]), torch.ones(4)
+
+    def out(rows=2, d=4):
+        return torch.full((rows, d), float("nan"))
+
+    acc = torch.zeros(10, 4)
+    rows, hyper = torch.tensor([1, 2]), native.Hyper(learning_rate=0.1)
+    uoff, order = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    cache = {"where": torch.full((20,), -1, dtype=torch.int32),
+             "owner": torch.full((4,), -1, dtype=i64), "stamp": torch.zeros(4, dtype=i64),
+             "dirty": torch.zeros(4, dtype=torch.bool), "fresh": torch.zeros(4, dtype=torch.bool),
+             "free": torch.arange(3, -1, -1), "n_free": 4, "clock": 1, "spare": 0,
+             "bounds": torch.tensor([10]), "counts": torch.zeros(3, 2, dtype=i64)}
+    vocab = {"slots": torch.full((8,), -1, dtype=i64), "row_key": torch.zeros(4, dtype=i64),
+             "last_use": torch.zeros(4, dtype=i64)}
+
+    def cache_step(**change):
+        kw = dict(cache, **change)
+        return lambda: native.cache_step(torch.tensor([3, 5]), **kw)
+
+    def vocab_find(**change):
+        kw = dict(vocab, **change)
+        return lambda: native.vocab_find(kw["slots"], kw["row_key"], kw["last_use"], 0, ids)
+
+    return {
+        "lookup ids int32": (lambda: native.lookup(table, ids.int(), offsets, scales, out()),
+                             TypeError, (r"ec_lookup: argument 'ids' must be torch.int64, got "
+                                        r"torch.int32")),
+        "lookup table not contiguous": (
+            lambda: native.lookup(torch.randn(4, 10).t(), ids, offsets, scales, out()),
+            ValueError, r"ec_lookup: argument 'table' must be contiguous, got shape \(10, 4\)"),
+        "lookup table meta": (lambda: native.lookup(_meta(table), ids, offsets, scales, out()),
+                              ValueError, r"argument 'table' must be on the CPU, got device meta"),
+        "lookup ids nested": (lambda: native.lookup(table, _nested(ids), offsets, scales, out()),
+                              ValueError, r"argument 'ids' must be a strided tensor"),
+        "lookup offsets a list": (lambda: native.lookup(table, ids, [0, 1, 4], scales, out()),
+                                  TypeError, (r"argument 'offsets' must be a torch.Tensor, got "
+                                             r"list")),
+        "lookup offsets short": (lambda: native.lookup(table, ids, offsets[:2], scales, out()),
+                                 ValueError, r"argument 'offsets' must be of 3 elements, got 2"),
+        "lookup scales short": (lambda: native.lookup(table, ids, offsets, scales[:3], out()),
+                                ValueError, r"argument 'scales' must be of 4 elements, got 3"),
+        "lookup out narrow": (lambda: native.lookup(table, ids, offsets, scales, out(2, 3)),
+                              ValueError, r"argument 'out' must be of 8 elements, got 6"),
+        "lookup ids short": (lambda: native.lookup(table, ids, None, None, out(5)),
+                             ValueError, r"argument 'ids' must be of 5 elements, got 4"),
+        "lookup out 1-D": (lambda: native.lookup(table, ids, None, None, torch.empty(4)),
+                           ValueError, r"argument 'out' must be 2-D, got shape \(4,\)"),
+        "sparse_update acc of another rule": (
+            lambda: native.sparse_update(native.ROWWISE_ADAGRAD, table, acc, rows, hyper,
+                                         [torch.ones(2, 4)]),
+            ValueError, r"ec_sparse_update: argument 'acc' must be of 10 elements, got 40"),
+        "sparse_update acc missing": (
+            lambda: native.sparse_update(native.ADAGRAD, table, None, rows, hyper,
+                                         [torch.ones(2, 4)]),
+            ValueError, r"ec_sparse_update: rule 1 needs the accumulators 'acc'"),
+        "sparse_update unknown rule": (
+            lambda: native.sparse_update(7, table, acc, rows, hyper, [torch.ones(2, 4)]),
+            ValueError, r"rule 7 is none of SGD, ADAGRAD, ROWWISE_ADAGRAD"),
+        "sparse_update summed gradient short": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper, [torch.ones(1, 4)]),
+            ValueError, r"argument 'slices\[0\]' must be of 8 elements, got 4"),
+        "sparse_update part narrow": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(2, 3)], [0, 2], uoff, order),
+            ValueError, r"argument 'slices\[0\]' must be 4 columns wide"),
+        "sparse_update part float64": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(1, 4), torch.ones(1, 4, dtype=torch.float64)],
+                                         [0, 1, 2], uoff, order),
+            TypeError, r"argument 'slices\[1\]' must be torch.float32, got torch.float64"),
+        "sparse_update parts and starts disagree": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(1, 4), torch.ones(2, 4)], [0, 1, 2], uoff,
+                                         order),
+            ValueError, r"gradient part 1 must have starts\[2\] - starts\[1\] = 1 rows, got 2"),
+        "sparse_update several parts without starts": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(1, 4), torch.ones(1, 4)], None, uoff, order),
+            ValueError, r"2 gradient parts need their 'starts'"),
+        "sparse_update order without offsets": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(2, 4)], None, None, order),
+            ValueError, r"give both unique_offsets and order"),
+        "sparse_update bags short": (
+            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+                                         [torch.ones(2, 4)], [0, 2], uoff, order,
+                                         torch.tensor([0])),
+            ValueError, r"argument 'bags' must be of 2 elements, got 1"),
+        "sparse_update table meta": (
+            lambda: native.sparse_update(native.SGD, _meta(table), None, rows, hyper,
+                                         [torch.ones(2, 4)]),
+            ValueError, r"argument 'w' must be on the CPU, got device meta"),
+        "minmax empty": (lambda: native.minmax(torch.zeros(0, dtype=i64)),
+                         ValueError, r"ec_minmax: argument 'ids' must be non-empty"),
+        "offsets_error empty": (lambda: native.offsets_error(torch.zeros(0, dtype=i64), 0),
+                                ValueError, r"argument 'offsets' must be non-empty"),
+        "offsets_error nnz a float": (lambda: native.offsets_error(offsets, 4.0),
+                                      TypeError, r"ec_offsets_error: argument 'nnz' must be int64"),
+        "first_unordered 1-D": (lambda: native.first_unordered(ids),
+                                ValueError, r"argument 'idx' must be 2-D"),
+        "combiner_scales weights short": (
+            lambda: native.combiner_scales(offsets, torch.ones(3), "mean", 4),
+            ValueError, r"ec_combiner_scales: argument 'weights' must be of 4 elements"),
+        "combiner_scales unknown combiner": (
+            lambda: native.combiner_scales(offsets, None, "max", 4),
+            ValueError, r"combiner 'max' is none of \['mean', 'sqrtn', 'sum'\]"),
+        "bag_of offsets int32": (lambda: native.bag_of(offsets.int(), 4),
+                                 TypeError, r"ec_bag_of: argument 'offsets' must be torch.int64"),
+        "expand offsets short": (lambda: native.expand(rows, order, uoff[:2]),
+                                 ValueError, r"ec_expand: argument 'uoff' must be of 3 elements"),
+        "concat_dedup part int32": (
+            lambda: native.concat_dedup([ids, ids.int()], [0, 10], 20),
+            TypeError, r"ec_concat_dedup: argument 'parts\[1\]' must be torch.int64"),
+        "ConcatDedup part of another length": (
+            lambda: native.ConcatDedup([4, 3], [0, 10], 20)([ids, ids]),
+            ValueError, r"argument 'parts\[1\]' must be of 3 elements, got 4"),
+        "ConcatDedup column of another step": (
+            lambda: native.ConcatDedup([4], [0], 20)([torch.zeros(4, 3, dtype=i64)[:, 0]], [2]),
+            ValueError, r"argument 'parts\[0\]' must be 4 int64 CPU elements 2 apart"),
+        "ConcatDedup adds short": (lambda: native.ConcatDedup([4, 4], [0], 20),
+                                   ValueError, r"ConcatDedup: 2 parts but 1 adds"),
+        "dedup_raw ids meta": (lambda: native.dedup_raw(_meta(ids)),
+                               ValueError, r"ec_dedup_raw: argument 'ids' must be on the CPU"),
+        "copy_rows dst of another dtype": (
+            lambda: native.copy_rows(table, rows, torch.zeros(5, 4, dtype=torch.float64), rows),
+            TypeError, (r"ec_copy_rows: argument 'dst' must be torch.float32 \(as the rows it "
+                       r"pairs with\)")),
+        "copy_rows dst narrow": (
+            lambda: native.copy_rows(table, rows, torch.zeros(5, 3), rows),
+            ValueError, r"argument 'dst' must be 4 columns wide"),
+        "copy_rows src columns apart": (
+            lambda: native.copy_rows(torch.randn(4, 10).t(), rows, torch.zeros(5, 4), rows),
+            ValueError, r"argument 'src' must be of unit column stride"),
+        "copy_rows dst_rows short": (
+            lambda: native.copy_rows(table, rows, torch.zeros(5, 4), rows[:1]),
+            ValueError, r"argument 'dst_rows' must be of 2 elements, got 1"),
+        "will_need rows int32": (lambda: native.will_need(table, rows.int()),
+                                 TypeError, r"ec_will_need: argument 'rows' must be torch.int64"),
+        "cache_step where int64": (cache_step(where=torch.full((20,), -1, dtype=i64)),
+                                   TypeError, (r"ec_cache_step: argument 'where' must be "
+                                              r"torch.int32")),
+        "cache_step dirty float": (cache_step(dirty=torch.zeros(4)),
+                                   TypeError, (r"argument 'dirty' must be torch.uint8 or "
+                                              r"torch.bool")),
+        "cache_step stamp short": (cache_step(stamp=torch.zeros(3, dtype=i64)),
+                                   ValueError, r"argument 'stamp' must be of 4 elements, got 3"),
+        "cache_step counts of other members": (cache_step(counts=torch.zeros(3, 3, dtype=i64)),
+                                               ValueError, (r"argument 'counts' must be of 6 "
+                                                           r"elements, got 9")),
+        "cache_step n_free beyond the cache": (cache_step(n_free=5), ValueError,
+                                               r"n_free must lie in \[0, 4\]"),
+        "set_flags flags int64": (lambda: native.set_flags(torch.zeros(4, dtype=i64), rows, True),
+                                  TypeError, r"ec_set_flags: argument 'flags' must be"),
+        "vocab_find slots empty": (vocab_find(slots=torch.zeros(0, dtype=i64)), ValueError,
+                                   r"ec_vocab_find: argument 'slots' must be non-empty"),
+        "vocab_find last_use short": (vocab_find(last_use=torch.zeros(3, dtype=i64)),
+                                      ValueError, r"argument 'last_use' must be of 4 elements"),
+        "vocab_valid row_used short": (
+            lambda: native.vocab_valid(rows, torch.zeros(3, dtype=torch.bool),
+                                       torch.zeros(4, dtype=i64), 0),
+            ValueError, r"ec_vocab_valid: argument 'row_used' must be of 4 elements"),
+        "vocab_step freed short": (
+            lambda: native.vocab_step(vocab["slots"], vocab["row_key"],
+                                      torch.zeros(4, dtype=torch.uint8), vocab["last_use"],
+                                      torch.zeros(4, dtype=i64), torch.zeros(4, dtype=i64),
+                                      torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
+                                      1, 0, False, 0, 3, torch.zeros(2, dtype=i64)),
+            ValueError, r"ec_vocab_step: argument 'freed' must be of 3 elements, got 2"),
+        "init_normal table narrow": (
+            lambda: native.init_normal(0, ids, ids, (0, 5), 0.0, 1.0, 1.0, table),
+            ValueError, r"ec_init_normal: columns \(0, 5\) need a table 5 wide"),
+        "init_normal table float64": (
+            lambda: native.init_normal(0, ids, ids, (0, 4), 0.0, 1.0, 1.0, table.double()),
+            TypeError, r"argument 'table' must be torch.float32"),
+        "vocab_index slots int32": (
+            lambda: native.vocab_index(vocab["slots"].int(), vocab["row_key"],
+                                       torch.zeros(4, dtype=torch.uint8)),
+            TypeError, r"ec_vocab_index: argument 'slots' must be torch.int64"),
+        "f32 scales as int64": (lambda: native.lookup(table, ids, offsets, ids, out()),
+                                TypeError, (r"argument 'scales' must be torch.float32, got "
+                                           r"torch.int64 \(expected a contiguous CPU float32 "
+                                           r"tensor or None, read\)")),
+    }
+
+
+BOUNDARY_CASES = boundary_cases()
+
+
+@requires_native
+@pytest.mark.parametrize("case", sorted(BOUNDARY_CASES))
+def test_a_wrong_argument_is_a_clear_error_before_the_kernel_runs(case):
+    """Each wrapper checks every tensor it passes (dtype, layout, device, contiguity, length) and
+    raises, naming the kernel and the argument, instead of handing C a pointer it would read
+    past or misread (a meta or nested tensor's data pointer is 0)."""
+    call, error, message = BOUNDARY_CASES[case]
+    with pytest.raises(error, match=message):
+        call()
+
+
+@requires_native
+def test_a_refused_call_writes_nothing():
+    """The checks run before the kernel: a wrong argument leaves the outputs as they were."""
+    table, ids, offsets = torch.randn(10, 4), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 4])
+    out = torch.full((2, 4), float("nan"))
+    with pytest.raises(ValueError, match="'scales'"):
+        native.lookup(table, ids, offsets, torch.ones(3), out)
+    assert out.isnan().all()
+    before = table.clone()
+    with pytest.raises(ValueError, match="'acc'"):
+        native.sparse_update(native.ADAGRAD, table, torch.zeros(10, 3), torch.tensor([1]),
+                             native.Hyper(learning_rate=1.0), [torch.ones(1, 4)])
+    assert torch.equal(table, before)
+    # and the same calls with the right arguments do run
+    native.lookup(table, ids, offsets, torch.ones(4), out)
+    assert torch.equal(out, torch.stack([table[1], table[2:5].sum(0)]))
+
+
+def _c_functions() -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """The library's exported functions as the C source defines them: ``{name: (result type,
+    [(parameter, type)])}``, types without spaces (``const float*`` -> ``constfloat*``)."""
+    import re
+    functions = {}
+    for path in native._sources():
+        text = re.sub(r"//[^\n]*", "", path.read_text())
+        for m in re.finditer(r"((?:const\s+)?\w+\s*\*?)\s*\b(ec_\w+)\s*\(([^)]*)\)\s*\{", text):
+            params = []
+            for p in filter(None, (p.strip() for p in m[3].split(","))):
+                typ, name = re.fullmatch(r"(.*?)(\w+)", p).groups()
+                params.append((name, typ.replace(" ", "")))
+            functions[m[2]] = (m[1].replace(" ", ""), params)
+    return functions
+
+
+def _c_types(kind) -> set[str]:
+    """The C types a declared kind may stand for."""
+    scalars = {id(native.INT64): "i64", id(native.INT): "int", id(native.DOUBLE): "double",
+               id(native.STRING): "constchar*", id(native.HYPER): "constEcHyper*"}
+    if id(kind) in scalars:
+        return {scalars[id(kind)]}
+    const = "" if getattr(kind, "writes", True) else "const"
+    if isinstance(kind, native._Tensor):
+        base = {torch.float32: "float", torch.int64: "i64", torch.int32: "int32_t",
+                torch.uint8: "uint8_t"}[kind.dtypes[0]]
+        return {f"{const}{base}*"}
+    if isinstance(kind, native._Rows):
+        return {f"{const}char*"}
+    if isinstance(kind, native._Parts):
+        return {"consti64*const*"}
+    if isinstance(kind, native._Allocated):
+        return {"i64*"}
+    if isinstance(kind, native._Array):
+        return {ctypes.c_int64: {"i64*", "consti64*"},
+                ctypes.c_void_p: {"constfloat*const*"}}[kind.ctype._type_]
+    raise AssertionError(f"a kind without a C type: {kind!r}")
+
+
+def test_every_kernel_is_declared_as_the_c_source_defines_it():
+    """The Python declarations (native._KERNELS) and the C definitions agree: the same
+    functions, the same parameter names in the same order, each kind standing for its C type
+    (a tensor read through a const pointer, written through a plain one). Needs no compiler."""
+    c = _c_functions()
+    declared = {k.name: k for k in native._KERNELS}
+    assert set(c) - set(declared) == {"ec_dedup"}  # (called by ec_concat_dedup only)
+    results = {None: "void", native.INT64: "i64", native.INT: "int", native.DOUBLE: "double",
+               native.STRING: "constchar*"}
+    for name, kernel in declared.items():
+        result, params = c[name]
+        assert results[kernel.result] == result, name
+        assert [arg for arg, _ in kernel.args] == [p for p, _ in params], name
+        for (arg, kind), (_, typ) in zip(kernel.args, params, strict=True):
+            assert typ in _c_types(kind), f"{name}: {arg} is {typ} in C, declared {kind!r}"
+        assert name in kernel.source and repr(kernel).startswith(name + "(")
+
+
+def test_no_assert_guards_in_native():
+    """``python -O`` removes asserts: native.py guards with explicit raises only."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse(Path(native.__file__).read_text())
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+
+
+@requires_native
+def test_the_abi_version_has_one_source():
+    """native.ABI_VERSION reaches the library through the build's -DEC_ABI_VERSION: the built
+    library reports it, and no source file spells a version of its own."""
+    lib = native._load()
+    assert lib.ec_abi_version() == native.ABI_VERSION
+    assert native.DEFINES == (f"-DEC_ABI_VERSION={native.ABI_VERSION}",)
+    text = "\n".join(p.read_text() for p in native._sources())
+    assert "return EC_ABI_VERSION;" in text
+    assert "#define EC_ABI_VERSION" not in text
+    assert "ec_abi_version() { return EC_ABI_VERSION; }" in native.SOURCE.read_text()
+
+
+def test_a_build_without_the_abi_version_fails():
+    """The preprocessor alone (no compile): without -DEC_ABI_VERSION the translation unit stops
+    at its #error; with it, ec_abi_version returns native.ABI_VERSION."""
+    import subprocess
+    try:
+        cxx = native._compiler()
+    except OSError:
+        pytest.skip("no C++ compiler")
+    cmd = [cxx, "-E", "-P", "-std=c++17", str(native.SOURCE)]
+    bare = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+    assert bare.returncode != 0 and "-DEC_ABI_VERSION" in bare.stderr
+    defined = subprocess.run(cmd[:2] + list(native.DEFINES) + cmd[2:], check=False,
+                             capture_output=True, text=True, timeout=120)
+    assert defined.returncode == 0, defined.stderr[-2000:]
+    assert f"int ec_abi_version() {{ return {native.ABI_VERSION}; }}" in defined.stdout
+
+
+def test_the_build_key_covers_every_source_file_and_the_abi_version(tmp_path, monkeypatch):
+    """A change to any header or to ABI_VERSION builds a new library (a new cache key)."""
+    import shutil
+    csrc = tmp_path / "csrc"
+    shutil.copytree(native.CSRC, csrc)
+    sources = native._sources(csrc)
+    assert {p.name for p in sources} >= {"kernels.cpp", "common.h", "pool.h", "dedup.h",
+                                         "lookup.h", "update.h", "vocab.h", "cache_index.h"}
+    key = native._build_key("c++", ["c++ 1"], csrc)
+    assert native._build_key("c++", ["c++ 1"], csrc) == key
+    seen = {key}
+    for p in sources:
+        text = p.read_text()
+        p.write_text(text + "\n// changed\n")
+        seen.add(native._build_key("c++", ["c++ 1"], csrc))
+        p.write_text(text)
+    assert len(seen) == len(sources) + 1  # every file moved the key
+    monkeypatch.setattr(native, "DEFINES", ("-DEC_ABI_VERSION=999",))
+    assert native._build_key("c++", ["c++ 1"], csrc) not in seen
+
+
+def test_kernels_cpp_includes_every_header_and_the_package_ships_them():
+    """One translation unit: kernels.cpp includes each header of csrc/ (so one compiler call
+    builds them all); pyproject's package-data ships every source file (the kernels are
+    compiled from the installed package)."""
+    import fnmatch
+    import re
+    tomllib = pytest.importorskip("tomllib")
+    headers = {p.name for p in native._sources() if p.suffix == ".h"}
+    included = set(re.findall(r'#include "([\w.]+)"', native.SOURCE.read_text()))
+    assert headers and included == headers
+    pyproject = native.CSRC.parents[2] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed package: no pyproject.toml beside it")
+    globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["embcore"]
+    for p in native._sources():
+        relative = p.relative_to(native.CSRC.parents[1]).as_posix()
+        assert any(fnmatch.fnmatch(relative, g) for g in globs), relative

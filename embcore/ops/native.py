@@ -1,16 +1,25 @@
-"""The fused CPU kernels (``csrc/kernels.cpp``): built on first use, loaded with ctypes.
+"""The fused CPU kernels (``csrc/``): built on first use, loaded with ctypes.
 
 The kernels are plain C++ (their own small thread pool, no OpenMP runtime, no torch headers),
 so they build in a few seconds with the system's C++ compiler and do not depend on torch's C++
-ABI. The first call compiles them
-into a cache (``$XDG_CACHE_HOME/embcore``, else ``~/.cache/embcore``, else the temp directory),
-keyed by the source, the compiler and this CPU; later processes load the cached library. Where no
-compiler works, ``available`` is False, a ``RuntimeWarning`` says why once, and every caller
-uses its torch-ops twin (same results, slower).
+ABI. ``csrc/kernels.cpp`` includes the kernels' headers (``csrc/*.h``, one per concern): one
+translation unit, one compiler call, one library. The first call compiles it into a cache
+(``$XDG_CACHE_HOME/embcore``, else ``~/.cache/embcore``, else the temp directory), keyed by every
+source file, the flags (``ABI_VERSION`` among them), the compiler and this CPU; later processes
+load the cached library. Where no compiler works, ``available`` is False, a ``RuntimeWarning``
+says why once, and every caller uses its torch-ops twin (same results, slower).
 
-Every wrapper takes and returns torch tensors (contiguous CPU float32 / int64) and is tested
-against ``ops/reference.py`` and ``ops/reference_optim.py``. ``set_enabled(False)`` switches the
-kernels off for this process (tests use it to exercise the torch-ops path).
+Every C function is declared here once, next to its wrapper, as a list of its arguments by name
+and kind (``read(I64)``: a contiguous CPU int64 tensor the kernel reads; ``INT64``: a scalar;
+...): the ctypes signature and the checks of every call come from that list. A tensor of the
+wrong dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and
+the argument, raised before the kernel runs. The values inside index tensors (ids within the
+table, offsets within the ids) are the callers' contract: they are checked where the inputs come
+in (``inputs/canonical.py``, ``ConcatDedup``'s limits), not on every call.
+
+Every wrapper takes and returns torch tensors and is tested against ``ops/reference.py`` and
+``ops/reference_optim.py``. ``set_enabled(False)`` switches the kernels off for this process
+(tests use it to exercise the torch-ops path).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import hashlib
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -29,22 +39,28 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
-ABI_VERSION = 10  # ec_abi_version(): 2 since ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
+# The kernels' ABI version, its one source: the build passes it as -DEC_ABI_VERSION (the
+# library's ec_abi_version() returns it) and _load refuses a library reporting another. Bumped
+# when a kernel's arguments or EcHyper change (2: ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
 # 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
-# 9: ec_cache_step's threads, 10: ec_will_need
+# 9: ec_cache_step's threads, 10: ec_will_need).
+ABI_VERSION = 10
+DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
-# Optimizer rules of ec_sparse_update (the enum in kernels.cpp).
+# Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
 
 class Hyper(ctypes.Structure):
-    """The optimizer hyper-parameters of ``sparse_update``, by name: kernels.cpp's ``EcHyper``.
+    """The optimizer hyper-parameters of ``sparse_update``, by name: csrc/update.h's ``EcHyper``.
 
     The fields (doubles, in this order, as the C++ struct; ``_load`` checks that both sides
     agree) and their "option off" defaults:
@@ -97,40 +113,382 @@ _tried = False
 _enabled = True
 _error: str | None = None
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_HP = ctypes.POINTER(Hyper)
-_SIGNATURES = {
-    "ec_abi_version": (ctypes.c_int, []),
-    "ec_hyper_size": (_I, []),
-    "ec_hyper_field_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "ec_hyper_field": (ctypes.c_double, [_HP, ctypes.c_int]),
-    "ec_concat_dedup": (_I, [_P, _P, _P, _P, _P, _I, ctypes.c_int, _P, _P, _P, _P,
-                             ctypes.c_int]),
-    "ec_lookup": (None, [_P, _I, _P, _P, _P, _I, _P, ctypes.c_int]),
-    "ec_sparse_update": (None, [ctypes.c_int, _P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I,
-                                _HP, ctypes.c_int]),
-    "ec_bag_of": (None, [_P, _I, _P]),
-    "ec_copy_rows": (None, [_P, _I, _P, _P, _I, _P, _I, _I, ctypes.c_int]),
-    "ec_minmax": (None, [_P, _I, _P]),
-    "ec_offsets_error": (_I, [_P, _I, _I]),
-    "ec_first_unordered": (_I, [_P, _I, _I]),
-    "ec_combiner_scales": (None, [_P, _I, _P, ctypes.c_int, _P]),
-    "ec_dedup_raw": (_I, [_P, _I, _P, _P, _P, _P]),
-    "ec_vocab_find": (_I, [_P, _I, _P, _P, _I, _P, _I, _I, _P, ctypes.c_int]),
-    "ec_vocab_valid": (_I, [_P, _I, _P, _P, _I, _I, _P]),
-    "ec_vocab_split": (_I, [_P, _P, _I, _P, _P, _P]),
-    "ec_vocab_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _I, _P, _I, _P, _I, _I, _I, ctypes.c_int,
-                           _P, _P, _I, _P]),
-    "ec_vocab_index": (None, [_P, _I, _P, _P, _I]),
-    "ec_cache_step": (_I, [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I,
-                           _P, _P, ctypes.c_int]),
-    "ec_set_flags": (None, [_P, _P, _I, ctypes.c_int]),
-    "ec_will_need": (_I, [_P, _I, _P, _I, _I]),
-    "ec_expand": (None, [_P, _P, _P, _I, _P]),
-    "ec_init_normal": (None, [_I, _P, _P, _I, _I, _I, ctypes.c_double, ctypes.c_double,
-                              ctypes.c_double, _P, _I]),
-}
+
+# ---- the kernels' arguments, by name and kind --------------------------------------------------
+# A kernel is declared as [(name, kind), ...] in the C function's order, with the C names. The
+# kinds (below) give each argument's ctypes type and, for the tensors and the Hyper, the check of
+# every call: a tensor argument is passed as ``(tensor, n)``, n its number of elements where the
+# wrapper knows it (None: any), and arrives in C as the address of its data.
+
+F32, I64, I32 = (torch.float32,), (torch.int64,), (torch.int32,)
+U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as they are
+ANY = None  # any dtype (row moves: bytes)
+_DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
+                torch.uint8: "_uint8", torch.bool: "_bool"}
+_CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
+
+
+def _rejected(kernel: str, arg: str, what: str, got: str, expected: object,
+              error: type[Exception] = ValueError) -> Exception:
+    """The error of every failed check: the kernel, the argument, what it must be and what came."""
+    return error(f"{kernel}: argument {arg!r} must be {what}, got {got} (expected {expected})")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} and strides {t.stride()}"
+
+
+class _Scalar:
+    """A number passed by value (ctypes converts it; a wrong type is a TypeError at the call)."""
+
+    checked = False
+
+    def __init__(self, ctype: Any, name: str) -> None:
+        self.ctype, self.name = ctype, name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+INT64 = _Scalar(ctypes.c_int64, "int64")
+INT = _Scalar(ctypes.c_int, "int")
+DOUBLE = _Scalar(ctypes.c_double, "double")
+STRING = _Scalar(ctypes.c_char_p, "string")
+
+
+class _Tensor:
+    """A contiguous, strided CPU tensor of one of ``dtypes``, passed as the address of its data;
+    ``writes``: the kernel writes it (it may read it too); ``optional``: None passes nullptr;
+    ``dim``: its number of dimensions, where the wrapper reads its shape; ``nonempty``: the
+    kernel reads its first element whatever the length. Passed as ``(tensor, n)``: n its number
+    of elements, or None where the wrapper does not know it."""
+
+    checked = True
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...], *, writes: bool, optional: bool = False,
+                 dim: int | None = None, nonempty: bool = False) -> None:
+        self.dtypes, self.writes, self.optional = dtypes, writes, optional
+        self.dim, self.nonempty = dim, nonempty
+        self._ok = eval(f"lambda t, n: {self.condition('t', 'n')}", dict(_CHECK_SCOPE))
+
+    def __repr__(self) -> str:
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        dim = f" {self.dim}-D" if self.dim is not None else ""
+        return (f"a contiguous{dim} CPU {dtypes} tensor{' (non-empty)' if self.nonempty else ''}"
+                f"{' or None' if self.optional else ''}, {'written' if self.writes else 'read'}")
+
+    def condition(self, t: str, n: str) -> str:
+        """The check, as a Python expression over the tensor ``t`` and the length ``n`` (compiled
+        into every kernel's call, see ``_Kernel``: one condition of attribute reads, about 0.3
+        us a tensor)."""
+        dtypes = " or ".join(f"{t}.dtype is {_DTYPE_NAMES[d]}" for d in self.dtypes)
+        parts = [f"({dtypes})" if len(self.dtypes) > 1 else dtypes,
+                 f"{t}.layout is _strided", f"{t}.is_cpu", f"{t}.is_contiguous()",
+                 f"({n} is None or {t}.numel() == {n})"]
+        if self.dim is not None:
+            parts.append(f"{t}.dim() == {self.dim}")
+        if self.nonempty:
+            parts.append(f"{t}.numel() > 0")
+        return " and ".join(parts)
+
+    def address(self, kernel: str, arg: str, value: tuple[Any, int | None],
+                index: int | None = None) -> int | None:
+        """The data's address of ``value = (tensor, n)`` after the checks (``index``: the
+        argument is element ``index`` of a list)."""
+        t, n = value
+        if t is None and self.optional:
+            return None
+        try:
+            if self._ok(t, n):
+                return t.data_ptr()
+        except AttributeError:
+            pass
+        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, n)
+
+    def failure(self, kernel: str, arg: str, t: Any, n: int | None) -> Exception:
+        """The error of a check that failed: the first requirement ``t`` breaks."""
+        if not isinstance(t, torch.Tensor):
+            return _rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
+        if t.dtype not in self.dtypes:
+            return _rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
+                             TypeError)
+        if t.layout is not torch.strided:
+            return _rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
+        if not t.is_cpu:
+            return _rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
+        if not t.is_contiguous():
+            return _rejected(kernel, arg, "contiguous", _shape(t), self)
+        if self.dim is not None and t.dim() != self.dim:
+            return _rejected(kernel, arg, f"{self.dim}-D", f"shape {tuple(t.shape)}", self)
+        if n is not None and t.numel() != n:
+            return _rejected(kernel, arg, f"of {n} elements", f"{t.numel()} (shape "
+                             f"{tuple(t.shape)})", self)
+        return _rejected(kernel, arg, "non-empty", f"shape {tuple(t.shape)}", self)
+
+
+def read(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
+         nonempty: bool = False) -> _Tensor:
+    """A tensor argument the kernel only reads (``_Tensor``)."""
+    return _Tensor(dtypes, writes=False, optional=optional, dim=dim, nonempty=nonempty)
+
+
+def written(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
+            nonempty: bool = False) -> _Tensor:
+    """A tensor argument the kernel writes, and may read (``_Tensor``)."""
+    return _Tensor(dtypes, writes=True, optional=optional, dim=dim, nonempty=nonempty)
+
+
+class _Rows:
+    """A 2-D strided CPU tensor whose rows are each contiguous (unit column stride, any row
+    stride: a column slice of a wider tensor, a record's field in a mapped file), passed as the
+    address of its data. ``value = (tensor, like)``: ``like`` None, or a tensor whose dtype and
+    width it must have."""
+
+    checked = True
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None, *, writes: bool) -> None:
+        self.dtypes, self.writes = dtypes, writes
+        dtype = ("" if dtypes is None else
+                 "(" + " or ".join(f"t.dtype is {_DTYPE_NAMES[d]}" for d in dtypes) + ") and ")
+        self._ok = eval(f"lambda t, like: {dtype}t.layout is _strided and t.is_cpu and "
+                        f"t.dim() == 2 and (t.is_contiguous() or t.stride(1) == 1 or "
+                        f"t.shape[1] <= 1) and (like is None or (t.dtype is like.dtype and "
+                        f"t.shape[1] == like.shape[1]))", dict(_CHECK_SCOPE))
+
+    def __repr__(self) -> str:
+        dtypes = "" if self.dtypes is None else "/".join(str(d).removeprefix("torch.")
+                                                       for d in self.dtypes) + " "
+        return (f"a 2-D CPU {dtypes}tensor with unit column stride (rows of contiguous "
+                f"elements, any row stride), {'written' if self.writes else 'read'}")
+
+    def address(self, kernel: str, arg: str, value: tuple[Any, torch.Tensor | None],
+                index: int | None = None) -> int:
+        """The data's address of ``value = (tensor, like)`` after the checks (``index``: the
+        argument is element ``index`` of a list)."""
+        t, like = value
+        try:
+            if self._ok(t, like):
+                return t.data_ptr()
+        except AttributeError:
+            pass
+        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, like)
+
+    def failure(self, kernel: str, arg: str, t: Any, like: torch.Tensor | None) -> Exception:
+        """The error of a check that failed: the first requirement ``t`` breaks."""
+        if not isinstance(t, torch.Tensor):
+            return _rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
+        if self.dtypes is not None and t.dtype not in self.dtypes:
+            return _rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
+                             TypeError)
+        if like is not None and t.dtype != like.dtype:
+            return _rejected(kernel, arg, f"{like.dtype} (as the rows it pairs with)",
+                             str(t.dtype), self, TypeError)
+        if t.layout is not torch.strided:
+            return _rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
+        if not t.is_cpu:
+            return _rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
+        if t.dim() != 2:
+            return _rejected(kernel, arg, "2-D", f"shape {tuple(t.shape)}", self)
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            return _rejected(kernel, arg, "of unit column stride", _shape(t), self)
+        return _rejected(kernel, arg, f"{like.shape[1]} columns wide (as the rows it pairs with)",
+                         f"shape {tuple(t.shape)}", self)
+
+
+def read_rows(dtypes: tuple[torch.dtype, ...] | None) -> _Rows:
+    """Rows the kernel only reads (``_Rows``)."""
+    return _Rows(dtypes, writes=False)
+
+
+def written_rows(dtypes: tuple[torch.dtype, ...] | None) -> _Rows:
+    """Rows the kernel writes (``_Rows``)."""
+    return _Rows(dtypes, writes=True)
+
+
+class _Parts:
+    """The addresses of a list of int64 CPU tensors (``ec_concat_dedup``'s ``parts``), passed as
+    a ``const i64* const*``. ``value = (parts, lens, steps)``: part p has ``lens[p]`` elements,
+    ``steps[p]`` apart (``steps`` None: contiguous)."""
+
+    checked = True
+    ctype = ctypes.POINTER(ctypes.c_void_p)
+    _one = read(I64)
+
+    def __repr__(self) -> str:
+        return "a list of CPU int64 tensors, each contiguous or one column of a wider one, read"
+
+    def address(self, kernel: str, arg: str, value: tuple[Sequence[torch.Tensor], Sequence[int],
+                                                        Sequence[int] | None]) -> Any:
+        parts, lens, steps = value
+        if len(parts) != len(lens):
+            raise _rejected(kernel, arg, f"a list of {len(lens)} tensors", f"{len(parts)}", self)
+        addresses = []
+        for p, (t, n) in enumerate(zip(parts, lens)):
+            step = 1 if steps is None else steps[p]
+            if step == 1:
+                addresses.append(self._one.address(kernel, arg, (t, n), p))
+                continue
+            try:  # a column: n elements, step apart
+                ok = (t.dtype is torch.int64 and t.layout is torch.strided and t.is_cpu
+                      and t.numel() == n and (n <= 1 or (t.shape[0] == n and t.stride(0) == step)))
+            except AttributeError:
+                ok = False
+            if not ok:
+                raise _rejected(kernel, f"{arg}[{p}]", f"{n} int64 CPU elements {step} apart",
+                                repr(t) if not isinstance(t, torch.Tensor) else
+                                f"{t.dtype} {t.device} {_shape(t)}", self)
+            addresses.append(t.data_ptr())
+        return _array(ctypes.c_void_p, len(addresses))(*addresses)
+
+
+class _Array:
+    """A ctypes array the wrapper builds (lengths, offsets, the addresses of a list of tensors,
+    a few numbers in and out), passed as a pointer to its first element; None: nullptr."""
+
+    checked = False
+
+    def __init__(self, ctype: Any) -> None:
+        self.ctype = ctypes.POINTER(ctype)
+
+    def __repr__(self) -> str:
+        return f"an array of {self.ctype._type_.__name__}"
+
+
+def array(ctype: Any) -> _Array:
+    """An array argument the wrapper builds (``_Array``)."""
+    return _Array(ctype)
+
+
+class _Allocated:
+    """An address inside a buffer the wrapper has just allocated for the kernel's outputs (one
+    ``torch.empty`` of the right dtype, split by address arithmetic: a view would cost a
+    microsecond each), written by the kernel."""
+
+    checked = False
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        self.dtypes = dtypes
+
+    def __repr__(self) -> str:
+        return f"an address in a new {self.dtypes[0]} buffer"
+
+
+def allocated(dtypes: tuple[torch.dtype, ...]) -> _Allocated:
+    """An output address inside the wrapper's own buffer (``_Allocated``)."""
+    return _Allocated(dtypes)
+
+
+class _HyperArg:
+    """A ``Hyper``, passed by reference as a ``const EcHyper*``."""
+
+    checked = True
+    ctype = ctypes.POINTER(Hyper)
+
+    def __repr__(self) -> str:
+        return "a native.Hyper"
+
+    def address(self, kernel: str, arg: str, value: Any) -> Any:
+        if isinstance(value, Hyper):
+            return value  # (ctypes passes an instance to a POINTER argument by reference)
+        raise _rejected(kernel, arg, "a native.Hyper", type(value).__name__, self, TypeError)
+
+
+HYPER = _HyperArg()
+
+_Kind = _Scalar | _Tensor | _Rows | _Parts | _Array | _Allocated | _HyperArg
+_KERNELS: list[_Kernel] = []  # every declared kernel, bound when the library loads
+
+
+class _Kernel:
+    """One C function of the library: its name, result and arguments ``(name, kind)`` in order.
+
+    ``call(*values)`` takes the arguments in that order (a tensor as ``(tensor, n)``), checks
+    each checked one, passes it as its kind says and returns the C function's result. It is
+    compiled from the declaration when the library loads (``source``: one function per kernel
+    with the tensors' checks written out, as ``dataclasses`` compiles its methods): a generic
+    loop over the arguments cost twice the checks themselves, on calls of a few microseconds.
+    """
+
+    def __init__(self, name: str, result: _Scalar | None,
+                 args: Sequence[tuple[str, _Kind]]) -> None:
+        self.name, self.result, self.args = name, result, tuple(args)
+        names = [arg for arg, _ in self.args]
+        if len(set(names)) != len(names) or any(not arg.isidentifier() or arg.startswith("_")
+                                                for arg in names):
+            raise RuntimeError(f"{name}: argument names must be distinct identifiers without a "
+                               f"leading underscore, got {names}")
+        self.source = self._source()
+        self.call: Any = self._first_call  # the compiled call once the library has loaded
+        _KERNELS.append(self)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{arg}: {kind!r}" for arg, kind in self.args)
+        return f"{self.name}({args}) -> {self.result!r}"
+
+    def _source(self) -> str:
+        """The checking call's Python source (``fn``: the library's function)."""
+        names = ", ".join(arg for arg, _ in self.args)
+        lines = [f"def {self.name}({names}):"]
+        for i, (arg, kind) in enumerate(self.args):
+            if isinstance(kind, _Tensor):  # written out: the hot path
+                check = [  # (the temporaries' underscores: no C argument's name has one)
+                    f"_t, _n = {arg}",
+                    "try:",
+                    f"    _ok = {kind.condition('_t', '_n')}",
+                    "except AttributeError:",
+                    "    _ok = False",
+                    "if not _ok:",
+                    f"    raise kinds[{i}].failure({self.name!r}, {arg!r}, _t, _n)",
+                    f"{arg} = _t.data_ptr()"]
+                if kind.optional:
+                    check = [f"if {arg}[0] is None:", f"    {arg} = None",
+                             "else:", *("    " + line for line in check)]
+                lines += ["    " + line for line in check]
+            elif kind.checked:
+                lines.append(f"    {arg} = kinds[{i}].address({self.name!r}, {arg!r}, {arg})")
+        lines += ["    try:",
+                  f"        return fn({names})",
+                  "    except ArgumentError as e:  # a scalar of the wrong type",
+                  "        raise kernel.argument_error(e) from None"]
+        return "\n".join(lines)
+
+    def signature(self, lib: ctypes.CDLL) -> Any:
+        """The library's function, its ctypes signature set from the declaration."""
+        fn = getattr(lib, self.name)
+        fn.restype = None if self.result is None else self.result.ctype
+        fn.argtypes = [kind.ctype for _, kind in self.args]
+        return fn
+
+    def bind(self, fn: Any) -> None:
+        """Compiles ``call`` around the library's function ``fn``."""
+        scope = dict(_CHECK_SCOPE, fn=fn, kinds=[kind for _, kind in self.args], kernel=self,
+                     ArgumentError=ctypes.ArgumentError)
+        exec(compile(self.source, f"<kernel {self.name}>", "exec"), scope)
+        self.call = scope[self.name]
+
+    def _first_call(self, *values: Any) -> Any:
+        if _load() is None or self.call == self._first_call:
+            raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
+                               f"({_error}); callers check native.usable() first")
+        return self.call(*values)
+
+    def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
+        """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""
+        found = re.match(r"argument (\d+): (.*)", str(e))
+        if found is None or not 1 <= int(found[1]) <= len(self.args):
+            return TypeError(f"{self.name}: {e}")
+        arg, kind = self.args[int(found[1]) - 1]
+        return TypeError(f"{self.name}: argument {arg!r} must be {kind!r}: {found[2]}")
+
+
+# The library's own description, read at load time.
+_ABI_VERSION_OF = _Kernel("ec_abi_version", INT, [])
+_HYPER_SIZE = _Kernel("ec_hyper_size", INT64, [])
+_HYPER_FIELD_NAME = _Kernel("ec_hyper_field_name", STRING, [("i", INT)])
+_HYPER_FIELD = _Kernel("ec_hyper_field", DOUBLE, [("h", HYPER), ("i", INT)])
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -192,22 +550,33 @@ def _compiler() -> str:
     raise OSError("no C++ compiler (c++, g++ or clang++) on PATH")
 
 
+def _sources(csrc: Path = CSRC) -> list[Path]:
+    """Every source file of the library (``kernels.cpp`` and the headers it includes)."""
+    return sorted(p for p in csrc.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+def _build_key(cxx: str, version: Sequence[str], csrc: Path = CSRC) -> str:
+    """The cache key of a build: every source file by name and content, the flags and defines
+    (``ABI_VERSION``), the compiler and this CPU."""
+    parts = [f"{p.name}\n{p.read_text()}" for p in _sources(csrc)]
+    return hashlib.sha256("\n".join([*parts, " ".join(FLAGS + DEFINES), cxx, *version,
+                                     _cpu_signature()]).encode()).hexdigest()[:16]
+
+
 def _build() -> Path:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                              timeout=60).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, *version,
-                                    _cpu_signature()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kernels-{key}.so"
+    target = _cache_dir() / f"kernels-{_build_key(cxx, version)}.so"
     if target.exists():
         return target
     print(f"embcore: compiling the fused CPU kernels into {target.parent} (once per machine and "
           f"version, a few seconds)", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    try:
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=600)
+    try:  # one translation unit: kernels.cpp includes the headers
+        proc = subprocess.run([cxx, *FLAGS, *DEFINES, str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise OSError(f"{Path(cxx).name} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders (torchrun ranks) each win whole
@@ -226,14 +595,15 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         try:
             lib = ctypes.CDLL(str(_build()))
-            for name, (res, args) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = res, args
+            functions = [(kernel, kernel.signature(lib)) for kernel in _KERNELS]
             if lib.ec_abi_version() != ABI_VERSION:
-                raise OSError("stale kernel library (ABI version mismatch)")
+                raise OSError(f"stale kernel library (ABI version {lib.ec_abi_version()}, "
+                              f"expected {ABI_VERSION})")
             mismatch = hyper_layout_errors(lib)
             if mismatch:
                 raise OSError("Hyper and the kernels' EcHyper disagree: " + "; ".join(mismatch))
+            for kernel, fn in functions:
+                kernel.bind(fn)
             _lib = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             _error = f"{type(e).__name__}: {e}"
@@ -268,7 +638,7 @@ def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -
     h = cls.from_buffer_copy(bytes(ctypes.sizeof(cls)))  # zeros, without __init__
     for i, name in enumerate(names):
         setattr(h, name, 1.5 + i)
-    ptr = ctypes.cast(ctypes.pointer(h), _HP)
+    ptr = ctypes.cast(ctypes.pointer(h), HYPER.ctype)
     for i, name in enumerate(cpp):
         if name in names and lib.ec_hyper_field(ptr, i) != getattr(h, name):
             errors.append(f"field {name!r} does not round-trip")
@@ -285,10 +655,6 @@ def _array(ctype: type, n: int) -> type:
     if t is None:
         t = _ARRAYS[key] = ctype * n
     return t
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class _Local(threading.local):
@@ -350,7 +716,8 @@ def dedup(ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor,
         ``(unique (U,), order (nnz,), unique_offsets (U + 1,))``.
     """
     got = concat_dedup([ids], [0], num_rows)
-    assert not isinstance(got, int)  # (no limits: always a result)
+    if isinstance(got, int):
+        raise RuntimeError("ec_concat_dedup reported an id out of range without limits")
     _, unique, order, uoff = got
     return unique, order, uoff
 
@@ -374,6 +741,22 @@ def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: i
     return ConcatDedup([t.numel() for t in parts], adds, num_rows, limits)(parts)
 
 
+_CONCAT_DEDUP = _Kernel("ec_concat_dedup", INT64, [
+    ("parts", _Parts()),                 # (nparts,) part p: lens[p] ids, steps[p] apart
+    ("lens", array(ctypes.c_int64)),     # (nparts,)
+    ("steps", array(ctypes.c_int64)),    # (nparts,), or None: all 1
+    ("adds", array(ctypes.c_int64)),     # (nparts,) added to part p's ids
+    ("limits", array(ctypes.c_int64)),   # (nparts,) part p's ids in [0, limits[p]), or None
+    ("nparts", INT64),
+    ("bits", INT),                       # the shifted ids lie in [0, 2^bits)
+    ("ids_out", allocated(I64)),         # (n,) the shifted ids, n = sum of lens
+    ("order", allocated(I64)),           # (n,)
+    ("unique", allocated(I64)),          # (U,)
+    ("uoff", allocated(I64)),            # (U + 1,)
+    ("nt", INT),
+])
+
+
 class ConcatDedup:
     """``concat_dedup`` for parts of fixed lengths: the call's fixed arguments converted once
     (the dense path makes one per batch layout and calls it every step)."""
@@ -381,31 +764,43 @@ class ConcatDedup:
     def __init__(self, lens: Sequence[int], adds: Sequence[int], num_rows: int,
                  limits: Sequence[int] | None = None) -> None:
         k = len(lens)
+        if len(adds) != k or (limits is not None and len(limits) != k):
+            raise ValueError(f"ConcatDedup: {k} parts but {len(adds)} adds and "
+                             f"{None if limits is None else len(limits)} limits; give one each")
         longs = _array(ctypes.c_int64, k)
-        self.k, self.n = k, sum(lens)
+        self.k, self.n, self.sizes = k, sum(lens), list(lens)
         self.lens, self.adds, self._longs = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
         self.bits = max(int(num_rows) - 1, 1).bit_length()
-        self.pointers = _array(ctypes.c_void_p, k)
 
     def __call__(self, parts: Sequence[torch.Tensor], steps: Sequence[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
         """``parts``: int64 CPU tensors of the lengths given, contiguous, or ``steps[i]``
         elements apart (e.g. a column of a wider batch) when ``steps`` are given."""
-        lib = _load()
-        assert lib is not None
         n = self.n
         buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
         base = buf.data_ptr()
-        u = lib.ec_concat_dedup(self.pointers(*[t.data_ptr() for t in parts]), self.lens,
-                                None if steps is None else self._longs(*steps), self.adds,
-                                self.limits, self.k, self.bits, base, base + 8 * n,
-                                base + 16 * n, base + 24 * n, _threads())
+        u = _CONCAT_DEDUP.call((parts, self.sizes, steps), self.lens,
+                               None if steps is None else self._longs(*steps), self.adds,
+                               self.limits, self.k, self.bits, base, base + 8 * n, base + 16 * n,
+                               base + 24 * n, _threads())
         if u < 0:
             return -1 - u
         # the four views in one call (a view costs about a microsecond: this runs every step)
         ids, order, unique, _, uoff, _ = buf.split_with_sizes([n, n, u, n - u, u + 1, n - u])
         return ids, unique, order, uoff
+
+
+_LOOKUP = _Kernel("ec_lookup", None, [
+    ("table", read(F32, dim=2)),              # (N, d)
+    ("d", INT64),
+    ("ids", read(I64)),                       # (nnz,) rows of table
+    ("offsets", read(I64, optional=True)),    # (r_rows + 1,); None: bag r is ids[r] alone
+    ("scales", read(F32, optional=True)),     # (nnz,); None: all 1
+    ("r_rows", INT64),
+    ("out", written(F32, dim=2)),             # (r_rows, d)
+    ("nt", INT),
+])
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
@@ -419,24 +814,41 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
         scales: (nnz,) float32, or None for 1.
         out: (R, D) contiguous float32, written.
     """
-    lib = _load()
-    assert lib is not None
-    rows = out.shape[0]
-    lib.ec_lookup(table.data_ptr(), table.shape[1], ids.data_ptr(), _ptr(offsets), _ptr(scales),
-                  rows, out.data_ptr(), _threads())
+    d, r = table.shape[-1], out.shape[0]
+    _LOOKUP.call((table, None), d, (ids, r if offsets is None else None), (offsets, r + 1),
+                 (scales, ids.numel()), r, (out, r * d), _threads())
     return out
+
+
+_COPY_ROWS = _Kernel("ec_copy_rows", None, [
+    ("src", read_rows(ANY)),          # rows src_stride bytes apart
+    ("src_stride", INT64),
+    ("src_rows", read(I64)),          # (n,)
+    ("dst", written_rows(ANY)),       # rows dst_stride bytes apart, src's dtype and width
+    ("dst_stride", INT64),
+    ("dst_rows", read(I64)),          # (n,)
+    ("n", INT64),
+    ("row_bytes", INT64),
+    ("nt", INT),
+])
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
               dst_rows: torch.Tensor) -> None:
     """``dst[dst_rows] = src[src_rows]`` in one pass: 2-D CPU tensors of one dtype and width,
     rows contiguous; ``src_rows`` / ``dst_rows`` (n,) int64, contiguous, in range."""
-    lib = _load()
-    assert lib is not None
-    size = src.element_size()
-    lib.ec_copy_rows(src.data_ptr(), src.stride(0) * size, src_rows.data_ptr(), dst.data_ptr(),
-                     dst.stride(0) * size, dst_rows.data_ptr(), src_rows.numel(),
-                     src.shape[1] * size, _threads())
+    size, n = src.element_size(), src_rows.numel()
+    _COPY_ROWS.call((src, None), src.stride(0) * size, (src_rows, None), (dst, src),
+                    dst.stride(0) * size, (dst_rows, n), n, src.shape[-1] * size, _threads())
+
+
+_WILL_NEED = _Kernel("ec_will_need", INT64, [
+    ("base", read_rows(ANY)),         # rows stride bytes apart
+    ("stride", INT64),
+    ("rows", read(I64)),              # (n,)
+    ("n", INT64),
+    ("row_bytes", INT64),
+])
 
 
 def will_need(src: torch.Tensor, rows: torch.Tensor) -> int:
@@ -444,73 +856,131 @@ def will_need(src: torch.Tensor, rows: torch.Tensor) -> int:
     of ``src`` (a 2-D CPU tensor of a mapped file, rows contiguous; each row's whole stride:
     a record's other fields too) ahead (``madvise(MADV_WILLNEED)``); returns the system calls
     made."""
-    lib = _load()
-    assert lib is not None
     size = src.element_size()
-    return lib.ec_will_need(src.data_ptr(), src.stride(0) * size, rows.data_ptr(), rows.numel(),
-                            max(src.stride(0), src.shape[1]) * size)
+    return _WILL_NEED.call((src, None), src.stride(0) * size, (rows, None), rows.numel(),
+                           max(src.stride(0), src.shape[-1]) * size)
+
+
+_BAG_OF = _Kernel("ec_bag_of", None, [
+    ("offsets", read(I64)),           # (r_rows + 1,)
+    ("r_rows", INT64),
+    ("bags", written(I64)),           # (nnz,)
+])
 
 
 def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     """(nnz,) int64: the bag of every occurrence."""
-    lib = _load()
-    assert lib is not None
     out = torch.empty(nnz, dtype=torch.int64)
-    lib.ec_bag_of(offsets.data_ptr(), offsets.numel() - 1, out.data_ptr())
+    _BAG_OF.call((offsets, None), offsets.numel() - 1, (out, nnz))
     return out
+
+
+_EXPAND = _Kernel("ec_expand", None, [
+    ("values", read(I64)),            # (U,)
+    ("order", read(I64)),             # (nnz,)
+    ("uoff", read(I64)),              # (U + 1,)
+    ("n_unique", INT64),
+    ("out", written(I64)),            # (nnz,)
+])
 
 
 def expand(values: torch.Tensor, order: torch.Tensor, unique_offsets: torch.Tensor
            ) -> torch.Tensor:
     """(nnz,) int64: ``values`` (U,) of a ``Dedup``'s distinct rows at their occurrences
     (``values[dedup.inverse]`` without the inverse)."""
-    lib = _load()
-    assert lib is not None
-    out = torch.empty(order.numel(), dtype=torch.int64)
-    lib.ec_expand(values.data_ptr(), order.data_ptr(), unique_offsets.data_ptr(),
-                  values.numel(), out.data_ptr())
+    u, nnz = values.numel(), order.numel()
+    out = torch.empty(nnz, dtype=torch.int64)
+    _EXPAND.call((values, None), (order, None), (unique_offsets, u + 1), u, (out, nnz))
     return out
+
+
+_MINMAX = _Kernel("ec_minmax", None, [
+    ("ids", read(I64, nonempty=True)),  # (n,)
+    ("n", INT64),
+    ("out", array(ctypes.c_int64)),     # (2,) smallest, largest
+])
 
 
 def minmax(ids: torch.Tensor) -> tuple[int, int]:
     """Smallest and largest of (n > 0,) contiguous int64 ids."""
-    lib = _load()
-    assert lib is not None
     out = (ctypes.c_int64 * 2)()
-    lib.ec_minmax(ids.data_ptr(), ids.numel(), out)
+    _MINMAX.call((ids, None), ids.numel(), out)
     return out[0], out[1]
+
+
+_OFFSETS_ERROR = _Kernel("ec_offsets_error", INT64, [
+    ("offsets", read(I64, nonempty=True)),  # (n,)
+    ("n", INT64),
+    ("nnz", INT64),
+])
 
 
 def offsets_error(offsets: torch.Tensor, nnz: int) -> int:
     """-1 when (n >= 1,) contiguous int64 ``offsets`` start at 0, never decrease and end at
     ``nnz``; else the first entry breaking that (0: the first is not 0; i: ``offsets[i] <
     offsets[i - 1]``; n - 1: the last is not ``nnz``)."""
-    lib = _load()
-    assert lib is not None
-    return lib.ec_offsets_error(offsets.data_ptr(), offsets.numel(), nnz)
+    return _OFFSETS_ERROR.call((offsets, None), offsets.numel(), nnz)
+
+
+_FIRST_UNORDERED = _Kernel("ec_first_unordered", INT64, [
+    ("idx", read(I64, dim=2)),        # (k, n)
+    ("k", INT64),
+    ("n", INT64),
+])
 
 
 def first_unordered(indices: torch.Tensor) -> int:
     """-1 when the columns of (k, n) contiguous int64 ``indices`` strictly increase in
     lexicographic order (a coalesced COO tensor's indices); else the first column j >= 1 that is
     not greater than column j - 1 (out of order, or a duplicate)."""
-    lib = _load()
-    assert lib is not None
-    return lib.ec_first_unordered(indices.data_ptr(), indices.shape[0], indices.shape[1])
+    return _FIRST_UNORDERED.call((indices, None), indices.shape[0], indices.shape[-1])
 
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+
+_COMBINER_SCALES = _Kernel("ec_combiner_scales", None, [
+    ("offsets", read(I64)),                   # (r_rows + 1,)
+    ("r_rows", INT64),
+    ("weights", read(F32, optional=True)),    # (nnz,); None: all 1
+    ("combiner", INT),                        # COMBINERS' code
+    ("out", written(F32)),                    # (nnz,)
+])
 
 
 def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
                     nnz: int) -> torch.Tensor:
     """As ``inputs.combiner_scales``: (nnz,) float32 per-id scales applying the combiner."""
-    lib = _load()
-    assert lib is not None
+    code = COMBINERS.get(combiner)
+    if code is None:
+        raise ValueError(f"combiner_scales: combiner {combiner!r} is none of {sorted(COMBINERS)}")
     out = torch.empty(nnz, dtype=torch.float32)
-    lib.ec_combiner_scales(offsets.data_ptr(), offsets.numel() - 1, _ptr(weights),
-                           COMBINERS[combiner], out.data_ptr())
+    _COMBINER_SCALES.call((offsets, None), offsets.numel() - 1, (weights, nnz), code,
+                          (out, nnz))
     return out
+
+
+_GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
+_SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
+
+_SPARSE_UPDATE = _Kernel("ec_sparse_update", None, [
+    ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
+    ("w", written(F32, dim=2)),               # (N, d)
+    ("acc", written(F32, optional=True)),     # (N, d) or (N, 1); None for SGD
+    ("d", INT64),
+    ("rows", read(I64)),                      # (U,) distinct
+    ("u_rows", INT64),
+    ("uoff", read(I64, optional=True)),       # (U + 1,); None: direct
+    ("order", read(I64, optional=True)),      # (nnz,)
+    ("bags", read(I64, optional=True)),       # (nnz,); None: occurrence k is row k
+    ("scales", read(F32, optional=True)),     # (nnz,); None: all 1
+    ("slices", array(ctypes.c_void_p)),       # (nslices,) gradient parts (_GRADIENT_ROWS)
+    ("starts", array(ctypes.c_int64)),        # (nslices + 1,) their first output rows
+    ("strides", array(ctypes.c_int64)),       # (nslices,) their row strides
+    ("nslices", INT64),
+    ("hyper", HYPER),
+    ("nt", INT),
+])
+_RULES = (SGD, ADAGRAD, ROWWISE_ADAGRAD)
 
 
 def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows: torch.Tensor,
@@ -530,32 +1000,64 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
             consecutive (R_i, D) float32 parts (rows ``starts[i]:starts[i+1]``), each with unit
             column stride and any row stride (e.g. column slices of a wider gradient: no copy);
             without, one contiguous (U, D) tensor, row u the summed gradient of ``rows[u]``.
-        starts: (len(grads) + 1) first output row of each part.
+        starts: (len(grads) + 1) first output row of each part (needed with several parts).
         unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
+
+    Raises:
+        TypeError, ValueError: an argument the kernel cannot take (named).
     """
-    lib = _load()
-    assert lib is not None
+    name = _SPARSE_UPDATE.name
+    if rule not in _RULES:
+        raise ValueError(f"{name}: rule {rule!r} is none of SGD, ADAGRAD, ROWWISE_ADAGRAD "
+                         f"({_RULES})")
+    if acc is None and rule != SGD:
+        raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
+    if (unique_offsets is None) != (order is None):
+        raise ValueError(f"{name}: give both unique_offsets and order (occurrences) or neither "
+                         f"(a summed gradient)")
+    n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
     n = len(grads)
     addresses, row_strides = [], []
-    for g in grads:  # (one pass: this runs once per table and step)
-        shape, stride = g.shape, g.stride()
-        if len(shape) != 2 or g.dtype != torch.float32 or (shape[1] > 1 and stride[1] != 1):
-            raise ValueError(f"sparse_update: gradient parts must be 2-D float32 with unit column "
-                             f"stride, got {tuple(shape)} {g.dtype} strides {stride}")
-        addresses.append(g.data_ptr())
-        row_strides.append(stride[0] if shape[0] > 1 else shape[1])
-    if unique_offsets is None and not grads[0].is_contiguous():
-        raise ValueError("sparse_update: a (U, D) summed gradient must be contiguous")
-    ptrs = _array(ctypes.c_void_p, n)(*addresses)
-    st = _array(ctypes.c_int64, n + 1)(*(starts if starts is not None else [0] * (n + 1)))
-    strides = _array(ctypes.c_int64, n)(*row_strides)
-    if not isinstance(hyper, Hyper):
-        raise TypeError(f"hyper must be a native.Hyper, got {type(hyper).__name__}")
-    lib.ec_sparse_update(rule, table.data_ptr(), _ptr(acc), table.shape[1], rows.data_ptr(),
-                         rows.numel(), _ptr(unique_offsets), _ptr(order), _ptr(bags),
-                         _ptr(scales), ptrs, st, strides, n, ctypes.byref(hyper), _threads())
+    if unique_offsets is None:  # one (U, D) summed gradient
+        if n != 1:
+            raise ValueError(f"{name}: a summed gradient is one (U, D) tensor, got {n}")
+        addresses.append(_SUMMED_GRADIENT.address(name, "slices[0]", (grads[0], u * d)))
+        row_strides.append(d)
+    else:  # the output gradient's parts
+        if starts is None:
+            if n > 1:
+                raise ValueError(f"{name}: {n} gradient parts need their 'starts'")
+            starts = [0] * (n + 1)
+        elif len(starts) != n + 1:
+            raise ValueError(f"{name}: 'starts' must have {n + 1} entries (one more than the "
+                             f"gradient parts), got {len(starts)}")
+        for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
+            addresses.append(_GRADIENT_ROWS.address(name, "slices", (g, table), i))
+            shape = g.shape
+            if n > 1 and shape[0] != starts[i + 1] - starts[i]:
+                raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
+                                 f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got "
+                                 f"{shape[0]}")
+            row_strides.append(g.stride(0) if shape[0] > 1 else shape[1])
+    nnz = order.numel() if isinstance(order, torch.Tensor) else None
+    _SPARSE_UPDATE.call(
+        rule, (table, None), (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
+        (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
+        _array(ctypes.c_void_p, n)(*addresses), _array(ctypes.c_int64, n + 1)(*starts)
+        if starts is not None else None, _array(ctypes.c_int64, n)(*row_strides), n, hyper,
+        _threads())
+
+
+_DEDUP_RAW = _Kernel("ec_dedup_raw", INT64, [
+    ("ids", read(I64)),               # (n,)
+    ("n", INT64),
+    ("unique", allocated(I64)),       # (U,)
+    ("inverse", allocated(I64)),      # (n,)
+    ("order", allocated(I64)),        # (n,)
+    ("uoff", allocated(I64)),         # (U + 1,)
+])
 
 
 def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -570,13 +1072,25 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
         ids in order of first occurrence, ``unique[inverse] == ids``, and each distinct id's
         occurrences ``order[unique_offsets[u]:unique_offsets[u+1]]`` (ascending positions).
     """
-    lib = _load()
-    assert lib is not None
     n = ids.numel()
     buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [unique | inverse | order | offsets]
     base = buf.data_ptr()
-    u = lib.ec_dedup_raw(ids.data_ptr(), n, base, base + 8 * n, base + 16 * n, base + 24 * n)
+    u = _DEDUP_RAW.call((ids, None), n, base, base + 8 * n, base + 16 * n, base + 24 * n)
     return buf[:u], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:3 * n + u + 1]
+
+
+_VOCAB_FIND = _Kernel("ec_vocab_find", INT64, [
+    ("slots", read(I64, nonempty=True)),  # (mask + 1,) the index
+    ("mask", INT64),
+    ("row_key", read(I64)),           # (C,)
+    ("last_use", read(I64)),          # (C,)
+    ("cut", INT64),
+    ("ids", read(I64)),               # (n,)
+    ("n", INT64),
+    ("fill", INT64),
+    ("rows", written(I64)),           # (n,)
+    ("nt", INT),
+])
 
 
 def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor, cut: int,
@@ -584,13 +1098,22 @@ def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
     """``(rows (n,), missing)``: the int64 rows of contiguous int64 ``ids`` in a
     ``NativeVocabMap``'s index (``fill``: not resident, or last used before step ``cut``) and
     how many are not found."""
-    lib = _load()
-    assert lib is not None
-    out = torch.empty(ids.numel(), dtype=torch.int64)
-    missing = lib.ec_vocab_find(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
-                                last_use.data_ptr(), cut, ids.data_ptr(), ids.numel(), fill,
-                                out.data_ptr(), _threads())
+    n = ids.numel()
+    out = torch.empty(n, dtype=torch.int64)
+    missing = _VOCAB_FIND.call((slots, None), slots.numel() - 1, (row_key, None),
+                               (last_use, row_key.numel()), cut, (ids, None), n, fill, (out, n),
+                               _threads())
     return out, missing
+
+
+_VOCAB_SPLIT = _Kernel("ec_vocab_split", INT64, [
+    ("ids", read(I64)),               # (n,)
+    ("rows", read(I64)),              # (n,)
+    ("n", INT64),
+    ("hit_rows", allocated(I64)),     # (n - M,)
+    ("miss_ids", allocated(I64)),     # (M,)
+    ("miss_pos", allocated(I64)),     # (M,)
+])
 
 
 def vocab_split(ids: torch.Tensor, rows: torch.Tensor
@@ -598,26 +1121,56 @@ def vocab_split(ids: torch.Tensor, rows: torch.Tensor
     """``(hit_rows (H,), miss_ids (M,), miss_pos (M,))`` of (n,) contiguous int64 ``ids`` and
     their ``rows`` from ``vocab_find``: the rows found, in order; the ids not found, ascending,
     and where they are in ``ids``."""
-    lib = _load()
-    assert lib is not None
     n = ids.numel()
     buf = torch.empty(3 * n, dtype=torch.int64)  # [hit_rows | miss_ids | miss_pos]
     base = buf.data_ptr()
-    m = lib.ec_vocab_split(ids.data_ptr(), rows.data_ptr(), n, base, base + 8 * n,
-                           base + 16 * n)
+    m = _VOCAB_SPLIT.call((ids, None), (rows, n), n, base, base + 8 * n, base + 16 * n)
     return buf[:n - m], buf[n:n + m], buf[2 * n:2 * n + m]
+
+
+_VOCAB_VALID = _Kernel("ec_vocab_valid", INT64, [
+    ("rows", read(I64)),              # (n,)
+    ("n", INT64),
+    ("row_used", read(U8)),           # (C,)
+    ("born", read(I64)),              # (C,)
+    ("capacity", INT64),
+    ("since", INT64),
+    ("keep", written(U8)),            # (n,)
+])
 
 
 def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,
                 since: int) -> tuple[torch.Tensor, int]:
     """``(keep (n,) bool, kept)``: which of contiguous int64 ``rows`` are in range, used and got
     their id at or before step ``since`` (``VocabMap.valid``), and how many."""
-    lib = _load()
-    assert lib is not None
-    keep = torch.empty(rows.numel(), dtype=torch.bool)
-    kept = lib.ec_vocab_valid(rows.data_ptr(), rows.numel(), row_used.data_ptr(),
-                              born.data_ptr(), born.numel(), since, keep.data_ptr())
+    n, c = rows.numel(), born.numel()
+    keep = torch.empty(n, dtype=torch.bool)
+    kept = _VOCAB_VALID.call((rows, None), n, (row_used, c), (born, None), c, since,
+                             (keep, n))
     return keep, kept
+
+
+_VOCAB_STEP = _Kernel("ec_vocab_step", INT64, [
+    ("slots", written(I64, nonempty=True)),  # (mask + 1,) the index
+    ("mask", INT64),
+    ("row_key", written(I64)),        # (C,)
+    ("row_used", written(U8)),        # (C,)
+    ("last_use", written(I64)),       # (C,)
+    ("frequency", written(I64)),      # (C,)
+    ("born", written(I64)),           # (C,)
+    ("capacity", INT64),
+    ("hit_rows", read(I64)),          # (H,)
+    ("n_hit", INT64),
+    ("new_ids", read(I64)),           # (A,)
+    ("n_new", INT64),
+    ("t", INT64),
+    ("cut", INT64),
+    ("lfu", INT),
+    ("new_rows", written(I64)),       # (A,)
+    ("info", array(ctypes.c_int64)),  # (4,) free, evictable, hint (in/out), n_freed
+    ("spare", INT64),
+    ("freed", written(I64, optional=True)),  # (spare,)
+])
 
 
 def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor,
@@ -625,67 +1178,98 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tenso
                hit_rows: torch.Tensor, new_ids: torch.Tensor, t: int, cut: int, lfu: bool,
                hint: int, spare: int = 0, freed: torch.Tensor | None = None
                ) -> tuple[torch.Tensor | None, int, int, int, int]:
-    """One training step's changes to a ``NativeVocabMap`` (kernels.cpp's ``ec_vocab_step``);
-    ``spare``: when it evicts, free up to that many more rows, written to ``freed`` (spare,).
+    """One training step's changes to a ``NativeVocabMap`` (``ec_vocab_step`` in
+    ``csrc/vocab.h``); ``spare``: when it evicts, free up to that many more rows, written to
+    ``freed`` (spare,).
 
     Returns:
         ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed)``: on overflow
         nothing changed and ``free`` / ``evictable`` count the rows; else the new free-row
         hint, and ``freed[:n_freed]`` the rows freed beyond the step's needs.
     """
-    lib = _load()
-    assert lib is not None
-    new_rows = torch.empty(new_ids.numel(), dtype=torch.int64)
+    c, a = row_key.numel(), new_ids.numel()
+    new_rows = torch.empty(a, dtype=torch.int64)
     info = (ctypes.c_int64 * 4)(0, 0, hint, 0)
-    rc = lib.ec_vocab_step(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
-                           row_used.data_ptr(), last_use.data_ptr(), frequency.data_ptr(),
-                           born.data_ptr(), row_key.numel(), hit_rows.data_ptr(),
-                           hit_rows.numel(), new_ids.data_ptr(), new_ids.numel(), t, cut,
-                           int(lfu), new_rows.data_ptr(), info, spare,
-                           _ptr(freed) if spare > 0 else None)
+    spare = max(spare, 0)
+    rc = _VOCAB_STEP.call((slots, None), slots.numel() - 1, (row_key, None), (row_used, c),
+                          (last_use, c), (frequency, c), (born, c), c, (hit_rows, None),
+                          hit_rows.numel(), (new_ids, None), a, t, cut, int(lfu), (new_rows, a),
+                          info, spare, (freed if spare > 0 else None, spare))
     if rc != 0:
         return None, info[0], info[1], hint, 0
     return new_rows, 0, 0, info[2], info[3]
+
+
+_CACHE_STEP = _Kernel("ec_cache_step", INT64, [
+    ("rows", read(I64)),              # (U,) distinct shard rows
+    ("n_rows", INT64),
+    ("where", written(I32)),          # (N,) the cache row of each shard row, or -1
+    ("owner", written(I64)),          # (C,) the shard row of each cache row, or -1
+    ("stamp", written(I64)),          # (C,)
+    ("dirty", written(U8)),           # (C,)
+    ("fresh", written(U8)),           # (C,)
+    ("free_rows", written(I64)),      # (C,) a stack of the free cache rows
+    ("capacity", INT64),
+    ("clock", INT64),
+    ("spare", INT64),
+    ("slots", written(I64)),          # (U,)
+    ("miss_rows", written(I64)),      # (U,) (M used)
+    ("miss_slots", written(I64)),     # (U,) (M used)
+    ("out_rows", written(I64)),       # (most,) (O used)
+    ("out_slots", written(I64)),      # (most,) (O used)
+    ("bounds", read(I64, optional=True)),    # (T - 1,) the first row of members 1..T-1
+    ("n_bounds", INT64),
+    ("counts", written(I64, optional=True)),  # (3, T) hits, misses, new per member
+    ("io", array(ctypes.c_int64)),    # (4,) n_free (in/out), n_miss, n_out, n_evicted
+    ("nt", INT),
+])
 
 
 def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor,
                dirty: torch.Tensor, fresh: torch.Tensor, free: torch.Tensor, n_free: int,
                clock: int, spare: int, bounds: torch.Tensor | None,
                counts: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
-    """One step of a cache's index (kernels.cpp's ``ec_cache_step``; ``CacheIndex.step`` is its
-    torch-ops twin and documents it).
+    """One step of a cache's index (``ec_cache_step`` in ``csrc/cache_index.h``;
+    ``CacheIndex.step`` is its torch-ops twin and documents it).
 
     Returns:
         ``(slots (U,), miss_rows (M,), miss_slots (M,), out_rows (O,), out_slots (O,),
         n_free, n_evicted)``, or None when ``rows`` outnumber the cache rows (nothing changed).
     """
-    lib = _load()
-    assert lib is not None
-    n = rows.numel()
+    n, c = rows.numel(), owner.numel()
+    if not 0 <= n_free <= c:
+        raise ValueError(f"{_CACHE_STEP.name}: n_free must lie in [0, {c}] (the cache rows), "
+                         f"got {n_free}")
     slots = torch.empty(n, dtype=torch.int64)
     miss_rows = torch.empty(n, dtype=torch.int64)
     miss_slots = torch.empty(n, dtype=torch.int64)
-    most = min(n + max(spare, 0), owner.numel())  # rows an eviction may write back
+    most = min(n + max(spare, 0), c)  # rows an eviction may write back
     out_rows = torch.empty(most, dtype=torch.int64)
     out_slots = torch.empty(most, dtype=torch.int64)
     io = (ctypes.c_int64 * 4)(n_free, 0, 0, 0)
-    rc = lib.ec_cache_step(rows.data_ptr(), n, where.data_ptr(), owner.data_ptr(),
-                           stamp.data_ptr(), dirty.data_ptr(), fresh.data_ptr(), free.data_ptr(),
-                           owner.numel(), clock, spare, slots.data_ptr(), miss_rows.data_ptr(),
-                           miss_slots.data_ptr(), out_rows.data_ptr(), out_slots.data_ptr(),
-                           _ptr(bounds), 0 if bounds is None else bounds.numel(), _ptr(counts),
-                           io, _threads())
+    n_bounds = 0 if bounds is None else bounds.numel()
+    rc = _CACHE_STEP.call((rows, None), n, (where, None), (owner, None), (stamp, c),
+                          (dirty, c), (fresh, c), (free, c), c, clock, spare, (slots, n),
+                          (miss_rows, n), (miss_slots, n), (out_rows, most), (out_slots, most),
+                          (bounds, None), n_bounds, (counts, 3 * (n_bounds + 1)), io,
+                          _threads())
     if rc != 0:
         return None
     m, o = io[1], io[2]
     return (slots, miss_rows[:m], miss_slots[:m], out_rows[:o], out_slots[:o], io[0], io[3])
 
 
+_SET_FLAGS = _Kernel("ec_set_flags", None, [
+    ("flags", written(U8)),           # (C,)
+    ("idx", read(I64)),               # (n,)
+    ("n", INT64),
+    ("value", INT),
+])
+
+
 def set_flags(flags: torch.Tensor, idx: torch.Tensor, value: bool) -> None:
     """``flags[idx] = value``: ``flags`` a contiguous bool tensor, ``idx`` (n,) int64 in range."""
-    lib = _load()
-    assert lib is not None
-    lib.ec_set_flags(flags.data_ptr(), idx.data_ptr(), idx.numel(), int(value))
+    _SET_FLAGS.call((flags, None), (idx, None), idx.numel(), int(value))
 
 
 def _seed64(seed: int) -> int:
@@ -693,24 +1277,48 @@ def _seed64(seed: int) -> int:
     return s - (1 << 64) if s >= 1 << 63 else s
 
 
+_INIT_NORMAL = _Kernel("ec_init_normal", None, [
+    ("seed", INT64),
+    ("ids", read(I64)),               # (n,)
+    ("rows", read(I64)),              # (n,) rows of table
+    ("n", INT64),
+    ("c0", INT64),
+    ("c1", INT64),
+    ("lo", DOUBLE),
+    ("width", DOUBLE),
+    ("div", DOUBLE),
+    ("table", written(F32, dim=2)),   # (N, stride), stride >= c1 - c0
+    ("stride", INT64),
+])
+
+
 def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple[int, int],
                 lo: float, width: float, div: float, table: torch.Tensor) -> None:
     """Writes ``float32(inverse_normal(lo + hashing.uniform(seed, ids, c1)[:, c0:c1] * width) /
     div)``, ``(c0, c1) = columns``, into rows ``rows`` of contiguous float32 ``table``
     (n_rows, c1 - c0) (``vocabulary.initial_values``' default)."""
-    lib = _load()
-    assert lib is not None
     c0, c1 = columns
-    lib.ec_init_normal(_seed64(seed), ids.data_ptr(), rows.data_ptr(), ids.numel(), c0, c1, lo,
-                       width, div, table.data_ptr(), table.shape[1])
+    stride, n = table.shape[-1], ids.numel()
+    if c1 - c0 > stride:
+        raise ValueError(f"{_INIT_NORMAL.name}: columns {columns} need a table {c1 - c0} wide, "
+                         f"got shape {tuple(table.shape)}")
+    _INIT_NORMAL.call(_seed64(seed), (ids, None), (rows, n), n, c0, c1, lo, width, div,
+                      (table, None), stride)
+
+
+_VOCAB_INDEX = _Kernel("ec_vocab_index", None, [
+    ("slots", written(I64, nonempty=True)),  # (mask + 1,)
+    ("mask", INT64),
+    ("row_key", read(I64)),           # (C,)
+    ("row_used", read(U8)),           # (C,)
+    ("capacity", INT64),
+])
 
 
 def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor) -> None:
     """Rebuilds a ``NativeVocabMap``'s index ``slots`` from its per-row state."""
-    lib = _load()
-    assert lib is not None
-    lib.ec_vocab_index(slots.data_ptr(), slots.numel() - 1, row_key.data_ptr(),
-                       row_used.data_ptr(), row_key.numel())
+    c = row_key.numel()
+    _VOCAB_INDEX.call((slots, None), slots.numel() - 1, (row_key, None), (row_used, c), c)
 
 
 def main() -> int:

@@ -1,0 +1,83 @@
+// lookup.h: the forward lookup: weighted bag sums of table rows.
+
+#pragma once
+
+#include "common.h"
+#include "pool.h"
+
+namespace {
+
+// The column block of a bag sum for rows of d floats: the largest of 128, 64, 32, 16, 8 that
+// divides d (0: none does; the sum runs over whole rows in memory).
+inline i64 bag_block(i64 d) {
+  for (i64 b = 128; b >= 8; b /= 2)
+    if (d % b == 0) return b;
+  return 0;
+}
+
+// One bag's sum o = sum_{k in [k0, k1)} scales[k] * table[ids[k]], BW columns at a time held in
+// registers (no store per occurrence); each column still sums 0 + s * row + s * row + ... in
+// bag order, as the plain loop does. The first block prefetches the rows kPrefetch ahead.
+template <i64 BW>
+inline void bag_sum(const float* table, i64 d, const i64* ids, const float* scales, i64 k0,
+                    i64 k1, i64 k_end, float* o) {
+  for (i64 c0 = 0; c0 < d; c0 += BW) {
+    float acc[BW] = {};
+    for (i64 k = k0; k < k1; ++k) {
+      if (c0 == 0 && k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
+      const float s = scales ? scales[k] : 1.f;
+      const float* row = table + ids[k] * d + c0;
+#pragma omp simd
+      for (i64 c2 = 0; c2 < BW; ++c2) acc[c2] += s * row[c2];
+    }
+    for (i64 c2 = 0; c2 < BW; ++c2) o[c0 + c2] = acc[c2];
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Weighted bag sums: out[r] = sum_{k in [offsets[r], offsets[r+1])} scales[k] * table[ids[k]].
+//   table (N, D) row-major; ids (nnz,); offsets (R + 1,) or nullptr (bag r is id r alone,
+//   scale 1); scales (nnz,) or nullptr (all 1); out (R, D).
+void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, const float* scales,
+               i64 r_rows, float* out, int nt) {
+  const i64 nnz = offsets ? offsets[r_rows] : r_rows;
+  nt = threads_for(nnz * d, nt);
+  const i64 chunks = chunks_for(nnz * d, nt);
+  // chunks of bags of about equal cost
+  parallel_ranges(chunks, nt, r_rows, offsets, 1, [&](i64, i64 lo, i64 hi) {
+    if (offsets == nullptr) {
+      for (i64 r = lo; r < hi; ++r) {
+        if (r + kPrefetch < hi) prefetch_read(table + ids[r + kPrefetch] * d, d);
+        std::memcpy(out + r * d, table + ids[r] * d, sizeof(float) * d);
+      }
+    } else {
+      const i64 k_end = offsets[hi];
+      const i64 bw = bag_block(d);
+      for (i64 r = lo; r < hi; ++r) {
+        float* o = out + r * d;
+        const i64 k0 = offsets[r], k1 = offsets[r + 1];
+        switch (bw) {
+          case 128: bag_sum<128>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 64: bag_sum<64>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 32: bag_sum<32>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 16: bag_sum<16>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 8: bag_sum<8>(table, d, ids, scales, k0, k1, k_end, o); break;
+          default:
+            for (i64 c2 = 0; c2 < d; ++c2) o[c2] = 0.f;
+            for (i64 k = k0; k < k1; ++k) {
+              if (k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
+              const float s = scales ? scales[k] : 1.f;
+              const float* row = table + ids[k] * d;
+#pragma omp simd
+              for (i64 c2 = 0; c2 < d; ++c2) o[c2] += s * row[c2];
+            }
+        }
+      }
+    }
+  });
+}
+
+}  // extern "C"

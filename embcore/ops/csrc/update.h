@@ -1,0 +1,187 @@
+// update.h: the sparse update straight from output gradients, and its hyper-parameters.
+
+#pragma once
+
+#include "common.h"
+#include "pool.h"
+
+// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/ops/native.py's
+// ``Hyper`` (ctypes.Structure: same names, same order). Infinities mean no bound; the options'
+// "off" values are gradient_multiplier 1, clip_min / weight_min -inf, clip_max / weight_max +inf,
+// weight_decay 0. native.py checks at load time that both sides agree (ec_hyper_size,
+// ec_hyper_field_name, ec_hyper_field); a change here bumps native.py's ABI_VERSION.
+struct EcHyper {
+  double learning_rate, gradient_multiplier, clip_min, clip_max, weight_decay, weight_min,
+      weight_max;
+};
+
+namespace {
+
+struct HyperField {
+  const char* name;
+  size_t offset;
+};
+#define EC_HYPER_FIELD(f) HyperField{#f, offsetof(EcHyper, f)}
+// Every field of EcHyper, in declaration order: its name and where it lives.
+constexpr HyperField kHyperFields[] = {
+    EC_HYPER_FIELD(learning_rate), EC_HYPER_FIELD(gradient_multiplier), EC_HYPER_FIELD(clip_min),
+    EC_HYPER_FIELD(clip_max),      EC_HYPER_FIELD(weight_decay),        EC_HYPER_FIELD(weight_min),
+    EC_HYPER_FIELD(weight_max)};
+#undef EC_HYPER_FIELD
+constexpr int kHyperFieldCount = int(sizeof(kHyperFields) / sizeof(kHyperFields[0]));
+static_assert(sizeof(EcHyper) == kHyperFieldCount * sizeof(double),
+              "kHyperFields must list every field of EcHyper");
+
+}  // namespace
+
+extern "C" {
+
+// sizeof(EcHyper), for native.py's layout check.
+i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
+
+// The name of EcHyper's field i (declaration order), nullptr past the last one.
+const char* ec_hyper_field_name(int i) {
+  return i >= 0 && i < kHyperFieldCount ? kHyperFields[i].name : nullptr;
+}
+
+// The value of EcHyper's field i in *h, read by the field's name (offsetof), NaN past the last.
+double ec_hyper_field(const EcHyper* h, int i) {
+  if (i < 0 || i >= kHyperFieldCount) return std::nan("");
+  double v;
+  std::memcpy(&v, reinterpret_cast<const char*>(h) + kHyperFields[i].offset, sizeof(double));
+  return v;
+}
+
+// Optimizer rules of ec_sparse_update (docs/semantics.md section 4).
+enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
+
+// Sparse update of the touched rows, each exactly once, in place.
+//   w (N, D) parameters; acc (N, D) or (N, 1) accumulators (rule kAdagrad / kRowwiseAdagrad) or
+//   nullptr (kSGD); rows (U,) distinct rows to update.
+// The summed gradient of rows[u] comes from one of two sources:
+//   - occurrences (uoff != nullptr): g = sum over j in [uoff[u], uoff[u+1]) of
+//     scale(order[j]) * grad_row(bag(order[j])), in that order, where bag(k) = bags[k] (or k when
+//     bags is nullptr), scale(k) = scales[k] (or 1), and grad_row(b) is row b of the output
+//     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
+//     slices[i], row r of it at slices[i] + r * strides[i] (D consecutive floats; strides
+//     nullptr: D, the slices are contiguous);
+//   - direct (uoff == nullptr): g = slices[0] row u.
+// Then, per row, with the fields of *hyper (EcHyper, built by embcore/ops/update.py):
+// g *= gradient_multiplier; g = clip(g, clip_min, clip_max); the rule (learning_rate);
+// w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
+// accumulator take no step (0 / 0).
+void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
+                      const i64* uoff, const i64* order, const i64* bags, const float* scales,
+                      const float* const* slices, const i64* starts, const i64* strides,
+                      i64 nslices, const EcHyper* hyper, int nt) {
+  const float lr = float(hyper->learning_rate), gmul = float(hyper->gradient_multiplier);
+  const float clo = float(hyper->clip_min), chi = float(hyper->clip_max);
+  const float wd = float(hyper->weight_decay);
+  const float wmin = float(hyper->weight_min), wmax = float(hyper->weight_max);
+  const bool scaled = gmul != 1.f, clipped = std::isfinite(clo) || std::isfinite(chi);
+  const bool decayed = wd != 0.f, bounded = std::isfinite(wmin) || std::isfinite(wmax);
+  const i64 acc_d = rule == kRowwiseAdagrad ? 1 : d;
+  const i64 occurrences = uoff ? uoff[u_rows] - uoff[0] : u_rows;
+  nt = threads_for((u_rows * 2 + occurrences) * d, nt);
+
+  // Several slices: the address of every output row, written once here, so an occurrence
+  // costs one load rather than a binary search over the slices (30 ns an occurrence with 26
+  // slices, a quarter of the update's time).
+  thread_local std::vector<const float*> row_address;
+  const float* const* row_at = nullptr;
+  if (uoff && nslices > 1) {
+    row_address.resize(static_cast<size_t>(starts[nslices]));
+    for (i64 i = 0; i < nslices; ++i) {
+      const i64 step = strides ? strides[i] : d;
+      const float* p = slices[i];
+      for (i64 b = starts[i]; b < starts[i + 1]; ++b, p += step) row_address[size_t(b)] = p;
+    }
+    row_at = row_address.data();
+  }
+  const i64 stride0 = strides ? strides[0] : d;
+  auto grad_row = [&](i64 b) -> const float* {
+    return row_at ? row_at[b] : slices[0] + b * stride0;
+  };
+
+  const i64 chunks = chunks_for((u_rows * 2 + occurrences) * d, nt);
+  // chunks of rows of about equal cost
+  parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
+    const i64 j_end = uoff ? uoff[hi] : 0;
+    thread_local std::vector<float> gbuf, wbuf;
+    gbuf.resize(static_cast<size_t>(d));
+    if (decayed) wbuf.resize(static_cast<size_t>(d));
+    float* g = gbuf.data();
+    for (i64 u = lo; u < hi; ++u) {
+      if (u + kPrefetch < hi) {
+        const i64 ahead = rows[u + kPrefetch];
+        prefetch_write(w + ahead * d, d);
+        if (acc) prefetch_write(acc + ahead * acc_d, acc_d);
+        if (!uoff) prefetch_read(slices[0] + (u + kPrefetch) * d, d);
+      }
+      // 1. the summed gradient
+      if (uoff) {
+        for (i64 c = 0; c < d; ++c) g[c] = 0.f;
+        for (i64 j = uoff[u]; j < uoff[u + 1]; ++j) {
+          if (j + 2 * kPrefetchOccurrences < j_end) {  // bag and scale of a later occurrence
+            const i64 kb = order[j + 2 * kPrefetchOccurrences];
+            if (bags) __builtin_prefetch(bags + kb, 0, 1);
+            if (scales) __builtin_prefetch(scales + kb, 0, 1);
+          }
+          if (j + kPrefetchOccurrences < j_end) {  // the source row of a nearer one
+            const i64 ka = order[j + kPrefetchOccurrences];
+            prefetch_read(grad_row(bags ? bags[ka] : ka), d);
+          }
+          const i64 k = order[j];
+          const float s = scales ? scales[k] : 1.f;
+          const float* src = grad_row(bags ? bags[k] : k);
+#pragma omp simd
+          for (i64 c = 0; c < d; ++c) g[c] += s * src[c];
+        }
+      } else {
+        std::memcpy(g, slices[0] + u * d, sizeof(float) * d);
+      }
+      // 2. multiplier and clipping
+      if (scaled)
+        for (i64 c = 0; c < d; ++c) g[c] *= gmul;
+      if (clipped)
+        for (i64 c = 0; c < d; ++c) g[c] = std::min(std::max(g[c], clo), chi);
+      float* wr = w + rows[u] * d;
+      if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
+      // 3. the rule
+      if (rule == kSGD) {
+#pragma omp simd
+        for (i64 c = 0; c < d; ++c) wr[c] -= lr * g[c];
+      } else if (rule == kAdagrad) {
+        float* a = acc + rows[u] * d;
+#pragma omp simd
+        for (i64 c = 0; c < d; ++c) {
+          const float an = a[c] + g[c] * g[c];
+          a[c] = an;
+          // an == 0 implies g == 0 (a >= 0): dividing by sqrt(0 + 1) then gives the rule's zero
+          // step; arithmetic, not a branch, keeps the loop vectorized
+          const float empty = float(an <= 0.f);
+          wr[c] -= lr * (g[c] / std::sqrt(an + empty));
+        }
+      } else {  // kRowwiseAdagrad
+        float* a = acc + rows[u];
+        float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+        for (i64 c = 0; c < d; ++c) sq += g[c] * g[c];
+        const float an = a[0] + sq / float(d);
+        a[0] = an;
+        if (an > 0.f) {
+          const float root = std::sqrt(an);
+#pragma omp simd
+          for (i64 c = 0; c < d; ++c) wr[c] -= lr * (g[c] / root);
+        }
+      }
+      // 4-5. decoupled weight decay, weight clipping
+      if (decayed)
+        for (i64 c = 0; c < d; ++c) wr[c] -= wd * wbuf[c];
+      if (bounded)
+        for (i64 c = 0; c < d; ++c) wr[c] = std::min(std::max(wr[c], wmin), wmax);
+    }
+  });
+}
+
+}  // extern "C"
