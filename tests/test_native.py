@@ -31,7 +31,7 @@ from switches import kernels
 
 import embcore as ec
 from embcore.inputs import canonical as inputs
-from embcore.ops import native
+from embcore.ops import kernel_args, native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import _hyper
@@ -1134,28 +1134,28 @@ def _c_types(kind) -> set[str]:
     if id(kind) in scalars:
         return {scalars[id(kind)]}
     const = "" if getattr(kind, "writes", True) else "const"
-    if isinstance(kind, native._Tensor):
+    if isinstance(kind, kernel_args.TensorArg):
         base = {torch.float32: "float", torch.int64: "i64", torch.int32: "int32_t",
                 torch.uint8: "uint8_t"}[kind.dtypes[0]]
         return {f"{const}{base}*"}
-    if isinstance(kind, native._Rows):
+    if isinstance(kind, kernel_args.RowsArg):
         return {f"{const}char*"}
-    if isinstance(kind, native._Parts):
+    if isinstance(kind, kernel_args.PartsArg):
         return {"consti64*const*"}
-    if isinstance(kind, native._Allocated):
+    if isinstance(kind, kernel_args.AllocatedArg):
         return {"i64*"}
-    if isinstance(kind, native._Array):
+    if isinstance(kind, kernel_args.ArrayArg):
         return {ctypes.c_int64: {"i64*", "consti64*"},
                 ctypes.c_void_p: {"constfloat*const*"}}[kind.ctype._type_]
     raise AssertionError(f"a kind without a C type: {kind!r}")
 
 
 def test_every_kernel_is_declared_as_the_c_source_defines_it():
-    """The Python declarations (native._KERNELS) and the C definitions agree: the same
+    """The Python declarations (kernel_args.kernels()) and the C definitions agree: the same
     functions, the same parameter names in the same order, each kind standing for its C type
     (a tensor read through a const pointer, written through a plain one). Needs no compiler."""
     c = _c_functions()
-    declared = {k.name: k for k in native._KERNELS}
+    declared = {k.name: k for k in kernel_args.kernels()}
     assert set(c) - set(declared) == {"ec_dedup"}  # (called by ec_concat_dedup only)
     results = {None: "void", native.INT64: "i64", native.INT: "int", native.DOUBLE: "double",
                native.STRING: "constchar*"}
@@ -1169,11 +1169,14 @@ def test_every_kernel_is_declared_as_the_c_source_defines_it():
 
 
 def test_no_assert_guards_in_native():
-    """``python -O`` removes asserts: native.py guards with explicit raises only."""
+    """``python -O`` removes asserts: native.py and kernel_args.py guard with explicit raises
+    only."""
     import ast
     from pathlib import Path
-    tree = ast.parse(Path(native.__file__).read_text())
-    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    for module in (native, kernel_args):
+        tree = ast.parse(Path(module.__file__).read_text())
+        assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)], (
+            module.__name__)
 
 
 @requires_native

@@ -36,7 +36,7 @@ from ..config.optimizers import (
     Optimizer,
     RowwiseAdagrad,
 )
-from .native import Hyper
+from .kernel_args import Hyper
 
 _kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
 _error: str | None = None

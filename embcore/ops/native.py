@@ -10,8 +10,8 @@ load the cached library. Where no compiler works, ``available`` is False, a ``Ru
 says why once, and every caller uses its torch-ops twin (same results, slower).
 
 Every C function is declared here once, next to its wrapper, as a list of its arguments by name
-and kind (``read(I64)``: a contiguous CPU int64 tensor the kernel reads; ``INT64``: a scalar;
-...): the ctypes signature and the checks of every call come from that list. A tensor of the
+and kind (kernel_args.py: ``read(I64)``, a contiguous CPU int64 tensor the kernel reads;
+``INT64``, a scalar; ...): the ctypes signature and the checks of every call come from that list. A tensor of the
 wrong dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and
 the argument, raised before the kernel runs. The values inside index tensors (ids within the
 table, offsets within the ids) are the callers' contract: they are checked where the inputs come
@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import math
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -39,9 +37,34 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from .kernel_args import (
+    ANY,
+    DOUBLE,
+    F32,
+    HYPER,
+    I32,
+    I64,
+    INT,
+    INT64,
+    STRING,
+    U8,
+    Hyper,
+    Kernel,
+    PartsArg,
+    allocated,
+    array,
+    ctypes_array,
+    hyper_layout_errors,
+    kernels,
+    read,
+    read_rows,
+    set_loader,
+    written,
+    written_rows,
+)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
@@ -59,54 +82,6 @@ DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
 
-class Hyper(ctypes.Structure):
-    """The optimizer hyper-parameters of ``sparse_update``, by name: csrc/update.h's ``EcHyper``.
-
-    The fields (doubles, in this order, as the C++ struct; ``_load`` checks that both sides
-    agree) and their "option off" defaults:
-
-    - ``learning_rate``: required;
-    - ``gradient_multiplier``: the gradient is multiplied by it first (default 1.0);
-    - ``clip_min``, ``clip_max``: then clipped to ``[clip_min, clip_max]`` (default -inf, +inf);
-    - ``weight_decay``: after the rule, ``w -= weight_decay * w_before`` (default 0.0);
-    - ``weight_min``, ``weight_max``: then the weights are clipped (default -inf, +inf).
-
-    Example: ``Hyper(learning_rate=0.1, clip_min=-1.0, clip_max=1.0)``.
-    """
-
-    _fields_ = [
-        ("learning_rate", ctypes.c_double),
-        ("gradient_multiplier", ctypes.c_double),
-        ("clip_min", ctypes.c_double),
-        ("clip_max", ctypes.c_double),
-        ("weight_decay", ctypes.c_double),
-        ("weight_min", ctypes.c_double),
-        ("weight_max", ctypes.c_double),
-    ]
-
-    def __init__(self, learning_rate: float, *, gradient_multiplier: float = 1.0,
-                 clip_min: float = -math.inf, clip_max: float = math.inf,
-                 weight_decay: float = 0.0, weight_min: float = -math.inf,
-                 weight_max: float = math.inf) -> None:
-        super().__init__(float(learning_rate), float(gradient_multiplier), float(clip_min),
-                         float(clip_max), float(weight_decay), float(weight_min),
-                         float(weight_max))
-
-    def as_dict(self) -> dict[str, float]:
-        """``{field name: value}`` in field order."""
-        return {name: getattr(self, name) for name, _ in self._fields_}
-
-    def __repr__(self) -> str:
-        return "Hyper(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Hyper):
-            return NotImplemented
-        return self.as_dict() == other.as_dict()
-
-    __hash__ = None  # mutable, like every ctypes.Structure
-
-
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -114,381 +89,11 @@ _enabled = True
 _error: str | None = None
 
 
-# ---- the kernels' arguments, by name and kind --------------------------------------------------
-# A kernel is declared as [(name, kind), ...] in the C function's order, with the C names. The
-# kinds (below) give each argument's ctypes type and, for the tensors and the Hyper, the check of
-# every call: a tensor argument is passed as ``(tensor, n)``, n its number of elements where the
-# wrapper knows it (None: any), and arrives in C as the address of its data.
-
-F32, I64, I32 = (torch.float32,), (torch.int64,), (torch.int32,)
-U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as they are
-ANY = None  # any dtype (row moves: bytes)
-_DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
-                torch.uint8: "_uint8", torch.bool: "_bool"}
-_CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
-
-
-def _rejected(kernel: str, arg: str, what: str, got: str, expected: object,
-              error: type[Exception] = ValueError) -> Exception:
-    """The error of every failed check: the kernel, the argument, what it must be and what came."""
-    return error(f"{kernel}: argument {arg!r} must be {what}, got {got} (expected {expected})")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)} and strides {t.stride()}"
-
-
-class _Scalar:
-    """A number passed by value (ctypes converts it; a wrong type is a TypeError at the call)."""
-
-    checked = False
-
-    def __init__(self, ctype: Any, name: str) -> None:
-        self.ctype, self.name = ctype, name
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-INT64 = _Scalar(ctypes.c_int64, "int64")
-INT = _Scalar(ctypes.c_int, "int")
-DOUBLE = _Scalar(ctypes.c_double, "double")
-STRING = _Scalar(ctypes.c_char_p, "string")
-
-
-class _Tensor:
-    """A contiguous, strided CPU tensor of one of ``dtypes``, passed as the address of its data;
-    ``writes``: the kernel writes it (it may read it too); ``optional``: None passes nullptr;
-    ``dim``: its number of dimensions, where the wrapper reads its shape; ``nonempty``: the
-    kernel reads its first element whatever the length. Passed as ``(tensor, n)``: n its number
-    of elements, or None where the wrapper does not know it."""
-
-    checked = True
-    ctype = ctypes.c_void_p
-
-    def __init__(self, dtypes: tuple[torch.dtype, ...], *, writes: bool, optional: bool = False,
-                 dim: int | None = None, nonempty: bool = False) -> None:
-        self.dtypes, self.writes, self.optional = dtypes, writes, optional
-        self.dim, self.nonempty = dim, nonempty
-        self._ok = eval(f"lambda t, n: {self.condition('t', 'n')}", dict(_CHECK_SCOPE))
-
-    def __repr__(self) -> str:
-        dtypes = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
-        dim = f" {self.dim}-D" if self.dim is not None else ""
-        return (f"a contiguous{dim} CPU {dtypes} tensor{' (non-empty)' if self.nonempty else ''}"
-                f"{' or None' if self.optional else ''}, {'written' if self.writes else 'read'}")
-
-    def condition(self, t: str, n: str) -> str:
-        """The check, as a Python expression over the tensor ``t`` and the length ``n`` (compiled
-        into every kernel's call, see ``_Kernel``: one condition of attribute reads, about 0.3
-        us a tensor)."""
-        dtypes = " or ".join(f"{t}.dtype is {_DTYPE_NAMES[d]}" for d in self.dtypes)
-        parts = [f"({dtypes})" if len(self.dtypes) > 1 else dtypes,
-                 f"{t}.layout is _strided", f"{t}.is_cpu", f"{t}.is_contiguous()",
-                 f"({n} is None or {t}.numel() == {n})"]
-        if self.dim is not None:
-            parts.append(f"{t}.dim() == {self.dim}")
-        if self.nonempty:
-            parts.append(f"{t}.numel() > 0")
-        return " and ".join(parts)
-
-    def address(self, kernel: str, arg: str, value: tuple[Any, int | None],
-                index: int | None = None) -> int | None:
-        """The data's address of ``value = (tensor, n)`` after the checks (``index``: the
-        argument is element ``index`` of a list)."""
-        t, n = value
-        if t is None and self.optional:
-            return None
-        try:
-            if self._ok(t, n):
-                return t.data_ptr()
-        except AttributeError:
-            pass
-        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, n)
-
-    def failure(self, kernel: str, arg: str, t: Any, n: int | None) -> Exception:
-        """The error of a check that failed: the first requirement ``t`` breaks."""
-        if not isinstance(t, torch.Tensor):
-            return _rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
-        if t.dtype not in self.dtypes:
-            return _rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
-                             TypeError)
-        if t.layout is not torch.strided:
-            return _rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
-        if not t.is_cpu:
-            return _rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
-        if not t.is_contiguous():
-            return _rejected(kernel, arg, "contiguous", _shape(t), self)
-        if self.dim is not None and t.dim() != self.dim:
-            return _rejected(kernel, arg, f"{self.dim}-D", f"shape {tuple(t.shape)}", self)
-        if n is not None and t.numel() != n:
-            return _rejected(kernel, arg, f"of {n} elements", f"{t.numel()} (shape "
-                             f"{tuple(t.shape)})", self)
-        return _rejected(kernel, arg, "non-empty", f"shape {tuple(t.shape)}", self)
-
-
-def read(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
-         nonempty: bool = False) -> _Tensor:
-    """A tensor argument the kernel only reads (``_Tensor``)."""
-    return _Tensor(dtypes, writes=False, optional=optional, dim=dim, nonempty=nonempty)
-
-
-def written(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
-            nonempty: bool = False) -> _Tensor:
-    """A tensor argument the kernel writes, and may read (``_Tensor``)."""
-    return _Tensor(dtypes, writes=True, optional=optional, dim=dim, nonempty=nonempty)
-
-
-class _Rows:
-    """A 2-D strided CPU tensor whose rows are each contiguous (unit column stride, any row
-    stride: a column slice of a wider tensor, a record's field in a mapped file), passed as the
-    address of its data. ``value = (tensor, like)``: ``like`` None, or a tensor whose dtype and
-    width it must have."""
-
-    checked = True
-    ctype = ctypes.c_void_p
-
-    def __init__(self, dtypes: tuple[torch.dtype, ...] | None, *, writes: bool) -> None:
-        self.dtypes, self.writes = dtypes, writes
-        dtype = ("" if dtypes is None else
-                 "(" + " or ".join(f"t.dtype is {_DTYPE_NAMES[d]}" for d in dtypes) + ") and ")
-        self._ok = eval(f"lambda t, like: {dtype}t.layout is _strided and t.is_cpu and "
-                        f"t.dim() == 2 and (t.is_contiguous() or t.stride(1) == 1 or "
-                        f"t.shape[1] <= 1) and (like is None or (t.dtype is like.dtype and "
-                        f"t.shape[1] == like.shape[1]))", dict(_CHECK_SCOPE))
-
-    def __repr__(self) -> str:
-        dtypes = "" if self.dtypes is None else "/".join(str(d).removeprefix("torch.")
-                                                       for d in self.dtypes) + " "
-        return (f"a 2-D CPU {dtypes}tensor with unit column stride (rows of contiguous "
-                f"elements, any row stride), {'written' if self.writes else 'read'}")
-
-    def address(self, kernel: str, arg: str, value: tuple[Any, torch.Tensor | None],
-                index: int | None = None) -> int:
-        """The data's address of ``value = (tensor, like)`` after the checks (``index``: the
-        argument is element ``index`` of a list)."""
-        t, like = value
-        try:
-            if self._ok(t, like):
-                return t.data_ptr()
-        except AttributeError:
-            pass
-        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, like)
-
-    def failure(self, kernel: str, arg: str, t: Any, like: torch.Tensor | None) -> Exception:
-        """The error of a check that failed: the first requirement ``t`` breaks."""
-        if not isinstance(t, torch.Tensor):
-            return _rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
-        if self.dtypes is not None and t.dtype not in self.dtypes:
-            return _rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
-                             TypeError)
-        if like is not None and t.dtype != like.dtype:
-            return _rejected(kernel, arg, f"{like.dtype} (as the rows it pairs with)",
-                             str(t.dtype), self, TypeError)
-        if t.layout is not torch.strided:
-            return _rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
-        if not t.is_cpu:
-            return _rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
-        if t.dim() != 2:
-            return _rejected(kernel, arg, "2-D", f"shape {tuple(t.shape)}", self)
-        if t.shape[1] > 1 and t.stride(1) != 1:
-            return _rejected(kernel, arg, "of unit column stride", _shape(t), self)
-        return _rejected(kernel, arg, f"{like.shape[1]} columns wide (as the rows it pairs with)",
-                         f"shape {tuple(t.shape)}", self)
-
-
-def read_rows(dtypes: tuple[torch.dtype, ...] | None) -> _Rows:
-    """Rows the kernel only reads (``_Rows``)."""
-    return _Rows(dtypes, writes=False)
-
-
-def written_rows(dtypes: tuple[torch.dtype, ...] | None) -> _Rows:
-    """Rows the kernel writes (``_Rows``)."""
-    return _Rows(dtypes, writes=True)
-
-
-class _Parts:
-    """The addresses of a list of int64 CPU tensors (``ec_concat_dedup``'s ``parts``), passed as
-    a ``const i64* const*``. ``value = (parts, lens, steps)``: part p has ``lens[p]`` elements,
-    ``steps[p]`` apart (``steps`` None: contiguous)."""
-
-    checked = True
-    ctype = ctypes.POINTER(ctypes.c_void_p)
-    _one = read(I64)
-
-    def __repr__(self) -> str:
-        return "a list of CPU int64 tensors, each contiguous or one column of a wider one, read"
-
-    def address(self, kernel: str, arg: str, value: tuple[Sequence[torch.Tensor], Sequence[int],
-                                                        Sequence[int] | None]) -> Any:
-        parts, lens, steps = value
-        if len(parts) != len(lens):
-            raise _rejected(kernel, arg, f"a list of {len(lens)} tensors", f"{len(parts)}", self)
-        addresses = []
-        for p, (t, n) in enumerate(zip(parts, lens)):
-            step = 1 if steps is None else steps[p]
-            if step == 1:
-                addresses.append(self._one.address(kernel, arg, (t, n), p))
-                continue
-            try:  # a column: n elements, step apart
-                ok = (t.dtype is torch.int64 and t.layout is torch.strided and t.is_cpu
-                      and t.numel() == n and (n <= 1 or (t.shape[0] == n and t.stride(0) == step)))
-            except AttributeError:
-                ok = False
-            if not ok:
-                raise _rejected(kernel, f"{arg}[{p}]", f"{n} int64 CPU elements {step} apart",
-                                repr(t) if not isinstance(t, torch.Tensor) else
-                                f"{t.dtype} {t.device} {_shape(t)}", self)
-            addresses.append(t.data_ptr())
-        return _array(ctypes.c_void_p, len(addresses))(*addresses)
-
-
-class _Array:
-    """A ctypes array the wrapper builds (lengths, offsets, the addresses of a list of tensors,
-    a few numbers in and out), passed as a pointer to its first element; None: nullptr."""
-
-    checked = False
-
-    def __init__(self, ctype: Any) -> None:
-        self.ctype = ctypes.POINTER(ctype)
-
-    def __repr__(self) -> str:
-        return f"an array of {self.ctype._type_.__name__}"
-
-
-def array(ctype: Any) -> _Array:
-    """An array argument the wrapper builds (``_Array``)."""
-    return _Array(ctype)
-
-
-class _Allocated:
-    """An address inside a buffer the wrapper has just allocated for the kernel's outputs (one
-    ``torch.empty`` of the right dtype, split by address arithmetic: a view would cost a
-    microsecond each), written by the kernel."""
-
-    checked = False
-    ctype = ctypes.c_void_p
-
-    def __init__(self, dtypes: tuple[torch.dtype, ...]) -> None:
-        self.dtypes = dtypes
-
-    def __repr__(self) -> str:
-        return f"an address in a new {self.dtypes[0]} buffer"
-
-
-def allocated(dtypes: tuple[torch.dtype, ...]) -> _Allocated:
-    """An output address inside the wrapper's own buffer (``_Allocated``)."""
-    return _Allocated(dtypes)
-
-
-class _HyperArg:
-    """A ``Hyper``, passed by reference as a ``const EcHyper*``."""
-
-    checked = True
-    ctype = ctypes.POINTER(Hyper)
-
-    def __repr__(self) -> str:
-        return "a native.Hyper"
-
-    def address(self, kernel: str, arg: str, value: Any) -> Any:
-        if isinstance(value, Hyper):
-            return value  # (ctypes passes an instance to a POINTER argument by reference)
-        raise _rejected(kernel, arg, "a native.Hyper", type(value).__name__, self, TypeError)
-
-
-HYPER = _HyperArg()
-
-_Kind = _Scalar | _Tensor | _Rows | _Parts | _Array | _Allocated | _HyperArg
-_KERNELS: list[_Kernel] = []  # every declared kernel, bound when the library loads
-
-
-class _Kernel:
-    """One C function of the library: its name, result and arguments ``(name, kind)`` in order.
-
-    ``call(*values)`` takes the arguments in that order (a tensor as ``(tensor, n)``), checks
-    each checked one, passes it as its kind says and returns the C function's result. It is
-    compiled from the declaration when the library loads (``source``: one function per kernel
-    with the tensors' checks written out, as ``dataclasses`` compiles its methods): a generic
-    loop over the arguments cost twice the checks themselves, on calls of a few microseconds.
-    """
-
-    def __init__(self, name: str, result: _Scalar | None,
-                 args: Sequence[tuple[str, _Kind]]) -> None:
-        self.name, self.result, self.args = name, result, tuple(args)
-        names = [arg for arg, _ in self.args]
-        if len(set(names)) != len(names) or any(not arg.isidentifier() or arg.startswith("_")
-                                                for arg in names):
-            raise RuntimeError(f"{name}: argument names must be distinct identifiers without a "
-                               f"leading underscore, got {names}")
-        self.source = self._source()
-        self.call: Any = self._first_call  # the compiled call once the library has loaded
-        _KERNELS.append(self)
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{arg}: {kind!r}" for arg, kind in self.args)
-        return f"{self.name}({args}) -> {self.result!r}"
-
-    def _source(self) -> str:
-        """The checking call's Python source (``fn``: the library's function)."""
-        names = ", ".join(arg for arg, _ in self.args)
-        lines = [f"def {self.name}({names}):"]
-        for i, (arg, kind) in enumerate(self.args):
-            if isinstance(kind, _Tensor):  # written out: the hot path
-                check = [  # (the temporaries' underscores: no C argument's name has one)
-                    f"_t, _n = {arg}",
-                    "try:",
-                    f"    _ok = {kind.condition('_t', '_n')}",
-                    "except AttributeError:",
-                    "    _ok = False",
-                    "if not _ok:",
-                    f"    raise kinds[{i}].failure({self.name!r}, {arg!r}, _t, _n)",
-                    f"{arg} = _t.data_ptr()"]
-                if kind.optional:
-                    check = [f"if {arg}[0] is None:", f"    {arg} = None",
-                             "else:", *("    " + line for line in check)]
-                lines += ["    " + line for line in check]
-            elif kind.checked:
-                lines.append(f"    {arg} = kinds[{i}].address({self.name!r}, {arg!r}, {arg})")
-        lines += ["    try:",
-                  f"        return fn({names})",
-                  "    except ArgumentError as e:  # a scalar of the wrong type",
-                  "        raise kernel.argument_error(e) from None"]
-        return "\n".join(lines)
-
-    def signature(self, lib: ctypes.CDLL) -> Any:
-        """The library's function, its ctypes signature set from the declaration."""
-        fn = getattr(lib, self.name)
-        fn.restype = None if self.result is None else self.result.ctype
-        fn.argtypes = [kind.ctype for _, kind in self.args]
-        return fn
-
-    def bind(self, fn: Any) -> None:
-        """Compiles ``call`` around the library's function ``fn``."""
-        scope = dict(_CHECK_SCOPE, fn=fn, kinds=[kind for _, kind in self.args], kernel=self,
-                     ArgumentError=ctypes.ArgumentError)
-        exec(compile(self.source, f"<kernel {self.name}>", "exec"), scope)
-        self.call = scope[self.name]
-
-    def _first_call(self, *values: Any) -> Any:
-        if _load() is None or self.call == self._first_call:
-            raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
-                               f"({_error}); callers check native.usable() first")
-        return self.call(*values)
-
-    def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
-        """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""
-        found = re.match(r"argument (\d+): (.*)", str(e))
-        if found is None or not 1 <= int(found[1]) <= len(self.args):
-            return TypeError(f"{self.name}: {e}")
-        arg, kind = self.args[int(found[1]) - 1]
-        return TypeError(f"{self.name}: argument {arg!r} must be {kind!r}: {found[2]}")
-
-
 # The library's own description, read at load time.
-_ABI_VERSION_OF = _Kernel("ec_abi_version", INT, [])
-_HYPER_SIZE = _Kernel("ec_hyper_size", INT64, [])
-_HYPER_FIELD_NAME = _Kernel("ec_hyper_field_name", STRING, [("i", INT)])
-_HYPER_FIELD = _Kernel("ec_hyper_field", DOUBLE, [("h", HYPER), ("i", INT)])
+_ABI_VERSION_OF = Kernel("ec_abi_version", INT, [])
+_HYPER_SIZE = Kernel("ec_hyper_size", INT64, [])
+_HYPER_FIELD_NAME = Kernel("ec_hyper_field_name", STRING, [("i", INT)])
+_HYPER_FIELD = Kernel("ec_hyper_field", DOUBLE, [("h", HYPER), ("i", INT)])
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -595,7 +200,7 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         try:
             lib = ctypes.CDLL(str(_build()))
-            functions = [(kernel, kernel.signature(lib)) for kernel in _KERNELS]
+            functions = [(kernel, kernel.signature(lib)) for kernel in kernels()]
             if lib.ec_abi_version() != ABI_VERSION:
                 raise OSError(f"stale kernel library (ABI version {lib.ec_abi_version()}, "
                               f"expected {ABI_VERSION})")
@@ -614,49 +219,6 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
-def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -> list[str]:
-    """How ``cls`` (``Hyper``) and the library's ``EcHyper`` disagree; empty when they agree.
-
-    Compares the sizes and the field names in order, then writes a distinct value into every
-    field of ``cls`` by name and reads each back in C++ by the same name (``ec_hyper_field``
-    reads ``offsetof(EcHyper, name)``). Microseconds: done at every load.
-    """
-    if lib.ec_hyper_size() != ctypes.sizeof(cls):  # nothing more to compare safely
-        return [f"size {ctypes.sizeof(cls)} in Python, {lib.ec_hyper_size()} in C++"]
-    if any(t is not ctypes.c_double for _, t in cls._fields_):
-        return [f"fields {cls._fields_} in Python, doubles only in C++"]
-    errors = []
-    names = [name for name, _ in cls._fields_]
-    cpp = []
-    while len(cpp) <= len(names):  # one past the Python side's last: None unless C++ has more
-        name = lib.ec_hyper_field_name(len(cpp))
-        if name is None:
-            break
-        cpp.append(name.decode())
-    if cpp != names:
-        errors.append(f"fields {names} in Python, {cpp} in C++")
-    h = cls.from_buffer_copy(bytes(ctypes.sizeof(cls)))  # zeros, without __init__
-    for i, name in enumerate(names):
-        setattr(h, name, 1.5 + i)
-    ptr = ctypes.cast(ctypes.pointer(h), HYPER.ctype)
-    for i, name in enumerate(cpp):
-        if name in names and lib.ec_hyper_field(ptr, i) != getattr(h, name):
-            errors.append(f"field {name!r} does not round-trip")
-    return errors
-
-
-_ARRAYS: dict[tuple[type, int], type] = {}
-
-
-def _array(ctype: type, n: int) -> type:
-    """The ctypes array type ``ctype * n`` (cached: creating one costs microseconds)."""
-    key = (ctype, n)
-    t = _ARRAYS.get(key)
-    if t is None:
-        t = _ARRAYS[key] = ctype * n
-    return t
-
-
 class _Local(threading.local):
     single = False  # inside single_threaded() (a class default: a missing attribute would cost
     #                 a caught AttributeError, a microsecond, on every kernel call)
@@ -664,6 +226,14 @@ class _Local(threading.local):
 
 _local = _Local()
 
+
+
+def _why_unloaded() -> str | None:
+    """None once the library is loaded and every kernel bound, else why it is not."""
+    return None if _load() is not None else (_error or "the kernels are switched off")
+
+
+set_loader(_why_unloaded)
 
 def _threads() -> int:
     """Threads of a kernel: torch's count, or 1 on a thread inside ``single_threaded()``."""
@@ -741,8 +311,8 @@ def concat_dedup(parts: Sequence[torch.Tensor], adds: Sequence[int], num_rows: i
     return ConcatDedup([t.numel() for t in parts], adds, num_rows, limits)(parts)
 
 
-_CONCAT_DEDUP = _Kernel("ec_concat_dedup", INT64, [
-    ("parts", _Parts()),                 # (nparts,) part p: lens[p] ids, steps[p] apart
+_CONCAT_DEDUP = Kernel("ec_concat_dedup", INT64, [
+    ("parts", PartsArg()),                 # (nparts,) part p: lens[p] ids, steps[p] apart
     ("lens", array(ctypes.c_int64)),     # (nparts,)
     ("steps", array(ctypes.c_int64)),    # (nparts,), or None: all 1
     ("adds", array(ctypes.c_int64)),     # (nparts,) added to part p's ids
@@ -767,7 +337,7 @@ class ConcatDedup:
         if len(adds) != k or (limits is not None and len(limits) != k):
             raise ValueError(f"ConcatDedup: {k} parts but {len(adds)} adds and "
                              f"{None if limits is None else len(limits)} limits; give one each")
-        longs = _array(ctypes.c_int64, k)
+        longs = ctypes_array(ctypes.c_int64, k)
         self.k, self.n, self.sizes = k, sum(lens), list(lens)
         self.lens, self.adds, self._longs = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
@@ -791,7 +361,7 @@ class ConcatDedup:
         return ids, unique, order, uoff
 
 
-_LOOKUP = _Kernel("ec_lookup", None, [
+_LOOKUP = Kernel("ec_lookup", None, [
     ("table", read(F32, dim=2)),              # (N, d)
     ("d", INT64),
     ("ids", read(I64)),                       # (nnz,) rows of table
@@ -820,7 +390,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     return out
 
 
-_COPY_ROWS = _Kernel("ec_copy_rows", None, [
+_COPY_ROWS = Kernel("ec_copy_rows", None, [
     ("src", read_rows(ANY)),          # rows src_stride bytes apart
     ("src_stride", INT64),
     ("src_rows", read(I64)),          # (n,)
@@ -842,7 +412,7 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
                     dst.stride(0) * size, (dst_rows, n), n, src.shape[-1] * size, _threads())
 
 
-_WILL_NEED = _Kernel("ec_will_need", INT64, [
+_WILL_NEED = Kernel("ec_will_need", INT64, [
     ("base", read_rows(ANY)),         # rows stride bytes apart
     ("stride", INT64),
     ("rows", read(I64)),              # (n,)
@@ -861,7 +431,7 @@ def will_need(src: torch.Tensor, rows: torch.Tensor) -> int:
                            max(src.stride(0), src.shape[-1]) * size)
 
 
-_BAG_OF = _Kernel("ec_bag_of", None, [
+_BAG_OF = Kernel("ec_bag_of", None, [
     ("offsets", read(I64)),           # (r_rows + 1,)
     ("r_rows", INT64),
     ("bags", written(I64)),           # (nnz,)
@@ -875,7 +445,7 @@ def bag_of(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return out
 
 
-_EXPAND = _Kernel("ec_expand", None, [
+_EXPAND = Kernel("ec_expand", None, [
     ("values", read(I64)),            # (U,)
     ("order", read(I64)),             # (nnz,)
     ("uoff", read(I64)),              # (U + 1,)
@@ -894,7 +464,7 @@ def expand(values: torch.Tensor, order: torch.Tensor, unique_offsets: torch.Tens
     return out
 
 
-_MINMAX = _Kernel("ec_minmax", None, [
+_MINMAX = Kernel("ec_minmax", None, [
     ("ids", read(I64, nonempty=True)),  # (n,)
     ("n", INT64),
     ("out", array(ctypes.c_int64)),     # (2,) smallest, largest
@@ -908,7 +478,7 @@ def minmax(ids: torch.Tensor) -> tuple[int, int]:
     return out[0], out[1]
 
 
-_OFFSETS_ERROR = _Kernel("ec_offsets_error", INT64, [
+_OFFSETS_ERROR = Kernel("ec_offsets_error", INT64, [
     ("offsets", read(I64, nonempty=True)),  # (n,)
     ("n", INT64),
     ("nnz", INT64),
@@ -922,7 +492,7 @@ def offsets_error(offsets: torch.Tensor, nnz: int) -> int:
     return _OFFSETS_ERROR.call((offsets, None), offsets.numel(), nnz)
 
 
-_FIRST_UNORDERED = _Kernel("ec_first_unordered", INT64, [
+_FIRST_UNORDERED = Kernel("ec_first_unordered", INT64, [
     ("idx", read(I64, dim=2)),        # (k, n)
     ("k", INT64),
     ("n", INT64),
@@ -938,7 +508,7 @@ def first_unordered(indices: torch.Tensor) -> int:
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 
-_COMBINER_SCALES = _Kernel("ec_combiner_scales", None, [
+_COMBINER_SCALES = Kernel("ec_combiner_scales", None, [
     ("offsets", read(I64)),                   # (r_rows + 1,)
     ("r_rows", INT64),
     ("weights", read(F32, optional=True)),    # (nnz,); None: all 1
@@ -962,7 +532,7 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
 _GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
 _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
 
-_SPARSE_UPDATE = _Kernel("ec_sparse_update", None, [
+_SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
     ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
     ("w", written(F32, dim=2)),               # (N, d)
     ("acc", written(F32, optional=True)),     # (N, d) or (N, 1); None for SGD
@@ -1045,12 +615,12 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     _SPARSE_UPDATE.call(
         rule, (table, None), (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
         (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
-        _array(ctypes.c_void_p, n)(*addresses), _array(ctypes.c_int64, n + 1)(*starts)
-        if starts is not None else None, _array(ctypes.c_int64, n)(*row_strides), n, hyper,
+        ctypes_array(ctypes.c_void_p, n)(*addresses), ctypes_array(ctypes.c_int64, n + 1)(*starts)
+        if starts is not None else None, ctypes_array(ctypes.c_int64, n)(*row_strides), n, hyper,
         _threads())
 
 
-_DEDUP_RAW = _Kernel("ec_dedup_raw", INT64, [
+_DEDUP_RAW = Kernel("ec_dedup_raw", INT64, [
     ("ids", read(I64)),               # (n,)
     ("n", INT64),
     ("unique", allocated(I64)),       # (U,)
@@ -1079,7 +649,7 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return buf[:u], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:3 * n + u + 1]
 
 
-_VOCAB_FIND = _Kernel("ec_vocab_find", INT64, [
+_VOCAB_FIND = Kernel("ec_vocab_find", INT64, [
     ("slots", read(I64, nonempty=True)),  # (mask + 1,) the index
     ("mask", INT64),
     ("row_key", read(I64)),           # (C,)
@@ -1106,7 +676,7 @@ def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
     return out, missing
 
 
-_VOCAB_SPLIT = _Kernel("ec_vocab_split", INT64, [
+_VOCAB_SPLIT = Kernel("ec_vocab_split", INT64, [
     ("ids", read(I64)),               # (n,)
     ("rows", read(I64)),              # (n,)
     ("n", INT64),
@@ -1128,7 +698,7 @@ def vocab_split(ids: torch.Tensor, rows: torch.Tensor
     return buf[:n - m], buf[n:n + m], buf[2 * n:2 * n + m]
 
 
-_VOCAB_VALID = _Kernel("ec_vocab_valid", INT64, [
+_VOCAB_VALID = Kernel("ec_vocab_valid", INT64, [
     ("rows", read(I64)),              # (n,)
     ("n", INT64),
     ("row_used", read(U8)),           # (C,)
@@ -1150,7 +720,7 @@ def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,
     return keep, kept
 
 
-_VOCAB_STEP = _Kernel("ec_vocab_step", INT64, [
+_VOCAB_STEP = Kernel("ec_vocab_step", INT64, [
     ("slots", written(I64, nonempty=True)),  # (mask + 1,) the index
     ("mask", INT64),
     ("row_key", written(I64)),        # (C,)
@@ -1200,7 +770,7 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tenso
     return new_rows, 0, 0, info[2], info[3]
 
 
-_CACHE_STEP = _Kernel("ec_cache_step", INT64, [
+_CACHE_STEP = Kernel("ec_cache_step", INT64, [
     ("rows", read(I64)),              # (U,) distinct shard rows
     ("n_rows", INT64),
     ("where", written(I32)),          # (N,) the cache row of each shard row, or -1
@@ -1259,7 +829,7 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
     return (slots, miss_rows[:m], miss_slots[:m], out_rows[:o], out_slots[:o], io[0], io[3])
 
 
-_SET_FLAGS = _Kernel("ec_set_flags", None, [
+_SET_FLAGS = Kernel("ec_set_flags", None, [
     ("flags", written(U8)),           # (C,)
     ("idx", read(I64)),               # (n,)
     ("n", INT64),
@@ -1277,7 +847,7 @@ def _seed64(seed: int) -> int:
     return s - (1 << 64) if s >= 1 << 63 else s
 
 
-_INIT_NORMAL = _Kernel("ec_init_normal", None, [
+_INIT_NORMAL = Kernel("ec_init_normal", None, [
     ("seed", INT64),
     ("ids", read(I64)),               # (n,)
     ("rows", read(I64)),              # (n,) rows of table
@@ -1306,7 +876,7 @@ def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple
                       (table, None), stride)
 
 
-_VOCAB_INDEX = _Kernel("ec_vocab_index", None, [
+_VOCAB_INDEX = Kernel("ec_vocab_index", None, [
     ("slots", written(I64, nonempty=True)),  # (mask + 1,)
     ("mask", INT64),
     ("row_key", read(I64)),           # (C,)

@@ -533,7 +533,7 @@ _NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id
 
 
 class NativeVocabMap(VocabMap):
-    """``VocabMap`` stepped by the fused kernels (``csrc/kernels.cpp``, ``ec_vocab_*``): the same
+    """``VocabMap`` stepped by the fused kernels (``csrc/vocab.h``, ``ec_vocab_*``): the same
     rules, state and results, with a hash index in place of the sorted keys.
 
     The index is ``slots`` (S,) int64, ``S`` the smallest power of two >= max(2 * capacity, 16):

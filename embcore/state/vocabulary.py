@@ -42,7 +42,7 @@ def table_seed(base_seed: int, name: str) -> int:
 
 
 # Acklam's rational approximation of the standard normal's inverse CDF (relative error below
-# 1.15e-9): kernels.cpp's ``inverse_normal`` holds the same coefficients and operation order.
+# 1.15e-9): csrc/vocab.h's ``inverse_normal`` holds the same coefficients and operation order.
 _A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
       1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
 _B = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,

@@ -1,0 +1,497 @@
+"""The fused kernels' arguments by name and kind: each C function's ctypes signature and the
+checks of every call come from one declaration (native.py declares every kernel beside its
+wrapper).
+
+A kernel is ``Kernel(name, result, [(argument, kind), ...])`` in the C function's order, with the
+C names. The kinds: ``read(I64)`` / ``written(F32)`` (a contiguous CPU tensor of one of the
+dtypes, passed as the address of its data), ``read_rows`` / ``written_rows`` (2-D, each row
+contiguous, any row stride), ``PARTS`` (a list of int64 tensors), ``array(ctype)`` (a ctypes
+array the wrapper builds), ``allocated`` (an address inside the wrapper's own new buffer),
+``HYPER`` (a ``Hyper``), and the scalars ``INT64``, ``INT``, ``DOUBLE``. A tensor of the wrong
+dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and the
+argument, raised before the kernel runs; a scalar of the wrong type, a ``TypeError`` naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class Hyper(ctypes.Structure):
+    """The optimizer hyper-parameters of ``sparse_update``, by name: csrc/update.h's ``EcHyper``.
+
+    The fields (doubles, in this order, as the C++ struct; ``_load`` checks that both sides
+    agree) and their "option off" defaults:
+
+    - ``learning_rate``: required;
+    - ``gradient_multiplier``: the gradient is multiplied by it first (default 1.0);
+    - ``clip_min``, ``clip_max``: then clipped to ``[clip_min, clip_max]`` (default -inf, +inf);
+    - ``weight_decay``: after the rule, ``w -= weight_decay * w_before`` (default 0.0);
+    - ``weight_min``, ``weight_max``: then the weights are clipped (default -inf, +inf).
+
+    Example: ``Hyper(learning_rate=0.1, clip_min=-1.0, clip_max=1.0)``.
+    """
+
+    _fields_ = [
+        ("learning_rate", ctypes.c_double),
+        ("gradient_multiplier", ctypes.c_double),
+        ("clip_min", ctypes.c_double),
+        ("clip_max", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("weight_min", ctypes.c_double),
+        ("weight_max", ctypes.c_double),
+    ]
+
+    def __init__(self, learning_rate: float, *, gradient_multiplier: float = 1.0,
+                 clip_min: float = -math.inf, clip_max: float = math.inf,
+                 weight_decay: float = 0.0, weight_min: float = -math.inf,
+                 weight_max: float = math.inf) -> None:
+        super().__init__(float(learning_rate), float(gradient_multiplier), float(clip_min),
+                         float(clip_max), float(weight_decay), float(weight_min),
+                         float(weight_max))
+
+    def as_dict(self) -> dict[str, float]:
+        """``{field name: value}`` in field order."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+    def __repr__(self) -> str:
+        return "Hyper(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Hyper):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # mutable, like every ctypes.Structure
+
+
+# ---- the kernels' arguments, by name and kind --------------------------------------------------
+# A kernel is declared as [(name, kind), ...] in the C function's order, with the C names. The
+# kinds (below) give each argument's ctypes type and, for the tensors and the Hyper, the check of
+# every call: a tensor argument is passed as ``(tensor, n)``, n its number of elements where the
+# wrapper knows it (None: any), and arrives in C as the address of its data.
+
+F32, I64, I32 = (torch.float32,), (torch.int64,), (torch.int32,)
+U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as they are
+ANY = None  # any dtype (row moves: bytes)
+_DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
+                torch.uint8: "_uint8", torch.bool: "_bool"}
+_CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
+
+
+def rejected(kernel: str, arg: str, what: str, got: str, expected: object,
+              error: type[Exception] = ValueError) -> Exception:
+    """The error of every failed check: the kernel, the argument, what it must be and what came."""
+    return error(f"{kernel}: argument {arg!r} must be {what}, got {got} (expected {expected})")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} and strides {t.stride()}"
+
+
+class Scalar:
+    """A number passed by value (ctypes converts it; a wrong type is a TypeError at the call)."""
+
+    checked = False
+
+    def __init__(self, ctype: Any, name: str) -> None:
+        self.ctype, self.name = ctype, name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+INT64 = Scalar(ctypes.c_int64, "int64")
+INT = Scalar(ctypes.c_int, "int")
+DOUBLE = Scalar(ctypes.c_double, "double")
+STRING = Scalar(ctypes.c_char_p, "string")
+
+
+class TensorArg:
+    """A contiguous, strided CPU tensor of one of ``dtypes``, passed as the address of its data;
+    ``writes``: the kernel writes it (it may read it too); ``optional``: None passes nullptr;
+    ``dim``: its number of dimensions, where the wrapper reads its shape; ``nonempty``: the
+    kernel reads its first element whatever the length. Passed as ``(tensor, n)``: n its number
+    of elements, or None where the wrapper does not know it."""
+
+    checked = True
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...], *, writes: bool, optional: bool = False,
+                 dim: int | None = None, nonempty: bool = False) -> None:
+        self.dtypes, self.writes, self.optional = dtypes, writes, optional
+        self.dim, self.nonempty = dim, nonempty
+        self._ok = eval(f"lambda t, n: {self.condition('t', 'n')}", dict(_CHECK_SCOPE))
+
+    def __repr__(self) -> str:
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        dim = f" {self.dim}-D" if self.dim is not None else ""
+        return (f"a contiguous{dim} CPU {dtypes} tensor{' (non-empty)' if self.nonempty else ''}"
+                f"{' or None' if self.optional else ''}, {'written' if self.writes else 'read'}")
+
+    def condition(self, t: str, n: str) -> str:
+        """The check, as a Python expression over the tensor ``t`` and the length ``n`` (compiled
+        into every kernel's call, see ``Kernel``: one condition of attribute reads, about 0.3
+        us a tensor)."""
+        dtypes = " or ".join(f"{t}.dtype is {_DTYPE_NAMES[d]}" for d in self.dtypes)
+        parts = [f"({dtypes})" if len(self.dtypes) > 1 else dtypes,
+                 f"{t}.layout is _strided", f"{t}.is_cpu", f"{t}.is_contiguous()",
+                 f"({n} is None or {t}.numel() == {n})"]
+        if self.dim is not None:
+            parts.append(f"{t}.dim() == {self.dim}")
+        if self.nonempty:
+            parts.append(f"{t}.numel() > 0")
+        return " and ".join(parts)
+
+    def address(self, kernel: str, arg: str, value: tuple[Any, int | None],
+                index: int | None = None) -> int | None:
+        """The data's address of ``value = (tensor, n)`` after the checks (``index``: the
+        argument is element ``index`` of a list)."""
+        t, n = value
+        if t is None and self.optional:
+            return None
+        try:
+            if self._ok(t, n):
+                return t.data_ptr()
+        except AttributeError:
+            pass
+        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, n)
+
+    def failure(self, kernel: str, arg: str, t: Any, n: int | None) -> Exception:
+        """The error of a check that failed: the first requirement ``t`` breaks."""
+        if not isinstance(t, torch.Tensor):
+            return rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
+        if t.dtype not in self.dtypes:
+            return rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
+                             TypeError)
+        if t.layout is not torch.strided:
+            return rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
+        if not t.is_cpu:
+            return rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
+        if not t.is_contiguous():
+            return rejected(kernel, arg, "contiguous", _shape(t), self)
+        if self.dim is not None and t.dim() != self.dim:
+            return rejected(kernel, arg, f"{self.dim}-D", f"shape {tuple(t.shape)}", self)
+        if n is not None and t.numel() != n:
+            return rejected(kernel, arg, f"of {n} elements", f"{t.numel()} (shape "
+                             f"{tuple(t.shape)})", self)
+        return rejected(kernel, arg, "non-empty", f"shape {tuple(t.shape)}", self)
+
+
+def read(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
+         nonempty: bool = False) -> TensorArg:
+    """A tensor argument the kernel only reads (``TensorArg``)."""
+    return TensorArg(dtypes, writes=False, optional=optional, dim=dim, nonempty=nonempty)
+
+
+def written(dtypes: tuple[torch.dtype, ...], *, optional: bool = False, dim: int | None = None,
+            nonempty: bool = False) -> TensorArg:
+    """A tensor argument the kernel writes, and may read (``TensorArg``)."""
+    return TensorArg(dtypes, writes=True, optional=optional, dim=dim, nonempty=nonempty)
+
+
+class RowsArg:
+    """A 2-D strided CPU tensor whose rows are each contiguous (unit column stride, any row
+    stride: a column slice of a wider tensor, a record's field in a mapped file), passed as the
+    address of its data. ``value = (tensor, like)``: ``like`` None, or a tensor whose dtype and
+    width it must have."""
+
+    checked = True
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None, *, writes: bool) -> None:
+        self.dtypes, self.writes = dtypes, writes
+        dtype = ("" if dtypes is None else
+                 "(" + " or ".join(f"t.dtype is {_DTYPE_NAMES[d]}" for d in dtypes) + ") and ")
+        self._ok = eval(f"lambda t, like: {dtype}t.layout is _strided and t.is_cpu and "
+                        f"t.dim() == 2 and (t.is_contiguous() or t.stride(1) == 1 or "
+                        f"t.shape[1] <= 1) and (like is None or (t.dtype is like.dtype and "
+                        f"t.shape[1] == like.shape[1]))", dict(_CHECK_SCOPE))
+
+    def __repr__(self) -> str:
+        dtypes = "" if self.dtypes is None else "/".join(str(d).removeprefix("torch.")
+                                                       for d in self.dtypes) + " "
+        return (f"a 2-D CPU {dtypes}tensor with unit column stride (rows of contiguous "
+                f"elements, any row stride), {'written' if self.writes else 'read'}")
+
+    def address(self, kernel: str, arg: str, value: tuple[Any, torch.Tensor | None],
+                index: int | None = None) -> int:
+        """The data's address of ``value = (tensor, like)`` after the checks (``index``: the
+        argument is element ``index`` of a list)."""
+        t, like = value
+        try:
+            if self._ok(t, like):
+                return t.data_ptr()
+        except AttributeError:
+            pass
+        raise self.failure(kernel, arg if index is None else f"{arg}[{index}]", t, like)
+
+    def failure(self, kernel: str, arg: str, t: Any, like: torch.Tensor | None) -> Exception:
+        """The error of a check that failed: the first requirement ``t`` breaks."""
+        if not isinstance(t, torch.Tensor):
+            return rejected(kernel, arg, "a torch.Tensor", type(t).__name__, self, TypeError)
+        if self.dtypes is not None and t.dtype not in self.dtypes:
+            return rejected(kernel, arg, " or ".join(map(str, self.dtypes)), str(t.dtype), self,
+                             TypeError)
+        if like is not None and t.dtype != like.dtype:
+            return rejected(kernel, arg, f"{like.dtype} (as the rows it pairs with)",
+                             str(t.dtype), self, TypeError)
+        if t.layout is not torch.strided:
+            return rejected(kernel, arg, "a strided tensor", f"layout {t.layout}", self)
+        if not t.is_cpu:
+            return rejected(kernel, arg, "on the CPU", f"device {t.device}", self)
+        if t.dim() != 2:
+            return rejected(kernel, arg, "2-D", f"shape {tuple(t.shape)}", self)
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            return rejected(kernel, arg, "of unit column stride", _shape(t), self)
+        return rejected(kernel, arg, f"{like.shape[1]} columns wide (as the rows it pairs with)",
+                         f"shape {tuple(t.shape)}", self)
+
+
+def read_rows(dtypes: tuple[torch.dtype, ...] | None) -> RowsArg:
+    """Rows the kernel only reads (``RowsArg``)."""
+    return RowsArg(dtypes, writes=False)
+
+
+def written_rows(dtypes: tuple[torch.dtype, ...] | None) -> RowsArg:
+    """Rows the kernel writes (``RowsArg``)."""
+    return RowsArg(dtypes, writes=True)
+
+
+class PartsArg:
+    """The addresses of a list of int64 CPU tensors (``ec_concat_dedup``'s ``parts``), passed as
+    a ``const i64* const*``. ``value = (parts, lens, steps)``: part p has ``lens[p]`` elements,
+    ``steps[p]`` apart (``steps`` None: contiguous)."""
+
+    checked = True
+    ctype = ctypes.POINTER(ctypes.c_void_p)
+    _one = read(I64)
+
+    def __repr__(self) -> str:
+        return "a list of CPU int64 tensors, each contiguous or one column of a wider one, read"
+
+    def address(self, kernel: str, arg: str, value: tuple[Sequence[torch.Tensor], Sequence[int],
+                                                        Sequence[int] | None]) -> Any:
+        parts, lens, steps = value
+        if len(parts) != len(lens):
+            raise rejected(kernel, arg, f"a list of {len(lens)} tensors", f"{len(parts)}", self)
+        addresses = []
+        for p, (t, n) in enumerate(zip(parts, lens)):
+            step = 1 if steps is None else steps[p]
+            if step == 1:
+                addresses.append(self._one.address(kernel, arg, (t, n), p))
+                continue
+            try:  # a column: n elements, step apart
+                ok = (t.dtype is torch.int64 and t.layout is torch.strided and t.is_cpu
+                      and t.numel() == n and (n <= 1 or (t.shape[0] == n and t.stride(0) == step)))
+            except AttributeError:
+                ok = False
+            if not ok:
+                raise rejected(kernel, f"{arg}[{p}]", f"{n} int64 CPU elements {step} apart",
+                                repr(t) if not isinstance(t, torch.Tensor) else
+                                f"{t.dtype} {t.device} {_shape(t)}", self)
+            addresses.append(t.data_ptr())
+        return ctypes_array(ctypes.c_void_p, len(addresses))(*addresses)
+
+
+class ArrayArg:
+    """A ctypes array the wrapper builds (lengths, offsets, the addresses of a list of tensors,
+    a few numbers in and out), passed as a pointer to its first element; None: nullptr."""
+
+    checked = False
+
+    def __init__(self, ctype: Any) -> None:
+        self.ctype = ctypes.POINTER(ctype)
+
+    def __repr__(self) -> str:
+        return f"an array of {self.ctype._type_.__name__}"
+
+
+def array(ctype: Any) -> ArrayArg:
+    """An array argument the wrapper builds (``ArrayArg``)."""
+    return ArrayArg(ctype)
+
+
+class AllocatedArg:
+    """An address inside a buffer the wrapper has just allocated for the kernel's outputs (one
+    ``torch.empty`` of the right dtype, split by address arithmetic: a view would cost a
+    microsecond each), written by the kernel."""
+
+    checked = False
+    ctype = ctypes.c_void_p
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        self.dtypes = dtypes
+
+    def __repr__(self) -> str:
+        return f"an address in a new {self.dtypes[0]} buffer"
+
+
+def allocated(dtypes: tuple[torch.dtype, ...]) -> AllocatedArg:
+    """An output address inside the wrapper's own buffer (``AllocatedArg``)."""
+    return AllocatedArg(dtypes)
+
+
+class HyperArg:
+    """A ``Hyper``, passed by reference as a ``const EcHyper*``."""
+
+    checked = True
+    ctype = ctypes.POINTER(Hyper)
+
+    def __repr__(self) -> str:
+        return "a native.Hyper"
+
+    def address(self, kernel: str, arg: str, value: Any) -> Any:
+        if isinstance(value, Hyper):
+            return value  # (ctypes passes an instance to a POINTER argument by reference)
+        raise rejected(kernel, arg, "a native.Hyper", type(value).__name__, self, TypeError)
+
+
+HYPER = HyperArg()
+
+Kind = Scalar | TensorArg | RowsArg | PartsArg | ArrayArg | AllocatedArg | HyperArg
+_KERNELS: list[Kernel] = []  # every declared kernel, bound when the library loads
+# native.py's loader: loads the library and binds every kernel; returns None, or why it could not
+_LOADER: list[Callable[[], str | None]] = []
+
+
+def set_loader(load: Callable[[], str | None]) -> None:
+    """Registers the library's loader (native.py), which a kernel's first call runs."""
+    _LOADER[:] = [load]
+
+
+def kernels() -> list[Kernel]:
+    """Every declared kernel, in declaration order (the loader binds each)."""
+    return list(_KERNELS)
+
+
+class Kernel:
+    """One C function of the library: its name, result and arguments ``(name, kind)`` in order.
+
+    ``call(*values)`` takes the arguments in that order (a tensor as ``(tensor, n)``), checks
+    each checked one, passes it as its kind says and returns the C function's result. It is
+    compiled from the declaration when the library loads (``source``: one function per kernel
+    with the tensors' checks written out, as ``dataclasses`` compiles its methods): a generic
+    loop over the arguments cost twice the checks themselves, on calls of a few microseconds.
+    """
+
+    def __init__(self, name: str, result: Scalar | None,
+                 args: Sequence[tuple[str, Kind]]) -> None:
+        self.name, self.result, self.args = name, result, tuple(args)
+        names = [arg for arg, _ in self.args]
+        if len(set(names)) != len(names) or any(not arg.isidentifier() or arg.startswith("_")
+                                                for arg in names):
+            raise RuntimeError(f"{name}: argument names must be distinct identifiers without a "
+                               f"leading underscore, got {names}")
+        self.source = self._source()
+        self.call: Any = self._first_call  # the compiled call once the library has loaded
+        _KERNELS.append(self)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{arg}: {kind!r}" for arg, kind in self.args)
+        return f"{self.name}({args}) -> {self.result!r}"
+
+    def _source(self) -> str:
+        """The checking call's Python source (``fn``: the library's function)."""
+        names = ", ".join(arg for arg, _ in self.args)
+        lines = [f"def {self.name}({names}):"]
+        for i, (arg, kind) in enumerate(self.args):
+            if isinstance(kind, TensorArg):  # written out: the hot path
+                check = [  # (the temporaries' underscores: no C argument's name has one)
+                    f"_t, _n = {arg}",
+                    "try:",
+                    f"    _ok = {kind.condition('_t', '_n')}",
+                    "except AttributeError:",
+                    "    _ok = False",
+                    "if not _ok:",
+                    f"    raise kinds[{i}].failure({self.name!r}, {arg!r}, _t, _n)",
+                    f"{arg} = _t.data_ptr()"]
+                if kind.optional:
+                    check = [f"if {arg}[0] is None:", f"    {arg} = None",
+                             "else:", *("    " + line for line in check)]
+                lines += ["    " + line for line in check]
+            elif kind.checked:
+                lines.append(f"    {arg} = kinds[{i}].address({self.name!r}, {arg!r}, {arg})")
+        lines += ["    try:",
+                  f"        return fn({names})",
+                  "    except ArgumentError as e:  # a scalar of the wrong type",
+                  "        raise kernel.argument_error(e) from None"]
+        return "\n".join(lines)
+
+    def signature(self, lib: ctypes.CDLL) -> Any:
+        """The library's function, its ctypes signature set from the declaration."""
+        fn = getattr(lib, self.name)
+        fn.restype = None if self.result is None else self.result.ctype
+        fn.argtypes = [kind.ctype for _, kind in self.args]
+        return fn
+
+    def bind(self, fn: Any) -> None:
+        """Compiles ``call`` around the library's function ``fn``."""
+        scope = dict(_CHECK_SCOPE, fn=fn, kinds=[kind for _, kind in self.args], kernel=self,
+                     ArgumentError=ctypes.ArgumentError)
+        exec(compile(self.source, f"<kernel {self.name}>", "exec"), scope)
+        self.call = scope[self.name]
+
+    def _first_call(self, *values: Any) -> Any:
+        problem = _LOADER[0]() if _LOADER else "no library loader"
+        if problem is not None or self.call == self._first_call:
+            raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
+                               f"({problem}); callers check native.usable() first")
+        return self.call(*values)
+
+    def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
+        """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""
+        found = re.match(r"argument (\d+): (.*)", str(e))
+        if found is None or not 1 <= int(found[1]) <= len(self.args):
+            return TypeError(f"{self.name}: {e}")
+        arg, kind = self.args[int(found[1]) - 1]
+        return TypeError(f"{self.name}: argument {arg!r} must be {kind!r}: {found[2]}")
+
+
+def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -> list[str]:
+    """How ``cls`` (``Hyper``) and the library's ``EcHyper`` disagree; empty when they agree.
+
+    Compares the sizes and the field names in order, then writes a distinct value into every
+    field of ``cls`` by name and reads each back in C++ by the same name (``ec_hyper_field``
+    reads ``offsetof(EcHyper, name)``). Microseconds: done at every load.
+    """
+    if lib.ec_hyper_size() != ctypes.sizeof(cls):  # nothing more to compare safely
+        return [f"size {ctypes.sizeof(cls)} in Python, {lib.ec_hyper_size()} in C++"]
+    if any(t is not ctypes.c_double for _, t in cls._fields_):
+        return [f"fields {cls._fields_} in Python, doubles only in C++"]
+    errors = []
+    names = [name for name, _ in cls._fields_]
+    cpp = []
+    while len(cpp) <= len(names):  # one past the Python side's last: None unless C++ has more
+        name = lib.ec_hyper_field_name(len(cpp))
+        if name is None:
+            break
+        cpp.append(name.decode())
+    if cpp != names:
+        errors.append(f"fields {names} in Python, {cpp} in C++")
+    h = cls.from_buffer_copy(bytes(ctypes.sizeof(cls)))  # zeros, without __init__
+    for i, name in enumerate(names):
+        setattr(h, name, 1.5 + i)
+    ptr = ctypes.cast(ctypes.pointer(h), HYPER.ctype)
+    for i, name in enumerate(cpp):
+        if name in names and lib.ec_hyper_field(ptr, i) != getattr(h, name):
+            errors.append(f"field {name!r} does not round-trip")
+    return errors
+
+
+_ARRAYS: dict[tuple[type, int], type] = {}
+
+
+def ctypes_array(ctype: type, n: int) -> type:
+    """The ctypes array type ``ctype * n`` (cached: creating one costs microseconds)."""
+    key = (ctype, n)
+    t = _ARRAYS.get(key)
+    if t is None:
+        t = _ARRAYS[key] = ctype * n
+    return t
