@@ -1,9 +1,10 @@
-"""Running a test body on W processes (gloo on CPU) from pytest."""
+"""Running a test body on W processes (gloo on CPU) from pytest; the id of a process that ended."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,3 +42,10 @@ def run_on(world: int, fn: Callable[..., Any], *args: Any) -> None:
     """Runs ``fn(rank, world, init, *args)`` in ``world`` spawned processes; ``init()`` joins the
     gloo group (call it after any single-process reference work). Raises if any process raises."""
     mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def exited_pid() -> int:
+    """The id of a process that has ended (a child that printed it and left)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)

@@ -12,9 +12,10 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_on
+from distributed import exited_pid, run_on
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import cases
 from switches import kernels
 from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
@@ -128,7 +129,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     assert max(two.bytes_per_rank(fast=True)) <= 15_000
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from([1, 4, 8]), st.booleans()),
                       min_size=1, max_size=5),
        budget=st.integers(0, 150_000), world=st.sampled_from([1, 2]),
@@ -168,7 +169,7 @@ def test_planner_follows_the_lookup_curves():
 NAMES = sorted(OPTIMIZERS)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), opt=st.sampled_from([n for n in NAMES if n != "adam_dense"]),
        fraction=st.sampled_from([0.0, 0.3, 0.7]), steps=st.integers(1, 4))
 def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
@@ -459,12 +460,9 @@ def test_files_a_killed_process_left_are_removed_by_the_next_one(tmp_path):
     next engine using the same offload_dir removes those of dead processes of this host, and
     leaves those of live ones."""
     import socket
-    import subprocess
-    import sys
 
     host = "".join(c if c.isalnum() or c in "_." else "_" for c in socket.gethostname())
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()  # a pid that ended
+    gone = exited_pid()
     dead = tmp_path / f"embcore-offload-{host}-p{gone}-r0-abc"
     live = tmp_path / f"embcore-offload-{host}-p{os.getpid()}-r0-xyz"
     other = tmp_path / "embcore-offload-otherhost-p1-r0-q"
@@ -537,11 +535,13 @@ MIXED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "repl
          "f": "row_mod"}
 
 
+@pytest.mark.slow
 def test_sharded_cached_tables_equal_in_memory_tables():
     """W = 2, every strategy (mixed in one engine), two optimizers: a budget changes nothing."""
     run_on(2, _sharded_worker, [("adagrad", MIXED), ("ftrl", MIXED), ("rowwise", MIXED)], 4)
 
 
+@pytest.mark.slow
 def test_sharded_dynamic_tables_in_the_slow_tier_equal_in_memory():
     """W = 2, a dynamic table split by hash (each owner's map, rows offloaded) or replicated:
     a budget changes nothing."""

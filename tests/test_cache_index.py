@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from embcore.ops import native
 from embcore.ops.cache_index import CacheIndex, Step
@@ -97,7 +98,7 @@ def _check_step(index, got, want):
     assert got.evicted == evicted
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(runs())
 def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
     rows, capacity, bounds, steps = run

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import exited_pid
 
 import embcore as ec
 from embcore import checkpoint as ck
@@ -500,9 +501,12 @@ POINTS = {"mid_data": "old", "before_metadata": "old", "before_swap": "old",
 
 
 @pytest.fixture(scope="module", autouse=True)
-def helper():
-    """Starts the helper with the module's first test: it imports torch while the others run."""
-    if not hasattr(os, "fork"):
+def helper(request):
+    """Starts the helper with the module's first test: it imports torch while the others run.
+    Not started where no test that needs it is selected (``-m "not slow"``)."""
+    needed = any("helper_results" in getattr(item, "fixturenames", ()) for item in
+                 request.session.items if getattr(item, "module", None) is request.module)
+    if not hasattr(os, "fork") or not needed:
         yield None
         return
     env = dict(os.environ, PYTHONPATH=str(Path(ec.__file__).resolve().parents[1]))
@@ -534,6 +538,7 @@ def helper_results(tmp_path_factory, helper):
 
 
 @pytest.mark.parametrize("point", list(POINTS))
+@pytest.mark.slow
 def test_killed_writer_leaves_a_loadable_checkpoint(helper_results, point):
     root, previous, _, report, err = helper_results
     assert report["killed_mid_data"]
@@ -555,6 +560,7 @@ def test_killed_writer_leaves_a_loadable_checkpoint(helper_results, point):
     assert_state_equal(snapshot(target), snapshot(newer))
 
 
+@pytest.mark.slow
 def test_reshard_w1_to_w2_to_w1(helper_results):
     """A W = 1 checkpoint restored into two processes (row_mod, row_div, column, replicated),
     trained a step there and saved from both, restores into one process: the same state as
@@ -578,7 +584,7 @@ def test_reshard_w1_to_w2_to_w1(helper_results):
 
 
 def test_save_removes_temporaries_of_dead_writers_only(tmp_path, trained):
-    dead = subprocess_pid_that_exited()
+    dead = exited_pid()
     stale = tmp_path / f"ck.tmp-{dead}-00ff"
     live = tmp_path / f"ck.tmp-{os.getpid()}-00aa"  # a writer still running (this process)
     other = tmp_path / "ck-other.tmp-1-00bb"  # another checkpoint's: not ours to touch
@@ -588,11 +594,3 @@ def test_save_removes_temporaries_of_dead_writers_only(tmp_path, trained):
     ec.save(tmp_path / "ck", trained)
     assert not stale.exists() and live.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ck", live.name, other.name])
-
-
-def subprocess_pid_that_exited() -> int:
-    import subprocess
-    import sys
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
-    return int(proc.stdout)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from switches import private_paths
 
 from embcore.base import compat
@@ -66,7 +67,7 @@ def jagged_tensors(draw):
     return torch.nested.nested_tensor_from_jagged(values, offsets, lengths=holes)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(jagged_tensors())
 def test_jagged_parts_private_equals_public(x):
     (v1, o1, l1), (v2, o2, l2) = both(compat.jagged_parts, x)
@@ -157,7 +158,7 @@ def sparse_tensors(draw):
     return x, idx, vals, len(set(pos)) < len(pos)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(sparse_tensors())
 def test_sparse_parts_private_equals_public(case):
     x, idx, vals, duplicates = case

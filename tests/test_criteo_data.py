@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
 from criteo import data  # noqa: E402
@@ -162,7 +163,7 @@ def brute_force_auc(y, s) -> float:
     return wins / (len(pos) * len(neg))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 1), st.integers(-3, 3)), min_size=2, max_size=60))
 def test_auc_equals_the_pairwise_definition_with_ties(pairs):
     y = [p[0] for p in pairs]
@@ -174,7 +175,7 @@ def test_auc_equals_the_pairwise_definition_with_ties(pairs):
     assert roc_auc(y, s) == pytest.approx(brute_force_auc(y, s), abs=1e-12)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 1), st.floats(0.0, 1.0)), min_size=1, max_size=40))
 def test_log_loss_matches_the_definition(pairs):
     y = [p[0] for p in pairs]
@@ -261,7 +262,7 @@ def _lines(draw, labeled: bool) -> str:
     return "\t".join(fields) + end if kind != 5 else end
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_the_fast_parser_equals_the_reference_on_random_lines(tmp_path_factory, data_):
     labeled = data_.draw(st.booleans())

@@ -356,6 +356,7 @@ def _two_process_worker(rank, world, init, data, out, ports, parser):
         train.main([*argv, "--resume"])
 
 
+@pytest.mark.slow
 def test_two_processes_read_their_shares_and_train_as_before(tmp_path):
     """Each process converts only its examples of each global batch; the run (losses, test
     AUC and log loss, skipped lines) equals the one where every process parses every line and

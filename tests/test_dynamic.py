@@ -11,6 +11,7 @@ import torch
 from distributed import run_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import embcore as ec
 from embcore.ops import native
@@ -127,7 +128,7 @@ class PerIdModel:
         return out
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(data=st.data(), capacity=st.integers(1, 5), eviction=st.sampled_from(["lru", "lfu"]),
        admit_after=st.integers(1, 2), ttl=st.sampled_from([None, 1, 2]))
 def test_engine_matches_the_per_id_model(data, capacity, eviction, admit_after, ttl):
@@ -361,6 +362,7 @@ def _sharded_body(rank, world, init, strategy):
 
 @pytest.mark.parametrize("world,strategy", [(2, "hash"), (4, "hash"), (2, "table"),
                                             (2, "replicated")])
+@pytest.mark.slow
 def test_sharded_dynamic_tables_equal_one_process(world, strategy):
     run_on(world, _sharded_body, strategy)
 
@@ -384,6 +386,7 @@ def _overflow_body(rank, world, init, strategy):
 
 
 @pytest.mark.parametrize("strategy", ["hash", "table"])
+@pytest.mark.slow
 def test_an_overflow_on_one_process_raises_on_every_process(strategy):
     run_on(2, _overflow_body, strategy)
 
@@ -468,6 +471,7 @@ def _reshard_body(rank, world, init, root, save_world):
 
 
 @pytest.mark.parametrize("world,save_world", [(2, 1), (2, 2)])
+@pytest.mark.slow
 def test_checkpoints_restore_into_any_world_size(tmp_path, world, save_world):
     run_on(world, _reshard_body, str(tmp_path), save_world)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import any_optimizer
 from switches import fast_path
 
@@ -100,7 +101,7 @@ def state(emb):
 
 
 @requires_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(setups())
 def test_the_fast_path_equals_the_general_path(setup):
     tables, readers, shapes, opt, steps, budget = setup
@@ -130,7 +131,7 @@ def test_the_fast_path_equals_the_general_path(setup):
 
 
 @requires_native
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(setups())
 def test_the_layer_on_the_fast_path_equals_the_general_path(setup):
     tables, readers, shapes, opt, _, _ = setup

@@ -359,6 +359,7 @@ def _skip_worker(rank, world, init):
     assert not all(torch.equal(state()[t], before[t]) for t in before)
 
 
+@pytest.mark.slow
 def test_skip_nonfinite_is_agreed_by_every_process():
     from distributed import run_on
     run_on(2, _skip_worker)

@@ -463,6 +463,7 @@ CRASHERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_crashers_raise_in_a_child_process():
     proc = subprocess.run([sys.executable, "-c", CRASHERS], capture_output=True, text=True,
                           timeout=60, cwd=ROOT,

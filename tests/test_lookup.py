@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import cases
 
 import embcore as ec
@@ -82,7 +83,7 @@ def make_engine(tables, feats, lr=1.0):
     return emb, fc, ids, w
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(multi_feature())
 def test_lookup_matches_reference(case):
     tables, feats = case
@@ -101,7 +102,7 @@ def test_lookup_matches_reference(case):
         torch.testing.assert_close(served[k], got[k])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(multi_feature(), st.integers(0, 2**31 - 1))
 def test_gradient_matches_reference(case, seed):
     """With SGD(lr=1) a table moves by exactly minus the summed reference gradient."""

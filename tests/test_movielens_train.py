@@ -159,6 +159,7 @@ def _trained_tiny_model() -> RankingModel:
     return model.eval()
 
 
+@pytest.mark.slow
 def test_export_round_trip(tmp_path):
     model = _trained_tiny_model()
     path = tmp_path / "serving.pt2"
@@ -185,6 +186,7 @@ def test_export_round_trip(tmp_path):
     assert json.loads(run.stdout) == expected
 
 
+@pytest.mark.slow
 def test_job_runs_sharded_under_torchrun(tmp_path):
     """Two processes with sharded tables, end to end (data, training, checkpoint, serving)."""
     import os

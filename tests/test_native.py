@@ -24,8 +24,10 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import check_rows_updated
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import common_options, jagged, rounded
 from switches import kernels
 
@@ -33,7 +35,6 @@ import embcore as ec
 from embcore.inputs import canonical as inputs
 from embcore.ops import kernel_args, native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
-from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import _hyper
 
 requires_native = pytest.mark.skipif(
@@ -148,7 +149,7 @@ def dedup_inputs(draw):
 
 
 @requires_native
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(dedup_inputs())
 def test_dedup_equals_stable_sort(case):
     num_rows, n, distinct, seed = case
@@ -175,7 +176,7 @@ def test_dedup_all_distinct_and_all_equal():
                 assert torch.equal(g, w)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(0, 70), min_size=1, max_size=6),
        st.sampled_from([torch.float32, torch.int64]), st.booleans(), st.integers(0, 2**31))
 def test_concat_equals_torch_cat(lengths, dtype, strided, seed):
@@ -192,7 +193,7 @@ def test_concat_equals_torch_cat(lengths, dtype, strided, seed):
 
 # ------------------------------------------------------------------------------------ lookup
 @requires_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(1, 40), st.sampled_from([1, 3, 8, 16, 33, 64, 96, 128, 192, 256]),
        st.integers(0, 30),
        st.integers(0, 6), st.booleans(), st.integers(0, 2**31 - 1))
@@ -264,23 +265,13 @@ def make_state(kind, opt, n, d, gen):
 
 def check_update(kind, opt, lr, step, table, acc, rows, row_grads, new_table, new_acc):
     """``new_*`` equal ``reference_update`` on ``rows``; every other row is bit-identical."""
-    slots = {} if acc is None else {"accumulators": acc[rows]}
-    want_w, want_s = reference_update(opt, table[rows], row_grads, slots, lr=lr, step=step)
-    d = table.shape[1]
-    torch.testing.assert_close(new_table[rows].double(),
-                               torch.tensor(want_w, dtype=torch.float64).reshape(-1, d), **TOL)
-    untouched = torch.ones(table.shape[0], dtype=torch.bool)
-    untouched[rows] = False
-    assert torch.equal(new_table[untouched], table[untouched])
-    if acc is not None:
-        torch.testing.assert_close(new_acc[rows].double(),
-                                   torch.tensor(want_s["accumulators"], dtype=torch.float64)
-                                   .reshape(-1, acc.shape[1]), **TOL)
-        assert torch.equal(new_acc[untouched], acc[untouched])
+    slots, new_slots = ({}, {}) if acc is None else ({"accumulators": acc},
+                                                     {"accumulators": new_acc})
+    check_rows_updated(opt, lr, step, table, slots, rows, row_grads, new_table, new_slots, TOL)
 
 
 @requires_native
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(optimizers(), st.integers(1, 30), st.sampled_from([1, 2, 5, 16]), st.data())
 def test_sparse_update_direct_equals_reference(opt_case, n, d, data):
     kind, opt, lr, step = opt_case
@@ -337,7 +328,7 @@ def occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled, strided=False):
 
 
 @requires_native
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(optimizers(), st.integers(1, 25), st.sampled_from([1, 3, 8]), st.integers(0, 60),
        st.lists(st.integers(0, 6), min_size=1, max_size=4), st.booleans(), st.booleans(),
        st.booleans(), st.integers(0, 2**31 - 1))
@@ -608,7 +599,7 @@ def test_sparse_update_reads_each_hyper_field_by_name():
 
 # ----------------------------------------------------------------------- minmax, combiner scales
 @requires_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=200))
 def test_minmax_equals_torch(values):
     ids = torch.tensor(values, dtype=torch.int64)
@@ -639,7 +630,7 @@ def bag_weights(draw):
 
 
 @requires_native
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(bag_weights(), st.sampled_from(["sum", "mean", "sqrtn"]), st.booleans())
 def test_combiner_scales_equal_torch_path(case, combiner, weighted):
     lengths, weight_lists = case
@@ -680,7 +671,7 @@ def test_combiner_scales_are_the_torch_paths_bits_on_random_weights(combiner):
 
 
 @requires_native
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.integers(0, 300), min_size=1, max_size=5), st.integers(0, 2**31 - 1))
 def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -696,7 +687,7 @@ def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
 
 
 @requires_native
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.sampled_from([1, 1, 2, 5])),
                 min_size=1, max_size=4),
        st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.02, 0.3]))
@@ -839,6 +830,7 @@ def test_one_openmp_runtime_in_the_process():
     assert len(paths) == 1, f"several OpenMP runtimes mapped: {sorted(paths)}"
 
 
+@pytest.mark.slow
 def test_command_line_builds_the_kernels():
     import subprocess
     import sys
@@ -851,7 +843,7 @@ def test_command_line_builds_the_kernels():
     assert helped.returncode == 0 and "kernels" in helped.stdout
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
        width=st.integers(1, 40), threads=st.sampled_from([1, 2]))
 def test_copy_rows_equals_index_ops(data, dtype, width, threads):
@@ -1192,6 +1184,7 @@ def test_the_abi_version_has_one_source():
     assert "ec_abi_version() { return EC_ABI_VERSION; }" in native.SOURCE.read_text()
 
 
+@pytest.mark.slow
 def test_a_build_without_the_abi_version_fails():
     """The preprocessor alone (no compile): without -DEC_ABI_VERSION the translation unit stops
     at its #error; with it, ec_abi_version returns native.ABI_VERSION."""

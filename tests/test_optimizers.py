@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 import embcore
 import embcore.config.optimizers as eo
@@ -161,18 +162,35 @@ def assert_matches(actual: torch.Tensor, expected: list[list[float]], rtol: floa
     torch.testing.assert_close(actual.to(torch.float64), want, rtol=rtol, atol=rtol * scale)
 
 
+def step_matches_reference(opt: Optimizer, params: torch.Tensor, g: torch.Tensor,
+                           slots: dict[str, torch.Tensor], step: int, rtol: float,
+                           start: tuple | None = None) -> tuple:
+    """One ``opt.update`` against ``reference_update`` started from ``start`` (the reference's
+    own rows and slots) or, without it, from the same inputs: equal up to rtol
+    (``assert_matches``). Returns the update's new params and slots, and the reference's."""
+    lr = opt.current_learning_rate()
+    new_params, new_slots = opt.update(params, g, slots, lr=lr, step=step)
+    ref_params, ref_slots = start if start is not None else (params, slots)
+    ref_w, ref_s = reference_update(opt, ref_params, g, ref_slots, lr=lr, step=step)
+    inputs = (params, g, *slots.values())
+    assert_matches(new_params, ref_w, rtol, *inputs)
+    for k in slots:
+        assert_matches(new_slots[k], ref_s[k], rtol, *inputs)
+    return new_params, new_slots, (ref_w, ref_s)
+
+
 # -- update == reference --------------------------------------------------------------------
 
-@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@settings(max_examples=examples(MAX_EXAMPLES), deadline=None)
 @given(problems(torch.float64))
 def test_update_matches_reference_float64(problem: tuple) -> None:
     """Independent trajectories of several steps: torch update vs the loop reference."""
     opt, params, slots, grads = problem
-    ref_w, ref_s = to_rows(params), {k: to_rows(v) for k, v in slots.items()}
+    ref = to_rows(params), {k: to_rows(v) for k, v in slots.items()}
     for step, g in enumerate(grads):
-        lr = opt.current_learning_rate()
         before = (params.clone(), g.clone(), {k: v.clone() for k, v in slots.items()})
-        new_params, new_slots = opt.update(params, g, slots, lr=lr, step=step)
+        new_params, new_slots, ref = step_matches_reference(opt, params, g, slots, step, 1e-9,
+                                                            start=ref)
         # inputs untouched, outputs new, dtypes as promised, everything finite
         assert torch.equal(params, before[0]) and torch.equal(g, before[1])
         assert all(torch.equal(slots[k], before[2][k]) for k in slots)
@@ -182,33 +200,22 @@ def test_update_matches_reference_float64(problem: tuple) -> None:
                    for k, v in new_slots.items())
         assert torch.isfinite(new_params).all()
         assert all(torch.isfinite(v).all() for v in new_slots.values())
-        ref_w, ref_s = reference_update(opt, ref_w, g, ref_s, lr=lr, step=step)
-        inputs = (params, g, *slots.values())
-        assert_matches(new_params, ref_w, 1e-9, *inputs)
-        for k in slots:
-            assert_matches(new_slots[k], ref_s[k], 1e-9, *inputs)
         params, slots = new_params, new_slots
 
 
-@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@settings(max_examples=examples(MAX_EXAMPLES), deadline=None)
 @given(problems(torch.float32))
 def test_update_matches_reference_float32(problem: tuple) -> None:
     """Along a float32 trajectory, each step agrees with the reference started from its state."""
     opt, params, slots, grads = problem
     for step, g in enumerate(grads):
-        lr = opt.current_learning_rate()
-        new_params, new_slots = opt.update(params, g, slots, lr=lr, step=step)
+        new_params, new_slots, _ = step_matches_reference(opt, params, g, slots, step, 1e-5)
         assert new_params.dtype == torch.float32
         assert all(v.dtype == torch.float32 for v in new_slots.values())
-        ref_w, ref_s = reference_update(opt, params, g, slots, lr=lr, step=step)
-        inputs = (params, g, *slots.values())
-        assert_matches(new_params, ref_w, 1e-5, *inputs)
-        for k in slots:
-            assert_matches(new_slots[k], ref_s[k], 1e-5, *inputs)
         params, slots = new_params, new_slots
 
 
-@settings(max_examples=MAX_EXAMPLES, deadline=None)
+@settings(max_examples=examples(MAX_EXAMPLES), deadline=None)
 @given(problems(torch.float64))
 def test_zero_gradient_is_noop_holds(problem: tuple) -> None:
     """When an optimizer says a zero gradient is a no-op, update(g = 0) changes nothing."""

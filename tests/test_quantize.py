@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from profiles import examples
 from strategies import cases
 
 import embcore as ec
@@ -43,7 +44,7 @@ def tables(draw) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(tables())
 @example(torch.tensor([[0.0, 0.0], [0.0, 3.565e-41]]))  # a subnormal step
 def test_int8_error_is_at_most_half_a_step_per_entry(table):
@@ -126,7 +127,7 @@ def _trained_layer(fc: dict, seed: int = 0) -> ec.EmbeddingLayer:
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_quantized_lookup_equals_serving_the_dequantized_table(precision, data):
     """For every combiner, input kind, weights and sequence features: the quantized module's

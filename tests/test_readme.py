@@ -25,6 +25,7 @@ def test_readme_example_runs(code, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("code", LAUNCHED, ids=[f"torchrun{i}" for i in range(len(LAUNCHED))])
+@pytest.mark.slow
 def test_readme_torchrun_example_runs(code, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(code)

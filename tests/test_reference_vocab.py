@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from embcore.ops.reference_vocab import ReferenceVocabulary as Vocab
 
@@ -90,7 +91,7 @@ def streams(draw):
     return vocab, steps
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(streams())
 def test_invariants_on_random_streams(case):
     v, steps = case

@@ -163,6 +163,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_sharded_equals_single_process(world):
     """Every strategy (mixed in one engine, and each for all tables), every optimizer."""
     run_on(world, _equality_worker, _cases(), 3)
@@ -208,6 +209,7 @@ def _dead_rank_worker(rank, world, init, mode, result_dir):
 
 
 @pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.slow
 def test_failing_rank_makes_the_others_raise(mode, tmp_path):
     try:
         run_on(2, _dead_rank_worker, mode, str(tmp_path))
@@ -268,6 +270,7 @@ def _reshard_worker(rank, world, init, root):
     check(b, a_tables, a_slots, "row_mod -> row_div")
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_w1_to_w4_and_row_mod_to_row_div(tmp_path):
     run_on(4, _reshard_worker, str(tmp_path))
 
@@ -297,6 +300,7 @@ def _stalled_save_worker(rank, world, init, mode, root, result_dir):
 
 
 @pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.slow
 def test_failing_rank_inside_a_checkpoint_makes_the_others_raise(mode, tmp_path):
     try:
         run_on(2, _stalled_save_worker, mode, str(tmp_path), str(tmp_path))

@@ -12,6 +12,7 @@ that reads layouts), as a layout whose local rows are not ascending would have t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed import run_on
 
@@ -128,5 +129,6 @@ def _worker(rank, world, init, root):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_to_sharded_dcp_from_value_round_trip(tmp_path):
     run_on(3, _worker, str(tmp_path))

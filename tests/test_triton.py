@@ -26,11 +26,14 @@ if importlib.util.find_spec("triton") is None:
 if torch.cuda.is_available():
     from triton_cases import *  # noqa: F401,F403  (compiled, on the GPU)
 else:
-    def test_kernels_under_the_interpreter():
+    @pytest.mark.slow
+    def test_kernels_under_the_interpreter(pytestconfig):
         env = {**os.environ, "TRITON_INTERPRET": "1"}
+        profile = pytestconfig.getoption("--hypothesis-profile")  # the cases' profile: this run's
         proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p",
-                               "no:cacheprovider",
-                               "-p", "no:warnings", str(CASES)], capture_output=True, text=True,
+                               "no:cacheprovider", "-p", "no:warnings",
+                               *(["--hypothesis-profile", profile] if profile else []),
+                               str(CASES)], capture_output=True, text=True,
                               env=env, cwd=CASES.parents[1], timeout=900)
         tail = (proc.stdout + proc.stderr)[-4000:]
         assert proc.returncode == 0, tail

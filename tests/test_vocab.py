@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
 
 from embcore.ops import native
 from embcore.ops.reference_vocab import ReferenceVocabulary
@@ -144,7 +145,7 @@ def streams(draw):
 
 
 @pytest.mark.parametrize("Map", MAPS)
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(streams())
 def test_random_streams_equal_the_oracle(Map, case):
     capacity, cfg, steps, reload_at = case
@@ -405,7 +406,7 @@ def test_results_do_not_depend_on_the_thread_count(Map):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(streams())
 def test_random_streams_on_cuda_equal_the_oracle(case):
     capacity, cfg, steps, _ = case
@@ -416,7 +417,7 @@ def test_random_streams_on_cuda_equal_the_oracle(case):
 
 
 @pytest.mark.skipif(not native.available(), reason="the fused kernels are not built")
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(streams(), st.lists(st.booleans(), min_size=24, max_size=24))
 def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, kernels_on):
     """Steps taken by VocabMap's torch ops (kernels switched off) leave the hash index stale; it is

@@ -33,8 +33,10 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+from checks import check_rows_updated  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from profiles import examples  # noqa: E402
 from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 
 import embcore as ec  # noqa: E402
@@ -43,7 +45,6 @@ from embcore.ops import gpu  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
 from embcore.ops.combine import combine, combine_backward  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
-from embcore.ops.reference_optim import reference_update  # noqa: E402
 from embcore.ops.update import update  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -125,7 +126,7 @@ def lookup_cases(draw):
     return n, d, combiner, ids, weights, draw(st.integers(0, 2**31 - 1))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(lookup_cases())
 def test_lookup_and_row_gradients_equal_reference(case):
     n, d, combiner, ids, weights, seed = case
@@ -169,7 +170,7 @@ def test_lookup_of_wide_rows_is_tiled_over_columns():
 
 # -- the fused backward + update ---------------------------------------------------------------
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(any_optimizer(dense_adam=False), st.integers(1, 20), st.integers(1, 40),
        st.sampled_from(["summed", "outputs"]), st.booleans(), st.booleans(),
        st.integers(0, 2**31 - 1))
@@ -200,20 +201,8 @@ def test_update_equals_reference(opt_case, n, d, source, unit, scaled, seed):
     assert calls["sparse_update"] == 1  # the kernel ran, not a fallback
     new_table = new_table.cpu()
     new_slots = {k: v.cpu() for k, v in new_slots.items()}
-    want_w, want_s = reference_update(opt, table[rows], row_grads,
-                                      {k: v[rows] for k, v in slots.items()}, lr=lr, step=step)
-    torch.testing.assert_close(new_table[rows].double(),
-                               torch.tensor(want_w, dtype=torch.float64).reshape(-1, d),
-                               **UPDATE_TOL)
-    for k, v in want_s.items():
-        torch.testing.assert_close(new_slots[k][rows].double(),
-                                   torch.tensor(v, dtype=torch.float64)
-                                   .reshape(slots[k][rows].shape), **UPDATE_TOL)
-    untouched = torch.ones(n, dtype=torch.bool)
-    untouched[rows] = False
-    assert torch.equal(new_table[untouched], table[untouched])
-    for k in slots:
-        assert torch.equal(new_slots[k][untouched], slots[k][untouched])
+    check_rows_updated(opt, lr, step, table, slots, rows, row_grads, new_table, new_slots,
+                       UPDATE_TOL)
 
 
 def test_update_of_wide_rows_and_many_rows():
@@ -228,12 +217,8 @@ def test_update_of_wide_rows_and_many_rows():
     new_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
     with triton_path():
         update(new_table, new_slots, grad.dedup.unique, grad, opt, 0.3, 0)
-    want_w, want_s = reference_update(opt, table[rows], row_grads,
-                                      {k: v[rows] for k, v in slots.items()}, lr=0.3, step=0)
-    torch.testing.assert_close(new_table.cpu()[rows].double(), torch.tensor(want_w).double(),
-                               **UPDATE_TOL)
-    torch.testing.assert_close(new_slots["accumulators"].cpu()[rows].double(),
-                               torch.tensor(want_s["accumulators"]).double(), **UPDATE_TOL)
+    check_rows_updated(opt, 0.3, 0, table, slots, rows, row_grads, new_table.cpu(),
+                       {k: v.cpu() for k, v in new_slots.items()}, UPDATE_TOL)
 
 
 # -- the choice points -------------------------------------------------------------------------
