@@ -11,13 +11,14 @@ and blocks nothing; two forwards then one backward over both apply both. In eval
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .base.nest import flatten_like, unflatten_like
+from .config.spec import from_spec
 from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding
@@ -25,27 +26,47 @@ from .inputs.features import is_feature
 from .serving.serve import ServingModule, serving_embedding_lookup
 
 
+class _Structure:
+    """The feature_config as the layer's flattener: a flat dict of features (the common case) by
+    its keys, any other structure by nest.py's walk (which also checks it). The engine builds the
+    activations and reads the gradients of this very structure, so nothing is checked here."""
+
+    def __init__(self, template: Any) -> None:
+        self.template = template
+        self.keys = (tuple(template) if isinstance(template, dict)
+                     and all(is_feature(v) for v in template.values()) else None)
+
+    def flatten(self, value: Any) -> tuple[Any, ...]:
+        if self.keys is not None:
+            return tuple([value[k] for k in self.keys])
+        return tuple(flatten_like(self.template, value, is_feature, "activations"))
+
+    def unflatten(self, flat: Sequence[Any]) -> Any:
+        if self.keys is not None:
+            return dict(zip(self.keys, flat))
+        return unflatten_like(self.template, list(flat), is_feature)
+
+
 class _EngineStep(torch.autograd.Function):
     """Forward: a training step's lookup. Backward: that step's apply, with the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, features: Any,
-                weights: Any) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, structure: _Structure,
+                features: Any, weights: Any) -> tuple[torch.Tensor, ...]:
         step = engine.training_step(features, weights)
-        flat = tuple(flatten_like(engine.feature_config, step.activations, is_feature,
-                                  "activations"))
+        flat = structure.flatten(step.activations)
         # ctx must not reach the outputs: output -> grad_fn -> ctx -> step -> output would be a
         # cycle through autograd's C++ graph, which Python's gc cannot see or break (every
         # step's activations and batch were kept for good: ~9 MB a step on the DLRM benchmark)
         step.activations = None
-        ctx.step, ctx.template = step, engine.feature_config
+        ctx.step, ctx.structure = step, structure
         ctx.set_materialize_grads(False)  # unused activations come back as None: zero gradient
         return flat
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:
-        ctx.step.apply(unflatten_like(ctx.template, list(grads), is_feature), warn_on_none=False)
-        return None, None, None, None
+        ctx.step.apply(ctx.structure.unflatten(grads), warn_on_none=False)
+        return None, None, None, None, None
 
 
 class EmbeddingLayer(torch.nn.Module):
@@ -94,6 +115,7 @@ class EmbeddingLayer(torch.nn.Module):
                              f"evicted by the engine's optimizer step, so they cannot be plain "
                              f"nn.Parameters; pass an optimizer (e.g. 'adagrad')")
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
+        self._structure = _Structure(self.engine.feature_config)
         self.engine.build()  # now, not inside the first (maybe compiled) forward
         if self.tables_are_parameters:  # the engine's seeded initial values, as parameters
             for t, name in self.engine.table_names().items():
@@ -121,8 +143,8 @@ class EmbeddingLayer(torch.nn.Module):
             return serving_embedding_lookup(features, weights, self.embedding_tables, template)
         if serving_config is not None or not (self.training and torch.is_grad_enabled()):
             return self.engine.lookup(features, weights, serving_config=serving_config)
-        flat = _EngineStep.apply(self._anchor, self.engine, features, weights)
-        return unflatten_like(self.feature_config, list(flat), is_feature)
+        flat = _EngineStep.apply(self._anchor, self.engine, self._structure, features, weights)
+        return self._structure.unflatten(flat)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], *args: Any,
                **kwargs: Any) -> EmbeddingLayer:
@@ -135,17 +157,7 @@ class EmbeddingLayer(torch.nn.Module):
                 self.engine.to(target)
         return out
 
-    @classmethod
-    def from_spec(cls, spec: Any, **kwargs: Any) -> EmbeddingLayer:
-        """The layer ``spec`` (an ``ec.EmbeddingSpec``) describes; ``kwargs``: the arguments a
-        spec does not hold (``process_group``, ``device``, ``timeout``, ``offload_dir``,
-        ``profile``)."""
-        from .config.spec import EmbeddingSpec
-        if not isinstance(spec, EmbeddingSpec):
-            raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
-        return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,
-                   memory_budget=spec.memory_budget,
-                   pipeline_execution=spec.pipeline_execution, **kwargs)
+    from_spec = classmethod(from_spec)
 
     def for_serving(self, serving_config: Any = None, *, quantize: Any = None
                     ) -> torch.nn.Module:
