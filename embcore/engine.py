@@ -198,8 +198,7 @@ class Embedding:
         return self
 
     def _ready(self) -> StepPath:
-        """The engine's path (``.store``: its rows): tables created on first use, the path
-        chosen again after ``to``."""
+        """The engine's path (``.store``: its rows), built on first use and again after ``to``."""
         if self._store is None:
             configs = {n: t for t, n in self._features.table_names.items()}
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device,
@@ -265,11 +264,12 @@ class Embedding:
         self._apply(item.wait(), item.answers, gradients, warn_on_none)
         self._queue.applied()
 
-    @_serialized  # (a TrainingStep's apply comes from autograd's backward)
     def _apply(self, batch: Batch, answers: Answers, gradients: Any, warn_on_none: bool) -> None:
         flat = self._features.flatten(gradients, "gradients")
         batch.apply(answers, flat, self._step, warn_on_none, before_write=self._queue.wait_all)
         self._step += 1
+
+    _locked_apply = _serialized(_apply)  # a TrainingStep's (from autograd's backward)
 
     @_serialized
     def training_step(self, features: Any, weights: Any = None) -> TrainingStep:
@@ -282,7 +282,7 @@ class Embedding:
         batch = self._ready().prepare(features, weights, True, Shapes.CHECK)
         self._queue.wait_all()
         activations, answers = batch.lookup()
-        return TrainingStep(functools.partial(self._apply, batch, answers),
+        return TrainingStep(functools.partial(self._locked_apply, batch, answers),
                             self._features.unflatten(activations))
 
     @_serialized

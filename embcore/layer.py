@@ -11,13 +11,13 @@ and blocks nothing; two forwards then one backward over both apply both. In eval
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 import torch
 
-from .base.nest import flatten_like, unflatten_like
+from .base.nest import Structure
 from .config.spec import from_spec
 from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
@@ -26,35 +26,14 @@ from .inputs.features import is_feature
 from .serving.serve import ServingModule, serving_embedding_lookup
 
 
-class _Structure:
-    """The feature_config as the layer's flattener: a flat dict of features (the common case) by
-    its keys, any other structure by nest.py's walk (which also checks it). The engine builds the
-    activations and reads the gradients of this very structure, so nothing is checked here."""
-
-    def __init__(self, template: Any) -> None:
-        self.template = template
-        self.keys = (tuple(template) if isinstance(template, dict)
-                     and all(is_feature(v) for v in template.values()) else None)
-
-    def flatten(self, value: Any) -> tuple[Any, ...]:
-        if self.keys is not None:
-            return tuple([value[k] for k in self.keys])
-        return tuple(flatten_like(self.template, value, is_feature, "activations"))
-
-    def unflatten(self, flat: Sequence[Any]) -> Any:
-        if self.keys is not None:
-            return dict(zip(self.keys, flat))
-        return unflatten_like(self.template, list(flat), is_feature)
-
-
 class _EngineStep(torch.autograd.Function):
     """Forward: a training step's lookup. Backward: that step's apply, with the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, structure: _Structure,
+    def forward(ctx: Any, anchor: torch.Tensor, engine: Embedding, structure: Structure,
                 features: Any, weights: Any) -> tuple[torch.Tensor, ...]:
         step = engine.training_step(features, weights)
-        flat = structure.flatten(step.activations)
+        flat = tuple(structure.flatten(step.activations, "activations"))
         # ctx must not reach the outputs: output -> grad_fn -> ctx -> step -> output would be a
         # cycle through autograd's C++ graph, which Python's gc cannot see or break (every
         # step's activations and batch were kept for good: ~9 MB a step on the DLRM benchmark)
@@ -115,7 +94,7 @@ class EmbeddingLayer(torch.nn.Module):
                              f"evicted by the engine's optimizer step, so they cannot be plain "
                              f"nn.Parameters; pass an optimizer (e.g. 'adagrad')")
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
-        self._structure = _Structure(self.engine.feature_config)
+        self._structure = Structure(self.engine.feature_config, is_feature)
         self.engine.build()  # now, not inside the first (maybe compiled) forward
         if self.tables_are_parameters:  # the engine's seeded initial values, as parameters
             for t, name in self.engine.table_names().items():

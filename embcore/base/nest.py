@@ -88,6 +88,40 @@ def unflatten_like(template: Any, leaves: Sequence[Any], is_leaf: Callable[[Any]
     return out
 
 
+class Structure:
+    """A template's flattening, with a shortcut for the common case: a flat dict of leaves is
+    read and built by its keys; any other structure goes through ``flatten_like`` /
+    ``unflatten_like`` (which also check it)."""
+
+    def __init__(self, template: Any, is_leaf: Callable[[Any], bool]) -> None:
+        self.template, self.is_leaf = template, is_leaf
+        self.keys = (tuple(template) if isinstance(template, dict)
+                     and all(is_leaf(v) for v in template.values()) else None)
+
+    def flatten(self, value: Any, what: str) -> list[Any]:
+        """``value``'s leaves in flatten order (``what`` names it in errors)."""
+        flat = self.flat_dict(value)
+        return flat if flat is not None else flatten_like(self.template, value, self.is_leaf,
+                                                          what)
+
+    def flat_dict(self, value: Any) -> list[Any] | None:
+        """``value``'s leaves when the template is a flat dict and ``value`` a dict of exactly
+        its keys (``flatten_like``'s result, without its walk); None otherwise."""
+        keys = self.keys
+        if keys is None or type(value) is not dict or len(value) != len(keys):
+            return None
+        try:
+            return [value[k] for k in keys]
+        except KeyError:
+            return None
+
+    def unflatten(self, flat: Sequence[Any]) -> Any:
+        """The template's structure from its leaves in flatten order."""
+        if self.keys is not None:
+            return dict(zip(self.keys, flat))
+        return unflatten_like(self.template, list(flat), self.is_leaf)
+
+
 def _fmt(prefix: str) -> str:
     return f"[{prefix!r}]" if prefix else ""
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ..base.nest import (
+    Structure,
     flatten_like,
     from_keyed_jagged,
     is_keyed_jagged,
     leaves_with_paths,
-    unflatten_like,
 )
 from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
@@ -94,9 +94,8 @@ class Features:
         self._untrained = tuple(self.table_names[t] for t, o in self.optimizers.items()
                                 if o is None)
         self._all = range(len(self.configs))
-        # a flat dict template (the common case): its structures are read and built by key
-        self._keys = (tuple(feature_config) if isinstance(feature_config, dict)
-                      and all(is_feature(v) for v in feature_config.values()) else None)
+        # its structures' flattening (a flat dict template, the common case: by key)
+        self.structure = Structure(feature_config, is_feature)
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -225,26 +224,16 @@ class Features:
 
     def unflatten(self, flat: list[Any]) -> Any:
         """The feature_config structure from per-feature values (flat order)."""
-        if self._keys is not None:
-            return dict(zip(self._keys, flat))
-        return unflatten_like(self.template, flat, is_feature)
+        return self.structure.unflatten(flat)
 
     def flatten(self, value: Any, what: str) -> list[Any]:
         """``value``'s leaves in flatten order (``what`` names it in errors)."""
-        flat = self.flat_dict(value)
-        return flat if flat is not None else flatten_like(self.template, value, is_feature, what)
+        return self.structure.flatten(value, what)
 
     def flat_dict(self, value: Any) -> list[Any] | None:
-        """``value``'s leaves in flatten order when the template is a flat dict and ``value`` a
-        dict of exactly its keys (``flatten_like``'s result, without its walk); None
-        otherwise (``flatten_like`` then reads it, or says what differs)."""
-        keys = self._keys
-        if keys is None or type(value) is not dict or len(value) != len(keys):
-            return None
-        try:
-            return [value[k] for k in keys]
-        except KeyError:
-            return None
+        """``value``'s leaves when feature_config is a flat dict and ``value`` a dict of exactly
+        its keys; None otherwise (``flatten`` then walks it, or says what differs)."""
+        return self.structure.flat_dict(value)
 
 
 def _flat_inputs(template: Any, features: Any, weights: Any,

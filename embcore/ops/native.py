@@ -329,7 +329,7 @@ _CONCAT_DEDUP = Kernel("ec_concat_dedup", INT64, [
 
 class ConcatDedup:
     """``concat_dedup`` for parts of fixed lengths: the call's fixed arguments converted once
-    (the dense path makes one per batch layout and calls it every step)."""
+    (the fast path makes one per batch layout and calls it every step)."""
 
     def __init__(self, lens: Sequence[int], adds: Sequence[int], num_rows: int,
                  limits: Sequence[int] | None = None) -> None:
