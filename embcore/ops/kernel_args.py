@@ -5,7 +5,7 @@ wrapper).
 A kernel is ``Kernel(name, result, [(argument, kind), ...])`` in the C function's order, with the
 C names. The kinds: ``read(I64)`` / ``written(F32)`` (a contiguous CPU tensor of one of the
 dtypes, passed as the address of its data), ``read_rows`` / ``written_rows`` (2-D, each row
-contiguous, any row stride), ``PARTS`` (a list of int64 tensors), ``array(ctype)`` (a ctypes
+contiguous, any row stride), ``PartsArg()`` (a list of int64 tensors), ``array(ctype)`` (a ctypes
 array the wrapper builds), ``allocated`` (an address inside the wrapper's own new buffer),
 ``HYPER`` (a ``Hyper``), and the scalars ``INT64``, ``INT``, ``DOUBLE``. A tensor of the wrong
 dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and the
