@@ -13,6 +13,7 @@ from .engine import Embedding
 from .layer import EmbeddingLayer
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, profile
+from .publish import load_published, publish
 from .serving.quantize import QuantizedTable, quantize_table
 from .serving.serve import serving_embedding_lookup
 
@@ -21,6 +22,7 @@ cpu_embedding_lookup = serving_embedding_lookup
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
     "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LookupProfile", "QuantizedTable",
-    "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load", "profile",
-    "quantize_table", "save", "serving_embedding_lookup", "__version__",
+    "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load",
+    "load_published", "profile", "publish", "quantize_table", "save", "serving_embedding_lookup",
+    "__version__",
 ]

@@ -60,6 +60,8 @@ from .base.compat import (
 )
 from .engine import Embedding
 from .layer import EmbeddingLayer
+from .publish import resume
+from .state.published import is_publish_dir
 
 FORMAT = "embcore.checkpoint"
 FORMAT_VERSION = 1
@@ -386,7 +388,10 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
 
     Args:
         path: a directory written by ``ec.save``. If it does not exist but ``<path>.old`` does
-            (a save killed between its renames), that previous checkpoint is loaded.
+            (a save killed between its renames), that previous checkpoint is loaded. A
+            directory ``ec.publish`` writes to is read as its newest published state
+            (publish.py ``resume``: resume training from it when published with
+            ``slots=True``; ``slots=False`` for its parameters).
         obj: the ``ec.Embedding`` or ``ec.EmbeddingLayer`` to fill.
         tables: names of the tables to load (a partial restore; the others are untouched).
             None: all of ``obj``'s tables.
@@ -418,6 +423,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         >>> ec.load(f"{d}/ckpt", serving, slots=False)["tables"]["t"]["dim"]
         4
     """
+    if is_publish_dir(Path(os.fspath(path))):  # ec.publish's directory: resume from it
+        if tables is not None:
+            raise ValueError("tables= is not supported when loading a publish directory; it "
+                             "restores every table")
+        return resume(Path(os.fspath(path)), obj, slots=slots, strict=strict)
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
     ckpt = _resolve(Path(os.fspath(path)))

@@ -10,10 +10,11 @@ order and its errors (a rejected call changes nothing), pipelining and the publi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -132,6 +133,7 @@ class Embedding:
         self._path: StepPath | None = None
         self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
+        self._publishers: dict[str, Any] = {}  # directory -> its publish state (publish.py)
 
     @property
     def plan(self) -> ShardingPlan:
@@ -207,6 +209,14 @@ class Embedding:
             self._path = FastPath.of(GeneralPath(self._features, self._plan, self._store,
                                                  self._comm))
         return self._path
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[RowStore]:
+        """The store, with the engine's lock held and background work done: the rows as the
+        last applied step left them, for a publish."""
+        with self._lock:
+            self._queue.wait_all()
+            yield self._ready().store
 
     @_serialized
     def enqueue(self, features: Any, weights: Any = None, training: bool = True,

@@ -10,6 +10,7 @@ to float32, then combined by the same ``combine``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,6 +70,25 @@ def rows_of(ids: torch.Tensor, vocab_ids: torch.Tensor, vocab_rows: torch.Tensor
         return torch.full_like(ids, zero_row)
     pos = torch.searchsorted(vocab_ids, ids).clamp(max=vocab_ids.numel() - 1)  # (n,)
     return torch.where(vocab_ids[pos] == ids, vocab_rows[pos], zero_row)
+
+
+def padded_map(ids: torch.Tensor, rows: torch.Tensor, capacity: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A served map of a dynamic table of ``capacity`` rows as ``capacity`` sorted ids and their
+    rows: the resident ``ids`` (R,) ascending and ``rows`` (R,), then ``capacity - R`` entries of
+    the largest int64 that lead to the zero row (``capacity``). A fixed size lets a refresh
+    rewrite the map in place, where an exported program reads it; an id equal to the padding
+    that is resident comes first and is found."""
+    pad = capacity - ids.numel()
+    ids = torch.cat([ids.to(torch.int64), ids.new_full((pad,), torch.iinfo(torch.int64).max,
+                                                       dtype=torch.int64)])
+    rows = torch.cat([rows.to(torch.int64), rows.new_full((pad,), capacity, dtype=torch.int64)])
+    return ids, rows
+
+
+def _tracing() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
 
 
 def with_zero_row(table: Table) -> Table:
@@ -177,9 +197,9 @@ class ServingModule(torch.nn.Module):
                     self.register_buffer(key + "__bias", q.bias)
             if dynamic:
                 assert vocabularies is not None, "a dynamic table is served with its map"
-                ids, map_rows = vocabularies[table]
-                self.register_buffer(key + "__ids", ids.clone())
-                self.register_buffer(key + "__rows", map_rows.clone())
+                ids, map_rows = padded_map(*vocabularies[table], rows.shape[0] - 1)
+                self.register_buffer(key + "__ids", ids)
+                self.register_buffer(key + "__rows", map_rows)
 
     def _table(self, name: str) -> Table:
         """Table ``name`` as its lookups read it: a tensor, or a ``QuantizedTable`` over the
@@ -196,7 +216,18 @@ class ServingModule(torch.nn.Module):
         """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
         return {name: self._table(name).nbytes for name in self.precisions}
 
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        """Held by a lookup while it reads the buffers (a module that refreshes them in place,
+        serving/follow.py, makes a lookup see them before or after a refresh, never between)."""
+        return contextlib.nullcontext()
+
     def forward(self, features: Any, weights: Any = None) -> Any:
+        if _tracing():  # (torch.export / compile trace the lookup alone)
+            return self._forward(features, weights)
+        with self._reading():
+            return self._forward(features, weights)
+
+    def _forward(self, features: Any, weights: Any) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
         if is_keyed_jagged(features):
             features, weights = from_keyed_jagged(self.feature_config, features)

@@ -347,6 +347,19 @@ class CachedRows:
             self._copy_out(slots, self.index.owner[slots])
             self.index.dirty[slots] = False
 
+    def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """(n, C) copies of shard rows ``rows`` (n,) of ``key`` (``"parameters"`` or a slot):
+        from the cache where it holds them, else from the slow tier; nothing moves."""
+        rows = rows.to(torch.int64).cpu()
+        slow = self.slow[key]
+        cache = self.table if key == "parameters" else self.slots[key]
+        at = self.index.where[rows].to(torch.int64)  # (n,) cache rows, -1 when not cached
+        cached = at >= 0
+        out = torch.empty((rows.numel(),) + tuple(slow.shape[1:]), dtype=slow.dtype)
+        out[~cached] = slow[rows[~cached]]
+        out[cached] = cache[at[cached].to(cache.device)].cpu()
+        return out
+
     def drop(self, write_back: bool = True) -> None:
         """Empties the cache (after writing updated rows back, unless ``write_back`` is
         False: the slow tier is about to be overwritten)."""

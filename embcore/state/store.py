@@ -46,6 +46,7 @@ from ..ops.update import update
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
+from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
 from .vocabulary import (ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows,
                          whole_vocabulary)
@@ -76,6 +77,7 @@ class RowStore:
         self.dynamic: dict[int, DynamicRows] = {}  # physical table -> its map on this process
         self.cached: dict[int, CachedRows] = {}  # physical table -> its slow tier and cache
         self.configs = dict(configs)
+        self.changes: ChangedRows | None = None  # rows written since publishes (``track``)
         rank = comm.rank
         self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                          else None)
@@ -242,6 +244,8 @@ class RowStore:
             # does not depend on it)
             distinct, inverse = _distinct(torch.cat(ids))
         rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
+        if training and self.changes is not None:  # the map's state of these rows moved
+            self.changes.mark(p, rows)
         if new_ids.numel():
             cache = self.cached.get(p)
             if cache is None:
@@ -296,11 +300,29 @@ class RowStore:
                                        Dedup(at, d.order, d.unique_offsets))
                 update(table, slots, at, grad, optimizer, lr, step, self.workspace,
                        gradient_multiplier=gradient_multiplier)
+            self.written(p, rows, every=optimizer.updates_every_row)
             return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier)
         if dyn is not None and optimizer.updates_every_row:  # it moved every row, the zero row too
             self.tables[p][dyn.zero_row] = 0
+        self.written(p, rows, every=optimizer.updates_every_row)
+
+    def written(self, p: int, rows: torch.Tensor, every: bool = False) -> None:
+        """Records that shard rows ``rows`` of physical table ``p`` (``every``: all its rows)
+        were written, for the next publish (changes.py; nothing while nobody publishes)."""
+        if self.changes is not None:
+            if every:
+                self.changes.mark_all(p)
+            else:
+                self.changes.mark(p, rows)
+
+    def track(self) -> ChangedRows:
+        """The record of written rows, started now if it was not (``publish``)."""
+        if self.changes is None:
+            self.changes = ChangedRows([self.plan.physical[p].row_counts[self.comm.rank]
+                                        for p in range(len(self.tables))])
+        return self.changes
 
     def to(self, device: torch.device) -> None:
         """Moves every table and slot to ``device`` (the workspaces are dropped); an offloaded
@@ -338,6 +360,24 @@ class RowStore:
                 self.slots[place.physical][key]
         start = place.local_offsets[self.comm.rank]
         return full[start:start + place.row_counts[self.comm.rank]]
+
+    def read(self, name: str, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """(n, C) copies of rows ``rows`` (n,) of this process's rows of a logical table (as
+        ``local`` numbers them) in its parameters, a slot, or a dynamic table's
+        ``vocabulary/<ids, last_use or frequency>``. An offloaded table's rows come from its
+        cache where they are there (updated or not) and from the slow tier otherwise; the cache
+        is left as it was."""
+        place = self.plan.table(name)
+        shard = rows + place.local_offsets[self.comm.rank]
+        if key.startswith(VOCAB):
+            return self.dynamic[place.physical].row_state(key[len(VOCAB):], shard)
+        cache = self.cached.get(place.physical)
+        if cache is not None:
+            with cache.lock:
+                return cache.read(key, shard)
+        full = self.tables[place.physical] if key == "parameters" else \
+            self.slots[place.physical][key]
+        return full[shard.to(full.device)].cpu()
 
     def whole(self, name: str, key: str = "parameters") -> torch.Tensor:
         """The whole ``(N, C)`` logical table: a view with one process, else a gathered copy (a
@@ -441,6 +481,8 @@ class RowStore:
                 self.local(name, slot).copy_(v)
         for p, (vmap, seed) in maps.items():
             self.dynamic[p].install(vmap, seed)
+        if self.changes is not None and new:
+            self.changes.mark_all()
 
     def _load_maps(self, values: Mapping[str, Any],
                    new: dict[str, torch.Tensor]) -> dict[int, tuple[Any, int | None]]:

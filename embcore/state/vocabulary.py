@@ -187,14 +187,17 @@ class DynamicRows:
         return self.steps
 
     # ------------------------------------------------------------------------ checkpoints
-    def row_state(self, key: str) -> torch.Tensor:
-        """(n, 1) int64 over this shard's rows: ``"ids"`` (0 where free), ``"last_use"`` (0:
-        free) or ``"frequency"``."""
+    def row_state(self, key: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, 1) int64 over this shard's rows (or shard rows ``rows`` (n,)): ``"ids"`` (0
+        where free), ``"last_use"`` (0: free) or ``"frequency"``."""
         m, n = self.map, self.capacity
         with self.lock:
             used = m.row_used[:n]
             value = {"ids": m.row_key, "last_use": m.last_use, "frequency": m.frequency}[key]
-            return torch.where(used, value[:n], 0).reshape(n, 1).clone()
+            if rows is None:
+                return torch.where(used, value[:n], 0).reshape(n, 1).clone()
+            rows = rows.to(used.device)
+            return torch.where(used[rows], value[rows], 0).reshape(-1, 1).cpu()
 
     def scalar(self, key: str) -> torch.Tensor:
         return torch.tensor(self.steps if key == "step" else self.seed, dtype=torch.int64)

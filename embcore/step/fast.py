@@ -297,3 +297,4 @@ class FastPath:
                 native.sparse_update(t.rule, self.store.tables[tb.physical],
                                      self.store.slots[tb.physical].get("accumulators"),
                                      dd.unique, hyper, g, starts, dd.unique_offsets, dd.order)
+            self.store.written(tb.physical, dd.unique)

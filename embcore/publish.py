@@ -1,0 +1,452 @@
+"""Online training: ``ec.publish`` what changed, ``ec.load_published`` to serve it live, and
+``ec.load`` of a publish directory to resume (docs/semantics.md section 12).
+
+The first ``publish`` of an engine to a directory writes a snapshot, each later one a delta: the
+rows written since its previous publish there, found from the stamps the step leaves
+(state/changes.py), read from wherever they are (memory, the cache, the slow tier), and written
+as numbered, chained, checksummed entries (state/published.py). With several processes every
+process writes its own rows; process 0 commits the entry once all have written (every wait has
+the engine's timeout). ``load_published`` returns a serving module that follows the directory
+(serving/follow.py). ``load`` (checkpoint.py) hands a publish directory to ``resume`` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base.comm import CollectiveError
+from .base.nest import leaves_with_paths, unflatten_like
+from .base.version import __version__
+from .config.spec import EmbeddingSpec
+from .config.tables import FeatureConfig
+from .engine import Embedding
+from .layer import EmbeddingLayer
+from .serving.follow import PublishedModule
+from .state import published as fmt
+from .state.store import RowStore
+from .state.vocabulary import VOCAB
+
+SNAPSHOTS_KEPT = 2       # retention: entries from the second newest snapshot on stay
+COMPACT_RATIO = 1.0      # a publish whose deltas since the snapshot outgrow it is a snapshot
+_VOCAB_KEYS = ("ids", "last_use", "frequency")
+
+
+@dataclasses.dataclass
+class _Publisher:
+    """What an engine remembers of its publishes to one directory."""
+
+    lock: fmt.WriterLock | None  # process 0's
+    seq: int                     # the entry its last publish made
+    id: str
+    cut: int                     # the stamps' cut of that publish (state/changes.py)
+    slots: bool
+    snapshot_bytes: int
+    delta_bytes: int = 0
+    used: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # dynamic: rows
+    # in use at that publish, per physical table (rows freed since belong in the next delta)
+
+
+def _engine(obj: Any) -> Embedding:
+    if isinstance(obj, EmbeddingLayer):
+        if obj.tables_are_parameters:
+            raise TypeError("publish needs the engine's optimizer: a layer built with "
+                            "optimizer=None trains its tables as nn.Parameters, whose writes "
+                            "the engine does not see (use ec.save)")
+        return obj.engine
+    if isinstance(obj, Embedding):
+        return obj
+    raise TypeError(f"obj must be an ec.Embedding or ec.EmbeddingLayer, got "
+                    f"{type(obj).__name__}")
+
+
+def _agree(engine: Embedding, values: list[int]) -> list[int]:
+    """Process 0's ``values`` on every process."""
+    if engine.comm.world_size == 1:
+        return values
+    mine = torch.tensor(values, dtype=torch.int64, device=engine.device)
+    return [int(v) for v in engine.comm.all_gather(mine)[0].cpu()]
+
+
+def _sum(engine: Embedding, values: list[int]) -> list[int]:
+    if engine.comm.world_size == 1:
+        return values
+    mine = torch.tensor(values, dtype=torch.int64, device=engine.device)
+    return [int(v) for v in torch.stack(engine.comm.all_gather(mine)).sum(0).cpu()]
+
+
+def _all_ok(engine: Embedding, error: BaseException | None, what: str) -> None:
+    """Raises on every process when any process failed (its error where it happened)."""
+    ok = error is None
+    if engine.comm.world_size > 1:
+        flag = torch.tensor([int(ok)], dtype=torch.int64, device=engine.device)
+        ok = all(bool(f.item()) for f in engine.comm.all_gather(flag))
+    if error is not None:
+        raise error
+    if not ok:
+        raise CollectiveError(f"embcore: {what} failed on another process; see its error")
+
+
+def _serving_spec(engine: Embedding) -> dict[str, Any]:
+    """The engine's features as a spec without optimizers or initializers: what serving needs,
+    and always data (a callable learning rate or initializer does not stop a follower)."""
+    template = engine.feature_config
+    flat = leaves_with_paths(template, lambda x: isinstance(x, FeatureConfig))
+    tables = {}
+    for _, f in flat:
+        if f.table not in tables:
+            tables[f.table] = dataclasses.replace(f.table, initializer=None, optimizer=None,
+                                                  name=engine.table_names()[f.table])
+    leaves = [dataclasses.replace(f, table=tables[f.table]) for _, f in flat]
+    served = unflatten_like(template, leaves, lambda x: isinstance(x, FeatureConfig))
+    return EmbeddingSpec(served, None).to_dict()
+
+
+# ------------------------------------------------------------------------------------ publish
+def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
+            slots: bool = False, snapshot: bool | None = None,
+            keep_snapshots: int = SNAPSHOTS_KEPT,
+            compact_ratio: float = COMPACT_RATIO) -> dict[str, Any]:
+    """Publishes what changed in ``obj``'s tables since its last publish to ``directory``.
+
+    The first publish of an engine to a directory writes a snapshot (every row); each later one
+    a delta: the rows written since (a dynamic table's by row, with the raw id each holds; rows
+    whose id was evicted, as free). Entries are atomic, numbered, chained and checksummed
+    (state/published.py); followers (``ec.load_published``) apply them in order. With several
+    processes every process calls ``publish`` with the same arguments (a collective).
+
+    Args:
+        directory: the publish directory (created; one trainer at a time publishes to it).
+        obj: an ``ec.Embedding`` or ``ec.EmbeddingLayer`` with an optimizer.
+        slots: also carry the rows' optimizer slots, so that ``ec.load(directory, obj)``
+            resumes training exactly. A change of ``slots`` makes the publish a snapshot.
+        snapshot: True: a snapshot now (compaction: a reader then starts from it); None: when
+            the deltas since the last snapshot outgrow ``compact_ratio`` times its bytes.
+        keep_snapshots: after a snapshot, entries older than the ``keep_snapshots``-th newest
+            snapshot are removed (a follower behind them reloads from a newer snapshot).
+        compact_ratio: see ``snapshot``.
+
+    Returns:
+        ``{"seq", "kind" ("snapshot" | "delta"), "step", "rows": {table: rows carried},
+        "bytes": bytes of tensors written, "seconds"}``.
+
+    Raises:
+        TypeError: ``obj`` is not an engine or layer with an optimizer.
+        RuntimeError: another trainer publishes to ``directory``.
+        FileExistsError: ``directory`` exists and is neither empty nor a publish directory.
+        PublishError (a ValueError): the directory changed under this trainer (an entry it did
+            not write, or its last entry gone).
+        OSError: a write failed (a full disk): nothing is published, the changes are kept for
+            the next publish.
+
+    Example:
+        >>> import tempfile, torch, embcore as ec
+        >>> t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+        >>> emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+        >>> d = tempfile.mkdtemp()
+        >>> ec.publish(d, emb)["kind"]
+        'snapshot'
+        >>> emb.enqueue({"f": torch.tensor([1, 2])}); act = emb.dequeue()["f"]
+        >>> emb.apply_gradients({"f": torch.ones_like(act)})
+        >>> info = ec.publish(d, emb); info["kind"], info["rows"]
+        ('delta', {'t': 2})
+        >>> served = ec.load_published(d)       # a ServingModule; served.refresh() follows
+        >>> served.version
+        1
+    """
+    engine = _engine(obj)
+    if not isinstance(keep_snapshots, int) or keep_snapshots < 1:
+        raise ValueError(f"keep_snapshots must be an int >= 1, got {keep_snapshots!r}")
+    if not compact_ratio > 0:
+        raise ValueError(f"compact_ratio must be > 0, got {compact_ratio!r}")
+    start = time.perf_counter()
+    directory = Path(os.fspath(directory))
+    with engine._quiet() as store:
+        pub, lock = _open(engine, directory)
+        kind = "snapshot" if (pub is None or snapshot or bool(slots) != pub.slots or (
+            snapshot is None and pub.delta_bytes > compact_ratio * pub.snapshot_bytes)) \
+            else "delta"
+        changes = store.track()
+        cut = changes.cut()
+        seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
+        comm = engine.comm
+        tmp = fmt.temporary(directory, seq, _agreed_token(engine))
+        error: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                fmt.remove_stale(directory)
+                tmp.mkdir()
+            except OSError as e:
+                error = e
+        try:
+            _all_ok(engine, error, f"creating {tmp}")
+        except BaseException:
+            if lock is not None and pub is None:
+                lock.release()
+            raise
+        written: dict[str, dict[str, int]] = {}
+        rows = {n: 0 for n in engine.table_names().values()}
+        used: dict[int, torch.Tensor] = {}
+        try:
+            for i, part in enumerate(fmt.parts(_tables(store, engine, kind, pub, bool(slots),
+                                                      rows, used))):
+                name = fmt.part_name(comm.rank, i)
+                written[name] = fmt.write_part(tmp / name, part)
+        except BaseException as e:
+            error = e
+        names = sorted(rows)
+        nbytes = sum(os.path.getsize(tmp / f) for f in written) if error is None else 0
+        try:
+            _all_ok(engine, error, f"writing {tmp}")
+        except BaseException:
+            if comm.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if lock is not None and pub is None:
+                lock.release()
+            raise
+        # every process's files and counts, then process 0 commits
+        sidecar = tmp / f"r{comm.rank:05d}.json"
+        if comm.world_size > 1:
+            json.dump(written, open(sidecar, "w", encoding="utf-8"))
+        totals = _sum(engine, [rows[n] for n in names] + [nbytes])
+        rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
+        entry_id = f"{_agree(engine, [secrets.randbits(63)])[0]:016x}"
+        if comm.rank == 0:
+            try:
+                files: dict[str, dict[str, int]] = {}
+                for r in range(comm.world_size):
+                    if r == 0:
+                        files.update(written)
+                        continue
+                    side = tmp / f"r{r:05d}.json"
+                    files.update(json.loads(side.read_text(encoding="utf-8")))
+                    side.unlink()
+                if comm.world_size > 1:
+                    sidecar.unlink()
+                manifest = {
+                    "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+                    "seq": seq, "kind": kind, "id": entry_id,
+                    "previous": None if pub is None else {"seq": pub.seq, "id": pub.id},
+                    "step": engine.step, "slots": bool(slots),
+                    "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
+                    "world_size": comm.world_size, "files": files, "rows": rows,
+                    "bytes": nbytes, "time": time.time(),
+                    "writer": {"host": socket.gethostname(), "pid": os.getpid(),
+                               "embcore_version": __version__}}
+                fmt.commit(tmp, directory, manifest)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                error = e
+        try:
+            _all_ok(engine, error, f"committing entry {seq} of {directory}")
+        except BaseException:
+            if lock is not None and pub is None:
+                lock.release()
+            raise
+        if pub is None:
+            pub = _Publisher(lock, seq, entry_id, cut, bool(slots), 0)
+            engine._publishers[_key(directory)] = pub
+        pub.lock = pub.lock or lock
+        pub.seq, pub.id, pub.cut, pub.slots = seq, entry_id, cut, bool(slots)
+        pub.used.update(used)
+        if kind == "snapshot":
+            pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
+            if comm.rank == 0:
+                fmt.retain(directory, keep_snapshots)
+        else:
+            pub.delta_bytes += nbytes
+    return {"seq": seq, "kind": kind, "step": engine.step, "rows": rows, "bytes": nbytes,
+            "seconds": time.perf_counter() - start}
+
+
+def _key(directory: Path) -> str:
+    return os.path.realpath(directory)
+
+
+def _open(engine: Embedding, directory: Path
+          ) -> tuple[_Publisher | None, fmt.WriterLock | None]:
+    """The engine's publish state for ``directory`` (None: its first publish there), checked
+    against the directory, and the directory's writer lock when process 0 takes it now (its
+    first publish there, or its first since ``ec.load`` of the directory)."""
+    pub = engine._publishers.get(_key(directory))
+    error: BaseException | None = None
+    lock = None
+    if engine.comm.rank == 0:
+        try:
+            if pub is not None:
+                found = fmt.entries(directory)
+                if not found or found[-1].seq != pub.seq:
+                    raise fmt.PublishError(
+                        f"{directory} changed under this trainer: its newest entry is "
+                        f"{found[-1].seq if found else 'gone'}, not the {pub.seq} it "
+                        f"published or loaded last")
+            else:
+                if directory.exists() and not directory.is_dir():
+                    raise FileExistsError(f"{directory} exists and is not a directory")
+                if directory.is_dir() and not fmt.is_publish_dir(directory) and any(
+                        not n.startswith(".") for n in os.listdir(directory)):
+                    raise FileExistsError(f"{directory} exists and is neither empty nor a "
+                                          f"publish directory; refusing to publish into it")
+                directory.mkdir(parents=True, exist_ok=True)
+            if pub is None or pub.lock is None:
+                lock = fmt.WriterLock(directory)
+        except BaseException as e:
+            error = e
+    _all_ok(engine, error, f"opening {directory}")
+    return pub, lock
+
+
+def _next_seq(engine: Embedding, directory: Path) -> int:
+    found = fmt.entries(directory) if engine.comm.rank == 0 else []
+    return _agree(engine, [found[-1].seq + 1 if found else 0])[0]
+
+
+def _agreed_token(engine: Embedding) -> str:
+    """``<pid>-<random>`` of process 0, on every process (a temporary's name)."""
+    pid, rand = _agree(engine, [os.getpid(), secrets.randbits(60)])
+    return f"{pid}-{rand:015x}"
+
+
+def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | None,
+            slots: bool, counts: dict[str, int], used: dict[int, torch.Tensor]
+            ) -> Iterator[tuple[str, int, Iterator[dict[str, torch.Tensor]]]]:
+    """Per logical table this process writes: ``(name, row bytes, chunks of rows)``; counts the
+    rows in ``counts`` and keeps each dynamic table's rows in use in ``used``."""
+    plan, rank = store.plan, store.comm.rank
+    changes = store.changes
+    assert changes is not None
+    changed: dict[int, torch.Tensor] = {}
+    for place in plan.tables:
+        if place.placement.held_everywhere and rank != 0:
+            continue
+        p = place.physical
+        n = place.row_counts[rank]
+        if n == 0:
+            continue
+        dyn = store.dynamic.get(p)
+        if dyn is not None and p not in used:
+            used[p] = dyn.row_state("last_use")[:, 0] > 0  # (N_p,)
+        if kind == "snapshot":
+            local = torch.arange(n)
+        else:
+            assert pub is not None
+            if p not in changed:
+                rows = changes.since(p, pub.cut)  # (k,) shard rows, ascending
+                if dyn is not None and p in pub.used:  # and rows freed since
+                    freed = (pub.used[p] & ~used[p]).nonzero().squeeze(1)
+                    rows = torch.unique(torch.cat([rows, freed]))
+                changed[p] = rows
+            start = place.local_offsets[rank]
+            rows = changed[p]
+            local = rows[(rows >= start) & (rows < start + n)] - start
+        counts[place.name] += local.numel()
+        if local.numel():
+            yield place.name, 0, _chunks(store, place, local, slots, dyn is not None)
+
+
+def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool,
+            dynamic: bool) -> Iterator[dict[str, torch.Tensor]]:
+    rank = store.comm.rank
+    phys = store.plan.physical[place.physical]
+    c0, c1 = place.placement.columns(rank)
+    keys = ["parameters"] + ([s.name for s in phys.optimizer.slots]
+                             if slots and phys.optimizer is not None else [])
+    width = 8 + (c1 - c0) * 4 * len(keys)
+    step = max(1, fmt.PART_BYTES // width)
+    held = place.placement.held_rows(rank)
+    for i in range(0, local.numel(), step):
+        part = local[i:i + step]
+        name = place.name
+        chunk = {f"{name}/rows": held[part].to(torch.int64)}
+        if (c0, c1) != (0, place.dim):
+            chunk[f"{name}/columns"] = torch.tensor([c0, c1], dtype=torch.int64)
+        for k in keys:
+            chunk[f"{name}/{k}"] = store.read(name, k, part)
+        if dynamic:
+            dyn = store.dynamic[place.physical]
+            for k in _VOCAB_KEYS:
+                chunk[f"{name}/{VOCAB}{k}"] = store.read(name, VOCAB + k, part)
+            for k in ("step", "seed"):
+                chunk[f"{name}/{VOCAB}{k}"] = dyn.scalar(k)
+        yield chunk
+
+
+# ------------------------------------------------------------------------------------ read
+def load_published(directory: str | os.PathLike[str], *, quantize: Any = None
+                   ) -> PublishedModule:
+    """A serving module (``ServingModule``, as ``for_serving`` makes) of the newest state in a
+    publish directory, which follows it: ``refresh()`` applies every newer entry in order and
+    returns how many; ``version`` is the entry it reflects.
+
+    Args:
+        directory: a directory ``ec.publish`` writes to.
+        quantize: as ``for_serving``'s (None, ``"int8"``, ``"fp16"`` or per table); a refresh
+            re-quantizes the rows it changes.
+
+    Raises:
+        FileNotFoundError: nothing published there yet.
+        PublishError (a ValueError): a corrupt or missing file, a broken chain.
+    """
+    return PublishedModule(Path(os.fspath(directory)), quantize=quantize)
+
+
+def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = True,
+           strict: bool = True) -> dict[str, Any]:
+    """``ec.load`` of a publish directory: the newest published state into ``obj`` (its
+    tables, slots, maps and step), checked whole before anything is written; later publishes
+    of ``obj`` to ``directory`` continue its chain with deltas.
+
+    Raises:
+        ValueError: the entries were published without slots (and ``slots`` is True), or do
+            not match ``obj``'s tables; PublishError for a damaged directory.
+        KeyError: with ``strict``, a table of ``obj`` the directory lacks.
+    """
+    engine = _engine(obj)
+    run = fmt.chain(directory)
+    manifests = [fmt.verify(e) for e in run]  # every byte checked before any write
+    last = manifests[-1]
+    if slots and not all(m.get("slots") for m in manifests):
+        raise ValueError(f"{directory} was published with slots=False (entries "
+                         f"{[m['seq'] for m in manifests if not m.get('slots')]}): it holds no "
+                         f"optimizer slots to resume training from; load it with slots=False "
+                         f"for the parameters only")
+    shapes = engine._ready().store.state_shapes()
+    saved = last["engine"].get("tables", {})
+    own = engine.manifest()["tables"]
+    names = [n for n in own if n in saved]
+    missing = [n for n in own if n not in saved]
+    if missing and strict:
+        raise KeyError(f"tables {missing} are not in {directory} (it has {sorted(saved)}); "
+                       f"load with strict=False to skip them")
+    for n in names:
+        got, want = saved[n], own[n]
+        if (got["vocabulary_size"], got["dim"]) != (want["vocabulary_size"], want["dim"]) or (
+                got.get("dynamic") is None) != (want.get("dynamic") is None):
+            raise ValueError(f"table {n!r} is [{got['vocabulary_size']}, {got['dim']}]"
+                             f"{' dynamic' if got.get('dynamic') else ''} in {directory} but "
+                             f"[{want['vocabulary_size']}, {want['dim']}]"
+                             f"{' dynamic' if want.get('dynamic') else ''} in the target")
+    keys = {k: shape for k, shape in shapes.items() if k.split("/", 1)[0] in names and (
+        slots or k.endswith("/parameters") or f"/{VOCAB}" in k)}
+    state = fmt.replay(run, manifests, keys)
+    if slots and not missing:
+        state["step"] = torch.tensor(last["step"], dtype=torch.int64)
+    engine.load_state_dict(state, strict=False)
+    with engine._quiet() as store:  # later publishes continue this chain
+        changes = store.track()
+        old = engine._publishers.get(_key(directory))
+        used = {p: d.row_state("last_use")[:, 0] > 0 for p, d in store.dynamic.items()}
+        engine._publishers[_key(directory)] = _Publisher(
+            old.lock if old is not None else None, last["seq"], last["id"], changes.cut(),
+            bool(last.get("slots")), 0, used=used)
+    return {**last["engine"], "step": last["step"], "seq": last["seq"]}

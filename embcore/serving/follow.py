@@ -1,0 +1,230 @@
+"""A serving module that follows a publish directory (``ec.load_published``).
+
+``PublishedModule`` is a ``ServingModule`` (serve.py) built from the newest state of a directory
+``ec.publish`` writes (state/published.py): its newest snapshot and the deltas after it.
+``refresh()`` applies the newer entries in order, each as one unit:
+
+1. read and check the entry (every checksum) and compute what it changes, away from lookups:
+   each changed table's new rows (quantized again for a quantized table), and a dynamic table's
+   new map (the raw id each row holds, then the sorted ids the lookups search);
+2. write it in place under the module's write lock: lookups hold the read lock, so a lookup
+   sees the model before or after the entry, never a mix of the two and never a torn row, and
+   waits at most for that write (the changed rows' bytes, not the read or the checks).
+
+Buffers are written in place and keep their shapes (a dynamic table's map is padded to its
+capacity, ``serve.padded_map``), so a program made from the module by ``torch.export`` reads
+the refreshed values too; such a program does not take the lock (docs/semantics.md section 12).
+Any number of processes may follow one directory; they only read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..base.nest import leaves_with_paths
+from ..config.spec import EmbeddingSpec
+from ..config.tables import FeatureConfig, resolve_table_names
+from ..state import published as fmt
+from ..state.vocabulary import VOCAB
+from .quantize import quantize_table
+from .serve import ServingModule, padded_map
+
+
+class ReadWriteLock:
+    """Many readers or one writer; a waiting writer goes before new readers."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writing or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._writers_waiting += 1
+            while self._writing or self._readers:
+                self._cond.wait()
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+# The locks live beside the modules, not in them: a module stays copyable and picklable.
+_LOCKS: dict[int, tuple[ReadWriteLock, threading.Lock]] = {}
+
+
+def _is_feature(x: Any) -> bool:
+    return isinstance(x, FeatureConfig)
+
+
+class PublishedModule(ServingModule):
+    """The newest state of a publish directory as a ``ServingModule``, with ``refresh()``.
+
+    Args:
+        directory: the publish directory.
+        quantize: as ``ServingModule``'s.
+
+    Attributes:
+        version: the sequence number of the entry it reflects.
+        directory: where it reads.
+    """
+
+    def __init__(self, directory: Path, quantize: Any = None) -> None:
+        run = fmt.chain(directory)
+        manifests = [e.manifest() for e in run]
+        last = manifests[-1]
+        spec = EmbeddingSpec.from_dict(last["serving_spec"])
+        template = spec.feature_config
+        configs = list(dict.fromkeys(f.table for _, f in leaves_with_paths(template,
+                                                                            _is_feature)))
+        names = resolve_table_names(configs)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for t, n in names.items():
+            shapes[f"{n}/parameters"] = (t.vocabulary_size, t.dim)
+            if t.dynamic is not None:
+                shapes[f"{n}/{VOCAB}ids"] = (t.vocabulary_size, 1)
+                shapes[f"{n}/{VOCAB}last_use"] = (t.vocabulary_size, 1)
+        state = fmt.replay(run, manifests, shapes)  # (checks every part it reads)
+        self_maps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        vocabularies = {}
+        for t, n in names.items():
+            if t.dynamic is not None:
+                ids, used = state[f"{n}/{VOCAB}ids"][:, 0], state[f"{n}/{VOCAB}last_use"][:, 0] > 0
+                self_maps[n] = (ids, used)
+                vocabularies[t] = _resident(ids, used)
+        super().__init__(template, {t: state[f"{n}/parameters"] for t, n in names.items()},
+                         names, vocabularies, quantize=quantize)
+        self.directory = directory
+        self.version: int = last["seq"]
+        self._id: str = last["id"]
+        self._spec = last["serving_spec"]
+        self._maps = self_maps  # dynamic table -> (id of each row (N,), row in use (N,))
+        self._dims = {n: t.dim for t, n in names.items()}
+        _LOCKS[id(self)] = (ReadWriteLock(), threading.Lock())
+
+    def __del__(self) -> None:
+        _LOCKS.pop(id(self), None)
+
+    def _locks(self) -> tuple[ReadWriteLock, threading.Lock]:
+        got = _LOCKS.get(id(self))
+        if got is None:  # (a copy of the module)
+            got = _LOCKS[id(self)] = (ReadWriteLock(), threading.Lock())
+        return got
+
+    def _reading(self) -> contextlib.AbstractContextManager[Any]:
+        return self._locks()[0].read()
+
+    def refresh(self) -> int:
+        """Applies every entry published after ``version``, in order, each as one unit (see
+        the module's docstring); returns how many.
+
+        Raises:
+            PublishError (a ValueError): a corrupt or missing entry, a broken chain, or a
+                directory now holding another model (other tables): the module keeps the
+                last entry it applied.
+        """
+        rw, one = self._locks()
+        with one:  # one refresh at a time
+            run = fmt.chain(self.directory, (self.version, self._id))
+            for entry in run:
+                m = entry.manifest()
+                if m.get("serving_spec") != self._spec:
+                    raise fmt.PublishError(
+                        f"{entry.path} publishes another model (its tables or features "
+                        f"differ from the ones this module serves); load the directory again "
+                        f"with ec.load_published")
+                writes, maps = self._prepare(entry, m)
+                with rw.write():
+                    for buffer, rows, values in writes:
+                        if rows is None:
+                            buffer.copy_(values)
+                        else:
+                            buffer.index_copy_(0, rows, values)
+                    self._maps.update(maps)
+                    self.version, self._id = m["seq"], m["id"]
+        return len(run)
+
+    def _prepare(self, entry: fmt.Entry, m: Mapping[str, Any]
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+                            dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """What applying ``entry`` writes: ``(buffer, rows or None for all, values)``, and the
+        dynamic tables' new maps (the id of each row, whether it is in use)."""
+        pieces: dict[str, list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]]] = {}
+        maps: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for part in fmt.read_entry(entry, m):
+            for name in fmt.tables_in(part):
+                if name not in self.precisions:
+                    continue
+                rows = part[f"{name}/rows"]
+                cols = part.get(f"{name}/columns")
+                pieces.setdefault(name, []).append(
+                    (rows, None if cols is None else (int(cols[0]), int(cols[1])),
+                     part[f"{name}/parameters"]))
+                if name in self._maps:
+                    maps.setdefault(name, []).append(
+                        (rows, part[f"{name}/{VOCAB}ids"][:, 0],
+                         part[f"{name}/{VOCAB}last_use"][:, 0] > 0))
+        writes = []
+        for name, got in pieces.items():
+            rows = torch.unique(torch.cat([r for r, _, _ in got]))  # (U,) ascending
+            values = torch.zeros(rows.numel(), self._dims[name])
+            for r, cols, v in got:
+                at = torch.searchsorted(rows, r)
+                if cols is None:
+                    values[at] = v.to(values.dtype)
+                else:
+                    values[at, cols[0]:cols[1]] = v.to(values.dtype)
+            precision = self.precisions[name]
+            if precision is None:
+                buffer = getattr(self, name)
+                writes.append((buffer, rows, values.to(buffer.dtype)))
+            else:
+                q = quantize_table(values, precision, name=name)
+                writes.append((getattr(self, name), rows, q.data))
+                if q.scale is not None:
+                    writes.append((getattr(self, name + "__scale"), rows, q.scale))
+                    writes.append((getattr(self, name + "__bias"), rows, q.bias))
+        new_maps = {}
+        for name, got in maps.items():
+            ids, used = (t.clone() for t in self._maps[name])
+            for rows, i, u in got:
+                ids[rows], used[rows] = i, u
+            new_maps[name] = (ids, used)
+            sorted_ids, sorted_rows = _resident(ids, used)
+            padded = padded_map(sorted_ids, sorted_rows, ids.numel())
+            writes.append((getattr(self, name + "__ids"), None, padded[0]))
+            writes.append((getattr(self, name + "__rows"), None, padded[1]))
+        return writes, new_maps
+
+
+def _resident(ids: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids ascending, rows) of the rows in use of a map held as the id of each row."""
+    rows = used.nonzero().squeeze(1)
+    order = torch.argsort(ids[rows], stable=True)
+    return ids[rows][order], rows[order]
