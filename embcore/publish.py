@@ -19,7 +19,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +202,9 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                                                       rows, used))):
                 name = fmt.part_name(comm.rank, i)
                 written[name] = fmt.write_part(tmp / name, part)
+            if comm.world_size > 1:  # process 0 gathers the files' checksums from these
+                (tmp / f"r{comm.rank:05d}.json").write_text(json.dumps(written),
+                                                            encoding="utf-8")
         except BaseException as e:
             error = e
         names = sorted(rows)
@@ -215,9 +218,6 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                 lock.release()
             raise
         # every process's files and counts, then process 0 commits
-        sidecar = tmp / f"r{comm.rank:05d}.json"
-        if comm.world_size > 1:
-            json.dump(written, open(sidecar, "w", encoding="utf-8"))
         totals = _sum(engine, [rows[n] for n in names] + [nbytes])
         rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
         entry_id = f"{_agree(engine, [secrets.randbits(63)])[0]:016x}"
@@ -225,14 +225,11 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             try:
                 files: dict[str, dict[str, int]] = {}
                 for r in range(comm.world_size):
-                    if r == 0:
-                        files.update(written)
-                        continue
                     side = tmp / f"r{r:05d}.json"
-                    files.update(json.loads(side.read_text(encoding="utf-8")))
-                    side.unlink()
-                if comm.world_size > 1:
-                    sidecar.unlink()
+                    files.update(written if r == 0 else json.loads(
+                        side.read_text(encoding="utf-8")))
+                    if comm.world_size > 1:
+                        side.unlink()
                 manifest = {
                     "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
                     "seq": seq, "kind": kind, "id": entry_id,

@@ -1,0 +1,558 @@
+"""Online training (docs/semantics.md section 12): ``ec.publish``, ``ec.load_published`` and
+``refresh``, ``ec.load`` of a publish directory.
+
+What must hold: a snapshot then deltas of exactly the rows written; a follower equal to the
+trainer, bit for bit, after every refresh (every store: in memory, stacked, dynamic with
+eviction, offloaded); resume from deltas equal to an uninterrupted run; a corrupt or missing
+entry an error; concurrent lookups never see a mix; a failed publish loses nothing; W = 2
+equal to W = 1.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from distributed import run_on
+
+import embcore as ec
+from embcore.serving.serve import padded_map
+from embcore.state import published as fmt
+
+
+def make_engine(seed: int = 0, dynamic: bool = True, **kw) -> ec.Embedding:
+    torch.manual_seed(seed)
+    a = ec.TableConfig(vocabulary_size=100, dim=8, name="a", combiner="sum")
+    b = ec.TableConfig(vocabulary_size=60, dim=8, name="b")  # stacks with a
+    c = ec.TableConfig(vocabulary_size=40, dim=4, name="c")
+    features = {"fa": ec.FeatureConfig(table=a), "fa2": ec.FeatureConfig(table=a),
+                "fb": ec.FeatureConfig(table=b), "fc": ec.FeatureConfig(table=c)}
+    if dynamic:
+        d = ec.TableConfig(vocabulary_size=24, dim=8, name="d",
+                           dynamic=ec.DynamicVocabulary(ttl_steps=3))
+        features["fd"] = ec.FeatureConfig(table=d)
+    return ec.Embedding(features, ec.Adagrad(learning_rate=0.1), **kw)
+
+
+def batch(step: int, dynamic: bool = True, rank: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    out = {"fa": torch.randint(0, 100, (6,), generator=g),
+           "fa2": torch.randint(0, 100, (6,), generator=g),
+           "fb": torch.randint(0, 10, (6,), generator=g),  # few rows of b: most stay unchanged
+           "fc": torch.randint(0, 40, (6,), generator=g)}
+    if dynamic:  # raw ids drifting upward: old ones expire (ttl), new ones arrive
+        out["fd"] = torch.randint(0, 20, (6,), generator=g) * 7919 + step * 40_000 - 10**12
+    return out
+
+
+def train(emb: ec.Embedding, steps: range, dynamic: bool = True, rank: int = 0) -> None:
+    for s in steps:
+        emb.enqueue(batch(s, dynamic, rank))
+        act = emb.dequeue()
+        emb.apply_gradients({k: a.detach() * 0.5 + 0.1 for k, a in act.items()})
+
+
+def state(emb: ec.Embedding) -> dict[str, torch.Tensor]:
+    """The engine's state dict, with the rows of a dynamic table that hold no id zeroed: what
+    they hold is never read (a row gets its initial values when an id takes it), and a restore
+    leaves them zero."""
+    out = {k: torch.as_tensor(v).clone() for k, v in emb.state_dict().items()}
+    for key in [k for k in out if k.endswith("/vocabulary/last_use")]:
+        name = key.split("/")[0]
+        free = out[key][:, 0] == 0
+        for k in out:
+            if k.startswith(name + "/") and "/vocabulary/" not in k:
+                out[k][free] = 0
+    return out
+
+
+def tables(emb: ec.Embedding) -> dict[str, torch.Tensor]:
+    """Whole tables by name (a collective when sharded), a dynamic table's rows that hold no
+    id zeroed (see ``state``)."""
+    out = {}
+    for t, n in emb.table_names().items():
+        out[n] = emb.embedding_tables[t].clone()
+        if t.dynamic is not None:
+            held = torch.zeros(out[n].shape[0], dtype=torch.bool)
+            held[emb.whole_vocabulary(t)[1]] = True
+            out[n][~held] = 0
+    return out
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def assert_follows(served, emb: ec.Embedding) -> None:
+    """The follower's buffers are the trainer's tables and maps, bit for bit."""
+    for t, name in emb.table_names().items():
+        whole = emb.embedding_tables[t]
+        buf = getattr(served, name)
+        if t.dynamic is None:
+            assert torch.equal(buf, whole), name
+        else:
+            assert torch.equal(buf[:-1], whole) and not buf[-1].any(), name
+            ids, rows = padded_map(*emb.whole_vocabulary(t), t.vocabulary_size)
+            assert torch.equal(getattr(served, name + "__ids"), ids), name
+            assert torch.equal(getattr(served, name + "__rows"), rows), name
+
+
+def test_snapshot_then_deltas_of_exactly_the_rows_written(tmp_path):
+    emb = make_engine(dynamic=False)
+    info = ec.publish(tmp_path, emb)
+    assert info["kind"] == "snapshot" and info["seq"] == 0
+    assert info["rows"] == {"a": 100, "b": 60, "c": 40}
+    before = state(emb)
+    train(emb, range(1), dynamic=False)
+    info = ec.publish(tmp_path, emb)
+    assert info["kind"] == "delta" and info["seq"] == 1 and info["step"] == 1
+    after = state(emb)
+    for name in ("a", "b", "c"):  # the rows carried are the rows that moved
+        moved = (before[f"{name}/parameters"] != after[f"{name}/parameters"]).any(1)
+        assert info["rows"][name] == int(moved.sum()), name
+    assert info["rows"]["b"] < 10
+    nothing = ec.publish(tmp_path, emb)  # nothing written since: an empty delta
+    assert nothing["kind"] == "delta" and nothing["rows"] == {"a": 0, "b": 0, "c": 0}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".writer.lock", "00000000-snapshot", "00000001-delta", "00000002-delta"]
+    m = fmt.Entry(1, "delta", tmp_path / "00000001-delta").manifest()
+    assert m["previous"]["seq"] == 0 and m["step"] == 1 and m["slots"] is False
+    assert all(isinstance(v, int) for f in m["files"].values() for v in f.values())
+
+
+@pytest.mark.parametrize("store", ["memory", "offloaded"])
+def test_follower_equals_trainer_after_every_refresh(tmp_path, store):
+    kw = {"memory_budget": 9000, "offload_dir": tmp_path / "slow"} if store == "offloaded" \
+        else {}
+    emb = make_engine(**kw)
+    if store == "offloaded":
+        assert any(p.offloaded for p in emb.plan.physical)
+    pub = tmp_path / "pub"
+    ec.publish(pub, emb)
+    served = ec.load_published(pub)
+    assert served.version == 0
+    assert_follows(served, emb)
+    for k in range(1, 7):
+        train(emb, range(k * 2, k * 2 + 2))
+        ec.publish(pub, emb)
+        assert served.refresh() == 1 and served.version == k
+        assert_follows(served, emb)
+        probe = batch(100 + k)
+        want = emb.lookup(probe)
+        got = served(probe)
+        for f in want:
+            assert torch.equal(got[f], want[f]), f
+    vocab_ids, _ = emb.vocabulary("d")
+    assert vocab_ids.numel() and int(vocab_ids.min()) > 4 * 40_000 - 10**12  # old ids expired
+    assert served.refresh() == 0
+
+
+def test_quantized_follower_requantizes_changed_rows(tmp_path):
+    emb = make_engine(dynamic=False)
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path, quantize={"a": "int8", "c": "fp16"})
+    for k in range(3):
+        train(emb, range(k, k + 1), dynamic=False)
+        ec.publish(tmp_path, emb)
+        served.refresh()
+        tables = {n: emb.embedding_tables[t] for t, n in emb.table_names().items()}
+        q = ec.quantize_table(tables["a"], "int8")
+        assert torch.equal(served.a, q.data) and torch.equal(served.a__scale, q.scale)
+        assert torch.equal(served.a__bias, q.bias)
+        assert torch.equal(served.c, tables["c"].half()) and torch.equal(served.b, tables["b"])
+
+
+@pytest.mark.parametrize("store", ["memory", "offloaded"])
+def test_resume_from_deltas_equals_an_uninterrupted_run(tmp_path, store):
+    kw = (lambda: {"memory_budget": 9000, "offload_dir": tmp_path / "slow"}) \
+        if store == "offloaded" else dict
+    pub = tmp_path / "pub"
+    trainer = make_engine(seed=1, **kw())
+    ec.publish(pub, trainer, slots=True)
+    for k in range(4):  # deltas only
+        train(trainer, range(k * 3, k * 3 + 3))
+        assert ec.publish(pub, trainer, slots=True, compact_ratio=100)["kind"] == "delta"
+    resumed = make_engine(seed=2, **kw())  # other initial values: all must come from pub
+    manifest = ec.load(pub, resumed)
+    assert manifest["seq"] == 4 and manifest["step"] == 12 and resumed.step == 12
+    assert_state_equal(state(resumed), state(trainer))
+    train(trainer, range(12, 16))
+    train(resumed, range(12, 16))
+    assert_state_equal(state(resumed), state(trainer))
+
+
+def test_resume_continues_the_chain_and_followers_follow(tmp_path):
+    trainer = make_engine(seed=1)
+    ec.publish(tmp_path, trainer, slots=True)
+    train(trainer, range(3))
+    ec.publish(tmp_path, trainer, slots=True)
+    served = ec.load_published(tmp_path)
+    del trainer  # (the trainer stops; its lock goes with it)
+    import gc
+    gc.collect()
+    resumed = make_engine(seed=3)
+    ec.load(tmp_path, resumed)
+    train(resumed, range(3, 5))
+    info = ec.publish(tmp_path, resumed, slots=True)
+    assert info["kind"] == "delta" and info["seq"] == 2
+    assert served.refresh() == 1
+    assert_follows(served, resumed)
+
+
+def test_slots_false_cannot_resume_training_but_loads_parameters(tmp_path):
+    trainer = make_engine()
+    ec.publish(tmp_path, trainer)
+    train(trainer, range(2))
+    ec.publish(tmp_path, trainer)
+    target = make_engine(seed=5)
+    with pytest.raises(ValueError, match="slots=False"):
+        ec.load(tmp_path, target)
+    assert target.step == 0
+    ec.load(tmp_path, target, slots=False)
+    got, want = state(target), state(trainer)
+    for k in want:
+        if k.endswith("/parameters") or "/vocabulary/" in k:
+            assert torch.equal(got[k], want[k]), k
+    assert target.step == 0  # (the step goes with the slots)
+    # a change of slots makes the next publish a snapshot
+    assert ec.publish(tmp_path, trainer, slots=True)["kind"] == "snapshot"
+
+
+def _entry_file(directory, seq):
+    entry = next(e for e in fmt.entries(directory) if e.seq == seq)
+    return entry, entry.path / next(iter(entry.manifest()["files"]))
+
+
+def test_a_corrupt_delta_is_an_error_never_values(tmp_path):
+    trainer = make_engine()
+    ec.publish(tmp_path, trainer, slots=True)
+    served = ec.load_published(tmp_path)
+    train(trainer, range(2))
+    ec.publish(tmp_path, trainer, slots=True)
+    _, part = _entry_file(tmp_path, 1)
+    data = bytearray(part.read_bytes())
+    good = bytes(data)
+    for at in (len(data) // 2, len(data) - 300):  # tensor bytes, then the zip's directory
+        data = bytearray(good)
+        data[at:at + 8] = bytes(b ^ 0xFF for b in data[at:at + 8])
+        part.write_bytes(bytes(data))
+        before = {k: v.clone() for k, v in served.state_dict().items()}
+        with pytest.raises(fmt.PublishError, match="corrupt|checksum|tensors its manifest"):
+            served.refresh()
+        assert served.version == 0
+        assert all(torch.equal(v, before[k]) for k, v in served.state_dict().items())
+        target = make_engine(seed=9)
+        with pytest.raises(fmt.PublishError):
+            ec.load(tmp_path, target)
+        assert target.step == 0
+    part.write_bytes(good)
+    assert served.refresh() == 1
+
+
+def test_a_missing_delta_or_manifest_is_an_error(tmp_path):
+    trainer = make_engine()
+    ec.publish(tmp_path, trainer)
+    served = ec.load_published(tmp_path)
+    for k in range(3):
+        train(trainer, range(k, k + 1))
+        ec.publish(tmp_path, trainer)
+    import shutil
+    shutil.rmtree(tmp_path / "00000002-delta")  # a gap: 1, then 3
+    with pytest.raises(fmt.PublishError, match="missing"):
+        served.refresh()
+    assert served.version == 0
+    with pytest.raises(fmt.PublishError, match="missing"):
+        ec.load_published(tmp_path)
+    (tmp_path / "00000001-delta" / fmt.MANIFEST).unlink()
+    with pytest.raises(fmt.PublishError, match="incomplete"):
+        served.refresh()
+    shutil.rmtree(tmp_path / "00000003-delta")  # the trainer's last entry is gone
+    with pytest.raises(fmt.PublishError, match="changed under this trainer"):
+        ec.publish(tmp_path, trainer)
+
+
+def test_two_trainers_on_one_directory(tmp_path):
+    first, second = make_engine(), make_engine(seed=1)
+    ec.publish(tmp_path, first)
+    with pytest.raises(RuntimeError, match="another trainer publishes"):
+        ec.publish(tmp_path, second)
+    assert [e.seq for e in fmt.entries(tmp_path)] == [0]
+
+
+def test_a_failed_publish_loses_nothing(tmp_path, monkeypatch):
+    trainer = make_engine()
+    ec.publish(tmp_path, trainer)
+    served = ec.load_published(tmp_path)
+    train(trainer, range(2))
+    real = fmt.write_part
+    calls = []
+
+    def full_disk(path, tensors):
+        calls.append(path)
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(fmt, "write_part", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        ec.publish(tmp_path, trainer)
+    assert calls and [e.seq for e in fmt.entries(tmp_path)] == [0]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    monkeypatch.setattr(fmt, "write_part", real)
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt  # interrupted just before the entry's rename
+
+    monkeypatch.setattr(fmt.os, "rename", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ec.publish(tmp_path, trainer)
+    monkeypatch.undo()
+    assert [e.seq for e in fmt.entries(tmp_path)] == [0]
+    train(trainer, range(2, 3))
+    info = ec.publish(tmp_path, trainer)  # every row written since entry 0, none lost
+    assert info["seq"] == 1 and info["kind"] == "delta"
+    served.refresh()
+    assert_follows(served, trainer)
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
+    from distributed import exited_pid
+    trainer = make_engine()
+    dead = tmp_path / f".tmp-00000001-{exited_pid()}-00ff"
+    live = tmp_path / f".tmp-00000001-{os.getpid()}-00aa"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "r00000-0000.pt").write_bytes(b"partial")
+    ec.publish(tmp_path, trainer)
+    assert not dead.exists() and live.exists()
+    assert ec.load_published(tmp_path).version == 0
+
+
+def test_compaction_and_retention(tmp_path):
+    trainer = make_engine(dynamic=False)
+    ec.publish(tmp_path, trainer)
+    lagging = ec.load_published(tmp_path)
+    kinds = []
+    for k in range(8):
+        train(trainer, range(k, k + 1), dynamic=False)
+        kinds.append(ec.publish(tmp_path, trainer, compact_ratio=0.5)["kind"])
+    assert "snapshot" in kinds and kinds[0] == "delta"  # deltas outgrew half the snapshot
+    seqs = [e.seq for e in fmt.entries(tmp_path)]
+    snapshots = [e.seq for e in fmt.entries(tmp_path) if e.kind == "snapshot"]
+    assert len(snapshots) <= 2 and seqs[0] == snapshots[0]  # older entries removed
+    assert ec.publish(tmp_path, trainer, snapshot=True, keep_snapshots=1)["kind"] == "snapshot"
+    assert [e.kind for e in fmt.entries(tmp_path)] == ["snapshot"]
+    assert lagging.refresh() >= 1  # behind the removed entries: starts over from the snapshot
+    assert_follows(lagging, trainer)
+
+
+def test_concurrent_lookups_never_see_a_mix(tmp_path):
+    """Every delta sets every row of two tables to one value; a lookup reading both while
+    refreshes run sees one value, never a mix of two deltas."""
+    a = ec.TableConfig(vocabulary_size=2000, dim=16, name="a", combiner="sum")
+    b = ec.TableConfig(vocabulary_size=3000, dim=16, name="b", combiner="sum")
+    emb = ec.Embedding({"fa": ec.FeatureConfig(table=a), "fb": ec.FeatureConfig(table=b)},
+                       ec.SGD(learning_rate=0.1))
+
+    def set_all(v: float) -> None:
+        emb.load_state_dict({"a/parameters": torch.full((2000, 16), v),
+                             "b/parameters": torch.full((3000, 16), v)}, strict=False)
+
+    set_all(0.0)
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path)
+    ids = {"fa": torch.arange(0, 2000, 7), "fb": torch.arange(0, 3000, 5)}
+    seen, stop, errors = set(), threading.Event(), []
+
+    def reader() -> None:
+        while not stop.is_set():
+            out = served(ids)
+            values = torch.cat([out["fa"].flatten(), out["fb"].flatten()]).unique()
+            if values.numel() != 1:
+                errors.append(values)
+            seen.add(float(values[0]))
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for k in range(1, 16):
+            set_all(float(k))
+            ec.publish(tmp_path, emb)
+            served.refresh()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors, errors[:3]
+    assert len(seen) > 1 and served.version == 15
+
+
+def test_exported_program_takes_deltas(tmp_path):
+    emb = make_engine()
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path)
+    probe = batch(50)
+    program = torch.export.export(served, (probe,)).module()
+    for k in range(3):
+        train(emb, range(k * 2, k * 2 + 2))
+        ec.publish(tmp_path, emb)
+        served.refresh()
+        got, want = program(probe), served(probe)
+        for f in want:
+            assert torch.equal(got[f], want[f]), f
+
+
+def test_a_new_model_in_the_directory_is_an_error_for_a_follower(tmp_path):
+    first = make_engine()
+    ec.publish(tmp_path, first)
+    served = ec.load_published(tmp_path)
+    del first
+    import gc
+    gc.collect()
+    other = ec.Embedding({"x": ec.FeatureConfig(table=ec.TableConfig(
+        vocabulary_size=5, dim=2, name="x"))}, ec.SGD(learning_rate=0.1))
+    ec.publish(tmp_path, other)  # a new engine: a new chain, from a snapshot
+    with pytest.raises(fmt.PublishError, match="another model"):
+        served.refresh()
+    assert ec.load_published(tmp_path).version == 1
+
+
+def test_bad_arguments(tmp_path):
+    emb = make_engine()
+    with pytest.raises(TypeError, match="ec.Embedding"):
+        ec.publish(tmp_path, object())
+    layer = ec.EmbeddingLayer(ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=5, dim=2)),
+                              None)
+    with pytest.raises(TypeError, match="optimizer=None"):
+        ec.publish(tmp_path, layer)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="neither empty nor a publish directory"):
+        ec.publish(tmp_path / "other", emb)
+    with pytest.raises(ValueError, match="keep_snapshots"):
+        ec.publish(tmp_path / "p", emb, keep_snapshots=0)
+    with pytest.raises(FileNotFoundError):
+        ec.load_published(tmp_path / "nothing")
+
+
+def test_layer_publishes_like_its_engine(tmp_path):
+    t = ec.TableConfig(vocabulary_size=30, dim=4, name="t")
+    layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad")
+    ec.publish(tmp_path, layer)
+    served = ec.load_published(tmp_path)
+    out = layer({"f": torch.tensor([1, 2, 3])})
+    out["f"].sum().backward()
+    assert ec.publish(tmp_path, layer)["rows"] == {"t": 3}
+    served.refresh()
+    assert torch.equal(served.t, layer.engine.embedding_tables[t])
+
+
+# ---------------------------------------------------------------------------------- W = 2
+def _sharded(rank: int, world: int, init, root: str) -> None:
+    init()
+    emb = make_engine(seed=4, sharding={"a": "row_mod", "b": "row_div", "c": "column"})
+    pub = os.path.join(root, "w2")
+    ec.publish(pub, emb, slots=True)
+    for k in range(3):
+        train(emb, range(k * 2, k * 2 + 2), rank=rank)
+        ec.publish(pub, emb, slots=True)
+    whole = {n: emb.embedding_tables[t] for t, n in emb.table_names().items()}  # collective
+    vocab = {n: emb.whole_vocabulary(t) for t, n in emb.table_names().items()
+             if t.dynamic is not None}
+    if rank == 0:
+        served = ec.load_published(pub)
+        for n, w in whole.items():
+            buf = getattr(served, n)
+            assert torch.equal(buf[:w.shape[0]], w), n
+        for n, (ids, rows) in vocab.items():
+            want = padded_map(ids, rows, whole[n].shape[0])
+            assert torch.equal(getattr(served, n + "__ids"), want[0]), n
+    resumed = make_engine(seed=6, sharding={"a": "replicated", "b": "row_mod", "c": "row_div",
+                                            "d": "table"})
+    ec.load(pub, resumed)  # W = 2, other strategies
+    assert_state_equal(tables(resumed), tables(emb))
+
+
+@pytest.mark.slow
+def test_two_processes_publish_what_one_would(tmp_path):
+    """W = 2 publishes; the follower equals the sharded trainer bitwise; resuming into W = 2
+    with other strategies and into W = 1 gives the trainer's tables; W = 1 trained on both
+    processes' batches gives the same tables (to float rounding of the summed gradients)."""
+    run_on(2, _sharded, str(tmp_path))
+    one = make_engine(seed=7)
+    ec.load(tmp_path / "w2", one)
+    ref = make_engine(seed=4)
+    for s in range(6):
+        b0, b1 = batch(s, rank=0), batch(s, rank=1)
+        ref.enqueue({k: torch.cat([b0[k], b1[k]]) for k in b0})
+        act = ref.dequeue()
+        ref.apply_gradients({k: a.detach() * 0.5 + 0.1 for k, a in act.items()})
+    got, want = state(one), state(ref)
+    assert sorted(got) == sorted(want) and one.step == 6
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6, msg=k)
+
+
+_KILLED_WRITER = r"""
+import sys, time, torch, embcore as ec
+from embcore.state import published as fmt
+sys.path.insert(0, sys.argv[2])
+from test_publish import make_engine, train
+real = fmt.write_part
+def slow(path, tensors):
+    out = real(path, tensors)
+    time.sleep(0.2)  # the parent kills us among the part files
+    return out
+fmt.write_part = slow
+fmt.PART_BYTES = 1000  # many part files per entry
+emb = make_engine(seed=1)
+ec.publish(sys.argv[1], emb, slots=True)
+print("published", flush=True)
+for k in range(100):
+    train(emb, range(k, k + 1))
+    ec.publish(sys.argv[1], emb, slots=True, compact_ratio=1000)
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_mid_publish_leaves_the_last_entry(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    env = dict(os.environ, PYTHONPATH=str(Path(ec.__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(tmp_path),
+                             str(Path(__file__).parent)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "published"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # an entry after the snapshot is being written
+            tmps = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+            if fmt.entries(tmp_path)[-1].seq >= 1 and any(
+                    len(list(t.glob("*.pt"))) >= 2 for t in tmps):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("the writer never got to a second entry")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # its leftover
+    served = ec.load_published(tmp_path)  # the last complete entry
+    last = fmt.entries(tmp_path)[-1]
+    assert served.version == last.seq >= 1
+    resumed = make_engine(seed=2)  # the kernel dropped the dead writer's lock
+    ec.load(tmp_path, resumed)
+    assert resumed.step == served.version
+    train(resumed, range(resumed.step, resumed.step + 1))
+    info = ec.publish(tmp_path, resumed, slots=True)
+    assert info["seq"] == last.seq + 1
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert served.refresh() == 1
+    assert torch.equal(served.a, resumed.embedding_tables[
+        next(t for t in resumed.table_names() if t.name == "a")])
