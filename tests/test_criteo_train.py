@@ -275,8 +275,10 @@ def test_spec_errors(tmp_path, capsys):
         edit(d)
         return d
 
-    assert "features must be C1 ... C26 (the Criteo columns): missing ['C26']" in error(
+    assert "table 'C26' is used by no feature" in error(  # (the spec's own check)
         edited(lambda d: d["features"].pop("C26")))
+    assert "features must be C1 ... C26 (the Criteo columns): missing ['C26']" in error(
+        edited(lambda d: (d["features"].pop("C26"), d["tables"].pop("C26"))))
     assert "missing ['C2']; unexpected ['C27', 'c2']" in error(edited(
         lambda d: d["features"].update(c2=d["features"].pop("C2"), C27=d["features"]["C1"])))
     message = error(edited(lambda d: d["tables"]["C3"].update(dim=8)))

@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from test_sharded import OPTIMIZERS, concat, config, global_batch
 
 import embcore as ec
-from test_sharded import OPTIMIZERS, concat, config, global_batch
 
 
 def _round_trip(spec):

@@ -9,11 +9,19 @@ naming it, except the named initializers: ``functools.partial`` of ``torch.nn.in
 ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``zeros_`` or ``ones_`` with number
 arguments. Checkpoints store the spec of the engine they saved in their manifest
 (``EmbeddingSpec.from_checkpoint``), so a served model can be rebuilt from its checkpoint alone.
+
+``from_dict`` is strict: it takes what ``to_dict`` writes and nothing else. A value of the wrong
+type (``"pipeline_execution": "no"``) is a ``TypeError``; an unknown or missing key (at the top,
+in a table, a feature, an optimizer, a dynamic vocabulary or an initializer), a table no feature
+uses, a structure nested more than ``nest.MAX_DEPTH`` deep, or a value out of range (sizes
+beyond the bounds of ``config/tables.py``, an initializer's NaN ``std`` or ``a > b``) a
+``ValueError``; each names the key and where it is. Nothing is ignored or replaced by a default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -23,9 +31,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..base.nest import leaves_with_paths
+from ..base.nest import check_depth, leaves_with_paths
 from .budget import parse_budget
-from .optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, Optimizer, RowwiseAdagrad
+from .optimizers import (
+    FTRL,
+    SGD,
+    Adagrad,
+    AdagradMomentum,
+    Adam,
+    Optimizer,
+    RowwiseAdagrad,
+)
 from .tables import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
 
 T = TypeVar("T")
@@ -35,6 +51,15 @@ OPTIMIZERS = {c.__name__: c for c in (SGD, Adagrad, RowwiseAdagrad, AdagradMomen
 INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
+# The keys to_dict writes, at each level; from_dict refuses any other.
+SPEC_KEYS = ("format", "tables", "features", "optimizer", "sharding", "memory_budget",
+             "pipeline_execution")
+TABLE_KEYS = ("vocabulary_size", "dim", "initializer", "optimizer", "combiner", "dtype",
+              "dynamic")
+FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "validate_weights_and_indices",
+                "name")
+DYNAMIC_KEYS = tuple(f.name for f in dataclasses.fields(DynamicVocabulary))
+INITIALIZER_KEYS = ("torch.nn.init", "kwargs")
 
 
 def _is_feature(x: Any) -> bool:
@@ -77,7 +102,15 @@ class EmbeddingSpec:
                             f"{type(self.optimizer).__name__}")
         parse_budget(self.memory_budget)
         if not isinstance(self.pipeline_execution, bool):
-            raise TypeError("EmbeddingSpec: pipeline_execution must be a bool")
+            raise TypeError(f"EmbeddingSpec: pipeline_execution must be a bool, got "
+                            f"{type(self.pipeline_execution).__name__} "
+                            f"{self.pipeline_execution!r}")
+        sharding = self.sharding
+        if not (sharding is None or isinstance(sharding, str) or (
+                isinstance(sharding, Mapping)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in sharding.items()))):
+            raise TypeError(f"EmbeddingSpec: sharding must be None, a strategy name or a dict "
+                            f"{{table name: strategy name}} of strings, got {sharding!r}")
         self.to_dict()  # everything must be data
 
     def __eq__(self, other: object) -> bool:
@@ -107,17 +140,38 @@ class EmbeddingSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EmbeddingSpec:
-        """The spec ``to_dict`` wrote. Raises ValueError for anything else, naming the part."""
+        """The spec ``to_dict`` wrote (``optimizer``, ``sharding``, ``memory_budget`` and
+        ``pipeline_execution`` may be left out: None, None, None, false).
+
+        Raises:
+            ValueError: anything else ``to_dict`` could not have written, naming the key and
+                where it is: not a spec (no ``format``), an unknown or missing key (``table
+                'users': unknown key 'initialiser'``), a value out of range (sizes, an
+                initializer's arguments: what ``TableConfig``, ``FeatureConfig``,
+                ``DynamicVocabulary`` and the optimizers refuse), a table no feature uses.
+            TypeError: a value of the wrong type (``spec: pipeline_execution must be true or
+                false, got str 'no'``; a string size), naming the key.
+        """
         got = d.get("format") if isinstance(d, Mapping) else None
         if got != FORMAT:
             raise ValueError(f"not an embcore spec (format {got!r}, expected {FORMAT!r})")
+        _keys(d, "not an embcore spec", SPEC_KEYS, required=("format", "tables", "features"))
+        if not isinstance(d.get("pipeline_execution", False), bool):
+            raise TypeError(f"spec: pipeline_execution must be true or false, got "
+                            f"{_kind(d['pipeline_execution'])}")
+        tables_d = _mapping(d["tables"], "spec: tables")
         try:
-            tables = {name: _table_from(t, name) for name, t in d["tables"].items()}
-            return cls(_structure_from(d["features"], tables),
-                       _optimizer_from(d.get("optimizer"), "the default optimizer"),
+            tables = {name: _table_from(t, name) for name, t in tables_d.items()}
+            features = _structure_from(d["features"], tables, "", 0)
+            used = {f.table for _, f in leaves_with_paths(features, _is_feature)}
+            unused = [name for name, t in tables.items() if t not in used]
+            if unused:
+                raise ValueError(f"spec: table {unused[0]!r} is used by no feature (tables: "
+                                 f"{sorted(tables)})")
+            return cls(features, _optimizer_from(d.get("optimizer"), "the default optimizer"),
                        sharding=d.get("sharding"), memory_budget=d.get("memory_budget"),
-                       pipeline_execution=bool(d.get("pipeline_execution", False)))
-        except (KeyError, TypeError, AttributeError) as e:
+                       pipeline_execution=d.get("pipeline_execution", False))
+        except (KeyError, AttributeError) as e:  # (none expected: every part is checked)
             raise ValueError(f"not an embcore spec: {e!r}") from None
 
     @classmethod
@@ -126,9 +180,18 @@ class EmbeddingSpec:
 
         Raises:
             ValueError: no spec there (saved by an older embcore, or its engine had callables
-                that are not data: the manifest's ``spec_error`` says which).
+                that are not data: the manifest's ``spec_error`` says which), a manifest that is
+                not a JSON object, or a spec ``from_dict`` refuses (a ``TypeError`` for a value
+                of the wrong type, as there).
         """
-        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
+        file = Path(path) / "manifest.json"
+        try:
+            manifest = json.loads(file.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise ValueError(f"{file}: nested too deep to be a checkpoint manifest") from None
+        if type(manifest) is not dict:  # a JSON value that is no object: a bad file, ValueError
+            raise ValueError(f"{file}: not a checkpoint manifest (a JSON object), got a JSON "
+                             f"{_kind(manifest)}")
         spec = manifest.get("spec")
         if spec is None:
             raise ValueError(f"{path}: the checkpoint holds no spec "
@@ -159,16 +222,24 @@ def _table(t: TableConfig, name: str) -> dict[str, Any]:
                 f.name: getattr(t.dynamic, f.name) for f in dataclasses.fields(t.dynamic)}}
 
 
-def _table_from(d: Mapping[str, Any], name: str) -> TableConfig:
+def _table_from(d: Any, name: Any) -> TableConfig:
+    if not isinstance(name, str):
+        raise TypeError(f"spec: tables: a table's name must be a string, got {_kind(name)}")
+    where = f"table {name!r}"
+    _keys(d, where, TABLE_KEYS, required=("vocabulary_size", "dim", "combiner", "dtype"))
+    if not isinstance(d["dtype"], str):
+        raise TypeError(f"{where}: dtype must be a string, one of {sorted(DTYPES)}, got "
+                        f"{_kind(d['dtype'])}")
     if d["dtype"] not in DTYPES:
-        raise ValueError(f"table {name!r}: unknown dtype {d['dtype']!r}")
+        raise ValueError(f"{where}: unknown dtype {d['dtype']!r}; one of {sorted(DTYPES)}")
+    dynamic = d.get("dynamic")
+    if dynamic is not None:
+        _keys(dynamic, f"{where}: dynamic", DYNAMIC_KEYS)
     return TableConfig(vocabulary_size=d["vocabulary_size"], dim=d["dim"],
                        initializer=_initializer_from(d.get("initializer"), name),
-                       optimizer=_optimizer_from(d.get("optimizer"),
-                                                 f"table {name!r}'s optimizer"),
+                       optimizer=_optimizer_from(d.get("optimizer"), f"{where}'s optimizer"),
                        combiner=d["combiner"], name=name, dtype=DTYPES[d["dtype"]],
-                       dynamic=None if d.get("dynamic") is None else DynamicVocabulary(
-                           **d["dynamic"]))
+                       dynamic=None if dynamic is None else DynamicVocabulary(**dynamic))
 
 
 def _initializer(init: Any, table: str) -> Any:
@@ -186,11 +257,23 @@ def _initializer(init: Any, table: str) -> Any:
 
 
 def _initializer_from(d: Any, table: str) -> Any:
+    """The initializer ``_initializer`` wrote; its arguments' types are checked here, their
+    names and values (finite, ``a <= b``, ``std >= 0``) by ``TableConfig``
+    (``tables.check_init_partial``)."""
     if d is None:
         return None
-    if d.get("torch.nn.init") not in INITIALIZERS:
-        raise ValueError(f"table {table!r}: unknown initializer {d!r}")
-    return functools.partial(getattr(torch.nn.init, d["torch.nn.init"]), **d.get("kwargs", {}))
+    where = f"table {table!r}: initializer"
+    _keys(d, where, INITIALIZER_KEYS, required=("torch.nn.init",))
+    func = d["torch.nn.init"]
+    if func not in INITIALIZERS:  # (a list or dict is not in the tuple either)
+        raise ValueError(f"table {table!r}: unknown initializer {d!r}; "
+                         f"'torch.nn.init' is one of {INITIALIZERS}")
+    kwargs = _mapping(d.get("kwargs", {}), f"{where}: kwargs")
+    for k, v in kwargs.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{where}: argument {k!r} of {func} must be a number, got "
+                            f"{_kind(v)}")
+    return functools.partial(getattr(torch.nn.init, func), **kwargs)
 
 
 # -------------------------------------------------------------------------------- optimizers
@@ -214,10 +297,14 @@ def _optimizer(opt: Optimizer | None, what: str) -> dict[str, Any] | None:
 def _optimizer_from(d: Any, what: str) -> Optimizer | None:
     if d is None:
         return None
-    cls = OPTIMIZERS.get(d.get("class"))
+    _mapping(d, what)
+    name = d.get("class")
+    cls = OPTIMIZERS.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"{what}: unknown optimizer {d.get('class')!r}; one of "
+        raise ValueError(f"{what}: unknown optimizer {name!r}; one of "
                          f"{sorted(OPTIMIZERS)}")
+    _keys(d, f"{what} ({name})", ("class", *(f.name for f in dataclasses.fields(cls)
+                                              if f.name != "_")))
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k != "class"}
     return cls(**kwargs)
 
@@ -243,18 +330,75 @@ def _structure(x: Any, names: Mapping[TableConfig, str]) -> Any:
                     f"FeatureConfigs in dicts, lists and tuples")
 
 
-def _structure_from(x: Any, tables: Mapping[str, TableConfig]) -> Any:
+def _structure_from(x: Any, tables: Mapping[str, TableConfig], path: str, depth: int) -> Any:
+    """The features ``_structure`` wrote (``path``: where ``x`` is, ``depth``: the containers
+    above it)."""
+    where = f"features[{path!r}]" if path else "features"
     if isinstance(x, Mapping) and "__feature__" in x:
-        f = dict(x["__feature__"])
-        table = tables[f.pop("table")]
-        return FeatureConfig(table=table, **f)
+        _keys(x, where, ("__feature__",))
+        f = dict(_keys(x["__feature__"], f"feature {path or '(the top)'!r}", FEATURE_KEYS,
+                       required=("table",)))
+        table = f.pop("table")
+        if not isinstance(table, str):
+            raise TypeError(f"feature {path or '(the top)'!r}: table must be a table's name, "
+                            f"got {_kind(table)}")
+        if table not in tables:
+            raise ValueError(f"feature {path or '(the top)'!r}: unknown table {table!r}; the "
+                             f"spec's tables are {sorted(tables)}")
+        return FeatureConfig(table=tables[table], **f)
+    if not isinstance(x, (Mapping, list)):
+        raise TypeError(f"{where}: expected a feature, an object, a list or a tuple, got "
+                        f"{_kind(x)}")
+    check_depth(depth + 1, where)
+
+    def sub(key: Any) -> str:
+        return f"{path}/{key}" if path else str(key)
+
     if isinstance(x, Mapping) and "__tuple__" in x:
-        return tuple(_structure_from(v, tables) for v in x["__tuple__"])
+        _keys(x, where, ("__tuple__",))
+        if not isinstance(x["__tuple__"], list):
+            raise TypeError(f"{where}: __tuple__ must be a list, got {_kind(x['__tuple__'])}")
+        return tuple(_structure_from(v, tables, sub(i), depth + 1)
+                     for i, v in enumerate(x["__tuple__"]))
     if isinstance(x, Mapping):
-        return {k: _structure_from(v, tables) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_structure_from(v, tables) for v in x]
-    raise TypeError(f"unexpected {type(x).__name__} in the spec's features")
+        for k in x:
+            if not isinstance(k, str) or k.startswith("__"):
+                raise ValueError(f"{where}: unknown key {k!r} (a feature is "
+                                 f"{{'__feature__': ...}}, a tuple {{'__tuple__': [...]}}; other "
+                                 f"keys must not start with '__')")
+        return {k: _structure_from(v, tables, sub(k), depth + 1) for k, v in x.items()}
+    return [_structure_from(v, tables, sub(i), depth + 1) for i, v in enumerate(x)]
+
+
+# -------------------------------------------------------------------------------- checks
+def _kind(value: Any) -> str:
+    """A JSON value's kind and value for messages: ``str 'no'``, ``list [1]``."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _mapping(d: Any, where: str) -> Mapping[str, Any]:
+    """``d`` when it is a mapping (a JSON object), else a TypeError naming ``where``."""
+    if not isinstance(d, Mapping):
+        raise TypeError(f"{where} must be an object (a dict), got {_kind(d)}")
+    return d
+
+
+def _keys(d: Any, where: str, allowed: tuple[str, ...],
+          required: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """``d`` when it is a mapping with only ``allowed`` keys and every ``required`` one, else a
+    ValueError naming the first unknown (and the allowed key it resembles) or missing key (a
+    TypeError when it is not a mapping)."""
+    _mapping(d, where)
+    for k in d:
+        if k not in allowed:
+            close = difflib.get_close_matches(k, allowed, n=1) if isinstance(k, str) else []
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"{where}: unknown key {k!r} ({hint}the keys are {list(allowed)})")
+    for k in required:
+        if k not in d:
+            raise ValueError(f"{where}: missing key {k!r}")
+    return d
 
 
 def from_spec(cls: Callable[..., T], spec: EmbeddingSpec, **kwargs: Any) -> T:

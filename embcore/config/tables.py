@@ -7,12 +7,22 @@ resolved by ``resolve_table_names`` (called by the engine and by ``serving_embed
 kept beside the configs, not written into them. Configs compare and hash by identity: two tables
 with the same fields are still two tables. How features' inputs become activations:
 docs/semantics.md sections 1-2.
+
+Sizes are bounded where a bigger one cannot be real: counts that are int64 values in the engine
+(``vocabulary_size``, ``dim``, ``admit_after``, ``ttl_steps``) at most ``2**63 - 1``; a table at
+most ``MAX_TABLE_BYTES`` (``2**48`` bytes, 256 TiB: the whole 48-bit virtual address space of
+common x86-64 and ARM64 machines, more than any of them can hold or map from disk);
+``max_sequence_length`` at most ``MAX_SEQUENCE_LENGTH`` (``2**31 - 1``). Big tables within the
+bound are fine (10**9 rows of 128 float32 is 512 GB, for a ``memory_budget`` to offload).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +41,24 @@ INIT_BLOCK_ROWS = 65536
 Initializer = Callable[[torch.Tensor], Any] | torch.Tensor
 EVICTIONS = ("lru", "lfu")
 
+INT64_MAX = 2**63 - 1  # ids, rows, steps and counts are int64 in the engine
+# Fast-memory bytes of a dynamic table's map per row of capacity, at most (ops/vocab.py's
+# NativeVocabMap: 33 of per-row state and 16 of hash slots, plus 16 for the sorted view when
+# asked for): what a ``memory_budget`` charges for it, and what a table's size counts.
+MAP_BYTES_PER_ROW = 65
+# The most bytes a table may take: parameters (vocabulary_size * dim * the dtype's size) plus, for
+# a dynamic table, its map (MAP_BYTES_PER_ROW, per row of capacity). 2**48 bytes
+# (256 TiB) is the whole 48-bit virtual address space of common x86-64 and ARM64 machines: a
+# table beyond it cannot be held or mapped from disk there, and is almost surely a typo (10**15
+# rows) or a swapped argument, refused at construction instead of failing in an allocation later.
+MAX_TABLE_BYTES = 2**48
+MAX_SEQUENCE_LENGTH = 2**31 - 1  # a sequence feature's S: beyond it, [B, S, D] cannot be real
+# The number arguments of the torch.nn.init functions a spec can write (spec.py, INITIALIZERS),
+# checked when a table is built from functools.partial(torch.nn.init.<f>, **numbers).
+INIT_NUMBER_ARGS = {"uniform_": ("a", "b"), "normal_": ("mean", "std"),
+                    "trunc_normal_": ("mean", "std", "a", "b"), "constant_": ("val",),
+                    "zeros_": (), "ones_": ()}
+
 
 @dataclass(frozen=True, kw_only=True)
 class DynamicVocabulary:
@@ -45,9 +73,10 @@ class DynamicVocabulary:
 
     Args:
         eviction: ``"lru"`` or ``"lfu"``.
-        admit_after: training steps an id must be seen in before it gets a row (1: at once).
+        admit_after: training steps an id must be seen in before it gets a row (1: at once;
+            at most ``2**63 - 1``: counts are int64).
         ttl_steps: None, or evict ids unused for more than this many training steps (at the
-            start of a step).
+            start of a step; at most ``2**63 - 1``: steps are int64).
 
     Raises:
         TypeError / ValueError: a field of the wrong type or value, naming it.
@@ -70,9 +99,9 @@ class DynamicVocabulary:
         if self.eviction not in EVICTIONS:
             raise ValueError(f"{where}: eviction must be one of {EVICTIONS}, got "
                              f"{self.eviction!r}")
-        _check_int(self.admit_after, "admit_after", where, minimum=1)
+        _check_int(self.admit_after, "admit_after", where, minimum=1, maximum=INT64_MAX)
         if self.ttl_steps is not None:
-            _check_int(self.ttl_steps, "ttl_steps", where, minimum=1)
+            _check_int(self.ttl_steps, "ttl_steps", where, minimum=1, maximum=INT64_MAX)
 
     def describe(self) -> dict[str, Any]:
         """JSON-able fields (checkpoint manifests)."""
@@ -91,7 +120,9 @@ class TableConfig:
         initializer: ``None`` for TF's default, a truncated normal with mean 0 and stddev
             ``1/sqrt(dim)`` cut at two stddevs; or a callable that fills a tensor in place, in the
             style of ``torch.nn.init`` (e.g. ``functools.partial(torch.nn.init.uniform_, a=-.05,
-            b=.05)``), which must treat entries independently (it is called on blocks of rows);
+            b=.05)``, whose number arguments are checked here: finite, ``a <= b``, ``std >= 0``
+            (``> 0`` for ``trunc_normal_``), names the function takes), which must treat
+            entries independently (it is called on blocks of rows);
             or, TF's convention, a callable ``(shape, dtype) -> tensor`` of that shape; or a
             finite floating ``(vocabulary_size, dim)`` tensor of initial values (pretrained
             embeddings). An initializer that leaves values unset is an error at build.
@@ -109,9 +140,13 @@ class TableConfig:
 
     Raises:
         TypeError: a field of the wrong type (a non-int size, a non-string combiner or name, a
-            dtype that is not floating point, an initializer or optimizer of another kind).
-        ValueError: a field of the right type with a wrong value (a size < 1, an unknown
-            combiner, an empty name or one holding '/', an initializer tensor of another shape).
+            dtype that is not floating point, an initializer or optimizer of another kind, a
+            ``torch.nn.init`` partial with an argument its function does not take).
+        ValueError: a field of the right type with a wrong value (a size < 1 or > 2**63 - 1, a
+            table of more than ``MAX_TABLE_BYTES`` = 2**48 bytes, naming the bytes it would
+            take; an unknown combiner, an empty name or one holding '/', an initializer tensor
+            of another shape, a ``torch.nn.init`` partial with a NaN / infinite argument,
+            ``a > b`` or a negative ``std``).
 
     Example:
         >>> import embcore as ec
@@ -135,8 +170,8 @@ class TableConfig:
         if self.dynamic is not None and isinstance(self.initializer, torch.Tensor):
             raise ValueError(f"{where}: a dynamic table's rows have no fixed ids, so an "
                              f"initializer tensor cannot apply; use a callable initializer")
-        _check_int(self.vocabulary_size, "vocabulary_size", where, minimum=1)
-        _check_int(self.dim, "dim", where, minimum=1)
+        _check_int(self.vocabulary_size, "vocabulary_size", where, minimum=1, maximum=INT64_MAX)
+        _check_int(self.dim, "dim", where, minimum=1, maximum=INT64_MAX)
         if not isinstance(self.combiner, str):
             raise TypeError(f"{where}: combiner must be a string, one of {COMBINERS}, got "
                             f"{type(self.combiner).__name__} {self.combiner!r}")
@@ -146,6 +181,7 @@ class TableConfig:
             _check_name(self.name, where, allow_slash=False)
         if self.dtype not in FLOAT_DTYPES:  # the element type: a non-float one is a TypeError
             raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        _check_bytes(self, where)
         init = self.initializer
         if isinstance(init, torch.Tensor):
             if tuple(init.shape) != (self.vocabulary_size, self.dim):
@@ -159,6 +195,8 @@ class TableConfig:
         elif init is not None and not callable(init):
             raise TypeError(f"{where}: initializer must be None, a callable that fills a tensor "
                             f"in place, or a tensor; got {type(init).__name__}")
+        elif init is not None:
+            check_init_partial(init, where)
         if self.optimizer is not None:
             from .optimizers import Optimizer  # local: optimizers never import config
             if not isinstance(self.optimizer, Optimizer):
@@ -179,7 +217,7 @@ class FeatureConfig:
         table: the ``TableConfig`` it reads; several features may share one table.
         max_sequence_length: 0 for a bag feature (ids of a row combined by the table's
             combiner); ``S > 0`` for a sequence feature: no combining, output ``[B, S, D]``,
-            ids past ``S`` dropped, missing positions zero.
+            ids past ``S`` dropped, missing positions zero. At most ``2**31 - 1``.
         output_shape: the leading shape of this feature's activations (without ``D``); overrides
             the shape given to ``build`` and the one seen at the first enqueue. When set,
             ``max_sequence_length`` is ignored (as in TF): the feature's bags are combined.
@@ -192,9 +230,10 @@ class FeatureConfig:
 
     Raises:
         TypeError: a field of the wrong type (table, a non-int max_sequence_length, an
-            output_shape that is not a sequence of ints, a non-string name).
-        ValueError: a negative max_sequence_length, an empty output_shape or one with an entry
-            < 1, an empty name.
+            output_shape that is not a sequence of ints, a non-bool
+            validate_weights_and_indices, a non-string name).
+        ValueError: a max_sequence_length < 0 or > 2**31 - 1, an empty output_shape or one with
+            an entry < 1 or more than 2**63 - 1 entries in all, an empty name.
 
     Example:
         >>> import embcore as ec
@@ -213,7 +252,9 @@ class FeatureConfig:
         if not isinstance(self.table, TableConfig):
             raise TypeError(f"{where}: table must be a TableConfig, got "
                             f"{type(self.table).__name__}")
-        _check_int(self.max_sequence_length, "max_sequence_length", where, minimum=0)
+        _check_int(self.max_sequence_length, "max_sequence_length", where, minimum=0,
+                   maximum=MAX_SEQUENCE_LENGTH,
+                   why="2**31 - 1: a sequence feature's activations are [batch, S, dim]")
         if self.output_shape is not None:
             what = "output_shape must be a non-empty sequence of positive ints"
             if not isinstance(self.output_shape, Sequence) or isinstance(self.output_shape, str):
@@ -224,7 +265,15 @@ class FeatureConfig:
                 raise TypeError(f"{where}: {what}, got {self.output_shape!r}")
             if not shape or any(s < 1 for s in shape):
                 raise ValueError(f"{where}: {what}, got {self.output_shape!r}")
+            if math.prod(shape) > INT64_MAX:
+                raise ValueError(f"{where}: output_shape {self.output_shape!r} has "
+                                 f"{math.prod(shape)} entries, more than a tensor can index "
+                                 f"(2**63 - 1)")
             object.__setattr__(self, "output_shape", shape)  # normalise once, at construction
+        if not isinstance(self.validate_weights_and_indices, bool):
+            raise TypeError(f"{where}: validate_weights_and_indices must be a bool, got "
+                            f"{type(self.validate_weights_and_indices).__name__} "
+                            f"{self.validate_weights_and_indices!r}")
         if self.name is not None:
             _check_name(self.name, where, allow_slash=True)
 
@@ -241,13 +290,85 @@ class FeatureConfig:
                 f"output_shape={self.output_shape})")
 
 
-def _check_int(value: Any, arg: str, where: str, minimum: int) -> None:
-    """``TypeError`` unless ``value`` is an int (bool is not), ``ValueError`` if below minimum."""
+def _check_int(value: Any, arg: str, where: str, minimum: int, maximum: int | None = None,
+               why: str = "2**63 - 1: it is an int64 in the engine") -> None:
+    """``TypeError`` unless ``value`` is an int (bool is not), ``ValueError`` if below minimum
+    or above maximum (``why``: the maximum written as a power of 2 and where it comes from)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{where}: {arg} must be an int >= {minimum}, got "
                         f"{type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{where}: {arg} must be an int >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{where}: {arg} must be at most {maximum} ({why}), got {value!r}")
+
+
+def table_bytes(table: TableConfig) -> int:
+    """The bytes a table takes: its parameters (``vocabulary_size * dim`` of its dtype) and, for
+    a dynamic table, its map (``MAP_BYTES_PER_ROW`` per row of capacity); optimizer slots
+    not counted."""
+    size = table.vocabulary_size * table.dim * table.dtype.itemsize
+    if table.dynamic is not None:
+        size += table.vocabulary_size * MAP_BYTES_PER_ROW
+    return size
+
+
+def _check_bytes(table: TableConfig, where: str) -> None:
+    """``ValueError`` naming the bytes a table would take when they exceed MAX_TABLE_BYTES."""
+    size = table_bytes(table)
+    if size > MAX_TABLE_BYTES:
+        dyn = (" plus its dynamic vocabulary's map" if table.dynamic is not None else "")
+        raise ValueError(
+            f"{where}: {table.vocabulary_size} rows x {table.dim} x {table.dtype.itemsize} bytes "
+            f"({table.dtype}){dyn} would take {size} bytes ({_human(size)}), more than a "
+            f"48-bit address space can map: a table takes at most 2**48 bytes (256 TiB); is "
+            f"vocabulary_size or dim mistyped?")
+
+
+def _human(size: int) -> str:
+    """``size`` bytes in the largest binary unit that keeps a number >= 1 (e.g. '7.1 EiB')."""
+    for unit, scale in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30)):
+        if size >= scale:
+            return f"{size / scale:.3g} {unit}"
+    return f"{size} B"
+
+
+def check_init_partial(init: Any, where: str) -> None:
+    """Checks ``functools.partial(torch.nn.init.<f>, **kwargs)`` (``f`` one of
+    ``INIT_NUMBER_ARGS``'s, no positional arguments) before it runs: a keyword ``f`` does not
+    take is a ``TypeError``; a number argument that is NaN or infinite, ``a > b``
+    (``uniform_``, ``trunc_normal_``), a negative ``std`` (``normal_``) or one <= 0
+    (``trunc_normal_``, which divides by it) a ``ValueError``, naming the function and the
+    argument. Other callables, and arguments that are not numbers, are left to the call."""
+    if (not isinstance(init, functools.partial) or init.args
+            or getattr(init.func, "__module__", "") != "torch.nn.init"
+            or getattr(init.func, "__name__", "") not in INIT_NUMBER_ARGS):
+        return
+    name = init.func.__name__
+    what = f"{where}: initializer torch.nn.init.{name}"
+    params = dict(list(inspect.signature(init.func).parameters.items())[1:])  # after the tensor
+    unknown = [k for k in init.keywords if k not in params]
+    missing = [k for k, p in params.items()
+               if p.default is inspect.Parameter.empty and k not in init.keywords]
+    if unknown or missing:
+        raise TypeError(f"{what} " + (f"takes no argument {unknown[0]!r}" if unknown else
+                                      f"needs the argument {missing[0]!r}")
+                        + f"; its number arguments are {list(INIT_NUMBER_ARGS[name]) or 'none'}")
+    args = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    args.update(init.keywords)
+    given = {k: v for k, v in args.items() if k in INIT_NUMBER_ARGS[name]
+             and isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    for k, v in given.items():
+        if not math.isfinite(v):
+            raise ValueError(f"{what}: {k} must be finite, got {v!r}")
+    lo, hi = given.get("a"), given.get("b")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{what}: a={lo!r} is greater than b={hi!r}; the values are drawn "
+                         f"from [a, b]")
+    std = given.get("std")
+    if std is not None and (std < 0 or (name == "trunc_normal_" and std == 0)):
+        bound = "> 0" if name == "trunc_normal_" else ">= 0"
+        raise ValueError(f"{what}: std must be {bound}, got {std!r}")
 
 
 def _check_name(name: Any, where: str, allow_slash: bool) -> None:

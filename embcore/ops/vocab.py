@@ -54,19 +54,20 @@ thread count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import operator
+import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
+from ..config.tables import MAP_BYTES_PER_ROW
 from . import native
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
-# Fast-memory bytes of a dynamic table's map per row of capacity, at most (NativeVocabMap: 33 of
-# per-row state and 16 of hash slots, plus 16 for the sorted view when asked for): what a
-# ``memory_budget`` charges for it.
-MAP_BYTES_PER_ROW = 65
 _SORT_QUERIES = 16384  # find sorts this many ids or more before searching them (on the CPU)
+_INT64_MAX = 2**63 - 1  # capacity, admit_after and ttl_steps are compared with int64 state
 _STATE_KEYS = ("ids", "rows", "last_use", "frequency", "pending_ids", "pending_counts", "step")
 
 
@@ -137,6 +138,48 @@ def _smallest(score: torch.Tensor, k: int) -> torch.Tensor:
     return below | (at & (at.cumsum(0) <= need))
 
 
+def _count_arg(value: object, arg: str, name: str) -> int:
+    """``value`` as an int in ``[1, 2**63 - 1]`` (the int64 range of the state it is compared
+    with), else a ``ValueError`` naming ``arg``."""
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        v = None
+    if v is None or isinstance(value, bool) or not 1 <= v <= _INT64_MAX:
+        raise ValueError(f"{name}: {arg} must be an int in [1, 2**63 - 1]"
+                         f"{' or None' if arg == 'ttl_steps' else ''}, got {value!r}")
+    return v
+
+
+def _physical_memory() -> int | None:
+    """This machine's physical memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+@contextlib.contextmanager
+def _allocating(name: str, capacity: int, device: torch.device) -> Iterator[None]:
+    """Around the allocation of a map's per-row state: a ``ValueError`` naming the table and
+    the bytes when it cannot be had, before trying where the state (zero-filled, so touched) is
+    bigger than the machine's physical memory, and from torch's allocation error otherwise."""
+    need = capacity * MAP_BYTES_PER_ROW
+    what = (f"{name}: a dynamic vocabulary of capacity {capacity} needs up to {need} bytes of "
+            f"fast memory for its map ({MAP_BYTES_PER_ROW} per row)")
+    if device.type == "cpu":
+        have = _physical_memory()
+        if have is not None and need > have:
+            raise ValueError(f"{what}, more than this machine's {have} bytes of memory; lower "
+                             f"its vocabulary_size (the capacity) or shard it over more "
+                             f"processes")
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:  # torch's allocators (OutOfMemoryError included)
+        raise ValueError(f"{what}, which could not be allocated on {device}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
 def _as_ids(ids: torch.Tensor, what: str) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.is_complex() \
             or ids.dtype == torch.bool:
@@ -159,7 +202,9 @@ class VocabMap:
         device: where the state tensors live.
 
     Raises:
-        ValueError: a bad eviction, capacity, admit_after or ttl_steps.
+        ValueError: a bad eviction, capacity, admit_after or ttl_steps (not an int in
+            ``[1, 2**63 - 1]``), or a map whose state cannot be allocated (naming the bytes it
+            needs: up to ``MAP_BYTES_PER_ROW`` per row of capacity).
     """
 
     def __init__(self, capacity: int, *, eviction: str = "lru", admit_after: int = 1,
@@ -167,15 +212,13 @@ class VocabMap:
                  device: torch.device | str = "cpu") -> None:
         if eviction not in ("lru", "lfu"):
             raise ValueError(f"{name}: eviction must be 'lru' or 'lfu', got {eviction!r}")
-        if capacity < 1 or admit_after < 1:
-            raise ValueError(f"{name}: capacity and admit_after must be >= 1, got capacity "
-                             f"{capacity}, admit_after {admit_after}")
-        if ttl_steps is not None and ttl_steps < 1:
-            raise ValueError(f"{name}: ttl_steps must be None or >= 1, got {ttl_steps}")
-        self.capacity = int(capacity)
+        capacity, admit_after = _count_arg(capacity, "capacity", name), _count_arg(
+            admit_after, "admit_after", name)
+        ttl_steps = None if ttl_steps is None else _count_arg(ttl_steps, "ttl_steps", name)
+        self.capacity = capacity
         self.eviction = eviction
-        self.admit_after = int(admit_after)
-        self.ttl_steps = None if ttl_steps is None else int(ttl_steps)
+        self.admit_after = admit_after
+        self.ttl_steps = ttl_steps
         self.name = name
         self.device = torch.device(device)
         self.step = 0  # training steps so far
@@ -183,11 +226,12 @@ class VocabMap:
         c, dev = self.capacity, self.device
         self.keys = torch.empty(0, dtype=_I64, device=dev)             # (R,) resident ids, sorted
         self.key_rows = torch.empty(0, dtype=_I64, device=dev)         # (R,) their rows
-        self.row_key = torch.zeros(c, dtype=_I64, device=dev)          # (C,) id held, 0 when free
-        self.row_used = torch.zeros(c, dtype=torch.bool, device=dev)   # (C,)
-        self.last_use = torch.zeros(c, dtype=_I64, device=dev)         # (C,) step of last use
-        self.frequency = torch.zeros(c, dtype=_I64, device=dev)        # (C,) steps that used it
-        self.born = torch.full((c,), -1, dtype=_I64, device=dev)       # (C,) step it got its id
+        with _allocating(name, c, dev):
+            self.row_key = torch.zeros(c, dtype=_I64, device=dev)      # (C,) id held, 0 when free
+            self.row_used = torch.zeros(c, dtype=torch.bool, device=dev)  # (C,)
+            self.last_use = torch.zeros(c, dtype=_I64, device=dev)     # (C,) step of last use
+            self.frequency = torch.zeros(c, dtype=_I64, device=dev)    # (C,) steps that used it
+            self.born = torch.full((c,), -1, dtype=_I64, device=dev)   # (C,) step it got its id
         self.pending_ids = torch.empty(0, dtype=_I64, device=dev)      # (P,) counted ids, sorted
         self.pending_counts = torch.empty(0, dtype=_I64, device=dev)   # (P,) steps seen
         self.pending_seen = torch.empty(0, dtype=_I64, device=dev)     # (P,) last step seen
@@ -557,7 +601,8 @@ class NativeVocabMap(VocabMap):
         size = 16
         while size < 2 * self.capacity:
             size *= 2
-        self.slots = torch.full((size,), -1, dtype=_I64, device=self.device)  # (S,)
+        with _allocating(self.name, self.capacity, self.device):
+            self.slots = torch.full((size,), -1, dtype=_I64, device=self.device)  # (S,)
         self._hint = 0  # no row below it is free
 
     # The sorted view of the resident ids: computed from the per-row state when asked for, set

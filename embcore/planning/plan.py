@@ -30,7 +30,7 @@ import torch
 from ..config.optimizers import Optimizer
 from ..config.tables import TableConfig
 from ..ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from ..ops.vocab import MAP_BYTES_PER_ROW
+from ..config.tables import MAP_BYTES_PER_ROW
 from .placement import STRATEGIES as _PLACEMENTS
 from .placement import Placement, make_placement
 from .tiers import Curve, fast_rows, zipf_curve

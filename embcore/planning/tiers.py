@@ -6,7 +6,7 @@ caches (rows, slots and ``cache_index.INDEX_BYTES_PER_ROW`` of index each, and
 nothing. Otherwise fast memory goes where it serves the most lookups:
 
 - What must stay in fast memory takes its bytes first: the maps of dynamic tables (raw ids;
-  ``ops.vocab.MAP_BYTES_PER_ROW`` a row of capacity, wherever their rows are) and tables whose
+  ``config.tables.MAP_BYTES_PER_ROW`` a row of capacity, wherever their rows are) and tables whose
   optimizer moves every row every step (``Adam(lazy_adam=False)``).
 - Every other table's rows are ranked from most to least looked up, and the budget left is
   filled greedily, in blocks of rows, with the block that serves the most lookups per byte

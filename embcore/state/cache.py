@@ -115,13 +115,17 @@ class OffloadDir:
         """Raises unless ``offload_dir`` is None or a path that is (or can become) a directory.
 
         Raises:
-            TypeError: not a path. ValueError: an existing file.
+            TypeError: not a path. ValueError: an empty path (not a directory name: it would
+                put the files in the working directory), or an existing file.
         """
         if offload_dir is None:
             return
         if not isinstance(offload_dir, (str, os.PathLike)):
             raise TypeError(f"offload_dir must be a path or None, got "
                             f"{type(offload_dir).__name__}")
+        if os.fspath(offload_dir) in ("", b""):
+            raise ValueError("offload_dir='' is not a directory name; give a directory, or None "
+                             "for the system's temporary directory")
         if os.path.exists(offload_dir) and not os.path.isdir(offload_dir):
             raise ValueError(f"offload_dir={str(offload_dir)!r} exists and is not a directory")
 
