@@ -17,11 +17,14 @@ from profiles import examples
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
 from criteo import data  # noqa: E402
 from criteo.data import (  # noqa: E402
+    MAX_ID,
     MISSING_ID,
     DataError,
     ReadStats,
     count_distinct,
+    count_lines,
     detect_labeled,
+    has_labels,
     read_all,
     read_batches,
 )
@@ -72,6 +75,10 @@ def test_hash_buckets_take_the_id_modulo_the_size_and_missing_as_zero(tmp_path):
     (line("0", ["0"] * 12 + ["x"]), "count I13 'x' is not an integer"),
     (line("0", None, ["zz"] + ["0"] * 25), "category C1 'zz' is not 1 to 16 hex digits"),
     (line("0", None, ["0"] * 25 + ["12345678901234567"]), "category C26"),
+    (line("0", None, ["0"] * 25 + ["ffffffffffffffff"]),
+     "category C26 'ffffffffffffffff' is above 7fffffffffffffff"),
+    (line("0", None, ["8000000000000000"] + ["0"] * 25),
+     "category C1 '8000000000000000' is above 7fffffffffffffff"),
     ("0\t1\t2\n", "3 tab-separated fields, expected 40"),
 ])
 def test_a_bad_line_names_the_file_and_line(tmp_path, bad, message):
@@ -82,6 +89,32 @@ def test_a_bad_line_names_the_file_and_line(tmp_path, bad, message):
     b = read_all(path, skip_bad=True, stats=stats)
     assert len(b.label) == 3 and stats.skipped == 1 and stats.lines == 4
     assert "f.txt:3" in stats.examples_of_bad[0]
+
+
+@pytest.mark.parametrize("parser", ["fast", "reference"])
+def test_no_category_reads_as_the_missing_id(tmp_path, parser):
+    # Ids are 0 ... MAX_ID = 2**63 - 1 (16 hex digits at most, the first of 16 at most 7), so
+    # MISSING_ID = -1 is no category's id; 2**63 and above (-1 and -2**63 as 64-bit two's
+    # complements) are bad lines, not ids.
+    cats = ["", "ffffffff", "FFFFFFFF", "7fffffffffffffff", "7FFFFFFFFFFFFFFF", "0" * 16,
+            "0fffffffffffffff", "0", "00000000", "68fd1e64"] + [""] * 16
+    path = write(tmp_path, line("1", None, cats))
+    got = read_all(path, parser=parser).sparse[0].tolist()
+    assert got[:10] == [MISSING_ID, 2**32 - 1, 2**32 - 1, MAX_ID, MAX_ID, 0, 2**60 - 1, 0, 0,
+                        0x68FD1E64]
+    assert MAX_ID == 2**63 - 1 and got[10:] == [MISSING_ID] * 16
+    assert read_all(path, parser=parser, hash_buckets=1000).sparse[0, :4].tolist() == \
+        [0, (2**32 - 1) % 1000, (2**32 - 1) % 1000, MAX_ID % 1000]
+    for big in ("ffffffffffffffff", "FFFFFFFFFFFFFFFF", "8000000000000000", "9" + "0" * 15,
+                "a000000000000000"):
+        bad = write(tmp_path, line(), line("0", None, ["1"] * 5 + [big] + [""] * 20),
+                    name="b.txt")
+        with pytest.raises(DataError, match=f"b.txt:2: category C6 '{big}' is above "
+                                            f"7fffffffffffffff"):
+            read_all(bad, parser=parser)
+        stats = ReadStats()
+        b = read_all(bad, parser=parser, skip_bad=True, stats=stats)
+        assert stats.skipped == 1 and len(b.label) == 1 and (b.sparse >= 0).all()
 
 
 def test_unlabeled_files_are_detected_or_declared(tmp_path):
@@ -230,14 +263,17 @@ _count = st.one_of(  # well formed
     st.integers(-(10**16), -1).map(str), st.sampled_from(["-0", "007", "65535", "65536"]))
 _category = st.one_of(  # well formed
     st.just(""), st.integers(0, 2**32 - 1).map(lambda v: f"{v:08x}"),
-    st.integers(0, 2**64 - 1).map(lambda v: f"{v:x}"),
-    st.integers(0, 2**64 - 1).map(lambda v: f"{v:X}"), st.integers(0, 15).map(lambda v: f"{v:x}"),
-    st.sampled_from(["0" * 16, "aBcD", "8000000000000000"]))
+    st.integers(0, 2**63 - 1).map(lambda v: f"{v:x}"),
+    st.integers(0, 2**63 - 1).map(lambda v: f"{v:X}"), st.integers(0, 15).map(lambda v: f"{v:x}"),
+    st.integers(0, 2**63 - 1).map(lambda v: f"{v:016x}"),
+    st.sampled_from(["0" * 16, "aBcD", "7fffffffffffffff", "7FFFFFFFFFFFFFFF"]))
 _odd_count = st.sampled_from([  # some parse (as the reference says), most do not
     "+5", " 5", "5 ", "1_0", "x", "-", "--1", "-1-", "1-2", "0x1f", "1e3", "a1", "1a", "-a", "1-",
     "F", "\xe9", "\xa01", "9" * 17, "-" + "9" * 17, "1" * 30, "5\r"])
-_odd_category = st.sampled_from([
-    "zz", "-1", "1-", "g", "12345678901234567", "0" * 17, " a", "a ", "+1", "\xe9", "a\r"])
+_odd_category = st.one_of(
+    st.sampled_from(["zz", "-1", "1-", "g", "12345678901234567", "0" * 17, " a", "a ", "+1",
+                     "\xe9", "a\r", "8000000000000000", "ffffffffffffffff", "F" * 16]),
+    st.integers(2**63, 2**64 - 1).map(lambda v: f"{v:x}"))  # above MAX_ID
 
 
 @st.composite
@@ -286,13 +322,33 @@ def test_the_fast_parser_equals_the_reference_on_random_lines(tmp_path_factory, 
                        **kw)
 
 
+@settings(max_examples=examples(50), deadline=None)
+@given(st.data())
+def test_the_fast_parser_equals_the_reference_on_long_categories(tmp_path_factory, data_):
+    # 16 hex digits around MAX_ID: up to 7fffffffffffffff an id, from 8000000000000000 a bad line
+    category = st.one_of(st.just(""), st.integers(0, 2**32 - 1).map(lambda v: f"{v:08x}"),
+                         st.integers(2**63 - 2**8, 2**63 + 2**8).map(lambda v: f"{v:016x}"),
+                         st.integers(0, 2**64 - 1).map(lambda v: f"{v:016X}"))
+    rows = data_.draw(st.lists(st.lists(category, min_size=26, max_size=26), min_size=1,
+                               max_size=6))
+    path = tmp_path_factory.mktemp("l") / "l.txt"
+    path.write_text("".join(line("1", None, cats) for cats in rows))
+    _same_as_reference(path, batch_size=data_.draw(st.integers(1, 4)), labeled=True,
+                       skip_bad=data_.draw(st.booleans()))
+    good = [cats for cats in rows if all(not c or int(c, 16) <= MAX_ID for c in cats)]
+    assert read_all(path, labeled=True, skip_bad=True).sparse.tolist() == \
+        [[int(c, 16) if c else MISSING_ID for c in cats] for cats in good]
+
+
 def test_the_fast_parser_equals_the_reference_on_the_files_above(tmp_path):
-    cats = ["", "68fd1e64", "FFFFFFFF", "ffffffffffffffff", "8000000000000000", "1"] + ["a"] * 20
+    cats = ["", "68fd1e64", "FFFFFFFF", "7fffffffffffffff", "0" * 16, "1"] + ["a"] * 20
     dense = ["", "-3", "0", "1", "12", "65535", "65536", "9999999999999999", "-0", "007"] \
         + ["123456789"] * 3
     good = line("1", dense, cats)
     bads = [line("2"), line("0", ["1.5"] + ["0"] * 12), line("0", None, ["zz"] + ["0"] * 25),
             line("0", None, ["0"] * 25 + ["12345678901234567"]), "0\t1\t2\n", "\n",
+            line("0", None, ["ffffffffffffffff"] + ["0"] * 25),
+            line("0", None, ["0"] * 25 + ["8000000000000000"]),
             line("0", ["+5"] + ["0"] * 12), line("0", [" 5"] + ["0"] * 12),
             line("0", ["9" * 30] + ["0"] * 12), line("0", ["9" * 17] + ["0"] * 12),
             line("0", ["-"] + ["0"] * 12), line("0", ["-1-"] + ["0"] * 12),
@@ -337,3 +393,87 @@ def test_shares_are_the_slices_of_the_whole_batches(tmp_path):
             assert np.array_equal(m.label, w.label[rank::3])
     with pytest.raises(ValueError, match="share"):
         list(read_batches(path, 96, share=(3, 3)))
+
+
+# --------------------------------------------------------------------------------- gzip damage
+def _damaged(raw: bytes, how: str) -> bytes:
+    """A gzip file's bytes, damaged."""
+    if how == "truncated":
+        return raw[:len(raw) // 2]
+    if how == "no trailer":  # the data whole, its CRC and length cut off
+        return raw[:-8]
+    if how == "corrupt":  # deflate data overwritten
+        return raw[:40] + bytes(b ^ 0xFF for b in raw[40:100]) + raw[100:]
+    if how == "bad crc":
+        return raw[:-8] + bytes([raw[-8] ^ 1]) + raw[-7:]
+    assert how == "not gzip"
+    return gzip.decompress(raw)
+
+
+@pytest.mark.parametrize("parser", ["fast", "reference"])
+@pytest.mark.parametrize("how", ["truncated", "no trailer", "corrupt", "bad crc", "not gzip"])
+def test_a_damaged_gzip_file_raises_a_data_error_naming_it(tmp_path, how, parser):
+    lines = [line(str(i % 2), [str(i)] * 13) for i in range(400)]
+    text = "".join(lines).encode()
+    path = tmp_path / "d.txt.gz"
+    path.write_bytes(_damaged(gzip.compress(text, mtime=0), how))
+    whole = read_all(write(tmp_path, *lines))
+    for skip_bad in (False, True):
+        got = []
+        with pytest.raises(DataError, match=r"d.txt.gz: not a readable gzip file, or a truncated "
+                                            r"or corrupt one: reading stopped (after line \d+|"
+                                            r"before its first line) \((EOFError|zlib.error|"
+                                            r"gzip.BadGzipFile): ") as e:
+            for b in read_batches(path, 64, labeled=True, skip_bad=skip_bad, parser=parser):
+                got.append(b.dense)
+        assert isinstance(e.value, ValueError)
+        if got:  # what came before the damage is the file's beginning
+            got = np.concatenate(got)
+            assert np.array_equal(got, whole.dense[:len(got)])
+    if how in ("corrupt", "not gzip"):  # the first line cannot be read: detection says so
+        for detect in (detect_labeled, has_labels, read_all):
+            with pytest.raises(DataError, match="d.txt.gz: .* before its first line"):
+                detect(path)
+    else:
+        assert detect_labeled(path) is True and has_labels(path) is True
+
+
+# --------------------------------------------------------------------------------- line counts
+def test_count_lines_counts_what_the_reader_reads(tmp_path):
+    path = write(tmp_path, *[line()] * 9, line().rstrip("\n"))  # the last without a newline
+    assert count_lines(path) == (10, True)
+    assert count_lines(path, limit=4) == (4, True) and count_lines(path, limit=99) == (10, True)
+    assert count_lines(path, part="train", holdout_every=3) == (7, True)
+    assert count_lines(path, part="test", holdout_every=3, limit=8) == (2, True)
+    assert count_lines(write(tmp_path, name="e.txt")) == (0, True)
+    assert count_lines(write(tmp_path, "\n", "\r\n", "\r", name="r.txt")) == (3, True)
+    gz = tmp_path / "f.txt.gz"
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    assert count_lines(gz) is None
+    big = write(tmp_path, *[line()] * 50, name="big.txt")
+    old = data._COUNT_BYTES
+    data._COUNT_BYTES = 2 * len(line())  # estimates from the first 2 lines' worth
+    try:
+        assert count_lines(big, exact_up_to=1000) == (50, False)
+        assert count_lines(big, exact_up_to=1000, limit=30) == (30, False)
+        assert count_lines(big, exact_up_to=1000, limit=1) == (1, True)  # found first
+        assert count_lines(big, exact_up_to=10**6) == (50, True)
+        assert count_lines(write(tmp_path, "x" * 5000, name="x.txt"), exact_up_to=1000) is None
+    finally:
+        data._COUNT_BYTES = old
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.data())
+def test_count_lines_equals_the_lines_read_on_random_files(tmp_path_factory, data_):
+    text = "".join(data_.draw(st.lists(_lines(True), max_size=12)))
+    if text and data_.draw(st.booleans()):
+        text = text.rstrip("\n")
+    path = tmp_path_factory.mktemp("c") / "c.txt"
+    path.write_bytes(text.encode("latin-1"))
+    part = data_.draw(st.sampled_from(["all", "train", "test"]))
+    kw = {"limit": data_.draw(st.none() | st.integers(1, 15)), "part": part,
+          "holdout_every": data_.draw(st.integers(2, 4)) if part != "all" else 0}
+    stats = ReadStats()
+    read_all(path, labeled=True, skip_bad=True, stats=stats, **kw)
+    assert count_lines(path, **kw) == (stats.examples + stats.skipped, True)

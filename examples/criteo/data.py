@@ -16,17 +16,27 @@ Transforms (the usual DLRM / MLPerf ones):
   log, as the DLRM reference preprocessing does: they occur in one feature only (Kaggle's I2,
   values down to -3), their meaning is undocumented, and ``log(1 + x)`` is undefined for
   ``x <= -1``. A missing count is 0 (so a missing count, a 0 and a negative one look alike).
-- raw ids (the default): the hex value as an int64 (0 ... 2**32 - 1). A missing category is
-  ``MISSING_ID = -1``, a value no hex field can take, so it is one more id of the feature with
-  its own row in a dynamic table (``ec.DynamicVocabulary`` takes any int64).
+- raw ids (the default): the hex value as an int64: 0 ... 2**32 - 1 for Criteo's 8 hex digits.
+  The reader takes 1 to 16 hex digits (either case) whose value is at most ``MAX_ID = 2**63 - 1``
+  (7fffffffffffffff), so every id is a non-negative int64, and a missing category is
+  ``MISSING_ID = -1``, a value no category can take: it is one more id of the feature with its
+  own row in a dynamic table (``ec.DynamicVocabulary`` takes any int64), and no real value is
+  merged with it. A category of 2**63 or more (e.g. ``ffffffffffffffff``, which as a 64-bit
+  two's complement would be -1) is a bad line, not an id.
 - ``hash_buckets``: MLPerf-style modulo hashing into fixed tables: ``id % buckets[j]`` for
   feature ``j`` (one size for all features, or 26 sizes). A missing category is hashed as the
   value 0 (it lands in row 0, as in the DLRM preprocessing, where an empty field reads as 0).
 
 Bad lines (a wrong field count, a count that is not a decimal integer, a category that is not
-1 to 16 hex digits, a label that is not 0 or 1) raise ``DataError`` (a ``ValueError``) naming the
-file and the 1-based line number; with ``skip_bad=True`` they are skipped and counted in
-``ReadStats.skipped`` (the first few messages are kept in ``ReadStats.examples_of_bad``).
+1 to 16 hex digits or is above ``MAX_ID``, a label that is not 0 or 1) raise ``DataError`` (a
+``ValueError``) naming the file and the 1-based line number; with ``skip_bad=True`` they are
+skipped and counted in ``ReadStats.skipped`` (the first few messages are kept in
+``ReadStats.examples_of_bad``).
+
+A ``.gz`` file that is not gzip, or is truncated or corrupt, raises ``DataError`` naming the file
+and the last line read before the damage (whatever ``skip_bad`` says: the rest of the file is
+unreadable). The lines before it may have been yielded already, and the two parsers (below)
+read ahead by different amounts, so they may stop at different lines there.
 
 Reading streams, a block of about 4 MB of whole lines at a time, so files far larger than memory
 are fine; ``.gz`` files are read through gzip. Only numpy and the standard library. Two parsers
@@ -57,6 +67,7 @@ import functools
 import gzip
 import io
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,10 +80,14 @@ NUM_DENSE, NUM_SPARSE = 13, 26
 DENSE_NAMES = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
 SPARSE_NAMES = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
 LABELED_FIELDS, UNLABELED_FIELDS = 1 + NUM_DENSE + NUM_SPARSE, NUM_DENSE + NUM_SPARSE  # 40, 39
-MISSING_ID = -1  # raw-id mode: a missing category (no 8-hex-digit value is negative)
+MAX_ID = 2**63 - 1  # raw-id mode: the largest category value read (larger ones are bad lines)
+MISSING_ID = -1  # raw-id mode: a missing category (no category's id is negative)
 MISSING_HASHED_VALUE = 0  # hash mode: a missing category is hashed as the value 0
 _HEX = frozenset("0123456789abcdefABCDEF")
 _MAX_BAD_EXAMPLES = 5
+# What Python's gzip raises on a file that is not gzip, or is truncated or corrupt.
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+_COUNT_BYTES = 1 << 24  # count_lines reads 16 MB at a time
 
 
 class DataError(ValueError):
@@ -104,14 +119,41 @@ def open_text(path: str | Path) -> io.TextIOBase:
     return open(path, encoding="latin-1", newline="\n")
 
 
+def _gzip_error(path: str | Path, error: Exception, last_line: int) -> DataError:
+    """The DataError of a .gz file that gzip cannot read on after line ``last_line``."""
+    where = f"after line {last_line}" if last_line else "before its first line"
+    kind = type(error).__name__
+    if type(error).__module__ != "builtins":
+        kind = f"{type(error).__module__}.{kind}"  # zlib.error, gzip.BadGzipFile
+    return DataError(f"{path}: not a readable gzip file, or a truncated or corrupt one: reading "
+                     f"stopped {where} ({kind}: {error})")
+
+
+def _numbered_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """``path``'s lines (``open_text``) with their 1-based numbers.
+
+    Raises:
+        DataError: a .gz file that is not gzip, or is truncated or corrupt.
+    """
+    number = 0
+    with open_text(path) as f:
+        try:
+            for number, line in enumerate(f, 1):
+                yield number, line
+        except _GZIP_ERRORS as e:
+            raise _gzip_error(path, e, number) from None
+
+
 def detect_labeled(path: str | Path) -> bool:
     """True when the first non-empty line of ``path`` has 40 fields, False with 39.
 
     Raises:
-        DataError: the file is empty or its first line has another field count.
+        DataError: the file is empty, its first line has another field count, or it is a .gz
+            file that gzip cannot read (not gzip, truncated or corrupt) up to that line.
     """
-    with open_text(path) as f:
-        for number, line in enumerate(f, 1):
+    lines = _numbered_lines(path)
+    try:
+        for number, line in lines:
             line = line.rstrip("\r\n")
             if not line:
                 continue
@@ -120,12 +162,52 @@ def detect_labeled(path: str | Path) -> bool:
                 return n == LABELED_FIELDS
             raise DataError(f"{path}:{number}: {n} tab-separated fields, expected 40 (label, "
                             f"13 counts, 26 categories) or 39 (no label, as Kaggle's test.txt)")
+    finally:
+        lines.close()  # closes the file now
     raise DataError(f"{path}: the file has no lines")
 
 
 def has_labels(path: str | Path) -> bool:
     """Whether ``path`` has a label column (``detect_labeled``)."""
     return detect_labeled(path)
+
+
+def count_lines(path: str | Path, *, limit: int | None = None,
+                part: Literal["all", "train", "test"] = "all", holdout_every: int = 0,
+                exact_up_to: int = 1 << 30) -> tuple[int, bool] | None:
+    """How many lines ``read_batches(path, ..., limit=, part=, holdout_every=)`` reads, bad ones
+    included (so its examples, but for skipped lines): for a progress bar's total.
+
+    Returns ``(n, True)``, counted (the newlines, 16 MB at a time; a last line without one
+    counts), when the file has at most ``exact_up_to`` bytes or ``limit`` lines are found
+    first; ``(n, False)``, estimated from the file's size and its first 16 MB, for a larger
+    file; None for a .gz file (its size says little) or a larger one with no newline in its
+    first 16 MB.
+    """
+    path = Path(path)
+    if path.suffix == ".gz":
+        return None
+    size = path.stat().st_size
+    cap = math.inf if limit is None else limit
+    lines, read, last = 0, 0, b"\n"
+    exact = True
+    with open(path, "rb") as f:
+        while block := f.read(_COUNT_BYTES):
+            lines += block.count(b"\n")
+            read, last = read + len(block), block[-1:]
+            if lines >= cap:
+                break
+            if size > exact_up_to:  # a big file: estimate from the first block
+                if not lines:
+                    return None
+                lines, exact = round(lines * size / read), False
+                break
+        else:
+            lines += last != b"\n"  # an unterminated last line
+    lines = int(min(lines, cap))
+    if holdout_every > 0 and part != "all":  # line numbers k, 2k, ... are the test part
+        lines = lines // holdout_every if part == "test" else lines - lines // holdout_every
+    return lines, exact
 
 
 def bucket_sizes(hash_buckets: int | Sequence[int] | None) -> np.ndarray | None:
@@ -176,7 +258,10 @@ def _parse_line(fields: list[str], labeled: bool, dense_out: np.ndarray,
             if len(c) > 16 or not _HEX.issuperset(c):
                 raise ValueError(f"category {SPARSE_NAMES[j]} {c!r} is not 1 to 16 hex digits")
             v = int(c, 16)
-            sparse_out[j] = v - (1 << 64) if v >= 1 << 63 else v  # int64 two's complement
+            if v > MAX_ID:  # as an int64 it would be negative: -1 would merge with missing
+                raise ValueError(f"category {SPARSE_NAMES[j]} {c!r} is above 7fffffffffffffff "
+                                 f"(ids are int64s >= 0; {MISSING_ID} is a missing category)")
+            sparse_out[j] = v
         else:
             sparse_out[j] = MISSING_ID
     return label
@@ -227,8 +312,9 @@ def _reference_batches(path: str | Path, batch_size: int, buckets: np.ndarray | 
             s %= buckets  # (B, 26); numpy's % is >= 0 for positive buckets
         return Batch(dense[share].copy(), s, label[share].copy() if labeled else None)
 
-    with open_text(path) as f:
-        for number, line in enumerate(f, 1):
+    lines = _numbered_lines(path)
+    try:
+        for number, line in lines:
             if limit is not None and number > limit:
                 break
             stats.lines = number
@@ -250,6 +336,8 @@ def _reference_batches(path: str | Path, batch_size: int, buckets: np.ndarray | 
                 stats.examples += n
                 yield emit(n)
                 n = 0
+    finally:
+        lines.close()  # closes the file now
     if n:
         stats.examples += n
         yield emit(n)
@@ -263,7 +351,7 @@ def _reference_batches(path: str | Path, batch_size: int, buckets: np.ndarray | 
 # 1. Every selected line is checked, so that all processes agree on which lines parse: its tab
 #    count, that it holds only digits, hex digits, '-' and tabs (one bytes.translate), that its
 #    '-' signs start counts, its label, that its counts hold digits only (at most 16) and that
-#    its categories have at most 16 characters.
+#    its categories have at most 16 characters, the first of 16 being 0 ... 7 (<= MAX_ID).
 # 2. Only the lines asked for are converted: counts from their digits, categories from their hex
 #    digits, both by pairing neighbouring bytes of the words (a word: 8 characters -> 1 value).
 # A line the checks cannot vouch for (a bad one, or a rare form such as a '+' sign, a count of
@@ -337,7 +425,14 @@ def _byte_blocks(path: str | Path, size: int, prefix: bytes) -> Iterator[bytes]:
 def _fast_blocks(path: str | Path, labeled: bool, limit: int | None, start_after: int,
                  part: str, holdout_every: int) -> Iterator[_Block]:
     first = 1  # the number of the block's first line
-    for buf in _byte_blocks(path, _BLOCK_BYTES, prefix=b"0" * _PAD):
+    bufs = _byte_blocks(path, _BLOCK_BYTES, prefix=b"0" * _PAD)
+    while True:
+        try:
+            buf = next(bufs, None)
+        except _GZIP_ERRORS as e:
+            raise _gzip_error(path, e, first - 1) from None
+        if buf is None:
+            break
         a = np.frombuffer(buf, np.uint8)  # (S,) padding, whole lines, padding
         ends = np.flatnonzero(a == 10)  # (n,) each line's newline
         if limit is not None:
@@ -389,7 +484,10 @@ def _parse_block(buf: bytes, a: np.ndarray, starts: np.ndarray, ends: np.ndarray
                              tabs[first_tab[candidate, None] + np.arange(fields - 1)],
                              ends[candidate, None]], axis=1)
     lengths = np.diff(bounds, axis=1) - 1  # (m, F)
-    ok = (lengths[:, off + NUM_DENSE:] <= 16).all(axis=1)  # (m,) the categories' lengths
+    widths = lengths[:, off + NUM_DENSE:]  # (m, 26) the categories' lengths
+    ok = (widths <= 16).all(axis=1)  # (m,)
+    row, col = np.nonzero(widths == 16)  # values <= MAX_ID: 16 digits start with 0 ... 7
+    ok[row[a[bounds[row, off + NUM_DENSE + col] + 1] - 48 > 7]] = False
     if labeled:
         ok &= (lengths[:, 0] == 1) & (a[bounds[:, 0] + 1] - 48 <= 1)  # "0" or "1"
     digits = lengths[:, off:off + NUM_DENSE] - (a[bounds[:, off:off + NUM_DENSE] + 1] == 45)
@@ -463,8 +561,8 @@ def _nibbles(w: np.ndarray, digits: np.ndarray) -> np.ndarray:
 
 
 def _hex(words: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The checked categories ending at ``ends`` (k, 26) -> (k, 26) int64 (two's complement
-    above 2**63, as the reference; empty: MISSING_ID)."""
+    """The checked categories ending at ``ends`` (k, 26) -> (k, 26) int64 (0 ... MAX_ID, as the
+    reference; empty: MISSING_ID)."""
     ids = _nibbles(_words(words, ends), np.minimum(lengths, 8))
     if lengths.max(initial=0) > 8:
         ids |= _nibbles(_words(words, ends - 8), np.clip(lengths - 8, 0, 8)) << np.uint64(32)
@@ -507,7 +605,9 @@ def read_batches(path: str | Path, batch_size: int, *,
         ``Batch(dense (B, 13) float32, sparse (B, 26) int64, label (B,) float32 or None)``.
 
     Raises:
-        DataError: a malformed line (file and line number in the message), unless ``skip_bad``.
+        DataError: a malformed line (file and line number in the message), unless ``skip_bad``;
+            a .gz file that is not gzip, or is truncated or corrupt (file and the last line
+            read), whatever ``skip_bad`` says.
         ValueError: bad arguments.
     """
     if batch_size < 1:

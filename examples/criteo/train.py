@@ -57,6 +57,7 @@ from criteo.data import (  # noqa: E402
     DataError,
     ReadStats,
     count_distinct,
+    count_lines,
     has_labels,
     read_batches,
 )
@@ -302,6 +303,13 @@ class Dataset:
                                 share=share, **self.common)
         return read_batches(self.train_path, batch_size, stats=stats, labeled=True,
                             part="test", share=share, **self.holdout, **self.common)
+
+    def train_steps(self, batch_size: int) -> int | None:
+        """The steps of an epoch for the progress bar: from a count of train.txt's lines (an
+        estimate for a file over 1 GB; skipped bad lines make fewer), None for a .gz file."""
+        part = {"part": "train", **self.holdout} if self.holdout else {}
+        counted = count_lines(self.train_path, limit=self.common["limit"], **part)
+        return None if counted is None else math.ceil(counted[0] / batch_size)
 
     def identity(self) -> dict[str, Any]:
         """What a resumed run must share with the run it continues."""
@@ -627,11 +635,14 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
     model.train()
     final: dict[str, Any] = {}
     train_seconds, train_examples = 0.0, 0
+    show_bar = tqdm is not None and args.progress and rank == 0
+    steps = data.train_steps(args.batch_size) if show_bar else None  # the bar's total
     while position["epoch"] < args.epochs:
         epoch = position["epoch"] + 1
         stats = ReadStats()
         bar = (tqdm(desc=f"epoch {epoch}/{args.epochs}", unit="step", leave=False,
-                    dynamic_ncols=True, disable=not args.progress or rank != 0)
+                    dynamic_ncols=True, disable=not show_bar, total=steps,
+                    initial=position["epoch_step"])
                if tqdm is not None else None)
         window_loss, window_n, window_start = 0.0, 0, time.perf_counter()
         examples_read = 0
