@@ -7,9 +7,16 @@
 1. read and check the entry (every checksum) and compute what it changes, away from lookups:
    each changed table's new rows (quantized again for a quantized table), and a dynamic table's
    new map (the raw id each row holds, then the sorted ids the lookups search);
-2. write it in place under the module's write lock: lookups hold the read lock, so a lookup
-   sees the model before or after the entry, never a mix of the two and never a torn row, and
-   waits at most for that write (the changed rows' bytes, not the read or the checks).
+2. make it what lookups see, under the module's write lock (lookups hold the read lock): a
+   dynamic table's map is written in place, and each changed table's new rows become an
+   **overlay** that lookups read in place of the table's rows;
+3. write the changed rows into the tables in place, without the lock (lookups read those rows
+   from the overlay meanwhile, so a row being written is never read), then drop the overlays
+   under the lock.
+
+A lookup therefore sees the model before or after the entry, never a mix of the two and never
+a torn row, and waits at most for the brief locked steps (a dynamic table's map: 16 bytes per
+row of its capacity), never for the read, the checks or the rows' writes.
 
 Buffers are written in place and keep their shapes (a dynamic table's map is padded to its
 capacity, ``serve.padded_map``), so a program made from the module by ``torch.export`` reads
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -159,25 +167,34 @@ class PublishedModule(ServingModule):
                         f"{entry.path} publishes another model (its tables or features "
                         f"differ from the ones this module serves); load the directory again "
                         f"with ec.load_published")
-                writes, maps = self._prepare(entry, m)
-                with rw.write():
-                    for buffer, rows, values in writes:
+                writes, maps, overlays = self._prepare(entry, m)
+                with rw.write():  # the entry becomes what lookups see: the maps, the rows
+                    for _, buffer, rows, values in writes:
                         if rows is None:
                             buffer.copy_(values)
-                        else:
-                            buffer.index_copy_(0, rows, values)
+                    self._overlays = overlays
                     self._maps.update(maps)
                     self.version, self._id = m["seq"], m["id"]
+                for name in overlays:  # lookups read a table's overlay while it is written
+                    for table, buffer, rows, values in writes:
+                        if table == name and rows is not None:
+                            buffer.index_copy_(0, rows, values)
+                    with rw.write():  # (its rows now hold its overlay's values)
+                        self._overlays = {k: v for k, v in self._overlays.items() if k != name}
         return len(run)
 
     def _prepare(self, entry: fmt.Entry, m: Mapping[str, Any]
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]],
+                 ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]],
+                            dict[str, tuple[torch.Tensor, torch.Tensor]],
                             dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """What applying ``entry`` writes: ``(buffer, rows or None for all, values)``, and the
-        dynamic tables' new maps (the id of each row, whether it is in use)."""
+        """What applying ``entry`` writes: ``(table, buffer, rows or None for all, values)``; the
+        dynamic tables' new maps (the id of each row, whether it is in use); and per table the
+        changed rows and their values as lookups read them (the overlay lookups use while the
+        rows are written)."""
         pieces: dict[str, list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]]] = {}
         maps: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         for part in fmt.read_entry(entry, m):
+            time.sleep(0)  # (lets lookups' threads run between the parts' work)
             for name in fmt.tables_in(part):
                 if name not in self.precisions:
                     continue
@@ -191,7 +208,9 @@ class PublishedModule(ServingModule):
                         (rows, part[f"{name}/{VOCAB}ids"][:, 0],
                          part[f"{name}/{VOCAB}last_use"][:, 0] > 0))
         writes = []
+        overlays: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, got in pieces.items():
+            time.sleep(0)
             rows = torch.unique(torch.cat([r for r, _, _ in got]))  # (U,) ascending
             values = torch.zeros(rows.numel(), self._dims[name])
             for r, cols, v in got:
@@ -203,13 +222,15 @@ class PublishedModule(ServingModule):
             precision = self.precisions[name]
             if precision is None:
                 buffer = getattr(self, name)
-                writes.append((buffer, rows, values.to(buffer.dtype)))
+                writes.append((name, buffer, rows, values.to(buffer.dtype)))
+                overlays[name] = (rows, writes[-1][3])
             else:
                 q = quantize_table(values, precision, name=name)
-                writes.append((getattr(self, name), rows, q.data))
+                writes.append((name, getattr(self, name), rows, q.data))
                 if q.scale is not None:
-                    writes.append((getattr(self, name + "__scale"), rows, q.scale))
-                    writes.append((getattr(self, name + "__bias"), rows, q.bias))
+                    writes.append((name, getattr(self, name + "__scale"), rows, q.scale))
+                    writes.append((name, getattr(self, name + "__bias"), rows, q.bias))
+                overlays[name] = (rows, q.dequantize())
         new_maps = {}
         for name, got in maps.items():
             ids, used = (t.clone() for t in self._maps[name])
@@ -218,9 +239,9 @@ class PublishedModule(ServingModule):
             new_maps[name] = (ids, used)
             sorted_ids, sorted_rows = _resident(ids, used)
             padded = padded_map(sorted_ids, sorted_rows, ids.numel())
-            writes.append((getattr(self, name + "__ids"), None, padded[0]))
-            writes.append((getattr(self, name + "__rows"), None, padded[1]))
-        return writes, new_maps
+            writes.append((name, getattr(self, name + "__ids"), None, padded[0]))
+            writes.append((name, getattr(self, name + "__rows"), None, padded[1]))
+        return writes, new_maps, overlays
 
 
 def _resident(ids: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,25 +34,42 @@ Table = torch.Tensor | QuantizedTable  # (N, D) rows, plain or quantized
 
 def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: Table,
                    ids: torch.Tensor, weights: torch.Tensor | None = None,
-                   vocabulary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   vocabulary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   overlay: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One feature's activation from its table: ``leading shape + (D,)``.
 
     A dynamic table's ``table`` is its ``(N + 1, D)`` rows with a last row of zeros, and
     ``vocabulary`` its resident ``(ids ascending, rows)``: raw ids become rows by a sorted search
     (plain torch ops, exportable); ids not resident read the zero row. A quantized table's rows
     are gathered, dequantized (float32), then combined: the result equals combining the
-    dequantized table, bit for bit."""
+    dequantized table, bit for bit. ``overlay``: ``(rows (U,) ascending, values (U, D))`` read
+    in place of the table's (a refresh writing those rows, serving/follow.py)."""
     bags = canonicalize(feature, name, table_name, ids, weights, table.device)
     shape = resolve_shape(feature, name, bags.shape, None)
     index = bags.ids
     if vocabulary is not None:
         index = rows_of(index, vocabulary[0], vocabulary[1], table.shape[0] - 1)
-    if isinstance(table, QuantizedTable):
-        rows = table.rows(index)  # (nnz, D) float32, only the rows read
+    if isinstance(table, QuantizedTable) or overlay is not None:
+        rows = table.rows(index) if isinstance(table, QuantizedTable) else \
+            table.index_select(0, index)  # (nnz, D), only the rows read
+        if overlay is not None:
+            rows = _overlaid(rows, index, *overlay)
         out = rows if bags.unit else combine(rows, _positions(index), bags)  # (R, D)
     else:
         out = combine(table, index, bags)  # (R, D)
     return out.view(*shape, table.shape[1])  # shape + (D,)
+
+
+def _overlaid(rows: torch.Tensor, index: torch.Tensor, at: torch.Tensor,
+              values: torch.Tensor) -> torch.Tensor:
+    """``rows`` (n, D), gathered at ``index`` (n,), with those in ``at`` (U,) ascending taken
+    from ``values`` (U, D)."""
+    if at.numel() == 0:
+        return rows
+    pos = torch.searchsorted(at, index).clamp(max=at.numel() - 1)  # (n,)
+    hit = (at.index_select(0, pos) == index).nonzero().squeeze(1)  # (h,) positions in index
+    return rows.index_copy_(0, hit, values.index_select(0, pos.index_select(0, hit))
+                            .to(rows.dtype))
 
 
 def _positions(index: torch.Tensor) -> torch.Tensor:
@@ -176,6 +193,8 @@ class ServingModule(torch.nn.Module):
                  | None = None, quantize: Any = None) -> None:
         super().__init__()
         self.feature_config = feature_config
+        # {table: (rows, values)} read in place of the buffers' rows (serving/follow.py)
+        self._overlays: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         flat = leaves_with_paths(feature_config, _is_feature)
         self._paths = [f.name or p for p, f in flat]
         self._table_of = [table_names[f.table] for _, f in flat]
@@ -234,9 +253,10 @@ class ServingModule(torch.nn.Module):
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))
+        overlays = self._overlays
         out = [lookup_feature(f, n, t, self._table(t), ids, w,
                               (getattr(self, t + "__ids"), getattr(self, t + "__rows"))
-                              if dyn else None)
+                              if dyn else None, overlays.get(t))
                for f, n, t, dyn, ids, w in zip(flat, self._paths, self._table_of, self._dynamic,
                                                flat_ids, flat_w)]
         return unflatten_like(self.feature_config, out, _is_feature)

@@ -40,9 +40,12 @@ class ChangedRows:
         stamps = self.stamps[p]
         if rows.device.type != "cpu":
             rows = rows.cpu()
-        if rows.numel() and int(rows.max()) >= stamps.numel():
-            rows = rows[rows < stamps.numel()]
-        stamps.index_fill_(0, rows, self.epoch)
+        index = rows.numpy()
+        if index.size and int(index.max()) >= stamps.numel():
+            index = index[index < stamps.numel()]
+        # numpy, one thread: a torch op here would wake torch's OpenMP workers, whose spinning
+        # afterwards (GOMP_SPINCOUNT) takes the cores from the step's own kernels
+        stamps.numpy()[index] = self.epoch
 
     def mark_all(self, p: int | None = None) -> None:
         """Every row of physical table ``p`` (None: of every table) was written."""
