@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +45,34 @@ from .serve import ServingModule, padded_map
 
 
 class ReadWriteLock:
-    """Many readers or one writer; a waiting writer goes before new readers."""
+    """Many readers or one writer; a waiting writer goes before new readers. A thread holding
+    the read lock may take it again (nested lookups), even while a writer waits."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
+        self._depth = threading.local()
 
     @contextlib.contextmanager
     def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writing or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
+        depth = getattr(self._depth, "n", 0)
+        if depth == 0:
+            with self._cond:
+                while self._writing or self._writers_waiting:
+                    self._cond.wait()
+                self._readers += 1
+        self._depth.n = depth + 1
         try:
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+            self._depth.n = depth
+            if depth == 0:
+                with self._cond:
+                    self._readers -= 1
+                    if not self._readers:
+                        self._cond.notify_all()
 
     @contextlib.contextmanager
     def write(self) -> Iterator[None]:
@@ -148,9 +155,19 @@ class PublishedModule(ServingModule):
     def _reading(self) -> contextlib.AbstractContextManager[Any]:
         return self._locks()[0].read()
 
-    def refresh(self) -> int:
+    def reading(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around several lookups (and what goes with them), they all see one version:
+        ``with served.reading(): ...``. A refresh waits for it to be released."""
+        return self._locks()[0].read()
+
+    def refresh(self, on_entry: Callable[[Mapping[str, Any]], None] | None = None) -> int:
         """Applies every entry published after ``version``, in order, each as one unit (see
         the module's docstring); returns how many.
+
+        Args:
+            on_entry: called with each entry's manifest at the moment the entry becomes what
+                lookups see (under the write lock, so keep it short): to switch what serves
+                beside the tables (a dense model published with them) in the same step.
 
         Raises:
             PublishError (a ValueError): a corrupt or missing entry, a broken chain, or a
@@ -175,6 +192,8 @@ class PublishedModule(ServingModule):
                     self._overlays = overlays
                     self._maps.update(maps)
                     self.version, self._id = m["seq"], m["id"]
+                    if on_entry is not None:
+                        on_entry(m)
                 for name in overlays:  # lookups read a table's overlay while it is written
                     for table, buffer, rows, values in writes:
                         if table == name and rows is not None:
