@@ -1,5 +1,5 @@
 """Online training: ``ec.publish`` what changed, ``ec.load_published`` to serve it live, and
-``ec.load`` of a publish directory to resume (docs/semantics.md section 12).
+``ec.load`` of a publish directory to resume (docs/semantics.md section 13).
 
 The first ``publish`` of an engine to a directory writes a snapshot, each later one a delta: the
 rows written since its previous publish there, found from the stamps the step leaves

@@ -1,4 +1,4 @@
-"""Online training's costs (docs/semantics.md section 12): tracking, writing deltas, freshness.
+"""Online training's costs (docs/semantics.md section 13): tracking, writing deltas, freshness.
 
 Three measurements, each printed as a table (and ``--json`` lines):
 

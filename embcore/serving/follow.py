@@ -20,7 +20,7 @@ row of its capacity), never for the read, the checks or the rows' writes.
 
 Buffers are written in place and keep their shapes (a dynamic table's map is padded to its
 capacity, ``serve.padded_map``), so a program made from the module by ``torch.export`` reads
-the refreshed values too; such a program does not take the lock (docs/semantics.md section 12).
+the refreshed values too; such a program does not take the lock (docs/semantics.md section 13).
 Any number of processes may follow one directory; they only read it.
 """
 

@@ -1,7 +1,7 @@
 """Which rows changed since a publish: a stamp per row, written by the step, read by ``publish``.
 
 Online training publishes, again and again, the rows a stream changed since the last publish
-(docs/semantics.md section 12). Scanning tables for them would read every byte of every table;
+(docs/semantics.md section 13). Scanning tables for them would read every byte of every table;
 instead the step records the rows it writes. ``ChangedRows`` keeps, per physical table, an int32
 **stamp** per shard row: every write of rows (an update's distinct rows, a dynamic table's new
 rows) stamps them with the current **epoch**. A publish ``cut``\\s: it takes the epoch as its
