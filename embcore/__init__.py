@@ -13,7 +13,7 @@ from .engine import Embedding
 from .layer import EmbeddingLayer
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, profile
-from .publish import load_published, publish
+from .online import load_published, publish
 from .serving.quantize import QuantizedTable, quantize_table
 from .serving.serve import serving_embedding_lookup
 

@@ -60,7 +60,7 @@ from .base.compat import (
 )
 from .engine import Embedding
 from .layer import EmbeddingLayer
-from .publish import resume
+from .online import resume
 from .state.published import is_publish_dir
 
 FORMAT = "embcore.checkpoint"
@@ -390,7 +390,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         path: a directory written by ``ec.save``. If it does not exist but ``<path>.old`` does
             (a save killed between its renames), that previous checkpoint is loaded. A
             directory ``ec.publish`` writes to is read as its newest published state
-            (publish.py ``resume``: resume training from it when published with
+            (online.py ``resume``: resume training from it when published with
             ``slots=True``; ``slots=False`` for its parameters).
         obj: the ``ec.Embedding`` or ``ec.EmbeddingLayer`` to fill.
         tables: names of the tables to load (a partial restore; the others are untouched).

@@ -133,7 +133,7 @@ class Embedding:
         self._path: StepPath | None = None
         self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
-        self._publishers: dict[str, Any] = {}  # directory -> its publish state (publish.py)
+        self._publishers: dict[str, Any] = {}  # directory -> its publish state (online.py)
 
     @property
     def plan(self) -> ShardingPlan:

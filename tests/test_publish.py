@@ -151,6 +151,26 @@ def test_follower_equals_trainer_after_every_refresh(tmp_path, store):
     assert served.refresh() == 0
 
 
+def test_a_delta_names_the_ids_evicted_since(tmp_path):
+    emb = make_engine()
+    ec.publish(tmp_path, emb)
+    total = 0
+    for k in range(1, 6):
+        before = set(emb.vocabulary("d")[0].tolist())
+        train(emb, range(k * 2, k * 2 + 2))
+        info = ec.publish(tmp_path, emb, compact_ratio=100)
+        assert info["kind"] == "delta"
+        after = set(emb.vocabulary("d")[0].tolist())
+        entry = next(e for e in fmt.entries(tmp_path) if e.seq == info["seq"])
+        evicted = set()
+        for part in fmt.read_entry(entry):
+            if "d/vocabulary/evicted" in part:
+                evicted |= set(part["d/vocabulary/evicted"].tolist())
+        assert evicted == before - after
+        total += len(evicted)
+    assert total > 20  # (ids leave from the third delta on: ttl 3, capacity 24)
+
+
 def test_quantized_follower_requantizes_changed_rows(tmp_path):
     emb = make_engine(dynamic=False)
     ec.publish(tmp_path, emb)

@@ -1,6 +1,6 @@
 """The publish directory: numbered, chained, checksummed snapshots and deltas of an engine's rows.
 
-``ec.publish`` writes here and ``ec.load_published`` / ``ec.load`` read here (publish.py,
+``ec.publish`` writes here and ``ec.load_published`` / ``ec.load`` read here (online.py,
 serving/follow.py); this module is the format alone: files, names, checks. Layout:
 
     <directory>/
@@ -29,7 +29,8 @@ flat ``{key: tensor}``, read back with ``weights_only=True``): per logical table
     T/<slot>              (n, c)       with ``slots=True`` (accumulators, momenta, ...)
     T/vocabulary/ids      (n, 1) int64 a dynamic table: the raw id each row holds ...
     T/vocabulary/last_use (n, 1) int64 ... 0 when the row is free (its id evicted)
-    T/vocabulary/frequency, T/vocabulary/step, T/vocabulary/seed   with ``slots=True``
+    T/vocabulary/frequency, T/vocabulary/step, T/vocabulary/seed    the map's counters
+    T/vocabulary/evicted  (e,) int64   a delta: the ids evicted since its predecessor
 
 A snapshot carries every row; a delta the rows written since its predecessor (a dynamic table:
 also the rows freed since, with ``last_use`` 0). A replicated table is written by process 0 only.

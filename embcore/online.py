@@ -53,8 +53,9 @@ class _Publisher:
     slots: bool
     snapshot_bytes: int
     delta_bytes: int = 0
-    used: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # dynamic: rows
-    # in use at that publish, per physical table (rows freed since belong in the next delta)
+    # dynamic tables: (rows in use, the id each row holds) at that publish, per physical table
+    # (rows freed since belong in the next delta, and the ids that left them are its evicted)
+    used: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
 
 def _engine(obj: Any) -> Embedding:
@@ -196,7 +197,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             raise
         written: dict[str, dict[str, int]] = {}
         rows = {n: 0 for n in engine.table_names().values()}
-        used: dict[int, torch.Tensor] = {}
+        used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         try:
             for i, part in enumerate(fmt.parts(_tables(store, engine, kind, pub, bool(slots),
                                                       rows, used))):
@@ -315,10 +316,11 @@ def _agreed_token(engine: Embedding) -> str:
 
 
 def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | None,
-            slots: bool, counts: dict[str, int], used: dict[int, torch.Tensor]
+            slots: bool, counts: dict[str, int],
+            used: dict[int, tuple[torch.Tensor, torch.Tensor]]
             ) -> Iterator[tuple[str, int, Iterator[dict[str, torch.Tensor]]]]:
     """Per logical table this process writes: ``(name, row bytes, chunks of rows)``; counts the
-    rows in ``counts`` and keeps each dynamic table's rows in use in ``used``."""
+    rows in ``counts`` and keeps each dynamic table's rows in use and their ids in ``used``."""
     plan, rank = store.plan, store.comm.rank
     changes = store.changes
     assert changes is not None
@@ -331,8 +333,9 @@ def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | Non
         if n == 0:
             continue
         dyn = store.dynamic.get(p)
-        if dyn is not None and p not in used:
-            used[p] = dyn.row_state("last_use")[:, 0] > 0  # (N_p,)
+        if dyn is not None and p not in used:  # (N_p,) rows in use and the ids they hold
+            used[p] = (dyn.row_state("last_use")[:, 0] > 0, dyn.row_state("ids")[:, 0])
+        evicted = None
         if kind == "snapshot":
             local = torch.arange(n)
         else:
@@ -340,19 +343,33 @@ def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | Non
             if p not in changed:
                 rows = changes.since(p, pub.cut)  # (k,) shard rows, ascending
                 if dyn is not None and p in pub.used:  # and rows freed since
-                    freed = (pub.used[p] & ~used[p]).nonzero().squeeze(1)
+                    freed = (pub.used[p][0] & ~used[p][0]).nonzero().squeeze(1)
                     rows = torch.unique(torch.cat([rows, freed]))
                 changed[p] = rows
             start = place.local_offsets[rank]
             rows = changed[p]
             local = rows[(rows >= start) & (rows < start + n)] - start
+            if dyn is not None and p in pub.used:
+                evicted = _evicted(dyn, pub.used[p], local + start)
         counts[place.name] += local.numel()
         if local.numel():
-            yield place.name, 0, _chunks(store, place, local, slots, dyn is not None)
+            yield place.name, 0, _chunks(store, place, local, slots, dyn is not None, evicted)
 
 
-def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool,
-            dynamic: bool) -> Iterator[dict[str, torch.Tensor]]:
+def _evicted(dyn: Any, before: tuple[torch.Tensor, torch.Tensor],
+             rows: torch.Tensor) -> torch.Tensor:
+    """(e,) ascending: the ids that shard rows ``rows`` held at the last publish (``before``:
+    rows in use then and their ids) that are resident nowhere in this shard now."""
+    was_used, was_id = before
+    old = torch.unique(was_id[rows][was_used[rows]])  # (k,) ascending, distinct
+    if old.numel() == 0:
+        return old
+    now, _, _ = dyn.resolve(old, training=False)  # (k,) rows; the zero row: not resident
+    return old[now == dyn.zero_row]
+
+
+def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynamic: bool,
+            evicted: torch.Tensor | None = None) -> Iterator[dict[str, torch.Tensor]]:
     rank = store.comm.rank
     phys = store.plan.physical[place.physical]
     c0, c1 = place.placement.columns(rank)
@@ -375,6 +392,8 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool,
                 chunk[f"{name}/{VOCAB}{k}"] = store.read(name, VOCAB + k, part)
             for k in ("step", "seed"):
                 chunk[f"{name}/{VOCAB}{k}"] = dyn.scalar(k)
+            if evicted is not None and i == 0:  # (the ids evicted since the last publish)
+                chunk[f"{name}/{VOCAB}evicted"] = evicted
         yield chunk
 
 
@@ -442,7 +461,8 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
     with engine._quiet() as store:  # later publishes continue this chain
         changes = store.track()
         old = engine._publishers.get(_key(directory))
-        used = {p: d.row_state("last_use")[:, 0] > 0 for p, d in store.dynamic.items()}
+        used = {p: (d.row_state("last_use")[:, 0] > 0, d.row_state("ids")[:, 0])
+                for p, d in store.dynamic.items()}
         engine._publishers[_key(directory)] = _Publisher(
             old.lock if old is not None else None, last["seq"], last["id"], changes.cut(),
             bool(last.get("slots")), 0, used=used)
