@@ -20,10 +20,18 @@ is, never what it holds.
 
 A step whose distinct rows outnumber the cache grows the cache to hold them (with a warning):
 the step's working set must be in fast memory.
+
+The slow tier's files are private, and their faults become errors: each is created mode 0600
+and locked, its disk reserved (``reserve``: a disk too small is an OSError ``ENOSPC`` when the
+tier is built, naming the directory and the bytes, not a SIGBUS at the first write into a page
+the disk cannot back), and checked before rows move (``SlowFile``: a file truncated, removed or
+replaced by another process is a RuntimeError naming it; only a truncation by a process that
+ignores the lock, between a check and the accesses after it, can still fault).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -41,6 +49,11 @@ from ..ops import native
 from ..ops.cache_index import MAX_CAPACITY, CacheIndex
 from ..ops.memory import advise_random, empty_table
 
+try:
+    import fcntl
+except ImportError:  # (not a POSIX system: no locks)
+    fcntl = None  # type: ignore[assignment]
+
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
 # (the least recently used ones), so that the next steps admit into free rows without scanning;
 # at most SPARE_STEPS times the step's distinct rows (a large cache would otherwise write
@@ -56,21 +69,246 @@ SPARE_STEPS = 16
 SLOW_ROW_SECONDS = 2e-6
 SLOW_ROW_MIN_ROWS = 64  # moves of fewer rows are not timed
 
+# Before the moves of a step the slow tier's files are checked (``CachedRows.check_files``):
+# their size every time (an ``fstat``), their path (a ``stat``, three times the cost) at most
+# this often.
+PATH_CHECK_SECONDS = 1.0
+
+
+class SlowFile:
+    """A slow-tier file held open while its mapping lives: its descriptor, locked (``flock``
+    ``LOCK_EX``: an embcore process, or any tool that takes the lock, cannot take it while this one
+    runs), the path and inode it was created as, and the bytes mapped.
+
+    The mapping faults (``SIGBUS``, the process dies without a Python error) when it touches a
+    page past the file's end: ``check`` raises instead when the file was truncated, or its path
+    removed or given another file, since it was created. ``CachedRows`` checks its files before
+    it moves rows to or from them (a step's moves, a flush), reads them, or hands the tier out
+    (``drop``, before ``RowStore.local``): ``CachedRows.check_files``.
+
+    What it cannot do: the lock is advisory, so a process that ignores it can still truncate the
+    file; a truncation between a check and the accesses that follow it (the same step) still
+    faults. That cannot be turned into a Python error: a ``SIGBUS`` from a page fault is
+    synchronous, and a Python signal handler only runs after the C handler returns, which makes
+    the faulting access run again (and fault again) before any Python code can run; only a C
+    handler that jumps out of the faulting copy could recover, unsafe inside torch's and the
+    kernels' threads. ``faulthandler.enable()`` at least prints the Python stack on the way out.
+    A file truncated and extended again to its size (``cp x file`` onto it, for one) reads
+    zeros where the rows were: no fault, and only caught when a check falls between the two.
+    """
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path, self.nbytes = Path(path), nbytes
+        flags = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(self.path, flags, 0o600)  # private: the owner's alone, whatever umask
+        try:
+            _flock(fd)
+            self.reserved = reserve(fd, nbytes, self.path)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(self.path)
+            raise
+        self.fd, self.device, self.inode = fd, st.st_dev, st.st_ino
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The file mapped shared, ``numel`` elements of ``dtype`` (its ``nbytes``): through the
+        descriptor held (``/proc/self/fd``), so the mapping is this file whatever its path holds
+        since; where that is not available, through the path, checked against the inode."""
+        via = f"/proc/self/fd/{self.fd}"
+        if not os.path.exists(via):
+            via = str(self.path)
+        t = torch.from_file(via, shared=True, size=numel, dtype=dtype)
+        self.check()
+        return t
+
+    def check(self, tables: Sequence[str] = (), path: bool = True) -> None:
+        """Raises unless the file still holds its bytes and (``path``) its path still names it.
+
+        Raises:
+            RuntimeError: the file was truncated, or its path removed or replaced (naming the
+                file, and the ``tables`` it holds).
+        """
+        st = os.fstat(self.fd)
+        of = (f" (table {tables[0]!r})" if len(tables) == 1 else
+              f" (tables {list(tables)})" if tables else "")
+        if st.st_size < self.nbytes:
+            raise RuntimeError(
+                f"the slow tier's file {self.path}{of} was truncated to {st.st_size} bytes while "
+                f"the engine ran; it must hold {self.nbytes} bytes: rows past its end are lost "
+                f"(the engine stops here rather than die of SIGBUS). Nothing may write, truncate "
+                f"or replace the files under offload_dir while an engine uses them")
+        if not path:
+            return
+        try:
+            at = os.stat(self.path)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"the slow tier's file {self.path}{of} was removed while the engine ran (its "
+                f"rows are still in the open file, no longer under offload_dir). Nothing may "
+                f"write, truncate, remove or replace the files under offload_dir while an "
+                f"engine uses them") from None
+        if (at.st_dev, at.st_ino) != (self.device, self.inode):
+            raise RuntimeError(
+                f"the slow tier's file {self.path}{of} was replaced by another file while the "
+                f"engine ran (its rows are in the file it created, no longer at that path). "
+                f"Nothing may write, truncate, remove or replace the files under offload_dir "
+                f"while an engine uses them")
+
+    def close(self) -> None:
+        """Closes the descriptor (its lock goes; a mapping stays valid)."""
+        self._finalizer()
+
+
+def _flock(fd: int) -> bool:
+    """``flock(fd, LOCK_EX | LOCK_NB)``; False where the file system has no such locks (NFS
+    without them, for one). Raises BlockingIOError: another holds it."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise
+    except OSError:  # (ENOLCK, EOPNOTSUPP, EBADF: no locks there; they are advisory anyway)
+        return False
+    return True
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes an unprivileged process may still write under ``directory`` (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _unwritten_bytes(directory: Path, but: Path) -> int:
+    """Bytes of the slow-tier files under ``directory`` (but ``but``) that have no disk yet."""
+    total = 0
+    for f in directory.glob("*.bin"):
+        if f == but:
+            continue
+        try:
+            st = os.stat(f)
+        except OSError:
+            continue
+        total += max(0, st.st_size - st.st_blocks * 512)
+    return total
+
+
+def reserve(fd: int, nbytes: int, path: Path) -> str:
+    """Gives the new, empty file ``fd`` (at ``path``) ``nbytes`` bytes that read as zeros, their
+    disk reserved, so that no later write into its mapping can fault for want of space.
+
+    ``os.posix_fallocate``: blocks reserved, no data written (a dynamic table's parameters stay
+    unwritten: they read as zeros until rows are admitted; glibc itself writes a byte per block
+    where the file system has no ``fallocate``, e.g. NFSv3). Where ``os.posix_fallocate`` is
+    missing (macOS) or the file system refuses it (``EOPNOTSUPP``, ``EINVAL``, ``ENOSYS``: ZFS on
+    FreeBSD, for one), the fallback is a check of free space (``os.statvfs``), not zeros
+    written (that would write every byte of every table once more at construction): the file is
+    extended sparse if the disk has room for it and for the bytes of the directory's other
+    files not yet written; that is a check, not a reservation (a disk that others fill later
+    can still fault). Copy-on-write file systems (btrfs, ZFS) may need new blocks for writes
+    into reserved ones: ``fallocate`` cannot guarantee them.
+
+    Returns:
+        ``"reserved"``, or ``"checked"`` (the fallback).
+
+    Raises:
+        OSError: errno ``ENOSPC`` (or ``EDQUOT``: a quota) when the disk cannot hold the file,
+            naming the file, its directory, the bytes needed and the bytes free when known;
+            other errnos (``EFBIG``: beyond the file system's largest file) naming the file.
+    """
+    fallocate = getattr(os, "posix_fallocate", None)
+    how = "reserved"
+    error: OSError | None = None
+    if fallocate is not None and nbytes > 0:
+        try:
+            fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOSYS", -1),
+                           getattr(errno, "ENOTSUP", -1)):
+                how = "checked"
+            else:
+                error = e
+    else:
+        how = "checked"
+    directory = path.parent
+    if error is not None:
+        if error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            os.ftruncate(fd, 0)  # (what it reserved before failing goes back)
+            free = _free_bytes(directory)
+            raise OSError(error.errno, _no_space(path, nbytes, 0, free)) from error
+        raise OSError(error.errno, f"cannot reserve {nbytes} bytes for the slow tier's file "
+                                   f"{path}: {error.strerror}") from error
+    if how == "checked":
+        free = _free_bytes(directory)
+        others = _unwritten_bytes(directory, path)
+        if free is not None and nbytes + others > free:
+            raise OSError(errno.ENOSPC, _no_space(path, nbytes, others, free))
+    os.ftruncate(fd, nbytes)  # (the size posix_fallocate set already, or a sparse file)
+    return how
+
+
+def _no_space(path: Path, nbytes: int, others: int, free: int | None) -> str:
+    also = (f" (and {others} bytes the directory's other slow-tier files have not written "
+            f"yet)" if others else "")
+    there = f"{free} bytes are free there" if free is not None else "free bytes unknown"
+    return (f"no space for the slow tier under {path.parent}: its file {path.name} needs {nbytes} "
+            f"bytes{also}, {there}. offload_dir must hold the offloaded tables' rows and slots: "
+            f"give it a larger disk, or the engine a larger memory_budget (fewer rows offloaded)")
+
+
+# slow-tier tensors carry their file as this attribute (``CachedRows`` checks it)
+FILE_ATTR = "_embcore_slow_file"
+
+
+def slow_file(t: torch.Tensor) -> SlowFile | None:
+    """The file under a tensor ``slow_tensor`` or ``slow_records`` returned, if any."""
+    return getattr(t, FILE_ATTR, None)
+
 
 def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
                 pin: bool = False) -> torch.Tensor:
     """An uninitialized CPU tensor in the slow tier: a file mapped shared (``path``), or pinned
-    host memory (``path`` None and ``pin``), or plain host memory."""
+    host memory (``path`` None and ``pin``), or plain host memory.
+
+    The file is new (an existing ``path`` is an error), mode 0600, locked and its disk reserved
+    (``SlowFile``, ``reserve``): it reads as zeros. When the disk cannot hold it, nothing is left:
+    the file is removed, and so is its ``OffloadDir`` with the files made before it.
+
+    Raises:
+        OSError: errno ``ENOSPC`` / ``EDQUOT``, the disk too small (``reserve``), or another
+            error creating the file.
+    """
     if path is None:
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
     numel = 1
     for s in shape:
         numel *= s
-    with open(path, "wb") as f:  # a sparse file: disk is used as rows are written
-        f.truncate(max(numel, 1) * dtype.itemsize)
-    t = torch.from_file(str(path), shared=True, size=max(numel, 1), dtype=dtype)
+    size = max(numel, 1)
+    try:
+        f = SlowFile(Path(path), size * dtype.itemsize)
+    except OSError:
+        owner = _DIRS.get(str(Path(path).parent))
+        if owner is not None:  # (a construction that fails leaves nothing behind)
+            owner.remove()
+        raise
+    t = f.map(size, dtype)
     advise_random(t)
-    return t[:numel].view(shape)
+    out = t[:numel].view(shape)
+    setattr(out, FILE_ATTR, f)
+    return out
 
 
 RECORD_ALIGN = 64  # bytes: a slow-tier record's size is a multiple of this
@@ -91,14 +329,24 @@ def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]
         at += width * dtype.itemsize
     record = max(-(-at // RECORD_ALIGN) * RECORD_ALIGN, RECORD_ALIGN)
     raw = slow_tensor(path, (rows, record), torch.uint8)
-    return [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
+    views = [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
+    for v in views:
+        setattr(v, FILE_ATTR, slow_file(raw))
+    return views
 
 
 class OffloadDir:
     """The directory of an engine's slow-tier files, ``embcore-offload-<host>-p<pid>-r<rank>-*``
-    under ``offload_dir`` (default: the system's temporary directory). The files and the
-    directory are removed when the engine is collected or at exit; those that a killed process
-    of this host left behind are removed when the next one starts (its pid no longer runs)."""
+    under ``offload_dir`` (default: the system's temporary directory), mode 0700, its files 0600.
+    The files and the directory are removed when the engine is collected or at exit; those that a
+    killed process of this host left behind are removed when the next one starts (its pid no
+    longer runs).
+
+    The directory is locked while the engine lives (``flock`` ``LOCK_EX`` on it, and on each of
+    its files, ``SlowFile``): another engine's sweep leaves it alone even when its pid looks dead
+    (a process of another pid namespace on a shared disk), and so does ``systemd-tmpfiles``'
+    cleaning of old files in ``/tmp``. A construction that fails for want of disk removes the
+    directory at once (``slow_tensor``)."""
 
     def __init__(self, offload_dir: str | os.PathLike | None, rank: int) -> None:
         base = Path(offload_dir) if offload_dir is not None else Path(tempfile.gettempdir())
@@ -108,7 +356,10 @@ class OffloadDir:
         self.path = Path(tempfile.mkdtemp(prefix=f"embcore-offload-{host}-p{os.getpid()}-r{rank}-",
                                           dir=base))
         self.files: list[Path] = []
-        self._finalizer = weakref.finalize(self, OffloadDir._remove, self.path, self.files)
+        self._lock = [_lock_dir(self.path)]  # (the directory's descriptor, or None)
+        self._finalizer = weakref.finalize(self, OffloadDir._remove, self.path, self.files,
+                                           self._lock)
+        _DIRS[str(self.path)] = self
 
     @staticmethod
     def check(offload_dir: object) -> None:
@@ -131,38 +382,68 @@ class OffloadDir:
 
     @staticmethod
     def _sweep(base: Path, host: str) -> None:
-        """Removes the slow-tier directories of dead processes of this host under ``base``."""
+        """Removes the slow-tier directories of dead processes of this host under ``base``
+        (not one whose lock is held: its process lives, whatever its pid says)."""
         pattern = re.compile(rf"embcore-offload-{re.escape(host)}-p(\d+)-r\d+-")
         for entry in base.iterdir():
             m = pattern.match(entry.name)
             if m is None or not entry.is_dir() or _alive(int(m.group(1))):
                 continue
+            try:
+                held = _lock_dir(entry)
+            except BlockingIOError:  # in use
+                continue
             for f in entry.glob("*.bin"):
-                try:
-                    f.unlink()
-                except OSError:
-                    pass
+                _unlink(f)
             try:
                 entry.rmdir()
             except OSError:
                 pass
+            if held is not None:
+                os.close(held)
 
     def file(self, name: str) -> Path:
         path = self.path / name
         self.files.append(path)
         return path
 
+    def remove(self) -> None:
+        """Removes the files and the directory now (the mappings of those made stay valid)."""
+        self._finalizer()
+
     @staticmethod
-    def _remove(path: Path, files: list[Path]) -> None:
+    def _remove(path: Path, files: list[Path], lock: list[int | None]) -> None:
         for f in files:
-            try:
-                f.unlink()
-            except OSError:
-                pass
+            _unlink(f)
         try:
             path.rmdir()
         except OSError:
             pass
+        if lock[0] is not None:
+            os.close(lock[0])
+            lock[0] = None
+
+
+# the live OffloadDirs by path (a failed slow_tensor removes its directory)
+_DIRS: weakref.WeakValueDictionary[str, OffloadDir] = weakref.WeakValueDictionary()
+
+
+def _lock_dir(path: Path) -> int | None:
+    """A descriptor of directory ``path`` holding ``flock`` ``LOCK_EX`` on it (None: it cannot be
+    opened or locked there; the lock is advisory). Raises BlockingIOError: another holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        if _flock(fd):
+            return fd
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -187,6 +468,11 @@ class CachedRows:
         bounds: (T + 1,) first local row of each member table, then N (per-table statistics).
         members: the member tables' names.
         mapped: whether the slow tier is mapped files (reads may wait for the disk).
+
+    The files under the slow tier (``SlowFile``: those of ``slow_tensor`` and ``slow_records``)
+    are checked before every move of rows to or from them, and before a read of them or the
+    cache emptied (``check_files``): a file truncated, removed or replaced by another process
+    is a RuntimeError naming it, not a SIGBUS.
     """
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
@@ -203,6 +489,9 @@ class CachedRows:
         self.mapped = mapped
         self.read_ahead = False  # moves ask for their pages first (SLOW_ROW_SECONDS)
         self.lock = threading.RLock()  # held by the store across a resolve and its use
+        files = {id(f): f for f in map(slow_file, slow.values()) if f is not None}
+        self.files: list[SlowFile] = list(files.values())
+        self._path_checked = time.monotonic()
         self._allocate(max(1, min(int(capacity), self.rows, MAX_CAPACITY)))
 
     def _allocate(self, capacity: int) -> None:
@@ -258,6 +547,7 @@ class CachedRows:
         if cpu_rows.numel() > self.capacity:
             self._grow(cpu_rows.numel())
         spare = min(self.capacity // SPARE_SHARE, SPARE_STEPS * cpu_rows.numel())
+        self.check_files(moving=True)  # (before the index changes: an error leaves it as it was)
         step = self.index.step(cpu_rows, count, spare=spare)
         assert step is not None  # (the cache holds the step's rows)
         if step.evicted:  # rows left: older answers may be stale
@@ -305,6 +595,20 @@ class CachedRows:
         if timed:
             self.read_ahead = time.perf_counter() - start > SLOW_ROW_SECONDS * rows.numel()
 
+    def check_files(self, moving: bool = False) -> None:
+        """Raises RuntimeError, naming the file, when a slow-tier file was truncated, removed or
+        replaced (``SlowFile.check``). Before a step resolves its rows (``moving``) the size always
+        (one ``fstat`` per file: 1.2 us), the path at most every ``PATH_CHECK_SECONDS`` (a
+        ``stat``: 3 us); else both."""
+        if not self.files:
+            return
+        now = time.monotonic()
+        path = not moving or now - self._path_checked >= PATH_CHECK_SECONDS
+        for f in self.files:
+            f.check(self.members, path)
+        if path:
+            self._path_checked = now
+
     def _advise(self, rows: torch.Tensor) -> None:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
         stride: the parameters come first in it)."""
@@ -348,6 +652,7 @@ class CachedRows:
         """Writes every updated cache row back; the cache keeps its rows (now clean)."""
         slots = self.index.dirty_slots()
         if slots.numel():
+            self.check_files(moving=True)
             self._copy_out(slots, self.index.owner[slots])
             self.index.dirty[slots] = False
 
@@ -355,6 +660,7 @@ class CachedRows:
         """(n, C) copies of shard rows ``rows`` (n,) of ``key`` (``"parameters"`` or a slot):
         from the cache where it holds them, else from the slow tier; nothing moves."""
         rows = rows.to(torch.int64).cpu()
+        self.check_files()
         slow = self.slow[key]
         cache = self.table if key == "parameters" else self.slots[key]
         at = self.index.where[rows].to(torch.int64)  # (n,) cache rows, -1 when not cached
@@ -366,7 +672,9 @@ class CachedRows:
 
     def drop(self, write_back: bool = True) -> None:
         """Empties the cache (after writing updated rows back, unless ``write_back`` is
-        False: the slow tier is about to be overwritten)."""
+        False: the slow tier is about to be overwritten); its files are checked first (the
+        tier is then handed out whole: ``RowStore.local``)."""
+        self.check_files()
         if write_back:
             self.flush()
         self._allocate(self.capacity)

@@ -119,8 +119,8 @@ class RowStore:
         On the CPU a static table's rows and slots are one file of records (``slow_records``: a
         row and its slots side by side), initialized in one pass in blocks of rows (memory stays
         bounded; each page written once). A dynamic table keeps a file per array: its rows are
-        zeros until ids are admitted (the parameters' file stays sparse, unwritten) and its zero
-        row comes after them. For a GPU: pinned host memory, an array each."""
+        zeros until ids are admitted (the parameters' file is reserved on disk, unwritten) and its
+        zero row comes after them. For a GPU: pinned host memory, an array each."""
         rank = self.comm.rank
         c0, c1 = p.columns[rank]
         n_local = p.row_counts[rank] + (1 if p.dynamic else 0)
