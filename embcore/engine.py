@@ -51,6 +51,39 @@ def _serialized(method: F) -> F:
     return cast(F, wrapper)
 
 
+class EmbeddingTables(dict):  # type: ignore[type-arg]
+    """``{TableConfig: (N, D) tensor}`` (``embedding_tables``) whose reads also take a table's
+    resolved name: ``tables["users"]``, ``tables.get("users")``, ``"users" in tables``.
+
+    A real dict keyed by the TableConfigs: iterating, ``keys()``, ``items()``, ``len()`` and
+    equality are a plain dict's; a ``str`` never equals a ``TableConfig``, so a name and a
+    config never stand for two tables.
+    """
+
+    def __init__(self, tables: Mapping[TableConfig, Any],
+                 names: Mapping[TableConfig, str]) -> None:
+        super().__init__(tables)
+        self._configs = {n: t for t, n in names.items() if t in self}  # name -> config
+
+    def _config(self, key: Any) -> Any:
+        return self.__dict__.get("_configs", {}).get(key, key) if isinstance(key, str) else key
+
+    def __getitem__(self, key: Any) -> Any:
+        try:
+            return super().__getitem__(self._config(key))
+        except KeyError:
+            if isinstance(key, str):
+                raise KeyError(f"{key!r} is not a table here; its tables are "
+                               f"{sorted(self.__dict__.get('_configs', {}))}") from None
+            raise
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super().get(self._config(key), default)
+
+    def __contains__(self, key: Any) -> bool:
+        return super().__contains__(self._config(key))
+
+
 def _move_to(value: Any, here: torch.device, world_size: int) -> torch.device:
     """``to()``'s argument as a device; ValueError when it is none, or when a sharded engine
     would move (its processes chose their devices with their process group)."""
@@ -325,12 +358,14 @@ class Embedding:
 
     @property
     @_serialized
-    def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
-        """Whole logical tables, ``{TableConfig: (N, D) tensor}``: with one process views of the
-        engine's tables (writing to them changes the engine); when sharded gathered copies, and
-        reading them is a collective (every process must read it)."""
+    def embedding_tables(self) -> EmbeddingTables:
+        """Whole logical tables, ``{TableConfig: (N, D) tensor}``, which also take a table's
+        name (``emb.embedding_tables["users"]``, as ``vocabulary`` does): with one process views
+        of the engine's tables (writing to them changes the engine); when sharded gathered
+        copies, and reading them is a collective (every process must read it)."""
         store = self._ready().store
-        return {t: store.whole(n) for t, n in self._features.table_names.items()}
+        names = self._features.table_names
+        return EmbeddingTables({t: store.whole(n) for t, n in names.items()}, names)
 
     @_serialized
     def state_dict(self) -> dict[str, Any]:

@@ -19,9 +19,8 @@ import torch
 
 from .base.nest import Structure
 from .config.spec import from_spec
-from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
-from .engine import Embedding
+from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
 from .serving.serve import ServingModule, serving_embedding_lookup
 
@@ -108,11 +107,14 @@ class EmbeddingLayer(torch.nn.Module):
         return self._parameters_mode
 
     @property
-    def embedding_tables(self) -> dict[TableConfig, torch.Tensor]:
-        """``{TableConfig: (N, D)}`` — the parameters (V0 mode) or the engine's tables."""
+    def embedding_tables(self) -> EmbeddingTables:
+        """``{TableConfig: (N, D)}`` — the parameters (V0 mode) or the engine's tables; also
+        read by a table's name (``layer.embedding_tables["users"]``)."""
         if self.tables_are_parameters:
             params = dict(self.named_parameters(recurse=False))
-            return {t: params[f"{n}/parameters"] for t, n in self.engine.table_names().items()}
+            names = self.engine.table_names()
+            return EmbeddingTables({t: params[f"{n}/parameters"] for t, n in names.items()},
+                                   names)
         return self.engine.embedding_tables
 
     def forward(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
@@ -143,10 +145,13 @@ class EmbeddingLayer(torch.nn.Module):
         """A module without optimizer slots whose forward is plain torch ops.
 
         It holds a snapshot of the tables (of ``serving_config``'s features, default all) and
-        ``torch.export.export(module, (features,))`` accepts it with dense ids, sparse COO ids
-        and jagged ids given as ``(values, offsets)`` pairs (torch.export cannot take nested
-        tensors as inputs); the program serves batches with any number of ids. A dynamic table
-        travels with its map, searched by sorted ids.
+        exports with dense ids, sparse COO ids and jagged ids given as ``(values, offsets)``
+        pairs (torch.export cannot take nested tensors as inputs). ``module.export(features)``
+        gives a program that serves batches of any size and any number of ids; a plain
+        ``torch.export.export(module, args)`` fixes every size to the example's unless given
+        ``dynamic_shapes=module.dynamic_shapes(*args)`` (then, traced from two jagged bags or
+        more, it serves two bags or more). A dynamic table travels with its map, searched by
+        sorted ids. Tables are buffers named after them (``module.buffer_name(table)``).
 
         Args:
             serving_config: the features to serve (a subset of the layer's, or new features on
@@ -170,6 +175,11 @@ class EmbeddingLayer(torch.nn.Module):
             (torch.uint8, {'items': 1600})
             >>> served({"item": torch.tensor([1, 5])})["item"].dtype
             torch.float32
+            >>> pair = (torch.tensor([1, 5, 7]), torch.tensor([0, 1, 3]))   # 2 bags, 3 ids
+            >>> program = served.export({"item": pair})
+            >>> pairs = {"item": (torch.arange(17), torch.tensor([0, 17]))}   # 17 ids, 1 bag
+            >>> torch.allclose(program.module()(pairs)["item"], served(pairs)["item"])
+            True
         """
         template = serving_config if serving_config is not None else self.feature_config
         names = self.engine.table_names()

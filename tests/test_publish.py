@@ -576,3 +576,21 @@ def test_a_trainer_killed_mid_publish_leaves_the_last_entry(tmp_path):
     assert served.refresh() == 1
     assert torch.equal(served.a, resumed.embedding_tables[
         next(t for t in resumed.table_names() if t.name == "a")])
+
+
+def test_a_table_named_like_an_attribute_is_followed(tmp_path):
+    tables = {n: ec.TableConfig(vocabulary_size=20, dim=4, name=n)
+              for n in ("version", "refresh", "items")}
+    emb = ec.Embedding({n: ec.FeatureConfig(table=t) for n, t in tables.items()},
+                       ec.SGD(learning_rate=0.1))
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path, quantize={"refresh": "int8"})
+    ids = {n: torch.tensor([1, 2]) for n in tables}
+    emb.enqueue(ids)
+    emb.apply_gradients({k: torch.ones_like(a) for k, a in emb.dequeue().items()})
+    ec.publish(tmp_path, emb)
+    assert served.refresh() == 1 and served.version == 1  # (the attribute, not the table)
+    got, want = served(ids), emb.lookup(ids)
+    assert torch.equal(got["version"], want["version"]) and torch.equal(got["items"],
+                                                                         want["items"])
+    torch.testing.assert_close(got["refresh"], want["refresh"], atol=0.02, rtol=0)

@@ -28,7 +28,10 @@ checkpoint.py's restricted unpickler must resolve the private classes and functi
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -214,9 +217,27 @@ APIs embcore uses need; releases between were not checked here. tests/test_compa
 torch outside this range: re-check each name below on it (tests/test_compat.py,
 test_checkpoint.py, test_shards.py, test_input_safety.py), then widen the range."""
 
+def size_oblivious_export() -> contextlib.AbstractContextManager[Any]:
+    """Around ``torch.export``: size-oblivious reasoning on the inputs' dynamic sizes, so that a
+    size traced as 2 or more also serves 0 and 1 (torch's ops guard on ``size != 1``, which would
+    fix a jagged batch's bag count at >= 2). torch's own switch for export,
+    ``torch.fx.experimental._config.backed_size_oblivious`` (experimental; guard: it exists);
+    without it, a no-op (such a program then refuses batches of one jagged bag). Process-wide
+    while it is held. Used by serving/serve.py ``ServingModule.export``."""
+    try:
+        config = importlib.import_module("torch.fx.experimental._config")
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "backed_size_oblivious") or not hasattr(config, "patch"):
+        return contextlib.nullcontext()
+    return config.patch(backed_size_oblivious=True)
+
+
 PRIVATE_NAMES: dict[str, str] = {
     # "module:attribute.path" (an attribute, a dataclass field or an annotated field of a class)
     #   -> where embcore uses it, and what for
+    "torch.fx.experimental._config:backed_size_oblivious": "compat.size_oblivious_export: "
+        "torch.export of a serving module whose jagged inputs may hold 0 or 1 bags",
     "torch:Tensor._indices": "compat.sparse_parts: a sparse COO tensor's stored indices "
                              "(uncoalesced too; the checked coalesce reads them as well)",
     "torch:Tensor._values": "compat.sparse_parts: a sparse COO tensor's stored values",

@@ -240,15 +240,17 @@ class PublishedModule(ServingModule):
                     values[at, cols[0]:cols[1]] = v.to(values.dtype)
             precision = self.precisions[name]
             if precision is None:
-                buffer = getattr(self, name)
+                buffer = getattr(self, self.buffer_name(name))
                 writes.append((name, buffer, rows, values.to(buffer.dtype)))
                 overlays[name] = (rows, writes[-1][3])
             else:
                 q = quantize_table(values, precision, name=name)
-                writes.append((name, getattr(self, name), rows, q.data))
+                writes.append((name, getattr(self, self.buffer_name(name)), rows, q.data))
                 if q.scale is not None:
-                    writes.append((name, getattr(self, name + "__scale"), rows, q.scale))
-                    writes.append((name, getattr(self, name + "__bias"), rows, q.bias))
+                    writes.append((name, getattr(self, self.buffer_name(name, "__scale")), rows,
+                                   q.scale))
+                    writes.append((name, getattr(self, self.buffer_name(name, "__bias")), rows,
+                                   q.bias))
                 overlays[name] = (rows, q.dequantize())
         new_maps = {}
         for name, got in maps.items():
@@ -258,8 +260,10 @@ class PublishedModule(ServingModule):
             new_maps[name] = (ids, used)
             sorted_ids, sorted_rows = _resident(ids, used)
             padded = padded_map(sorted_ids, sorted_rows, ids.numel())
-            writes.append((name, getattr(self, name + "__ids"), None, padded[0]))
-            writes.append((name, getattr(self, name + "__rows"), None, padded[1]))
+            writes.append((name, getattr(self, self.buffer_name(name, "__ids")), None,
+                           padded[0]))
+            writes.append((name, getattr(self, self.buffer_name(name, "__rows")), None,
+                           padded[1]))
         return writes, new_maps, overlays
 
 

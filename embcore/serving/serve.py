@@ -11,11 +11,12 @@ to float32, then combined by the same ``combine``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from ..base.compat import size_oblivious_export
 from ..base.nest import (
     flatten_like,
     from_keyed_jagged,
@@ -24,7 +25,7 @@ from ..base.nest import (
     unflatten_like,
 )
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
-from ..inputs.canonical import canonicalize, resolve_shape
+from ..inputs.canonical import canonicalize, input_kind, resolve_shape
 from ..inputs.features import is_feature as _is_feature
 from ..ops.combine import combine
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
@@ -108,6 +109,42 @@ def _tracing() -> bool:
     return bool(compiler is not None and compiler.is_compiling())
 
 
+def _dynamic_dims(x: Any, where: str) -> Any:
+    """One input leaf's ``dynamic_shapes`` entry: every dim of every tensor ``Dim.AUTO`` (a dense
+    id tensor, a sparse COO tensor, or a ``(values, offsets)`` pair: a tuple of two)."""
+    if x is None:
+        return None
+    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(_dynamic_dims(t, where) for t in x)
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        raise TypeError(f"{where}: torch.export cannot take nested tensors as inputs; give a "
+                        f"jagged batch as a (values, offsets) pair of tensors")
+    try:
+        input_kind(x)
+    except TypeError as e:
+        raise TypeError(f"{where}: {e}") from None
+    auto = getattr(torch.export.Dim, "AUTO", None)
+    if auto is None:  # (torch before 2.6)
+        raise RuntimeError("dynamic_shapes needs torch.export.Dim.AUTO (torch >= 2.6)")
+    return {d: auto for d in range(x.dim())}
+
+
+def _mirror(template: Any, value: Any, leaf: Any, path: str = "") -> Any:
+    """``value`` (shaped like ``template``, checked) with each leaf ``v`` at ``path`` replaced by
+    ``leaf(v, path)``; its containers as ``value`` has them (torch.export matches
+    ``dynamic_shapes`` to the inputs' own structure)."""
+    if _is_feature(template):
+        return leaf(value, path)
+    if isinstance(template, dict):
+        return {k: _mirror(template[k], v, leaf, f"{path}/{k}" if path else str(k))
+                for k, v in value.items()}
+    items = [_mirror(t, v, leaf, f"{path}/{i}" if path else str(i))
+             for i, (t, v) in enumerate(zip(template, value))]
+    if isinstance(value, tuple):
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return items
+
+
 def with_zero_row(table: Table) -> Table:
     """(N + 1, D): a dynamic table's rows and the zero row ids not resident read."""
     if isinstance(table, QuantizedTable):
@@ -184,8 +221,25 @@ class ServingModule(torch.nn.Module):
     Made by ``EmbeddingLayer.for_serving()``; holds a snapshot of the tables, no optimizer slots.
     A table served quantized (``precisions``: ``"int8"`` / ``"fp16"``, quantize.py) is held as
     its codes (buffer ``<table>``) and, for int8, ``<table>__scale`` and ``<table>__bias``; its
-    lookups dequantize the rows they read, and give float32 activations.
+    lookups dequantize the rows they read, and give float32 activations. A dynamic table's map
+    is ``<table>__ids`` and ``<table>__rows``.
+
+    Buffers are named after their tables, except a table whose name cannot name a buffer of
+    this module (an attribute or method of it such as ``forward``, ``training`` or
+    ``table_bytes``, a name holding ``'.'``, or one another table's buffers take): its buffers
+    are ``table__<name>...`` (``'.'`` written ``%2E``, ``'%'`` ``%25``). ``buffer_name(table,
+    suffix)`` gives the name of any of them.
+
+    ``export(features)`` (or ``torch.export.export(module, args,
+    dynamic_shapes=module.dynamic_shapes(*args))``) gives a program that serves batches of any
+    size and any number of ids.
     """
+
+    # The parts of a table held as buffers: ``buffer_name(table, suffix)``.
+    BUFFER_SUFFIXES = ("", "__scale", "__bias", "__ids", "__rows")
+    # Attributes a subclass sets after the buffers are registered (serving/follow.py's
+    # PublishedModule), which a table's buffers must leave free.
+    _SET_AFTER_BUFFERS = frozenset({"directory", "version", "_id", "_spec", "_maps", "_dims"})
 
     def __init__(self, feature_config: Any, tables: Mapping[TableConfig, torch.Tensor],
                  table_names: Mapping[TableConfig, str],
@@ -202,34 +256,80 @@ class ServingModule(torch.nn.Module):
         served = {f.table: table_names[f.table] for _, f in flat}
         precisions = resolve_quantize(quantize, served)
         self.precisions: dict[str, str | None] = {n: precisions[t] for t, n in served.items()}
+        # {table name: the first part of its buffers' names} (buffer_name)
+        self._buffer_names: dict[str, str] = self._name_buffers(served.values())
         for table, key in served.items():
             dynamic = table.dynamic is not None
             rows = tables[table].detach()
             rows = with_zero_row(rows) if dynamic else rows  # (N (+ 1), D)
             if precisions[table] is None:
-                self.register_buffer(key, rows if dynamic else rows.clone())
+                self.register_buffer(self.buffer_name(key), rows if dynamic else rows.clone())
             else:
                 q = quantize_table(rows, precisions[table], name=key)
-                self.register_buffer(key, q.data)
+                self.register_buffer(self.buffer_name(key), q.data)
                 if q.scale is not None:
-                    self.register_buffer(key + "__scale", q.scale)
-                    self.register_buffer(key + "__bias", q.bias)
+                    self.register_buffer(self.buffer_name(key, "__scale"), q.scale)
+                    self.register_buffer(self.buffer_name(key, "__bias"), q.bias)
             if dynamic:
                 assert vocabularies is not None, "a dynamic table is served with its map"
                 ids, map_rows = padded_map(*vocabularies[table], rows.shape[0] - 1)
-                self.register_buffer(key + "__ids", ids)
-                self.register_buffer(key + "__rows", map_rows)
+                self.register_buffer(self.buffer_name(key, "__ids"), ids)
+                self.register_buffer(self.buffer_name(key, "__rows"), map_rows)
+
+    def _name_free(self, name: str, taken: set[str]) -> bool:
+        """Whether ``name`` can name a buffer: no ``'.'``, not an attribute of this module (its
+        class's or its own, or one a subclass sets later) nor taken by another table."""
+        return ("." not in name and name not in taken and name not in self._SET_AFTER_BUFFERS
+                and not hasattr(type(self), name) and name not in self.__dict__)
+
+    def _name_buffers(self, names: Iterable[str]) -> dict[str, str]:
+        """Each table's buffer name (its name, else ``table__<name escaped>``): the tables
+        whose names are free keep them, the others take escaped names left free, in order."""
+        names = list(names)
+        taken: set[str] = set()
+        out: dict[str, str] = {}
+
+        def fits(base: str) -> bool:
+            return all(self._name_free(base + s, taken) for s in self.BUFFER_SUFFIXES)
+
+        for name in names:  # first the names that are free, so that they never change
+            if fits(name):
+                out[name] = name
+                taken.update(name + s for s in self.BUFFER_SUFFIXES)
+        for name in names:
+            if name in out:
+                continue
+            base = "table__" + name.replace("%", "%25").replace(".", "%2E")
+            while not fits(base):
+                base += "_"
+            out[name] = base
+            taken.update(base + s for s in self.BUFFER_SUFFIXES)
+        return {name: out[name] for name in names}
+
+    def buffer_name(self, table: str, suffix: str = "") -> str:
+        """The name of table ``table``'s buffer ``suffix`` (one of ``BUFFER_SUFFIXES``: ``""``
+        the rows or codes, ``"__scale"`` / ``"__bias"`` an int8 table's, ``"__ids"`` /
+        ``"__rows"`` a dynamic table's map): ``table + suffix``, unless the table's name cannot
+        name a buffer (see the class docstring). KeyError: a table not served here."""
+        names = self.__dict__.get("_buffer_names")
+        if names is None:  # (a module pickled before buffers had their own names)
+            return table + suffix
+        if table not in names:
+            raise KeyError(f"{table!r} is not a table served here; the served tables are "
+                           f"{sorted(names)}")
+        return names[table] + suffix
 
     def _table(self, name: str) -> Table:
         """Table ``name`` as its lookups read it: a tensor, or a ``QuantizedTable`` over the
         buffers (a dynamic table with its zero row last)."""
         precision = self.precisions[name]
+        rows = getattr(self, self.buffer_name(name))
         if precision is None:
-            return getattr(self, name)
+            return rows
         if precision == "fp16":
-            return QuantizedTable("fp16", getattr(self, name))
-        return QuantizedTable("int8", getattr(self, name), getattr(self, name + "__scale"),
-                              getattr(self, name + "__bias"))
+            return QuantizedTable("fp16", rows)
+        return QuantizedTable("int8", rows, getattr(self, self.buffer_name(name, "__scale")),
+                              getattr(self, self.buffer_name(name, "__bias")))
 
     def table_bytes(self) -> dict[str, int]:
         """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
@@ -255,8 +355,75 @@ class ServingModule(torch.nn.Module):
                   if weights is not None else [None] * len(flat))
         overlays = self._overlays
         out = [lookup_feature(f, n, t, self._table(t), ids, w,
-                              (getattr(self, t + "__ids"), getattr(self, t + "__rows"))
+                              (getattr(self, self.buffer_name(t, "__ids")),
+                               getattr(self, self.buffer_name(t, "__rows")))
                               if dyn else None, overlays.get(t))
                for f, n, t, dyn, ids, w in zip(flat, self._paths, self._table_of, self._dynamic,
                                                flat_ids, flat_w)]
         return unflatten_like(self.feature_config, out, _is_feature)
+
+    def dynamic_shapes(self, *args: Any) -> tuple[Any, ...]:
+        """``torch.export``'s ``dynamic_shapes`` for example inputs ``args`` (``(features,)`` or
+        ``(features, weights)``, as passed to ``torch.export.export``): every dim of every input
+        tensor ``torch.export.Dim.AUTO``, so the program serves any batch size and any number
+        of ids (a dense input's sizes, a ``(values, offsets)`` pair's values and offsets, a
+        sparse COO input's sizes; its number of entries is never fixed). A dim the lookup
+        depends on stays as traced (e.g. a dense ``[B, 1]`` input's last dim).
+
+        Without ``export()``'s size-oblivious tracing, torch's ops guard a jagged batch's bag
+        count against 1: a program traced from two bags or more serves batches of two bags or
+        more, one traced from a single bag serves single bags; ``export()`` lifts that.
+
+        Raises:
+            TypeError: not one or two arguments, a nested tensor (give a jagged batch as a
+                ``(values, offsets)`` pair) or a KeyedJaggedTensor (give the features' ids).
+            ValueError: a structure that does not mirror the module's feature_config.
+
+        Example:
+            >>> import torch, embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+            >>> served = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "sgd").for_serving()
+            >>> args = ({"f": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))},)
+            >>> served.dynamic_shapes(*args)
+            ({'f': ({0: DimHint(AUTO)}, {0: DimHint(AUTO)})},)
+        """
+        if not 1 <= len(args) <= 2:
+            raise TypeError(f"dynamic_shapes takes the example inputs (features,) or (features, "
+                            f"weights), got {len(args)} arguments")
+        out = []
+        for value, what in zip(args, ("features", "weights")):
+            if value is None:
+                out.append(None)
+                continue
+            if is_keyed_jagged(value):
+                raise TypeError(f"{what}: torch.export cannot take a KeyedJaggedTensor here; "
+                                f"give each feature's ids as a (values, offsets) pair")
+            flatten_like(self.feature_config, value, _is_feature, what)  # (checks the structure)
+            out.append(_mirror(self.feature_config, value,
+                               lambda x, path, what=what: _dynamic_dims(x, f"{what}[{path!r}]")))
+        return tuple(out)
+
+    def export(self, features: Any, weights: Any = None, **kwargs: Any
+               ) -> torch.export.ExportedProgram:
+        """``torch.export.export`` of this module with example ``features`` (and ``weights``):
+        a program that serves batches of any size (one bag too) and any number of ids, dense,
+        as ``(values, offsets)`` pairs or sparse COO, as the example's kinds are.
+
+        ``dynamic_shapes`` defaults to ``dynamic_shapes(features[, weights])``; other keyword
+        arguments go to ``torch.export.export``. The inputs' sizes are traced size-obliviously
+        (torch's experimental switch for export), so a batch of 0 or 1 ids or bags is served
+        like any other. A program checks no ids (docs/semantics.md): validate them before.
+
+        Example:
+            >>> import torch, embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+            >>> served = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "sgd").for_serving()
+            >>> program = served.export({"f": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))})
+            >>> program.module()({"f": (torch.arange(7), torch.tensor([0, 7]))})["f"].shape
+            torch.Size([1, 2])
+        """
+        args = (features,) if weights is None else (features, weights)
+        if "dynamic_shapes" not in kwargs:
+            kwargs["dynamic_shapes"] = self.dynamic_shapes(*args)
+        with size_oblivious_export():
+            return torch.export.export(self, args, **kwargs)
