@@ -6,7 +6,7 @@ Format. A checkpoint is a directory written by ``torch.distributed.checkpoint`` 
       .metadata        DCP's index: every key's shape, dtype and where its bytes lie (a pickle)
       __0_0.distcp     the tensors' bytes (one file per writing process)
       manifest.json    plain JSON: the object's ``manifest()`` (configs, plan, step), the user's
-                       ``extra`` metadata and the format version
+                       ``extra`` metadata, the format version and ``checksums`` (Integrity below)
 
 holding the object's ``state_dict()`` under TF's names: ``<table>/parameters``,
 ``<table>/<slot>`` (accumulators, momenta, velocities, linears) and ``step``; a dynamic table
@@ -30,13 +30,51 @@ layouts, paths and plain builtins) and raises ``pickle.UnpicklingError`` naming 
 bytes are read by DCP with ``torch.load(weights_only=True)``. Every key that is loaded must be a
 tensor entry in the index: DCP would ``torch.load(weights_only=False)`` a non-tensor ("bytes")
 entry, so such entries are refused, as are data files outside the checkpoint directory.
-``manifest.json`` is plain JSON.
+``manifest.json`` is plain JSON; a table's sizes there must be integers (else a ValueError saying
+the manifest is malformed), and an empty, truncated or undecodable ``.metadata`` is a ValueError
+saying the checkpoint is corrupt, naming the file.
+
+Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
+written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
+"index": <CRC of .metadata>, "chunks": [{"file", "offset", "length", "key", "at", "crc32"}, ...],
+"seal": <CRC of the rest>}``, the zlib CRC-32 (``state/published.py``'s ``crc``, as publish entries
+use) of every byte range DCP wrote, one per saved chunk: a state-dict key (``key``) and the offsets
+of its chunk in the logical tensor (``at``; a whole tensor, or a process's DTensor shard), where
+DCP's index says its bytes lie (``file``, ``offset``, ``length``: the chunk as DCP serialized it,
+header included). Each process computes, right after writing them (still in the page cache), the
+CRCs of the chunks it wrote (replicated tensors are written by one process); every process then
+reads the index rank 0 wrote (what ``dcp.save`` returns lacks it in some torch versions), the CRCs
+are all-gathered in its order, and rank 0 adds the index's CRC and writes them to the manifest.
+
+Why per saved chunk, of the file's bytes: a load may reshard (written by W processes, read by W'),
+so a CRC of a whole logical tensor, or of the rows a process reads, cannot be checked by a process
+that reads some of the rows of a chunk; a saved chunk is the unit DCP reads (whole, then narrowed),
+so each process checks, before DCP reads anything, every chunk its load plan reads, whatever W and
+W'. Checking the file's bytes rather than the decoded tensors also covers the serialization headers
+(a damaged header cannot decode as other values) and needs no decoding. Load checks, in order: the
+``checksums`` section against its ``seal`` (a damaged manifest is named as such), ``.metadata``
+against ``index`` before unpickling it, that every chunk of the index has its entry (same key,
+offsets and length), then each chunk it will read (every byte is read twice: by the check, mapped,
+not copied, then by DCP, from the page cache). A mismatch is a ValueError naming the file, the key
+and the chunk; with several processes DCP hands one process's error to all. Nothing is loaded then:
+the target is changed only after every read succeeded. A partial load (``tables=``, ``slots=False``)
+checks the chunks it reads, not the others.
+
+Cost: one CRC pass over the bytes written or read (about 3.5 GB/s): for a 1M x 64 float32 table with
+Adagrad (488 MiB, in the page cache; medians on a 16-core machine) save 0.59 -> 0.80 s and load 0.46
+-> 0.58 s (a CUDA engine: 0.55 -> 0.74 s, 0.34 -> 0.52 s). CRC-32 finds accidental damage (flipped,
+lost or stale bytes), not tampering: whoever can write the files can rewrite the checksums, so
+crafted files remain the restricted unpickler's business. Checkpoints written before checksums
+existed (no ``checksums`` in the manifest) load as before, unverified; the format version is
+unchanged (1): readers that predate checksums ignore the extra manifest key.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import io
 import json
 import os
 import pickle
@@ -48,6 +86,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .base.comm import CollectiveError
@@ -61,11 +100,13 @@ from .base.compat import (
 from .engine import Embedding
 from .layer import EmbeddingLayer
 from .online import resume
-from .state.published import is_publish_dir
+from .state.published import crc, is_publish_dir
 
 FORMAT = "embcore.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CHECKSUMS = "checksums"  # the manifest's key for the chunks' CRCs (module docstring: Integrity)
+CHECKSUM_ALGORITHM = "crc32"
 _METADATA = DCP_INDEX  # DCP's index file (".metadata")
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -85,13 +126,18 @@ ALLOWED_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
                                  "str", "bool", "slice")])
 
 
+class RefusedGlobalError(pickle.UnpicklingError):
+    """The restricted unpickler refused what a checkpoint index asked for (a class it does not
+    allow, a persistent id): a crafted file, kept apart from merely corrupt ones."""
+
+
 class RestrictedMetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP ``.metadata`` index, resolving only ``ALLOWED_METADATA_GLOBALS`` and torch
     dtypes; anything else (``os.system``, ``builtins.eval``, ...) is refused before it is looked
     up, so a crafted index cannot run code.
 
     Raises:
-        pickle.UnpicklingError: naming the refused ``module.name``.
+        RefusedGlobalError: (a ``pickle.UnpicklingError``) naming the refused ``module.name``.
     """
 
     def find_class(self, module: str, name: str) -> Any:
@@ -99,13 +145,13 @@ class RestrictedMetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(
+        raise RefusedGlobalError(
             f"checkpoint metadata refers to {module}.{name}, which is not a class a "
             f"torch.distributed.checkpoint index holds; refusing to load it (the file may have "
             f"been tampered with)")
 
     def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("checkpoint metadata holds a persistent id; refusing it")
+        raise RefusedGlobalError("checkpoint metadata holds a persistent id; refusing it")
 
 
 @functools.cache
@@ -121,18 +167,56 @@ def _dcp() -> SimpleNamespace:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+    class ChecksummingWriter(FileSystemWriter):
+        """FileSystemWriter that, once this process's files are written, computes the CRC of
+        each chunk's bytes in them: ``sums[(file, offset)] = (length, crc)``."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.sums: dict[tuple[str, int], tuple[int, int]] = {}
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)
+            for result in written.wait():  # (FileSystemWriter's future is complete already)
+                info = result.storage_data
+                rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+                self.sums[(rel, offset)] = (length, _range_crc(Path(self.path) / rel, offset,
+                                                               length))
+            return written
+
     class SafeReader(FileSystemReader):
-        """FileSystemReader whose index is read by the restricted unpickler and checked."""
+        """FileSystemReader whose index is read by the restricted unpickler and checked, and
+        which, given the manifest's ``checksums``, verifies the index and every chunk it is
+        about to read (module docstring: Integrity)."""
+
+        def __init__(self, path: Path, checksums: Checksums | None = None) -> None:
+            super().__init__(path)
+            self.checksums = checksums
+            self.chunks: Mapping[Any, Any] = {}
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             rank = kwargs.get("rank")
             path = Path(self.path) / dcp_index_name(rank)
-            with open(path, "rb") as f:
-                md = RestrictedMetadataUnpickler(f).load()
+            raw = path.read_bytes()
+            if not raw:
+                raise ValueError(f"{path} is empty: the checkpoint is corrupt")
+            if self.checksums is not None and crc_of_bytes(raw) != self.checksums.index:
+                raise ValueError(f"{path} does not match its CRC-32 in {MANIFEST}: the checkpoint "
+                                 f"is corrupt (its index was damaged or replaced)")
+            try:
+                md = RestrictedMetadataUnpickler(io.BytesIO(raw)).load()
+            except RefusedGlobalError:
+                raise
+            except Exception as e:  # EOFError, truncated data, garbage: all a corrupt index
+                raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: "
+                                 f"{str(e)[:200]}): the checkpoint is corrupt") from e
             if not isinstance(md, Metadata):
                 raise pickle.UnpicklingError(f"{path} holds a {type(md).__name__}, not a "
                                              f"torch.distributed.checkpoint Metadata")
-            for info in (md.storage_data or {}).values():
+            if not all(isinstance(x, dict) for x in (md.storage_data, md.state_dict_metadata)):
+                raise ValueError(f"{path} lacks its storage or key index: the checkpoint is "
+                                 f"corrupt")
+            for info in md.storage_data.values():
                 rel = str(getattr(info, "relative_path", ""))
                 if not rel or rel != os.path.basename(rel) or rel in (".", ".."):
                     raise ValueError(f"checkpoint index points at {rel!r}, outside its "
@@ -140,9 +224,28 @@ def _dcp() -> SimpleNamespace:
                 if getattr(info, "transform_descriptors", None):
                     raise ValueError(f"checkpoint index asks for stream transforms "
                                      f"{info.transform_descriptors}; embcore writes none")
+            if self.checksums is not None:
+                self.checksums.match_index(md.storage_data, path)
             if getattr(md, "storage_meta", None) is not None:  # as DCP's reader does (compat.py)
                 md.storage_meta.load_id = self.load_id
             return md
+
+        def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
+            super().set_up_storage_reader(metadata, *args, **kwargs)
+            self.chunks = metadata.storage_data
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # Every chunk this process reads is verified before any is read (the target is
+            # only filled once every read succeeded anyway: load()).
+            if self.checksums is not None:
+                seen: set[tuple[str, int]] = set()
+                for item in plan.items:
+                    info = self.chunks[item.storage_index]
+                    where = (str(info.relative_path), int(info.offset))
+                    if where not in seen:
+                        seen.add(where)
+                        self.checksums.verify(Path(self.path), item.storage_index, info)
+            return super().read_data(plan, planner)
 
     class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         """DCP's planner, minus ``load_bytes`` (which would ``torch.load(weights_only=False)``)."""
@@ -151,9 +254,174 @@ def _dcp() -> SimpleNamespace:
             raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is stored as "
                              f"pickled bytes, not a tensor; refusing to unpickle it")
 
-    return SimpleNamespace(dcp=dcp, Writer=FileSystemWriter, Reader=SafeReader,
+    return SimpleNamespace(dcp=dcp, Writer=ChecksummingWriter, Reader=SafeReader,
                            Planner=TensorOnlyLoadPlanner, TensorMD=TensorStorageMetadata,
                            CheckpointException=CheckpointException)
+
+
+# --------------------------------------------------------------------------------- checksums
+def _range_crc(path: Path, offset: int, length: int) -> int:
+    """CRC-32 (``state.published.crc``) of ``length`` bytes of the file ``path`` from ``offset``,
+    mapped, not copied into memory."""
+    if length == 0:
+        return 0
+    # (a copy-on-write mapping: writable, as torch.from_numpy wants; never written)
+    return crc(torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=offset,
+                                          shape=(length,))))
+
+
+def crc_of_bytes(data: bytes) -> int:
+    """CRC-32 (``state.published.crc``) of ``data``."""
+    return crc(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
+
+
+def _seal(section: Mapping[str, Any]) -> int:
+    """The CRC of a checksums section (all but its ``seal``), as canonical JSON."""
+    body = {k: v for k, v in section.items() if k != "seal"}
+    return crc_of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                   ensure_ascii=True).encode("ascii"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A saved chunk's entry in the manifest: its key and offsets, its bytes and their CRC."""
+
+    file: str
+    offset: int
+    length: int
+    key: str
+    at: tuple[int, ...]
+    crc32: int
+
+    def describe(self) -> str:
+        return (f"checkpoint entry {self.key!r} (its chunk at offsets {list(self.at)}, bytes "
+                f"{self.offset}..{self.offset + self.length})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checksums:
+    """A checkpoint's ``checksums`` (module docstring: Integrity), as load checks them."""
+
+    manifest: Path
+    index: int
+    chunks: Mapping[tuple[str, int], Chunk]  # by (file, offset)
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], path: Path) -> Checksums | None:
+        """The manifest's checksums, checked against their seal; None when it has none (a
+        checkpoint written before checksums existed).
+
+        Raises:
+            ValueError: malformed (naming the key and what it holds), an unknown algorithm, or
+                a section that does not match its seal (the manifest is corrupt).
+        """
+        if CHECKSUMS not in manifest:
+            return None
+        section = manifest[CHECKSUMS]
+
+        def malformed(where: str, value: Any, want: str) -> ValueError:
+            return ValueError(f"{path} is malformed: {where} is {type(value).__name__} "
+                              f"{str(value)[:60]!r}, not {want}")
+
+        def integer(where: str, value: Any, bound: int) -> int:
+            if type(value) is not int or not 0 <= value < bound:
+                raise malformed(where, value, f"an integer in [0, {bound})")
+            return value
+
+        if not isinstance(section, dict):
+            raise malformed(repr(CHECKSUMS), section, "an object")
+        if section.get("algorithm") != CHECKSUM_ALGORITHM:
+            raise ValueError(f"{path}: checksums computed with {section.get('algorithm')!r}; "
+                             f"this embcore knows {CHECKSUM_ALGORITHM!r}")
+        seal = integer(f"{CHECKSUMS}['seal']", section.get("seal"), 2**32)
+        index = integer(f"{CHECKSUMS}['index']", section.get("index"), 2**32)
+        entries = section.get("chunks")
+        if not isinstance(entries, list):
+            raise malformed(f"{CHECKSUMS}['chunks']", entries, "a list")
+        chunks: dict[tuple[str, int], Chunk] = {}
+        for i, e in enumerate(entries):
+            where = f"{CHECKSUMS}['chunks'][{i}]"
+            if not isinstance(e, dict) or set(e) != {f.name for f in dataclasses.fields(Chunk)}:
+                raise malformed(where, e, "an object of file, offset, length, key, at, crc32")
+            for k in ("file", "key"):
+                if not isinstance(e[k], str):
+                    raise malformed(f"{where}[{k!r}]", e[k], "a string")
+            if not isinstance(e["at"], list):
+                raise malformed(f"{where}['at']", e["at"], "a list")
+            chunk = Chunk(e["file"], integer(f"{where}['offset']", e["offset"], 2**63),
+                          integer(f"{where}['length']", e["length"], 2**63), e["key"],
+                          tuple(integer(f"{where}['at']", a, 2**63) for a in e["at"]),
+                          integer(f"{where}['crc32']", e["crc32"], 2**32))
+            if (chunk.file, chunk.offset) in chunks:
+                raise ValueError(f"{path} is malformed: {where} repeats the chunk at "
+                                 f"{chunk.file}, byte {chunk.offset}")
+            chunks[(chunk.file, chunk.offset)] = chunk
+        if seal != _seal(section):
+            raise ValueError(f"{path}: its {CHECKSUMS!r} do not match their own CRC-32 ('seal'): "
+                             f"{MANIFEST} is corrupt")
+        return cls(path, index, chunks)
+
+    def _entry(self, index: Any, info: Any, where: Path) -> Chunk:
+        """The entry of the index's chunk ``index`` stored at ``info``, which must agree."""
+        rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
+        chunk = self.chunks.get((rel, offset))
+        if chunk is None or (chunk.key, chunk.at, chunk.length) != (
+                index.fqn, tuple(int(a) for a in index.offset), length):
+            raise ValueError(f"{where}: the chunk of {index.fqn!r} at offsets "
+                             f"{[int(a) for a in index.offset]} ({rel}, bytes {offset}.."
+                             f"{offset + length}) has no checksum in {self.manifest}: the "
+                             f"index and the manifest disagree; the checkpoint is corrupt")
+        return chunk
+
+    def match_index(self, storage: Mapping[Any, Any], where: Path) -> None:
+        """Every chunk of DCP's index (``storage_data``) has its entry, and no other is listed."""
+        for index, info in storage.items():
+            self._entry(index, info, where)
+        if len(storage) != len(self.chunks):
+            raise ValueError(f"{where} lists {len(storage)} chunks but {self.manifest} has "
+                             f"checksums of {len(self.chunks)}: the checkpoint is corrupt")
+
+    def verify(self, directory: Path, index: Any, info: Any) -> None:
+        """Checks the bytes of the index's chunk ``index`` (stored at ``info``) against its CRC.
+
+        Raises:
+            ValueError: naming the file, the key and the chunk: its bytes differ, the file is
+                shorter, or the chunk has no entry.
+        """
+        chunk = self._entry(index, info, directory / _METADATA)
+        file = directory / chunk.file
+        size = file.stat().st_size
+        if size < chunk.offset + chunk.length:
+            raise ValueError(f"{file}: {chunk.describe()} ends past the file's {size} bytes: the "
+                             f"checkpoint is corrupt or truncated")
+        if _range_crc(file, chunk.offset, chunk.length) != chunk.crc32:
+            raise ValueError(f"{file}: {chunk.describe()} does not match its CRC-32 in "
+                             f"{self.manifest}: the checkpoint is corrupt")
+
+
+def _gather_checksums(engine: Embedding, storage: Mapping[Any, Any],
+                      mine: Mapping[tuple[str, int], tuple[int, int]]) -> list[dict[str, Any]]:
+    """Every chunk's manifest entry, in the index's order (a collective when sharded).
+
+    Each process has the CRCs of the chunks it wrote (``mine``: (file, offset) -> (length,
+    crc)) and every process the index DCP wrote (``storage``: its ``storage_data``, the same
+    everywhere): each contributes an int64 vector over the index's chunks (its CRC, or -1 for
+    chunks others wrote), all-gathered; a chunk's CRC is the one process's that wrote it.
+    """
+    order = sorted(storage.items(),
+                   key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)))
+    where = [(str(info.relative_path), int(info.offset)) for _, info in order]
+    own = torch.tensor([len(mine)] + [mine[w][1] if w in mine else -1 for w in where],
+                       dtype=torch.int64)
+    gathered = torch.stack([g.cpu() for g in engine.comm.all_gather(own.to(engine.device))])
+    sums = gathered[:, 1:].amax(0).tolist() if where else []
+    if int(gathered[:, 0].sum()) != len(where) or any(c < 0 for c in sums):
+        raise RuntimeError(f"embcore: the processes computed checksums of "
+                           f"{int(gathered[:, 0].sum())} chunks, but DCP's index lists "
+                           f"{len(where)}; the checkpoint is not written")
+    return [{"file": rel, "offset": offset, "length": int(info.length), "key": index.fqn,
+             "at": [int(a) for a in index.offset], "crc32": c}
+            for (index, info), (rel, offset), c in zip(order, where, sums)]
 
 
 # --------------------------------------------------------------------------------- the object
@@ -264,7 +532,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if v0:
         manifest["step"] = None  # a V0 layer's tables are trained by the user's optimizer
     try:
-        text = json.dumps(manifest, indent=1, allow_nan=False)
+        json.dumps(manifest, allow_nan=False)  # (written with its checksums once they are known)
     except (TypeError, ValueError) as e:
         raise TypeError(f"extra must hold only JSON values (dict, list, str, int, finite float, "
                         f"bool, None): {e}") from e
@@ -288,16 +556,31 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         raise error or RuntimeError(f"rank 0 could not create {tmp}; see its error")
     try:
         d = _dcp()
-        # each process writes its shards; rank 0 the index
+        # each process writes its shards and their checksums; rank 0 the index
+        writer = d.Writer(tmp, sync_files=True)
         with _dcp_call(f"writing {tmp}", comm.world_size):
-            d.dcp.save(state, storage_writer=d.Writer(tmp, sync_files=True),
-                       process_group=_group(comm), no_dist=comm.world_size == 1)
+            d.dcp.save(state, storage_writer=writer, process_group=_group(comm),
+                       no_dist=comm.world_size == 1)
+        # The index as written (what dcp.save returns lacks storage_data in some torch versions)
+        storage, failed = None, None
+        try:
+            storage = d.Reader(tmp).read_metadata().storage_data
+        except Exception as e:  # noqa: BLE001 - re-raised below, once every process knows
+            failed = e
+        if not _all_ok(engine, failed is None):
+            raise failed or RuntimeError(f"another process could not read the index of {tmp}; "
+                                         f"see its error")
+        chunks = _gather_checksums(engine, storage or {}, writer.sums)  # the same everywhere
     except BaseException:
         if lead:
             _remove_tree(tmp, missing_ok=True)
         raise
     if lead:
         try:
+            section = {"algorithm": CHECKSUM_ALGORITHM,
+                       "index": crc_of_bytes((tmp / _METADATA).read_bytes()), "chunks": chunks}
+            manifest[CHECKSUMS] = {**section, "seal": _seal(section)}
+            text = json.dumps(manifest, indent=1, allow_nan=False)
             with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
@@ -381,8 +664,9 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     """Restores tables (and optimizer slots and step) from a checkpoint into ``obj``, in place.
 
     The checkpoint may come from another object with the same tables (another stacking, device,
-    optimizer or layer kind). ``obj`` is changed only once everything is read and checked:
-    any error leaves it untouched. Tensors are copied onto ``obj``'s device and dtype. When the
+    optimizer or layer kind). ``obj`` is changed only once everything is read and checked
+    (every chunk read against its CRC-32 in the manifest: module docstring, Integrity): any
+    error leaves it untouched. Tensors are copied onto ``obj``'s device and dtype. When the
     engine is sharded, every process calls ``load``; each reads the rows of its shards, whatever
     the layout and world size the checkpoint was written with.
 
@@ -404,13 +688,16 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     Returns:
         The checkpoint's manifest: ``{"format", "format_version", "embcore_version", "step",
         "tables": {name: {vocabulary_size, dim, combiner, dtype, optimizer, slots}}, "features",
-        "plan", "world_size", "keys", "extra", ...}``.
+        "plan", "world_size", "keys", "extra", "checksums", ...}`` (no ``checksums`` in a
+        checkpoint written before them, which loads unverified).
 
     Raises:
         FileNotFoundError: ``path`` (and ``<path>.old``) is not a checkpoint.
         ValueError: ``tables`` names a table the checkpoint or ``obj`` lacks; a table's
             vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
-            truncated checkpoint.
+            truncated checkpoint: bytes that do not match their checksum (naming the file, the
+            key and the chunk), an empty or truncated index, a malformed manifest (naming the
+            entry and its type).
         KeyError: with ``strict``, a table or slot of ``obj`` that the checkpoint lacks.
         pickle.UnpicklingError: the index refers to anything but DCP's metadata classes.
 
@@ -438,11 +725,13 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{ckpt} is not an embcore checkpoint (manifest.json has no "
                          f"format {FORMAT!r})")
+    _check_manifest(manifest, ckpt / MANIFEST)
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{ckpt} has format version {manifest['format_version']}; this embcore "
                          f"({manifest.get('embcore_version')}) reads up to {FORMAT_VERSION}")
+    checksums = Checksums.from_manifest(manifest, ckpt / MANIFEST)  # None: written before them
     d = _dcp()
-    index = d.Reader(ckpt).read_metadata().state_dict_metadata  # {key: storage metadata}
+    index = d.Reader(ckpt, checksums).read_metadata().state_dict_metadata  # {key: storage md}
 
     keys = _keys_to_load(manifest, engine.manifest()["tables"], target, index,
                          tables, slots, strict)
@@ -460,13 +749,37 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
              for k in keys}
     if fresh:
         with _dcp_call(f"reading {ckpt}", comm.world_size):
-            d.dcp.load(fresh, storage_reader=d.Reader(ckpt), planner=d.Planner(),
+            d.dcp.load(fresh, storage_reader=d.Reader(ckpt, checksums), planner=d.Planner(),
                        process_group=_group(comm), no_dist=comm.world_size == 1)
     if v0:
         obj.load_state_dict(fresh, strict=False)
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
+
+
+def _check_manifest(manifest: Mapping[str, Any], path: Path) -> None:
+    """The manifest's entries that load uses have their types (a hand-edited or damaged manifest
+    is named as malformed, not mistaken for another checkpoint)."""
+
+    def malformed(where: str, value: Any, want: str) -> ValueError:
+        return ValueError(f"{path} is malformed: {where} is {type(value).__name__} "
+                          f"{str(value)[:60]!r}, not {want}")
+
+    version = manifest.get("format_version", 0)
+    if type(version) is not int:
+        raise malformed("format_version", version, "an int")
+    tables = manifest.get("tables", {})
+    if not isinstance(tables, dict):
+        raise malformed("tables", tables, "an object")
+    for name, entry in tables.items():
+        if not isinstance(entry, dict):
+            raise malformed(f"tables[{name!r}]", entry, "an object")
+        for k in ("vocabulary_size", "dim"):
+            if type(entry.get(k)) is not int:
+                raise malformed(f"tables[{name!r}][{k!r}]", entry.get(k), "an int")
+        if entry.get("dynamic") is not None and not isinstance(entry["dynamic"], dict):
+            raise malformed(f"tables[{name!r}]['dynamic']", entry["dynamic"], "an object or null")
 
 
 def _resolve(path: Path) -> Path:

@@ -296,13 +296,26 @@ def test_failed_read_leaves_target_untouched(tmp_path, trained):
     assert fresh.step == 0
 
 
-def test_flipped_bytes_are_a_corrupt_checkpoint_error(tmp_path, trained):
-    """64 bytes flipped at 40 places of a data file: each load succeeds (flips inside tensor
-    values) or raises a clear error (ValueError saying the checkpoint is corrupt, or the
-    restricted unpickler's UnpicklingError), never a raw UnicodeDecodeError; a failed load
-    leaves the target untouched."""
+def drop_checksums(path: Path) -> None:
+    """Makes ``path`` a checkpoint as written before checksums existed (or by whoever rewrote
+    its manifest too): its manifest without ``checksums``."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["checksums"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_flipped_bytes_are_a_corrupt_checkpoint_error(tmp_path, trained, checksums):
+    """64 bytes flipped at 40 places of a data file: with checksums every load fails with a
+    ValueError naming the file and saying the checkpoint is corrupt; without (a checkpoint
+    written before them), each load succeeds (flips inside tensor values) or raises a clear
+    error (ValueError saying the checkpoint is corrupt, or the restricted unpickler's
+    UnpicklingError), never a raw UnicodeDecodeError. A failed load leaves the target
+    untouched."""
     import pickle
     ec.save(tmp_path / "ck", trained)
+    if not checksums:
+        drop_checksums(tmp_path / "ck")
     data = tmp_path / "ck" / "__0_0.distcp"
     original = data.read_bytes()
     fresh = engine(3)
@@ -314,9 +327,12 @@ def test_flipped_bytes_are_a_corrupt_checkpoint_error(tmp_path, trained):
         data.write_bytes(bytes(raw))
         try:
             ec.load(tmp_path / "ck", fresh)
+            assert not checksums, f"flip at {at} loaded"
             fresh.load_state_dict({k: v.clone() for k, v in before.items()})
         except (ValueError, pickle.UnpicklingError) as e:
             assert not isinstance(e, UnicodeError), f"flip at {at}: {e!r}"
+            if checksums:
+                assert type(e) is ValueError and str(data) in str(e) and "corrupt" in str(e), e
             corrupt += "corrupt" in str(e)
             assert_state_equal(snapshot(fresh), before)
     assert corrupt > 0
@@ -337,6 +353,11 @@ def test_malicious_metadata_is_refused(tmp_path, trained):
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     fresh = engine(3)
     before = snapshot(fresh)
+    # The index no longer matches its checksum: refused before it is unpickled...
+    with pytest.raises(ValueError, match=r"\.metadata does not match its CRC-32"):
+        ec.load(tmp_path / "ck", fresh)
+    # ... and, with the manifest rewritten too, by the restricted unpickler.
+    drop_checksums(tmp_path / "ck")
     with pytest.raises(pickle.UnpicklingError, match=r"(posix|nt|os)\.system"):
         ec.load(tmp_path / "ck", fresh)
     assert not marker.exists()
@@ -359,6 +380,9 @@ def test_index_pointing_outside_is_refused(tmp_path, trained):
     for info in md.storage_data.values():
         info.relative_path = "../elsewhere.distcp"
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match="does not match its CRC-32"):
+        ec.load(tmp_path / "ck", engine(3))
+    drop_checksums(tmp_path / "ck")  # (as the manifest of a checkpoint from before checksums)
     with pytest.raises(ValueError, match="outside its directory"):
         ec.load(tmp_path / "ck", engine(3))
 
