@@ -35,7 +35,9 @@ else:
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Rules of ``sparse_update_kernel`` (``RULE``); NONE only sums the gradients (combine backward).
-NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = range(7)
+# (tl.constexpr: a compiled kernel reads no other globals; the interpreter takes either)
+NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = (
+    tl.constexpr(i) if tl is not None else i for i in range(7))
 
 
 @jit
@@ -58,12 +60,16 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
         acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile, other=0.0)
     else:
         start = tl.load(offsets_ptr + r64, mask=live_r, other=0)          # (BLOCK_R,) int64
-        length = tl.load(offsets_ptr + r64 + 1, mask=live_r, other=0) - start
+        end = tl.load(offsets_ptr + r64 + 1, mask=live_r, other=0)
+        length = end - start
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        # The j-th id of every bag of the tile at once; shorter bags are masked off.
-        for j in range(0, tl.max(length, axis=0)):
-            live = live_r & (j < length)                                   # (BLOCK_R,)
+        # The j-th id of every bag of the tile at once; shorter bags are masked off (the mask
+        # derived from the occurrence itself, over an int32 counter: Triton 3.6's layout pass
+        # failed on the kernel as first written, an int64 loop whose masks mixed the counter
+        # with the rows' liveness).
+        for j in range(0, tl.max(length, axis=0).to(tl.int32)):  # (an int32 loop: see above)
             k = start + j
+            live = k < end                                                 # (BLOCK_R,)
             row = tl.load(ids_ptr + k, mask=live, other=0)
             x = tl.load(table_ptr + row[:, None] * D + cols[None, :],
                         mask=live[:, None] & live_c[None, :], other=0.0).to(tl.float32)
@@ -173,12 +179,14 @@ def sparse_update_kernel(
         g = tl.load(grad_ptr + u64[:, None] * D + cols[None, :], mask=tile, other=0.0)
     else:
         start = tl.load(uoff_ptr + u64, mask=live_u, other=0)             # (BLOCK_U,) int64
-        count = tl.load(uoff_ptr + u64 + 1, mask=live_u, other=0) - start
+        end = tl.load(uoff_ptr + u64 + 1, mask=live_u, other=0)
+        count = end - start
         g = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.float32)
         # The j-th occurrence of every row of the tile at once, in the order of ``order``.
-        for j in range(0, tl.max(count, axis=0)):
-            live = live_u & (j < count)
-            k = tl.load(order_ptr + start + j, mask=live, other=0)         # occurrence
+        for j in range(0, tl.max(count, axis=0).to(tl.int32)):
+            at = start + j
+            live = at < end
+            k = tl.load(order_ptr + at, mask=live, other=0)                # occurrence
             if UNIT:
                 b = k
             else:
