@@ -2,7 +2,7 @@
 ``ec.load`` of a publish directory to resume (docs/semantics.md section 13).
 
 The first ``publish`` of an engine to a directory writes a snapshot, each later one a delta: the
-rows written since its previous publish there, found from the stamps the step leaves
+rows written since its previous publish there, found from the flags the step sets
 (state/changes.py), read from wherever they are (memory, the cache, the slow tier), and written
 as numbered, chained, checksummed entries (state/published.py). With several processes every
 process writes its own rows; process 0 commits the entry once all have written (every wait has
@@ -49,7 +49,6 @@ class _Publisher:
     lock: fmt.WriterLock | None  # process 0's
     seq: int                     # the entry its last publish made
     id: str
-    cut: int                     # the stamps' cut of that publish (state/changes.py)
     slots: bool
     snapshot_bytes: int
     delta_bytes: int = 0
@@ -178,84 +177,89 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             snapshot is None and pub.delta_bytes > compact_ratio * pub.snapshot_bytes)) \
             else "delta"
         changes = store.track()
-        cut = changes.cut()
-        seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
-        comm = engine.comm
-        tmp = fmt.temporary(directory, seq, _agreed_token(engine))
-        error: BaseException | None = None
-        if comm.rank == 0:
-            try:
-                fmt.remove_stale(directory)
-                tmp.mkdir()
-            except OSError as e:
-                error = e
+        key = _key(directory)
+        taken = changes.take(key)  # (rows per physical table; given back if this fails)
         try:
-            _all_ok(engine, error, f"creating {tmp}")
-        except BaseException:
-            if lock is not None and pub is None:
-                lock.release()
-            raise
-        written: dict[str, dict[str, int]] = {}
-        rows = {n: 0 for n in engine.table_names().values()}
-        used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        try:
-            for i, part in enumerate(fmt.parts(_tables(store, engine, kind, pub, bool(slots),
-                                                      rows, used))):
-                name = fmt.part_name(comm.rank, i)
-                written[name] = fmt.write_part(tmp / name, part)
-            if comm.world_size > 1:  # process 0 gathers the files' checksums from these
-                (tmp / f"r{comm.rank:05d}.json").write_text(json.dumps(written),
-                                                            encoding="utf-8")
-        except BaseException as e:
-            error = e
-        names = sorted(rows)
-        nbytes = sum(os.path.getsize(tmp / f) for f in written) if error is None else 0
-        try:
-            _all_ok(engine, error, f"writing {tmp}")
-        except BaseException:
+            seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
+            comm = engine.comm
+            tmp = fmt.temporary(directory, seq, _agreed_token(engine))
+            error: BaseException | None = None
             if comm.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if lock is not None and pub is None:
-                lock.release()
-            raise
-        # every process's files and counts, then process 0 commits
-        totals = _sum(engine, [rows[n] for n in names] + [nbytes])
-        rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
-        entry_id = f"{_agree(engine, [secrets.randbits(63)])[0]:016x}"
-        if comm.rank == 0:
+                try:
+                    fmt.remove_stale(directory)
+                    tmp.mkdir()
+                except OSError as e:
+                    error = e
             try:
-                files: dict[str, dict[str, int]] = {}
-                for r in range(comm.world_size):
-                    side = tmp / f"r{r:05d}.json"
-                    files.update(written if r == 0 else json.loads(
-                        side.read_text(encoding="utf-8")))
-                    if comm.world_size > 1:
-                        side.unlink()
-                manifest = {
-                    "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
-                    "seq": seq, "kind": kind, "id": entry_id,
-                    "previous": None if pub is None else {"seq": pub.seq, "id": pub.id},
-                    "step": engine.step, "slots": bool(slots),
-                    "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
-                    "world_size": comm.world_size, "files": files, "rows": rows,
-                    "bytes": nbytes, "time": time.time(),
-                    "writer": {"host": socket.gethostname(), "pid": os.getpid(),
-                               "embcore_version": __version__}}
-                fmt.commit(tmp, directory, manifest)
+                _all_ok(engine, error, f"creating {tmp}")
+            except BaseException:
+                if lock is not None and pub is None:
+                    lock.release()
+                raise
+            written: dict[str, dict[str, int]] = {}
+            rows = {n: 0 for n in engine.table_names().values()}
+            used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            try:
+                tables = _tables(store, engine, kind, pub, bool(slots), rows, used, taken)
+                for i, part in enumerate(fmt.parts(tables)):
+                    name = fmt.part_name(comm.rank, i)
+                    written[name] = fmt.write_part(tmp / name, part)
+                if comm.world_size > 1:  # process 0 gathers the files' checksums from these
+                    (tmp / f"r{comm.rank:05d}.json").write_text(json.dumps(written),
+                                                                encoding="utf-8")
             except BaseException as e:
-                shutil.rmtree(tmp, ignore_errors=True)
                 error = e
-        try:
-            _all_ok(engine, error, f"committing entry {seq} of {directory}")
+            names = sorted(rows)
+            nbytes = sum(os.path.getsize(tmp / f) for f in written) if error is None else 0
+            try:
+                _all_ok(engine, error, f"writing {tmp}")
+            except BaseException:
+                if comm.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if lock is not None and pub is None:
+                    lock.release()
+                raise
+            # every process's files and counts, then process 0 commits
+            totals = _sum(engine, [rows[n] for n in names] + [nbytes])
+            rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
+            entry_id = f"{_agree(engine, [secrets.randbits(63)])[0]:016x}"
+            if comm.rank == 0:
+                try:
+                    files: dict[str, dict[str, int]] = {}
+                    for r in range(comm.world_size):
+                        side = tmp / f"r{r:05d}.json"
+                        files.update(written if r == 0 else json.loads(
+                            side.read_text(encoding="utf-8")))
+                        if comm.world_size > 1:
+                            side.unlink()
+                    manifest = {
+                        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+                        "seq": seq, "kind": kind, "id": entry_id,
+                        "previous": None if pub is None else {"seq": pub.seq, "id": pub.id},
+                        "step": engine.step, "slots": bool(slots),
+                        "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
+                        "world_size": comm.world_size, "files": files, "rows": rows,
+                        "bytes": nbytes, "time": time.time(),
+                        "writer": {"host": socket.gethostname(), "pid": os.getpid(),
+                                   "embcore_version": __version__}}
+                    fmt.commit(tmp, directory, manifest)
+                except BaseException as e:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    error = e
+            try:
+                _all_ok(engine, error, f"committing entry {seq} of {directory}")
+            except BaseException:
+                if lock is not None and pub is None:
+                    lock.release()
+                raise
         except BaseException:
-            if lock is not None and pub is None:
-                lock.release()
+            changes.give_back(key, taken)
             raise
         if pub is None:
-            pub = _Publisher(lock, seq, entry_id, cut, bool(slots), 0)
-            engine._publishers[_key(directory)] = pub
+            pub = _Publisher(lock, seq, entry_id, bool(slots), 0)
+            engine._publishers[key] = pub
         pub.lock = pub.lock or lock
-        pub.seq, pub.id, pub.cut, pub.slots = seq, entry_id, cut, bool(slots)
+        pub.seq, pub.id, pub.slots = seq, entry_id, bool(slots)
         pub.used.update(used)
         if kind == "snapshot":
             pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
@@ -317,13 +321,11 @@ def _agreed_token(engine: Embedding) -> str:
 
 def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | None,
             slots: bool, counts: dict[str, int],
-            used: dict[int, tuple[torch.Tensor, torch.Tensor]]
+            used: dict[int, tuple[torch.Tensor, torch.Tensor]], taken: list[torch.Tensor]
             ) -> Iterator[tuple[str, int, Iterator[dict[str, torch.Tensor]]]]:
     """Per logical table this process writes: ``(name, row bytes, chunks of rows)``; counts the
     rows in ``counts`` and keeps each dynamic table's rows in use and their ids in ``used``."""
     plan, rank = store.plan, store.comm.rank
-    changes = store.changes
-    assert changes is not None
     changed: dict[int, torch.Tensor] = {}
     for place in plan.tables:
         if place.placement.held_everywhere and rank != 0:
@@ -341,7 +343,7 @@ def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | Non
         else:
             assert pub is not None
             if p not in changed:
-                rows = changes.since(p, pub.cut)  # (k,) shard rows, ascending
+                rows = taken[p]  # (k,) shard rows written since, ascending
                 if dyn is not None and p in pub.used:  # and rows freed since
                     freed = (pub.used[p][0] & ~used[p][0]).nonzero().squeeze(1)
                     rows = torch.unique(torch.cat([rows, freed]))
@@ -459,11 +461,11 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
         state["step"] = torch.tensor(last["step"], dtype=torch.int64)
     engine.load_state_dict(state, strict=False)
     with engine._quiet() as store:  # later publishes continue this chain
-        changes = store.track()
+        store.track().take(_key(directory))  # (from now on: what the load wrote is in it)
         old = engine._publishers.get(_key(directory))
         used = {p: (d.row_state("last_use")[:, 0] > 0, d.row_state("ids")[:, 0])
                 for p, d in store.dynamic.items()}
         engine._publishers[_key(directory)] = _Publisher(
-            old.lock if old is not None else None, last["seq"], last["id"], changes.cut(),
+            old.lock if old is not None else None, last["seq"], last["id"],
             bool(last.get("slots")), 0, used=used)
     return {**last["engine"], "step": last["step"], "seq": last["seq"]}

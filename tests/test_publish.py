@@ -594,3 +594,24 @@ def test_a_table_named_like_an_attribute_is_followed(tmp_path):
     assert torch.equal(got["version"], want["version"]) and torch.equal(got["items"],
                                                                          want["items"])
     torch.testing.assert_close(got["refresh"], want["refresh"], atol=0.02, rtol=0)
+
+
+def test_one_engine_publishes_to_two_directories(tmp_path):
+    """Each directory's deltas hold the rows written since its own last publish, whatever the
+    other one took (a row taken by one stays pending for the other)."""
+    emb = make_engine(seed=2)
+    a, b = tmp_path / "a", tmp_path / "b"
+    ec.publish(a, emb)
+    served_a = ec.load_published(a)
+    for k in range(4):
+        train(emb, range(k, k + 1))
+        ec.publish(a, emb, compact_ratio=100)
+        if k == 0:
+            ec.publish(b, emb)
+            served_b = ec.load_published(b)
+        elif k % 2 == 0:  # b publishes every other step: its deltas span two of a's
+            assert ec.publish(b, emb, compact_ratio=100)["kind"] == "delta"
+            served_b.refresh()
+            assert_follows(served_b, emb)
+        served_a.refresh()
+        assert_follows(served_a, emb)
