@@ -336,3 +336,30 @@ def test_an_empty_offload_dir_is_a_value_error_and_writes_nothing(tmp_path, monk
                      offload_dir="")
     assert os.listdir(tmp_path) == []
     OffloadDir.check(tmp_path / "sub")  # a directory to be: fine
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "table", "row_div", "row_mod", "column",
+                                      "hash"])
+def test_the_planner_counts_rows_without_making_them(strategy):
+    from embcore.planning.placement import make_placement
+    for rows in (0, 1, 2, 5, 7, 64, 101):
+        for world in (1, 2, 3, 4):
+            p = make_placement(strategy, rows, 8, world, owner=world - 1)
+            assert [p.held_count(r) for r in range(world)] == \
+                [len(p.held_rows(r)) for r in range(world)], (rows, world)
+
+
+def test_tables_beyond_memory_without_a_budget_are_a_value_error_naming_them():
+    """2^36 rows x 64 (16 TiB) is under the 2^48-byte bound, so it is planned (the planner
+    counts rows, it does not list them); building it without a memory_budget is a ValueError
+    naming the table and the way out, and the engine stays unbuilt."""
+    t = ec.TableConfig(vocabulary_size=2**36, dim=64, name="big")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    assert emb.plan.table("big").rows == 2**36
+    with pytest.raises(ValueError, match=r"tables \['big'\].*memory_budget"):
+        emb.build()
+    raw = ec.TableConfig(vocabulary_size=2**40, dim=2, name="raw",
+                         dynamic=ec.DynamicVocabulary())
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=raw)}, ec.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match="'raw'"):
+        emb.build()

@@ -54,6 +54,11 @@ class Placement:
         """(n_r,) int64 row ids held by ``rank``, in local order."""
         return torch.arange(self.rows)
 
+    def held_count(self, rank: int) -> int:
+        """How many rows ``rank`` holds (``len(held_rows(rank))``, without making the ids: the
+        planner counts rows of tables it must not materialize)."""
+        return self.rows
+
     def columns(self, rank: int) -> tuple[int, int]:
         return 0, self.dim
 
@@ -81,6 +86,9 @@ class WholeTable(Placement):
     def held_rows(self, rank: int) -> torch.Tensor:
         return torch.arange(self.rows if rank == self.owner else 0)
 
+    def held_count(self, rank: int) -> int:
+        return self.rows if rank == self.owner else 0
+
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.full_like(rows, self.owner), rows
 
@@ -97,6 +105,9 @@ class RowDiv(Placement):
         sizes = split_sizes(self.rows, self.world)
         start = sum(sizes[:rank])
         return torch.arange(start, start + sizes[rank])
+
+    def held_count(self, rank: int) -> int:
+        return split_sizes(self.rows, self.world)[rank]
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, rem = divmod(self.rows, self.world)
@@ -117,6 +128,9 @@ class RowMod(Placement):
 
     def held_rows(self, rank: int) -> torch.Tensor:
         return torch.arange(rank, max(rank, self.rows), self.world)  # empty when rank >= rows
+
+    def held_count(self, rank: int) -> int:
+        return max(0, -(-(self.rows - rank) // self.world))
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rows % self.world, torch.div(rows, self.world, rounding_mode="floor")
@@ -157,6 +171,9 @@ class Hashed(Placement):
 
     def held_rows(self, rank: int) -> torch.Tensor:
         return RowDiv.held_rows(self, rank)
+
+    def held_count(self, rank: int) -> int:
+        return RowDiv.held_count(self, rank)
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return RowDiv.owner_of(self, rows)

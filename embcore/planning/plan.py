@@ -303,7 +303,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         for name, cfg, opt in members:
             slots = tuple(s.name for s in opt.slots) if opt is not None else ()
             placement = placed[name]
-            rows = tuple(len(placement.held_rows(r)) for r in range(world_size))
+            rows = tuple(placement.held_count(r) for r in range(world_size))
             placements[name] = LogicalTable(name, strategy, index, offset, cfg.vocabulary_size,
                                             cfg.dim, slots, placement, rows, tuple(shard_rows))
             shard_rows = [a + b for a, b in zip(shard_rows, rows)]

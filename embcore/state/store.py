@@ -82,36 +82,53 @@ class RowStore:
         self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                          else None)
         for p in plan.physical:
-            c0, c1 = p.columns[rank]
-            n_local = p.row_counts[rank]
-            if p.dynamic:  # rows get values at admission; one more row stays zero
-                name = p.tables[0]
-                self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
-            if p.offloaded:
-                cache = self._offloaded(p, seed, device)
-                self.cached[p.index] = cache
-                self.tables.append(cache.table)
-                self.slots.append(cache.slots)
-                continue
-            if p.dynamic:
-                n_local += 1
-            w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
-            if p.dynamic:
-                w.zero_()
-            for name in (p.tables if not p.dynamic else ()):
-                place = plan.table(name)
-                rows = place.held_rows(rank)
-                start = place.local_offsets[rank]
-                if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
-                    initial_rows(configs[name], name, seed, rows, out=w[start:start + len(rows)])
-                else:
-                    values = initial_rows(configs[name], name, seed, rows)  # (n, D)
-                    w[start:start + len(rows)] = values[:, c0:c1].to(device)
-            slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            opt = p.optimizer
-            self.tables.append(w)
-            self.slots.append(opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
-                                             allocate=empty_table) if opt is not None else {})
+            try:
+                self._allocate(p, seed, device)
+            except RuntimeError as e:  # torch's allocator: out of memory
+                if "alloc" not in str(e).lower() and "memory" not in str(e).lower():
+                    raise
+                held = sum(t.numel() * t.element_size() for t in self.tables) + sum(
+                    v.numel() * v.element_size() for s in self.slots for v in s.values())
+                raise ValueError(
+                    f"tables {list(p.tables)}: their rows and slots on this process could not "
+                    f"be allocated in {device} memory ({e}; {held} bytes were allocated for "
+                    f"the tables before them). Give the engine a memory_budget (their rows then "
+                    f"go to a slow tier, hot rows cached), shard them over more processes, or "
+                    f"make them smaller") from None
+
+    def _allocate(self, p: PhysicalTable, seed: int, device: torch.device) -> None:
+        """Physical table ``p``'s shard and slots on this process, initialized."""
+        configs, plan, rank = self.configs, self.plan, self.comm.rank
+        c0, c1 = p.columns[rank]
+        n_local = p.row_counts[rank]
+        if p.dynamic:  # rows get values at admission; one more row stays zero
+            name = p.tables[0]
+            self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
+        if p.offloaded:
+            cache = self._offloaded(p, seed, device)
+            self.cached[p.index] = cache
+            self.tables.append(cache.table)
+            self.slots.append(cache.slots)
+            return
+        if p.dynamic:
+            n_local += 1
+        w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
+        if p.dynamic:
+            w.zero_()
+        for name in (p.tables if not p.dynamic else ()):
+            place = plan.table(name)
+            rows = place.held_rows(rank)
+            start = place.local_offsets[rank]
+            if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
+                initial_rows(configs[name], name, seed, rows, out=w[start:start + len(rows)])
+            else:
+                values = initial_rows(configs[name], name, seed, rows)  # (n, D)
+                w[start:start + len(rows)] = values[:, c0:c1].to(device)
+        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        opt = p.optimizer
+        self.tables.append(w)
+        self.slots.append(opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
+                                         allocate=empty_table) if opt is not None else {})
 
     def _offloaded(self, p: PhysicalTable, seed: int, device: torch.device) -> CachedRows:
         """Physical table ``p``'s shard in the slow tier and its empty cache.
