@@ -102,6 +102,10 @@ class Entry:
         if not isinstance(m.get("format_version"), int) or m["format_version"] > FORMAT_VERSION:
             raise PublishError(f"{path} has format version {m.get('format_version')!r}; this "
                                f"embcore reads up to {FORMAT_VERSION}")
+        seal = m.pop("seal", None) if isinstance(m, dict) else None
+        if seal != _seal(m):
+            raise PublishError(f"{path} does not match its seal (a CRC-32 of its content): the "
+                               f"manifest is corrupt")
         if m.get("seq") != self.seq or m.get("kind") != self.kind:
             raise PublishError(f"{path} says seq {m.get('seq')!r} kind {m.get('kind')!r} but "
                                f"sits in {self.path.name}; the entry is corrupt")
@@ -294,7 +298,7 @@ def new_id() -> str:
 def commit(tmp: Path, directory: Path, manifest: Mapping[str, Any]) -> Entry:
     """Makes the written temporary directory ``tmp`` an entry: writes its manifest, syncs, and
     renames it into place (atomic). Raises FileExistsError: the entry exists (another writer)."""
-    text = json.dumps(dict(manifest), indent=1, allow_nan=False)
+    text = json.dumps({**manifest, "seal": _seal(manifest)}, indent=1, allow_nan=False)
     with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -307,6 +311,12 @@ def commit(tmp: Path, directory: Path, manifest: Mapping[str, Any]) -> Entry:
     os.rename(tmp, final)
     _fsync_dir(directory)
     return Entry(manifest["seq"], manifest["kind"], final)
+
+
+def _seal(manifest: Any) -> int:
+    """CRC-32 of a manifest's content (its canonical JSON, keys sorted): every field is checked,
+    the step and the spec as much as the checksums."""
+    return zlib.crc32(json.dumps(manifest, sort_keys=True, allow_nan=False).encode())
 
 
 def remove_stale(directory: Path) -> None:
