@@ -59,22 +59,22 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
         tile = live_r[:, None] & live_c[None, :]
         acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile, other=0.0)
     else:
-        start = tl.load(offsets_ptr + r64, mask=live_r, other=0)          # (BLOCK_R,) int64
-        end = tl.load(offsets_ptr + r64 + 1, mask=live_r, other=0)
-        length = end - start
+        # The bags' bounds as (BLOCK_R, 1) columns, so that everything in the loop is one 2-D
+        # layout (Triton 3.6's layout pass fails on 1-D loads in this loop mixed with the 2-D
+        # tile: "mask type matches ptr type"; 3.9 compiles either form).
+        r2 = r64[:, None]                                                  # (BLOCK_R, 1)
+        start = tl.load(offsets_ptr + r2, mask=live_r[:, None], other=0)  # (BLOCK_R, 1) int64
+        end = tl.load(offsets_ptr + r2 + 1, mask=live_r[:, None], other=0)
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        # The j-th id of every bag of the tile at once; shorter bags are masked off (the mask
-        # derived from the occurrence itself, over an int32 counter: Triton 3.6's layout pass
-        # failed on the kernel as first written, an int64 loop whose masks mixed the counter
-        # with the rows' liveness).
-        for j in range(0, tl.max(length, axis=0).to(tl.int32)):  # (an int32 loop: see above)
-            k = start + j
-            live = k < end                                                 # (BLOCK_R,)
-            row = tl.load(ids_ptr + k, mask=live, other=0)
-            x = tl.load(table_ptr + row[:, None] * D + cols[None, :],
-                        mask=live[:, None] & live_c[None, :], other=0.0).to(tl.float32)
+        # The j-th id of every bag of the tile at once; shorter bags are masked off.
+        for j in range(0, tl.max(tl.max(end - start, axis=1), axis=0).to(tl.int32)):
+            k = start + j                                                  # (BLOCK_R, 1)
+            live = k < end
+            row = tl.load(ids_ptr + k, mask=live, other=0)                 # (BLOCK_R, 1)
+            x = tl.load(table_ptr + row * D + cols[None, :],
+                        mask=live & live_c[None, :], other=0.0).to(tl.float32)
             if SCALED:
-                x = tl.load(scales_ptr + k, mask=live, other=0.0)[:, None] * x
+                x = tl.load(scales_ptr + k, mask=live, other=0.0) * x
             acc += x
     tl.store(out_ptr + r64[:, None] * D + cols[None, :], acc,
              mask=live_r[:, None] & live_c[None, :])
@@ -178,23 +178,24 @@ def sparse_update_kernel(
     if DIRECT:
         g = tl.load(grad_ptr + u64[:, None] * D + cols[None, :], mask=tile, other=0.0)
     else:
-        start = tl.load(uoff_ptr + u64, mask=live_u, other=0)             # (BLOCK_U,) int64
-        end = tl.load(uoff_ptr + u64 + 1, mask=live_u, other=0)
-        count = end - start
+        # (BLOCK_U, 1) columns, one 2-D layout in the loop: see lookup_kernel
+        u2 = u64[:, None]
+        start = tl.load(uoff_ptr + u2, mask=live_u[:, None], other=0)     # (BLOCK_U, 1) int64
+        end = tl.load(uoff_ptr + u2 + 1, mask=live_u[:, None], other=0)
         g = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.float32)
         # The j-th occurrence of every row of the tile at once, in the order of ``order``.
-        for j in range(0, tl.max(count, axis=0).to(tl.int32)):
-            at = start + j
+        for j in range(0, tl.max(tl.max(end - start, axis=1), axis=0).to(tl.int32)):
+            at = start + j                                                 # (BLOCK_U, 1)
             live = at < end
             k = tl.load(order_ptr + at, mask=live, other=0)                # occurrence
             if UNIT:
                 b = k
             else:
                 b = tl.load(bags_ptr + k, mask=live, other=0)              # its output row
-            x = tl.load(grad_ptr + b[:, None] * D + cols[None, :],
-                        mask=live[:, None] & live_c[None, :], other=0.0)
+            x = tl.load(grad_ptr + b * D + cols[None, :], mask=live & live_c[None, :],
+                        other=0.0)
             if SCALED:
-                x = tl.load(scales_ptr + k, mask=live, other=0.0)[:, None] * x
+                x = tl.load(scales_ptr + k, mask=live, other=0.0) * x
             g += x
     if RULE == NONE:
         tl.store(out_ptr + u64[:, None] * D + cols[None, :], g, mask=tile)
