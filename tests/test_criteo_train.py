@@ -6,6 +6,7 @@ settings is checked by running the job itself (see examples/criteo/README.md).
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -169,6 +170,104 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(tmp_path, capsys, monkeypa
     assert resumed["test_auc"] == pytest.approx(straight["test_auc"], abs=1e-6)
 
 
+def _newest(out: Path) -> Path:
+    return out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+
+
+def _newest_manifest(out: Path) -> dict:
+    return json.loads((_newest(out) / "embedding" / "manifest.json").read_text())
+
+
+def _as_written_before_specs(out: Path, spec_recorded: bool) -> None:
+    """Rewrites the newest checkpoint under ``out`` as the job wrote it before ``--spec``
+    (git history: 038895f added --spec, 10ed945 the spec in embcore's manifests, cc7fa09 the
+    checksums, e74b4f2 --model): dense.pt's model config has no "arch"; the manifest has no
+    checksums, and either no spec (``spec_recorded`` False) or the one-process engine's spec of
+    then, built with no sharding (the job passed ``sharding=None`` on one process)."""
+    ckpt = _newest(out)
+    dense = torch.load(ckpt / "dense.pt", weights_only=True)
+    del dense["model_config"]["arch"]
+    torch.save(dense, ckpt / "dense.pt")
+    file = ckpt / "embedding" / "manifest.json"
+    manifest = json.loads(file.read_text())
+    del manifest["checksums"]
+    if spec_recorded:
+        manifest["spec"]["sharding"] = None
+    else:
+        del manifest["spec"]
+    file.write_text(json.dumps(manifest, indent=1))
+
+
+def test_resume_accepts_a_one_process_checkpoint_from_before_specs(tmp_path, capsys):
+    """A checkpoint without a spec in its manifest (or with the old one-process sharding None)
+    resumes when the tables it records are the flags' (a note says the flags' spec is taken),
+    exactly as an uninterrupted run; tables that differ are refused, naming the difference."""
+    data = tmp_path / "data"
+    generate(data, train_lines=400, test_lines=100, scale=1e-4, seed=5)
+    base = ["--data", str(data), "--capacity", "200"]
+    straight, _ = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "a"))
+    _run(capsys, *base, "--epochs", "1", "--out", str(tmp_path / "b"), "--checkpoint-every", "3")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    _as_written_before_specs(tmp_path / "b", spec_recorded=False)
+    _as_written_before_specs(tmp_path / "c", spec_recorded=True)
+    assert "spec" not in _newest_manifest(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"records no spec of the tables .*are not those the "
+                                         r"flags build \(C1\.optimizer: 'Adagrad' there, "
+                                         r"'RowwiseAdagrad' now"):
+        train.main([*base, "--epochs", "2", "--out", str(tmp_path / "b"), "--resume", *TINY,
+                    "--embedding-optimizer", "rowwise_adagrad"])
+    resumed, lines = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "b"),
+                          "--resume")
+    assert any(s.startswith("note: ") and "records no spec of the tables (written before "
+               "checkpoints recorded one); resuming with the spec the flags build" in s
+               for s in lines), lines
+    assert any("resumed from" in s for s in lines) and LAST_LINE.fullmatch(lines[-1])
+    for key in ("examples", "test_auc", "test_logloss"):
+        assert resumed[key] == pytest.approx(straight[key], abs=1e-6), key
+    assert "spec" in _newest_manifest(tmp_path / "b")  # its new checkpoints record one
+    resumed, lines = _run(capsys, *base, "--epochs", "2", "--out", str(tmp_path / "c"),
+                          "--resume")
+    assert "note: the tables' sharding changed (sharding: None there, 'auto' now)" in \
+        "\n".join(lines)
+    for key in ("examples", "test_auc", "test_logloss"):
+        assert resumed[key] == pytest.approx(straight[key], abs=1e-6), key
+
+
+def test_resume_takes_new_learning_rates(tmp_path, capsys, monkeypatch):
+    """--embedding-lr and --lr may change on resume: the engine built on resume trains the
+    tables at the new rate, the dense part's optimizer at the new --lr (not the checkpoint's),
+    and notes say so."""
+    models = []
+
+    class Recorded(train.DLRM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            models.append(self)
+
+    monkeypatch.setattr(train, "DLRM", Recorded)
+    out = tmp_path / "run"
+    argv = ["--synthetic", "--synthetic-lines", "320", "--out", str(out), *TINY]
+    train.main(argv)  # --embedding-lr 0.05, --lr 0.05
+    capsys.readouterr()
+    resumed = train.main([*argv, "--resume", "--epochs", "2", "--embedding-lr", "0.2",
+                          "--lr", "0.1"])  # (the last of a flag given twice counts)
+    lines = capsys.readouterr().out.splitlines()
+    assert resumed["epoch"] == 2 and LAST_LINE.fullmatch(lines[-1])
+    assert "note: the tables' learning rate changed (optimizer.learning_rate: 0.05 there, 0.2 " \
+           "now); the resumed run uses the new one" in lines
+    assert "note: the dense part's learning rate changed (--lr): 0.05 there, 0.1 now; the " \
+           "resumed run uses 0.1" in lines
+    engine = models[-1].embedding.engine
+    assert models[-1].spec.optimizer.learning_rate == 0.2
+    assert engine.manifest()["spec"]["optimizer"]["learning_rate"] == 0.2
+    assert {t["optimizer"] for t in engine.manifest()["tables"].values()} \
+        == {"Adagrad(learning_rate=0.2, initial_accumulator_value=0.0)"}
+    dense = torch.load(_newest(out) / "dense.pt", weights_only=True)
+    assert {g["lr"] for g in dense["optimizer"]["param_groups"]} == {0.1}
+    manifest = _newest_manifest(out)
+    assert manifest["step"] == 10 and manifest["spec"]["optimizer"]["learning_rate"] == 0.2
+
+
 def test_held_out_share_when_test_has_no_labels(tmp_path, capsys):
     data = tmp_path / "data"
     generate(data, train_lines=700, test_lines=10, scale=1e-4, seed=0)
@@ -251,10 +350,18 @@ def test_a_spec_file_trains_as_the_flags_that_wrote_it(tmp_path, capsys, tables)
     edited["tables"]["C7"]["initializer"] = {"torch.nn.init": "zeros_", "kwargs": {}}
     (tmp_path / "edited.json").write_text(json.dumps(edited))
     with pytest.raises(ValueError, match=r"another spec of the tables \(tables\.C7\.initializer:"
-                                         r" None there, .*; optimizer\.learning_rate: 0\.05 "
-                                         r"there, 0\.1 now\)"):
+                                         r" None there, [^;]*\); resume with the same spec"):
         train.main(["--data", str(data), "--spec", str(tmp_path / "edited.json"), "--out",
                     str(tmp_path / "b"), "--resume", "--epochs", "3", *TINY_DENSE])
+    # ... but for its learning rate: the file's wins
+    del edited["tables"]["C7"]["initializer"]
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    again = train.main(["--data", str(data), "--spec", str(tmp_path / "edited.json"), "--out",
+                        str(tmp_path / "b"), "--resume", "--epochs", "3", *TINY_DENSE])
+    assert again["epoch"] == 3
+    assert "note: the tables' learning rate changed (optimizer.learning_rate: 0.05 there, 0.1 " \
+           "now)" in capsys.readouterr().out
+    assert _newest_manifest(tmp_path / "b")["spec"]["optimizer"]["learning_rate"] == 0.1
 
 
 def test_spec_errors(tmp_path, capsys):

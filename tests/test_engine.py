@@ -337,6 +337,30 @@ def test_pipelined_lookup_is_one_step_stale_and_exact_mode_is_not():
     assert torch.equal(got["user"], after["user"])
 
 
+def test_a_third_pipelined_enqueue_names_the_two_pending_batches():
+    """pipeline_execution=True holds two enqueued batches: a third enqueue says that two are
+    pending and that dequeue() is the call due, and queues nothing; after a dequeue the next
+    enqueue is taken, and the batches come out in order."""
+    emb, _ = two_tables(pipeline_execution=True)
+    fresh, _ = two_tables()  # the same tables: zero gradients leave them so
+    emb.enqueue(batch(seed=0))
+    emb.enqueue(batch(seed=1))
+    with pytest.raises(RuntimeError, match=r"enqueue\(\) called while 2 batches are enqueued and "
+                                           r"not yet dequeued, .*; call dequeue\(\)"):
+        emb.enqueue(batch(seed=2))
+    for seed in (0, 1, 2):
+        acts = emb.dequeue()
+        want = fresh.lookup(batch(seed=seed))
+        for k in acts:
+            torch.testing.assert_close(acts[k], want[k], rtol=0, atol=0)
+        emb.apply_gradients({k: torch.zeros_like(v) for k, v in acts.items()})
+        if seed == 0:
+            emb.enqueue(batch(seed=2))
+    with pytest.raises(RuntimeError, match="nothing enqueued"):
+        emb.dequeue()
+    assert emb.step == 3
+
+
 def test_pipelined_training_matches_exact_when_not_overlapped():
     a, _ = two_tables(pipeline_execution=True)
     b, _ = two_tables(pipeline_execution=False)

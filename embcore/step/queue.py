@@ -55,9 +55,15 @@ class StepQueue:
         self._last_training: bool | None = None
 
     def check_room(self) -> None:
-        if len(self._queue) >= self.limit:
+        pending = len(self._queue)
+        if pending < self.limit:
+            return
+        if pending == 1:
             raise RuntimeError("enqueue() called again before dequeue() of the batch already "
                                "enqueued; call dequeue() after every enqueue()")
+        raise RuntimeError(f"enqueue() called while {pending} batches are enqueued and not "
+                           f"yet dequeued, the most pipeline_execution=True holds; call "
+                           f"dequeue() (it takes the oldest) before enqueuing another")
 
     def put(self, training: bool, batch: Batch | None = None,
             background: Callable[[], tuple[Batch, Any, Any]] | None = None) -> None:

@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -175,7 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--out", type=Path, default=Path("runs/criteo"),
                    help="directory for checkpoints, metrics.jsonl and curves.png")
     o.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint under --out (same data and flags)")
+                   help="continue from the newest checkpoint under --out (same data and flags; "
+                        "the learning rates --lr and --embedding-lr may change)")
     o.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     o.add_argument("--keep-checkpoints", type=int, default=2, help="how many to keep")
@@ -461,9 +463,22 @@ def save_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
     return ckpt
 
 
+# A rate path of a spec's dict: the default optimizer's or a table's own (a schedule's parts too).
+LEARNING_RATE = re.compile(r"(optimizer|tables\.[^.]+\.optimizer)\.learning_rate(\..+)?")
+
+
 def restore_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
-                       identity: dict[str, Any]) -> tuple[dict[str, int], list[dict]] | None:
+                       identity: dict[str, Any], say: Callable[..., None] = print,
+                       spec_source: str = "the flags build"
+                       ) -> tuple[dict[str, int], list[dict]] | None:
     """Restores the newest checkpoint under ``root``; None when there is none.
+
+    The learning rates may change: the tables' (the spec's, ``--embedding-lr``) and the dense
+    part's (``--lr``) are the ones ``model`` and ``dense_opt`` were built with, not the
+    checkpoint's (a note says so). On one process the spec's sharding may change too (every
+    table is whole there). A checkpoint whose manifest records no spec (written before
+    checkpoints recorded one) is taken to have ``model``'s (``spec_source``: whence it comes,
+    for the note), once what the manifest does record of each table matches.
 
     Raises:
         ValueError: the checkpoint was written with other data or flags (nothing restored).
@@ -479,24 +494,108 @@ def restore_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer
                            for k, v in identity.items() if saved.get(k, "unrecorded") != v)
         raise ValueError(f"{ckpt} was written by a run with other data or flags ({differ}); "
                          f"resume with the same data and flags, or leave out --resume")
-    config = as_model_config(dense["model_config"])
+    config = as_model_config(dense["model_config"])  # ("arch" unrecorded before --model: dcnv2)
     if config != model.config:
         raise ValueError(f"{ckpt} holds a model with {config}, but the flags give "
                          f"{model.config}; resume with the same model flags")
-    # The tables' spec, from the checkpoint's manifest; the memory budget may change (the
-    # results are exact under any budget).
-    saved_spec = ec.EmbeddingSpec.from_checkpoint(ckpt / "embedding").to_dict()
-    differ = [d for d in spec_differences(saved_spec, model.spec.to_dict())
-              if not d.startswith("memory_budget:")]
-    if differ:
-        raise ValueError(f"{ckpt} was written with another spec of the tables ("
-                         f"{'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}); "
-                         f"resume with the same spec (--spec, or the flags that build it), or "
-                         f"leave out --resume")
+    notes = _check_tables(ckpt, model, one_process=identity.get("world") == 1,
+                          spec_source=spec_source)
     ec.load(ckpt / "embedding", model.embedding)
     model.dense_arch.load_state_dict(dense["dense_arch"])
-    dense_opt.load_state_dict(dense["optimizer"])
+    rates = [group["lr"] for group in dense_opt.param_groups]  # the flags' (--lr)
+    dense_opt.load_state_dict(dense["optimizer"])  # its accumulators, and its rate ...
+    saved_rates = [group["lr"] for group in dense_opt.param_groups]
+    for group, lr in zip(dense_opt.param_groups, rates, strict=True):
+        group["lr"] = lr  # ... which the flags' replaces
+    if saved_rates != rates:
+        notes.append(f"the dense part's learning rate changed (--lr): "
+                     f"{_one(saved_rates)!r} there, {_one(rates)!r} now; the resumed run uses "
+                     f"{_one(rates)!r}")
+    for note in notes:
+        say(f"note: {note}")
     return dense["position"], dense["history"]
+
+
+def _one(values: list[Any]) -> Any:
+    return values[0] if len(set(values)) == 1 else values
+
+
+def _check_tables(ckpt: Path, model: DLRM, one_process: bool, spec_source: str) -> list[str]:
+    """Checks the tables' spec the checkpoint's manifest records against ``model.spec``: the
+    same but for the memory budget, the learning rates and (on one process) the sharding.
+    Returns the notes to print (what changed and is allowed, or that no spec was recorded).
+
+    Raises:
+        ValueError: another spec (naming the differences), or with no spec recorded, tables
+            whose manifest entries differ from ``model``'s.
+    """
+    embedding = ckpt / "embedding"
+    try:
+        manifest = json.loads((embedding / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        manifest = None  # EmbeddingSpec.from_checkpoint (then ec.load) names what is wrong
+    if isinstance(manifest, dict) and manifest.get("spec") is None:
+        return _check_unrecorded_spec(ckpt, manifest, model, spec_source)
+    saved_spec = ec.EmbeddingSpec.from_checkpoint(embedding).to_dict()
+    differ = spec_differences(saved_spec, model.spec.to_dict())
+    rates = [d for d in differ if LEARNING_RATE.fullmatch(d.partition(": ")[0])]
+    sharding = [d for d in differ if d.partition(": ")[0].split(".")[0] == "sharding"]
+    refused = [d for d in differ if d not in rates and not d.startswith("memory_budget:")
+               and not (one_process and d in sharding)]
+    if refused:
+        raise ValueError(f"{ckpt} was written with another spec of the tables ("
+                         f"{'; '.join(refused[:6])}{'; ...' if len(refused) > 6 else ''}); "
+                         f"resume with the same spec (--spec, or the flags that build it), or "
+                         f"leave out --resume")
+    notes = []
+    if rates:
+        notes.append(f"the tables' learning rate changed ({'; '.join(rates)}); the resumed "
+                     f"run uses the new one")
+    if one_process and sharding:
+        notes.append(f"the tables' sharding changed ({'; '.join(sharding)}); one process holds "
+                     f"every table whole whatever the sharding, so nothing else changes")
+    return notes
+
+
+def _check_unrecorded_spec(ckpt: Path, manifest: dict[str, Any], model: DLRM,
+                           spec_source: str) -> list[str]:
+    """A checkpoint written before manifests recorded the spec: what they did record of each
+    table (rows, dim, dtype, combiner, dynamic or static, the optimizer's class) must be
+    ``model``'s; its spec is then taken to be ``model.spec``."""
+    def record(tables: Any) -> dict[str, Any]:
+        if not isinstance(tables, dict):
+            return {"tables": tables}
+        return {name: {"vocabulary_size": t.get("vocabulary_size"), "dim": t.get("dim"),
+                       "dtype": t.get("dtype"), "combiner": t.get("combiner"),
+                       "kind": "static" if t.get("dynamic") is None else "dynamic",
+                       "optimizer": (None if t.get("optimizer") is None
+                                     else str(t["optimizer"]).split("(")[0])}
+                if isinstance(t, dict) else t for name, t in tables.items()}
+
+    why = manifest.get("spec_error", "written before checkpoints recorded one")
+    now = model.embedding.engine.manifest()["tables"]
+    differ = spec_differences(record(manifest.get("tables")), record(now))
+    if differ:
+        raise ValueError(f"{ckpt} records no spec of the tables ({why}), and its tables are "
+                         f"not those {spec_source} ("
+                         f"{'; '.join(differ[:6])}{'; ...' if len(differ) > 6 else ''}); "
+                         f"resume with the same tables, or leave out --resume")
+    notes = [(f"{ckpt} records no spec of the tables ({why}); resuming with the spec "
+              f"{spec_source}: its tables' rows, dims, kinds and optimizers match the "
+              f"checkpoint's")]
+    saved_rates = {_rate(t.get("optimizer")) for t in manifest["tables"].values()
+                   if isinstance(t, dict)}
+    rates = {_rate(t.get("optimizer")) for t in now.values()}
+    if None not in saved_rates | rates and saved_rates != rates:
+        notes.append(f"the tables' learning rate changed ({_one(sorted(saved_rates))} there, "
+                     f"{_one(sorted(rates))} now); the resumed run uses the new one")
+    return notes
+
+
+def _rate(optimizer: Any) -> str | None:
+    """The learning rate an optimizer's repr (a manifest's table entry) shows, as written."""
+    found = re.search(r"learning_rate=([^,)]+)", str(optimizer)) if optimizer else None
+    return found.group(1) if found else None
 
 
 # --------------------------------------------------------------------------------- outputs
@@ -615,7 +714,9 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                 "world": world}
     position = {"epoch": 0, "line": 0, "epoch_step": 0, "global_step": 0, "examples": 0}
     history: list[dict[str, Any]] = []
-    restored = restore_checkpoint(root, model, dense_opt, identity) if args.resume else None
+    source = f"--spec {args.spec} gives" if args.spec is not None else "the flags build"
+    restored = (restore_checkpoint(root, model, dense_opt, identity, say, source)
+                if args.resume else None)
     if restored is not None:
         position, history = restored
         if position["epoch"] >= args.epochs:
