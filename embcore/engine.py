@@ -34,6 +34,7 @@ from .state.cache import OffloadDir
 from .state.store import RowStore
 from .step.exchange import Answers
 from .step.fast import FastPath
+from .step.gradients import reject_gradients
 from .step.path import Batch, GeneralPath, StepPath
 from .step.queue import StepQueue, TrainingStep
 
@@ -308,7 +309,10 @@ class Embedding:
         self._queue.applied()
 
     def _apply(self, batch: Batch, answers: Answers, gradients: Any, warn_on_none: bool) -> None:
-        flat = self._features.flatten(gradients, "gradients")
+        try:
+            flat = self._features.flatten(gradients, "gradients")
+        except (ValueError, TypeError) as e:  # (the other processes learn of it at once)
+            reject_gradients(batch.prepared, self._plan, self._comm, self.device, e)
         batch.apply(answers, flat, self._step, warn_on_none, before_write=self._queue.wait_all)
         self._step += 1
 

@@ -13,20 +13,27 @@ table's optimizer where the row is held:
 
 Everything that can reject a call runs before the first table is written (``apply_step``):
 ``check_gradients`` (kinds, dtypes and shapes of the gradients), each optimizer's
-``gradient_multiplier(step)`` (``gradient_multipliers``) and ``learning_rates``, then, at the
-start of ``apply_gradients``, the gradients' conversion to the tables' device and working dtype.
-``apply_gradients`` also skips, as a whole, the tables of an optimizer with
-``skip_nonfinite_gradients`` whose gradients hold NaN or inf (docs/semantics.md section 3).
+``gradient_multiplier(step)`` (``gradient_multipliers``), the search for non-finite gradients,
+the gradients' conversion to the tables' device and working dtype (``gradient_rows``) and, last,
+``learning_rates``. With several processes these checks are local, so the processes agree on
+their outcome before any collective of the exchange (``agree_gradients``: one all_reduce of a
+status per process and a flag per optimizer with ``skip_nonfinite_gradients``): when one process
+rejects its gradients, every process raises at once with nothing written (instead of the others
+waiting in the exchange until the timeout), and the learning rates, evaluated only once all
+processes passed, move a counting callable on every process or on none. ``apply_gradients`` skips,
+as a whole, the tables of an optimizer with ``skip_nonfinite_gradients`` whose gradients hold NaN
+or inf on any process (docs/semantics.md section 3).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
 
 import torch
 
-from ..base.comm import Communicator
+from ..base.comm import CollectiveError, Communicator
 from ..config.optimizers import Optimizer
 from ..ops.combine import OutputGrads, row_gradients
 from ..planning.plan import ShardingPlan
@@ -148,10 +155,12 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
                names: Sequence[str], store: RowStore, comm: Communicator, step: int,
                warn_on_none: bool, before_write: Callable[[], None]) -> None:
     """The third verb whole: checks a training batch's gradients, evaluates its gradient
-    multipliers and learning rates (in that order: a bad multiplier raises before a counting
-    learning-rate callable moves) and finds its non-finite gradients, all before any write;
-    then ``before_write()`` (the engine lets background lookups of later batches finish, they
-    read the tables) and ``apply_gradients``.
+    multipliers, finds its non-finite gradients, calls ``before_write()`` (the engine lets
+    background lookups of later batches finish, they read the tables) and converts the gradients
+    to the update's device and dtype; with several processes, agrees with the others that every
+    process passed (``agree_gradients``: one small collective, which also carries the
+    non-finite flags); then evaluates the learning rates (last: a counting callable moves only
+    once everything else passed, on every process) and ``apply_gradients``.
 
     Args:
         prepared, answers: the training batch and what its lookup's exchange recorded.
@@ -163,44 +172,153 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
     Raises:
         TypeError / ValueError: as ``check_gradients``, or from a multiplier or learning rate.
             Nothing is written.
+        ValueError / TypeError / RuntimeError: (W > 1) another process rejected its gradients
+            (its error's kind, RuntimeError for any other exception), naming its rank and
+            quoting its error (``agree_gradients``). Nothing is written, on any process.
     """
     plan = store.plan
-    checked = check_gradients(prepared, grads, names, plan, warn_on_none)
-    multipliers = gradient_multipliers(prepared, plan, step)
+    groups = _skip_groups(prepared, plan)
+    failure: Exception | None = None
+    try:
+        checked = check_gradients(prepared, grads, names, plan, warn_on_none)
+        multipliers = gradient_multipliers(prepared, plan, step)
+        nonfinite = nonfinite_gradients(prepared, checked, names, plan)
+        before_write()
+        parts = gradient_rows(prepared, checked, store)
+    except Exception as e:  # noqa: BLE001 - the other processes learn it, then it is raised
+        if comm.world_size == 1:
+            raise
+        failure = e
+    if failure is None:
+        local = [any(p in nonfinite for p in tables) for tables, _ in groups]
+    else:
+        local = [False] * len(groups)
+    if comm.world_size > 1:  # (raises on every process when one rejected its gradients)
+        bad = agree_gradients(comm, failure, local, store.device)
+    else:
+        bad = local
     lrs = learning_rates(prepared, plan)
-    nonfinite = nonfinite_gradients(prepared, checked, names, plan)
-    before_write()
-    apply_gradients(prepared, answers, checked, store, comm, step, lrs, multipliers, nonfinite)
+    skipped = _skipped(groups, bad, nonfinite, plan)
+    apply_gradients(prepared, answers, parts, store, comm, step, lrs, multipliers, skipped)
 
 
-def apply_gradients(prepared: Prepared, answers: Answers,
-                    grads: Sequence[torch.Tensor | None], store: RowStore, comm: Communicator,
-                    step: int, lrs: Mapping[int, float],
-                    multipliers: Mapping[int, float | None],
-                    nonfinite: Mapping[int, list[str]]) -> None:
-    """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
-    table is sharded, or when an optimizer has ``skip_nonfinite_gradients`` and W > 1).
+# A process's status in ``agree_gradients``: what its checks raised (0: they passed).
+_PASSED, _VALUE_ERROR, _TYPE_ERROR, _OTHER_ERROR = 0, 1, 2, 3
+_KINDS: dict[int, type[Exception]] = {_VALUE_ERROR: ValueError, _TYPE_ERROR: TypeError,
+                                      _OTHER_ERROR: RuntimeError}
+_MESSAGE_BYTES = 1024  # of a rejecting process's error carried to the others (UTF-8, cut)
 
-    Before the first write: the skipped tables are decided (``skip_nonfinite_gradients``, with a
-    warning) and every gradient is converted to the tables' device and working dtype.
+
+def agree_gradients(comm: Communicator, failure: Exception | None, flags: Sequence[bool],
+                    device: torch.device) -> list[bool]:
+    """Every process's outcome of its local checks, before any collective of the exchange (a
+    collective: every process calls it once per ``apply_gradients`` when W > 1).
+
+    One ``all_reduce`` of ``W + len(flags)`` int32: at this rank's index its status (its checks
+    passed, or raised a ValueError, a TypeError or another exception), then ``flags`` (per
+    optimizer object with ``skip_nonfinite_gradients``: a gradient of its tables holds NaN or inf
+    here), summed over the processes. When a process failed, a second collective (an
+    ``all_gather``) carries each failed process's error message (its first ``_MESSAGE_BYTES``
+    bytes), and every process raises: a failed one its own error (``failure``), the others an
+    error of the first failed process's kind (ValueError, TypeError, else RuntimeError) naming
+    it and quoting its message.
 
     Args:
-        prepared: the training batch; answers: what its lookup's exchange recorded.
-        grads: ``check_gradients``' result: per feature (flat order) its activation's gradient,
-            or None for zero.
-        store: the rows; comm: the communicator; step: updates applied so far.
-        lrs, multipliers, nonfinite: ``learning_rates``, ``gradient_multipliers`` and
-            ``nonfinite_gradients`` of this batch, evaluated by the caller before this call (the
-            multipliers first: a bad one raises before a counting learning-rate callable moves).
+        comm: the communicator (W > 1).
+        failure: what this process's checks raised, or None.
+        flags: this process's non-finite flags (the same length on every process).
+        device: where the collective's tensors live (the tables' device: NCCL wants the GPU).
+
+    Returns:
+        Per flag, whether it is set on any process.
+
+    Raises:
+        ``failure`` on this process; ValueError / TypeError / RuntimeError when another process
+        failed; CollectiveError when the collective fails (on a failed process: ``failure``).
     """
+    w = comm.world_size
+    status = _PASSED if failure is None else (
+        _VALUE_ERROR if isinstance(failure, ValueError) else
+        _TYPE_ERROR if isinstance(failure, TypeError) else _OTHER_ERROR)
+    mine = [0] * (w + len(flags))  # (W + G,)
+    mine[comm.rank] = status
+    mine[w:] = [int(f) for f in flags]
+    try:
+        got = comm.all_reduce_sum(torch.tensor(mine, dtype=torch.int32, device=device)).tolist()
+    except CollectiveError:
+        if failure is not None:  # this process's own error first (the collective's: context)
+            raise failure
+        raise
+    statuses = got[:w]
+    failed = [r for r, s in enumerate(statuses) if s != _PASSED]
+    if not failed:
+        return [n > 0 for n in got[w:]]
+    text = b"" if failure is None else f"{type(failure).__name__}: {failure}".encode()
+    text = text[:_MESSAGE_BYTES]
+    message = torch.tensor(list(text) + [0] * (_MESSAGE_BYTES - len(text)), dtype=torch.uint8,
+                           device=device)  # (_MESSAGE_BYTES,)
+    try:
+        messages = comm.all_gather(message)  # W x (_MESSAGE_BYTES,)
+    except CollectiveError:
+        if failure is not None:
+            raise failure
+        raise
+    if failure is not None:
+        raise failure  # (as with one process)
+    first = failed[0]
+    raw = bytes(messages[first].cpu().tolist()).rstrip(b"\0")
+    said = raw.decode("utf-8", errors="ignore") + ("..." if len(raw) == _MESSAGE_BYTES else "")
+    who = (f"rank {first} of {comm.world_size} rejected its" if len(failed) == 1 else
+           f"ranks {failed} of {comm.world_size} rejected their")
+    raise _KINDS[statuses[first]](
+        f"{who} gradients for this step, so no process applies them: nothing is "
+        f"written on any process and the step is not counted; the batch still awaits its "
+        f"gradients on every process (retry apply_gradients on all of them). Rank {first}'s "
+        f"error: {said}")
+
+
+def reject_gradients(prepared: Prepared, plan: ShardingPlan, comm: Communicator,
+                     device: torch.device, failure: Exception) -> NoReturn:
+    """Raises ``failure``, after telling the other processes (W > 1: ``agree_gradients``, as
+    ``apply_step`` would have) that this process rejects its gradients for ``prepared``: for a
+    rejection before ``apply_step`` (the engine's flattening of the gradients' structure), so
+    that the others raise at once instead of waiting in the exchange until the timeout."""
+    if comm.world_size > 1:
+        agree_gradients(comm, failure, [False] * len(_skip_groups(prepared, plan)), device)
+    raise failure
+
+
+def gradient_rows(prepared: Prepared, grads: Sequence[torch.Tensor | None],
+                  store: RowStore) -> dict[int, list[torch.Tensor]]:
+    """``{physical table: per feature its (R_f, D) gradient rows}`` in the update's device and
+    working dtype (zeros for None): the conversion, before any write."""
     plan = store.plan
-    skipped = _skipped(prepared, plan, nonfinite, comm, store.device)
-    todo = [(tb, got) for tb, got in zip(prepared.tables, answers) if tb.physical not in skipped]
-    parts = {}  # physical table -> (R_f, D) per feature, in the update's device and dtype
-    for tb, _ in todo:
+    parts = {}
+    for tb in prepared.tables:
         p = plan.physical[tb.physical]
         parts[tb.physical] = [_rows(grads[s.feature], s.rows, p.dim, _work_dtype(p.dtype),
                                     store.device) for s in tb.slices]
+    return parts
+
+
+def apply_gradients(prepared: Prepared, answers: Answers,
+                    parts: dict[int, list[torch.Tensor]], store: RowStore, comm: Communicator,
+                    step: int, lrs: Mapping[int, float],
+                    multipliers: Mapping[int, float | None], skipped: set[int]) -> None:
+    """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
+    table is sharded): the writes, every check passed (``apply_step``).
+
+    Args:
+        prepared: the training batch; answers: what its lookup's exchange recorded.
+        parts: ``gradient_rows``' result: per physical table, per feature its gradient rows in
+            the update's device and dtype (consumed).
+        store: the rows; comm: the communicator; step: updates applied so far.
+        lrs, multipliers: ``learning_rates`` and ``gradient_multipliers`` of this batch.
+        skipped: the physical tables this step leaves alone (``skip_nonfinite_gradients``), the
+            same on every process.
+    """
+    plan = store.plan
+    todo = [(tb, got) for tb, got in zip(prepared.tables, answers) if tb.physical not in skipped]
     for tb, got in todo:
         p = plan.physical[tb.physical]
         outputs = OutputGrads(parts.pop(tb.physical),
@@ -221,39 +339,34 @@ def apply_gradients(prepared: Prepared, answers: Answers,
                      since=got.since if got is not None else None)
 
 
-def _skipped(prepared: Prepared, plan: ShardingPlan, nonfinite: Mapping[int, list[str]],
-             comm: Communicator, device: torch.device) -> set[int]:
-    """The physical tables this step leaves alone: every table of an optimizer object with
-    ``skip_nonfinite_gradients`` that got a NaN or inf gradient on any process (one
-    ``all_reduce`` of a flag per such optimizer when W > 1); warns naming the features."""
-    groups: dict[int, list[int]] = {}  # id(optimizer) -> its physical tables, in table order
-    opts: dict[int, Optimizer] = {}
+def _skip_groups(prepared: Prepared, plan: ShardingPlan) -> list[tuple[list[int], Optimizer]]:
+    """Per optimizer object with ``skip_nonfinite_gradients`` (in table order: the same on every
+    process), its physical tables in this batch, and the optimizer."""
+    groups: dict[int, tuple[list[int], Optimizer]] = {}
     for tb in prepared.tables:
         opt = _optimizer(plan, tb.physical)
         if opt.skip_nonfinite_gradients:
-            groups.setdefault(id(opt), []).append(tb.physical)
-            opts[id(opt)] = opt
-    if not groups:
-        return set()
-    keys = list(groups)  # the same order on every process
-    local = [any(p in nonfinite for p in groups[k]) for k in keys]
-    if comm.world_size > 1:  # every process skips the same tables (their collectives included)
-        flags = comm.all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device))
-        bad = [bool(f) for f in flags.tolist()]
-    else:
-        bad = local
+            groups.setdefault(id(opt), ([], opt))[0].append(tb.physical)
+    return list(groups.values())
+
+
+def _skipped(groups: Sequence[tuple[list[int], Optimizer]], bad: Sequence[bool],
+             nonfinite: Mapping[int, list[str]], plan: ShardingPlan) -> set[int]:
+    """The physical tables this step leaves alone: every table of an optimizer object with
+    ``skip_nonfinite_gradients`` that got a NaN or inf gradient on any process (``bad``: per
+    group of ``_skip_groups``, agreed by every process); warns naming the features."""
     out: set[int] = set()
-    for k, skip in zip(keys, bad):
+    for (physical, opt), skip in zip(groups, bad):
         if not skip:
             continue
-        out.update(groups[k])
-        tables = [t for p in groups[k] for t in plan.physical[p].tables]
-        features = [f for p in groups[k] for f in nonfinite.get(p, ())]
+        out.update(physical)
+        tables = [t for p in physical for t in plan.physical[p].tables]
+        features = [f for p in physical for f in nonfinite.get(p, ())]
         where = (f"the gradients of features {features} hold" if features else
                  "a gradient on another process holds")
-        warnings.warn(f"{type(opts[k]).__name__} with skip_nonfinite_gradients=True: {where} "
+        warnings.warn(f"{type(opt).__name__} with skip_nonfinite_gradients=True: {where} "
                       f"NaN or inf, so this step's update of tables {tables} is skipped (their "
-                      f"rows and slots are unchanged)", RuntimeWarning, stacklevel=4)
+                      f"rows and slots are unchanged)", RuntimeWarning, stacklevel=3)
     return out
 
 
