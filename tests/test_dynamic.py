@@ -4,6 +4,7 @@ and W = 2 / 4 against W = 1."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -500,3 +501,52 @@ def test_serving_lookup_and_exported_module_carry_the_map():
     values, offsets = torch.tensor([9, 12345, -4]), torch.tensor([0, 2, 3])
     pair = module({"f": (values, offsets)})["f"]
     torch.testing.assert_close(pair[1], want[1, 0])
+
+
+NAMED = [
+    (functools.partial(torch.nn.init.uniform_, a=-0.05, b=0.05),
+     lambda v: v.min() >= -0.05 and v.max() <= 0.05 and abs(float(v.mean())) < 0.002),
+    (functools.partial(torch.nn.init.normal_, mean=1.0, std=0.1),
+     lambda v: abs(float(v.mean()) - 1) < 0.005 and abs(float(v.std()) - 0.1) < 0.005),
+    (functools.partial(torch.nn.init.trunc_normal_, std=0.02, a=-0.04, b=0.04),
+     lambda v: v.min() >= -0.04 and v.max() <= 0.04 and abs(float(v.std()) - 0.0176) < 0.001),
+    (functools.partial(torch.nn.init.constant_, val=0.3), lambda v: bool((v == 0.3).all())),
+    (functools.partial(torch.nn.init.ones_), lambda v: bool((v == 1).all())),
+]
+
+
+@pytest.mark.parametrize("init, fits", NAMED, ids=[i.func.__name__ for i, _ in NAMED])
+def test_named_initializers_make_a_batch_of_new_rows_at_once(init, fits):
+    """A spec's named initializers are computed for all new ids of a step at once, from
+    counter-based uniforms: each id's row depends on the seed and the id alone (any batch, any
+    order), with the initializer's distribution; the engine admits ids with those rows."""
+    t = ec.TableConfig(vocabulary_size=64, dim=16, name="t", initializer=init,
+                       dynamic=ec.DynamicVocabulary())
+    ids = torch.arange(20000) * 7919 - 10**9
+    v = initial_values(t, "t", 5, ids)  # (20000, 16)
+    assert v.dtype == torch.float32 and fits(v)
+    assert torch.equal(initial_values(t, "t", 5, ids.flip(0)), v.flip(0))
+    assert torch.equal(initial_values(t, "t", 5, ids[100:200]), v[100:200])
+    import embcore.config.tables as tables
+    calls = []
+    real = tables._fill
+
+    def counted(*a, **k):  # (the per-id path runs each initializer through _fill)
+        calls.append(1)
+        return real(*a, **k)
+
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.0))
+    batch = torch.tensor([3, -7, 2**62, 11])
+    tables._fill = counted
+    try:
+        emb.enqueue({"f": batch})
+        emb.apply_gradients({"f": torch.zeros_like(emb.dequeue()["f"])})
+        initial_values(ec.TableConfig(vocabulary_size=8, dim=2, name="x",
+                                      initializer=lambda w: w.fill_(1.0),
+                                      dynamic=ec.DynamicVocabulary()), "x", 1, batch)
+    finally:
+        tables._fill = real
+    assert len(calls) == 4  # the lambda's four ids, one at a time; the named one: none
+    got = emb.lookup({"f": batch})["f"]
+    want = initial_values(t, "t", table_seed(emb._seed, "t"), batch)
+    assert torch.equal(got, want)

@@ -11,6 +11,7 @@ the id alone) and resets their optimizer slots.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -80,15 +81,22 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
     The default initializer (TF's truncated normal, stddev ``1/sqrt(D)``, cut at 2 stddevs) is
     the inverse normal CDF of counter-based uniforms of ``(seed, id, column)`` mapped into the
     cut's probabilities, in a few vectorized ops (the fused kernels write the same values:
-    ``initialize_rows``). A callable initializer is run once per id, on a ``(1, D)`` block drawn
-    from a generator seeded by ``(seed, id)``: exact, but slower when many ids are admitted per
-    step.
+    ``initialize_rows``). The named initializers a spec can write (``functools.partial`` of
+    ``torch.nn.init``'s ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``zeros_``,
+    ``ones_`` with number arguments) are computed the same way, for a whole batch of new ids at
+    once: their distributions by the inverse CDF of the same counter-based uniforms
+    (``_named_values``). Any other callable initializer is run once per id, on a ``(1, D)``
+    block drawn from a generator seeded by ``(seed, id)``: exact, but slower when many ids are
+    admitted per step.
     """
     n, dim = ids.numel(), table.dim
     if table.initializer is None:
         u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
         p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
         return (inverse_normal(p) / math.sqrt(dim)).to(torch.float32)
+    named = _named_values(table.initializer, seed, ids, dim)
+    if named is not None:
+        return named
     out = torch.empty(n, dim, dtype=torch.float32)  # (n, D)
     init = table.initializer if callable(table.initializer) else default_initializer(dim)
     from ..config.tables import (
@@ -100,6 +108,42 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
             torch.manual_seed(key & ((1 << 63) - 1))
             _fill(init, out[k:k + 1], name)
     return out
+
+
+def _named_values(init: object, seed: int, ids: torch.Tensor,
+                  dim: int) -> torch.Tensor | None:
+    """(n, D) float32 values of a named ``torch.nn.init`` initializer (a ``functools.partial``
+    with keyword number arguments) for raw ids ``ids``, from counter-based uniforms of
+    ``(seed, id, column)``; None for any other initializer.
+
+    ``uniform_(a, b)``: ``a + (b - a) u``; ``normal_(mean, std)``: ``mean + std Phi^-1(u)``;
+    ``trunc_normal_(mean, std, a, b)``: the normal's inverse CDF over ``[Phi(a'), Phi(b')]``
+    (``a' = (a - mean) / std``), clamped to ``[a, b]``; ``constant_(val)``, ``zeros_``, ``ones_``.
+    """
+    if not isinstance(init, functools.partial) or init.args:
+        return None
+    fn = getattr(init.func, "__name__", "")
+    if getattr(init.func, "__module__", "") != "torch.nn.init" or fn not in (
+            "uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_"):
+        return None
+    kw = dict(init.keywords)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in kw.values()):
+        return None
+    n = ids.numel()
+    if fn in ("zeros_", "ones_", "constant_"):
+        value = {"zeros_": 0.0, "ones_": 1.0}.get(fn, kw.get("val"))
+        return None if value is None else torch.full((n, dim), float(value))
+    u = hashing.uniform(seed, ids, dim)  # (n, D) float64 in (0, 1)
+    if fn == "uniform_":
+        a, b = float(kw.get("a", 0.0)), float(kw.get("b", 1.0))
+        return (a + (b - a) * u).to(torch.float32)
+    mean, std = float(kw.get("mean", 0.0)), float(kw.get("std", 1.0))
+    if fn == "normal_":
+        return (mean + std * inverse_normal(u)).to(torch.float32)
+    a, b = float(kw.get("a", -2.0)), float(kw.get("b", 2.0))
+    lo, hi = (0.5 * math.erfc(-(x - mean) / (std * math.sqrt(2))) for x in (a, b))
+    p = (lo + u * (hi - lo)).clamp(1e-300, 1 - 1e-16)
+    return (mean + std * inverse_normal(p)).clamp(a, b).to(torch.float32)
 
 
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
