@@ -363,3 +363,35 @@ def _skip_worker(rank, world, init):
 def test_skip_nonfinite_is_agreed_by_every_process():
     from distributed import run_on
     run_on(2, _skip_worker)
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["adagrad", "rowwise_adagrad"])
+def test_a_nan_gradient_lands_in_the_same_places_on_every_path(rowwise):
+    """Without skip_nonfinite_gradients a NaN gradient propagates, the same way whichever kernel
+    applies it: the fused kernels, the torch ops in place, the optimizer's own math (an option
+    forces it): Adagrad the element's weight and accumulator, RowwiseAdagrad the row's weights
+    and accumulator; nothing else."""
+    from embcore.ops import native
+    found = []
+    for kernels, option in ((True, {}), (False, {}), (False, {"clipvalue": 1e9})):
+        torch.manual_seed(0)
+        t = ec.TableConfig(vocabulary_size=4, dim=3, name="t", combiner="sum")
+        cls = ec.RowwiseAdagrad if rowwise else ec.Adagrad
+        emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, cls(learning_rate=0.1, **option))
+        before = native.set_enabled(kernels)
+        try:
+            emb.enqueue({"f": torch.tensor([1, 2])})
+            act = emb.dequeue()["f"]
+            g = torch.ones_like(act)
+            g[0, 1] = float("nan")
+            emb.apply_gradients({"f": g})
+        finally:
+            native.set_enabled(before)
+        state = emb.state_dict()
+        found.append((state["t/parameters"].isnan(), state["t/accumulators"].isnan()))
+    want_w = torch.zeros(4, 3, dtype=torch.bool)
+    want_w[1] = True if rowwise else torch.tensor([False, True, False])
+    want_a = torch.zeros(4, 1 if rowwise else 3, dtype=torch.bool)
+    want_a[1, 0 if rowwise else 1] = True
+    for w, a in found:
+        assert torch.equal(w, want_w) and torch.equal(a, want_a)

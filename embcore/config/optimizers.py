@@ -377,8 +377,10 @@ class _ByIdentity:
 
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` where ``den > 0``, else 0 (an empty accumulator takes no step)."""
-    return torch.where(den > 0, num / den, 0.0)
+    """``num / den``, or 0 where ``den == 0`` (an empty accumulator takes no step); a NaN
+    ``den`` (from a NaN gradient) gives NaN, as every kernel does: non-finite gradients
+    propagate unless the optimizer skips them (``skip_nonfinite_gradients``)."""
+    return torch.where(den == 0, 0.0, num / den)
 
 
 _optimizer = dataclass(frozen=True, eq=False, repr=False)

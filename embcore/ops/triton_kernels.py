@@ -94,8 +94,8 @@ def _adagrad(w, g, a, lr):
 def _rowwise_adagrad(w, g, a, lr, D):
     """``a`` is (BLOCK_U,): one accumulator per row; masked columns of ``g`` are zero."""
     an = a + tl.sum(g * g, axis=1) / D
-    root = tl.sqrt_rn(tl.where(an > 0.0, an, 1.0))[:, None]
-    return tl.where((an > 0.0)[:, None], w - lr * tl.div_rn(g, root), w), an
+    root = tl.sqrt_rn(tl.where(an <= 0.0, 1.0, an))[:, None]  # (NaN stays NaN: it propagates)
+    return tl.where((an <= 0.0)[:, None], w, w - lr * tl.div_rn(g, root)), an
 
 
 @jit

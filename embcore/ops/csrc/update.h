@@ -169,7 +169,7 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
         for (i64 c = 0; c < d; ++c) sq += g[c] * g[c];
         const float an = a[0] + sq / float(d);
         a[0] = an;
-        if (an > 0.f) {
+        if (!(an <= 0.f)) {  // (a NaN accumulator steps too: NaN propagates, as in every path)
           const float root = std::sqrt(an);
 #pragma omp simd
           for (i64 c = 0; c < d; ++c) wr[c] -= lr * (g[c] / root);
