@@ -78,7 +78,6 @@ import io
 import json
 import os
 import pickle
-import secrets
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -89,7 +88,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base.comm import CollectiveError
+from .base.comm import CollectiveError, everywhere
+from .base.files import agreed_token, fsync_dir, pid_alive
 from .base.compat import (
     DCP_INDEX,
     DCP_INDEX_PRIVATE_GLOBALS,
@@ -475,18 +475,12 @@ def _dcp_call(what: str, world_size: int = 1) -> Iterator[None]:
 
 def _agreed_token(engine: Embedding) -> str:
     """A fresh name suffix, the same on every process (rank 0's)."""
-    mine = torch.tensor([os.getpid(), secrets.randbits(62)], dtype=torch.int64,
-                        device=engine.device)
-    pid, rand = (int(x) for x in engine.comm.all_gather(mine)[0].cpu())
-    return f"{pid}-{rand:016x}"
+    return agreed_token(engine.comm, engine.device)
 
 
 def _all_ok(engine: Embedding, ok: bool) -> bool:
     """Whether ``ok`` holds on every process (a collective when sharded)."""
-    if engine.comm.world_size == 1:
-        return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int64, device=engine.device)
-    return all(bool(f.item()) for f in engine.comm.all_gather(flag))
+    return everywhere(engine.comm, ok, engine.device)
 
 
 # --------------------------------------------------------------------------------- save
@@ -585,7 +579,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             _swap_in(tmp, path)
         except BaseException as e:  # re-raised below, after telling the other processes
             _remove_tree(tmp, missing_ok=True)
@@ -602,12 +596,8 @@ def _remove_stale_temporaries(path: Path) -> None:
         pid = tmp.name[len(path.name) + len(".tmp-"):].split("-", 1)[0]
         if not pid.isdigit() or not tmp.is_dir():
             continue
-        try:
-            os.kill(int(pid), 0)  # signal 0: does the process exist?
-        except ProcessLookupError:
+        if not pid_alive(int(pid)):  # (a live writer's, or one that cannot be told: kept)
             _remove_tree(tmp, missing_ok=True)
-        except (PermissionError, OSError):
-            continue  # it exists (another user's) or cannot be told: keep it
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
@@ -621,7 +611,7 @@ def _swap_in(tmp: Path, path: Path) -> None:
         _remove_tree(old, missing_ok=True)
         _replace(path, old)
     _replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     _remove_tree(old, missing_ok=True)
 
 
@@ -634,19 +624,6 @@ def _remove_tree(p: Path, missing_ok: bool = False) -> None:
     if missing_ok and not p.exists():
         return
     shutil.rmtree(p)
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # platforms that cannot open directories (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _old(path: Path) -> Path:

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .base.comm import CollectiveError
+from .base.comm import CollectiveError, everywhere, from_rank0, summed
+from .base.files import agreed_token
 from .base.nest import leaves_with_paths, unflatten_like
 from .base.version import __version__
 from .config.spec import EmbeddingSpec
@@ -70,27 +71,9 @@ def _engine(obj: Any) -> Embedding:
                     f"{type(obj).__name__}")
 
 
-def _agree(engine: Embedding, values: list[int]) -> list[int]:
-    """Process 0's ``values`` on every process."""
-    if engine.comm.world_size == 1:
-        return values
-    mine = torch.tensor(values, dtype=torch.int64, device=engine.device)
-    return [int(v) for v in engine.comm.all_gather(mine)[0].cpu()]
-
-
-def _sum(engine: Embedding, values: list[int]) -> list[int]:
-    if engine.comm.world_size == 1:
-        return values
-    mine = torch.tensor(values, dtype=torch.int64, device=engine.device)
-    return [int(v) for v in torch.stack(engine.comm.all_gather(mine)).sum(0).cpu()]
-
-
 def _all_ok(engine: Embedding, error: BaseException | None, what: str) -> None:
     """Raises on every process when any process failed (its error where it happened)."""
-    ok = error is None
-    if engine.comm.world_size > 1:
-        flag = torch.tensor([int(ok)], dtype=torch.int64, device=engine.device)
-        ok = all(bool(f.item()) for f in engine.comm.all_gather(flag))
+    ok = everywhere(engine.comm, error is None, engine.device)
     if error is not None:
         raise error
     if not ok:
@@ -179,10 +162,10 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         changes = store.track()
         key = _key(directory)
         taken = changes.take(key)  # (rows per physical table; given back if this fails)
+        comm, tmp = engine.comm, None
         try:
             seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
-            comm = engine.comm
-            tmp = fmt.temporary(directory, seq, _agreed_token(engine))
+            tmp = fmt.temporary(directory, seq, agreed_token(comm, engine.device))
             error: BaseException | None = None
             if comm.rank == 0:
                 try:
@@ -190,18 +173,13 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                     tmp.mkdir()
                 except OSError as e:
                     error = e
-            try:
-                _all_ok(engine, error, f"creating {tmp}")
-            except BaseException:
-                if lock is not None and pub is None:
-                    lock.release()
-                raise
+            _all_ok(engine, error, f"creating {tmp}")
             written: dict[str, dict[str, int]] = {}
             rows = {n: 0 for n in engine.table_names().values()}
             used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             try:
-                tables = _tables(store, engine, kind, pub, bool(slots), rows, used, taken)
-                for i, part in enumerate(fmt.parts(tables)):
+                chunks = _chunks_to_write(store, kind, pub, bool(slots), rows, used, taken)
+                for i, part in enumerate(fmt.parts(chunks)):
                     name = fmt.part_name(comm.rank, i)
                     written[name] = fmt.write_part(tmp / name, part)
                 if comm.world_size > 1:  # process 0 gathers the files' checksums from these
@@ -209,20 +187,13 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                                                                 encoding="utf-8")
             except BaseException as e:
                 error = e
-            names = sorted(rows)
-            nbytes = sum(os.path.getsize(tmp / f) for f in written) if error is None else 0
-            try:
-                _all_ok(engine, error, f"writing {tmp}")
-            except BaseException:
-                if comm.rank == 0:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                if lock is not None and pub is None:
-                    lock.release()
-                raise
+            _all_ok(engine, error, f"writing {tmp}")
             # every process's files and counts, then process 0 commits
-            totals = _sum(engine, [rows[n] for n in names] + [nbytes])
+            names = sorted(rows)
+            nbytes = sum(os.path.getsize(tmp / f) for f in written)
+            totals = summed(comm, [rows[n] for n in names] + [nbytes], engine.device)
             rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
-            entry_id = f"{_agree(engine, [secrets.randbits(63)])[0]:016x}"
+            entry_id = f"{from_rank0(comm, [secrets.randbits(63)], engine.device)[0]:016x}"
             if comm.rank == 0:
                 try:
                     files: dict[str, dict[str, int]] = {}
@@ -244,16 +215,14 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                                    "embcore_version": __version__}}
                     fmt.commit(tmp, directory, manifest)
                 except BaseException as e:
-                    shutil.rmtree(tmp, ignore_errors=True)
                     error = e
-            try:
-                _all_ok(engine, error, f"committing entry {seq} of {directory}")
-            except BaseException:
-                if lock is not None and pub is None:
-                    lock.release()
-                raise
-        except BaseException:
+            _all_ok(engine, error, f"committing entry {seq} of {directory}")
+        except BaseException:  # nothing published: the rows go out with the next publish
             changes.give_back(key, taken)
+            if lock is not None:  # (taken by this call)
+                lock.release()
+            if tmp is not None and comm.rank == 0:  # (gone already when it was committed)
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         if pub is None:
             pub = _Publisher(lock, seq, entry_id, bool(slots), 0)
@@ -310,21 +279,15 @@ def _open(engine: Embedding, directory: Path
 
 def _next_seq(engine: Embedding, directory: Path) -> int:
     found = fmt.entries(directory) if engine.comm.rank == 0 else []
-    return _agree(engine, [found[-1].seq + 1 if found else 0])[0]
+    return from_rank0(engine.comm, [found[-1].seq + 1 if found else 0], engine.device)[0]
 
 
-def _agreed_token(engine: Embedding) -> str:
-    """``<pid>-<random>`` of process 0, on every process (a temporary's name)."""
-    pid, rand = _agree(engine, [os.getpid(), secrets.randbits(60)])
-    return f"{pid}-{rand:015x}"
-
-
-def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | None,
-            slots: bool, counts: dict[str, int],
-            used: dict[int, tuple[torch.Tensor, torch.Tensor]], taken: list[torch.Tensor]
-            ) -> Iterator[tuple[str, int, Iterator[dict[str, torch.Tensor]]]]:
-    """Per logical table this process writes: ``(name, row bytes, chunks of rows)``; counts the
-    rows in ``counts`` and keeps each dynamic table's rows in use and their ids in ``used``."""
+def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: bool,
+                     counts: dict[str, int],
+                     used: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                     taken: list[torch.Tensor]) -> Iterator[Iterator[dict[str, torch.Tensor]]]:
+    """Per logical table this process writes, its chunks of rows (``_chunks``); counts the rows
+    in ``counts`` and keeps each dynamic table's rows in use and their ids in ``used``."""
     plan, rank = store.plan, store.comm.rank
     changed: dict[int, torch.Tensor] = {}
     for place in plan.tables:
@@ -355,7 +318,7 @@ def _tables(store: RowStore, engine: Embedding, kind: str, pub: _Publisher | Non
                 evicted = _evicted(dyn, pub.used[p], local + start)
         counts[place.name] += local.numel()
         if local.numel():
-            yield place.name, 0, _chunks(store, place, local, slots, dyn is not None, evicted)
+            yield _chunks(store, place, local, slots, dyn is not None, evicted)
 
 
 def _evicted(dyn: Any, before: tuple[torch.Tensor, torch.Tensor],
@@ -431,7 +394,7 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
     """
     engine = _engine(obj)
     run = fmt.chain(directory)
-    manifests = [fmt.verify(e) for e in run]  # every byte checked before any write
+    manifests = [e.manifest() for e in run]  # (replay checks every byte before any write)
     last = manifests[-1]
     if slots and not all(m.get("slots") for m in manifests):
         raise ValueError(f"{directory} was published with slots=False (entries "

@@ -55,8 +55,32 @@ def shared_seed(comm: Communicator, device: torch.device) -> int:
     """One draw from torch's global RNG, rank 0's on every process (a collective when W > 1):
     ``torch.manual_seed`` before an engine's construction fixes its tables, whatever the world
     size and plan."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    return int(comm.all_gather(seed.to(device))[0].item())
+    return from_rank0(comm, [int(torch.randint(0, 2**62, (1,), dtype=torch.int64))], device)[0]
+
+
+# Small agreements between processes (each one collective when W > 1, none at W = 1).
+def from_rank0(comm: Communicator, values: list[int], device: torch.device) -> list[int]:
+    """Process 0's int64 ``values`` on every process."""
+    if comm.world_size == 1:
+        return list(values)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    return [int(v) for v in comm.all_gather(mine)[0].cpu()]
+
+
+def summed(comm: Communicator, values: list[int], device: torch.device) -> list[int]:
+    """The int64 ``values`` summed over every process."""
+    if comm.world_size == 1:
+        return list(values)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    return [int(v) for v in torch.stack(comm.all_gather(mine)).sum(0).cpu()]
+
+
+def everywhere(comm: Communicator, ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every process."""
+    if comm.world_size == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    return all(bool(f.item()) for f in comm.all_gather(flag))
 
 
 class LocalCommunicator:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from ..base.files import pid_alive
 from ..ops import native
 from ..ops.cache_index import MAX_CAPACITY, CacheIndex
 from ..ops.memory import advise_random, empty_table
@@ -387,7 +388,7 @@ class OffloadDir:
         pattern = re.compile(rf"embcore-offload-{re.escape(host)}-p(\d+)-r\d+-")
         for entry in base.iterdir():
             m = pattern.match(entry.name)
-            if m is None or not entry.is_dir() or _alive(int(m.group(1))):
+            if m is None or not entry.is_dir() or pid_alive(int(m.group(1))):
                 continue
             try:
                 held = _lock_dir(entry)
@@ -444,16 +445,6 @@ def _lock_dir(path: Path) -> int | None:
         raise
     os.close(fd)
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class CachedRows:

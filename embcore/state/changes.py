@@ -37,19 +37,18 @@ class ChangedRows:
     """
 
     def __init__(self, rows: list[int]) -> None:
-        self.flags = [np.zeros(n, dtype=np.uint8) for n in rows]  # (N_p,) per table
+        # (N_p + 1,) per table: the last flag is a dynamic table's zero row (marked with the
+        # rows a step resolves, never taken), so marking needs no range check
+        self.rows = list(rows)
+        self.flags = [np.zeros(n + 1, dtype=np.uint8) for n in rows]
         self.pending: dict[Hashable, list[np.ndarray] | None] = {}  # key -> flags it missed
 
     def mark(self, p: int, rows: torch.Tensor) -> None:
-        """Rows ``rows`` (shard rows of physical table ``p``, any order, repeats allowed;
-        out-of-range rows, such as a dynamic table's zero row, are ignored) were written."""
-        flags = self.flags[p]
+        """Rows ``rows`` (shard rows of physical table ``p``, or a dynamic table's zero row; any
+        order, repeats allowed) were written."""
         if rows.device.type != "cpu":
             rows = rows.cpu()
-        index = rows.numpy()
-        if index.size and int(index.max()) >= flags.size:
-            index = index[index < flags.size]
-        flags[index] = 1
+        self.flags[p][rows.numpy()] = 1
 
     def mark_all(self, p: int | None = None) -> None:
         """Every row of physical table ``p`` (None: of every table) was written."""
@@ -64,7 +63,7 @@ class ChangedRows:
         mine = self.pending.get(key)
         out = []
         for p, flags in enumerate(self.flags):
-            dirty = flags if mine is None else (flags | mine[p])
+            dirty = flags[:self.rows[p]] if mine is None else (flags | mine[p])[:self.rows[p]]
             out.append(torch.from_numpy(np.flatnonzero(dirty)).to(torch.int64))
             for other, theirs in self.pending.items():
                 if other == key:

@@ -65,6 +65,8 @@ from typing import Any
 
 import torch
 
+from ..base.files import fsync_dir, pid_alive
+
 FORMAT = "embcore.publish"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -249,22 +251,14 @@ def read_entry(entry: Entry, manifest: Mapping[str, Any] | None = None
         yield read_part(entry.path / name, sums)
 
 
-def verify(entry: Entry) -> dict[str, Any]:
-    """Reads every byte of ``entry`` and checks it; returns its manifest. Raises PublishError."""
-    m = entry.manifest()
-    for _ in read_entry(entry, m):
-        pass
-    return m
-
-
-def parts(tables: Iterable[tuple[str, int, Iterator[dict[str, torch.Tensor]]]]
+def parts(tables: Iterable[Iterator[dict[str, torch.Tensor]]]
           ) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups tensors into part files of about ``PART_BYTES``: ``tables`` yields
-    ``(name, row_bytes, chunks)`` where each chunk is ``{key: tensor}`` of some rows; a part
-    holds whole chunks (a table's chunks are cut to ``PART_BYTES`` by its caller)."""
+    """Groups tensors into part files of about ``PART_BYTES``: ``tables`` yields, per table, its
+    chunks (``{key: tensor}`` of some rows, cut to ``PART_BYTES`` by the caller); a part holds
+    whole chunks, and a table's next chunk (the same keys) starts a new part."""
     part: dict[str, torch.Tensor] = {}
     size = 0
-    for _, _, chunks in tables:
+    for chunks in tables:
         for chunk in chunks:
             n = sum(v.nbytes for v in chunk.values())
             if part and (size + n > PART_BYTES or any(k in part for k in chunk)):
@@ -303,13 +297,13 @@ def commit(tmp: Path, directory: Path, manifest: Mapping[str, Any]) -> Entry:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = directory / entry_name(manifest["seq"], manifest["kind"])
     if any(e.seq == manifest["seq"] for e in entries(directory)):
         raise FileExistsError(f"{directory} already holds an entry {manifest['seq']}: another "
                               f"writer publishes to this directory")
     os.rename(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return Entry(manifest["seq"], manifest["kind"], final)
 
 
@@ -324,14 +318,8 @@ def remove_stale(directory: Path) -> None:
     leaves)."""
     for name in os.listdir(directory) if directory.is_dir() else ():
         m = _TMP.match(name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(2)), 0)
-        except ProcessLookupError:
+        if m is not None and not pid_alive(int(m.group(2))):
             shutil.rmtree(directory / name, ignore_errors=True)
-        except OSError:
-            continue
 
 
 def retain(directory: Path, snapshots: int) -> list[Path]:
@@ -384,19 +372,6 @@ class WriterLock:
 
     def release(self) -> None:
         self._file.close()
-
-
-def _fsync_dir(p: Path) -> None:
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------ replay
