@@ -148,10 +148,17 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         1
     """
     engine = _engine(obj)
-    if not isinstance(keep_snapshots, int) or keep_snapshots < 1:
+    for arg, value, kinds in (("slots", slots, (bool,)), ("snapshot", snapshot, (bool, type(None))),
+                              ("keep_snapshots", keep_snapshots, (int,)),
+                              ("compact_ratio", compact_ratio, (int, float))):
+        if not isinstance(value, kinds) or (arg in ("keep_snapshots", "compact_ratio")
+                                            and isinstance(value, bool)):
+            raise TypeError(f"{arg} must be {' or '.join(k.__name__ for k in kinds)}, got "
+                            f"{type(value).__name__} {value!r}")
+    if keep_snapshots < 1:
         raise ValueError(f"keep_snapshots must be an int >= 1, got {keep_snapshots!r}")
-    if not compact_ratio > 0:
-        raise ValueError(f"compact_ratio must be > 0, got {compact_ratio!r}")
+    if not compact_ratio > 0 or compact_ratio == float("inf"):
+        raise ValueError(f"compact_ratio must be a finite number > 0, got {compact_ratio!r}")
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
     with engine._quiet() as store:

@@ -454,6 +454,14 @@ def test_bad_arguments(tmp_path):
         ec.publish(tmp_path / "other", emb)
     with pytest.raises(ValueError, match="keep_snapshots"):
         ec.publish(tmp_path / "p", emb, keep_snapshots=0)
+    for bad in ({"slots": "no"}, {"snapshot": 1}, {"keep_snapshots": True},
+                {"compact_ratio": "1"}):
+        with pytest.raises(TypeError, match=next(iter(bad))):
+            ec.publish(tmp_path / "p", emb, **bad)
+    for ratio in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="compact_ratio"):
+            ec.publish(tmp_path / "p", emb, compact_ratio=ratio)
+    assert not (tmp_path / "p").exists()  # (nothing made by a refused call)
     with pytest.raises(FileNotFoundError):
         ec.load_published(tmp_path / "nothing")
 
@@ -676,3 +684,23 @@ def test_a_flipped_byte_anywhere_is_an_error_or_harmless(tmp_path, fuzz_dir, dat
     for t, n in target.table_names().items():
         if t.dynamic is None:
             assert torch.equal(target.embedding_tables[t], fz["last"][n]), (rel, at, n)
+
+
+def test_a_failing_on_entry_still_applies_its_entry_whole(tmp_path):
+    emb = make_engine(dynamic=False)
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path)
+    with pytest.raises(TypeError, match="on_entry"):
+        served.refresh(on_entry="switch")
+    for k in range(2):
+        train(emb, range(k, k + 1), dynamic=False)
+        ec.publish(tmp_path, emb, compact_ratio=100)
+
+    def fails(manifest):
+        raise RuntimeError(f"cannot switch to {manifest['seq']}")
+
+    with pytest.raises(RuntimeError, match="cannot switch to 1"):
+        served.refresh(on_entry=fails)
+    assert served.version == 1 and not served._overlays  # entry 1 whole, not entry 2
+    assert served.refresh() == 1
+    assert_follows(served, emb)

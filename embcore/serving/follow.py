@@ -167,13 +167,18 @@ class PublishedModule(ServingModule):
         Args:
             on_entry: called with each entry's manifest at the moment the entry becomes what
                 lookups see (under the write lock, so keep it short): to switch what serves
-                beside the tables (a dense model published with them) in the same step.
+                beside the tables (a dense model published with them) in the same step. When
+                it raises, the entry is still applied whole, then its error is raised (later
+                entries are not applied).
 
         Raises:
             PublishError (a ValueError): a corrupt or missing entry, a broken chain, or a
                 directory now holding another model (other tables): the module keeps the
                 last entry it applied.
         """
+        if on_entry is not None and not callable(on_entry):
+            raise TypeError(f"on_entry must be a callable taking an entry's manifest, got "
+                            f"{type(on_entry).__name__}")
         rw, one = self._locks()
         with one:  # one refresh at a time
             run = fmt.chain(self.directory, (self.version, self._id))
@@ -192,14 +197,20 @@ class PublishedModule(ServingModule):
                     self._overlays = overlays
                     self._maps.update(maps)
                     self.version, self._id = m["seq"], m["id"]
+                    failed = None
                     if on_entry is not None:
-                        on_entry(m)
+                        try:
+                            on_entry(m)
+                        except Exception as e:  # (raised once the entry is applied whole)
+                            failed = e
                 for name in overlays:  # lookups read a table's overlay while it is written
                     for table, buffer, rows, values in writes:
                         if table == name and rows is not None:
                             buffer.index_copy_(0, rows, values)
                     with rw.write():  # (its rows now hold its overlay's values)
                         self._overlays = {k: v for k, v in self._overlays.items() if k != name}
+                if failed is not None:
+                    raise failed
         return len(run)
 
     def _prepare(self, entry: fmt.Entry, m: Mapping[str, Any]
