@@ -41,10 +41,11 @@ def setups(draw):
     """Tables (stacked when dims agree), features (some sharing a table), one batch shape per
     feature ((B,), (B, 1) or (B, L)), an optimizer, and per step how the batch is fed."""
     n_tables = draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
     tables = [ec.TableConfig(vocabulary_size=draw(st.integers(1, 30)),
                              dim=draw(st.sampled_from([1, 4, 8])),
                              combiner=draw(st.sampled_from(["sum", "mean", "sqrtn"])),
-                             name=f"t{i}") for i in range(n_tables)]
+                             dtype=dtype, name=f"t{i}") for i in range(n_tables)]
     readers = draw(st.lists(st.integers(0, n_tables - 1), min_size=1, max_size=4))
     b = draw(st.integers(1, 6))
     shapes = [draw(st.sampled_from([(b,), (b, 1), (b, draw(st.integers(2, 3)))]))

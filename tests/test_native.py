@@ -1127,8 +1127,10 @@ def _c_types(kind) -> set[str]:
         return {scalars[id(kind)]}
     const = "" if getattr(kind, "writes", True) else "const"
     if isinstance(kind, kernel_args.TensorArg):
+        if len(kind.dtypes) > 1 and torch.float16 in kind.dtypes:  # rows of several types
+            return {f"{const}void*"}
         base = {torch.float32: "float", torch.int64: "i64", torch.int32: "int32_t",
-                torch.uint8: "uint8_t"}[kind.dtypes[0]]
+                torch.uint8: "uint8_t", torch.int16: "uint16_t"}[kind.dtypes[0]]
         return {f"{const}{base}*"}
     if isinstance(kind, kernel_args.RowsArg):
         return {f"{const}char*"}

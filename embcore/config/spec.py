@@ -55,7 +55,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 SPEC_KEYS = ("format", "tables", "features", "optimizer", "sharding", "memory_budget",
              "pipeline_execution")
 TABLE_KEYS = ("vocabulary_size", "dim", "initializer", "optimizer", "combiner", "dtype",
-              "dynamic")
+              "dynamic", "stochastic_rounding")
 FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "validate_weights_and_indices",
                 "name")
 DYNAMIC_KEYS = tuple(f.name for f in dataclasses.fields(DynamicVocabulary))
@@ -219,7 +219,8 @@ def _table(t: TableConfig, name: str) -> dict[str, Any]:
             "optimizer": _optimizer(t.optimizer, f"table {name!r}'s optimizer"),
             "combiner": t.combiner, "dtype": str(t.dtype).replace("torch.", ""),
             "dynamic": None if t.dynamic is None else {
-                f.name: getattr(t.dynamic, f.name) for f in dataclasses.fields(t.dynamic)}}
+                f.name: getattr(t.dynamic, f.name) for f in dataclasses.fields(t.dynamic)},
+            "stochastic_rounding": t.stochastic_rounding}
 
 
 def _table_from(d: Any, name: Any) -> TableConfig:
@@ -239,7 +240,8 @@ def _table_from(d: Any, name: Any) -> TableConfig:
                        initializer=_initializer_from(d.get("initializer"), name),
                        optimizer=_optimizer_from(d.get("optimizer"), f"{where}'s optimizer"),
                        combiner=d["combiner"], name=name, dtype=DTYPES[d["dtype"]],
-                       dynamic=None if dynamic is None else DynamicVocabulary(**dynamic))
+                       dynamic=None if dynamic is None else DynamicVocabulary(**dynamic),
+                       stochastic_rounding=d.get("stochastic_rounding", True))
 
 
 def _initializer(init: Any, table: str) -> Any:

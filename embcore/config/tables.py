@@ -133,7 +133,14 @@ class TableConfig:
         combiner: how ids of one bag are combined: ``"sum"``, ``"mean"`` or ``"sqrtn"``.
         name: the table's name (checkpoint keys ``<name>/parameters``); ``None`` gives
             ``table_<i>`` in order of first use by the features.
-        dtype: the parameters' floating dtype.
+        dtype: the parameters' floating dtype. ``torch.float16`` and ``torch.bfloat16`` are compact
+            rows (docs/semantics.md section 14): half the bytes of float32, activations still
+            float32, each update computed in float32 from the widened row and rounded back.
+        stochastic_rounding: how a float16 / bfloat16 table's updates are rounded back into its
+            rows: stochastically (True, the default: unbiased, with random bits that are a
+            function of the table, the step, the row and the column only), or to nearest
+            (False: an update below half a unit in the last place is then lost). Ignored for
+            float32 and float64 tables.
         dynamic: None (ids are row numbers), or an ``ec.DynamicVocabulary``: ids are raw int64
             values that the engine maps to rows, admitting and evicting them (a tensor
             initializer does not apply then: rows have no fixed ids).
@@ -161,9 +168,14 @@ class TableConfig:
     name: str | None = None
     dtype: torch.dtype = torch.float32
     dynamic: DynamicVocabulary | None = None
+    stochastic_rounding: bool = True
 
     def __post_init__(self) -> None:
         where = f"TableConfig(name={self.name!r})"
+        if not isinstance(self.stochastic_rounding, bool):
+            raise TypeError(f"{where}: stochastic_rounding must be a bool, got "
+                            f"{type(self.stochastic_rounding).__name__} "
+                            f"{self.stochastic_rounding!r}")
         if self.dynamic is not None and not isinstance(self.dynamic, DynamicVocabulary):
             raise TypeError(f"{where}: dynamic must be None or an ec.DynamicVocabulary, got "
                             f"{type(self.dynamic).__name__}")
@@ -206,7 +218,8 @@ class TableConfig:
     def __repr__(self) -> str:
         return (f"TableConfig(name={self.name!r}, vocabulary_size={self.vocabulary_size}, "
                 f"dim={self.dim}, combiner={self.combiner!r}, dtype={self.dtype}"
-                + (f", dynamic={self.dynamic}" if self.dynamic is not None else "") + ")")
+                + (f", dynamic={self.dynamic}" if self.dynamic is not None else "")
+                + (", stochastic_rounding=False" if not self.stochastic_rounding else "") + ")")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -6,8 +6,9 @@ activations with ``combine``.
 Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over the occurrences
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
-On the CPU with float32 tables the forward is the fused kernel ``native.lookup`` instead (the same
-sums, in the same order, with the rows ahead prefetched); on CUDA, with float32, both directions
+On the CPU with float32, float16 or bfloat16 tables the forward is the fused kernel
+``native.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched; 16-bit
+rows widened to float32 as they are read, so their activations are float32); on CUDA, with float32, both directions
 are the Triton kernels of ``ops/gpu.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``).
@@ -23,6 +24,9 @@ import torch.nn.functional as F
 from . import gpu, native
 from .bags import Bags, Dedup
 from .workspace import Workspace
+
+
+_KERNEL_ROWS = (torch.float32, torch.float16, torch.bfloat16)  # native.lookup's tables
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -44,15 +48,16 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
         bags: offsets and scales of the bags.
 
     Returns:
-        (R, D) in ``table``'s dtype (computed in float32 for half types); differentiable with
-        respect to ``table`` when it requires grad.
+        (R, D) in ``table``'s dtype, float32 for a float16 / bfloat16 table (its rows widened:
+        activations of compact rows are float32); differentiable with respect to ``table`` when
+        it requires grad.
     """
     if (gpu.usable(table, index) and gpu.lookup_supported(table)
             and not _differentiable(table)):  # CUDA: the Triton kernel
         return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    if (table.dtype == torch.float32 and table.is_contiguous() and not _differentiable(table)
+    if (table.dtype in _KERNEL_ROWS and table.is_contiguous() and not _differentiable(table)
             and native.usable(table, index)):
-        out = torch.empty(bags.num_rows, table.shape[1], dtype=table.dtype)  # (R, D)
+        out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
     work = _work(table)
     if bags.offsets is None or bags.scales is None:
@@ -61,7 +66,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
         out = F.embedding_bag(index, work, bags.offsets, mode="sum",
                               per_sample_weights=bags.scales.to(work.dtype),
                               include_last_offset=True)  # (R, D)
-    return out.to(table.dtype)
+    return out if table.dtype in (torch.float16, torch.bfloat16) else out.to(table.dtype)
 
 
 def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tensor:

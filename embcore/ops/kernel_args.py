@@ -78,10 +78,13 @@ class Hyper(ctypes.Structure):
 # wrapper knows it (None: any), and arrives in C as the address of its data.
 
 F32, I64, I32 = (torch.float32,), (torch.int64,), (torch.int32,)
+ROWS = (torch.float32, torch.float16, torch.bfloat16)  # a table's rows: float32 or 16-bit
+I16 = (torch.int16,)
 U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as they are
 ANY = None  # any dtype (row moves: bytes)
 _DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
-                torch.uint8: "_uint8", torch.bool: "_bool"}
+                torch.uint8: "_uint8", torch.bool: "_bool", torch.float16: "_float16",
+                torch.bfloat16: "_bfloat16", torch.int16: "_int16"}
 _CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
 
 

@@ -40,15 +40,18 @@ from pathlib import Path
 
 import torch
 
+from . import rounding
 from .kernel_args import (
     ANY,
     DOUBLE,
     F32,
     HYPER,
+    I16,
     I32,
     I64,
     INT,
     INT64,
+    ROWS,
     STRING,
     U8,
     Hyper,
@@ -65,6 +68,7 @@ from .kernel_args import (
     written,
     written_rows,
 )
+from .rounding import ROW_TYPES
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
@@ -75,8 +79,9 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread",
 # when a kernel's arguments or EcHyper change (2: ec_sparse_update takes an EcHyper, 3: ec_vocab_*,
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
 # 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
-# 9: ec_cache_step's threads, 10: ec_will_need).
-ABI_VERSION = 10
+# 9: ec_cache_step's threads, 10: ec_will_need, 11: 16-bit rows in ec_lookup and ec_sparse_update,
+# ec_round16).
+ABI_VERSION = 11
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
@@ -362,7 +367,8 @@ class ConcatDedup:
 
 
 _LOOKUP = Kernel("ec_lookup", None, [
-    ("table", read(F32, dim=2)),              # (N, d)
+    ("type", INT),                            # ROW_TYPES[table.dtype]
+    ("table", read(ROWS, dim=2)),             # (N, d) float32, float16 or bfloat16
     ("d", INT64),
     ("ids", read(I64)),                       # (nnz,) rows of table
     ("offsets", read(I64, optional=True)),    # (r_rows + 1,); None: bag r is ids[r] alone
@@ -378,14 +384,15 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
 
     Args:
-        table: (N, D) contiguous float32.
+        table: (N, D) contiguous float32, float16 or bfloat16 (rows widened to float32).
         ids: (nnz,) int64 rows of ``table``.
         offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
         scales: (nnz,) float32, or None for 1.
         out: (R, D) contiguous float32, written.
     """
     d, r = table.shape[-1], out.shape[0]
-    _LOOKUP.call((table, None), d, (ids, r if offsets is None else None), (offsets, r + 1),
+    _LOOKUP.call(ROW_TYPES.get(table.dtype, 0), (table, None), d,
+                 (ids, r if offsets is None else None), (offsets, r + 1),
                  (scales, ids.numel()), r, (out, r * d), _threads())
     return out
 
@@ -534,7 +541,8 @@ _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
 
 _SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
     ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
-    ("w", written(F32, dim=2)),               # (N, d)
+    ("type", INT),                            # ROW_TYPES[w.dtype]
+    ("w", written(ROWS, dim=2)),              # (N, d) float32, float16 or bfloat16
     ("acc", written(F32, optional=True)),     # (N, d) or (N, 1); None for SGD
     ("d", INT64),
     ("rows", read(I64)),                      # (U,) distinct
@@ -548,21 +556,33 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
     ("strides", array(ctypes.c_int64)),       # (nslices,) their row strides
     ("nslices", INT64),
     ("hyper", HYPER),
+    ("stochastic", INT),                      # 16-bit rows: 1 stochastic rounding, 0 nearest
+    ("key_rows", read(I64, optional=True)),   # (n_keys,) per table row, its identity's row
+    ("n_keys", INT64),                        # rows from n_keys on are their own
+    ("seg_starts", read(I64)),                # (nseg + 1,)
+    ("seg_bases", read(I64)),                 # (nseg,)
+    ("seg_muls", read(I64)),                  # (nseg,)
+    ("nseg", INT64),
+    ("col0", INT64),
+    ("step_key", INT64),
     ("nt", INT),
 ])
 _RULES = (SGD, ADAGRAD, ROWWISE_ADAGRAD)
+_NEAREST = rounding.nearest()
 
 
 def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows: torch.Tensor,
                   hyper: Hyper, grads: Sequence[torch.Tensor],
                   starts: Sequence[int] | None = None, unique_offsets: torch.Tensor | None = None,
                   order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
-                  scales: torch.Tensor | None = None) -> None:
+                  scales: torch.Tensor | None = None,
+                  round_to: rounding.Rounding | None = None) -> None:
     """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once.
 
     Args:
         rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
-        table: (N, D) contiguous float32 parameters.
+        table: (N, D) contiguous float32, float16 or bfloat16 parameters (16-bit rows are
+            widened, updated in float32 and rounded back by ``round_to``: ops/rounding.py).
         acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
         rows: (U,) distinct int64 rows.
         hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
@@ -574,6 +594,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
+        round_to: how a 16-bit table's rows are rounded (None: to nearest; ops/rounding.py).
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
@@ -604,20 +625,30 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
             raise ValueError(f"{name}: 'starts' must have {n + 1} entries (one more than the "
                              f"gradient parts), got {len(starts)}")
         for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
-            addresses.append(_GRADIENT_ROWS.address(name, "slices", (g, table), i))
+            addresses.append(_GRADIENT_ROWS.address(
+                name, "slices", (g, table if table.dtype is torch.float32 else None), i))
             shape = g.shape
+            if shape[1] != d and g.numel():
+                raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
+                                 f"table), got {shape[1]}")
             if n > 1 and shape[0] != starts[i + 1] - starts[i]:
                 raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
                                  f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got "
                                  f"{shape[0]}")
             row_strides.append(g.stride(0) if shape[0] > 1 else shape[1])
     nnz = order.numel() if isinstance(order, torch.Tensor) else None
+    r = _NEAREST if round_to is None else round_to
+    seg = r.segments
+    nseg = seg.bases.numel()
+    n_keys = 0 if r.key_rows is None else r.key_rows.numel()
     _SPARSE_UPDATE.call(
-        rule, (table, None), (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
+        rule, ROW_TYPES.get(table.dtype, 0), (table, None),
+        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
         (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
         ctypes_array(ctypes.c_void_p, n)(*addresses), ctypes_array(ctypes.c_int64, n + 1)(*starts)
         if starts is not None else None, ctypes_array(ctypes.c_int64, n)(*row_strides), n, hyper,
-        _threads())
+        int(r.stochastic), (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
+        (seg.muls, nseg), nseg, r.col0, r.key_of_step, _threads())
 
 
 _DEDUP_RAW = Kernel("ec_dedup_raw", INT64, [
@@ -898,3 +929,25 @@ def main() -> int:
         return 1
     print(f"embcore kernels: {getattr(_lib, '_name', '?')}")
     return 0
+
+
+_ROUND16 = Kernel("ec_round16", None, [
+    ("type", INT),                            # ROW_TYPES[float16 or bfloat16]
+    ("src", read(F32)),                       # (n,)
+    ("bits", read(I32, optional=True)),       # (n,) random bits; None: to nearest
+    ("dst", written(I16)),                    # (n,)
+    ("n", INT64),
+])
+
+
+def round16(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``x`` rounded to ``dtype`` (float16 / bfloat16) by the kernels' rule (csrc/half.h):
+    to nearest, or stochastically with the uint32 random ``bits`` (int64 values, ``x``'s shape).
+    For tests of ops/rounding.py's reference."""
+    if dtype not in rounding.COMPACT:
+        raise TypeError(f"round16 rounds into {rounding.COMPACT}, not {dtype}")
+    src = x.to(torch.float32).contiguous().reshape(-1)
+    b = None if bits is None else bits.reshape(-1).to(torch.int64).to(torch.int32).contiguous()
+    out = torch.empty(src.numel(), dtype=torch.int16)
+    _ROUND16.call(ROW_TYPES[dtype], (src, None), (b, src.numel()), (out, src.numel()), src.numel())
+    return out.view(dtype).reshape(x.shape)

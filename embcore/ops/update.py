@@ -9,7 +9,8 @@ gradient multiplier is evaluated once per call, or given already evaluated
 kernel uses that value. The kernel is chosen here and nowhere else:
 
 1. the fused CPU kernel (``native.sparse_update``): SGD, Adagrad and RowwiseAdagrad with every
-   option, float32 tables on the CPU; each touched row and its accumulator are read and written
+   option, float32, float16 and bfloat16 tables on the CPU (a 16-bit row widened, updated in
+   float32 and rounded back in the same pass); each touched row and its accumulator are read and written
    once, and from ``OutputGrads`` the row gradients are summed in the same pass (no ``(U, D)``
    temporary at all);
 2. on CUDA, the Triton kernel (``gpu.sparse_update``): the same contract for SGD, Adagrad,
@@ -18,7 +19,8 @@ kernel uses that value. The kernel is chosen here and nowhere else:
 3. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
    arithmetic in the gathered buffers, two scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
-   dtype, any device; the rows are gathered, updated and written back. ``Adam(lazy_adam=False)``
+   dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
+   (rounded by ``ops/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
 
 Hyper-parameters reach the kernel by name (``native.Hyper``, mirrored by ``EcHyper`` in C++).
@@ -30,18 +32,24 @@ from __future__ import annotations
 import torch
 
 from ..config.optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
-from . import gpu, native
+from . import gpu, native, rounding
 from .combine import OutputGrads, row_gradients
+from .rounding import COMPACT, Rounding
 from .workspace import Workspace
 
 _RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWISE_ADAGRAD}
+_ROWS = (torch.float32, *COMPACT)  # the fused kernel's tables
+_NEAREST = rounding.nearest()
 
 
 def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
            grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
            workspace: Workspace | None = None, *,
-           gradient_multiplier: float | None = None) -> None:
+           gradient_multiplier: float | None = None, round_to: Rounding | None = None) -> None:
     """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
+
+    A float16 / bfloat16 table's rows are widened, updated in float32 and rounded back by
+    ``round_to`` (ops/rounding.py; None: to nearest), on every path.
 
     Args:
         table: (N, D) parameters held here.
@@ -53,10 +61,13 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         gradient_multiplier: ``optimizer.current_gradient_multiplier(step)`` already evaluated
             (the engine evaluates it once per step, before any write), used by every kernel;
             None: evaluated here, once.
+        round_to: how a 16-bit table's results are rounded (its ``at(step, ...)`` already).
     """
     if gradient_multiplier is None:
         gradient_multiplier = optimizer.current_gradient_multiplier(step)  # None: it has none
-    if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
+    compact = table.dtype in COMPACT
+    if (not compact and gpu.usable(table, rows)
+            and gpu.update_supported(optimizer, table, slots)):
         _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier)
         return
     rule = native_rule(optimizer, table)
@@ -68,10 +79,11 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
             native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
                                  [_unit_columns(p) for p in g.parts], g.starts,
                                  g.dedup.unique_offsets, g.dedup.order,
-                                 None if g.bags.unit else g.bags.bag_of, g.bags.scales)
+                                 None if g.bags.unit else g.bags.bag_of, g.bags.scales,
+                                 round_to=round_to)
         else:
             native.sparse_update(rule, table, acc, rows.contiguous(), hyper,
-                                 [grad.to(torch.float32).contiguous()])
+                                 [grad.to(torch.float32).contiguous()], round_to=round_to)
         return
     summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
@@ -81,9 +93,12 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         full = torch.zeros(table.shape, dtype=summed.dtype, device=summed.device)  # (N, D)
         full[rows] = summed
         rows, summed = torch.arange(table.shape[0], device=table.device), full
-    new_w, new_slots = optimizer.update(table[rows], summed,
+    w = table[rows]
+    new_w, new_slots = optimizer.update(w.float() if compact else w, summed,
                                         {k: v[rows] for k, v in slots.items()}, lr=lr, step=step,
                                         gradient_multiplier=gradient_multiplier)
+    if compact:  # the float32 result rounded to the rows' dtype
+        new_w = (round_to or _NEAREST).round(new_w, rows, table.dtype)
     table.index_copy_(0, rows, new_w)
     for k, v in new_slots.items():
         slots[k].index_copy_(0, rows, v)
@@ -114,7 +129,7 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     """The fused kernel's rule for this optimizer and table, or None when it does not apply."""
     rule = _RULES.get(type(opt))
-    if rule is None or table.dtype != torch.float32 or not table.is_contiguous():
+    if rule is None or table.dtype not in _ROWS or not table.is_contiguous():
         return None
     return rule if native.usable(table) else None
 

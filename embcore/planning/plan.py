@@ -288,7 +288,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     offloaded = set(caches)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
-        key = (cfg.dim, cfg.dtype, opt.stacking_key() if opt is not None else None,
+        key = (cfg.dim, cfg.dtype, cfg.dtype.itemsize == 2 and cfg.stochastic_rounding,
+               opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
                name if cfg.dynamic is not None else None,  # a dynamic table stands alone
                name in offloaded)  # tiers do not mix

@@ -42,6 +42,7 @@ from ..ops import native
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, combine, row_gradients
 from ..ops.memory import empty_table
+from ..ops.rounding import COMPACT, Rounding, shard_segments
 from ..ops.update import update
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
@@ -81,6 +82,9 @@ class RowStore:
         rank = comm.rank
         self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                          else None)
+        # float16 / bfloat16 tables: how their updates round (ops/rounding.py)
+        self.rounding: dict[int, Rounding] = {
+            p.index: self._rounding(p, seed) for p in plan.physical if p.dtype in COMPACT}
         for p in plan.physical:
             try:
                 self._allocate(p, seed, device)
@@ -95,6 +99,36 @@ class RowStore:
                     f"the tables before them). Give the engine a memory_budget (their rows then "
                     f"go to a slow tier, hot rows cached), shard them over more processes, or "
                     f"make them smaller") from None
+
+    def _rounding(self, p: PhysicalTable, seed: int) -> Rounding:
+        """How updates of a 16-bit physical table round: the rows' identities (per member, its
+        key plus the logical row; a dynamic table's key plus the raw id), its first column."""
+        rank = self.comm.rank
+        if p.dynamic:
+            members = [(p.tables[0], 0, torch.arange(0))]
+        else:
+            members = [(name, self.plan.table(name).local_offsets[rank],
+                        self.plan.table(name).held_rows(rank)) for name in p.tables]
+        return Rounding(self.configs[p.tables[0]].stochastic_rounding,
+                        shard_segments(members, seed, p.row_counts[rank]),
+                        col0=p.columns[rank][0])
+
+    def rounding_at(self, p: int, step: int, rows: torch.Tensor | None = None,
+                  at: torch.Tensor | None = None) -> Rounding | None:
+        """The rounding of an update of physical table ``p`` at ``step`` (None: not 16-bit). An
+        offloaded table's kernel writes cache rows ``at``: their identities come from the shard
+        rows ``rows`` (a dynamic table's: from their ids)."""
+        r = self.rounding.get(p)
+        if r is None or not r.stochastic:
+            return r
+        dyn = self.dynamic.get(p)
+        if at is None:
+            return r.at(step, None if dyn is None else dyn.map.row_key)
+        keys = self.workspace.get("round_keys", (self.cached[p].table.shape[0],), torch.int64,
+                                  rows.device)  # (the cache's rows: it may have grown)
+        keys.index_copy_(0, at, rows if dyn is None else
+                         dyn.map.row_key.index_select(0, rows.to(dyn.map.row_key.device)))
+        return r.at(step, keys)
 
     def _allocate(self, p: PhysicalTable, seed: int, device: torch.device) -> None:
         """Physical table ``p``'s shard and slots on this process, initialized."""
@@ -316,11 +350,12 @@ class RowStore:
                     grad = OutputGrads(grad.parts, grad.starts, grad.bags,
                                        Dedup(at, d.order, d.unique_offsets))
                 update(table, slots, at, grad, optimizer, lr, step, self.workspace,
-                       gradient_multiplier=gradient_multiplier)
+                       gradient_multiplier=gradient_multiplier,
+                       round_to=self.rounding_at(p, step, rows, at))
             self.written(p, rows, every=optimizer.updates_every_row)
             return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
-               gradient_multiplier=gradient_multiplier)
+               gradient_multiplier=gradient_multiplier, round_to=self.rounding_at(p, step))
         if dyn is not None and optimizer.updates_every_row:  # it moved every row, the zero row too
             self.tables[p][dyn.zero_row] = 0
         self.written(p, rows, every=optimizer.updates_every_row)

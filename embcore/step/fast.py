@@ -1,7 +1,8 @@
 """The fast path: one kernel call per verb and table for batches of dense one-id features.
 
 Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
-(``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 in this
+(``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 (or
+float16 / bfloat16: compact rows, widened and rounded inside the kernels) in this
 process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``),
 trained by an optimizer the fused kernels implement. The general path (path.py, over
 preprocess.py, lookup.py and gradients.py) takes every input kind, placement and optimizer; at
@@ -35,7 +36,7 @@ import torch
 from ..inputs.features import Shapes
 from ..ops import native
 from ..ops.bags import Bags, Dedup
-from ..ops.update import _hyper, native_rule
+from ..ops.update import _ROWS, _hyper, native_rule
 from .exchange import Answers
 from .gradients import gradient_multipliers, learning_rates
 from .path import Activations, Batch, GeneralPath, StepPath
@@ -118,7 +119,7 @@ class FastPath:
         """The engine's path: a fast path in front of ``general``, or ``general`` alone when
         the configuration leaves no batch to a fast path: more than one process, not the CPU,
         no fused kernels, a sequence feature or one with ``output_shape``, a dynamic table, a
-        table that is not float32 (or ``set_enabled(False)``). An offloaded table's rows are
+        table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An offloaded table's rows are
         read and updated in its cache (``RowStore.held``)."""
         store, plan = general.store, general.plan
         if (not _enabled or general.comm.world_size != 1 or store.device.type != "cpu"
@@ -131,7 +132,7 @@ class FastPath:
             if p in store.dynamic or not phys.placement.held_everywhere:
                 return general
             t = store.tables[p]
-            if t.dtype != torch.float32 or not t.is_contiguous():
+            if t.dtype not in _ROWS or not t.is_contiguous():
                 return general
         return FastPath(general)
 
@@ -162,7 +163,7 @@ class FastPath:
         multipliers = gradient_multipliers(prepared, self.plan, step)  # these may raise: before
         lrs = learning_rates(prepared, self.plan)  # any write (lrs last: a callable may count)
         before_write()
-        self._update(prepared, parts, lrs, multipliers)
+        self._update(prepared, parts, lrs, multipliers, step)
 
     # ------------------------------------------------------------------------------ prepare
     def _prepare(self, batch: Any, training: bool, shapes: Shapes) -> Prepared | None:
@@ -273,9 +274,11 @@ class FastPath:
         return out
 
     def _update(self, prepared: Prepared, parts: list[list[torch.Tensor]],
-                lrs: Mapping[int, float], multipliers: Mapping[int, float | None]) -> None:
+                lrs: Mapping[int, float], multipliers: Mapping[int, float | None],
+                step: int) -> None:
         """Applies each table's optimizer to the batch's rows (``parts``: ``_gradients``' result;
-        ``lrs`` / ``multipliers``: as gradients.py evaluates them, before any write)."""
+        ``lrs`` / ``multipliers``: as gradients.py evaluates them, before any write; ``step``:
+        the updates so far, for a 16-bit table's rounding)."""
         for tb, g in zip(prepared.tables, parts):
             t = self.by_physical[tb.physical]
             assert t.rule is not None  # (_gradients declined otherwise)
@@ -292,9 +295,12 @@ class FastPath:
                 with self.store.held(tb.physical, dd.unique, count=False, write=True) as (
                         table, slots, at):
                     native.sparse_update(t.rule, table, slots.get("accumulators"), at, hyper, g,
-                                         starts, dd.unique_offsets, dd.order)
+                                         starts, dd.unique_offsets, dd.order,
+                                         round_to=self.store.rounding_at(tb.physical, step,
+                                                                         dd.unique, at))
             else:
                 native.sparse_update(t.rule, self.store.tables[tb.physical],
                                      self.store.slots[tb.physical].get("accumulators"),
-                                     dd.unique, hyper, g, starts, dd.unique_offsets, dd.order)
+                                     dd.unique, hyper, g, starts, dd.unique_offsets, dd.order,
+                                     round_to=self.store.rounding_at(tb.physical, step))
             self.store.written(tb.physical, dd.unique)

@@ -19,6 +19,7 @@
 //   common.h       int64 rows, prefetching, splitting work by cost, ids' hash
 //   pool.h         the thread pool and the parallel loops over it
 //   dedup.h        ec_dedup, ec_concat_dedup, ec_dedup_raw, ec_expand
+//   half.h         16-bit rows: widening, rounding (to nearest, stochastic), ec_round16
 //   lookup.h       ec_lookup
 //   update.h       EcHyper, ec_hyper_*, ec_sparse_update
 //   inputs.h       ec_minmax, ec_offsets_error, ec_first_unordered, ec_combiner_scales, ec_bag_of
@@ -31,6 +32,7 @@
 
 #include "common.h"
 #include "pool.h"
+#include "half.h"
 #include "dedup.h"
 #include "lookup.h"
 #include "update.h"

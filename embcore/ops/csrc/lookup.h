@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "half.h"
 #include "pool.h"
 
 namespace {
@@ -17,16 +18,29 @@ inline i64 bag_block(i64 d) {
 
 // One bag's sum o = sum_{k in [k0, k1)} scales[k] * table[ids[k]], BW columns at a time held in
 // registers (no store per occurrence); each column still sums 0 + s * row + s * row + ... in
-// bag order, as the plain loop does. The first block prefetches the rows kPrefetch ahead.
-template <i64 BW>
-inline void bag_sum(const float* table, i64 d, const i64* ids, const float* scales, i64 k0,
+// bag order, as the plain loop does. The first block prefetches the rows kPrefetch ahead. Rows
+// of 16-bit type T are widened to float32 (exact) as they are read.
+template <int T, i64 BW>
+inline void bag_sum(const void* table_, i64 d, const i64* ids, const float* scales, i64 k0,
                     i64 k1, i64 k_end, float* o) {
+  constexpr i64 esize = T == kF32 ? 4 : 2;
+  const char* table = static_cast<const char*>(table_);
   for (i64 c0 = 0; c0 < d; c0 += BW) {
     float acc[BW] = {};
     for (i64 k = k0; k < k1; ++k) {
-      if (c0 == 0 && k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
+      if (c0 == 0 && k + kPrefetch < k_end)
+        prefetch_read(reinterpret_cast<const float*>(table + ids[k + kPrefetch] * d * esize),
+                      d * esize / 4);
       const float s = scales ? scales[k] : 1.f;
-      const float* row = table + ids[k] * d + c0;
+      const void* at = table + (ids[k] * d + c0) * esize;
+      const float* row;
+      float wide[BW];
+      if constexpr (T == kF32) {
+        row = static_cast<const float*>(at);
+      } else {
+        widen<T>(at, wide, BW);
+        row = wide;
+      }
 #pragma omp simd
       for (i64 c2 = 0; c2 < BW; ++c2) acc[c2] += s * row[c2];
     }
@@ -34,15 +48,15 @@ inline void bag_sum(const float* table, i64 d, const i64* ids, const float* scal
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Weighted bag sums: out[r] = sum_{k in [offsets[r], offsets[r+1])} scales[k] * table[ids[k]].
-//   table (N, D) row-major; ids (nnz,); offsets (R + 1,) or nullptr (bag r is id r alone,
-//   scale 1); scales (nnz,) or nullptr (all 1); out (R, D).
-void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, const float* scales,
-               i64 r_rows, float* out, int nt) {
+template <int T>
+void lookup_rows(const void* table_, i64 d, const i64* ids, const i64* offsets,
+                 const float* scales, i64 r_rows, float* out, int nt) {
+  constexpr i64 esize = T == kF32 ? 4 : 2;
+  const char* table = static_cast<const char*>(table_);
+  auto row_at = [&](i64 id) { return table + id * d * esize; };
+  auto ahead = [&](i64 id) {
+    prefetch_read(reinterpret_cast<const float*>(row_at(id)), d * esize / 4);
+  };
   const i64 nnz = offsets ? offsets[r_rows] : r_rows;
   nt = threads_for(nnz * d, nt);
   const i64 chunks = chunks_for(nnz * d, nt);
@@ -50,27 +64,35 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
   parallel_ranges(chunks, nt, r_rows, offsets, 1, [&](i64, i64 lo, i64 hi) {
     if (offsets == nullptr) {
       for (i64 r = lo; r < hi; ++r) {
-        if (r + kPrefetch < hi) prefetch_read(table + ids[r + kPrefetch] * d, d);
-        std::memcpy(out + r * d, table + ids[r] * d, sizeof(float) * d);
+        if (r + kPrefetch < hi) ahead(ids[r + kPrefetch]);
+        widen<T>(row_at(ids[r]), out + r * d, d);
       }
     } else {
       const i64 k_end = offsets[hi];
       const i64 bw = bag_block(d);
+      thread_local std::vector<float> wide;
+      if (bw == 0 && T != kF32) wide.resize(size_t(d));
       for (i64 r = lo; r < hi; ++r) {
         float* o = out + r * d;
         const i64 k0 = offsets[r], k1 = offsets[r + 1];
         switch (bw) {
-          case 128: bag_sum<128>(table, d, ids, scales, k0, k1, k_end, o); break;
-          case 64: bag_sum<64>(table, d, ids, scales, k0, k1, k_end, o); break;
-          case 32: bag_sum<32>(table, d, ids, scales, k0, k1, k_end, o); break;
-          case 16: bag_sum<16>(table, d, ids, scales, k0, k1, k_end, o); break;
-          case 8: bag_sum<8>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 128: bag_sum<T, 128>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 64: bag_sum<T, 64>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 32: bag_sum<T, 32>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 16: bag_sum<T, 16>(table, d, ids, scales, k0, k1, k_end, o); break;
+          case 8: bag_sum<T, 8>(table, d, ids, scales, k0, k1, k_end, o); break;
           default:
             for (i64 c2 = 0; c2 < d; ++c2) o[c2] = 0.f;
             for (i64 k = k0; k < k1; ++k) {
-              if (k + kPrefetch < k_end) prefetch_read(table + ids[k + kPrefetch] * d, d);
+              if (k + kPrefetch < k_end) ahead(ids[k + kPrefetch]);
               const float s = scales ? scales[k] : 1.f;
-              const float* row = table + ids[k] * d;
+              const float* row;
+              if constexpr (T == kF32) {
+                row = reinterpret_cast<const float*>(row_at(ids[k]));
+              } else {
+                widen<T>(row_at(ids[k]), wide.data(), d);
+                row = wide.data();
+              }
 #pragma omp simd
               for (i64 c2 = 0; c2 < d; ++c2) o[c2] += s * row[c2];
             }
@@ -78,6 +100,24 @@ void ec_lookup(const float* table, i64 d, const i64* ids, const i64* offsets, co
       }
     }
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+// Weighted bag sums: out[r] = sum_{k in [offsets[r], offsets[r+1])} scales[k] * table[ids[k]].
+//   type the table's row type (kF32, kF16, kBF16: rows widened to float32); table (N, D)
+//   row-major; ids (nnz,); offsets (R + 1,) or nullptr (bag r is id r alone, scale 1); scales
+//   (nnz,) or nullptr (all 1); out (R, D) float32.
+void ec_lookup(int type, const void* table, i64 d, const i64* ids, const i64* offsets,
+               const float* scales, i64 r_rows, float* out, int nt) {
+  if (type == kF16)
+    lookup_rows<kF16>(table, d, ids, offsets, scales, r_rows, out, nt);
+  else if (type == kBF16)
+    lookup_rows<kBF16>(table, d, ids, offsets, scales, r_rows, out, nt);
+  else
+    lookup_rows<kF32>(table, d, ids, offsets, scales, r_rows, out, nt);
 }
 
 }  // extern "C"

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "half.h"
 #include "pool.h"
 
 // The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/ops/native.py's
@@ -51,29 +52,32 @@ double ec_hyper_field(const EcHyper* h, int i) {
   std::memcpy(&v, reinterpret_cast<const char*>(h) + kHyperFields[i].offset, sizeof(double));
   return v;
 }
-
 // Optimizer rules of ec_sparse_update (docs/semantics.md section 4).
 enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
 
-// Sparse update of the touched rows, each exactly once, in place.
-//   w (N, D) parameters; acc (N, D) or (N, 1) accumulators (rule kAdagrad / kRowwiseAdagrad) or
-//   nullptr (kSGD); rows (U,) distinct rows to update.
-// The summed gradient of rows[u] comes from one of two sources:
-//   - occurrences (uoff != nullptr): g = sum over j in [uoff[u], uoff[u+1]) of
-//     scale(order[j]) * grad_row(bag(order[j])), in that order, where bag(k) = bags[k] (or k when
-//     bags is nullptr), scale(k) = scales[k] (or 1), and grad_row(b) is row b of the output
-//     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
-//     slices[i], row r of it at slices[i] + r * strides[i] (D consecutive floats; strides
-//     nullptr: D, the slices are contiguous);
-//   - direct (uoff == nullptr): g = slices[0] row u.
-// Then, per row, with the fields of *hyper (EcHyper, built by embcore/ops/update.py):
-// g *= gradient_multiplier; g = clip(g, clip_min, clip_max); the rule (learning_rate);
-// w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
-// accumulator take no step (0 / 0).
-void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i64 u_rows,
-                      const i64* uoff, const i64* order, const i64* bags, const float* scales,
-                      const float* const* slices, const i64* starts, const i64* strides,
-                      i64 nslices, const EcHyper* hyper, int nt) {
+}  // extern "C"
+
+namespace {
+
+// How the update's float32 results become 16-bit rows: stochastically (the bits of each row's
+// identity, the step and the column: half.h) or to nearest.
+struct Rounding {
+  bool stochastic;
+  const i64* key_rows;  // (n_keys,) per table row, where its identity comes from (rows from
+  i64 n_keys;           // n_keys on, and every row when nullptr: the row itself)
+  Segments segments;
+  i64 col0;             // the shard's first column (a column split)
+  uint64_t step_key;    // splitmix64(step)
+};
+
+template <int T>
+void update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
+                 const i64* uoff, const i64* order, const i64* bags, const float* scales,
+                 const float* const* slices, const i64* starts, const i64* strides,
+                 i64 nslices, const EcHyper* hyper, const Rounding& rounding, int nt) {
+  constexpr i64 esize = T == kF32 ? 4 : 2;
+  char* w = static_cast<char*>(w_);
+
   const float lr = float(hyper->learning_rate), gmul = float(hyper->gradient_multiplier);
   const float clo = float(hyper->clip_min), chi = float(hyper->clip_max);
   const float wd = float(hyper->weight_decay);
@@ -107,14 +111,15 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
   // chunks of rows of about equal cost
   parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
     const i64 j_end = uoff ? uoff[hi] : 0;
-    thread_local std::vector<float> gbuf, wbuf;
+    thread_local std::vector<float> gbuf, wbuf, wide;
     gbuf.resize(static_cast<size_t>(d));
     if (decayed) wbuf.resize(static_cast<size_t>(d));
+    if (T != kF32) wide.resize(static_cast<size_t>(d));
     float* g = gbuf.data();
     for (i64 u = lo; u < hi; ++u) {
       if (u + kPrefetch < hi) {
         const i64 ahead = rows[u + kPrefetch];
-        prefetch_write(w + ahead * d, d);
+        prefetch_write(reinterpret_cast<const float*>(w + ahead * d * esize), d * esize / 4);
         if (acc) prefetch_write(acc + ahead * acc_d, acc_d);
         if (!uoff) prefetch_read(slices[0] + (u + kPrefetch) * d, d);
       }
@@ -145,7 +150,14 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
         for (i64 c = 0; c < d; ++c) g[c] *= gmul;
       if (clipped)
         for (i64 c = 0; c < d; ++c) g[c] = std::min(std::max(g[c], clo), chi);
-      float* wr = w + rows[u] * d;
+      void* stored = w + rows[u] * d * esize;
+      float* wr;  // the row in float32: the table's own, or a 16-bit row widened
+      if constexpr (T == kF32) {
+        wr = static_cast<float*>(stored);
+      } else {
+        wr = wide.data();
+        widen<T>(stored, wr, d);
+      }
       if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
       // 3. the rule
       if (rule == kSGD) {
@@ -180,8 +192,64 @@ void ec_sparse_update(int rule, float* w, float* acc, i64 d, const i64* rows, i6
         for (i64 c = 0; c < d; ++c) wr[c] -= wd * wbuf[c];
       if (bounded)
         for (i64 c = 0; c < d; ++c) wr[c] = std::min(std::max(wr[c], wmin), wmax);
+      // 6. a 16-bit row: rounded back
+      if constexpr (T != kF32) {
+        uint32_t key32 = 0;
+        if (rounding.stochastic) {
+          const i64 r = rows[u];
+          const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
+          key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
+        }
+        narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
+      }
     }
   });
+}
+
+}  // namespace
+
+extern "C" {
+
+// Sparse update of the touched rows, each exactly once, in place.
+//   w (N, D) parameters; acc (N, D) or (N, 1) accumulators (rule kAdagrad / kRowwiseAdagrad) or
+//   nullptr (kSGD); rows (U,) distinct rows to update.
+// The summed gradient of rows[u] comes from one of two sources:
+//   - occurrences (uoff != nullptr): g = sum over j in [uoff[u], uoff[u+1]) of
+//     scale(order[j]) * grad_row(bag(order[j])), in that order, where bag(k) = bags[k] (or k when
+//     bags is nullptr), scale(k) = scales[k] (or 1), and grad_row(b) is row b of the output
+//     gradient, split across ``nslices`` tensors: rows [starts[i], starts[i+1]) live in
+//     slices[i], row r of it at slices[i] + r * strides[i] (D consecutive floats; strides
+//     nullptr: D, the slices are contiguous);
+//   - direct (uoff == nullptr): g = slices[0] row u.
+// Then, per row, with the fields of *hyper (EcHyper, built by embcore/ops/update.py):
+// g *= gradient_multiplier; g = clip(g, clip_min, clip_max); the rule (learning_rate);
+// w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
+// accumulator take no step (0 / 0).
+// Rows of 16-bit type ``type`` (kF16, kBF16; kF32: float32) are widened, updated in float32 and
+// rounded back (half.h): stochastically when ``stochastic``, the identity of row rows[u] from
+// key_rows[rows[u]] (rows[u] itself from n_keys on; key_rows nullptr: n_keys 0) through the
+// segments (seg_starts
+// (nseg + 1,), seg_bases, seg_muls (nseg,)), columns col0 + c and ``step_key`` =
+// splitmix64(step); else to nearest.
+void ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* rows,
+                      i64 u_rows, const i64* uoff, const i64* order, const i64* bags,
+                      const float* scales, const float* const* slices, const i64* starts,
+                      const i64* strides, i64 nslices, const EcHyper* hyper, int stochastic,
+                      const i64* key_rows, i64 n_keys, const i64* seg_starts,
+                      const i64* seg_bases,
+                      const i64* seg_muls, i64 nseg, i64 col0, i64 step_key, int nt) {
+  const Rounding rounding{stochastic != 0, key_rows, key_rows ? n_keys : 0,
+                          Segments{seg_starts, seg_bases, seg_muls, nseg}, col0,
+                          uint64_t(step_key)};
+  if (type == kF16)
+    update_rows<kF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
+                      strides, nslices, hyper, rounding, nt);
+  else if (type == kBF16)
+    update_rows<kBF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
+                       strides, nslices, hyper, rounding, nt);
+  else
+    update_rows<kF32>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
+                      strides, nslices, hyper, rounding, nt);
 }
 
 }  // extern "C"

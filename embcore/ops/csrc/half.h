@@ -1,0 +1,224 @@
+// half.h: 16-bit rows (float16, bfloat16): widening to float32, rounding back to nearest or
+// stochastically, and the counter-based random bits of stochastic rounding.
+//
+// The rules (docs/semantics.md section 14; ops/rounding.py is their torch reference, bit for bit):
+//   - widening is exact (every 16-bit value is a float32);
+//   - to nearest: IEEE round-to-nearest-even, as torch's .to(float16 / bfloat16) (a NaN stays a
+//     NaN; the payload is not kept);
+//   - stochastically: x rounds to one of the two 16-bit values around it, the one away from zero
+//     with probability |x - toward-zero| / ulp, decided by 32 random bits u: bfloat16 adds the
+//     high 16 bits of u to the float32 bits below its mantissa and truncates; float16 adds
+//     u >> 19 (13 bits) below a normal result's mantissa, or the low `drop` bits of u below a
+//     subnormal result's (drop = 126 - the float32 exponent field, the bits a float16 subnormal
+//     does not keep), and truncates. Magnitudes from 65536 (float16) are infinite, as are
+//     those that carry into it; below 2**-32 a float16 result is 0.
+//   - the random bits of row r, column c, at step s of a table: with I the row's identity
+//     (the table's key + its logical row, or + the raw id of a dynamic table),
+//       k = splitmix64(splitmix64(I) ^ splitmix64(s)),  k32 = low32(k) ^ high32(k),
+//       u = lowbias32(k32 + c * 0x9E3779B9 mod 2**32)
+//     a function of the table, the step, the row and the column only: the same whatever the
+//     threads, sharding, stacking, budget or pipelining.
+// Loads widen with F16C's vcvtph2ps where the build has it (-march=native on x86-64), else with
+// integer steps; bfloat16 is a shift. Stores round with integer steps (the same vectorized
+// arithmetic on every CPU; to nearest on float16 with F16C's vcvtps2ph where present). AVX-512
+// BF16's conversion is not used: it flushes subnormals to zero, which torch's rounding does not.
+
+#pragma once
+
+#include "common.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// The row types of the kernels that read or write rows (the codes of native.py's ROW_TYPES).
+enum RowType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+inline uint32_t f32_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+inline float bits_f32(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ULL;
+
+inline uint64_t splitmix64(uint64_t x) { return mix64(x + kGamma); }
+
+// Chris Wellons' lowbias32: a 32-bit bijection with good avalanche.
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// k32 of a row: identity ``ident`` (uint64 bits), ``step_key`` = splitmix64(step).
+inline uint32_t row_key32(uint64_t ident, uint64_t step_key) {
+  const uint64_t k = splitmix64(splitmix64(ident) ^ step_key);
+  return uint32_t(k) ^ uint32_t(k >> 32);
+}
+
+inline uint32_t column_bits(uint32_t key32, uint32_t col) {
+  return lowbias32(key32 + col * 0x9E3779B9U);
+}
+
+// ---------------------------------------------------------------------------------- widening
+inline float bf16_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+inline float f16_to_f32_int(uint16_t h) {
+  const uint32_t sign = (uint32_t(h) & 0x8000U) << 16;
+  const uint32_t em = uint32_t(h) & 0x7FFFU;
+  uint32_t normal = (em << 13) + 0x38000000U;  // rebias 15 -> 127
+  normal += em >= 0x7C00U ? 0x38000000U : 0U;   // infinities and NaNs: exponent all ones
+  const float sub = float(em) * 5.9604644775390625e-8f;  // em * 2**-24, exact
+  const uint32_t mag = em < 0x0400U ? f32_bits(sub) : normal;
+  return bits_f32(sign | mag);
+}
+
+// dst[c] = float32(src[c]) for c < d.
+inline void widen_f16(const uint16_t* src, float* dst, i64 d) {
+  i64 c = 0;
+#if defined(__F16C__)
+  for (; c + 8 <= d; c += 8)
+    _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c))));
+#endif
+#pragma omp simd
+  for (i64 k = c; k < d; ++k) dst[k] = f16_to_f32_int(src[k]);
+}
+
+inline void widen_bf16(const uint16_t* src, float* dst, i64 d) {
+#pragma omp simd
+  for (i64 c = 0; c < d; ++c) dst[c] = bf16_to_f32(src[c]);
+}
+
+template <int T>
+inline void widen(const void* src, float* dst, i64 d) {
+  if constexpr (T == kF16) {
+    widen_f16(static_cast<const uint16_t*>(src), dst, d);
+  } else if constexpr (T == kBF16) {
+    widen_bf16(static_cast<const uint16_t*>(src), dst, d);
+  } else {
+    std::memcpy(dst, src, sizeof(float) * d);
+  }
+}
+
+// --------------------------------------------------------------------------------- rounding
+inline uint16_t bf16_nearest(float x) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t r = (b + 0x7FFFU + ((b >> 16) & 1U)) >> 16;
+  return (b & 0x7FFFFFFFU) > 0x7F800000U ? uint16_t(0x7FC0U) : uint16_t(r);
+}
+
+inline uint16_t bf16_stochastic(float x, uint32_t u) {
+  const uint32_t b = f32_bits(x);
+  const uint32_t r = (b + (u >> 16)) >> 16;
+  return (b & 0x7FFFFFFFU) > 0x7F800000U ? uint16_t(0x7FC0U) : uint16_t(r);
+}
+
+// float16 from float32: ``below`` is what is added under the kept bits before truncating, for a
+// normal result (``below_n``, < 2**13) and a subnormal one (``below_s(drop)``).
+inline uint16_t f16_round_bits(uint32_t b, uint32_t below_n, uint32_t r_sub, bool nearest) {
+  const uint32_t sign = (b >> 16) & 0x8000U;
+  const uint32_t a = b & 0x7FFFFFFFU;
+  // a normal result (a >= 2**-14): 13 bits dropped; rebias 127 -> 15
+  uint32_t hn = ((a + below_n) >> 13) - 0x1C000U;
+  hn = hn > 0x7C00U ? 0x7C00U : hn;  // (also every a >= 65536: infinite)
+  // a subnormal result: multiples of 2**-24, drop = 126 - exponent bits dropped of the
+  // significand (14 to 31; below 2**-32, e < 95, the result is 0)
+  const uint32_t e = a >> 23;
+  const uint32_t drop = e >= 95U ? 126U - e : 31U;
+  const uint32_t sig = (a & 0x7FFFFFU) | 0x800000U;
+  const uint32_t mask = (1U << drop) - 1U;
+  const uint32_t add = nearest ? (mask >> 1) + ((sig >> drop) & 1U) : (r_sub & mask);
+  const uint32_t hs = e >= 95U ? (sig + add) >> drop : 0U;
+  const uint32_t h = a > 0x7F800000U ? 0x7E00U : (a >= 0x38800000U ? hn : hs);
+  return uint16_t(sign | h);
+}
+
+inline uint16_t f16_nearest_int(float x) {
+  const uint32_t b = f32_bits(x);
+  return f16_round_bits(b, 0xFFFU + ((b >> 13) & 1U), 0U, true);
+}
+
+inline uint16_t f16_stochastic(float x, uint32_t u) {
+  return f16_round_bits(f32_bits(x), u >> 19, u, false);
+}
+
+// dst[c] = round(src[c]) for c < d: to nearest, or stochastically with the bits of row key
+// ``key32`` and columns col0 + c.
+template <int T>
+inline void narrow(const float* src, void* dst_, i64 d, bool stochastic, uint32_t key32,
+                   i64 col0) {
+  if constexpr (T == kF32) {
+    std::memcpy(dst_, src, sizeof(float) * d);
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(dst_);
+    const uint32_t c0 = uint32_t(col0);
+    if (stochastic) {
+#pragma omp simd
+      for (i64 c = 0; c < d; ++c) {
+        const uint32_t u = column_bits(key32, c0 + uint32_t(c));
+        dst[c] = T == kF16 ? f16_stochastic(src[c], u) : bf16_stochastic(src[c], u);
+      }
+      return;
+    }
+    i64 c = 0;
+    if constexpr (T == kF16) {
+#if defined(__F16C__)
+      for (; c + 8 <= d; c += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    }
+#pragma omp simd
+    for (i64 k = c; k < d; ++k)
+      dst[k] = T == kF16 ? f16_nearest_int(src[k]) : bf16_nearest(src[k]);
+  }
+}
+
+// The identities of the rows of a table's shard: segment t covers shard rows
+// [starts[t], starts[t + 1]); row k of it has identity bases[t] + (k - starts[t]) * muls[t]
+// (uint64 arithmetic). A dynamic table passes its raw ids as the rows, with one segment starting
+// at 0: the identity is then the table's key + the raw id.
+struct Segments {
+  const i64* starts;  // (n + 1,)
+  const i64* bases;   // (n,)
+  const i64* muls;    // (n,)
+  i64 n;
+
+  uint64_t identity(i64 k) const {
+    i64 t = 0;
+    if (n > 1) t = i64(std::upper_bound(starts, starts + n, k) - starts) - 1;
+    if (t < 0) t = 0;
+    return uint64_t(bases[t]) + uint64_t(k - starts[t]) * uint64_t(muls[t]);
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// The rounding of float32 values (n,) into 16-bit row type ``type`` (kF16, kBF16): to nearest
+// (bits nullptr) or with the random bits ``bits`` (n,), for ops/rounding.py's tests.
+void ec_round16(int type, const float* src, const int32_t* bits, uint16_t* dst, i64 n) {
+  for (i64 i = 0; i < n; ++i) {
+    const uint32_t u = bits ? uint32_t(bits[i]) : 0U;
+    if (type == kF16)
+      dst[i] = bits ? f16_stochastic(src[i], u) : f16_nearest_int(src[i]);
+    else
+      dst[i] = bits ? bf16_stochastic(src[i], u) : bf16_nearest(src[i]);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,189 @@
+"""Compact rows: float32 results rounded into float16 / bfloat16 rows, to nearest or stochastically.
+
+A table of ``TableConfig(dtype=torch.float16 | torch.bfloat16)`` keeps its rows in 16 bits; an
+update widens them, computes in float32 and rounds the result back (docs/semantics.md section 14).
+This module is the readable reference of that rounding, in torch integer ops, bit for bit what
+the fused kernels do (csrc/half.h):
+
+- to nearest: IEEE round-to-nearest-even, ``x.to(dtype)``;
+- stochastically (the default): ``x`` becomes one of the two 16-bit values around it, the one
+  away from zero with probability ``|x - toward_zero(x)| / ulp``, so that ``E[round(x)] = x``:
+  32 random bits ``u`` are added below the bits the 16-bit value keeps (bfloat16: ``u >> 16``
+  below its 16; float16: ``u >> 19`` below a normal result's 10 mantissa bits, the low ``drop``
+  bits of ``u`` below a subnormal result's, ``drop = 126 - exponent``) and the rest truncated.
+  From 65536 (and what carries into it) a float16 result is infinite; below ``2**-32`` it is 0.
+- the random bits of a row are a function of its identity (the table's key plus its logical row,
+  or plus the raw id of a dynamic table), the step and the logical column alone::
+
+      k   = splitmix64(splitmix64(identity) ^ splitmix64(step))
+      u_c = lowbias32((low32(k) ^ high32(k)) + c * 0x9E3779B9 mod 2**32)
+
+  so the same row rounds the same way whatever the threads, the sharding, the stacking, the
+  budget or the pipelining.
+
+``Segments`` maps a shard's rows to identities (one affine piece per logical table in the shard);
+``Rounding`` is what an update of one physical table needs: stochastic or not, the segments, the
+first column of the shard and the step's key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config.tables import init_seed
+from .hashing import MASK64, _shr, _signed, splitmix64, splitmix64_int
+
+COMPACT = (torch.float16, torch.bfloat16)
+# The row types of the kernels (csrc/half.h's RowType).
+ROW_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
+
+
+def step_key(step: int) -> int:
+    """``splitmix64(step)`` as the int64 with its bits (a kernel argument)."""
+    return _signed(splitmix64_int(int(step) & MASK64))
+
+
+def table_key(base_seed: int, name: str) -> int:
+    """A table's key (the base of its rows' identities): a function of the engine's seed and the
+    table's name, as int64 bits."""
+    return _signed(splitmix64_int(init_seed(base_seed, name, -2) & MASK64))
+
+
+def affine(rows: torch.Tensor) -> tuple[int, int]:
+    """``(first, stride)`` of logical rows ``rows`` (a placement's ``held_rows``): every
+    placement holds rows ``first + i * stride``."""
+    n = rows.numel()
+    first = int(rows[0]) if n else 0
+    stride = int(rows[1] - rows[0]) if n > 1 else 1
+    if n > 1 and not torch.equal(rows, first + stride * torch.arange(n, dtype=rows.dtype)):
+        raise ValueError("a placement's rows must be evenly spaced for their rounding keys")
+    return first, stride
+
+
+def shard_segments(members: list[tuple[str, int, torch.Tensor]], base_seed: int,
+                   rows: int) -> Segments:
+    """The segments of a physical table's shard: per member ``(name, first shard row, its
+    logical rows)``, then the shard's row count ``rows``."""
+    starts, bases, muls = [], [], []
+    for name, start, logical in members:
+        first, stride = affine(logical)
+        starts.append(start)
+        bases.append(_signed((table_key(base_seed, name) + first) & MASK64))
+        muls.append(stride)
+    i64 = torch.int64
+    return Segments(torch.tensor(starts + [rows], dtype=i64), torch.tensor(bases, dtype=i64),
+                    torch.tensor(muls, dtype=i64))
+
+
+def lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """int64 tensors of uint32 values -> the same: Wellons' lowbias32 (products wrap; the low 32
+    bits of an int64 product are the uint32 product's)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(identities: torch.Tensor, key_of_step: int) -> torch.Tensor:
+    """(U,) int64 identities -> (U,) int64 uint32 values: each row's ``low32(k) ^ high32(k)``."""
+    k = splitmix64(splitmix64(identities) ^ key_of_step)
+    return (k & MASK32) ^ _shr(k, 32)
+
+
+def column_bits(keys32: torch.Tensor, dim: int, col0: int = 0) -> torch.Tensor:
+    """(U,) row keys -> (U, dim) int64 uint32 random bits of columns ``col0 .. col0 + dim``."""
+    cols = torch.arange(col0, col0 + dim, dtype=torch.int64, device=keys32.device)
+    return lowbias32((keys32[:, None] + cols[None, :] * GOLDEN32) & MASK32)
+
+
+def round_stochastic(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` rounded to ``dtype`` stochastically with the uint32 random ``bits`` (int64,
+    ``x``'s shape): csrc/half.h's rule."""
+    b = x.contiguous().view(torch.int32).to(torch.int64) & MASK32
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    if dtype == torch.bfloat16:
+        h = torch.where(nan, 0x7FC0, (b + (bits >> 16)) >> 16)
+    elif dtype == torch.float16:
+        sign = (b >> 16) & 0x8000
+        a = b & 0x7FFFFFFF
+        hn = (((a + (bits >> 19)) >> 13) - 0x1C000).clamp(max=0x7C00)
+        e = a >> 23
+        tiny = e < 95
+        drop = torch.where(tiny, 31, 126 - e)
+        sig = (a & 0x7FFFFF) | 0x800000
+        mask = (torch.ones_like(drop) << drop) - 1
+        hs = torch.where(tiny, 0, (sig + (bits & mask)) >> drop)
+        h = sign | torch.where(nan, 0x7E00, torch.where(a >= 0x38800000, hn, hs))
+    else:
+        raise TypeError(f"stochastic rounding rounds into {COMPACT}, not {dtype}")
+    return h.to(torch.int32).to(torch.int16).view(dtype)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A shard's rows as identities: segment ``t`` covers shard rows ``[starts[t], starts[t+1])``,
+    row ``k`` of it has identity ``bases[t] + (k - starts[t]) * muls[t]`` (uint64 arithmetic).
+
+    One segment per logical table of a physical table (``bases`` its key plus the logical row of
+    its first shard row, ``muls`` the stride of its placement's rows). A dynamic table has one
+    segment from 0 with base the table's key and stride 1, and its raw ids as the rows."""
+
+    starts: torch.Tensor  # (T + 1,) int64
+    bases: torch.Tensor   # (T,) int64 (uint64 bits)
+    muls: torch.Tensor    # (T,) int64
+
+    def identities(self, rows: torch.Tensor) -> torch.Tensor:
+        """(U,) int64 identities of shard rows ``rows`` (U,)."""
+        n = self.bases.numel()
+        dev = rows.device
+        starts, bases, muls = self.starts.to(dev), self.bases.to(dev), self.muls.to(dev)
+        if n == 1:
+            t = torch.zeros_like(rows)
+        else:
+            t = (torch.searchsorted(starts[:n], rows, right=True) - 1).clamp(min=0)
+        return bases[t] + (rows - starts[t]) * muls[t]
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """How one update of a 16-bit table rounds its float32 results.
+
+    ``stochastic`` False: to nearest (the rest is unused). Else the bits of each updated row
+    ``r`` come from the identity of ``key_rows[r]`` (None: ``r`` itself) through ``segments``,
+    columns from ``col0``, and ``key_of_step`` (``step_key(step)``). ``key_rows`` is indexed by
+    the table's rows (a dynamic table's raw ids; the shard rows of an offloaded table's cache
+    rows); rows past its end are their own."""
+
+    stochastic: bool
+    segments: Segments
+    col0: int = 0
+    key_of_step: int = 0
+    key_rows: torch.Tensor | None = None
+
+    def at(self, step: int, key_rows: torch.Tensor | None = None) -> Rounding:
+        """This rounding at ``step``, the identities from ``key_rows`` (N,) (None: the rows)."""
+        return replace(self, key_of_step=step_key(step), key_rows=key_rows)
+
+    def round(self, values: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(U, D) float32 ``values`` of updated rows ``rows`` (U,) rounded to ``dtype``."""
+        if not self.stochastic:
+            return values.to(dtype)
+        keys = rows
+        if self.key_rows is not None:  # (rows past its end are their own)
+            n = self.key_rows.numel()
+            kr = self.key_rows.to(rows.device)
+            keys = torch.where(rows < n, kr[rows.clamp(max=max(n - 1, 0))], rows) if n else rows
+        bits = column_bits(row_keys(self.segments.identities(keys.to(torch.int64)),
+                                    self.key_of_step), values.shape[1], self.col0)
+        return round_stochastic(values.to(torch.float32), bits.to(values.device), dtype)
+
+
+def nearest() -> Rounding:
+    """Rounding to nearest (for tables without stochastic rounding, and tests)."""
+    z = torch.zeros(1, dtype=torch.int64)
+    return Rounding(False, Segments(torch.zeros(2, dtype=torch.int64), z, z + 1))
