@@ -295,3 +295,86 @@ def test_engine_trains_the_same_on_the_triton_path():
         for k in a:
             torch.testing.assert_close(a[k], b[k], **SUM_TOL)
     torch.testing.assert_close(table_a, table_b, **UPDATE_TOL)
+
+
+# -- compact rows (float16 / bfloat16; docs/semantics.md section 14) ---------------------------
+
+def _dyadic(shape, gen, scale=64):
+    """k / scale values: sums and products of a few are exact in float32 in any order."""
+    return torch.randint(-scale, scale + 1, shape, generator=gen).float() / scale
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(st.sampled_from([torch.float16, torch.bfloat16]), st.booleans(), st.booleans(),
+       st.integers(1, 20), st.sampled_from([1, 5, 16]), st.integers(0, 2**31 - 1))
+def test_compact_rows_lookup_widened_and_update_rounded_as_the_reference(
+        dtype, stochastic, summed, n, d, seed):
+    """The lookup reads 16-bit rows as float32; the SGD update of dyadic values (exact in
+    float32) rounds its result as ops/rounding.py does, bit for bit, to nearest or stochastically
+    (row keys through segments and key rows)."""
+    from embcore.ops import rounding
+    gen = torch.Generator().manual_seed(seed)
+    table = _dyadic((n, d), gen, 16).to(dtype)
+    ids = torch.randint(0, n, (7,), generator=gen)
+    bags = Bags(ids, torch.tensor([0, 3, 3, 7]), torch.ones(7) * 0.5)
+    with triton_path(), spy("lookup") as calls:
+        acts = combine(table.to(DEVICE), ids.to(DEVICE), Bags(
+            ids.to(DEVICE), bags.offsets.to(DEVICE), bags.scales.to(DEVICE)))
+    assert calls["lookup"] == 1 and acts.dtype == torch.float32
+    torch.testing.assert_close(acts.cpu(), combine(table.float(), ids, bags), **SUM_TOL)
+    opt = ec.SGD(learning_rate=0.125, clipvalue=0.75)
+    seg = rounding.shard_segments([("a", 0, torch.arange(n // 2)),
+                                   ("b", n // 2, torch.arange(2, 2 + 3 * (n - n // 2), 3))], 9, n)
+    keys = torch.randint(-2**40, 2**40, (n,), generator=gen) if seed % 2 else None
+    r = rounding.Rounding(stochastic, seg, col0=seed % 3).at(seed % 97, keys)
+    if summed:
+        rows = torch.randperm(n, generator=gen)[:max(1, n // 2)]
+        g = _dyadic((rows.numel(), d), gen)
+        want_rows, grad, dev_rows = g, g.to(DEVICE), rows.to(DEVICE)
+    else:  # occurrences in unit bags, their gradients in two parts
+        from embcore.ops.combine import OutputGrads
+        occ = torch.randint(0, n, (2 * n,), generator=gen)
+        out = _dyadic((occ.numel(), d), gen)
+        dd = dedup(occ.to(DEVICE))
+        rows = dd.unique.cpu()
+        half = occ.numel() // 2
+        grad = OutputGrads([out[:half].to(DEVICE), out[half:].to(DEVICE)], [0, half, occ.numel()],
+                           Bags(occ.to(DEVICE), None, None), dd)
+        want_rows = torch.zeros(n, d).index_add_(0, occ, out)[rows]
+        dev_rows = dd.unique
+    want = table.clone()
+    new = opt.update(table[rows].float(), want_rows.clamp(-0.75, 0.75), {}, lr=0.125, step=0)[0]
+    want[rows] = r.round(new, rows, dtype)
+    got = table.to(DEVICE, copy=True)
+    with triton_path(), spy("sparse_update") as calls:
+        update(got, {}, dev_rows, grad, opt, 0.125, 0, round_to=r)
+    assert calls["sparse_update"] == 1
+    got = got.cpu()
+    nan = torch.isnan(got.float()) & torch.isnan(want.float())
+    assert bool(((got.view(torch.int16) == want.view(torch.int16)) | nan).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compact_rowwise_adagrad_is_the_float32_rule_rounded(dtype):
+    from embcore.ops import rounding
+    gen = torch.Generator().manual_seed(3)
+    n, d = 30, 12
+    opt = ec.RowwiseAdagrad(learning_rate=0.3, weight_decay_factor=0.01)
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    acc = torch.rand(n, 1, generator=gen) + 0.1
+    rows = torch.randperm(n, generator=gen)[:20]
+    g = torch.randn(20, d, generator=gen)
+    r = rounding.Rounding(True, rounding.shard_segments([("t", 0, torch.arange(n))], 1, n)).at(5)
+    new, new_slots = opt.update(table[rows].float(), g, {"accumulators": acc[rows]}, lr=0.3,
+                                step=0)
+    want = r.round(new, rows, dtype).float()
+    got, got_acc = table.to(DEVICE, copy=True), acc.to(DEVICE, copy=True)
+    with triton_path():
+        update(got, {"accumulators": got_acc}, rows.to(DEVICE), g.to(DEVICE), opt, 0.3, 0,
+               round_to=r)
+    got = got.cpu()[rows].float()
+    ulp = (torch.nextafter(want.to(dtype), torch.full_like(want, torch.inf).to(dtype)).float()
+           - want).abs()
+    assert bool(((got - want).abs() <= ulp * 1.01).all())
+    assert float((got == want).float().mean()) > 0.95
+    torch.testing.assert_close(got_acc.cpu()[rows], new_slots["accumulators"], **UPDATE_TOL)

@@ -8,8 +8,10 @@ optimizer update); on the CPU nothing here runs.
 
 What the kernels cover (everything else falls back to the torch-ops paths, on any device):
 
-- ``lookup``: float32 tables, unit bags or bags with offsets and optional scales;
-- ``sparse_update``: float32 tables and slots, SGD, Adagrad, RowwiseAdagrad, AdagradMomentum,
+- ``lookup``: float32, float16 and bfloat16 tables (16-bit rows widened: float32 activations),
+  unit bags or bags with offsets and optional scales;
+- ``sparse_update``: float32, float16 and bfloat16 tables (16-bit rows rounded back as
+  ops/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad, AdagradMomentum,
   Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
   every option of the update step (docs/semantics.md section 3: gradient multiplier, gradient
   clipping, decoupled weight decay, weight clipping), from summed row gradients or from the output
@@ -37,6 +39,7 @@ from ..config.optimizers import (
     RowwiseAdagrad,
 )
 from .kernel_args import Hyper
+from .rounding import GOLDEN32, MASK32, Rounding
 
 _kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
 _error: str | None = None
@@ -119,8 +122,11 @@ def _grid_rows(d: int, block_d: int) -> int:
 
 # -- lookup ----------------------------------------------------------------------------------
 
+_ROWS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' ROWS
+
+
 def lookup_supported(table: torch.Tensor) -> bool:
-    return table.dtype == torch.float32 and table.dim() == 2 and table.is_contiguous()
+    return table.dtype in _ROWS and table.dim() == 2 and table.is_contiguous()
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
@@ -128,7 +134,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
 
     Args:
-        table: (N, D) contiguous float32.
+        table: (N, D) contiguous float32, float16 or bfloat16.
         ids: (nnz,) int64 rows of ``table``.
         offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
         scales: (nnz,) float32, or None for 1.
@@ -139,7 +145,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     """
     k = _load()
     d = table.shape[1]
-    out = torch.empty(num_rows, d, dtype=table.dtype, device=table.device)  # (R, D)
+    out = torch.empty(num_rows, d, dtype=torch.float32, device=table.device)  # (R, D)
     if num_rows == 0 or d == 0:
         return out
     block_d = min(_next_pow2(d), 256)
@@ -180,7 +186,7 @@ def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
 
 def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:
     """Whether ``sparse_update`` handles this optimizer, table and slots."""
-    if table.dtype != torch.float32 or table.dim() != 2 or not table.is_contiguous():
+    if table.dtype not in _ROWS or table.dim() != 2 or not table.is_contiguous():
         return False
     for s in slots.values():
         if s.dtype != torch.float32 or not s.is_contiguous():
@@ -191,13 +197,15 @@ def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch
 def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
                   rows: torch.Tensor, hyper: Hyper, grad: torch.Tensor,
                   unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
-                  bags: torch.Tensor | None = None, scales: torch.Tensor | None = None) -> None:
+                  bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                  round_to: Rounding | None = None) -> None:
     """Updates ``table[rows]`` and its slots in place, each row once (``native.sparse_update``'s
     contract, for every optimizer ``update_supported`` accepts).
 
     Args:
         opt: the rule and its own hyper-parameters.
-        table: (N, D) contiguous float32; slots: ``{name: (N, D) or (N, 1)}`` contiguous float32.
+        table: (N, D) contiguous float32, float16 or bfloat16; slots: ``{name: (N, D) or
+            (N, 1)}`` contiguous float32.
         rows: (U,) distinct int64 rows.
         hyper: learning rate and the update step's options (``update._hyper``).
         grad: with ``unique_offsets``, the (R, D) output gradients; without, (U, D) row u the
@@ -205,14 +213,20 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         unique_offsets, order: a ``Dedup``'s (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
+        round_to: a 16-bit table's rounding (None: to nearest); its row keys are computed here
+            with torch ops (ops/rounding.py), the bits and the rounding in the kernel.
     """
     k = _load()
     rule, h, f1, f2 = _rule(opt)
     names = [s.name for s in opt.slots]
     s1 = slots[names[0]] if len(names) > 0 else table
     s2 = slots[names[1]] if len(names) > 1 else table
+    keys = None
+    if table.dtype != torch.float32 and round_to is not None and round_to.stochastic:
+        # (U,) row keys, the shard's first column folded in: key + (col0 + c) * G mod 2**32
+        keys = (round_to.keys32(rows) + round_to.col0 * GOLDEN32) & MASK32
     _launch(k, rule, h, f1, f2, table, s1, s2, rows, grad, unique_offsets, order, bags, scales,
-            None, hyper)
+            None, hyper, keys=keys)
 
 
 def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,
@@ -230,7 +244,7 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
             s1: torch.Tensor, s2: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
             unique_offsets: torch.Tensor | None, order: torch.Tensor | None,
             bags: torch.Tensor | None, scales: torch.Tensor | None, out: torch.Tensor | None,
-            hyper: Hyper, num_rows: int | None = None) -> None:
+            hyper: Hyper, num_rows: int | None = None, keys: torch.Tensor | None = None) -> None:
     u = rows.numel() if num_rows is None else num_rows
     d = table.shape[1] if out is None else out.shape[1]
     if u == 0 or d == 0:
@@ -245,7 +259,7 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         table, s1, s2, rows, u, d, grad.to(torch.float32).contiguous(),
         dummy if direct else unique_offsets, dummy if direct else order,
         dummy if bags is None else bags, grad if scales is None else scales.to(torch.float32),
-        table if out is None else out,
+        table if out is None else out, dummy if keys is None else keys,
         float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
         float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
         float(hyper.weight_max), *h,
@@ -255,4 +269,5 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         CLIPPED=hyper.clip_min != -inf or hyper.clip_max != inf,
         DECAYED=hyper.weight_decay != 0.0,
         BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
+        ROWS=_ROWS[table.dtype] if out is None else 0, STOCHASTIC=keys is not None,
         BLOCK_U=block_u, BLOCK_D=block_d)

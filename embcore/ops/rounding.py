@@ -169,17 +169,20 @@ class Rounding:
         """This rounding at ``step``, the identities from ``key_rows`` (N,) (None: the rows)."""
         return replace(self, key_of_step=step_key(step), key_rows=key_rows)
 
-    def round(self, values: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(U, D) float32 ``values`` of updated rows ``rows`` (U,) rounded to ``dtype``."""
-        if not self.stochastic:
-            return values.to(dtype)
+    def keys32(self, rows: torch.Tensor) -> torch.Tensor:
+        """(U,) int64 uint32 values: the row keys of updated rows ``rows`` (U,)."""
         keys = rows
         if self.key_rows is not None:  # (rows past its end are their own)
             n = self.key_rows.numel()
             kr = self.key_rows.to(rows.device)
             keys = torch.where(rows < n, kr[rows.clamp(max=max(n - 1, 0))], rows) if n else rows
-        bits = column_bits(row_keys(self.segments.identities(keys.to(torch.int64)),
-                                    self.key_of_step), values.shape[1], self.col0)
+        return row_keys(self.segments.identities(keys.to(torch.int64)), self.key_of_step)
+
+    def round(self, values: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(U, D) float32 ``values`` of updated rows ``rows`` (U,) rounded to ``dtype``."""
+        if not self.stochastic:
+            return values.to(dtype)
+        bits = column_bits(self.keys32(rows), values.shape[1], self.col0)
         return round_stochastic(values.to(torch.float32), bits.to(values.device), dtype)
 
 

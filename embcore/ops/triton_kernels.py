@@ -14,6 +14,11 @@ csrc/update.h):
   step's five steps (docs/semantics.md section 3): multiplier, clipping, the rule, decoupled
   weight decay, weight clipping.
 
+Tables of float16 / bfloat16 rows (``ROWS`` 1 / 2) are widened to float32 as they are read; the
+update rounds its float32 result back, to nearest (the cast) or, with ``STOCHASTIC``, by
+ops/rounding.py's rule bit for bit (``_round_stochastic``: the row keys come computed, the bits of
+column c are ``lowbias32(key + c * 0x9E3779B9)``).
+
 Divisions and square roots are the correctly rounded ``div_rn`` / ``sqrt_rn`` (Triton's ``/`` and
 ``sqrt`` are approximate on NVIDIA GPUs), so SGD / Adagrad / RowwiseAdagrad do the CPU kernel's
 arithmetic, operation for operation (a compiler may still fuse a multiply-add on either side).
@@ -57,7 +62,8 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
     if UNIT:
         row = tl.load(ids_ptr + r64, mask=live_r, other=0)                 # (BLOCK_R,) int64
         tile = live_r[:, None] & live_c[None, :]
-        acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile, other=0.0)
+        acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile,
+                      other=0.0).to(tl.float32)
     else:
         # The bags' bounds as (BLOCK_R, 1) columns, so that everything in the loop is one 2-D
         # layout (Triton 3.6's layout pass fails on 1-D loads in this loop mixed with the 2-D
@@ -153,6 +159,42 @@ def _ftrl(w, g, a, lin, lr, p, l1, l2, beta, MULTIPLY_LINEAR: tl.constexpr):
     return w, a_new, lin
 
 
+# -- 16-bit rows: stochastic rounding (ops/rounding.py's rule) ----------------------------------
+
+@jit
+def _lowbias32(x):
+    """uint32 -> uint32: Wellons' lowbias32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@jit
+def _round_stochastic(x, u, ROWS: tl.constexpr):
+    """float32 tile ``x`` -> the uint16 bits of float16 (ROWS 1) / bfloat16 (ROWS 2) values,
+    rounded stochastically with the uint32 random bits ``u`` (csrc/half.h)."""
+    b = x.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    nan = a > 0x7F800000
+    if ROWS == 2:
+        h = tl.where(nan, 0x7FC0, (b + (u >> 16)) >> 16)
+    else:
+        sign = (b >> 16) & 0x8000
+        hn = ((a + (u >> 19)) >> 13) - 0x1C000
+        hn = tl.minimum(hn, 0x7C00)
+        e = a >> 23
+        tiny = e < 95
+        drop = tl.where(tiny, 31, 126 - e).to(tl.uint32)
+        sig = (a & 0x7FFFFF) | 0x800000
+        one = tl.full(drop.shape, 1, tl.uint32)
+        mask = (one << drop) - 1
+        hs = tl.where(tiny, 0, (sig + (u & mask)) >> drop)
+        h = sign | tl.where(nan, 0x7E00, tl.where(a >= 0x38800000, hn, hs))
+    return h.to(tl.uint16)
+
+
 @jit
 def sparse_update_kernel(
         w_ptr, s1_ptr, s2_ptr,                # (N, D) table; its slots (N, D) or (N, 1)
@@ -160,13 +202,17 @@ def sparse_update_kernel(
         grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
         uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
         out_ptr,                              # (U, D) summed gradients (RULE == NONE)
+        keys_ptr,                             # (U,) row keys (int64 of uint32; STOCHASTIC)
         lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # the update's steps 1-5
         h1, h2, h3, h4, h5,                   # the rule's own hyper-parameters (gpu.py)
         RULE: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,  # the rule and its two flags
         DIRECT: tl.constexpr, UNIT: tl.constexpr, SCALED: tl.constexpr,
         MULTIPLIED: tl.constexpr, CLIPPED: tl.constexpr, DECAYED: tl.constexpr,
-        BOUNDED: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place."""
+        BOUNDED: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
+        BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place.
+    ROWS: the table's rows (0 float32, 1 float16, 2 bfloat16: widened, updated in float32 and
+    rounded back, stochastically with STOCHASTIC)."""
     u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)                 # (BLOCK_U,)
     cols = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
     live_u = u < U
@@ -210,7 +256,7 @@ def sparse_update_kernel(
     # 3. the rule
     row = tl.load(rows_ptr + u64, mask=live_u, other=0)                   # (BLOCK_U,) int64
     at = row[:, None] * D + cols[None, :]                                  # (BLOCK_U, BLOCK_D)
-    w_before = tl.load(w_ptr + at, mask=tile, other=0.0)
+    w_before = tl.load(w_ptr + at, mask=tile, other=0.0).to(tl.float32)
     if RULE == SGD:
         w = w_before - lr * g
     elif RULE == ADAGRAD:
@@ -243,4 +289,20 @@ def sparse_update_kernel(
         w = w - wd * w_before
     if BOUNDED:
         w = tl.minimum(tl.maximum(w, wmin), wmax)
-    tl.store(w_ptr + at, w, mask=tile)
+    if ROWS == 0:
+        tl.store(w_ptr + at, w, mask=tile)
+    elif STOCHASTIC:
+        key = tl.load(keys_ptr + u64, mask=live_u, other=0).to(tl.uint32)  # (BLOCK_U,)
+        bits = _lowbias32(key[:, None] + cols[None, :].to(tl.uint32) * 0x9E3779B9)
+        h = _round_stochastic(w, bits, ROWS)
+        if ROWS == 1:
+            tl.store(w_ptr + at, h.to(tl.float16, bitcast=True), mask=tile)
+        else:
+            tl.store(w_ptr + at, h.to(tl.bfloat16, bitcast=True), mask=tile)
+    elif ROWS == 1:  # to nearest: the cast (round to nearest even)
+        tl.store(w_ptr + at, w.to(tl.float16), mask=tile)
+    else:  # to nearest even in bits (the interpreter's bfloat16 cast truncates)
+        b = w.to(tl.uint32, bitcast=True)
+        h = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC0,
+                     (b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.uint16)
+        tl.store(w_ptr + at, h.to(tl.bfloat16, bitcast=True), mask=tile)

@@ -14,8 +14,8 @@ kernel uses that value. The kernel is chosen here and nowhere else:
    once, and from ``OutputGrads`` the row gradients are summed in the same pass (no ``(U, D)``
    temporary at all);
 2. on CUDA, the Triton kernel (``gpu.sparse_update``): the same contract for SGD, Adagrad,
-   RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every option, float32 tables and
-   slots (the output gradients' parts are concatenated first);
+   RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every option, float32, float16 and
+   bfloat16 tables (16-bit rows rounded as on the CPU), float32 slots (the output gradients' parts are concatenated first);
 3. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
    arithmetic in the gathered buffers, two scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
@@ -66,9 +66,8 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if gradient_multiplier is None:
         gradient_multiplier = optimizer.current_gradient_multiplier(step)  # None: it has none
     compact = table.dtype in COMPACT
-    if (not compact and gpu.usable(table, rows)
-            and gpu.update_supported(optimizer, table, slots)):
-        _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier)
+    if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
+        _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
         return
     rule = native_rule(optimizer, table)
     if rule is not None:
@@ -112,7 +111,7 @@ def _unit_columns(part: torch.Tensor) -> torch.Tensor:
 
 def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
                 grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float,
-                gradient_multiplier: float | None) -> None:
+                gradient_multiplier: float | None, round_to: Rounding | None) -> None:
     """The Triton kernel (CUDA): the fused kernel's contract, for every rule ``gpu`` supports."""
     optimizer._check_lr(lr)  # as Optimizer.update (FTRL refuses lr = 0)
     hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
@@ -121,9 +120,9 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
         out = g.parts[0].contiguous() if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
         gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
                           g.dedup.unique_offsets, g.dedup.order,
-                          None if g.bags.unit else g.bags.bag_of, g.bags.scales)
+                          None if g.bags.unit else g.bags.bag_of, g.bags.scales, round_to)
     else:
-        gpu.sparse_update(optimizer, table, slots, rows, hyper, grad)
+        gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
