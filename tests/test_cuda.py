@@ -58,3 +58,33 @@ def test_cuda_layer_and_serving():
     out.sum().backward()
     served = layer.for_serving()({"x": torch.tensor([1, 2, 3], device="cuda")})["x"]
     assert served.device.type == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cuda_compact_rows_round_as_the_cpu(dtype, dynamic):
+    """float16 / bfloat16 tables on the GPU (Triton's lookup and update, the rows' keys in the
+    kernel) and on the CPU (the fused kernels): SGD on dyadic gradients (exact in float32 in any
+    order), so the stochastically rounded rows agree bit for bit."""
+    out = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        mk = lambda n, name: ec.TableConfig(  # noqa: E731
+            vocabulary_size=n, dim=16, dtype=dtype, name=name,
+            dynamic=ec.DynamicVocabulary() if dynamic and name == "u" else None)
+        t, u = mk(1000, "t"), mk(500, "u")
+        emb = ec.Embedding({"a": ec.FeatureConfig(table=t), "b": ec.FeatureConfig(table=u)},
+                           ec.SGD(learning_rate=0.125), device=device)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            ids = {"a": torch.randint(0, 1000, (64,), generator=g),
+                   "b": torch.randint(0, 500, (64,), generator=g) * (7919 if dynamic else 1)}
+            grads = {k: torch.randint(-64, 65, (64, 16), generator=g).float() / 64 for k in ids}
+            emb.enqueue({k: v.to(device) for k, v in ids.items()})
+            acts = emb.dequeue()
+            assert all(a.dtype == torch.float32 for a in acts.values())
+            emb.apply_gradients({k: v.to(device) for k, v in grads.items()})
+        out.append({k: v.cpu() for k, v in emb.state_dict().items() if k.endswith("parameters")})
+    for k in out[0]:
+        assert out[1][k].dtype == dtype
+        assert torch.equal(out[0][k], out[1][k]), k

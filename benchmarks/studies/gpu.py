@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/studies/gpu.py            # W1, W2, DLRM; Adagrad
     .venv/bin/python benchmarks/studies/gpu.py --workloads W1 --optimizer adam --steps 50
+    .venv/bin/python benchmarks/studies/gpu.py --workloads W2 --optimizer rowwise --dtype float16
     .venv/bin/python benchmarks/studies/gpu.py --smoke    # no GPU: tiny sizes on the CPU, the
                                                           # Triton path in its interpreter (a
                                                           # check that the script runs, no timing)
@@ -72,6 +73,7 @@ WORKLOADS = {
     "W2": Workload("W2", 8, 1_000_000, 128, 2048, 20),
     "DLRM": Workload("DLRM", 26, 1_000_000, 128, 2048, 1),
 }
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SMOKE = {name: Workload(w.name, 3, 50, 8 if w.dim == 64 else 12, 16, w.bag)
          for name, w in WORKLOADS.items()}
 
@@ -115,23 +117,27 @@ def _timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def step_bytes(w: Workload, batches: list[list[torch.Tensor]], slots: int) -> tuple[float, float]:
-    """(forward bytes, backward + update bytes) per step, float32, mean over the batches."""
+def step_bytes(w: Workload, batches: list[list[torch.Tensor]], slots: int,
+               row_bytes: int = 4) -> tuple[float, float]:
+    """(forward bytes, backward + update bytes) per step, mean over the batches; rows of
+    ``row_bytes`` an element (4 float32, 2 float16 / bfloat16), activations, gradients and slots
+    float32 (Adagrad's slot is (N, D); ``slots`` of them)."""
     nnz = w.tables * w.batch * w.bag
-    fwd = nnz * w.dim * 4 + w.tables * w.batch * w.dim * 4 + nnz * 8
+    fwd = nnz * w.dim * row_bytes + w.tables * w.batch * w.dim * 4 + nnz * 8
     touched = statistics.mean(sum(int(torch.unique(ids).numel()) for ids in b) for b in batches)
-    bwd = nnz * w.dim * 4 + touched * 2 * (1 + slots) * w.dim * 4 + nnz * 8
+    bwd = nnz * w.dim * 4 + touched * 2 * (row_bytes + slots * 4) * w.dim + nnz * 8
     return fwd, bwd
 
 
 class Embcore:
-    def __init__(self, w: Workload, optimizer: str, device: torch.device, triton: bool):
+    def __init__(self, w: Workload, optimizer: str, device: torch.device, triton: bool,
+                 dtype: torch.dtype = torch.float32):
         self.w, self.device = w, device
         self.triton = triton
-        opt = (ec.Adagrad(learning_rate=LR) if optimizer == "adagrad"
-               else ec.Adam(learning_rate=LR))
-        tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner="sum", name=f"t{i}")
-                  for i in range(w.tables)]
+        opt = {"adagrad": ec.Adagrad, "rowwise": ec.RowwiseAdagrad, "adam": ec.Adam}[optimizer](
+            learning_rate=LR)
+        tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner="sum", name=f"t{i}",
+                                 dtype=dtype) for i in range(w.tables)]
         self.emb = ec.Embedding({f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(tables)},
                                 opt, device=device)
         gen = torch.Generator().manual_seed(1)
@@ -217,16 +223,20 @@ def time_loop(fn, natives, steps: int, warmup: int, repeats: int, device) -> flo
 
 
 def run(w: Workload, system: str, args, device, peak: float) -> str:
+    dtype = DTYPES[args.dtype]
     if system == "plain":
+        if args.optimizer == "rowwise" or dtype != torch.float32:
+            return f"| {w.name} | {system} | (no {args.optimizer} / {args.dtype} in plain) |"
         s = Plain(w, args.optimizer, device)
     else:
-        s = Embcore(w, args.optimizer, device, triton=system == "embcore-triton")
+        s = Embcore(w, args.optimizer, device, triton=system == "embcore-triton", dtype=dtype)
     batches = make_batches(w, args.batches, device)
     natives = [s.inputs(b) for b in batches]
     fwd = time_loop(s.forward, natives, args.steps, args.warmup, args.repeats, device)
     both = time_loop(s.train, natives, args.steps, args.warmup, args.repeats, device)
     bwd = both - fwd
-    fb, bb = step_bytes(w, batches, slots=1 if args.optimizer == "adagrad" else 2)
+    slots = {"adagrad": 1, "rowwise": 1 / w.dim, "adam": 2}[args.optimizer]
+    fb, bb = step_bytes(w, batches, slots=slots, row_bytes=dtype.itemsize)
     del s, natives
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -241,7 +251,9 @@ def main() -> int:
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--systems", nargs="+", default=["embcore-triton", "embcore-torch", "plain"],
                    choices=["embcore-triton", "embcore-torch", "plain"])
-    p.add_argument("--optimizer", default="adagrad", choices=["adagrad", "adam"])
+    p.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise", "adam"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="embcore's rows (float16 / bfloat16: compact rows, stochastic rounding)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
@@ -271,7 +283,7 @@ def main() -> int:
         workloads = [WORKLOADS[n] for n in args.workloads]
     peak, source = peak_bandwidth(device)
     print(f"device: {source}, peak {peak / 1e12:.2f} TB/s; optimizer {args.optimizer}; "
-          f"torch {torch.__version__}")
+          f"rows {args.dtype}; torch {torch.__version__}")
     print("| workload | system | fwd ex/s | fwd BW/peak | bwd+upd ex/s | bwd+upd BW/peak | "
           "step ex/s |")
     print("|---|---|---|---|---|---|---|")

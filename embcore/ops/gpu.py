@@ -11,8 +11,8 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
 - ``lookup``: float32, float16 and bfloat16 tables (16-bit rows widened: float32 activations),
   unit bags or bags with offsets and optional scales;
 - ``sparse_update``: float32, float16 and bfloat16 tables (16-bit rows rounded back as
-  ops/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad, AdagradMomentum,
-  Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
+  ops/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
+  AdagradMomentum, Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
   every option of the update step (docs/semantics.md section 3: gradient multiplier, gradient
   clipping, decoupled weight decay, weight clipping), from summed row gradients or from the output
   gradients' occurrences;
@@ -39,7 +39,7 @@ from ..config.optimizers import (
     RowwiseAdagrad,
 )
 from .kernel_args import Hyper
-from .rounding import GOLDEN32, MASK32, Rounding
+from .rounding import Rounding
 
 _kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
 _error: str | None = None
@@ -213,20 +213,17 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         unique_offsets, order: a ``Dedup``'s (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
-        round_to: a 16-bit table's rounding (None: to nearest); its row keys are computed here
-            with torch ops (ops/rounding.py), the bits and the rounding in the kernel.
+        round_to: a 16-bit table's rounding (None: to nearest); the rows' keys, their bits and
+            the rounding are computed in the kernel (its segments kept on the device).
     """
     k = _load()
     rule, h, f1, f2 = _rule(opt)
     names = [s.name for s in opt.slots]
     s1 = slots[names[0]] if len(names) > 0 else table
     s2 = slots[names[1]] if len(names) > 1 else table
-    keys = None
-    if table.dtype != torch.float32 and round_to is not None and round_to.stochastic:
-        # (U,) row keys, the shard's first column folded in: key + (col0 + c) * G mod 2**32
-        keys = (round_to.keys32(rows) + round_to.col0 * GOLDEN32) & MASK32
+    stochastic = table.dtype != torch.float32 and round_to is not None and round_to.stochastic
     _launch(k, rule, h, f1, f2, table, s1, s2, rows, grad, unique_offsets, order, bags, scales,
-            None, hyper, keys=keys)
+            None, hyper, round_to=round_to if stochastic else None)
 
 
 def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,
@@ -244,7 +241,7 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
             s1: torch.Tensor, s2: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
             unique_offsets: torch.Tensor | None, order: torch.Tensor | None,
             bags: torch.Tensor | None, scales: torch.Tensor | None, out: torch.Tensor | None,
-            hyper: Hyper, num_rows: int | None = None, keys: torch.Tensor | None = None) -> None:
+            hyper: Hyper, num_rows: int | None = None, round_to: Rounding | None = None) -> None:
     u = rows.numel() if num_rows is None else num_rows
     d = table.shape[1] if out is None else out.shape[1]
     if u == 0 or d == 0:
@@ -255,11 +252,18 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
     block_u = _grid_rows(d, block_d)
     h = tuple(float(x) for x in h) + (0.0,) * (5 - len(h))
     dummy = rows
+    keyed = round_to is not None and round_to.key_rows is not None
+    seg = round_to.segments.packed(rows.device) if round_to is not None else dummy
     k.sparse_update_kernel[(_cdiv(u, block_u),)](
         table, s1, s2, rows, u, d, grad.to(torch.float32).contiguous(),
         dummy if direct else unique_offsets, dummy if direct else order,
         dummy if bags is None else bags, grad if scales is None else scales.to(torch.float32),
-        table if out is None else out, dummy if keys is None else keys,
+        table if out is None else out,
+        round_to.key_rows.to(rows.device) if keyed else dummy,
+        round_to.key_rows.numel() if keyed else 0, seg,
+        round_to.segments.bases.numel() if round_to is not None else 0,
+        round_to.key_of_step if round_to is not None else 0,
+        round_to.col0 if round_to is not None else 0,
         float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
         float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
         float(hyper.weight_max), *h,
@@ -269,5 +273,5 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         CLIPPED=hyper.clip_min != -inf or hyper.clip_max != inf,
         DECAYED=hyper.weight_decay != 0.0,
         BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
-        ROWS=_ROWS[table.dtype] if out is None else 0, STOCHASTIC=keys is not None,
-        BLOCK_U=block_u, BLOCK_D=block_d)
+        ROWS=_ROWS[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
+        KEYED=keyed, BLOCK_U=block_u, BLOCK_D=block_d)

@@ -137,6 +137,16 @@ class Segments:
     bases: torch.Tensor   # (T,) int64 (uint64 bits)
     muls: torch.Tensor    # (T,) int64
 
+    def packed(self, device: torch.device) -> torch.Tensor:
+        """(3, T) int64 starts, bases and strides on ``device`` (the Triton kernel's), copied
+        there once and kept."""
+        cache = self.__dict__.setdefault("_packed", {})
+        out = cache.get(device)
+        if out is None:
+            n = self.bases.numel()
+            out = cache[device] = torch.stack([self.starts[:n], self.bases, self.muls]).to(device)
+        return out
+
     def identities(self, rows: torch.Tensor) -> torch.Tensor:
         """(U,) int64 identities of shard rows ``rows`` (U,)."""
         n = self.bases.numel()

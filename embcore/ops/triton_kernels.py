@@ -15,9 +15,10 @@ csrc/update.h):
   weight decay, weight clipping.
 
 Tables of float16 / bfloat16 rows (``ROWS`` 1 / 2) are widened to float32 as they are read; the
-update rounds its float32 result back, to nearest (the cast) or, with ``STOCHASTIC``, by
-ops/rounding.py's rule bit for bit (``_round_stochastic``: the row keys come computed, the bits of
-column c are ``lowbias32(key + c * 0x9E3779B9)``).
+update rounds its float32 result back, to nearest or, with ``STOCHASTIC``, by ops/rounding.py's
+rule bit for bit (``_row_keys``: each row's identity through its key rows and segments, hashed
+with the step's key; ``_round_stochastic`` with the bits ``lowbias32(key + c * 0x9E3779B9)`` of
+column c).
 
 Divisions and square roots are the correctly rounded ``div_rn`` / ``sqrt_rn`` (Triton's ``/`` and
 ``sqrt`` are approximate on NVIDIA GPUs), so SGD / Adagrad / RowwiseAdagrad do the CPU kernel's
@@ -172,6 +173,39 @@ def _lowbias32(x):
 
 
 @jit
+def _splitmix64(x):
+    """uint64 -> uint64: SplitMix64's output for seed ``x`` (ops/hashing.py)."""
+    z = x + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+@jit
+def _row_keys(row, live, keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,
+              KEYED: tl.constexpr):
+    """(BLOCK_U,) uint32 row keys of table rows ``row`` (ops/rounding.py: the identity through
+    the key rows and the segments, then ``low32(k) ^ high32(k)``), the first column folded in
+    (``+ col0 * 0x9E3779B9``). ``seg_ptr``: (3, nseg) int64 starts, bases, strides."""
+    k = row
+    if KEYED:
+        own = row >= n_keys
+        k = tl.where(own, row, tl.load(keyrows_ptr + row, mask=live & ~own, other=0))
+    ident = tl.zeros_like(k).to(tl.uint64)
+    for s in range(0, nseg):  # the last segment starting at or below k (the first one at least)
+        start = tl.load(seg_ptr + s)
+        base = tl.load(seg_ptr + nseg + s).to(tl.uint64, bitcast=True)
+        stride = tl.load(seg_ptr + 2 * nseg + s).to(tl.uint64, bitcast=True)
+        cand = base + (k - start).to(tl.uint64, bitcast=True) * stride
+        ident = tl.where((k >= start) | (s == 0), cand, ident)
+    # (the scalars through a tensor: Triton passes small ints as int32, 0 and 1 as constants)
+    sk = (tl.zeros_like(k) + step_key).to(tl.uint64, bitcast=True)
+    c0 = (tl.zeros_like(k) + col0).to(tl.uint32)
+    h = _splitmix64(_splitmix64(ident) ^ sk)
+    return (h ^ (h >> 32)).to(tl.uint32) + c0 * 0x9E3779B9
+
+
+@jit
 def _round_stochastic(x, u, ROWS: tl.constexpr):
     """float32 tile ``x`` -> the uint16 bits of float16 (ROWS 1) / bfloat16 (ROWS 2) values,
     rounded stochastically with the uint32 random bits ``u`` (csrc/half.h)."""
@@ -195,21 +229,24 @@ def _round_stochastic(x, u, ROWS: tl.constexpr):
     return h.to(tl.uint16)
 
 
-@jit
+# (the rounding's scalars change every step or per table: not specialized on their values, so
+# that a new step key is never a new compilation)
+@(triton.jit(do_not_specialize=["n_keys", "nseg", "step_key", "col0"]) if triton is not None
+  else (lambda fn: fn))
 def sparse_update_kernel(
         w_ptr, s1_ptr, s2_ptr,                # (N, D) table; its slots (N, D) or (N, 1)
         rows_ptr, U, D,                       # (U,) distinct rows
         grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
         uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
         out_ptr,                              # (U, D) summed gradients (RULE == NONE)
-        keys_ptr,                             # (U,) row keys (int64 of uint32; STOCHASTIC)
+        keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,  # STOCHASTIC: the rows' keys
         lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # the update's steps 1-5
         h1, h2, h3, h4, h5,                   # the rule's own hyper-parameters (gpu.py)
         RULE: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,  # the rule and its two flags
         DIRECT: tl.constexpr, UNIT: tl.constexpr, SCALED: tl.constexpr,
         MULTIPLIED: tl.constexpr, CLIPPED: tl.constexpr, DECAYED: tl.constexpr,
         BOUNDED: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
-        BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
+        KEYED: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
     """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place.
     ROWS: the table's rows (0 float32, 1 float16, 2 bfloat16: widened, updated in float32 and
     rounded back, stochastically with STOCHASTIC)."""
@@ -292,7 +329,8 @@ def sparse_update_kernel(
     if ROWS == 0:
         tl.store(w_ptr + at, w, mask=tile)
     elif STOCHASTIC:
-        key = tl.load(keys_ptr + u64, mask=live_u, other=0).to(tl.uint32)  # (BLOCK_U,)
+        key = _row_keys(row, live_u, keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,
+                        KEYED)                                             # (BLOCK_U,) uint32
         bits = _lowbias32(key[:, None] + cols[None, :].to(tl.uint32) * 0x9E3779B9)
         h = _round_stochastic(w, bits, ROWS)
         if ROWS == 1:
