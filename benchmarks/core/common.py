@@ -5,6 +5,13 @@ A system module supplies ``build(workload, optimizer, grads, init) -> System`` w
 the fixed upstream gradient + the optimizer update), ``tables() -> T x (N, D)`` and
 ``state_bytes() -> int`` (tables + optimizer slots).
 
+Table dtype (``--dtype float32|float16|bfloat16``, default float32): with the default, ``build``
+is called exactly as above. Otherwise it is called with one more keyword argument,
+``dtype=torch.float16`` / ``torch.bfloat16`` (the tables' storage dtype; activations and the
+upstream gradients stay float32); a ``build`` without a ``dtype`` parameter, or one that raises
+``Unsupported``, gives a "not supported" result line (exit 0) instead of a run. Every result line
+carries ``"dtype"``.
+
 A step's timing: ``warmup`` steps, then ``repeats`` timed loops of ``workload.steps`` steps each,
 cycling over ``NUM_BATCHES`` pre-generated batches; the result is the median loop's time per step.
 
@@ -19,6 +26,7 @@ sizes and one more untimed step's admitted and evicted ids (``raw_stats``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import resource
@@ -50,7 +58,24 @@ class System(Protocol):
     def state_bytes(self) -> int: ...
 
 
-Build = Callable[[Workload, str, list[torch.Tensor], list[torch.Tensor] | None], System]
+Build = Callable[..., System]  # (workload, optimizer, grads, init[, dtype=...]) -> System
+
+# --dtype: the tables' storage dtype; float32 (the default) calls build without a dtype argument
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_DTYPE = "float32"
+
+
+class Unsupported(Exception):
+    """Raised by a system's ``build`` for a configuration it cannot run (e.g. a ``--dtype`` its
+    library lacks on this device): the result line says "not supported" with this message."""
+
+
+def argv_value(flag: str, default: str) -> str:
+    """``flag``'s value in ``sys.argv`` without parsing (for the lines written before
+    ``parse_args``, e.g. a peer that cannot be imported)."""
+    if flag in sys.argv and sys.argv.index(flag) + 1 < len(sys.argv):
+        return sys.argv[sys.argv.index(flag) + 1]
+    return default
 
 
 def take_option(flag: str, default: Any, kind: Callable[[str], Any] = int) -> Any:
@@ -77,6 +102,10 @@ def parse_args(system: str, fill: int = -1) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=f"One benchmark run of {system}; prints one JSON line.")
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=list(DTYPES),
+                   help="the tables' storage dtype (default %(default)s); activations and "
+                        "gradients stay float32; a system without it prints a 'not supported' "
+                        "line")
     p.add_argument("--quick", action="store_true", help="smaller W2, fewer timed steps")
     p.add_argument("--json", action="store_true", help="print only the JSON result line")
     p.add_argument("--repeats", type=int, default=3)
@@ -107,8 +136,44 @@ def emit(result: dict, as_json: bool) -> None:
 def not_installed(system: str, optimizer: str, workload: str, err: Exception) -> None:
     """The result line of a peer that cannot be imported; exits 0 so the run goes on."""
     print(json.dumps({"system": system, "optimizer": optimizer, "workload": workload,
+                      "dtype": argv_value("--dtype", DEFAULT_DTYPE),
                       "status": "not installed", "error": f"{type(err).__name__}: {err}"}))
     sys.exit(0)
+
+
+def not_supported(system: str, args: argparse.Namespace, why: str) -> None:
+    """The result line of a system that cannot run this configuration; exits 0 so the run goes
+    on."""
+    print(json.dumps({"system": system, "optimizer": args.optimizer, "workload": args.workload,
+                      "dtype": args.dtype, "status": "not supported", "error": why}))
+    sys.exit(0)
+
+
+def check_dtype(system: str, build: Build, args: argparse.Namespace) -> None:
+    """A ``--dtype`` other than float32 for a ``build`` without a ``dtype`` parameter ends with a
+    "not supported" line (before any batch is made)."""
+    if args.dtype == DEFAULT_DTYPE:
+        return
+    try:
+        params = inspect.signature(build).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "dtype" not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        not_supported(system, args, f"{system} takes no --dtype (float32 tables only)")
+
+
+def construct(system: str, build: Build, w: Workload, args: argparse.Namespace,
+              grads: list[torch.Tensor], init: list[torch.Tensor] | None) -> System:
+    """``build(w, optimizer, grads, init)``, plus ``dtype=`` when ``--dtype`` is not float32; a
+    system that takes no dtype, or raises ``Unsupported``, ends with a "not supported" line."""
+    if args.dtype == DEFAULT_DTYPE:
+        return build(w, args.optimizer, grads, init)
+    check_dtype(system, build, args)
+    try:
+        return build(w, args.optimizer, grads, init, dtype=DTYPES[args.dtype])
+    except Unsupported as e:
+        not_supported(system, args, str(e))
 
 
 def peak_rss_mib() -> float:
@@ -128,21 +193,22 @@ def main(system: str, build: Build, versions: dict[str, str], fill: int = -1,
     fields added to the result line (e.g. a W1-raw system's capacity)."""
     args = parse_args(system, fill)
     torch.set_num_threads(args.threads)
+    check_dtype(system, build, args)
     if args.fill >= 0 and not args.check:
         return main_stream(system, build, versions, args, extra or {})
     w = get_workload(args.workload, args.quick)
     grads = upstream_grads(w)  # T x (B, D)
     batches = make_batches(w, NUM_BATCHES)
     if args.check:
-        sysm = build(w, args.optimizer, grads, initial_tables(w))
+        sysm = construct(system, build, w, args, grads, initial_tables(w))
         for b in batches[:CHECK_STEPS]:
             sysm.step(sysm.prepare(b))
         torch.save([t.detach().clone().contiguous() for t in sysm.tables()], args.check)
         emit({"system": system, "optimizer": args.optimizer, "workload": w.name,
-              "status": "checked", "path": args.check}, args.json)
+              "dtype": args.dtype, "status": "checked", "path": args.check}, args.json)
         return
     t0 = time.perf_counter()
-    sysm = build(w, args.optimizer, grads, None)
+    sysm = construct(system, build, w, args, grads, None)
     natives = [sysm.prepare(b) for b in batches]
     build_s = time.perf_counter() - t0
     for i in range(args.warmup):
@@ -168,7 +234,8 @@ def result(system: str, args: argparse.Namespace, w: Workload, sysm: System,
     joined to the workload's)."""
     s = statistics.median(per_step)
     note = "; ".join(n for n in (w.note, fields.pop("note", "")) if n)
-    return {"system": system, "optimizer": args.optimizer, "workload": w.name, "status": "ok",
+    return {"system": system, "optimizer": args.optimizer, "workload": w.name,
+            "dtype": args.dtype, "status": "ok",
             "tables": w.tables, "rows": w.rows, "dim": w.dim, "batch": w.batch, "bag": w.bag,
             "combiner": w.combiner, "steps": w.steps, "repeats": args.repeats,
             "ms_per_step": s * 1e3, "examples_per_s": w.batch / s,
@@ -186,7 +253,7 @@ def main_stream(system: str, build: Build, versions: dict[str, str], args: argpa
     w = get_workload(args.workload, args.quick)
     grads = upstream_grads(w)  # T x (B, D)
     t0 = time.perf_counter()
-    sysm = build(w, args.optimizer, grads, None)
+    sysm = construct(system, build, w, args, grads, None)
     build_s = time.perf_counter() - t0
     i = 0
     t0 = time.perf_counter()

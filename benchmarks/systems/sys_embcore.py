@@ -1,6 +1,10 @@
 """embcore's engine (``ec.Embedding``) on a standard workload: enqueue, dequeue, apply_gradients.
 
     python benchmarks/systems/sys_embcore.py --workload W1 [--optimizer rowwise] [--quick] --json
+
+``--dtype float16|bfloat16``: compact tables (``ec.TableConfig(dtype=...)``, stochastic rounding
+on, the default): rows stored in 16 bits, activations float32, each update computed in float32
+and rounded back.
 """
 
 from __future__ import annotations
@@ -19,18 +23,19 @@ import embcore as ec  # noqa: E402
 
 class EmbcoreSystem:
     def __init__(self, w: Workload, optimizer: str, grads: list[torch.Tensor],
-                 init: list[torch.Tensor] | None) -> None:
+                 init: list[torch.Tensor] | None, dtype: torch.dtype = torch.float32) -> None:
         cls = ec.Adagrad if optimizer == "adagrad" else ec.RowwiseAdagrad
         opt = cls(learning_rate=common.LR, initial_accumulator_value=common.ACC0)
         self.w = w
         self.configs = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner=w.combiner,
-                                       name=f"t{t}") for t in range(w.tables)]
+                                       name=f"t{t}", dtype=dtype, stochastic_rounding=True)
+                        for t in range(w.tables)]
         fc = {f"f{t}": ec.FeatureConfig(table=self.configs[t]) for t in range(w.tables)}
         self.emb = ec.Embedding(fc, opt)
         self.emb.build(per_replica_batch_size=w.batch)
         if init is not None:
             for cfg, t in zip(self.configs, init):
-                self.emb.embedding_tables[cfg].copy_(t)  # (N, D)
+                self.emb.embedding_tables[cfg].copy_(t)  # (N, D); copy_ converts the dtype
         self.grads = {f"f{t}": g for t, g in enumerate(grads)}  # {f: (B, D)}
 
     def prepare(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -4,6 +4,11 @@ underneath) fed ``KeyedJaggedTensor``s, with ``torch.optim.Adagrad`` or
 
     .venv-peers/bin/python benchmarks/systems/sys_torchrec.py \\
         --workload W1 [--optimizer rowwise] --json
+
+``--dtype float16|bfloat16``: not supported (a "not supported" line). TorchRec 1.8.0's
+``FusedEmbeddingBagCollection`` accepts ``EmbeddingBagConfig(data_type=DataType.FP16)`` but never
+hands it to its FBGEMM module (``_BatchedFusedEmbeddingLookups`` drops ``data_type``): the tables
+stay float32, so a run would be a float32 run under a 16-bit label.
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ EPS = 1e-10
 
 class TorchrecSystem:
     def __init__(self, w: Workload, optimizer: str, grads: list[torch.Tensor],
-                 init: list[torch.Tensor] | None) -> None:
+                 init: list[torch.Tensor] | None, dtype: torch.dtype = torch.float32) -> None:
+        if dtype != torch.float32:
+            raise common.Unsupported(
+                f"torchrec {torchrec.__version__} FusedEmbeddingBagCollection ignores "
+                f"EmbeddingBagConfig.data_type (its FBGEMM tables stay float32), so "
+                f"{str(dtype).removeprefix('torch.')} tables cannot be measured")
         pooling = PoolingType.SUM if w.combiner == "sum" else PoolingType.MEAN
         configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=w.dim, num_embeddings=w.rows,
                                       feature_names=[f"f{t}"], pooling=pooling)
