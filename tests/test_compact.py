@@ -421,3 +421,23 @@ def test_stochastic_rounding_must_be_a_bool_and_splits_stacks():
                         "b": ec.FeatureConfig(table=mk("b", False)),
                         "c": ec.FeatureConfig(table=mk("c", True))}, ec.SGD(learning_rate=0.1))
     assert sorted(p.tables for p in emb.plan.physical) == [("a", "c"), ("b",)]
+
+
+@requires_native
+def test_publish_and_follow_compact_rows(tmp_path):
+    """Snapshots and deltas carry the rows in their dtype; a follower serves them as they are,
+    and a resume continues bit for bit."""
+    _, emb = _train(torch.float16, steps=1)
+    ec.publish(tmp_path, emb, slots=True)
+    served = ec.load_published(tmp_path)
+    gen = torch.Generator().manual_seed(9)
+    emb.enqueue({"a": torch.arange(64) % 30, "b": torch.full((64,), 3)})
+    acts = emb.dequeue()
+    emb.apply_gradients({k: _dyadic(a.shape, gen) for k, a in acts.items()})
+    assert ec.publish(tmp_path, emb, slots=True)["kind"] == "delta"
+    assert served.refresh() == 1
+    assert served.b.dtype == torch.float16
+    assert torch.equal(served.b, emb.embedding_tables["b"])
+    _, resumed = _train(torch.float16, steps=0, seed=3)
+    ec.load(tmp_path, resumed)
+    _same_state(emb.state_dict(), resumed.state_dict())
