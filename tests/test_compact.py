@@ -441,3 +441,39 @@ def test_publish_and_follow_compact_rows(tmp_path):
     _, resumed = _train(torch.float16, steps=0, seed=3)
     ec.load(tmp_path, resumed)
     _same_state(emb.state_dict(), resumed.state_dict())
+
+
+PORTABLE = r"""
+import torch
+from embcore.ops import native, rounding
+assert native.available(), native.error()
+g = torch.Generator().manual_seed(0)
+x = torch.randint(-2**31, 2**31 - 1, (100_000,), generator=g).to(torch.int32).view(torch.float32)
+x = torch.cat([x, torch.randn(10_000, generator=g)])
+bits = torch.randint(0, 2**32, x.shape, generator=g)
+for dt in (torch.float16, torch.bfloat16):
+    for b in (None, bits):
+        got = native.round16(x, dt, b)
+        want = x.to(dt) if b is None else rounding.round_stochastic(x, b, dt)
+        nan = torch.isnan(got.float()) & torch.isnan(want.float())
+        assert bool(((got.view(torch.int16) == want.view(torch.int16)) | nan).all()), (dt, b)
+    table = (torch.randn(50, 24, generator=g) * 100).to(dt)
+    ids = torch.randint(0, 50, (40,), generator=g)
+    out = native.lookup(table, ids, None, None, torch.empty(40, 24))
+    assert torch.equal(out, table.float()[ids]), dt
+print("portable ok")
+"""
+
+
+@pytest.mark.skipif(not native.available() or __import__("platform").machine() != "x86_64",
+                    reason="x86-64 with the fused kernels")
+def test_the_portable_build_gives_the_same_bits(tmp_path):
+    """Kernels built for plain x86-64 (no F16C, no AVX: the integer conversions) widen and round
+    as torch and the reference do."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "EMBCORE_NATIVE_ARCH": "x86-64", "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", PORTABLE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "portable ok" in proc.stdout, proc.stderr[-3000:]

@@ -72,7 +72,10 @@ from .rounding import ROW_TYPES
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
+# The instruction set is this CPU's (-march=native: F16C's conversions, AVX-512, ...), or the one
+# EMBCORE_NATIVE_ARCH names (e.g. x86-64: the portable paths, which tests check give the same bits).
+ARCH = os.environ.get("EMBCORE_NATIVE_ARCH", "native")
+FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
          "-shared", "-fPIC")
 # The kernels' ABI version, its one source: the build passes it as -DEC_ABI_VERSION (the
 # library's ec_abi_version() returns it) and _load refuses a library reporting another. Bumped
