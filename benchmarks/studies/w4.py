@@ -2,6 +2,7 @@
 
     python benchmarks/studies/w4.py [--budget 8GiB] [--steps 30] [--warmup 30] [--batch 4096]
                                     [--offload-dir DIR] [--scale 1.0] [--peer plain] [--raw]
+                                    [--optimizer adagrad|rowwise] [--dtype float32|float16]
 
 Rows + Adagrad accumulators take 33.8M x 128 x 4 x 2 bytes = 34.6 GB, more than the 24 GiB of
 this machine. embcore trains them under ``--budget`` of fast memory (the rest in files under
@@ -15,6 +16,10 @@ per step, the process's anonymous and file-backed resident memory, and disk traf
 ``--raw``: every table dynamic (raw 63-bit ids: each id times an odd constant, modulo 2^64,
 xor a per-table constant, one to one), its capacity the table's rows, the default initializer;
 the maps (65 bytes a row, 2.2 GB) stay in fast memory, the rows and slots go to the slow tier.
+
+``--optimizer rowwise``: RowwiseAdagrad (one accumulator a row: 135 MB). ``--dtype float16`` (or
+bfloat16): compact rows, stochastic rounding; with rowwise Adagrad the whole W4 is 8.8 GB, in
+memory here (``--budget none``), where float32 rows (17.4 GB) need the budget and the slow tier.
 
 ``--peer plain`` instead asks plain PyTorch (``nn.EmbeddingBag`` tables with Adagrad state, in
 memory, as FBGEMM's CPU TBE and TorchRec's CPU sharding hold them) for the same tables, under an
@@ -54,25 +59,33 @@ def zipf_batch(rows: list[int], batch: int, step: int, perms: list[np.ndarray]) 
     return out
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
+    budget = None if args.budget == "none" else args.budget
     if args.raw:  # (the default initializer: a callable one runs per admitted id)
         tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
-                                 dynamic=ec.DynamicVocabulary()) for t, n in enumerate(rows)]
+                                 dtype=DTYPES[args.dtype], dynamic=ec.DynamicVocabulary())
+                  for t, n in enumerate(rows)]
     else:
         tables = [ec.TableConfig(vocabulary_size=n, dim=args.dim, name=f"C{t + 1}",
+                                 dtype=DTYPES[args.dtype],
                                  initializer=functools.partial(torch.nn.init.uniform_, a=-0.05,
                                                                b=0.05))
                   for t, n in enumerate(rows)]
     fc = {f"C{t + 1}": ec.FeatureConfig(table=tables[t]) for t in range(len(rows))}
-    total = sum(rows) * args.dim * 4 * 2
+    item = DTYPES[args.dtype].itemsize
+    rowwise = args.optimizer == "rowwise"
+    total = sum(rows) * (args.dim * item + (4 if rowwise else args.dim * 4))
     print(f"# W4{'-raw' if args.raw else ''}: {len(rows)} tables, {sum(rows):,} rows, "
-          f"D{args.dim}, exact Adagrad: "
+          f"D{args.dim} {args.dtype}, {'row-wise' if rowwise else 'exact'} Adagrad: "
           f"{fmt_bytes(total)} of rows + slots; budget {args.budget}; batch {args.batch}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     io0, t0 = proc_io(), time.perf_counter()
     torch.manual_seed(0)
-    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.01), memory_budget=args.budget,
-                       offload_dir=args.offload_dir)
+    opt = (ec.RowwiseAdagrad if rowwise else ec.Adagrad)(learning_rate=0.01)
+    emb = ec.Embedding(fc, opt, memory_budget=budget, offload_dir=args.offload_dir)
     emb.build(per_replica_batch_size=args.batch)
     emb.cache_stats()  # the store (and the slow tier) made now
     setup = time.perf_counter() - t0
@@ -146,7 +159,9 @@ def plain_run(args: argparse.Namespace, rows: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--budget", default="8GiB")
+    ap.add_argument("--budget", default="8GiB", help="fast memory; 'none': every table in memory")
+    ap.add_argument("--optimizer", choices=["adagrad", "rowwise"], default="adagrad")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=30)
@@ -156,7 +171,8 @@ def main() -> None:
     ap.add_argument("--peer", choices=["plain"], default=None)
     ap.add_argument("--raw", action="store_true", help="dynamic tables, raw 63-bit ids")
     args = ap.parse_args()
-    parse_budget(args.budget)
+    if args.budget != "none":
+        parse_budget(args.budget)
     rows = [max(2, round(n * args.scale)) for n in KAGGLE]
     (plain_run if args.peer == "plain" else embcore_run)(args, rows)
 
