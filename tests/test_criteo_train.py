@@ -91,6 +91,52 @@ def test_the_logistic_regression_baseline_is_one(tmp_path, capsys):
     assert "dim 1" in capsys.readouterr().err
 
 
+def test_dtype_float16_trains_compact_tables_and_serves_them(tmp_path, capsys):
+    """--dtype float16: the spec's tables hold float16 rows (so do the checkpoint's manifest and
+    rows, and the model serve.py rebuilds), the metrics are finite and the eval record names the
+    dtype; a resume with another --dtype is refused; --dtype is a table flag (--write-spec
+    writes it, --spec refuses it)."""
+    import math
+    out = tmp_path / "run"
+    result, lines = _run(capsys, "--synthetic", "--synthetic-lines", "640", "--out", str(out),
+                         "--dtype", "float16")
+    assert LAST_LINE.fullmatch(lines[-1])
+    assert any(s.startswith("tables: 26 x D 4, float16 rows (updates rounded stochastically)")
+               for s in lines), lines
+    assert math.isfinite(result["test_logloss"]) and 0.5 < result["test_auc"] <= 1
+    assert (result["dtype"], result["stochastic_rounding"]) == ("float16", True)
+    records = [json.loads(s) for s in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+    manifest = _newest_manifest(out)
+    assert {t["dtype"] for t in manifest["tables"].values()} == {"float16"}
+    assert {t["dtype"] for t in manifest["spec"]["tables"].values()} == {"float16"}
+    layer, _, _, _ = serve.restore(_newest(out))
+    assert {v.dtype for v in layer.embedding_tables.values()} == {torch.float16}
+    served = serve.main(["--run", str(out), "--precisions", "fp32", "int8"])
+    assert served["results"]["fp32"]["test_auc"] == result["test_auc"]
+    assert "float16 rows (the fp32 row serves them as trained)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"tables\.C1\.dtype: 'float16' there, 'bfloat16' now"):
+        train.main(["--synthetic", "--synthetic-lines", "640", "--out", str(out), "--resume",
+                    "--epochs", "2", *TINY, "--dtype", "bfloat16"])
+    # a table flag: in the spec --write-spec writes, refused beside --spec
+    file = tmp_path / "spec.json"
+    train.main(["--write-spec", str(file), "--capacity", "100", "--dtype", "bfloat16",
+                "--no-stochastic-rounding"])
+    tables = json.loads(file.read_text())["tables"]
+    assert {(t["dtype"], t["stochastic_rounding"]) for t in tables.values()} \
+        == {("bfloat16", False)}
+    assert train.rows_record(train.read_spec(file)) == {"dtype": "bfloat16",
+                                                         "stochastic_rounding": False}
+    capsys.readouterr()
+    for argv, message in ((["--spec", str(file), "--dtype", "float16"], "leave out --dtype"),
+                          (["--spec", str(file), "--no-stochastic-rounding"],
+                           "leave out --no-stochastic-rounding"),
+                          (["--no-stochastic-rounding"], "applies to --dtype float16 / bfloat16")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--synthetic", *argv])
+        assert message in capsys.readouterr().err
+
+
 def test_cross_layer_formula():
     torch.manual_seed(0)
     cross = LowRankCross(width=5, layers=2, rank=2)

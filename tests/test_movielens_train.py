@@ -23,7 +23,7 @@ from model import FEATURES, ModelConfig, RankingModel, as_model_config  # noqa: 
 
 
 SMALL = ["--embedding-dim", "8", "--hidden", "16", "8", "--batch-size", "128", "--no-progress"]
-METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds", "data"}
+METRIC_KEYS = {"epoch", "train_loss", "train_rmse", "test_rmse", "seconds", "data", "dtype"}
 
 
 def _check_run(out: Path, result: dict, epochs: int, raw: bool = False) -> None:
@@ -128,6 +128,57 @@ def test_resume_refuses_other_data_flags_or_nothing_to_do(tmp_path, capsys):
     train.main([*args, "--epochs", "3", "--resume"])  # the same data and flags: it goes on
     train.main([*args, "--epochs", "1"])  # a fresh run says it removes the old checkpoints
     assert "removing the previous run's checkpoints" in capsys.readouterr().out
+
+
+def test_dtype_float16_trains_resumes_and_serves_compact_tables(tmp_path, capsys):
+    """--dtype float16: the tables' rows are float16 in training, in the checkpoints (manifest,
+    dense.pt's model config, the rows themselves), in the restored and exported models; the
+    metrics are finite and record the dtype; a resumed run ends bit-identical to an
+    uninterrupted one and refuses another --dtype."""
+    import math
+    args = ["--synthetic", "--limit", "2000", *SMALL, "--dtype", "float16"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    a = train.main([*args, "--epochs", "2", "--out", str(straight)])
+    assert "compact tables: float16 rows" in capsys.readouterr().out
+    lines = [json.loads(s) for s in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert all(set(r) == METRIC_KEYS | {"stochastic_rounding"} for r in lines)
+    assert all(r["dtype"] == "float16" and r["stochastic_rounding"] is True for r in lines)
+    assert all(math.isfinite(r[k]) for r in lines for k in ("train_loss", "train_rmse",
+                                                              "test_rmse"))
+    assert lines[-1]["test_rmse"] < 1.5
+    ckpt = straight / "checkpoints" / "epoch-0002"
+    manifest = json.loads((ckpt / "embedding" / "manifest.json").read_text())
+    assert {t["dtype"] for t in manifest["tables"].values()} == {"float16"}
+    config = as_model_config(torch.load(ckpt / "dense.pt", weights_only=True)["model_config"])
+    assert (config.dtype, config.stochastic_rounding) == ("float16", True)
+    state = _saved_state(ckpt)
+    assert state["embedding.users/parameters"].dtype == torch.float16
+    assert state["embedding.movies/parameters"].dtype == torch.float16
+    assert state["embedding.users/accumulators"].dtype == torch.float32
+    # serving: the restored CPU model and the exported program hold float16 rows
+    assert a["table_dtype"] == "float16" and a["restore_max_diff"] < 1e-6
+    assert a["serving_prediction"] == pytest.approx(a["trained_prediction"], abs=1e-6)
+    exported = torch.export.load(straight / "serving.pt2").state_dict
+    assert exported["embedding.users"].dtype == exported["embedding.movies"].dtype \
+        == torch.float16
+    # resume: the same rows and rounding bits as the run never interrupted
+    train.main([*args, "--epochs", "1", "--no-serve", "--out", str(stopped)])
+    b = train.main([*args, "--epochs", "2", "--no-serve", "--resume", "--out", str(stopped)])
+    sa, sb = _saved_state(ckpt), _saved_state(stopped / "checkpoints" / "epoch-0002")
+    assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
+    assert a["test_rmse"] == b["test_rmse"]
+    with pytest.raises(ValueError, match="resume with the same model flags"):
+        train.main([*args[:-1], "bfloat16", "--epochs", "3", "--no-serve", "--resume",
+                    "--out", str(stopped)])
+    # the flags
+    assert train.parse_args([]).dtype == "float32"
+    assert not train.parse_args(["--dtype", "bfloat16",
+                                 "--no-stochastic-rounding"]).stochastic_rounding
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--no-stochastic-rounding"])  # float32 rows are not rounded
+    assert "--no-stochastic-rounding applies to --dtype float16 / bfloat16" in \
+        capsys.readouterr().err
 
 
 def test_unknown_sharding_is_a_flag_error(capsys):

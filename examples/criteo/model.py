@@ -18,7 +18,11 @@ layers.
 Tables: with ``raw_ids`` (the default) each table is dynamic (``ec.DynamicVocabulary``): it takes
 the raw 32-bit hashes (missing: -1) and holds ``capacities[j]`` of them at once, evicting the least
 recently used beyond that. Otherwise the ids are already hashed (``id % buckets``) and each table
-has ``capacities[j]`` = its bucket count of rows.
+has ``capacities[j]`` = its bucket count of rows. The rows are float32, or with
+``dtype=torch.float16`` / ``torch.bfloat16`` (the job's ``--dtype``) compact 16-bit rows: widened
+to float32 on lookup, each update computed in float32 and rounded back (stochastically unless
+``stochastic_rounding`` is False). The dtype is the spec's (each table's ``"dtype"``), not a
+``ModelConfig`` field: the dense part is the same whatever the rows.
 
 Optimizers, as MLPerf's reference (TorchRec's DLRM-DCNv2 training script with ``--adagrad``):
 Adagrad with learning rate 0.005 for both the tables and the dense part, the accumulators
@@ -85,21 +89,27 @@ def as_model_config(values: Mapping[str, Any]) -> ModelConfig:
     return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
-def feature_config(config: ModelConfig) -> dict[str, ec.FeatureConfig]:
-    """26 features, each with its own table named like the feature (C1 ... C26)."""
+def feature_config(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                   stochastic_rounding: bool = True) -> dict[str, ec.FeatureConfig]:
+    """26 features, each with its own table named like the feature (C1 ... C26), its rows of
+    ``dtype`` (float16 / bfloat16: compact, updates rounded as ``stochastic_rounding`` says)."""
     dynamic = ec.DynamicVocabulary(eviction=config.eviction) if config.raw_ids else None
     # a logistic regression's weights start at 0 (as its dense part's would in a GLM solver)
     init = functools.partial(torch.nn.init.zeros_) if config.arch == "logreg" else None
     return {name: ec.FeatureConfig(
         table=ec.TableConfig(vocabulary_size=cap, dim=config.dim, name=name, dynamic=dynamic,
-                             initializer=init),
+                             initializer=init, dtype=dtype,
+                             stochastic_rounding=stochastic_rounding),
         name=name) for name, cap in zip(FEATURES, config.capacities, strict=True)}
 
 
 def embedding_spec(config: ModelConfig, optimizer: Any, *, sharding: Any = None,
-                   memory_budget: Any = None) -> ec.EmbeddingSpec:
-    """The tables ``config`` describes, with the tables' ``optimizer``, as an EmbeddingSpec."""
-    return ec.EmbeddingSpec(feature_config(config), optimizer, sharding=sharding,
+                   memory_budget: Any = None, dtype: torch.dtype = torch.float32,
+                   stochastic_rounding: bool = True) -> ec.EmbeddingSpec:
+    """The tables ``config`` describes, with the tables' ``optimizer`` and rows of ``dtype``,
+    as an EmbeddingSpec."""
+    features = feature_config(config, dtype=dtype, stochastic_rounding=stochastic_rounding)
+    return ec.EmbeddingSpec(features, optimizer, sharding=sharding,
                             memory_budget=memory_budget)
 
 

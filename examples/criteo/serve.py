@@ -11,8 +11,9 @@ the one the run evaluated on, found from what ``dense.pt`` records (the data dir
 flags, or the synthetic data's seed and size, regenerated); ``--data DIR`` or ``--synthetic``
 point elsewhere.
 
-For each precision the tables are served by ``layer.for_serving(quantize=...)`` (None: float32 as
-trained; ``"fp16"``; ``"int8"``: row-wise codes with a float32 scale and bias per row) under the
+For each precision the tables are served by ``layer.for_serving(quantize=...)`` (None: as
+trained, float32 or a ``--dtype float16`` / ``bfloat16`` run's 16-bit rows, the row labelled
+"fp32"; ``"fp16"``; ``"int8"``: row-wise codes with a float32 scale and bias per row) under the
 same dense part, and the whole test set is scored: the table prints the test AUC, the log loss
 and the bytes the tables hold (dynamic tables' id maps counted apart: they are the same at every
 precision). ``--export PATH`` exports the whole model (dense part and quantized tables, their
@@ -205,8 +206,11 @@ def _serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ckpt = find_checkpoint(args.run, args.checkpoint)
     layer, dense_arch, config, state = restore(ckpt)
     dataset, info = load_test_set(state["run"], args.data, args.synthetic, work)
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in layer.embedding_tables})
     print(f"checkpoint {ckpt} (step {state['position']['global_step']}): 26 tables x D "
           f"{config.dim}, " + ("dynamic (raw ids)" if config.raw_ids else "static (hashed)")
+          + f", {'/'.join(dtypes)} rows"
+          + ("" if dtypes == ["float32"] else " (the fp32 row serves them as trained)")
           + f"; test set: {dataset.describe()}")
     if info is not None:
         print(f"*** {SYNTHETIC_NOTE} *** best achievable test AUC {info['best_test_auc']:.4f}")

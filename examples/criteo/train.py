@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 2 examples/criteo/train.py --data DIR          # several processes
     python examples/criteo/train.py --data DIR --spec examples/criteo/spec.json   # tables as data
     python examples/criteo/train.py --data DIR --write-spec my.json  # the flags' spec, then exit
+    python examples/criteo/train.py --data DIR --dtype bfloat16      # 16-bit table rows
 
 One epoch (by default) over DIR/train.txt in file order, streamed in batches (files larger than
 memory are fine); then an evaluation over DIR/test.txt when it has labels, else over the lines
@@ -13,8 +14,9 @@ of train.txt held out by ``--holdout-every`` (every k-th line; they are then not
 The last line printed is exactly ``test auc=0.XXXX logloss=0.XXXX``.
 
 The 26 tables, their features, optimizer, sharding and memory budget are an ``ec.EmbeddingSpec``:
-the one the flags build (``--dim``, ``--raw-ids`` / ``--hash-buckets``, ``--capacity``,
-``--embedding-lr``, ``--embedding-optimizer``, ``--sharding``, ``--memory-budget``), which
+the one the flags build (``--dim``, ``--dtype``, ``--no-stochastic-rounding``, ``--raw-ids`` /
+``--hash-buckets``, ``--capacity``, ``--embedding-lr``, ``--embedding-optimizer``, ``--sharding``,
+``--memory-budget``), which
 ``--write-spec FILE`` writes as JSON, or the one ``--spec FILE`` reads (those flags are then
 refused: the file says it). The dense part takes D from it.
 
@@ -24,7 +26,8 @@ Everything it writes goes under ``--out``:
     checkpoints/step-00001234/dense.pt     the dense part, its optimizer, the position in the data
     checkpoints/latest                     the name of the newest complete checkpoint
     metrics.jsonl                          "train" lines (loss, examples/s) every --log-every
-                                           steps, an "eval" line (test AUC, log loss) per epoch
+                                           steps, an "eval" line (test AUC, log loss, the
+                                           tables' dtype) per epoch
     curves.png                             loss and AUC (when matplotlib is installed)
 """
 
@@ -70,6 +73,7 @@ from criteo.model import (  # noqa: E402
     as_model_config,
     config_from_spec,
     embedding_spec,
+    spec_tables,
 )
 
 try:  # optional: a progress bar
@@ -82,9 +86,12 @@ SYNTHETIC_WARNING = (f"*** {SYNTHETIC_NOTE}. Point --data at Criteo's files (Kag
 
 
 # The flags that build the tables' spec, with their defaults; --spec FILE replaces them.
-TABLE_FLAGS = {"dim": 128, "raw_ids": True, "hash_buckets": None, "capacity": None,
-               "embedding_lr": 0.005, "embedding_optimizer": "adagrad", "sharding": "auto",
-               "memory_budget": None}
+TABLE_FLAGS = {"dim": 128, "dtype": "float32", "stochastic_rounding": True, "raw_ids": True,
+               "hash_buckets": None, "capacity": None, "embedding_lr": 0.005,
+               "embedding_optimizer": "adagrad", "sharding": "auto", "memory_budget": None}
+FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding"}  # (else --name-with-dashes)
+# --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,9 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the tables as data: an ec.EmbeddingSpec JSON file (features C1 ... C26, "
                         "their tables, optimizer, sharding, memory budget; all tables of one "
                         "dim, which the dense part takes), e.g. examples/criteo/spec.json. "
-                        "Replaces the flags that build the tables (--dim, --raw-ids, "
-                        "--hash-buckets, --capacity, --embedding-lr, --embedding-optimizer, "
-                        "--sharding, --memory-budget)")
+                        "Replaces the flags that build the tables (--dim, --dtype, "
+                        "--no-stochastic-rounding, --raw-ids, --hash-buckets, --capacity, "
+                        "--embedding-lr, --embedding-optimizer, --sharding, --memory-budget)")
     m.add_argument("--write-spec", type=Path, default=None,
                    help="write the spec the flags build to this JSON file and exit (a "
                         "fractional --capacity counts the ids in --data first)")
@@ -125,6 +132,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the MLP and cross flags do not apply)")
     m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default 128; 1 with "
                    "--model logreg)")
+    m.add_argument("--dtype", choices=tuple(DTYPES), **table,
+                   help="the tables' rows (default float32): float16 or bfloat16 are compact "
+                        "16-bit rows (half the bytes; activations stay float32, each update is "
+                        "computed in float32 and rounded back into the rows)")
+    m.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
+                   **table, help="--dtype float16 / bfloat16: round updates to nearest instead "
+                                 "of stochastically (an update below half a unit in the last "
+                                 "place is then lost)")
     m.add_argument("--bottom-mlp", type=int, nargs="+", default=[512, 256, 128],
                    help="bottom MLP widths over the 13 counts")
     m.add_argument("--top-mlp", type=int, nargs="+", default=[1024, 1024, 512, 256],
@@ -185,7 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a tqdm progress bar (when tqdm is installed)")
     args = p.parse_args(argv)
-    given = [f"--{k.replace('_', '-')}" for k in TABLE_FLAGS if hasattr(args, k)]
+    given = [FLAG_NAMES.get(k, f"--{k.replace('_', '-')}") for k in TABLE_FLAGS
+             if hasattr(args, k)]
     if args.spec is not None and given:
         p.error(f"--spec {args.spec} declares the tables: leave out {', '.join(given)} (edit "
                 f"the spec instead)")
@@ -197,6 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for k, v in TABLE_FLAGS.items():
         if not hasattr(args, k):
             setattr(args, k, v)
+    if not args.stochastic_rounding and args.dtype == "float32":
+        p.error("--no-stochastic-rounding applies to --dtype float16 / bfloat16; float32 rows "
+                "are not rounded")
     if args.model == "logreg" and args.dim != 1:
         p.error(f"--model logreg: the tables hold one weight per value (dim 1), got --dim "
                 f"{args.dim}")
@@ -359,7 +378,42 @@ def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[...
     opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
     optimizer = opt_class(learning_rate=args.embedding_lr, initial_accumulator_value=0.0)
     return config, embedding_spec(config, optimizer, sharding=args.sharding,
-                                  memory_budget=args.memory_budget)
+                                  memory_budget=args.memory_budget, dtype=DTYPES[args.dtype],
+                                  stochastic_rounding=args.stochastic_rounding)
+
+
+def rows_record(spec: ec.EmbeddingSpec) -> dict[str, Any]:
+    """What the eval records hold of the tables' rows: ``{"dtype": "float32"}`` when every table
+    has one dtype, else ``{"dtype": {table: dtype}}``; with compact (16-bit) rows also
+    ``"stochastic_rounding"``, one bool or a bool per compact table."""
+    tables = spec_tables(spec)
+    dtypes = {n: str(t.dtype).replace("torch.", "") for n, t in tables.items()}
+    rounding = {n: t.stochastic_rounding for n, t in tables.items()
+                if t.dtype in (torch.float16, torch.bfloat16)}
+    record: dict[str, Any] = {"dtype": _one_or_all(dtypes)}
+    if rounding:
+        record["stochastic_rounding"] = _one_or_all(rounding)
+    return record
+
+
+def _one_or_all(values: dict[str, Any]) -> Any:
+    return next(iter(values.values())) if len(set(values.values())) == 1 else values
+
+
+def describe_rows(record: dict[str, Any]) -> str:
+    """``rows_record``'s record in words, for the tables' line."""
+    dtype = record["dtype"]
+    if isinstance(dtype, dict):
+        words = "rows " + ", ".join(f"{n} {d}" for n, d in dtype.items())
+    else:
+        words = f"{dtype} rows"
+    rounding = record.get("stochastic_rounding")
+    if rounding is None:
+        return words
+    if isinstance(rounding, dict):
+        return words + " (compact rows rounded " + ", ".join(
+            f"{n} {'stochastically' if r else 'to nearest'}" for n, r in rounding.items()) + ")"
+    return words + f" (updates rounded {'stochastically' if rounding else 'to nearest'})"
 
 
 def read_spec(path: Path) -> ec.EmbeddingSpec:
@@ -689,7 +743,8 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
             f"{args.write_spec}")
         return {"spec": str(args.write_spec)}
     assert config is not None and data is not None
-    say(f"tables: 26 x D {config.dim}, "
+    rows = rows_record(spec)
+    say(f"tables: 26 x D {config.dim}, {describe_rows(rows)}, "
         + (f"dynamic (raw ids, LRU eviction), capacities {list(config.capacities)}"
            if config.raw_ids else f"static, hashed rows {list(config.capacities)}")
         + (f", from {args.spec}" if args.spec is not None else ""))
@@ -816,7 +871,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                   "examples": position["examples"], **metrics,
                   "train_examples_per_s": throughput, "train_skipped": stats.skipped,
                   "eval_seconds": round(time.perf_counter() - eval_start, 3),
-                  "data": "SYNTHETIC" if synthetic else str(data.train_path)}
+                  "data": "SYNTHETIC" if synthetic else str(data.train_path), **rows}
         if synthetic is not None:
             record["best_test_auc"] = synthetic["best_test_auc"]
         history.append(record)

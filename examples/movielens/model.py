@@ -15,6 +15,11 @@ With ``ModelConfig(raw_ids=True)`` both tables are dynamic (``ec.DynamicVocabula
 raw int64 ids of any value, and their vocabulary sizes are capacities (the most ids resident at
 once; a training step admits new ids and evicts the lowest-scored). Nothing else changes: the
 forward, the loss and the serving model are the same code.
+
+With ``ModelConfig(dtype="float16")`` (or ``"bfloat16"``) the tables hold compact rows: 16 bits an
+entry, widened to float32 on lookup (the activations, the MLP and the loss stay float32), each
+update computed in float32 and rounded back, stochastically unless ``stochastic_rounding=False``
+(to nearest). A checkpoint keeps the rows' dtype, and so does the serving model.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import embcore as ec
 
 USER_TABLE, MOVIE_TABLE = "users", "movies"  # table names: checkpoint keys are "users/parameters"
 FEATURES = ("user_id", "movie_id")
+# The tables' row dtypes (ModelConfig.dtype, the job's --dtype): float32, or 16-bit compact rows.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -47,16 +54,25 @@ class ModelConfig:
     admit_after: int = 1  # raw ids: training steps an id is seen in before it gets a row
     min_rating: float = 1.0  # predictions are clamped to [min_rating, max_rating] in eval mode
     max_rating: float = 5.0
+    dtype: str = "float32"  # the tables' rows: a key of DTYPES ("float16", "bfloat16": compact)
+    stochastic_rounding: bool = True  # compact rows: updates rounded stochastically (else
+    #                                   to nearest)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
 
 def feature_config(config: ModelConfig) -> dict[str, ec.FeatureConfig]:
-    """The two features and their tables, as the tutorial declares them (dynamic: raw ids)."""
+    """The two features and their tables, as the tutorial declares them (dynamic: raw ids;
+    ``config.dtype``: the rows' dtype)."""
     dynamic = (ec.DynamicVocabulary(eviction=config.eviction, admit_after=config.admit_after)
                if config.raw_ids else None)
+    rows = {"dtype": DTYPES[config.dtype], "stochastic_rounding": config.stochastic_rounding}
     users = ec.TableConfig(vocabulary_size=config.user_vocabulary_size,
-                           dim=config.embedding_dim, name=USER_TABLE, dynamic=dynamic)
+                           dim=config.embedding_dim, name=USER_TABLE, dynamic=dynamic, **rows)
     movies = ec.TableConfig(vocabulary_size=config.movie_vocabulary_size,
-                            dim=config.embedding_dim, name=MOVIE_TABLE, dynamic=dynamic)
+                            dim=config.embedding_dim, name=MOVIE_TABLE, dynamic=dynamic, **rows)
     return {"user_id": ec.FeatureConfig(table=users, name="user_id"),
             "movie_id": ec.FeatureConfig(table=movies, name="movie_id")}
 

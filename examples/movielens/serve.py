@@ -14,6 +14,10 @@ and in ``layer.for_serving()``, and every model here, the exported one included,
 dynamic tables cannot be plain parameters, so the restored model keeps an engine optimizer whose
 slots stay at their initial values (``slots=False`` reads the tables and their maps only).
 
+Compact tables (``--dtype float16`` / ``bfloat16``) serve the same way: the checkpoint records the
+rows' dtype (``ModelConfig.dtype`` in dense.pt, the manifest's tables), every restored model and
+the exported one hold the rows in it (step 1 checks), and lookups widen them to float32.
+
 Run on its own against a finished run:  python examples/movielens/serve.py --out runs/movielens
 """
 
@@ -30,7 +34,14 @@ import embcore as ec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import MovieLens, raw_ids  # noqa: E402
-from model import MOVIE_TABLE, USER_TABLE, RankingModel, ServingModel, as_model_config  # noqa: E402
+from model import (  # noqa: E402
+    DTYPES,
+    MOVIE_TABLE,
+    USER_TABLE,
+    RankingModel,
+    ServingModel,
+    as_model_config,
+)
 
 USER, MOVIE = 30, 100  # the tutorial's serving example
 
@@ -101,10 +112,15 @@ def serving_flow(trained: RankingModel, ckpt: Path, out: Path,
              and k.startswith("embedding.") and "/vocabulary/" not in k]
     got = cpu_model(probe)
     diff = (got - expected).abs().max().item()
+    rows = {k.split("/")[0]: v.dtype for k, v in cpu_model.embedding.state_dict().items()
+            if k.endswith("/parameters")}
+    dtype = str(DTYPES[cpu_model.config.dtype]).replace("torch.", "")
     print(f"      embedding state: {sorted(cpu_model.embedding.state_dict())} "
-          f"({'unread slots' if raw else 'slots'}: {slots}); "
+          f"({'unread slots' if raw else 'slots'}: {slots}; rows {dtype}); "
           f"predictions equal the trained model's: max |diff| = {diff:.2e}")
     _check(diff < 1e-5, f"restored model differs from the trained one by {diff}")
+    _check(set(rows.values()) == {DTYPES[cpu_model.config.dtype]},
+           f"the restored tables hold {rows}, not the trained {dtype} rows")
 
     print(f"[2/4] partial restore: only tables {[USER_TABLE, MOVIE_TABLE]} into a fresh model")
     partial = RankingModel(cpu_model.config, ec.Adagrad(learning_rate=0.1), device="cpu").eval()
@@ -149,7 +165,7 @@ def serving_flow(trained: RankingModel, ckpt: Path, out: Path,
            "a serving_config of every feature changed the prediction")
 
     return {"serving_prediction": prediction, "trained_prediction": reference,
-            "restore_max_diff": diff, "partial_restore_equal": lookups_equal,
+            "table_dtype": dtype, "restore_max_diff": diff, "partial_restore_equal": lookups_equal,
             "serving_config_equal": subset_equal}
 
 

@@ -3,6 +3,7 @@
     python examples/movielens/train.py --data ../ml-100k --split u1      # test RMSE ~0.93
     python examples/movielens/train.py --out runs/ml --resume            # continue a run
     python examples/movielens/train.py --raw-ids --capacity-fraction 0.8 # dynamic tables
+    python examples/movielens/train.py --dtype bfloat16                  # 16-bit table rows
 
 The flow of TensorFlow's TPUEmbeddingLayer tutorial, on embcore: user and movie tables trained by
 Adagrad inside the engine, an MLP trained by a torch optimizer, a checkpoint per epoch, then (see
@@ -15,7 +16,8 @@ Everything it writes goes under ``--out``:
     checkpoints/epoch-0007/dense.pt     the MLP, its optimizer, the RNG states, the metrics so far
     checkpoints/latest                  the name of the newest complete checkpoint
     metrics.jsonl                       one line per epoch: epoch, train_loss, train_rmse,
-                                        test_rmse, seconds, data (--raw-ids: vocabulary)
+                                        test_rmse, seconds, data, dtype (--raw-ids: vocabulary;
+                                        --dtype float16 / bfloat16: stochastic_rounding)
     curves.png                          the RMSE curves (when matplotlib is installed)
     serving.pt2                         the exported serving model (torch.export)
 """
@@ -51,7 +53,7 @@ from data import (  # noqa: E402
     synthetic,
 )
 import parallel  # noqa: E402
-from model import ModelConfig, RankingModel, as_model_config  # noqa: E402
+from model import DTYPES, ModelConfig, RankingModel, as_model_config  # noqa: E402
 
 try:  # optional: a progress bar per epoch
     from tqdm import tqdm
@@ -84,6 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="widths of the MLP's hidden layers (its output layer has width 1)")
     m.add_argument("--dropout", type=float, default=0.5,
                    help="dropout on the concatenated embeddings, in training")
+    m.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="the tables' rows: float32, or compact 16-bit rows (float16, bfloat16: "
+                        "half the bytes; activations stay float32, each update is computed in "
+                        "float32 and rounded back into the rows)")
+    m.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
+                   help="--dtype float16 / bfloat16: round updates to nearest instead of "
+                        "stochastically (an update below half a unit in the last place is then "
+                        "lost)")
     r = p.add_argument_group("raw ids (dynamic tables)")
     r.add_argument("--raw-ids", action="store_true",
                    help="hash every id into all of int64 (data.raw_ids) and look them up in "
@@ -143,6 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--capacity-fraction must be > 0, got {args.capacity_fraction}")
     if args.admit_after < 1:
         p.error(f"--admit-after must be >= 1, got {args.admit_after}")
+    if not args.stochastic_rounding and args.dtype == "float32":
+        p.error("--no-stochastic-rounding applies to --dtype float16 / bfloat16; float32 rows "
+                "are not rounded")
     return args
 
 
@@ -170,17 +183,26 @@ def capacity(fraction: float, ids: torch.Tensor) -> int:
 
 
 def model_config(args: argparse.Namespace, train: Ratings) -> ModelConfig:
+    rows = {"dtype": args.dtype, "stochastic_rounding": args.stochastic_rounding}
     if args.raw_ids:  # dynamic tables: their sizes are capacities, set from the training ids
         return ModelConfig(user_vocabulary_size=capacity(args.capacity_fraction, train.user_id),
                            movie_vocabulary_size=capacity(args.capacity_fraction,
                                                           train.movie_id),
                            embedding_dim=args.embedding_dim, hidden=tuple(args.hidden),
                            dropout=args.dropout, raw_ids=True, eviction=args.eviction,
-                           admit_after=args.admit_after)
+                           admit_after=args.admit_after, **rows)
     return ModelConfig(user_vocabulary_size=args.user_vocabulary_size,
                        movie_vocabulary_size=args.movie_vocabulary_size,
                        embedding_dim=args.embedding_dim, hidden=tuple(args.hidden),
-                       dropout=args.dropout)
+                       dropout=args.dropout, **rows)
+
+
+def rows_record(config: ModelConfig) -> dict[str, Any]:
+    """What metrics.jsonl records of the tables' rows: their dtype and, for compact rows, how
+    updates are rounded."""
+    if config.dtype == "float32":
+        return {"dtype": config.dtype}
+    return {"dtype": config.dtype, "stochastic_rounding": config.stochastic_rounding}
 
 
 def features_of(batch: Ratings, device: torch.device | str,
@@ -436,6 +458,9 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
             f"{config.movie_vocabulary_size} movies ({args.capacity_fraction} x the distinct "
             f"training ids), {args.eviction} eviction, ids admitted when seen in "
             f"{args.admit_after} step(s)")
+    if config.dtype != "float32":
+        say(f"compact tables: {config.dtype} rows (activations float32), updates rounded "
+            + ("stochastically" if config.stochastic_rounding else "to nearest"))
 
     torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
     model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
@@ -480,7 +505,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
         test_rmse = evaluate(model, test, args.device)
         record = {"epoch": epoch, "train_loss": train_loss, "train_rmse": train_rmse,
                   "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3),
-                  "data": "SYNTHETIC" if data.synthetic else data.source}
+                  "data": "SYNTHETIC" if data.synthetic else data.source,
+                  **rows_record(config)}
         if config.raw_ids:
             record["vocabulary"] = vocabulary_stats(model)  # {table: {resident, capacity}}
         history.append(record)
