@@ -378,3 +378,28 @@ def test_compact_rowwise_adagrad_is_the_float32_rule_rounded(dtype):
     assert bool(((got - want).abs() <= ulp * 1.01).all())
     assert float((got == want).float().mean()) > 0.95
     torch.testing.assert_close(got_acc.cpu()[rows], new_slots["accumulators"], **UPDATE_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compact_rounding_of_every_kind_of_float_as_the_reference(dtype):
+    """SGD at rate 1 from zero rows stores round(0 - (-x)) for any float32 x (subnormal, huge,
+    infinite, NaN): the kernel's stochastic rounding gives ops/rounding.py's bits."""
+    from embcore.ops import rounding
+    g = torch.Generator().manual_seed(2)
+    bits = torch.randint(-2**31, 2**31 - 1, (3000,), generator=g).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(1000, generator=g) * 1e-6,
+                   torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65535.99, 65536.0, 2**-24, 2**-25,
+                                 3 * 2**-26, 2**-14 * (1 - 2**-11), float("nan"), float("inf")])])
+    d = 16
+    x = x[: x.numel() // d * d].reshape(-1, d)
+    n = x.shape[0]
+    r = rounding.Rounding(True, rounding.shard_segments([("t", 0, torch.arange(n))], 4, n),
+                          col0=3).at(17)
+    table = torch.zeros(n, d, dtype=dtype, device=DEVICE)
+    with triton_path(), spy("sparse_update") as calls:
+        update(table, {}, torch.arange(n, device=DEVICE), (-x).to(DEVICE),
+               ec.SGD(learning_rate=1.0), 1.0, 17, round_to=r)
+    assert calls["sparse_update"] == 1
+    got, want = table.cpu(), r.round(torch.zeros(n, d) - 1.0 * -x, torch.arange(n), dtype)
+    nan = torch.isnan(got.float()) & torch.isnan(want.float())
+    assert bool(((got.view(torch.int16) == want.view(torch.int16)) | nan).all())

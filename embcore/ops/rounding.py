@@ -9,9 +9,11 @@ the fused kernels do (csrc/half.h):
 - stochastically (the default): ``x`` becomes one of the two 16-bit values around it, the one
   away from zero with probability ``|x - toward_zero(x)| / ulp``, so that ``E[round(x)] = x``:
   32 random bits ``u`` are added below the bits the 16-bit value keeps (bfloat16: ``u >> 16``
-  below its 16; float16: ``u >> 19`` below a normal result's 10 mantissa bits, the low ``drop``
-  bits of ``u`` below a subnormal result's, ``drop = 126 - exponent``) and the rest truncated.
-  From 65536 (and what carries into it) a float16 result is infinite; below ``2**-32`` it is 0.
+  below its 16; float16: ``u >> 19`` below a normal result's 10 mantissa bits) and the rest
+  truncated; a float16 subnormal result (``|x| < 2**-14``) is ``|x| + (u >> 8) * 2**-48`` in
+  float32, truncated to a multiple of ``2**-24`` (unbiased to within float32's rounding of that
+  sum: ``2**-14`` of an ulp). From 65536 (and what carries into it) a float16 result is
+  infinite.
 - the random bits of a row are a function of its identity (the table's key plus its logical row,
   or plus the raw id of a dynamic table), the step and the logical column alone::
 
@@ -112,12 +114,11 @@ def round_stochastic(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) ->
         sign = (b >> 16) & 0x8000
         a = b & 0x7FFFFFFF
         hn = (((a + (bits >> 19)) >> 13) - 0x1C000).clamp(max=0x7C00)
-        e = a >> 23
-        tiny = e < 95
-        drop = torch.where(tiny, 31, 126 - e)
-        sig = (a & 0x7FFFFF) | 0x800000
-        mask = (torch.ones_like(drop) << drop) - 1
-        hs = torch.where(tiny, 0, (sig + (bits & mask)) >> drop)
+        # a subnormal result: |x| + (u >> 8) * 2**-48 in float32, truncated to 2**-24's multiples
+        mag = a.to(torch.int32).view(torch.float32)
+        sub = mag + (bits >> 8).to(torch.float32) * 2.0**-48
+        sub = torch.where(sub < 2.0**-13, sub, 0.0)
+        hs = (sub * 2.0**24).to(torch.int32).to(torch.int64)
         h = sign | torch.where(nan, 0x7E00, torch.where(a >= 0x38800000, hn, hs))
     else:
         raise TypeError(f"stochastic rounding rounds into {COMPACT}, not {dtype}")

@@ -218,13 +218,10 @@ def _round_stochastic(x, u, ROWS: tl.constexpr):
         sign = (b >> 16) & 0x8000
         hn = ((a + (u >> 19)) >> 13) - 0x1C000
         hn = tl.minimum(hn, 0x7C00)
-        e = a >> 23
-        tiny = e < 95
-        drop = tl.where(tiny, 31, 126 - e).to(tl.uint32)
-        sig = (a & 0x7FFFFF) | 0x800000
-        one = tl.full(drop.shape, 1, tl.uint32)
-        mask = (one << drop) - 1
-        hs = tl.where(tiny, 0, (sig + (u & mask)) >> drop)
+        # a subnormal result: |x| + (u >> 8) * 2**-48 in float32, truncated to 2**-24's multiples
+        sub = a.to(tl.float32, bitcast=True) + (u >> 8).to(tl.float32) * 3.552713678800501e-15
+        sub = tl.where(sub < 1.220703125e-4, sub, 0.0)
+        hs = (sub * 16777216.0).to(tl.int32).to(tl.uint32)
         h = sign | tl.where(nan, 0x7E00, tl.where(a >= 0x38800000, hn, hs))
     return h.to(tl.uint16)
 

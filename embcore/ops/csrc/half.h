@@ -8,10 +8,9 @@
 //   - stochastically: x rounds to one of the two 16-bit values around it, the one away from zero
 //     with probability |x - toward-zero| / ulp, decided by 32 random bits u: bfloat16 adds the
 //     high 16 bits of u to the float32 bits below its mantissa and truncates; float16 adds
-//     u >> 19 (13 bits) below a normal result's mantissa, or the low `drop` bits of u below a
-//     subnormal result's (drop = 126 - the float32 exponent field, the bits a float16 subnormal
-//     does not keep), and truncates. Magnitudes from 65536 (float16) are infinite, as are
-//     those that carry into it; below 2**-32 a float16 result is 0.
+//     u >> 19 (13 bits) below a normal result's mantissa and truncates, and a subnormal result
+//     (|x| < 2**-14) is |x| + (u >> 8) * 2**-48 in float32 truncated to a multiple of 2**-24.
+//     Magnitudes from 65536 (float16) are infinite, as are those that carry into it.
 //   - the random bits of row r, column c, at step s of a table: with I the row's identity
 //     (the table's key + its logical row, or + the raw id of a dynamic table),
 //       k = splitmix64(splitmix64(I) ^ splitmix64(s)),  k32 = low32(k) ^ high32(k),
@@ -19,9 +18,10 @@
 //     a function of the table, the step, the row and the column only: the same whatever the
 //     threads, sharding, stacking, budget or pipelining.
 // Loads widen with F16C's vcvtph2ps where the build has it (-march=native on x86-64), else with
-// integer steps; bfloat16 is a shift. Stores round with integer steps (the same vectorized
-// arithmetic on every CPU; to nearest on float16 with F16C's vcvtps2ph where present). AVX-512
-// BF16's conversion is not used: it flushes subnormals to zero, which torch's rounding does not.
+// integer steps; bfloat16 is a shift. float16 stores use F16C's vcvtps2ph where present (to
+// nearest; toward zero after the random bits are added), integer steps otherwise; bfloat16 stores
+// integer steps (vectorized). Every build gives the same bits. AVX-512 BF16's conversion is not
+// used: it flushes subnormals to zero, which torch's rounding does not.
 
 #pragma once
 
@@ -126,34 +126,88 @@ inline uint16_t bf16_stochastic(float x, uint32_t u) {
   return (b & 0x7FFFFFFFU) > 0x7F800000U ? uint16_t(0x7FC0U) : uint16_t(r);
 }
 
-// float16 from float32: ``below`` is what is added under the kept bits before truncating, for a
-// normal result (``below_n``, < 2**13) and a subnormal one (``below_s(drop)``).
-inline uint16_t f16_round_bits(uint32_t b, uint32_t below_n, uint32_t r_sub, bool nearest) {
+// float16 from float32 by adding ``below`` under the kept bits and truncating (to nearest: half
+// an ulp less one, plus the kept lowest bit; stochastically: random bits). A normal result
+// (|x| >= 2**-14): 13 bits dropped, the exponent rebiased 127 -> 15, 65536 and up infinite. A
+// subnormal one (multiples of 2**-24): ``sub`` is |x| with what is added already added, as a
+// float32; truncated to a count of 2**-24 (y * 2**24 is exact: a power of two).
+inline uint16_t f16_from(uint32_t b, uint32_t below_n, float sub) {
   const uint32_t sign = (b >> 16) & 0x8000U;
   const uint32_t a = b & 0x7FFFFFFFU;
-  // a normal result (a >= 2**-14): 13 bits dropped; rebias 127 -> 15
   uint32_t hn = ((a + below_n) >> 13) - 0x1C000U;
   hn = hn > 0x7C00U ? 0x7C00U : hn;  // (also every a >= 65536: infinite)
-  // a subnormal result: multiples of 2**-24, drop = 126 - exponent bits dropped of the
-  // significand (14 to 31; below 2**-32, e < 95, the result is 0)
-  const uint32_t e = a >> 23;
-  const uint32_t drop = e >= 95U ? 126U - e : 31U;
-  const uint32_t sig = (a & 0x7FFFFFU) | 0x800000U;
-  const uint32_t mask = (1U << drop) - 1U;
-  const uint32_t add = nearest ? (mask >> 1) + ((sig >> drop) & 1U) : (r_sub & mask);
-  const uint32_t hs = e >= 95U ? (sig + add) >> drop : 0U;
+  const float small = sub < 1.220703125e-4f ? sub : 0.f;  // (< 2**-13: a defined conversion)
+  const uint32_t hs = uint32_t(int32_t(small * 16777216.0f));
   const uint32_t h = a > 0x7F800000U ? 0x7E00U : (a >= 0x38800000U ? hn : hs);
   return uint16_t(sign | h);
 }
 
 inline uint16_t f16_nearest_int(float x) {
   const uint32_t b = f32_bits(x);
-  return f16_round_bits(b, 0xFFFU + ((b >> 13) & 1U), 0U, true);
+  const float a = bits_f32(b & 0x7FFFFFFFU);
+  // a subnormal result to nearest even: the count a * 2**24 (exact) rounded to nearest even
+  const float count = std::nearbyint(a * 16777216.0f);
+  return f16_from(b, 0xFFFU + ((b >> 13) & 1U), count * 5.9604644775390625e-8f);
 }
 
+// Stochastic: a normal result adds u >> 19 (13 random bits) under its mantissa; a subnormal one
+// adds (u >> 8) * 2**-48 (24 random bits, a fraction of 2**-24) to |x| in float32 arithmetic (the
+// sum rounded to float32, then truncated to 2**-24's multiples: unbiased to within float32's
+// rounding of the sum, 2**-14 of an ulp at most).
 inline uint16_t f16_stochastic(float x, uint32_t u) {
-  return f16_round_bits(f32_bits(x), u >> 19, u, false);
+  const uint32_t b = f32_bits(x);
+  const float a = bits_f32(b & 0x7FFFFFFFU);
+  const float sub = a + float(u >> 8) * 3.552713678800501e-15f;  // 2**-48
+  return f16_from(b, u >> 19, sub);
 }
+
+#if defined(__F16C__) && defined(__AVX2__)
+inline __m256i lowbias32_x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(0x846ca68bU)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// f16_stochastic on 8 columns at a time with F16C's conversion (round toward zero) of the float32
+// whose truncation the rule takes: a normal result's bits + (u >> 19), a subnormal one's
+// |x| + (u >> 8) * 2**-48 (the same bits as f16_stochastic; NaN and overflow set first). Returns
+// the first column it did not do (d rounded down to a multiple of 8).
+inline i64 f16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t key32,
+                             uint32_t c0) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i golden = _mm256_set1_epi32(int32_t(0x9E3779B9U));
+  const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i sign_mask = _mm256_set1_epi32(int32_t(0x80000000U));
+  const __m256 two_m48 = _mm256_set1_ps(3.552713678800501e-15f);
+  i64 c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256i col = _mm256_add_epi32(_mm256_set1_epi32(int32_t(c0 + uint32_t(c))), lanes);
+    const __m256i u = lowbias32_x8(_mm256_add_epi32(_mm256_set1_epi32(int32_t(key32)),
+                                                    _mm256_mullo_epi32(col, golden)));
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(src + c));
+    const __m256i a = _mm256_and_si256(b, abs_mask);
+    const __m256i sign = _mm256_and_si256(b, sign_mask);
+    const __m256i t = _mm256_add_epi32(a, _mm256_srli_epi32(u, 19));  // a normal result
+    const __m256 sub = _mm256_add_ps(_mm256_castsi256_ps(a),            // a subnormal one
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(u, 8)),
+                                                   two_m48));
+    const __m256i normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x387FFFFF));
+    __m256i y = _mm256_blendv_epi8(_mm256_castps_si256(sub), t, normal);
+    // 65536 and up (or carried there): infinite; NaN: a quiet NaN
+    const __m256i over = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(0x477FFFFF));
+    y = _mm256_blendv_epi8(y, _mm256_set1_epi32(0x7F800000), over);
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    y = _mm256_blendv_epi8(y, _mm256_set1_epi32(0x7FC00000), nan);
+    y = _mm256_or_si256(y, sign);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c),
+                     _mm256_cvtps_ph(_mm256_castsi256_ps(y),
+                                     _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+  }
+  return c;
+}
+#endif
 
 // dst[c] = round(src[c]) for c < d: to nearest, or stochastically with the bits of row key
 // ``key32`` and columns col0 + c.
@@ -166,10 +220,14 @@ inline void narrow(const float* src, void* dst_, i64 d, bool stochastic, uint32_
     uint16_t* dst = static_cast<uint16_t*>(dst_);
     const uint32_t c0 = uint32_t(col0);
     if (stochastic) {
+      i64 c = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+      if constexpr (T == kF16) c = f16_stochastic_x8(src, dst, d, key32, c0);
+#endif
 #pragma omp simd
-      for (i64 c = 0; c < d; ++c) {
-        const uint32_t u = column_bits(key32, c0 + uint32_t(c));
-        dst[c] = T == kF16 ? f16_stochastic(src[c], u) : bf16_stochastic(src[c], u);
+      for (i64 k = c; k < d; ++k) {
+        const uint32_t u = column_bits(key32, c0 + uint32_t(k));
+        dst[k] = T == kF16 ? f16_stochastic(src[k], u) : bf16_stochastic(src[k], u);
       }
       return;
     }
