@@ -327,13 +327,15 @@ def test_a_dynamic_compact_table_trains_in_memory_and_offloaded_alike(dtype):
     _same_state(ref, offloaded)
 
 
-SHARDED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "replicated"}
-SIZES = {"a": 37, "b": 23, "c": 41, "d": 19, "e": 11}
+SHARDED = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "replicated",
+           "f": "hash"}
+SIZES = {"a": 37, "b": 23, "c": 41, "d": 19, "e": 11, "f": 64}  # f: dynamic, raw ids
 
 
 def _sharded_engine(dtype, **kw):
     torch.manual_seed(7)
-    tables = {n: ec.TableConfig(vocabulary_size=v, dim=8, dtype=dtype, name=n)
+    tables = {n: ec.TableConfig(vocabulary_size=v, dim=8, dtype=dtype, name=n,
+                                dynamic=ec.DynamicVocabulary() if n == "f" else None)
               for n, v in SIZES.items()}
     return ec.Embedding({n: ec.FeatureConfig(table=t) for n, t in tables.items()},
                         ec.SGD(learning_rate=0.125), **kw)
@@ -342,7 +344,8 @@ def _sharded_engine(dtype, **kw):
 def _sharded_steps(step, world):
     """Per rank: its batch and its dyadic gradients."""
     g = torch.Generator().manual_seed(100 + step)
-    return [({n: torch.randint(0, v, (4,), generator=g) for n, v in SIZES.items()},
+    return [({n: torch.randint(0, v, (4,), generator=g) * (7919 if n == "f" else 1)
+              for n, v in SIZES.items()},
              {n: _dyadic((4, 8), g) for n in SIZES}) for _ in range(world)]
 
 
@@ -364,7 +367,17 @@ def _sharded_worker(rank, world, init, dtype, steps):
     got = {t.name: v for t, v in emb.embedding_tables.items()}
     for name, v in want.items():
         assert got[name].dtype == dtype, name
+        if name == "f":  # a dynamic table: its rows are placed per process; compare by id
+            v, got_f = _by_id(ref, "f", v), _by_id(emb, "f", got[name])
+            assert v.keys() == got_f.keys() and len(v) > 0
+            assert all(torch.equal(v[i], got_f[i]) for i in v), name
+            continue
         assert torch.equal(got[name], v), (name, SHARDED[name])
+
+
+def _by_id(emb, name, table):
+    ids, rows = emb.whole_vocabulary(name)
+    return {int(i): table[int(r)].clone() for i, r in zip(ids, rows)}
 
 
 @requires_native
@@ -478,3 +491,13 @@ def test_the_portable_build_gives_the_same_bits(tmp_path):
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, tail
     assert "skipped" not in proc.stdout and "deselected" in proc.stdout, tail
+
+
+
+def test_the_planner_counts_compact_rows_at_their_bytes():
+    def plan_bytes(dtype):
+        t = ec.TableConfig(vocabulary_size=1000, dim=64, dtype=dtype, name="t")
+        emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.RowwiseAdagrad(learning_rate=0.1))
+        return emb.plan.bytes_per_rank()[0]
+    assert plan_bytes(torch.float32) == 1000 * (64 * 4 + 4)
+    assert plan_bytes(torch.float16) == plan_bytes(torch.bfloat16) == 1000 * (64 * 2 + 4)
