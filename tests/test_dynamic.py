@@ -550,3 +550,27 @@ def test_named_initializers_make_a_batch_of_new_rows_at_once(init, fits):
     got = emb.lookup({"f": batch})["f"]
     want = initial_values(t, "t", table_seed(emb._seed, "t"), batch)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("native_maps", [True, False])
+def test_an_overflow_at_one_table_changes_no_other_table(native_maps):
+    """A batch whose second dynamic table cannot admit its ids changes neither table's map (nor
+    the step); the engine goes on."""
+    from switches import kernels
+    with kernels(native_maps):
+        torch.manual_seed(0)
+        big = ec.TableConfig(vocabulary_size=100, dim=4, name="big", dynamic=ec.DynamicVocabulary())
+        small = ec.TableConfig(vocabulary_size=3, dim=4, name="small",
+                               dynamic=ec.DynamicVocabulary())
+        emb = ec.Embedding({"a": ec.FeatureConfig(table=big), "b": ec.FeatureConfig(table=small)},
+                           ec.SGD(learning_rate=0.1))
+        emb.enqueue({"a": torch.tensor([5, 6, 7, 8]), "b": torch.tensor([1, 2, 3, 4])})
+        with pytest.raises(ValueError, match="small"):
+            emb.dequeue()
+        assert emb.vocabulary(big)[0].numel() == 0 and emb.vocabulary(small)[0].numel() == 0
+        assert emb.step == 0
+        emb.enqueue({"a": torch.tensor([5, 6, 7, 8]), "b": torch.tensor([1, 2, 2, 1])})
+        acts = emb.dequeue()
+        emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+        assert emb.vocabulary(big)[0].tolist() == [5, 6, 7, 8]
+        assert emb.vocabulary(small)[0].tolist() == [1, 2]

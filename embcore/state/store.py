@@ -309,6 +309,13 @@ class RowStore:
             return [rows], dyn.step
         return list(rows[inverse].split([t.numel() for t in ids])), dyn.step
 
+    def check_steps(self, tables: list[tuple[int, torch.Tensor]]) -> None:
+        """Raises, before any map changes, the ``ValueError`` the training step of any of the
+        dynamic tables ``[(p, distinct ids)]`` would raise (``DynamicRows.check_step``), so
+        that a batch failing at one table changes no other table's map."""
+        for p, ids in tables:
+            self.dynamic[p].check_step(ids)
+
     def _renew(self, p: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
                slots: dict[str, torch.Tensor]) -> None:
         """Writes the initial values of a dynamic table's new ``ids`` (A,) and fresh slots into

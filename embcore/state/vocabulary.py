@@ -11,6 +11,8 @@ the id alone) and resets their optimizer slots.
 
 from __future__ import annotations
 
+import copy
+
 import functools
 import math
 import threading
@@ -208,6 +210,17 @@ class DynamicRows:
                 rows = self.map.find(ids, fill=self.zero_row)
                 new_ids = new_rows = ids.new_empty(0)
         return rows, new_ids, new_rows
+
+    def check_step(self, ids: torch.Tensor) -> None:
+        """Raises the ``ValueError`` a training step over the distinct ids ``ids`` would raise
+        (more ids to admit than rows to give them), changing nothing. Free when they are at most
+        the capacity: a step's admissions and hits are at most its distinct ids, and it has the
+        capacity less its hits for admissions, so it cannot fail; else the step runs on a copy
+        of the map."""
+        if self.capacity == 0 or ids.numel() <= self.capacity:
+            return
+        with self.lock:
+            copy.deepcopy(self.map).train_step(ids, check=False, fill=self.zero_row)
 
     def valid(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
         """``(keep (n,) bool, kept)``: the rows that still hold the id they held after map step

@@ -27,6 +27,10 @@ def lookup(prepared: Prepared, store: RowStore,
     """
     flat: list[torch.Tensor | None] = [None] * prepared.num_features
     received: list[Answered | None] = []
+    here = [(tb.physical, tb.dedup.unique) for tb in prepared.tables
+            if tb.route is None and tb.physical in store.dynamic]
+    if prepared.training and comm.world_size == 1 and len(here) > 1:
+        store.check_steps(here)  # one table's overflow changes no other table's map
     for tb in prepared.tables:
         if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
             out = store.combine(tb.physical, tb.bags.ids, tb.bags,
