@@ -392,6 +392,32 @@ def test_an_overflow_on_one_process_raises_on_every_process(strategy):
     run_on(2, _overflow_body, strategy)
 
 
+def _two_tables_overflow_body(rank, world, init, strategy):
+    init()
+    torch.manual_seed(0)
+    big = ec.TableConfig(vocabulary_size=64, dim=2, name="big", dynamic=ec.DynamicVocabulary())
+    small = ec.TableConfig(vocabulary_size=8, dim=2, name="small", dynamic=ec.DynamicVocabulary())
+    emb = ec.Embedding({"a": ec.FeatureConfig(table=big), "b": ec.FeatureConfig(table=small)},
+                       ec.SGD(learning_rate=0.1), sharding=strategy, timeout=30)
+    pool = torch.arange(1, 200)
+    mine = pool[owner(pool, world) == 0][:12]  # ids process 0 owns (its shard of small: 4 rows)
+    ids = mine[:6] if rank == 0 else mine[6:]
+    emb.enqueue({"a": torch.arange(6) + 100 * rank, "b": ids})
+    with pytest.raises(ValueError, match="admit"):
+        emb.dequeue()  # every process raises, before any map step
+    for t in (big, small):
+        assert emb.whole_vocabulary(t)[0].numel() == 0, t.name  # no map changed anywhere
+    emb.enqueue({"a": torch.arange(6) + 100 * rank, "b": torch.tensor([1, 1, 2, 2, 3, 3])})
+    acts = emb.dequeue()  # the engine goes on
+    emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
+    assert emb.whole_vocabulary(big)[0].numel() == 12
+
+
+@pytest.mark.parametrize("strategy", ["hash", "replicated"])
+def test_an_overflow_at_one_table_changes_no_map_on_any_process(strategy):
+    run_on(2, _two_tables_overflow_body, strategy)
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def _continue(emb, t, stream):
     out = [_train(emb, stream, 0, 1)]

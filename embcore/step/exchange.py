@@ -40,7 +40,8 @@ Answers = tuple[Answered | None, ...]
 
 
 def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
-               training: bool) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
+               training: bool, asked: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
     """The (U, D) rows of ``tb.dedup.unique`` from their holders.
 
     Args:
@@ -49,6 +50,8 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
         store: this process's rows (answers what the others ask for).
         tb: this rank's batch for the table (``tb.route`` says where each distinct row lives).
         training: whether a dynamic table's map takes a training step (admission).
+        asked: what each process asked this one for, when it was exchanged already (the
+            lookup's check of a batch's map steps); None: exchanged here.
 
     Returns:
         ``(rows (U, D), answered, since)``: ``answered[s]`` holds the shard rows this rank read
@@ -57,7 +60,8 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     """
     rt = tb.route
     assert rt is not None, "a sharded table's batch is routed"
-    asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
+    if asked is None:
+        asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
     if p.dynamic:
         return _fetch_dynamic(comm, p, store, tb, asked, training)
     answered, since = store.resolve(p.index, asked, training)

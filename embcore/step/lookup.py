@@ -27,23 +27,21 @@ def lookup(prepared: Prepared, store: RowStore,
     """
     flat: list[torch.Tensor | None] = [None] * prepared.num_features
     received: list[Answered | None] = []
-    here = [(tb.physical, tb.dedup.unique) for tb in prepared.tables
-            if tb.route is None and tb.physical in store.dynamic]
-    if prepared.training and comm.world_size == 1 and len(here) > 1:
-        store.check_steps(here)  # one table's overflow changes no other table's map
+    asked = _check_map_steps(prepared, store, comm) if prepared.training else {}
     for tb in prepared.tables:
         if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
             out = store.combine(tb.physical, tb.bags.ids, tb.bags,
                                 tb.dedup if tb.physical in store.cached else None)  # (R, D)
             received.append(None)
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
-            rows, since = _resolve_here(prepared.training, store, comm, tb)  # (U,)
+            rows, since = _resolve_here(prepared.training, store, comm, tb,
+                                        asked.get(tb.physical))  # (U,)
             out = store.combine(tb.physical, rows.index_select(0, tb.dedup.inverse),
                                 tb.bags)  # (R, D)
             received.append(Answered([rows], since))
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
-                                             prepared.training)  # (U, D)
+                                             prepared.training, asked.get(tb.physical))  # (U, D)
             out = combine(rows_u, tb.dedup.inverse, tb.bags)  # (R, D)
             received.append(Answered(rows, since))
         for s in tb.slices:
@@ -51,16 +49,58 @@ def lookup(prepared: Prepared, store: RowStore,
     return flat, tuple(received)
 
 
-def _resolve_here(training: bool, store: RowStore, comm: Communicator,
-                  tb: TableBatch) -> tuple[torch.Tensor, int | None]:
+def _check_map_steps(prepared: Prepared, store: RowStore,
+                     comm: Communicator) -> dict[int, list[torch.Tensor]]:
+    """Before the map steps of a training batch with two dynamic tables or more: checks on every
+    process that none of them fails (``RowStore.check_steps``: free unless a table has more
+    distinct ids than its capacity), so that a batch failing at one table changes no map
+    anywhere. With several processes it asks the ids of the batch's dynamic tables first (the
+    collectives their lookups would make, whose results it returns for them: ``{physical: what
+    each process asked}``) and agrees on the outcome (one small all_reduce), so every process
+    raises, before any step, when one would fail."""
+    dynamic = [tb for tb in prepared.tables if tb.physical in store.dynamic]
+    if len(dynamic) < 2:
+        return {}
+    if comm.world_size == 1:
+        store.check_steps([(tb.physical, tb.dedup.unique) for tb in dynamic])
+        return {}
+    asked: dict[int, list[torch.Tensor]] = {}
+    for tb in dynamic:  # what each table's map will step over on this process
+        if tb.route is None:  # replicated: every process's ids
+            asked[tb.physical] = comm.all_to_all([tb.dedup.unique] * comm.world_size)
+        else:
+            asked[tb.physical] = comm.all_to_all(tb.route.send_ids)
+    failure: ValueError | None = None
+    try:
+        store.check_steps([(p, torch.unique(torch.cat(ids))) for p, ids in asked.items()])
+    except ValueError as e:
+        failure = e
+    flags = torch.zeros(comm.world_size, dtype=torch.int32, device=store.device)
+    flags[comm.rank] = int(failure is not None)
+    failed = comm.all_reduce_sum(flags).nonzero().flatten().tolist()
+    if failure is not None:
+        raise failure
+    if failed:
+        raise ValueError(
+            f"tables {[n for tb in dynamic for n in store.plan.physical[tb.physical].tables]}: "
+            f"the training step of a map on process(es) {failed} must admit more new ids than "
+            f"its shard holds (that process's error names the table and the counts); every "
+            f"process drops this batch, no map changed")
+    return asked
+
+
+def _resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
+                  everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int | None]:
     """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
     map step. A replicated table's map takes the same step on every process: over the distinct
-    ids of all processes (gathered: a collective), so that every replica stays identical."""
+    ids of all processes (gathered: a collective, unless ``everyone`` holds them already), so
+    that every replica stays identical."""
     unique = tb.dedup.unique  # (U,)
     if comm.world_size == 1 or not training:
         rows, since = store.resolve(tb.physical, [unique], training)
         return rows[0], since
-    everyone = comm.all_to_all([unique] * comm.world_size)  # W x (U_r,)
+    if everyone is None:
+        everyone = comm.all_to_all([unique] * comm.world_size)  # W x (U_r,)
     union = torch.unique(torch.cat(everyone), sorted=True)  # (V,)
     rows, since = store.resolve(tb.physical, [union], training)
     return rows[0][torch.searchsorted(union, unique)], since
