@@ -309,12 +309,17 @@ class RowStore:
             return [rows], dyn.step
         return list(rows[inverse].split([t.numel() for t in ids])), dyn.step
 
-    def check_steps(self, tables: list[tuple[int, torch.Tensor]]) -> None:
+    def check_steps(self, tables: list[tuple[int, list[torch.Tensor]]]) -> None:
         """Raises, before any map changes, the ``ValueError`` the training step of any of the
-        dynamic tables ``[(p, distinct ids)]`` would raise (``DynamicRows.check_step``), so
-        that a batch failing at one table changes no other table's map."""
+        dynamic tables ``[(p, ids)]`` would raise (``DynamicRows.check_step``; ``ids``: the
+        tensors whose distinct ids the step takes, repeats allowed), so that a batch failing at
+        one table changes no other table's map. Free while a table's ids number at most its
+        capacity."""
         for p, ids in tables:
-            self.dynamic[p].check_step(ids)
+            dyn = self.dynamic[p]
+            if sum(t.numel() for t in ids) <= dyn.capacity:
+                continue  # (their distinct ids fewer still: the step cannot fail)
+            dyn.check_step(ids[0] if len(ids) == 1 else _distinct(torch.cat(ids))[0])
 
     def _renew(self, p: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
                slots: dict[str, torch.Tensor]) -> None:
