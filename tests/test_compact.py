@@ -479,8 +479,9 @@ def test_publish_and_follow_compact_rows(tmp_path):
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])
 def test_other_builds_give_the_same_bits(tmp_path, arch):
     """The kernels built for plain x86-64 (no F16C, no AVX: the integer conversions, the portable
-    rounding) and for AVX2 + F16C without AVX-512 (the 8-column float16 rounding) pass this
-    file's bit-for-bit tests of the rounding, the lookup and the update."""
+    rounding) and for AVX2 + F16C without AVX-512 (F16C's conversions, the vectorized loop for
+    stochastic rounding) pass this file's bit-for-bit tests of the rounding, the lookup and the
+    update."""
     import os
     import subprocess
     import sys

@@ -96,15 +96,21 @@ def step(emb, rank: int, n: int) -> None:
     emb.apply_gradients(grads(rank, n))
 
 
-def _rejection_worker(rank, world, init):
-    init()
-    emb, lr, mult = make()
-    ref, _, _ = make()  # the same steps, without the rejected calls
+def _engines_at_step_one(rank, **kw):
+    """An engine one step in with the next batch dequeued, a reference one step in (to take the
+    same steps without the rejected calls), the first's state, and its rate and multiplier."""
+    emb, lr, mult = make(**kw)
+    ref, _, _ = make(**kw)
     step(emb, rank, 0)
     step(ref, rank, 0)
     emb.enqueue(batch(rank, 1))
     emb.dequeue()
-    before = state(emb)
+    return emb, ref, state(emb), lr, mult
+
+
+def _rejection_worker(rank, world, init):
+    init()
+    emb, ref, before, lr, mult = _engines_at_step_one(rank)
     good = grads(rank, 1)
     cases = {  # name: (rank 1's gradients or None: good, rank 0's, what each rank raises)
         "shape": ({**good, "fa": torch.ones(3, DIMS["a"])}, good,
@@ -168,13 +174,7 @@ def test_rejected_gradients_on_one_rank_fail_every_rank_at_once():
 
 def _nonfinite_worker(rank, world, init):
     init()
-    emb, _, _ = make(skip_b=True)
-    ref, _, _ = make(skip_b=True)
-    step(emb, rank, 0)
-    step(ref, rank, 0)
-    emb.enqueue(batch(rank, 1))
-    emb.dequeue()
-    before = state(emb)
+    emb, ref, before, _, _ = _engines_at_step_one(rank, skip_b=True)
     g = grads(rank, 1)
     if rank == 1:
         g["fb"][2, 1] = float("nan")

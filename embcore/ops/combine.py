@@ -7,11 +7,11 @@ Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
 On the CPU with float32, float16 or bfloat16 tables the forward is the fused kernel
-``native.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched; 16-bit
-rows widened to float32 as they are read, so their activations are float32); on CUDA, with float32, both directions
-are the Triton kernels of ``ops/gpu.py`` (the same sums in the same order, within float rounding:
-tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
-(``ops/update.py``).
+``native.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched;
+16-bit rows widened to float32 as they are read, so their activations are float32); on CUDA
+(those tables, float32 gradients) both directions are the Triton kernels of ``ops/gpu.py`` (the
+same sums in the same order, within float rounding: tests/triton_cases.py); the training backward
+of a local table is fused into the optimizer update (``ops/update.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import torch.nn.functional as F
 
 from . import gpu, native
 from .bags import Bags, Dedup
+from .rounding import ROW_TYPES
 from .workspace import Workspace
-
-
-_KERNEL_ROWS = (torch.float32, torch.float16, torch.bfloat16)  # native.lookup's tables
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +53,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
     if (gpu.usable(table, index) and gpu.lookup_supported(table)
             and not _differentiable(table)):  # CUDA: the Triton kernel
         return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    if (table.dtype in _KERNEL_ROWS and table.is_contiguous() and not _differentiable(table)
+    if (table.dtype in ROW_TYPES and table.is_contiguous() and not _differentiable(table)
             and native.usable(table, index)):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)

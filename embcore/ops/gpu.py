@@ -12,10 +12,10 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
   unit bags or bags with offsets and optional scales;
 - ``sparse_update``: float32, float16 and bfloat16 tables (16-bit rows rounded back as
   ops/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
-  AdagradMomentum, Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and FTRL, each with
-  every option of the update step (docs/semantics.md section 3: gradient multiplier, gradient
-  clipping, decoupled weight decay, weight clipping), from summed row gradients or from the output
-  gradients' occurrences;
+  AdagradMomentum, Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and
+  FTRL, each with every option of the update step (docs/semantics.md section 3: gradient
+  multiplier, gradient clipping, decoupled weight decay, weight clipping), from summed row
+  gradients or from the output gradients' occurrences;
 - deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
   stable, so the occurrence order is the CPU's).
 
@@ -39,7 +39,7 @@ from ..config.optimizers import (
     RowwiseAdagrad,
 )
 from .kernel_args import Hyper
-from .rounding import Rounding
+from .rounding import ROW_TYPES, Rounding
 
 _kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
 _error: str | None = None
@@ -122,11 +122,8 @@ def _grid_rows(d: int, block_d: int) -> int:
 
 # -- lookup ----------------------------------------------------------------------------------
 
-_ROWS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernels' ROWS
-
-
 def lookup_supported(table: torch.Tensor) -> bool:
-    return table.dtype in _ROWS and table.dim() == 2 and table.is_contiguous()
+    return table.dtype in ROW_TYPES and table.dim() == 2 and table.is_contiguous()
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
@@ -186,7 +183,7 @@ def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
 
 def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:
     """Whether ``sparse_update`` handles this optimizer, table and slots."""
-    if table.dtype not in _ROWS or table.dim() != 2 or not table.is_contiguous():
+    if table.dtype not in ROW_TYPES or table.dim() != 2 or not table.is_contiguous():
         return False
     for s in slots.values():
         if s.dtype != torch.float32 or not s.is_contiguous():
@@ -273,5 +270,5 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         CLIPPED=hyper.clip_min != -inf or hyper.clip_max != inf,
         DECAYED=hyper.weight_decay != 0.0,
         BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
-        ROWS=_ROWS[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
+        ROWS=ROW_TYPES[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
         KEYED=keyed, BLOCK_U=block_u, BLOCK_D=block_d)

@@ -952,5 +952,6 @@ def round16(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None = Non
     src = x.to(torch.float32).contiguous().reshape(-1)
     b = None if bits is None else bits.reshape(-1).to(torch.int64).to(torch.int32).contiguous()
     out = torch.empty(src.numel(), dtype=torch.int16)
-    _ROUND16.call(ROW_TYPES[dtype], (src, None), (b, src.numel()), (out, src.numel()), src.numel())
+    n = src.numel()
+    _ROUND16.call(ROW_TYPES[dtype], (src, None), (b, n), (out, n), n)
     return out.view(dtype).reshape(x.shape)

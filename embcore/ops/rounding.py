@@ -38,7 +38,7 @@ from ..config.tables import init_seed
 from .hashing import MASK64, _shr, _signed, splitmix64, splitmix64_int
 
 COMPACT = (torch.float16, torch.bfloat16)
-# The row types of the kernels (csrc/half.h's RowType).
+# The tables the kernels read and write (CPU, csrc/half.h's RowType; Triton's ROWS): their codes.
 ROW_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9

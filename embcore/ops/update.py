@@ -10,12 +10,13 @@ kernel uses that value. The kernel is chosen here and nowhere else:
 
 1. the fused CPU kernel (``native.sparse_update``): SGD, Adagrad and RowwiseAdagrad with every
    option, float32, float16 and bfloat16 tables on the CPU (a 16-bit row widened, updated in
-   float32 and rounded back in the same pass); each touched row and its accumulator are read and written
-   once, and from ``OutputGrads`` the row gradients are summed in the same pass (no ``(U, D)``
-   temporary at all);
+   float32 and rounded back in the same pass); each touched row and its accumulator are read
+   and written once, and from ``OutputGrads`` the row gradients are summed in the same pass (no
+   ``(U, D)`` temporary at all);
 2. on CUDA, the Triton kernel (``gpu.sparse_update``): the same contract for SGD, Adagrad,
    RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every option, float32, float16 and
-   bfloat16 tables (16-bit rows rounded as on the CPU), float32 slots (the output gradients' parts are concatenated first);
+   bfloat16 tables (16-bit rows rounded as on the CPU), float32 slots (the output gradients'
+   parts are concatenated first);
 3. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
    arithmetic in the gathered buffers, two scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
@@ -34,11 +35,10 @@ import torch
 from ..config.optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
 from . import gpu, native, rounding
 from .combine import OutputGrads, row_gradients
-from .rounding import COMPACT, Rounding
+from .rounding import COMPACT, ROW_TYPES, Rounding
 from .workspace import Workspace
 
 _RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWISE_ADAGRAD}
-_ROWS = (torch.float32, *COMPACT)  # the fused kernel's tables
 _NEAREST = rounding.nearest()
 
 
@@ -128,7 +128,7 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     """The fused kernel's rule for this optimizer and table, or None when it does not apply."""
     rule = _RULES.get(type(opt))
-    if rule is None or table.dtype not in _ROWS or not table.is_contiguous():
+    if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
         return None
     return rule if native.usable(table) else None
 

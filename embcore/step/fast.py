@@ -36,7 +36,8 @@ import torch
 from ..inputs.features import Shapes
 from ..ops import native
 from ..ops.bags import Bags, Dedup
-from ..ops.update import _ROWS, _hyper, native_rule
+from ..ops.rounding import ROW_TYPES
+from ..ops.update import _hyper, native_rule
 from .exchange import Answers
 from .gradients import gradient_multipliers, learning_rates
 from .path import Activations, Batch, GeneralPath, StepPath
@@ -119,8 +120,8 @@ class FastPath:
         """The engine's path: a fast path in front of ``general``, or ``general`` alone when
         the configuration leaves no batch to a fast path: more than one process, not the CPU,
         no fused kernels, a sequence feature or one with ``output_shape``, a dynamic table, a
-        table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An offloaded table's rows are
-        read and updated in its cache (``RowStore.held``)."""
+        table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An offloaded
+        table's rows are read and updated in its cache (``RowStore.held``)."""
         store, plan = general.store, general.plan
         if (not _enabled or general.comm.world_size != 1 or store.device.type != "cpu"
                 or not native.available()):
@@ -132,7 +133,7 @@ class FastPath:
             if p in store.dynamic or not phys.placement.held_everywhere:
                 return general
             t = store.tables[p]
-            if t.dtype not in _ROWS or not t.is_contiguous():
+            if t.dtype not in ROW_TYPES or not t.is_contiguous():
                 return general
         return FastPath(general)
 
