@@ -11,8 +11,9 @@ Format. A checkpoint is a directory written by ``torch.distributed.checkpoint`` 
 holding the object's ``state_dict()`` under TF's names: ``<table>/parameters``,
 ``<table>/<slot>`` (accumulators, momenta, velocities, linears) and ``step``; a dynamic table
 (raw ids) adds its map, ``<table>/vocabulary/{ids,last_use,frequency}`` laid out by row like its
-parameters, and ``<table>/vocabulary/{step,seed}`` (vocabulary.py). Entries are whole
-logical tables, so a checkpoint does not depend on how the tables were stacked or placed: loading
+parameters, ``<table>/vocabulary/{step,seed}`` and ``<table>/vocabulary/pending`` (the ids
+counted for admission, their counts and last steps seen: ``(P, 3)``, P varying; vocabulary.py).
+Entries are whole logical tables, so a checkpoint does not depend on how the tables were stacked or placed: loading
 fills tensors shaped as the *target's* state dict, which is what lets DCP restore a checkpoint
 written by W processes into W' processes with another layout.
 
@@ -712,17 +713,26 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
 
     keys = _keys_to_load(manifest, engine.manifest()["tables"], target, index,
                          tables, slots, strict)
+    variable = {k for k in keys if k.endswith("/vocabulary/pending")}  # (P, 3), any P
     for k in keys:
-        md, want = index[k], tuple(target[k].size())
+        md = index[k]
         if type(md) is not d.TensorMD:
             raise ValueError(f"checkpoint entry {k!r} is not stored as a tensor; refusing it")
+        if k in variable:
+            if len(md.size) != 2 or md.size[1] != 3 or md.properties.dtype != torch.int64:
+                raise ValueError(f"checkpoint entry {k!r} has shape {list(md.size)} and dtype "
+                                 f"{md.properties.dtype}; a table's counted ids are int64 "
+                                 f"[P, 3]; the checkpoint is corrupt")
+            continue
+        want = tuple(target[k].size())
         if tuple(md.size) != want:
             raise ValueError(f"checkpoint entry {k!r} has shape {list(md.size)} but the target's "
                              f"is {list(want)}")
     # Read into fresh tensors shaped like the target's entries, then copy in at the end. Plain
     # tensors are views of the target (W = 1, V0 parameters); the sharded entries of a sharded
     # engine's state_dict() are copies already, which DCP fills with this process's rows.
-    fresh = {k: torch.empty_like(target[k]) if type(target[k]) is torch.Tensor else target[k]
+    fresh = {k: torch.empty(tuple(index[k].size), dtype=torch.int64) if k in variable else
+             torch.empty_like(target[k]) if type(target[k]) is torch.Tensor else target[k]
              for k in keys}
     if fresh:
         with _dcp_call(f"reading {ckpt}", comm.world_size):
@@ -812,6 +822,8 @@ def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
         if want.get("dynamic") is not None:  # the map, always (rows mean nothing without it)
             keys += [f"{n}/vocabulary/{k}" for k in ("ids", "last_use", "frequency", "step",
                                                      "seed")]
+            if f"{n}/vocabulary/pending" in index:  # (older checkpoints: counting afresh)
+                keys.append(f"{n}/vocabulary/pending")
         for s in (want["slots"] if slots else ()):
             if f"{n}/{s}" in index:
                 keys.append(f"{n}/{s}")

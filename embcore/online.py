@@ -36,7 +36,7 @@ from .layer import EmbeddingLayer
 from .serving.follow import PublishedModule
 from .state import published as fmt
 from .state.store import RowStore
-from .state.vocabulary import VOCAB
+from .state.vocabulary import PENDING, VOCAB
 
 SNAPSHOTS_KEPT = 2       # retention: entries from the second newest snapshot on stay
 COMPACT_RATIO = 1.0      # a publish whose deltas since the snapshot outgrow it is a snapshot
@@ -324,7 +324,7 @@ def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: 
             if dyn is not None and p in pub.used:
                 evicted = _evicted(dyn, pub.used[p], local + start)
         counts[place.name] += local.numel()
-        if local.numel():
+        if local.numel() or (dyn is not None and slots):  # (the map's counts go every time)
             yield _chunks(store, place, local, slots, dyn is not None, evicted)
 
 
@@ -350,7 +350,7 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
     width = 8 + (c1 - c0) * 4 * len(keys)
     step = max(1, fmt.PART_BYTES // width)
     held = place.placement.held_rows(rank)
-    for i in range(0, local.numel(), step):
+    for i in range(0, max(local.numel(), 1), step):  # (a dynamic table: one chunk at least)
         part = local[i:i + step]
         name = place.name
         chunk = {f"{name}/rows": held[part].to(torch.int64)}
@@ -366,6 +366,8 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
                 chunk[f"{name}/{VOCAB}{k}"] = dyn.scalar(k)
             if evicted is not None and i == 0:  # (the ids evicted since the last publish)
                 chunk[f"{name}/{VOCAB}evicted"] = evicted
+            if slots and i == 0:  # the ids this process counts for admission, whole
+                chunk[f"{name}/{VOCAB}{PENDING}"] = dyn.pending()
         yield chunk
 
 
@@ -426,6 +428,9 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
                              f"{' dynamic' if want.get('dynamic') else ''} in the target")
     keys = {k: shape for k, shape in shapes.items() if k.split("/", 1)[0] in names and (
         slots or k.endswith("/parameters") or f"/{VOCAB}" in k)}
+    if slots:  # the admission counts, which each entry published with slots carries whole
+        keys.update({f"{n}/{VOCAB}{PENDING}": fmt.VARIABLE for n in names
+                     if own[n].get("dynamic") is not None})
     state = fmt.replay(run, manifests, keys)
     if slots and not missing:
         state["step"] = torch.tensor(last["step"], dtype=torch.int64)

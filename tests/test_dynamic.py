@@ -18,6 +18,7 @@ import embcore as ec
 from embcore.ops import native
 from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.ops.reference_vocab import ReferenceVocabulary
+from embcore.ops.vocab import vocab_map
 from embcore.state.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]
@@ -441,6 +442,62 @@ def test_state_dict_round_trip_continues_like_the_original(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a + list(va), b + list(vb)))
 
 
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_admission_counts_survive_a_checkpoint(tmp_path, eviction):
+    """A resumed run counts exactly as an uninterrupted one: ids seen before the checkpoint
+    keep their counts (and last steps seen) and are admitted at the same step."""
+    first, later = _stream(4, pool=12, seed=3), _stream(4, pool=12, seed=4)
+    make = functools.partial(_engine, capacity=24, dim=4, eviction=eviction, admit_after=3,
+                             optimizer=ec.Adagrad(learning_rate=0.1))
+    emb, t = make()
+    _train(emb, first, 0, 1)
+    pending = emb.state_dict()["t/vocabulary/pending"]
+    assert pending.shape[0] > 0 and pending.shape[1] == 3
+    assert bool((pending[1:, 0] > pending[:-1, 0]).all()) and int(pending[:, 1].max()) == 2
+    ec.save(tmp_path / "ckpt", emb)
+    other, t2 = make(seed=99)
+    ec.load(tmp_path / "ckpt", other)
+    sd, got = emb.state_dict(), other.state_dict()
+    assert sorted(sd) == sorted(got) and all(torch.equal(sd[k], got[k]) for k in sd)
+    (a, va), (b, vb) = _continue(emb, t, later), _continue(other, t2, later)
+    assert all(torch.equal(x, y) for x, y in zip(a + list(va), b + list(vb)))
+    # a state without counts (an older checkpoint) loads, counting afresh
+    third, _ = make(seed=7)
+    third.load_state_dict({k: v for k, v in sd.items() if not k.endswith("/pending")})
+    assert third.state_dict()["t/vocabulary/pending"].shape == (0, 3)
+
+
+def test_bad_admission_counts_are_refused_and_change_nothing():
+    emb, t = _engine(capacity=8, dim=4, admit_after=4)
+    _train(emb, _stream(2, pool=6), 0, 1)
+    sd = {k: v.clone() for k, v in emb.state_dict().items()}
+    assert sd["t/vocabulary/pending"].shape[0] > 0
+    for bad_value, match in ((sd["t/vocabulary/pending"][:, :2], r"\[P, 3\]"),
+                             (sd["t/vocabulary/pending"].float(), "integer"),
+                             (sd["t/vocabulary/pending"] * torch.tensor([1, 1, 9]), "pending_seen"),
+                             (sd["t/vocabulary/pending"] * torch.tensor([1, 0, 1]),
+                              "pending_counts"),
+                             (sd["t/vocabulary/pending"].flip(0), "pending_ids")):
+        with pytest.raises(ValueError, match=match):
+            emb.load_state_dict({**sd, "t/vocabulary/pending": bad_value})
+        assert all(torch.equal(sd[k], v) for k, v in emb.state_dict().items())
+
+
+def test_counts_beyond_a_smaller_shard_keep_the_latest_seen():
+    m = vocab_map(1, admit_after=5)  # keeps max(4 * 1, 1024) = 1024 counted ids
+    ids = torch.arange(1, 1101)
+    seen = torch.arange(1100) % 7 + 1  # steps 1..7
+    m.load_state_dict({"ids": ids[:0], "rows": ids[:0], "last_use": ids[:0],
+                       "frequency": ids[:0], "pending_ids": ids,
+                       "pending_counts": torch.ones(1100, dtype=torch.int64),
+                       "pending_seen": seen, "step": torch.tensor(7)})
+    kept = set(m.pending_ids.tolist())
+    dropped = [i for i in ids.tolist() if i not in kept]
+    assert len(kept) == 1024 and len(dropped) == 76
+    # the 76 seen longest ago (step 1: ids 1, 8, 15, ... ; ties: the smaller ids) go
+    assert dropped == [i for i in ids.tolist() if seen[i - 1] == 1][:76]
+
+
 def test_static_and_dynamic_checkpoints_do_not_mix(tmp_path):
     emb, _ = _engine()
     ec.save(tmp_path / "dyn", emb)
@@ -470,7 +527,8 @@ def _reshard_body(rank, world, init, root, save_world):
 
     def make(seed):
         torch.manual_seed(seed)  # (the loaded engines' own seeds differ from the checkpoint's)
-        t = ec.TableConfig(vocabulary_size=256, dim=4, name="t", dynamic=ec.DynamicVocabulary())
+        t = ec.TableConfig(vocabulary_size=256, dim=4, name="t",
+                           dynamic=ec.DynamicVocabulary(admit_after=2))  # counts move too
         return ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.Adagrad(learning_rate=0.1),
                             sharding="hash"), t
 
@@ -576,6 +634,38 @@ def test_named_initializers_make_a_batch_of_new_rows_at_once(init, fits):
     got = emb.lookup({"f": batch})["f"]
     want = initial_values(t, "t", table_seed(emb._seed, "t"), batch)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("style", ["torch", "tf"])
+def test_a_callable_initializer_runs_once_per_id_and_leaves_the_generator(style):
+    """Any other callable: one call per new id (never a second try), each id's values its own
+    (a function of the seed and the id, whatever is admitted with it), torch's generator as it
+    was; an initializer that leaves NaN is an error naming the table."""
+    calls = []
+
+    def torch_init(w):
+        calls.append(tuple(w.shape))
+        return torch.nn.init.normal_(w, std=0.01)
+
+    def tf_init(shape, dtype):
+        calls.append(tuple(shape))
+        return torch.rand(shape, dtype=dtype)
+
+    t = ec.TableConfig(vocabulary_size=8, dim=6, name="t",
+                       initializer=torch_init if style == "torch" else tf_init,
+                       dynamic=ec.DynamicVocabulary())
+    ids = torch.tensor([5, -(2**63), 2**40, 17, 9])
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    v = initial_values(t, "t", 11, ids)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert calls == [(1, 6)] * 5 and bool(torch.isfinite(v).all())
+    assert torch.equal(initial_values(t, "t", 11, ids[[3, 0]]), v[[3, 0]])
+    assert not torch.equal(initial_values(t, "t", 12, ids), v)
+    bad = ec.TableConfig(vocabulary_size=8, dim=6, name="bad", initializer=lambda w: None,
+                         dynamic=ec.DynamicVocabulary())
+    with pytest.raises(ValueError, match="'bad'.*NaN"):
+        initial_values(bad, "bad", 1, ids)
 
 
 @pytest.mark.parametrize("native_maps", [True, False])

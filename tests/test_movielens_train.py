@@ -310,7 +310,7 @@ def test_raw_ids_below_capacity_evict(tmp_path, eviction):
 
 
 def test_raw_ids_resume_ends_bit_identical_and_refuses_other_flags(tmp_path):
-    args = [*RAW, "--capacity-fraction", "0.7", "--eviction", "lfu"]
+    args = [*RAW, "--capacity-fraction", "0.7", "--eviction", "lfu", "--admit-after", "2"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     a = train.main([*args, "--epochs", "3", "--out", str(straight)])
     train.main([*args, "--epochs", "1", "--out", str(stopped)])  # interrupted after epoch 1
@@ -326,10 +326,10 @@ def test_raw_ids_resume_ends_bit_identical_and_refuses_other_flags(tmp_path):
 
     dense = torch.load(stopped / "checkpoints" / "epoch-0003" / "dense.pt", weights_only=True)
     assert dense["run"] | {"raw_ids": True, "capacity_fraction": 0.7, "eviction": "lfu",
-                           "admit_after": 1} == dense["run"]
+                           "admit_after": 2} == dense["run"]
     for other, said in ((["--eviction", "lru"], "eviction: 'lfu' there, 'lru' now"),
                         (["--capacity-fraction", "0.8"], "capacity_fraction: 0.7 there"),
-                        (["--admit-after", "2"], "admit_after: 1 there, 2 now")):
+                        (["--admit-after", "3"], "admit_after: 2 there, 3 now")):
         with pytest.raises(ValueError, match=f"other data or flags.*{said}"):
             train.main([*args, "--epochs", "4", "--resume", "--out", str(stopped), *other])
     static = [a for a in args if a not in ("--raw-ids",)]

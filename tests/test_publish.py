@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
+import zipfile
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from embcore.serving.serve import padded_map
 from embcore.state import published as fmt
 
 
-def make_engine(seed: int = 0, dynamic: bool = True, **kw) -> ec.Embedding:
+def make_engine(seed: int = 0, dynamic: bool = True, admit_after: int = 1,
+                **kw) -> ec.Embedding:
     torch.manual_seed(seed)
     a = ec.TableConfig(vocabulary_size=100, dim=8, name="a", combiner="sum")
     b = ec.TableConfig(vocabulary_size=60, dim=8, name="b")  # stacks with a
@@ -31,7 +33,7 @@ def make_engine(seed: int = 0, dynamic: bool = True, **kw) -> ec.Embedding:
                 "fb": ec.FeatureConfig(table=b), "fc": ec.FeatureConfig(table=c)}
     if dynamic:
         d = ec.TableConfig(vocabulary_size=24, dim=8, name="d",
-                           dynamic=ec.DynamicVocabulary(ttl_steps=3))
+                           dynamic=ec.DynamicVocabulary(ttl_steps=3, admit_after=admit_after))
         features["fd"] = ec.FeatureConfig(table=d)
     return ec.Embedding(features, ec.Adagrad(learning_rate=0.1), **kw)
 
@@ -43,7 +45,8 @@ def batch(step: int, dynamic: bool = True, rank: int = 0) -> dict[str, torch.Ten
            "fb": torch.randint(0, 10, (6,), generator=g),  # few rows of b: most stay unchanged
            "fc": torch.randint(0, 40, (6,), generator=g)}
     if dynamic:  # raw ids drifting upward: old ones expire (ttl), new ones arrive
-        out["fd"] = torch.randint(0, 20, (6,), generator=g) * 7919 + step * 40_000 - 10**12
+        out["fd"] = torch.randint(0, 20, (6,), generator=g) * 7919 + (step // 2) * 40_000 \
+            - 10**12
     return out
 
 
@@ -186,18 +189,20 @@ def test_quantized_follower_requantizes_changed_rows(tmp_path):
         assert torch.equal(served.c, tables["c"].half()) and torch.equal(served.b, tables["b"])
 
 
-@pytest.mark.parametrize("store", ["memory", "offloaded"])
-def test_resume_from_deltas_equals_an_uninterrupted_run(tmp_path, store):
+@pytest.mark.parametrize("store,admit_after", [("memory", 1), ("offloaded", 1), ("memory", 2)])
+def test_resume_from_deltas_equals_an_uninterrupted_run(tmp_path, store, admit_after):
     kw = (lambda: {"memory_budget": 9000, "offload_dir": tmp_path / "slow"}) \
         if store == "offloaded" else dict
     pub = tmp_path / "pub"
-    trainer = make_engine(seed=1, **kw())
+    trainer = make_engine(seed=1, admit_after=admit_after, **kw())
     ec.publish(pub, trainer, slots=True)
     for k in range(4):  # deltas only
         train(trainer, range(k * 3, k * 3 + 3))
         assert ec.publish(pub, trainer, slots=True, compact_ratio=100)["kind"] == "delta"
-    resumed = make_engine(seed=2, **kw())  # other initial values: all must come from pub
+    resumed = make_engine(seed=2, admit_after=admit_after, **kw())  # all must come from pub
     manifest = ec.load(pub, resumed)
+    if admit_after > 1:  # ids counted, not yet admitted, at the last publish: resumed too
+        assert trainer.state_dict()["d/vocabulary/pending"].shape[0] > 0
     assert manifest["seq"] == 4 and manifest["step"] == 12 and resumed.step == 12
     assert_state_equal(state(resumed), state(trainer))
     train(trainer, range(12, 16))
@@ -256,7 +261,13 @@ def test_a_corrupt_delta_is_an_error_never_values(tmp_path):
     _, part = _entry_file(tmp_path, 1)
     data = bytearray(part.read_bytes())
     good = bytes(data)
-    for at in (len(data) // 2, len(data) - 300):  # tensor bytes, then the zip's directory
+    with zipfile.ZipFile(part) as z:  # the middle of the largest tensor's bytes
+        big = max(z.infolist(), key=lambda i: i.compress_size)
+        z.fp.seek(big.header_offset + 26)
+        head = z.fp.read(4)
+    mid = big.header_offset + 30 + int.from_bytes(head[:2], "little") + \
+        int.from_bytes(head[2:], "little") + big.compress_size // 2
+    for at in (mid, len(data) - 300):  # tensor bytes, then the zip's directory
         data = bytearray(good)
         data[at:at + 8] = bytes(b ^ 0xFF for b in data[at:at + 8])
         part.write_bytes(bytes(data))

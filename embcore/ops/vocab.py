@@ -478,21 +478,26 @@ class VocabMap:
 
         Returns:
             ``ids`` (R,) ascending, ``rows``, ``last_use``, ``frequency`` (R,) per id;
-            ``pending_ids`` (P,) ascending, ``pending_counts`` (P,); ``step`` 0-d int64.
-            ``born`` and ``pending_seen`` are not saved (see ``load_state_dict``).
+            ``pending_ids`` (P,) ascending, ``pending_counts`` (P,), ``pending_seen`` (P,)
+            the last step each was seen in; ``step`` 0-d int64. ``born`` is not saved (see
+            ``load_state_dict``).
         """
         return {"ids": self.keys.clone(), "rows": self.key_rows.clone(),
                 "last_use": self.last_use[self.key_rows],
                 "frequency": self.frequency[self.key_rows],
                 "pending_ids": self.pending_ids.clone(),
                 "pending_counts": self.pending_counts.clone(),
+                "pending_seen": self.pending_seen.clone(),
                 "step": torch.tensor(self.step, dtype=_I64, device=self.device)}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replaces the map's state by ``state`` (from ``state_dict``, any device).
 
         The loaded rows count as received at the loaded step (``born = step``: lookups made
-        before the load are not valid for them) and the loaded counts as last seen at it.
+        before the load are not valid for them). ``pending_seen`` may be absent (a state saved
+        before it was kept): the counts then count as last seen at the loaded step. When more
+        ids are counted than ``pending_limit`` (a state from a larger shard), those seen
+        longest ago (ties: the smaller id) are dropped, as a step would.
 
         Args:
             state: the keys of ``state_dict``.
@@ -501,10 +506,13 @@ class VocabMap:
             ValueError: naming the key, for a missing or malformed entry: ids not sorted and
                 distinct, rows not distinct or outside [0, capacity), lengths that differ,
                 last_use outside [0, step], frequency or counts < 1, pending ids not sorted and
-                distinct or resident, a negative step. Then nothing changes.
+                distinct or resident, pending_seen outside [1, step], a negative step. Then
+                nothing changes.
         """
         got = {}
-        for key in _STATE_KEYS:
+        for key in (*_STATE_KEYS, "pending_seen"):
+            if key == "pending_seen" and key not in state:
+                continue
             if key not in state:
                 raise ValueError(f"{self.name}: the vocabulary state has no {key!r}")
             v = state[key]
@@ -516,7 +524,7 @@ class VocabMap:
                 raise ValueError(f"{self.name}: vocabulary state {key!r} must be "
                                  f"{'0-d' if key == 'step' else '1-D'}, got shape "
                                  f"{tuple(v.shape)}")
-            got[key] = v.detach().to(device=self.device, dtype=_I64)
+            got[key] = v.detach().to(device=self.device, dtype=_I64).contiguous()
 
         def bad(key: str, why: str) -> ValueError:
             return ValueError(f"{self.name}: vocabulary state {key!r} {why}")
@@ -528,9 +536,12 @@ class VocabMap:
         for key in ("rows", "last_use", "frequency"):
             if got[key].numel() != ids.numel():
                 raise bad(key, f"has {got[key].numel()} entries for {ids.numel()} ids")
-        if got["pending_counts"].numel() != pids.numel():
-            raise bad("pending_counts", f"has {got['pending_counts'].numel()} entries for "
-                      f"{pids.numel()} pending_ids")
+        seen = got.get("pending_seen")
+        if seen is None:
+            seen = torch.full_like(pids, step)
+        for key, v in (("pending_counts", got["pending_counts"]), ("pending_seen", seen)):
+            if v.numel() != pids.numel():
+                raise bad(key, f"has {v.numel()} entries for {pids.numel()} pending_ids")
         for key, v in (("ids", ids), ("pending_ids", pids)):
             if v.numel() > 1 and not bool((v[1:] > v[:-1]).all()):
                 raise bad(key, "must be sorted ascending and distinct")
@@ -548,6 +559,8 @@ class VocabMap:
                 raise bad("pending_counts", "must be >= 1")
             if bool(_locate(ids, pids)[1].any()):
                 raise bad("pending_ids", "must not hold resident ids")
+            if not bool(((seen >= 1) & (seen <= step)).all()):
+                raise bad("pending_seen", f"must be in [1, step = {step}]")
 
         c, dev = self.capacity, self.device
         row_key = torch.zeros(c, dtype=_I64, device=dev)
@@ -561,8 +574,12 @@ class VocabMap:
         self.keys, self.key_rows = ids.clone(), rows.clone()
         self.row_key, self.row_used, self.born = row_key, row_used, born
         self.last_use, self.frequency = last_use, frequency
-        self.pending_ids, self.pending_counts = pids.clone(), got["pending_counts"].clone()
-        self.pending_seen = torch.full_like(pids, step)
+        counts = got["pending_counts"]
+        if pids.numel() > self.pending_limit:  # as a step forgets: the longest unseen go
+            keep = ~_smallest(seen, pids.numel() - self.pending_limit)
+            pids, counts, seen = pids[keep], counts[keep], seen[keep]
+        self.pending_ids, self.pending_counts = pids.clone(), counts.clone()
+        self.pending_seen = seen.clone()
 
     def to(self, device: torch.device | str) -> None:
         """Moves the state tensors to ``device`` (in place)."""

@@ -31,6 +31,9 @@ flat ``{key: tensor}``, read back with ``weights_only=True``): per logical table
     T/vocabulary/last_use (n, 1) int64 ... 0 when the row is free (its id evicted)
     T/vocabulary/frequency, T/vocabulary/step, T/vocabulary/seed    the map's counters
     T/vocabulary/evicted  (e,) int64   a delta: the ids evicted since its predecessor
+    T/vocabulary/pending  (p, 3) int64 with ``slots=True``: the ids this process counts for
+                          admission, their counts and last steps seen (every entry, whole:
+                          a dynamic table's first part always goes, even with no rows)
 
 A snapshot carries every row; a delta the rows written since its predecessor (a dynamic table:
 also the rows freed since, with ``last_use`` 0). A replicated table is written by process 0 only.
@@ -380,16 +383,28 @@ def tables_in(part: Mapping[str, torch.Tensor]) -> list[str]:
     return [k[:-len("/rows")] for k in part if k.endswith("/rows")]
 
 
+# ``replay``'s shape of a key whose value each entry carries whole, in parts (one per process,
+# concatenated and sorted by their first column): a dynamic table's admission counts. An entry
+# without it (published before it was kept, or without slots) leaves the previous value.
+VARIABLE: tuple[int, ...] = (-1,)
+
+
 def apply_part(part: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor],
-               shapes: Mapping[str, tuple[int, ...]]) -> None:
+               shapes: Mapping[str, tuple[int, ...]],
+               whole: dict[str, list[torch.Tensor]] | None = None) -> None:
     """Writes a part file's rows into whole tensors ``state`` (``{key: (N, C)}``, made on
     first use from ``shapes`` with the part's dtype; 0-d values replaced), for the keys in
-    ``shapes``."""
+    ``shapes``; values of the keys whose shape is ``VARIABLE`` (a part of a whole value that
+    each entry carries anew) are appended to ``whole[key]`` instead."""
     for name in tables_in(part):
         rows = part[f"{name}/rows"]
         columns = part.get(f"{name}/columns")
         for k, v in part.items():
             if not k.startswith(name + "/") or k not in shapes:
+                continue
+            if shapes[k] == VARIABLE:
+                if whole is not None:
+                    whole.setdefault(k, []).append(v)
                 continue
             if v.dim() == 0:
                 state[k] = v.clone()
@@ -410,9 +425,13 @@ def replay(run: list[Entry], manifests: list[Mapping[str, Any]],
     after it, from ``chain``) in order. Raises PublishError: a key no entry holds."""
     state: dict[str, torch.Tensor] = {}
     for entry, m in zip(run, manifests):
+        whole: dict[str, list[torch.Tensor]] = {}
         for part in read_entry(entry, m):
-            apply_part(part, state, shapes)
-    lacking = sorted(set(shapes) - set(state))
+            apply_part(part, state, shapes, whole)
+        for k, parts in whole.items():  # every process's part: the entry's whole value
+            v = torch.cat(parts)
+            state[k] = v[torch.argsort(v[:, 0])] if v.dim() == 2 and v.shape[0] else v
+    lacking = sorted(k for k in set(shapes) - set(state) if shapes[k] != VARIABLE)
     if lacking:
         raise PublishError(f"{run[0].path.parent} holds no values for {lacking}")
     return state

@@ -49,7 +49,7 @@ from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
 from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
-from .vocabulary import (ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows,
+from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows,
                          whole_vocabulary)
 
 INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
@@ -484,6 +484,17 @@ class RowStore:
                     out[f"{place.name}/{VOCAB}{k}"] = ()
         return out
 
+    def pending(self, name: str) -> torch.Tensor:
+        """A dynamic table's ``vocabulary/pending``: (P, 3) int64, the ids counted for
+        admission on every process, ascending, their counts and last steps seen (a collective
+        when sharded)."""
+        place = self.plan.table(name)
+        mine = self.dynamic[place.physical].pending()  # (P_r, 3)
+        if place.placement.held_everywhere:
+            return mine
+        got = torch.cat(self.comm.all_to_all([mine] * self.comm.world_size))  # (P, 3)
+        return got[torch.argsort(got[:, 0])]
+
     def state_dict(self) -> dict[str, Any]:
         """Views of whole logical tables with one process; checkpoint shards when sharded (a
         collective: see ``Embedding.state_dict``)."""
@@ -492,6 +503,8 @@ class RowStore:
             name, slot = key.split("/", 1)
             if not shape:  # a dynamic table's step or seed, the same on every process
                 out[key] = self.dynamic[self.plan.table(name).physical].scalar(slot[len(VOCAB):])
+                if slot == VOCAB + SCALARS[0]:  # (and its counted ids, after the step)
+                    out[f"{name}/{VOCAB}{PENDING}"] = self.pending(name)
                 continue
             local = self.local(name, slot)
             if self.comm.world_size == 1:
@@ -513,20 +526,32 @@ class RowStore:
             ValueError: a shape mismatch, or negative accumulated squares, naming the key.
         """
         shapes = {**self.state_shapes(), "step": ()}
-        unknown = sorted(set(values) - set(shapes))
+        optional = {f"{p.name}/{VOCAB}{PENDING}" for p in self.plan.tables
+                    if p.physical in self.dynamic}  # (P, 3), any P; absent: counting afresh
+        unknown = sorted(set(values) - set(shapes) - optional)
         if unknown:
-            raise KeyError(f"unexpected keys {unknown}; this engine has {sorted(shapes)}")
+            raise KeyError(f"unexpected keys {unknown}; this engine has "
+                           f"{sorted({*shapes, *optional})}")
         missing = sorted(set(shapes) - set(values))
         if strict and missing:
             raise KeyError(f"missing keys {missing} (load with strict=False for a partial load)")
         for k, v in values.items():
             got = tuple(v.size()) if k != "step" else tuple(torch.as_tensor(v).shape)
-            if got != shapes[k]:
+            if k in optional:
+                if not isinstance(v, torch.Tensor) or v.dim() != 2 or got[1] != 3 or \
+                        v.dtype.is_floating_point or v.dtype in (torch.bool, torch.complex64,
+                                                                 torch.complex128):
+                    raise ValueError(f"{k!r}: must be an integer tensor of shape [P, 3] (ids, "
+                                     f"counts, last steps seen), got {getattr(v, 'dtype', '')} "
+                                     f"{list(got)}")
+            elif got != shapes[k]:
                 raise ValueError(f"{k!r}: shape {list(got)} does not match the engine's "
                                  f"{list(shapes[k])}")
         new: dict[str, torch.Tensor] = {}
         for k, v in values.items():
-            if k != "step" and shapes[k]:
+            if k in optional:
+                new[k] = v.detach().cpu().to(torch.int64)
+            elif k != "step" and shapes[k]:
                 name, _ = k.split("/", 1)
                 place = self.plan.table(name)
                 new[k] = from_value(place, self.plan.physical[place.physical], v, self.comm)
@@ -564,12 +589,16 @@ class RowStore:
                 raise KeyError(f"table {place.name!r} is dynamic but the state lacks "
                                f"{[prefix + k for k in missing]}")
             rows_state = {k: new.pop(prefix + k)[:, 0] for k in ROW_STATE}
+            pending = new.pop(prefix + PENDING, None)
             floats = {k: new[f"{place.name}/{k}"] for k in ("parameters", *self.slots[
                 place.physical]) if f"{place.name}/{k}" in new}
             step = int(torch.as_tensor(values[prefix + "step"]))
             seed = int(torch.as_tensor(values[prefix + "seed"])) if prefix + "seed" in values \
                 else None
-            vmap, moved = dyn.rehome(rows_state, floats, step, place.placement, self.comm)
+            opt = self.plan.physical[place.physical].optimizer
+            fills = {sp.name: sp.initial_value for sp in (opt.slots if opt is not None else ())}
+            vmap, moved = dyn.rehome(rows_state, floats, step, place.placement, self.comm,
+                                     pending, fills)
             new.update({f"{place.name}/{k}": v for k, v in moved.items()})
             out[place.physical] = (vmap, seed)
         return out

@@ -17,6 +17,8 @@ import functools
 import math
 import threading
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +35,10 @@ from ..planning.placement import Placement
 VOCAB = "vocabulary/"
 ROW_STATE = ("ids", "last_use", "frequency")
 SCALARS = ("step", "seed")
+# ``<table>/vocabulary/pending``: (P, 3) int64, the ids being counted for admission
+# (``admit_after > 1``) on every process, ascending, with their counts and the last step each was
+# seen in (P varies: the same on every process, written once). Absent from older checkpoints.
+PENDING = "pending"
 
 # Truncated normal cut at two standard deviations: the CDF of the cut points.
 _PHI_LO = 0.5 * math.erfc(2 / math.sqrt(2))
@@ -88,8 +94,9 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
     ``ones_`` with number arguments) are computed the same way, for a whole batch of new ids at
     once: their distributions by the inverse CDF of the same counter-based uniforms
     (``_named_values``). Any other callable initializer is run once per id, on a ``(1, D)``
-    block drawn from a generator seeded by ``(seed, id)``: exact, but slower when many ids are
-    admitted per step.
+    block drawn from torch's CPU generator seeded by ``(seed, id)`` (``_per_id_values``): the
+    only way a callable that draws from a generator gives each id values of its own, whatever
+    else is admitted with it; about 6 us an id beyond the initializer's own work.
     """
     n, dim = ids.numel(), table.dim
     if table.initializer is None:
@@ -99,16 +106,33 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
     named = _named_values(table.initializer, seed, ids, dim)
     if named is not None:
         return named
-    out = torch.empty(n, dim, dtype=torch.float32)  # (n, D)
     init = table.initializer if callable(table.initializer) else default_initializer(dim)
-    from ..config.tables import (
-        _fill,  # one place that runs initializers and checks what they leave
+    return _per_id_values(init, name, seed, ids.cpu(), dim)
+
+
+def _per_id_values(init: Callable[..., Any], name: str, seed: int, ids: torch.Tensor,
+                   dim: int) -> torch.Tensor:
+    """(n, D) float32: ``init`` run once per id on a ``(1, D)`` block, torch's CPU generator
+    seeded by ``(seed, id)`` each time (its state restored after; no other generator is
+    touched), in the convention the first id's call finds (``config.tables._fill``), the values
+    checked once at the end. ``ids`` on the CPU."""
+    from ..config.tables import (  # one place that runs initializers and checks what they leave
+        _check_filled,
+        _fill,
     )
-    keys = hashing.splitmix64(ids.cpu() ^ hashing._signed(seed & hashing.MASK64)).tolist()
-    for k, key in enumerate(keys):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(key & ((1 << 63) - 1))
-            _fill(init, out[k:k + 1], name)
+    n = ids.numel()
+    out = torch.full((n, dim), float("nan"), dtype=torch.float32)  # (n, D)
+    keys = hashing.splitmix64(ids ^ hashing._signed(seed & hashing.MASK64)).tolist()
+    gen = torch.default_generator
+    saved = gen.get_state()
+    in_place = None
+    try:
+        for k, key in enumerate(keys):
+            gen.manual_seed(key & ((1 << 63) - 1))
+            in_place = _fill(init, out[k:k + 1], name, in_place, check=False)
+    finally:
+        gen.set_state(saved)
+    _check_filled(out, name)
     return out
 
 
@@ -259,9 +283,19 @@ class DynamicRows:
     def scalar(self, key: str) -> torch.Tensor:
         return torch.tensor(self.steps if key == "step" else self.seed, dtype=torch.int64)
 
+    def pending(self) -> torch.Tensor:
+        """(P, 3) int64: the ids this shard counts for admission (ascending), their counts
+        and the last step each was seen in (empty with ``admit_after == 1``)."""
+        with self.lock:
+            if self.capacity == 0:
+                return torch.empty(0, 3, dtype=torch.int64)
+            m = self.map
+            return torch.stack([m.pending_ids, m.pending_counts, m.pending_seen], 1).cpu()
+
     def rehome(self, rows_state: dict[str, torch.Tensor], floats: dict[str, torch.Tensor],
-               step: int, placement: Placement,
-               comm: Communicator) -> tuple[VocabMap, dict[str, torch.Tensor]]:
+               step: int, placement: Placement, comm: Communicator,
+               pending: torch.Tensor | None = None, fills: dict[str, float] | None = None
+               ) -> tuple[VocabMap, dict[str, torch.Tensor]]:
         """A loaded shard made this process's map (nothing of ``self`` changes).
 
         Args:
@@ -270,6 +304,11 @@ class DynamicRows:
             floats: ``{"parameters" or slot: (n, C)}`` over the same rows.
             step: the checkpoint's map step. placement: the table's placement. comm: the
                 communicator.
+            pending: None (counting starts afresh), or (P, 3) the whole table's counted ids,
+                counts and last steps seen (``pending``'s rows of every process, the same on
+                every process): each process keeps those it owns.
+            fills: ``{slot: initial value}``: what the free rows of each slot hold (as in a
+                new engine; parameters' free rows are zero).
 
         Every resident id goes to the process owning it under ``placement`` (one all_to_all per
         tensor when sharded). An id that stays keeps its row; the others take the lowest free
@@ -324,14 +363,19 @@ class DynamicRows:
         vmap = vocab_map(max(n, 1), eviction=self.map.eviction,
                         admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
                         name=self.map.name, device=self.map.device)
-        empty = torch.empty(0, dtype=torch.int64)
+        if pending is None:
+            pending = torch.empty(0, 3, dtype=torch.int64)
+        if not placement.held_everywhere and pending.shape[0]:
+            pending = pending[placement.owner_of_ids(pending[:, 0]) == comm.rank]
+        if n == 0:  # a process holding no rows of the table counts nothing
+            pending = pending[:0]
         vmap.load_state_dict({"ids": ints[by_id, 0], "rows": rows[by_id],
                               "last_use": ints[by_id, 1], "frequency": ints[by_id, 2],
-                              "pending_ids": empty, "pending_counts": empty,
-                              "step": torch.tensor(step)})
+                              "pending_ids": pending[:, 0], "pending_counts": pending[:, 1],
+                              "pending_seen": pending[:, 2], "step": torch.tensor(step)})
         moved = {}
         for k, v in floats.items():
-            out = torch.zeros_like(v)
+            out = torch.full_like(v, (fills or {}).get(k, 0.0))
             out[rows] = vals[k].to(out.dtype)
             moved[k] = out
         return vmap, moved

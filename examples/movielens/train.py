@@ -482,10 +482,6 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
                              f"{args.epochs}: nothing to do; pass --epochs above {done} to "
                              f"train on, or leave out --resume for a fresh run")
         say(f"resumed from {ckpt} (epoch {done})")
-        if config.raw_ids and config.admit_after > 1:
-            say(f"note: checkpoints do not hold the counts of ids seen but not yet admitted "
-                f"(--admit-after {config.admit_after}): this run counts them afresh, so it "
-                f"differs from an uninterrupted one")
     else:
         if args.resume:
             say(f"--resume: no checkpoint under {root}; starting from scratch")
