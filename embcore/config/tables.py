@@ -469,25 +469,49 @@ def initial_rows(table: TableConfig, name: str, base_seed: int, rows: torch.Tens
     return out
 
 
-def _fill(init: Callable[..., Any], block: torch.Tensor, table: str) -> None:
+def _fill(init: Callable[..., Any], block: torch.Tensor, table: str,
+          in_place: bool | None = None, check: bool = True) -> bool:
     """Runs an initializer on one block of rows: ``init(block)`` filling it in place (torch's
     ``nn.init`` convention) or, when it takes ``(shape, dtype)``, TF's convention of returning the
     values. A block left with NaN or infinite values (an initializer that does not fill its
-    argument) is a ValueError naming the table."""
-    block.fill_(float("nan"))
-    try:
-        init(block)
-    except TypeError as torch_style:
+    argument) is a ValueError naming the table.
+
+    Returns whether ``init`` filled in place; a caller running it on many blocks passes that
+    back as ``in_place`` (no second try), with ``check=False`` when it fills ``block`` with NaN
+    and checks the values itself."""
+    if check:
+        block.fill_(float("nan"))
+    if in_place is None or in_place:
+        try:
+            init(block)
+            in_place = True
+        except TypeError as torch_style:
+            if in_place:
+                raise
+            error = torch_style
+            in_place = False
+    else:
+        error = None
+    if not in_place:
         try:
             values = init(tuple(block.shape), block.dtype)
         except TypeError:
-            raise torch_style from None
+            if error is None:
+                raise
+            raise error from None
         if not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(block.shape):
             raise TypeError(f"table {table!r}: initializer({tuple(block.shape)}, {block.dtype}) "
                             f"returned {type(values).__name__} "
                             f"{tuple(getattr(values, 'shape', ()))}, not a tensor of that "
                             f"shape") from None
         block.copy_(values)
+    if check:
+        _check_filled(block, table)
+    return in_place
+
+
+def _check_filled(block: torch.Tensor, table: str) -> None:
+    """ValueError naming the table when ``block`` holds NaN or infinite values."""
     if not bool(torch.isfinite(block).all()):
         raise ValueError(f"table {table!r}: its initializer left NaN or infinite values; it must "
                          f"fill the tensor it is given in place (like torch.nn.init.uniform_) or "
