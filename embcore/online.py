@@ -322,7 +322,7 @@ def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: 
             rows = changed[p]
             local = rows[(rows >= start) & (rows < start + n)] - start
             if dyn is not None and p in pub.used:
-                evicted = _evicted(dyn, pub.used[p], local + start)
+                evicted = _evicted(store.member(place.name), pub.used[p], local + start)
         counts[place.name] += local.numel()
         if local.numel() or (dyn is not None and slots):  # (the map's counts go every time)
             yield _chunks(store, place, local, slots, dyn is not None, evicted)
@@ -359,7 +359,7 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
         for k in keys:
             chunk[f"{name}/{k}"] = store.read(name, k, part)
         if dynamic:
-            dyn = store.dynamic[place.physical]
+            dyn = store.member(place.name)
             for k in _VOCAB_KEYS:
                 chunk[f"{name}/{VOCAB}{k}"] = store.read(name, VOCAB + k, part)
             for k in ("step", "seed"):

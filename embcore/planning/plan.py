@@ -15,7 +15,11 @@ Strategies (docs/semantics.md section 5), each applied to every logical table on
   ``D % W`` slices one column wider).
 - ``hash``: a dynamic table's (raw ids) rows split like ``row_div``; id x is owned by process
   ``splitmix64(x) % W``. ``row_div`` and ``row_mod`` given for a dynamic table mean this.
-A dynamic table is never stacked: its shard has its own id -> row map (vocabulary.py).
+Dynamic tables (raw ids) stack with one another, never with tables whose ids are rows, when one
+process holds them (W = 1): each member keeps its own id -> row map over its own rows (its
+capacity, eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them
+all. With W > 1 (ids routed to their owners per table), offloaded, or 16-bit with stochastic
+rounding (whose rounding keys are a table's raw ids), a dynamic table stands alone.
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
@@ -288,10 +292,12 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     offloaded = set(caches)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
-        key = (cfg.dim, cfg.dtype, cfg.dtype.itemsize == 2 and cfg.stochastic_rounding,
-               opt.stacking_key() if opt is not None else None,
+        rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
+        alone = cfg.dynamic is not None and (world_size > 1 or name in offloaded or rounds)
+        key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
-               name if cfg.dynamic is not None else None,  # a dynamic table stands alone
+               cfg.dynamic is not None,  # raw ids and row ids do not mix
+               name if alone else None,  # (see the module docstring)
                name in offloaded)  # tiers do not mix
         groups.setdefault(key, []).append((name, cfg, opt))
     placements: dict[str, LogicalTable] = {}

@@ -49,7 +49,8 @@ from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
 from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
-from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, initialize_rows,
+from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, DynamicStack,
+                         initialize_rows,
                          whole_vocabulary)
 
 INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
@@ -75,7 +76,7 @@ class RowStore:
         self.workspace = Workspace()  # the update's temporaries, kept across steps
         self.tables: list[torch.Tensor] = []
         self.slots: list[dict[str, torch.Tensor]] = []
-        self.dynamic: dict[int, DynamicRows] = {}  # physical table -> its map on this process
+        self.dynamic: dict[int, DynamicStack] = {}  # physical table -> its maps on this process
         self.cached: dict[int, CachedRows] = {}  # physical table -> its slow tier and cache
         self.configs = dict(configs)
         self.changes: ChangedRows | None = None  # rows written since publishes (``track``)
@@ -136,8 +137,10 @@ class RowStore:
         c0, c1 = p.columns[rank]
         n_local = p.row_counts[rank]
         if p.dynamic:  # rows get values at admission; one more row stays zero
-            name = p.tables[0]
-            self.dynamic[p.index] = DynamicRows(configs[name], name, seed, n_local, device)
+            members = [plan.table(name) for name in p.tables]
+            self.dynamic[p.index] = DynamicStack(
+                [DynamicRows(configs[m.name], m.name, seed, m.row_counts[rank], device)
+                 for m in members], [m.local_offsets[rank] for m in members], n_local)
         if p.offloaded:
             cache = self._offloaded(p, seed, device)
             self.cached[p.index] = cache
@@ -268,8 +271,18 @@ class RowStore:
         distinct, inverse = _distinct(rows)
         return cache.resolve(distinct).index_select(0, inverse)
 
-    def resolve(self, p: int, ids: list[torch.Tensor],
-                training: bool) -> tuple[list[torch.Tensor], int | None]:
+    def member(self, name: str) -> DynamicRows:
+        """A dynamic table's map on this process (its member of its physical table's stack)."""
+        place = self.plan.table(name)
+        dyn = self.dynamic.get(place.physical)
+        if dyn is None:
+            raise ValueError(f"table {name!r} is not dynamic: its ids are its rows (give it "
+                             f"TableConfig(dynamic=ec.DynamicVocabulary()) for raw ids)")
+        return dyn.members[self.plan.physical[place.physical].tables.index(name)]
+
+    def resolve(self, p: int, ids: list[torch.Tensor], training: bool,
+                segments: tuple[tuple[int, int], ...] | None = None
+                ) -> tuple[list[torch.Tensor], Any]:
         """The shard rows of ``ids`` (one tensor per asking process; a single tensor must hold
         distinct ids, in any order) of physical table ``p``.
 
@@ -278,12 +291,15 @@ class RowStore:
         their distinct ids when ``training``; the new rows get their initial values and fresh
         slots.
 
+        Stacked dynamic tables take one tensor of distinct ids, a run per member
+        (``segments``: ``TableBatch.segments``), each run resolved by its member's map.
+
         Returns:
-            ``(rows, since)``: rows like ``ids``; ``since`` the map's step they are valid at
+            ``(rows, since)``: rows like ``ids``; ``since`` the map step(s) they are valid at
             (None for a static table), for ``update``.
 
         Raises:
-            ValueError: a training step admitting more ids than the shard can place (the map,
+            ValueError: a training step admitting more ids than the shard can place (the maps,
                 rows and slots are unchanged).
         """
         dyn = self.dynamic.get(p)
@@ -294,39 +310,47 @@ class RowStore:
         else:  # what several processes asked for: their union (in any order: the map's step
             # does not depend on it)
             distinct, inverse = _distinct(torch.cat(ids))
-        rows, new_ids, new_rows = dyn.resolve(distinct, training)  # (U,), (A,), (A,)
+        rows, new, since = dyn.resolve(distinct, training, segments)  # (U,), per member
         if training and self.changes is not None:  # the map's state of these rows moved
             self.changes.mark(p, rows)
-        if new_ids.numel():
+        for m, new_ids, new_rows in new:  # (A,) ids admitted by member m, (A,) their rows
+            if not new_ids.numel():
+                continue
             cache = self.cached.get(p)
             if cache is None:
-                self._renew(p, new_ids, new_rows.to(self.device), self.tables[p], self.slots[p])
+                self._renew(p, m, new_ids, new_rows.to(self.device), self.tables[p],
+                            self.slots[p])
             else:  # the new rows are written in the cache (their old values are not read)
                 with cache.lock:
                     cache.renew(new_rows, lambda table, slots, at: self._renew(
-                        p, new_ids, at, table, slots))
+                        p, m, new_ids, at, table, slots))
         if inverse is None:
-            return [rows], dyn.step
-        return list(rows[inverse].split([t.numel() for t in ids])), dyn.step
+            return [rows], since
+        return list(rows[inverse].split([t.numel() for t in ids])), since
 
-    def check_steps(self, tables: list[tuple[int, list[torch.Tensor]]]) -> None:
+    def check_steps(self, tables: list[tuple[int, list[torch.Tensor],
+                                             tuple[tuple[int, int], ...] | None]]) -> None:
         """Raises, before any map changes, the ``ValueError`` the training step of any of the
-        dynamic tables ``[(p, ids)]`` would raise (``DynamicRows.check_step``; ``ids``: the
-        tensors whose distinct ids the step takes, repeats allowed), so that a batch failing at
-        one table changes no other table's map. Free while a table's ids number at most its
-        capacity."""
-        for p, ids in tables:
+        dynamic tables ``[(p, ids, segments)]`` would raise (``DynamicRows.check_step``;
+        ``ids``: the tensors whose distinct ids the step takes, repeats allowed; ``segments``:
+        a stack's runs, as ``resolve``'s), so that a batch failing at one table changes no
+        other table's map. Free while a member's ids number at most its capacity."""
+        for p, ids, segments in tables:
             dyn = self.dynamic[p]
-            if sum(t.numel() for t in ids) <= dyn.capacity:
+            if segments is not None:
+                dyn.check_step(ids[0], segments)
+                continue
+            if sum(t.numel() for t in ids) <= dyn.members[0].capacity:
                 continue  # (their distinct ids fewer still: the step cannot fail)
             dyn.check_step(ids[0] if len(ids) == 1 else _distinct(torch.cat(ids))[0])
 
-    def _renew(self, p: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
+    def _renew(self, p: int, m: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
                slots: dict[str, torch.Tensor]) -> None:
-        """Writes the initial values of a dynamic table's new ``ids`` (A,) and fresh slots into
+        """Writes the initial values of member ``m``'s new ``ids`` (A,) and fresh slots into
         rows ``at`` (A,) of ``table`` and ``slots``."""
-        initialize_rows(self.dynamic[p].table, self.dynamic[p].name, self.dynamic[p].seed, ids,
-                        at, table, self.plan.physical[p].columns[self.comm.rank])
+        dyn = self.dynamic[p].members[m]
+        initialize_rows(dyn.table, dyn.name, dyn.seed, ids, at, table,
+                        self.plan.physical[p].columns[self.comm.rank])
         opt = self.plan.physical[p].optimizer
         for spec in (opt.slots if opt is not None else ()):
             slots[spec.name].index_fill_(0, at, spec.initial_value)
@@ -413,7 +437,7 @@ class RowStore:
         a dynamic table's ``vocabulary/<ids, last_use or frequency>`` (a copy, ``(n, 1)``)."""
         place = self.plan.table(name)
         if key.startswith(VOCAB):
-            return self.dynamic[place.physical].row_state(key[len(VOCAB):])
+            return self.member(name).row_state(key[len(VOCAB):])
         cache = self.cached.get(place.physical)
         if cache is not None:  # the slow tier, every row current: the cache written back and
             with cache.lock:   # emptied (a write through the view is then seen by the step)
@@ -434,7 +458,7 @@ class RowStore:
         place = self.plan.table(name)
         shard = rows + place.local_offsets[self.comm.rank]
         if key.startswith(VOCAB):
-            return self.dynamic[place.physical].row_state(key[len(VOCAB):], shard)
+            return self.member(name).row_state(key[len(VOCAB):], rows)
         cache = self.cached.get(place.physical)
         if cache is not None:
             with cache.lock:
@@ -457,11 +481,7 @@ class RowStore:
         Raises:
             ValueError: the table is not dynamic.
         """
-        dyn = self.dynamic.get(self.plan.table(name).physical)
-        if dyn is None:
-            raise ValueError(f"table {name!r} is not dynamic: its ids are its rows (give it "
-                             f"TableConfig(dynamic=ec.DynamicVocabulary()) for raw ids)")
-        return dyn.resident()
+        return self.member(name).resident()
 
     def whole_vocabulary(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A dynamic table's resident ids on every process and their rows of the whole logical
@@ -489,7 +509,7 @@ class RowStore:
         admission on every process, ascending, their counts and last steps seen (a collective
         when sharded)."""
         place = self.plan.table(name)
-        mine = self.dynamic[place.physical].pending()  # (P_r, 3)
+        mine = self.member(name).pending()  # (P_r, 3)
         if place.placement.held_everywhere:
             return mine
         got = torch.cat(self.comm.all_to_all([mine] * self.comm.world_size))  # (P, 3)
@@ -502,7 +522,7 @@ class RowStore:
         for key, shape in self.state_shapes().items():
             name, slot = key.split("/", 1)
             if not shape:  # a dynamic table's step or seed, the same on every process
-                out[key] = self.dynamic[self.plan.table(name).physical].scalar(slot[len(VOCAB):])
+                out[key] = self.member(name).scalar(slot[len(VOCAB):])
                 if slot == VOCAB + SCALARS[0]:  # (and its counted ids, after the step)
                     out[f"{name}/{VOCAB}{PENDING}"] = self.pending(name)
                 continue
@@ -568,21 +588,23 @@ class RowStore:
             name, slot = k.split("/", 1)
             if not slot.startswith(VOCAB):
                 self.local(name, slot).copy_(v)
-        for p, (vmap, seed) in maps.items():
-            self.dynamic[p].install(vmap, seed)
+        for name, (vmap, seed) in maps.items():
+            self.member(name).install(vmap, seed)
         if self.changes is not None and new:
             self.changes.mark_all()
 
     def _load_maps(self, values: Mapping[str, Any],
-                   new: dict[str, torch.Tensor]) -> dict[int, tuple[Any, int | None]]:
+                   new: dict[str, torch.Tensor]) -> dict[str, tuple[Any, int | None]]:
         """For each dynamic table in ``values``: moves each resident id's entry (map state,
         parameters, slots) to the process owning it now (a collective when sharded), rewrites
         ``new``'s parameters and slots in place, and returns the checked new maps and seeds."""
         out = {}
         for place in self.plan.tables:
-            dyn = self.dynamic.get(place.physical)
+            if place.physical not in self.dynamic:
+                continue
+            dyn = self.member(place.name)
             prefix = f"{place.name}/{VOCAB}"
-            if dyn is None or not any(k.startswith(prefix) for k in values):
+            if not any(k.startswith(prefix) for k in values):
                 continue
             missing = [k for k in (*ROW_STATE, "step") if prefix + k not in values]
             if missing:
@@ -600,7 +622,7 @@ class RowStore:
             vmap, moved = dyn.rehome(rows_state, floats, step, place.placement, self.comm,
                                      pending, fills)
             new.update({f"{place.name}/{k}": v for k, v in moved.items()})
-            out[place.physical] = (vmap, seed)
+            out[place.name] = (vmap, seed)
         return out
 
 

@@ -1,12 +1,14 @@
 """Dynamic tables on this process: raw ids -> shard rows, admission, and how a new row starts.
 
-A dynamic table (``TableConfig(dynamic=ec.DynamicVocabulary(...))``, docs/semantics.md section 9) is
-its own physical table. Its shard on a process has the ``n`` rows of its placement plus one more,
-row ``n``, which stays zero: ids that are not resident are looked up there, and gradients to it are
-dropped. ``DynamicRows`` holds the shard's ``VocabMap`` (ops/vocab.py) and translates the ids that
-reach this process into rows (``resolve``), admitting and evicting in a training step; the store
-then writes the new rows' initial values (``initial_values``: a function of the table's seed and
-the id alone) and resets their optimizer slots.
+A dynamic table (``TableConfig(dynamic=ec.DynamicVocabulary(...))``, docs/semantics.md section 9)
+has the ``n`` rows of its placement in its physical table's shard on a process. ``DynamicRows``
+holds that shard's ``VocabMap`` (ops/vocab.py) and translates the ids that reach this process into
+rows (``resolve``), admitting and evicting in a training step; the store then writes the new rows'
+initial values (``initial_values``: a function of the table's seed and the id alone) and resets
+their optimizer slots. A physical table of dynamic tables (one alone, or several stacked: plan.py)
+is a ``DynamicStack``: a ``DynamicRows`` per member over its own rows, and one more row after them
+all, which stays zero: ids that are not resident are looked up there, and gradients to it are
+dropped.
 """
 
 from __future__ import annotations
@@ -386,6 +388,112 @@ class DynamicRows:
             self.map, self.steps = vmap, vmap.step
             if seed is not None:
                 self.seed = seed
+
+
+class DynamicStack:
+    """The dynamic tables of one physical table on this process: one ``DynamicRows`` per member
+    (its own map over its own rows: capacity, eviction, counts and statistics), member ``m``'s
+    rows at ``[starts[m], starts[m] + capacity)`` of the shard, and one zero row after them all
+    (``zero_row``: the shard's row count). A table alone is a stack of one member, whose rows
+    and steps are its own.
+
+    Steps: a stacked batch names, per member it reads, the run of its distinct ids
+    (``segments``); only those members' maps step. ``since`` (what ``resolve`` returns and
+    ``valid`` takes) is the member's step for one member, else ``(member steps, segments)``.
+    """
+
+    def __init__(self, members: list[DynamicRows], starts: list[int], rows: int) -> None:
+        self.members, self.starts = members, starts
+        self.zero_row = rows
+        self.lock = threading.Lock()  # (each member's map has its own; this one orders a step)
+
+    @property
+    def capacity(self) -> int:
+        return self.zero_row
+
+    @property
+    def map(self) -> VocabMap:
+        """The map of a table alone (a stacked table's: ``members[m].map``)."""
+        assert len(self.members) == 1, "a stack has a map per member"
+        return self.members[0].map
+
+    @property
+    def step(self) -> int | tuple[int, ...]:
+        if len(self.members) == 1:
+            return self.members[0].step
+        return tuple(m.step for m in self.members)
+
+    def pieces(self, ids: torch.Tensor, segments: tuple[tuple[int, int], ...] | None
+               ) -> list[tuple[int, torch.Tensor]]:
+        """``[(member, its ids)]``: ``ids`` split by ``segments`` (None: all member 0's)."""
+        if segments is None:
+            assert len(self.members) == 1, "a stack's ids come with their members"
+            return [(0, ids)]
+        parts = ids.split([c for _, c in segments])
+        return [(m, t) for (m, _), t in zip(segments, parts)]
+
+    def _to_shard(self, m: int, rows: torch.Tensor) -> torch.Tensor:
+        """Member ``m``'s rows (its zero row: its capacity) as shard rows."""
+        dyn, start = self.members[m], self.starts[m]
+        if start == 0 and dyn.zero_row == self.zero_row:
+            return rows
+        return torch.where(rows == dyn.zero_row, self.zero_row, rows + start)
+
+    def resolve(self, ids: torch.Tensor, training: bool,
+                segments: tuple[tuple[int, int], ...] | None = None
+                ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any]:
+        """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
+        rows; a training step checks every member first (``check_step``), so a batch that one
+        member's map cannot place changes no map.
+
+        Returns:
+            ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since)``.
+        """
+        parts = self.pieces(ids, segments)
+        if len(parts) == 1 and len(self.members) == 1:
+            rows, new_ids, new_rows = self.members[0].resolve(ids, training)
+            return rows, [(0, new_ids, new_rows)], self.members[0].step
+        if training and len(parts) > 1:
+            for m, t in parts:
+                self.members[m].check_step(t)
+        out, new = [], []
+        for m, t in parts:
+            rows, new_ids, new_rows = self.members[m].resolve(t, training)
+            out.append(self._to_shard(m, rows))
+            new.append((m, new_ids, new_rows + self.starts[m]))
+        return torch.cat(out) if len(out) > 1 else out[0], new, self.since(segments)
+
+    def since(self, segments: tuple[tuple[int, int], ...] | None) -> Any:
+        if len(self.members) == 1:
+            return self.members[0].step
+        return (tuple(m.step for m in self.members), segments)
+
+    def check_step(self, ids: torch.Tensor,
+                   segments: tuple[tuple[int, int], ...] | None = None) -> None:
+        """``DynamicRows.check_step`` of each member's run of ``ids``."""
+        for m, t in self.pieces(ids, segments):
+            self.members[m].check_step(t)
+
+    def valid(self, rows: torch.Tensor, since: Any) -> tuple[torch.Tensor, int]:
+        """``(keep (n,) bool, kept)``: the shard rows ``rows`` that still hold the id they held
+        after ``since`` (never the zero row). With several members ``rows`` are ``resolve``'s,
+        in its runs."""
+        if len(self.members) == 1:
+            return self.members[0].valid(rows, since)
+        steps, segments = since
+        keep = []
+        for m, t in self.pieces(rows, segments):
+            dyn, start = self.members[m], self.starts[m]
+            local = torch.where(t == self.zero_row, dyn.zero_row, t - start)
+            keep.append(dyn.valid(local, steps[m])[0])
+        out = torch.cat(keep) if len(keep) > 1 else keep[0]
+        return out, int(out.sum())
+
+    def row_state(self, key: str) -> torch.Tensor:
+        """(N, 1) int64 over the whole shard (every member's rows in turn; the zero row not
+        included): ``DynamicRows.row_state``."""
+        parts = [m.row_state(key) for m in self.members]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def whole_vocabulary(ids: torch.Tensor, rows: torch.Tensor, placement: Placement,

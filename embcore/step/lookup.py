@@ -8,6 +8,8 @@ one ``combine`` (ops/combine.py). No table is written.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..base.comm import Communicator
@@ -60,9 +62,9 @@ def _check_map_steps(prepared: Prepared, store: RowStore,
     raises, before any step, when one would fail."""
     dynamic = [tb for tb in prepared.tables if tb.physical in store.dynamic]
     if len(dynamic) < 2:
-        return {}
+        return {}  # (a stack checks its own members first: DynamicStack.resolve)
     if comm.world_size == 1:
-        store.check_steps([(tb.physical, [tb.dedup.unique]) for tb in dynamic])
+        store.check_steps([(tb.physical, [tb.dedup.unique], tb.segments) for tb in dynamic])
         return {}
     asked: dict[int, list[torch.Tensor]] = {}
     for tb in dynamic:  # what each table's map will step over on this process
@@ -72,7 +74,7 @@ def _check_map_steps(prepared: Prepared, store: RowStore,
             asked[tb.physical] = comm.all_to_all(tb.route.send_ids)
     failure: ValueError | None = None
     try:
-        store.check_steps(list(asked.items()))
+        store.check_steps([(p, ids, None) for p, ids in asked.items()])
     except ValueError as e:
         failure = e
     flags = torch.zeros(comm.world_size, dtype=torch.int32, device=store.device)
@@ -90,14 +92,14 @@ def _check_map_steps(prepared: Prepared, store: RowStore,
 
 
 def _resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
-                  everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int | None]:
+                  everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
     map step. A replicated table's map takes the same step on every process: over the distinct
     ids of all processes (gathered: a collective, unless ``everyone`` holds them already), so
     that every replica stays identical."""
     unique = tb.dedup.unique  # (U,)
     if comm.world_size == 1 or not training:
-        rows, since = store.resolve(tb.physical, [unique], training)
+        rows, since = store.resolve(tb.physical, [unique], training, tb.segments)
         return rows[0], since
     if everyone is None:
         everyone = comm.all_to_all([unique] * comm.world_size)  # W x (U_r,)

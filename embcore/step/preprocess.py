@@ -53,6 +53,10 @@ class TableBatch:
     dedup: Dedup                    # their distinct rows
     slices: tuple[FeatureSlice, ...]
     route: Route | None             # None: every row is held by this process
+    # dynamic tables stacked in one physical table: per member of the batch (in member order)
+    # ``(member index, distinct ids)``, its ids a run of ``dedup.unique`` (deduplicated per member:
+    # the same raw id of two members is two entries); None: one table
+    segments: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,67 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
             members.setdefault(plan.table(feature_tables[f]).physical, []).append(f)
     tables = []
     for p in sorted(members):
-        parts = [(f, features[f]) for f in members[p]]
         phys = plan.physical[p]
+        if phys.dynamic and len(phys.tables) > 1:  # stacked dynamic tables: by member
+            member = {n: k for k, n in enumerate(phys.tables)}
+            of = [member[feature_tables[f]] for f in members[p]]
+            fs = [f for _, f in sorted(zip(of, members[p]))]
+            (bags, dd), slices, segments = _concatenate_members(
+                [(f, features[f]) for f in fs], sorted(of))
+            tables.append(TableBatch(p, bags, dd, slices, None, segments))
+            continue
+        parts = [(f, features[f]) for f in members[p]]
         bags, slices = _concatenate(parts, [plan.table(feature_tables[f]).row_offset
                                             for f in members[p]],
                                     None if phys.dynamic else phys.rows)
         tables.append(TableBatch(p, bags[0], bags[1], slices, route(plan, p, bags[1].unique)))
     return Prepared(training, tuple(tables), len(features))
+
+
+def _concatenate_members(parts: list[tuple[int, Bags | None]], of: list[int]
+                         ) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...],
+                                    tuple[tuple[int, int], ...]]:
+    """``_concatenate`` for the features of stacked dynamic tables, grouped by member (``of``:
+    each part's member index, ascending): their raw ids are deduplicated per member (one
+    member's id is not another's), the runs joined into one ``Dedup``. Also returns the
+    ``(member, distinct ids)`` segments."""
+    groups: list[tuple[int, list[tuple[int, Bags | None]]]] = []
+    for m, part in zip(of, parts):
+        if groups and groups[-1][0] == m:
+            groups[-1][1].append(part)
+        else:
+            groups.append((m, [part]))
+    done = [_concatenate(g, [0] * len(g), None) for _, g in groups]
+    if len(done) == 1:
+        return done[0][0], done[0][1], ((groups[0][0], done[0][0][1].unique.numel()),)
+    bags = [b for (b, _), _ in done]
+    dds = [d for (_, d), _ in done]
+    nnz = [b.ids.numel() for b in bags]
+    rows = [b.num_rows for b in bags]
+    counts = [d.unique.numel() for d in dds]
+    at = [sum(nnz[:k]) for k in range(len(nnz))]
+    ids = torch.cat([b.ids for b in bags])
+    unique = torch.cat([d.unique for d in dds])
+    order = torch.cat([d.order + a if a else d.order for d, a in zip(dds, at)])
+    uoff = torch.cat([d.unique_offsets[:-1] + a if a else d.unique_offsets[:-1]
+                      for d, a in zip(dds, at)] + [ids.new_tensor([sum(nnz)])])
+    dd = Dedup(unique, order, uoff)
+    ubase = [sum(counts[:k]) for k in range(len(counts))]
+    dd.__dict__["inverse"] = torch.cat([d.inverse + u if u else d.inverse
+                                        for d, u in zip(dds, ubase)])
+    if all(b.unit for b in bags):
+        joined = Bags(ids, None, None)
+    else:
+        offs, scales = [], []
+        for b, a in zip(bags, at):
+            o, sc = b.offsets_and_scales()
+            offs.append(o[:-1] + a if a else o[:-1])
+            scales.append(sc)
+        joined = Bags(ids, torch.cat(offs + [ids.new_tensor([sum(nnz)])]), torch.cat(scales))
+    slices = []
+    for (_, sl), r0 in zip(done, [sum(rows[:k]) for k in range(len(rows))]):
+        slices += [FeatureSlice(s.feature, s.start + r0, s.rows, s.shape) for s in sl]
+    return (joined, dd), tuple(slices), tuple((m, c) for (m, _), c in zip(groups, counts))
 
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],

@@ -1,0 +1,218 @@
+"""Stacked dynamic tables: dynamic tables of one dim, dtype and optimizer share one physical table
+(W = 1), each keeping its own map; everything they do equals the same tables alone, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles import examples
+
+import embcore as ec
+
+
+def _configs(caps, dim=4, **dyn):
+    return [ec.TableConfig(vocabulary_size=c, dim=dim, name=f"t{k}", combiner=comb,
+                           dynamic=ec.DynamicVocabulary(**dyn))
+            for k, (c, comb) in enumerate(caps)]
+
+
+def _stacked(cfgs, shared, optimizer, **kw):
+    """One engine holding every table (they stack); ``shared``: tables read by a second
+    feature ``g<k>``."""
+    torch.manual_seed(0)
+    fc = {f"f{k}": ec.FeatureConfig(table=c) for k, c in enumerate(cfgs)}
+    fc.update({f"g{k}": ec.FeatureConfig(table=cfgs[k]) for k in shared})
+    return ec.Embedding(fc, optimizer(), **kw)
+
+
+def _alone(cfgs, shared, optimizer, **kw):
+    """One engine per table (each its own physical table), built under the same seed."""
+    out = []
+    for k, c in enumerate(cfgs):
+        torch.manual_seed(0)
+        fc = {f"f{k}": ec.FeatureConfig(table=c)}
+        if k in shared:
+            fc[f"g{k}"] = ec.FeatureConfig(table=c)
+        out.append(ec.Embedding(fc, optimizer(), **kw))
+    return out
+
+
+def _split(batch, k):
+    return {n: v for n, v in batch.items() if n[1:] == str(k)}
+
+
+class Pair:
+    """The stacked engine and the engines alone, stepped alike."""
+
+    def __init__(self, cfgs, shared=(), optimizer=lambda: ec.Adagrad(learning_rate=0.1), **kw):
+        self.cfgs = cfgs
+        self.stacked = _stacked(cfgs, shared, optimizer, **kw)
+        self.alone = _alone(cfgs, shared, optimizer, **kw)
+        physical = self.stacked._ready().store.plan.physical
+        assert len(physical) == 1 and len(physical[0].tables) == len(cfgs)
+
+    def train(self, batch, grad_seed):
+        self.stacked.enqueue(batch)
+        got = self.stacked.dequeue()
+        want = {}
+        for k, e in enumerate(self.alone):
+            part = _split(batch, k)
+            if part:
+                e.enqueue(part)
+                want.update(e.dequeue())
+        assert sorted(got) == sorted(want)
+        for n in got:
+            assert torch.equal(got[n], want[n]), n
+        g = torch.Generator().manual_seed(grad_seed)
+        grads = {n: torch.randn(got[n].shape, generator=g) for n in sorted(got)}
+        self.stacked.apply_gradients(grads)
+        for k, e in enumerate(self.alone):
+            part = {n: grads[n] for n in _split(batch, k)}
+            if part:
+                e.apply_gradients(part)
+
+    def lookup(self, batch):
+        got = self.stacked.lookup(batch)
+        for k, e in enumerate(self.alone):
+            part = _split(batch, k)
+            if part:
+                want = e.lookup(part)
+                for n in want:
+                    assert torch.equal(got[n], want[n]), n
+
+    def assert_same_state(self):
+        sd = self.stacked.state_dict()
+        for k, e in enumerate(self.alone):
+            for key, v in e.state_dict().items():
+                if key == "step":
+                    continue
+                assert torch.equal(sd[key], v), key
+            ids, rows = self.stacked.vocabulary(self.cfgs[k])
+            ids_a, rows_a = e.vocabulary(self.cfgs[k])
+            assert torch.equal(ids, ids_a) and torch.equal(rows, rows_a)
+            assert torch.equal(self.stacked.embedding_tables[self.cfgs[k]],
+                               e.embedding_tables[self.cfgs[k]])
+
+
+def _batch(g, n, pool, batch=6, bags=None, empty=()):
+    """Every table's feature ``f<k>``: (batch, 2) raw ids (``bags`` None), else jagged bags of
+    2 ids (False) or 0-2 ids (True); tables in ``empty``: every bag empty (their maps step over
+    no ids)."""
+    out = {}
+    for k in range(n):
+        ids = torch.randint(-pool, pool, (batch, 2), generator=g) * (2**40 + 7)
+        if bags is None:
+            out[f"f{k}"] = ids
+            continue
+        lengths = torch.randint(0, 3, (batch,), generator=g) if bags else \
+            torch.full((batch,), 2)
+        lengths *= int(k not in empty)
+        out[f"f{k}"] = torch.nested.nested_tensor_from_jagged(
+            ids.flatten()[:int(lengths.sum())],
+            torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]))
+    return out
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(data=st.data(), n=st.integers(2, 4), eviction=st.sampled_from(["lru", "lfu"]),
+       admit_after=st.integers(1, 2), ttl=st.sampled_from([None, 1, 3]),
+       shared=st.booleans(), bags=st.booleans())
+def test_stacked_equals_alone(data, n, eviction, admit_after, ttl, shared, bags):
+    """Activations, evaluation lookups, tables, maps and slots: the same bits stacked or alone
+    (capacities small enough to evict, batches where some tables have no ids)."""
+    caps = [(data.draw(st.integers(3, 12)), data.draw(st.sampled_from(["sum", "mean"])))
+            for _ in range(n)]
+    pair = Pair(_configs(caps, eviction=eviction, admit_after=admit_after, ttl_steps=ttl),
+                shared=(0,) if shared else ())
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for step in range(5):
+        empty = data.draw(st.sets(st.integers(0, n - 1), max_size=n - 1))
+        batch = _batch(g, n, pool=5, bags=bags, empty=empty)
+        if shared:
+            batch["g0"] = torch.randint(-5, 5, (6,), generator=g) * (2**40 + 7)
+        try:
+            pair.train(batch, step)
+        except ValueError as e:  # more new ids than a small table holds: both refuse
+            assert "admits" in str(e)
+            return
+        pair.lookup(_batch(g, n, pool=6, bags=bags) | ({"g0": batch["g0"]} if shared else {}))
+    pair.assert_same_state()
+
+
+def test_an_overflowing_member_changes_no_map():
+    """A stacked batch whose ids one member cannot place: a ValueError naming that table, and
+    no member's map, row or slot changes."""
+    cfgs = _configs([(8, "sum"), (3, "sum"), (8, "sum")])
+    emb = _stacked(cfgs, (), lambda: ec.Adagrad(learning_rate=0.1))
+    g = torch.Generator().manual_seed(0)
+    emb.enqueue(_batch(g, 3, pool=1, batch=4))  # two ids a table
+    emb.apply_gradients({k: torch.ones_like(v) for k, v in emb.dequeue().items()})
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    bad = _batch(g, 3, pool=1, batch=4)
+    bad["f1"] = torch.arange(8).reshape(4, 2) * 1000 + 10**12  # 8 new ids for 3 rows
+    with pytest.raises(ValueError, match="'t1'.*admits 8 new ids"):
+        emb.enqueue(bad)
+        emb.dequeue()
+    after = emb.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_checkpoints_of_stacked_tables_load_alone_and_back(tmp_path):
+    """A checkpoint holds each table under its own name: the stacked engine's loads into the
+    tables alone and into another stacked engine, and training goes on alike."""
+    cfgs = _configs([(16, "sum"), (13, "mean")], admit_after=2)
+    pair = Pair(cfgs)
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        pair.train(_batch(g, 2, pool=6), step)
+    ec.save(tmp_path / "c", pair.stacked)
+    other = Pair(cfgs)
+    ec.load(tmp_path / "c", other.stacked)
+    for e in other.alone:
+        ec.load(tmp_path / "c", e, strict=False)
+    other.assert_same_state()
+    for step in range(4, 7):
+        batch = _batch(g, 2, pool=6)
+        pair.train(batch, step)
+        other.train(batch, step)
+    pair.assert_same_state()
+    for k in range(2):
+        assert torch.equal(pair.stacked.embedding_tables[cfgs[k]],
+                           other.stacked.embedding_tables[cfgs[k]])
+
+
+def test_serving_a_stack_looks_up_each_table_by_its_own_map():
+    cfgs = _configs([(12, "sum"), (9, "sum")])
+    pair = Pair(cfgs)
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        pair.train(_batch(g, 2, pool=4), step)
+    probe = _batch(g, 2, pool=5)
+    emb = pair.stacked
+    tables = {c: (emb.embedding_tables[c], *emb.vocabulary(c)) for c in cfgs}
+    fc = {f"f{k}": ec.FeatureConfig(table=c) for k, c in enumerate(cfgs)}
+    got = ec.serving_embedding_lookup(probe, None, tables, fc)
+    for k, e in enumerate(pair.alone):
+        assert torch.equal(got[f"f{k}"], e.lookup(_split(probe, k))[f"f{k}"])
+    torch.manual_seed(0)
+    layer = ec.EmbeddingLayer(fc, ec.Adagrad(learning_rate=0.1))
+    layer(_batch(g, 2, pool=4))["f1"].sum().backward()
+    assert len(layer.engine._ready().store.plan.physical) == 1
+    want = layer.engine.lookup(probe)
+    served = layer.for_serving()(probe)
+    assert all(torch.equal(served[n], want[n]) for n in want)
+
+
+def test_what_stacks():
+    """Dynamic tables stack with each other (one dim, dtype, optimizer), never with tables whose
+    ids are rows, and stand alone with W > 1 (there: tests/test_dynamic.py's sharded tests)."""
+    dyn = _configs([(5, "sum"), (6, "sum")])
+    static = ec.TableConfig(vocabulary_size=5, dim=4, name="s")
+    wide = ec.TableConfig(vocabulary_size=5, dim=8, name="w", dynamic=ec.DynamicVocabulary())
+    fc = {"a": ec.FeatureConfig(table=dyn[0]), "b": ec.FeatureConfig(table=dyn[1]),
+          "c": ec.FeatureConfig(table=static), "d": ec.FeatureConfig(table=wide)}
+    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.1))
+    groups = sorted(p.tables for p in emb._ready().store.plan.physical)
+    assert groups == [("s",), ("t0", "t1"), ("w",)]
