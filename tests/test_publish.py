@@ -35,6 +35,9 @@ def make_engine(seed: int = 0, dynamic: bool = True, admit_after: int = 1,
         d = ec.TableConfig(vocabulary_size=24, dim=8, name="d",
                            dynamic=ec.DynamicVocabulary(ttl_steps=3, admit_after=admit_after))
         features["fd"] = ec.FeatureConfig(table=d)
+        e = ec.TableConfig(vocabulary_size=16, dim=8, name="e",  # stacks with d (W = 1)
+                           dynamic=ec.DynamicVocabulary(eviction="lfu"))
+        features["fe"] = ec.FeatureConfig(table=e)
     return ec.Embedding(features, ec.Adagrad(learning_rate=0.1), **kw)
 
 
@@ -45,6 +48,7 @@ def batch(step: int, dynamic: bool = True, rank: int = 0) -> dict[str, torch.Ten
            "fb": torch.randint(0, 10, (6,), generator=g),  # few rows of b: most stay unchanged
            "fc": torch.randint(0, 40, (6,), generator=g)}
     if dynamic:  # raw ids drifting upward: old ones expire (ttl), new ones arrive
+        out["fe"] = torch.randint(0, 12, (6,), generator=g) * 104729 - step * 7
         out["fd"] = torch.randint(0, 20, (6,), generator=g) * 7919 + (step // 2) * 40_000 \
             - 10**12
     return out

@@ -481,13 +481,14 @@ class DynamicStack:
         if len(self.members) == 1:
             return self.members[0].valid(rows, since)
         steps, segments = since
-        keep = []
+        keep, kept = [], 0
         for m, t in self.pieces(rows, segments):
             dyn, start = self.members[m], self.starts[m]
             local = torch.where(t == self.zero_row, dyn.zero_row, t - start)
-            keep.append(dyn.valid(local, steps[m])[0])
-        out = torch.cat(keep) if len(keep) > 1 else keep[0]
-        return out, int(out.sum())
+            k, n = dyn.valid(local, steps[m])
+            keep.append(k)
+            kept += n
+        return (torch.cat(keep) if len(keep) > 1 else keep[0]), kept
 
     def row_state(self, key: str) -> torch.Tensor:
         """(N, 1) int64 over the whole shard (every member's rows in turn; the zero row not
