@@ -46,9 +46,10 @@ def _split(batch, k):
 class Pair:
     """The stacked engine and the engines alone, stepped alike."""
 
-    def __init__(self, cfgs, shared=(), optimizer=lambda: ec.Adagrad(learning_rate=0.1), **kw):
+    def __init__(self, cfgs, shared=(), optimizer=lambda: ec.Adagrad(learning_rate=0.1),
+                 stacked_kw=None, **kw):
         self.cfgs = cfgs
-        self.stacked = _stacked(cfgs, shared, optimizer, **kw)
+        self.stacked = _stacked(cfgs, shared, optimizer, **(stacked_kw or kw))
         self.alone = _alone(cfgs, shared, optimizer, **kw)
         physical = self.stacked._ready().store.plan.physical
         assert len(physical) == 1 and len(physical[0].tables) == len(cfgs)
@@ -138,6 +139,26 @@ def test_stacked_equals_alone(data, n, eviction, admit_after, ttl, shared, bags)
             assert "admits" in str(e)
             return
         pair.lookup(_batch(g, n, pool=6, bags=bags) | ({"g0": batch["g0"]} if shared else {}))
+    pair.assert_same_state()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_a_stack_beyond_memory_equals_the_tables_alone_in_memory(tmp_path, eviction):
+    """Offloaded (a budget: rows and slots in the slow tier behind a cache, maps in memory),
+    the stacked tables still equal the tables alone and in memory, bit for bit."""
+    cfgs = _configs([(30, "sum"), (24, "mean"), (40, "sum")], dim=16, eviction=eviction,
+                    admit_after=2, ttl_steps=4)  # rows and slots: 12 KB, maps: at most 6 KB
+    pair = Pair(cfgs, shared=(1,), stacked_kw={"memory_budget": 12000,
+                                               "offload_dir": tmp_path / "slow"})
+    store = pair.stacked._ready().store
+    assert store.plan.physical[0].offloaded
+    g = torch.Generator().manual_seed(11)
+    for step in range(8):
+        batch = _batch(g, 3, pool=9, bags=True)
+        batch["g1"] = torch.randint(-9, 9, (6,), generator=g) * (2**40 + 7)
+        pair.train(batch, step)
+        pair.lookup(_batch(g, 3, pool=10, bags=True) | {"g1": batch["g1"]})
+    assert store.cache_stats()  # (the cache was used)
     pair.assert_same_state()
 
 

@@ -18,8 +18,8 @@ Strategies (docs/semantics.md section 5), each applied to every logical table on
 Dynamic tables (raw ids) stack with one another, never with tables whose ids are rows, when one
 process holds them (W = 1): each member keeps its own id -> row map over its own rows (its
 capacity, eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them
-all. With W > 1 (ids routed to their owners per table), offloaded, or 16-bit with stochastic
-rounding (whose rounding keys are a table's raw ids), a dynamic table stands alone.
+all. With W > 1 (ids routed to their owners per table), or 16-bit with stochastic rounding (whose
+rounding keys are a table's raw ids), a dynamic table stands alone.
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
@@ -293,7 +293,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
-        alone = cfg.dynamic is not None and (world_size > 1 or name in offloaded or rounds)
+        alone = cfg.dynamic is not None and (world_size > 1 or rounds)
         key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
                cfg.dynamic is not None,  # raw ids and row ids do not mix
