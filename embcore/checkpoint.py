@@ -38,7 +38,7 @@ saying the checkpoint is corrupt, naming the file.
 Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
 written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
 "index": <CRC of .metadata>, "chunks": [{"file", "offset", "length", "key", "at", "crc32"}, ...],
-"seal": <CRC of the rest>}``, the zlib CRC-32 (``state/published.py``'s ``crc``, as publish entries
+"manifest": <CRC of the manifest's other fields>, "seal": <CRC of the rest>}``, the zlib CRC-32 (``state/published.py``'s ``crc``, as publish entries
 use) of every byte range DCP wrote, one per saved chunk: a state-dict key (``key``) and the offsets
 of its chunk in the logical tensor (``at``; a whole tensor, or a process's DTensor shard), where
 DCP's index says its bytes lie (``file``, ``offset``, ``length``: the chunk as DCP serialized it,
@@ -53,7 +53,9 @@ that reads some of the rows of a chunk; a saved chunk is the unit DCP reads (who
 so each process checks, before DCP reads anything, every chunk its load plan reads, whatever W and
 W'. Checking the file's bytes rather than the decoded tensors also covers the serialization headers
 (a damaged header cannot decode as other values) and needs no decoding. Load checks, in order: the
-``checksums`` section against its ``seal`` (a damaged manifest is named as such), ``.metadata``
+``checksums`` section against its ``seal`` and the manifest's other fields (tables, plan, step,
+``extra``) against ``manifest``, as canonical JSON (a damaged manifest is named as such; a
+checkpoint written before ``manifest`` was kept has only its checksums sealed), ``.metadata``
 against ``index`` before unpickling it, that every chunk of the index has its entry (same key,
 offsets and length), then each chunk it will read (every byte is read twice: by the check, mapped,
 not copied, then by DCP, from the page cache). A mismatch is a ValueError naming the file, the key
@@ -276,6 +278,13 @@ def crc_of_bytes(data: bytes) -> int:
     return crc(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
 
 
+def _manifest_crc(manifest: Mapping[str, Any]) -> int:
+    """The CRC of a manifest's fields but its checksums, as canonical JSON."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUMS}
+    return crc_of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                   ensure_ascii=True, allow_nan=False).encode("ascii"))
+
+
 def _seal(section: Mapping[str, Any]) -> int:
     """The CRC of a checksums section (all but its ``seal``), as canonical JSON."""
     body = {k: v for k, v in section.items() if k != "seal"}
@@ -360,6 +369,12 @@ class Checksums:
         if seal != _seal(section):
             raise ValueError(f"{path}: its {CHECKSUMS!r} do not match their own CRC-32 ('seal'): "
                              f"{MANIFEST} is corrupt")
+        if "manifest" in section:  # (written since the manifest's own fields were sealed)
+            want = integer(f"{CHECKSUMS}['manifest']", section["manifest"], 2**32)
+            if want != _manifest_crc(manifest):
+                raise ValueError(f"{path}: its fields (tables, plan, step, extra, ...) do not "
+                                 f"match their CRC-32 ({CHECKSUMS}['manifest']): {MANIFEST} is "
+                                 f"corrupt")
         return cls(path, index, chunks)
 
     def _entry(self, index: Any, info: Any, where: Path) -> Chunk:
@@ -573,7 +588,8 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if lead:
         try:
             section = {"algorithm": CHECKSUM_ALGORITHM,
-                       "index": crc_of_bytes((tmp / _METADATA).read_bytes()), "chunks": chunks}
+                       "index": crc_of_bytes((tmp / _METADATA).read_bytes()), "chunks": chunks,
+                       "manifest": _manifest_crc(manifest)}
             manifest[CHECKSUMS] = {**section, "seal": _seal(section)}
             text = json.dumps(manifest, indent=1, allow_nan=False)
             with open(tmp / MANIFEST, "w", encoding="utf-8") as f:

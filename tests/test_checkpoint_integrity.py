@@ -244,6 +244,30 @@ def test_manifest_of_another_checkpoint_is_refused(tmp_path, saved):
 
 
 # ----------------------------------------------------------------------------------- checksums
+def test_a_damaged_manifest_field_is_an_error(saved):
+    """The manifest's own fields are sealed too: a changed step, table config or ``extra``
+    value (a flipped byte, or an edit) is a corrupt manifest, nothing loaded; a checkpoint
+    written before they were sealed (no ``manifest`` CRC) still loads."""
+    path, emb = saved
+    text = (path / "manifest.json").read_text()
+    for change in (lambda m: m.update(step=m["step"] + 7),
+                   lambda m: m["extra"].update(epoch=3),
+                   lambda m: m["tables"]["a"].update(combiner="mean")):
+        edit_manifest(path, change)
+        corrupt_load(path, engine(3), r"its fields .* do not match their CRC-32 "
+                                      r"\(checksums\['manifest'\]\): manifest.json is corrupt")
+        (path / "manifest.json").write_text(text)
+
+    def unsealed(m):  # as written before the fields were sealed
+        m["checksums"].pop("manifest")
+        m["checksums"]["seal"] = ck._seal(m["checksums"])
+
+    edit_manifest(path, unsealed)
+    fresh = engine(3)
+    assert ec.load(path, fresh)["extra"] == {"epoch": 2}
+    assert_state_equal(snapshot(fresh), snapshot(emb))
+
+
 def test_damaged_checksums_are_an_error(saved):
     """A flipped digit of a chunk's CRC, of the index's or of the seal: the manifest is
     corrupt. A forged manifest (a CRC changed and its seal recomputed) names the data file."""
