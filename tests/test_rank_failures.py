@@ -156,10 +156,21 @@ def _rejection_worker(rank, world, init):
         with pytest.raises(ValueError, match="rank 1 of 2 rejected .* structure differs"):
             emb.apply_gradients(good)
     assert_same(state(emb), before)
+    # a learning-rate callable that raises on rank 1 only: a second agreement, every rank
+    # raises at once, nothing written (rank 0's callable was called)
+    lr.fail = rank == 1
+    start = time.monotonic()
+    with pytest.raises(ZeroDivisionError if rank == 1 else RuntimeError,
+                       match="divided by zero" if rank == 1 else "rank 1 of 2 rejected"):
+        emb.apply_gradients(good)
+    assert time.monotonic() - start < FAST
+    assert_same(state(emb), before)
+    assert lr.calls == 2
+    lr.fail = False
     # the documented recovery: the batch still awaits its gradients; a retry applies it once
     emb.apply_gradients(good)
     step(ref, rank, 1)
-    assert emb.step == ref.step == 2 and lr.calls == 2
+    assert emb.step == ref.step == 2 and lr.calls == 3
     with pytest.raises(RuntimeError, match="called twice"):
         emb.apply_gradients(good)
     step(emb, rank, 2)

@@ -20,7 +20,10 @@ their outcome before any collective of the exchange (``agree_gradients``: one al
 status per process and a flag per optimizer with ``skip_nonfinite_gradients``): when one process
 rejects its gradients, every process raises at once with nothing written (instead of the others
 waiting in the exchange until the timeout), and the learning rates, evaluated only once all
-processes passed, move a counting callable on every process or on none. ``apply_gradients`` skips,
+processes passed, move a counting callable on every process or on none. A callable learning
+rate that raises on some processes only is agreed on the same way (a second small all_reduce,
+made only with W > 1 and a callable rate in the batch): every process raises at once, nothing
+written (the callables of the processes where it did not raise have been called). ``apply_gradients`` skips,
 as a whole, the tables of an optimizer with ``skip_nonfinite_gradients`` whose gradients hold NaN
 or inf on any process (docs/semantics.md section 3).
 """
@@ -136,6 +139,11 @@ def learning_rates(prepared: Prepared, plan: ShardingPlan) -> dict[int, float]:
     return out
 
 
+def _callable_rates(prepared: Prepared, plan: ShardingPlan) -> bool:
+    """Whether an optimizer of the batch's tables has a callable learning rate."""
+    return any(callable(_optimizer(plan, tb.physical).learning_rate) for tb in prepared.tables)
+
+
 def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
                          step: int) -> dict[int, float | None]:
     """``{physical table: gradient multiplier}``, each optimizer's ``gradient_multiplier(step)``
@@ -197,7 +205,16 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
         bad = agree_gradients(comm, failure, local, store.device)
     else:
         bad = local
-    lrs = learning_rates(prepared, plan)
+    if comm.world_size == 1 or not _callable_rates(prepared, plan):
+        lrs = learning_rates(prepared, plan)
+    else:  # a callable may raise on some processes only: they agree once more before the
+        # exchange, so every process raises at once (nothing written) instead of waiting
+        failure = None
+        try:
+            lrs = learning_rates(prepared, plan)
+        except Exception as e:  # noqa: BLE001 - the other processes learn it, then it is raised
+            failure = e
+        agree_gradients(comm, failure, [False] * len(groups), store.device)
     skipped = _skipped(groups, bad, nonfinite, plan)
     apply_gradients(prepared, answers, parts, store, comm, step, lrs, multipliers, skipped)
 
