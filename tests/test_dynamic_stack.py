@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import given, settings
+from distributed import run_on
 from hypothesis import strategies as st
 from profiles import examples
 
@@ -237,3 +238,49 @@ def test_what_stacks():
     emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.1))
     groups = sorted(p.tables for p in emb._ready().store.plan.physical)
     assert groups == [("s",), ("t0", "t1"), ("w",)]
+
+
+def _sharded_stack_body(rank, world, init, strategy):
+    """W processes (each a share of every batch) equal one process: stacked tables whose ids
+    travel to their owners in one exchange, by member (no eviction: capacities hold every id)."""
+    g = torch.Generator().manual_seed(7)
+    stream = [_batch(g, 3, pool=20, batch=8, bags=True) for _ in range(4)]
+    grads = [{f"f{k}": torch.randn(8, 4, generator=g) for k in range(3)} for _ in range(4)]
+    cfgs = _configs([(96, "sum"), (80, "mean"), (120, "sum")], admit_after=2)
+
+    def run(emb, share, world_):
+        acts = []
+        for batch, grad in zip(stream, grads):
+            b = 8 // world_
+            part = {n: v[share * b:(share + 1) * b] if not v.is_nested else
+                    torch.nested.nested_tensor_from_jagged(
+                        v.values()[v.offsets()[share * b]:v.offsets()[(share + 1) * b]],
+                        v.offsets()[share * b:(share + 1) * b + 1] - v.offsets()[share * b])
+                    for n, v in batch.items()}
+            emb.enqueue(part)
+            got = emb.dequeue()
+            acts.append(torch.cat([got[f"f{k}"] for k in range(3)], 1))
+            emb.apply_gradients({n: v[share * b:(share + 1) * b] for n, v in grad.items()})
+        return torch.cat(acts)
+
+    one = _stacked(cfgs, (), lambda: ec.Adagrad(learning_rate=0.1))
+    want = run(one, 0, 1)
+    init()
+    emb = _stacked(cfgs, (), lambda: ec.Adagrad(learning_rate=0.1), sharding=strategy,
+                   timeout=30)
+    plan = emb._ready().store.plan
+    if strategy == "hash":  # ("table": the tables of one owner stack)
+        assert len(plan.physical) == 1 and len(plan.physical[0].tables) == 3
+    got = run(emb, rank, world)
+    b = 8 // world
+    share = torch.cat([want[i * 8 + rank * b:i * 8 + (rank + 1) * b] for i in range(4)])
+    torch.testing.assert_close(got, share, rtol=1e-5, atol=1e-6)
+    for c in cfgs:
+        ids = emb.whole_vocabulary(c)[0]
+        assert torch.equal(ids, one.vocabulary(c)[0]), c.name
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "hash"), (2, "table")])
+@pytest.mark.slow
+def test_a_sharded_stack_equals_one_process(world, strategy):
+    run_on(world, _sharded_stack_body, strategy)

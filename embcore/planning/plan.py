@@ -15,11 +15,12 @@ Strategies (docs/semantics.md section 5), each applied to every logical table on
   ``D % W`` slices one column wider).
 - ``hash``: a dynamic table's (raw ids) rows split like ``row_div``; id x is owned by process
   ``splitmix64(x) % W``. ``row_div`` and ``row_mod`` given for a dynamic table mean this.
-Dynamic tables (raw ids) stack with one another, never with tables whose ids are rows, when one
-process holds them (W = 1): each member keeps its own id -> row map over its own rows (its
-capacity, eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them
-all. With W > 1 (ids routed to their owners per table), or 16-bit with stochastic rounding (whose
-rounding keys are a table's raw ids), a dynamic table stands alone.
+Dynamic tables (raw ids) stack with one another, never with tables whose ids are rows: on each
+process each member keeps its own id -> row map over its own rows of the shard (its capacity,
+eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them all; a
+batch's ids travel to their owners in one exchange, by member. Replicated with W > 1, or 16-bit
+with stochastic rounding (whose rounding keys are a table's raw ids), a dynamic table stands
+alone.
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
@@ -293,7 +294,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
-        alone = cfg.dynamic is not None and (world_size > 1 or rounds)
+        alone = cfg.dynamic is not None and (
+            rounds or (world_size > 1 and strategies[name] == "replicated"))
         key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
                cfg.dynamic is not None,  # raw ids and row ids do not mix

@@ -292,7 +292,9 @@ class RowStore:
         slots.
 
         Stacked dynamic tables take one tensor of distinct ids, a run per member
-        (``segments``: ``TableBatch.segments``), each run resolved by its member's map.
+        (``segments``: ``TableBatch.segments``), each run resolved by its member's map; or, with
+        no ``segments``, what each process asked (``Route.header``: the count of each member's
+        ids, then their runs): each member's map steps over the union of its runs.
 
         Returns:
             ``(rows, since)``: rows like ``ids``; ``since`` the map step(s) they are valid at
@@ -305,6 +307,8 @@ class RowStore:
         dyn = self.dynamic.get(p)
         if dyn is None:
             return ids, None
+        if segments is None and len(dyn.members) > 1:
+            return self._resolve_asked(p, dyn, ids, training)
         if len(ids) == 1:  # one process's distinct ids (a lookup's dedup.unique)
             distinct, inverse = ids[0], None
         else:  # what several processes asked for: their union (in any order: the map's step
@@ -328,6 +332,43 @@ class RowStore:
             return [rows], since
         return list(rows[inverse].split([t.numel() for t in ids])), since
 
+    def _runs(self, dyn: DynamicStack, ids: list[torch.Tensor]
+              ) -> tuple[list[list[torch.Tensor]], torch.Tensor, tuple[tuple[int, int], ...],
+                         list[torch.Tensor]]:
+        """What processes asked of a stack (headed runs, ``Route.header``): per process its
+        runs by member, the members' distinct ids (a run each, ``segments``) and, per member,
+        where each id of its runs (all processes in turn) is in its distinct run."""
+        m = len(dyn.members)
+        runs = [list(t[m:].split(t[:m].tolist())) for t in ids]  # per process: M runs
+        distinct, inverses, segments = [], [], []
+        for k in range(m):
+            mine = [r[k] for r in runs]
+            cat = torch.cat(mine) if len(mine) > 1 else mine[0]
+            if len(mine) == 1:  # one process: its run is distinct already
+                d, inv = cat, torch.arange(cat.numel(), device=cat.device)
+            elif cat.numel():
+                d, inv = _distinct(cat)
+            else:
+                d, inv = cat, cat
+            distinct.append(d)
+            inverses.append(inv)
+            segments.append((k, d.numel()))
+        return runs, torch.cat(distinct), tuple(segments), inverses
+
+    def _resolve_asked(self, p: int, dyn: DynamicStack, ids: list[torch.Tensor],
+                       training: bool) -> tuple[list[torch.Tensor], Any]:
+        """``resolve`` of what each process asked of a stack (headed runs): each member's map
+        over the union of its runs; the rows back in each process's order."""
+        runs, distinct, segments, inverses = self._runs(dyn, ids)
+        rows, _ = self.resolve(p, [distinct], training, segments)
+        per_member = rows[0].split([c for _, c in segments])
+        out: list[list[torch.Tensor]] = [[] for _ in ids]
+        for k, (got, inv) in enumerate(zip(per_member, inverses)):
+            back = got[inv].split([r[k].numel() for r in runs])
+            for s, piece in enumerate(back):
+                out[s].append(piece)
+        return [torch.cat(o) for o in out], dyn.since(None)
+
     def check_steps(self, tables: list[tuple[int, list[torch.Tensor],
                                              tuple[tuple[int, int], ...] | None]]) -> None:
         """Raises, before any map changes, the ``ValueError`` the training step of any of the
@@ -337,6 +378,10 @@ class RowStore:
         other table's map. Free while a member's ids number at most its capacity."""
         for p, ids, segments in tables:
             dyn = self.dynamic[p]
+            if segments is None and len(dyn.members) > 1:  # what each process asked
+                _, distinct, segments, _ = self._runs(dyn, ids)
+                dyn.check_step(distinct, segments)
+                continue
             if segments is not None:
                 dyn.check_step(ids[0], segments)
                 continue

@@ -476,11 +476,23 @@ class DynamicStack:
 
     def valid(self, rows: torch.Tensor, since: Any) -> tuple[torch.Tensor, int]:
         """``(keep (n,) bool, kept)``: the shard rows ``rows`` that still hold the id they held
-        after ``since`` (never the zero row). With several members ``rows`` are ``resolve``'s,
-        in its runs."""
+        after ``since`` (never the zero row). With several members and ``since``'s segments
+        ``rows`` are ``resolve``'s, in its runs; without, any shard rows."""
         if len(self.members) == 1:
             return self.members[0].valid(rows, since)
         steps, segments = since
+        if segments is None:  # any rows: each to its member by its place in the shard
+            bounds = torch.tensor(self.starts[1:] + [self.zero_row], device=rows.device)
+            member = torch.searchsorted(bounds, rows, right=True)  # (n,) M: the zero row
+            keep = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+            kept = 0
+            for m, dyn in enumerate(self.members):
+                at = (member == m).nonzero().squeeze(1)
+                if at.numel():
+                    k, n = dyn.valid(rows[at] - self.starts[m], steps[m])
+                    keep[at] = k
+                    kept += n
+            return keep, kept
         keep, kept = [], 0
         for m, t in self.pieces(rows, segments):
             dyn, start = self.members[m], self.starts[m]

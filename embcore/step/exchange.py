@@ -96,7 +96,8 @@ def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Ta
     table = store.tables[p.index]
     answers = []
     for s, ids in enumerate(asked):
-        out = torch.empty(ids.numel() + 1, table.shape[1], dtype=table.dtype,
+        n = ids.numel() - rt.header  # (a stack's ids come after the count of each member's)
+        out = torch.empty(n + 1, table.shape[1], dtype=table.dtype,
                           device=table.device)  # (n_s + 1, D): the rows, then the status
         if failure is None:
             if p.offloaded:  # (through its cache)

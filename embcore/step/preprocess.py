@@ -38,10 +38,13 @@ class Route:
     send_ids: list[torch.Tensor]  # per rank d: (n_d,) rows of d's shard to ask d for (raw ids
     #                               of a dynamic table: d's map gives their rows)
     order: torch.Tensor | None    # (U,) positions in ``unique`` in send order; None: all to all
+    header: int = 0               # stacked dynamic tables: each ``send_ids[d]`` starts with the
+    #                               count of ids of each member (M values), then their runs
 
     @property
     def counts(self) -> list[int]:
-        return [t.numel() for t in self.send_ids]
+        """How many ids (rows) go to each rank (its header not counted)."""
+        return [t.numel() - self.header for t in self.send_ids]
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
             fs = [f for _, f in sorted(zip(of, members[p]))]
             (bags, dd), slices, segments = _concatenate_members(
                 [(f, features[f]) for f in fs], sorted(of))
-            tables.append(TableBatch(p, bags, dd, slices, None, segments))
+            tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
+                                     segments))
             continue
         parts = [(f, features[f]) for f in members[p]]
         bags, slices = _concatenate(parts, [plan.table(feature_tables[f]).row_offset
@@ -171,12 +175,19 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],
     return (Bags(ids, native.concat(offsets), native.concat(scales)), dd), tuple(slices)
 
 
-def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | None:
+def route(plan: ShardingPlan, physical: int, unique: torch.Tensor,
+          segments: tuple[tuple[int, int], ...] | None = None) -> Route | None:
     """Which process holds each distinct row of a physical table, and its row in that shard.
+
+    Args:
+        segments: stacked dynamic tables: the runs of ``unique`` by member
+            (``TableBatch.segments``).
 
     Returns:
         None when every row is held here (one process, or a replicated table); for a column
-        split every row goes to every process (order None); otherwise rows grouped by owner.
+        split every row goes to every process (order None); otherwise rows grouped by owner
+        (stacked dynamic tables: by owner, then member, each rank's ids after a header of the
+        count of each member's).
     """
     p = plan.physical[physical]
     w = plan.world_size
@@ -184,6 +195,17 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor) -> Route | No
         return None
     if p.placement.splits_columns:  # every rank holds every row, in the global row layout
         return Route([unique] * w, None)
+    if p.dynamic and segments is not None:  # a stack: by owner, then member
+        m = len(p.tables)
+        member = torch.repeat_interleave(
+            torch.tensor([k for k, _ in segments], dtype=torch.int64, device=unique.device),
+            torch.tensor([c for _, c in segments], device=unique.device),
+            output_size=unique.numel())  # (U,)
+        key = p.placement.owner_of_ids(unique) * m + member  # (U,)
+        order = torch.argsort(key, stable=True)  # (U,)
+        per = torch.bincount(key, minlength=w * m).view(w, m)  # (W, M)
+        runs = unique[order].split(per.sum(1).tolist())
+        return Route([torch.cat([per[d], runs[d]]) for d in range(w)], order, header=m)
     if p.dynamic:  # raw ids go to their owners, whose maps turn them into rows
         owner = p.placement.owner_of_ids(unique)  # (U,)
         order = torch.argsort(owner, stable=True)  # (U,)
