@@ -7,11 +7,19 @@
     python examples/criteo/train.py --data DIR --spec examples/criteo/spec.json   # tables as data
     python examples/criteo/train.py --data DIR --write-spec my.json  # the flags' spec, then exit
     python examples/criteo/train.py --data DIR --dtype bfloat16      # 16-bit table rows
+    python examples/criteo/train.py --data DIR --mlperf        # MLPerf's settings at any size
 
 One epoch (by default) over DIR/train.txt in file order, streamed in batches (files larger than
 memory are fine); then an evaluation over DIR/test.txt when it has labels, else over the lines
 of train.txt held out by ``--holdout-every`` (every k-th line; they are then not trained on).
 The last line printed is exactly ``test auc=0.XXXX logloss=0.XXXX``.
+
+The settings (batch, learning rates, model sizes) are MLPerf DLRM-DCNv2's from 15M training lines
+on (Kaggle's train.txt, the 1TB logs); for fewer lines they are derived from the number of
+training lines of an epoch (``derived_settings``: MLPerf's batch times r, the tables' rate over
+r, the sizes times max(r, 1/4), r = sqrt(lines / 3e7) as a power of two between 1/32 and 1) and
+printed at the start. ``--mlperf`` gives MLPerf's at any size; a flag given wins over both, and
+a resumed run takes the settings its checkpoint records for the flags not given again.
 
 The 26 tables, their features, optimizer, sharding and memory budget are an ``ec.EmbeddingSpec``:
 the one the flags build (``--dim``, ``--dtype``, ``--no-stochastic-rounding``, ``--raw-ids`` /
@@ -23,7 +31,8 @@ refused: the file says it). The dense part takes D from it.
 Everything it writes goes under ``--out``:
 
     checkpoints/step-00001234/embedding/   ec.save: tables, Adagrad accumulators, id maps, step
-    checkpoints/step-00001234/dense.pt     the dense part, its optimizer, the position in the data
+    checkpoints/step-00001234/dense.pt     the dense part, its optimizer, the position in the
+                                           data, the run's settings
     checkpoints/latest                     the name of the newest complete checkpoint
     metrics.jsonl                          "train" lines (loss, examples/s) every --log-every
                                            steps, an "eval" line (test AUC, log loss, the
@@ -34,6 +43,7 @@ Everything it writes goes under ``--out``:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -42,6 +52,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import timedelta
@@ -85,10 +96,22 @@ SYNTHETIC_WARNING = (f"*** {SYNTHETIC_NOTE}. Point --data at Criteo's files (Kag
                      f"train.txt or the 1TB day files) for real results. ***")
 
 
+# MLPerf DLRM-DCNv2's settings (TorchRec's dlrm_main with --adagrad; the batch the job's 4096, the
+# reference's 65,536 being 8 GPUs'): what --mlperf sets, and the defaults from SCALE_LINES / 2
+# training lines on (Kaggle's train.txt, the 1TB logs). Below that the defaults are derived from
+# the number of training lines (derived_settings); a flag given explicitly always wins.
+MLPERF: dict[str, Any] = {"batch_size": 4096, "embedding_lr": 0.005, "lr": 0.005, "dim": 128,
+                          "bottom_mlp": [512, 256, 128], "cross_layers": 3, "cross_rank": 512,
+                          "top_mlp": [1024, 1024, 512, 256]}
+SIZES = ("dim", "bottom_mlp", "cross_layers", "cross_rank", "top_mlp")  # (not logreg's)
+SCALE_LINES = 30_000_000  # r = sqrt(lines / SCALE_LINES) as a power of two, 1/32 ... 1
+SMALLEST_R, SMALLEST_MODEL_R = -5, -2  # log2: r >= 1/32; the sizes >= a quarter of MLPerf's
+
 # The flags that build the tables' spec, with their defaults; --spec FILE replaces them.
-TABLE_FLAGS = {"dim": 128, "dtype": "float32", "stochastic_rounding": True, "raw_ids": True,
-               "hash_buckets": None, "capacity": None, "embedding_lr": 0.005,
-               "embedding_optimizer": "adagrad", "sharding": "auto", "memory_budget": None}
+TABLE_FLAGS = {"dim": MLPERF["dim"], "dtype": "float32", "stochastic_rounding": True,
+               "raw_ids": True, "hash_buckets": None, "capacity": None,
+               "embedding_lr": MLPERF["embedding_lr"], "embedding_optimizer": "adagrad",
+               "sharding": "auto", "memory_budget": None}
 FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding"}  # (else --name-with-dashes)
 # --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -115,7 +138,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "seven)")
     d.add_argument("--skip-bad", action="store_true",
                    help="skip malformed lines (and count them) instead of stopping at the first")
-    m = p.add_argument_group("model (MLPerf DLRM-DCNv2's sizes by default)")
+    derived = {"default": argparse.SUPPRESS}  # MLPerf's, or derived from the data's size
+    m = p.add_argument_group("model (by default derived from the number of training lines: "
+                             "MLPerf DLRM-DCNv2's sizes from 15M lines on, smaller below; "
+                             "--mlperf: MLPerf's)")
+    m.add_argument("--mlperf", action="store_true",
+                   help="MLPerf DLRM-DCNv2's settings instead of the ones derived from the "
+                        "data's size: batch 4096, Adagrad rates 0.005 (tables and dense part), "
+                        "D 128, bottom MLP 512-256-128, 3 cross layers of rank 512, top MLP "
+                        "1024-1024-512-256. Flags given explicitly still win")
     m.add_argument("--spec", type=Path, default=None,
                    help="the tables as data: an ec.EmbeddingSpec JSON file (features C1 ... C26, "
                         "their tables, optimizer, sharding, memory budget; all tables of one "
@@ -130,8 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dcnv2: DLRM-DCNv2; logreg: the logistic-regression baseline (a weight "
                         "per category value in tables of dim 1, a linear term of the 13 counts; "
                         "the MLP and cross flags do not apply)")
-    m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default 128; 1 with "
-                   "--model logreg)")
+    m.add_argument("--dim", type=int, **table, help="D of the 26 tables (default: derived, "
+                   "128 with --mlperf; 1 with --model logreg)")
     m.add_argument("--dtype", choices=tuple(DTYPES), **table,
                    help="the tables' rows (default float32): float16 or bfloat16 are compact "
                         "16-bit rows (half the bytes; activations stay float32, each update is "
@@ -140,12 +171,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    **table, help="--dtype float16 / bfloat16: round updates to nearest instead "
                                  "of stochastically (an update below half a unit in the last "
                                  "place is then lost)")
-    m.add_argument("--bottom-mlp", type=int, nargs="+", default=[512, 256, 128],
-                   help="bottom MLP widths over the 13 counts")
-    m.add_argument("--top-mlp", type=int, nargs="+", default=[1024, 1024, 512, 256],
-                   help="top MLP hidden widths (then one logit)")
-    m.add_argument("--cross-layers", type=int, default=3, help="DCN v2 cross layers")
-    m.add_argument("--cross-rank", type=int, default=512, help="rank of each cross layer")
+    m.add_argument("--bottom-mlp", type=int, nargs="+", **derived,
+                   help="bottom MLP widths over the 13 counts (default: derived, 512 256 128 "
+                        "with --mlperf)")
+    m.add_argument("--top-mlp", type=int, nargs="+", **derived,
+                   help="top MLP hidden widths, then one logit (default: derived, 1024 1024 512 "
+                        "256 with --mlperf)")
+    m.add_argument("--cross-layers", type=int, **derived, help="DCN v2 cross layers (default 3)")
+    m.add_argument("--cross-rank", type=int, **derived,
+                   help="rank of each cross layer (default: derived, 512 with --mlperf)")
     i = p.add_argument_group("ids and tables")
     ids = i.add_mutually_exclusive_group()
     ids.add_argument("--raw-ids", action="store_true", **table,
@@ -163,11 +197,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--batch-size may stop the run. Default 1.0")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=1, help="passes over train.txt")
-    t.add_argument("--batch-size", type=int, default=4096, help="examples per step, all "
-                   "processes")
-    t.add_argument("--lr", type=float, default=0.005, help="the dense part's Adagrad rate")
+    t.add_argument("--batch-size", type=int, **derived,
+                   help="examples per step, all processes (default: derived, 4096 with --mlperf)")
+    t.add_argument("--lr", type=float, **derived, help="the dense part's Adagrad rate "
+                   "(default 0.005)")
     t.add_argument("--embedding-lr", type=float, **table,
-                   help="the tables' Adagrad rate (default 0.005)")
+                   help="the tables' Adagrad rate (default: derived, 0.005 with --mlperf)")
     t.add_argument("--embedding-optimizer", choices=("adagrad", "rowwise_adagrad"), **table,
                    help="ec.Adagrad (an accumulator per entry; the default) or "
                         "ec.RowwiseAdagrad (per row, as MLPerf's reference)")
@@ -192,7 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="directory for checkpoints, metrics.jsonl and curves.png")
     o.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint under --out (same data and flags; "
-                        "the learning rates --lr and --embedding-lr may change)")
+                        "the settings not given again are the checkpoint's; the learning "
+                        "rates --lr and --embedding-lr may change)")
     o.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps within an epoch (0: at epoch ends only)")
     o.add_argument("--keep-checkpoints", type=int, default=2, help="how many to keep")
@@ -200,6 +236,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a tqdm progress bar (when tqdm is installed)")
     args = p.parse_args(argv)
+    # The settings given on the command line; the others are MLPerf's until _run chooses them
+    # (choose_settings: from the data, a checkpoint or --mlperf), so parse_args alone gives
+    # MLPerf's.
+    args.given = {k for k in MLPERF if hasattr(args, k)}
+    for k, v in MLPERF.items():
+        if not hasattr(args, k) and k not in TABLE_FLAGS:
+            setattr(args, k, list(v) if isinstance(v, list) else v)
     given = [FLAG_NAMES.get(k, f"--{k.replace('_', '-')}") for k in TABLE_FLAGS
              if hasattr(args, k)]
     if args.spec is not None and given:
@@ -325,11 +368,20 @@ class Dataset:
         return read_batches(self.train_path, batch_size, stats=stats, labeled=True,
                             part="test", share=share, **self.holdout, **self.common)
 
+    def train_lines(self) -> tuple[int, bool] | None:
+        """The lines of an epoch's training part (bad ones included) and whether counted
+        exactly: counted, or estimated from the first 16 MB for a file over 1 GB or a .gz (the
+        compressed bytes they took); None when unknown (no newline in the first 16 MB, a
+        corrupt .gz). Counted once."""
+        if not hasattr(self, "_train_lines"):
+            part = {"part": "train", **self.holdout} if self.holdout else {}
+            count = count_gz_lines if self.train_path.suffix == ".gz" else count_lines
+            self._train_lines = count(self.train_path, limit=self.common["limit"], **part)
+        return self._train_lines
+
     def train_steps(self, batch_size: int) -> int | None:
-        """The steps of an epoch for the progress bar: from a count of train.txt's lines (an
-        estimate for a file over 1 GB; skipped bad lines make fewer), None for a .gz file."""
-        part = {"part": "train", **self.holdout} if self.holdout else {}
-        counted = count_lines(self.train_path, limit=self.common["limit"], **part)
+        """The steps of an epoch for the progress bar (skipped bad lines make fewer)."""
+        counted = self.train_lines()
         return None if counted is None else math.ceil(counted[0] / batch_size)
 
     def identity(self) -> dict[str, Any]:
@@ -339,6 +391,134 @@ class Dataset:
             return {"data": "synthetic", **source, **self.common}
         return {"data": str(self.train_path.resolve()),
                 "train_bytes": self.train_path.stat().st_size, **self.common, **self.holdout}
+
+
+def count_gz_lines(path: Path, *, limit: int | None = None, part: str = "all",
+                   holdout_every: int = 0, block: int = 1 << 24) -> tuple[int, bool] | None:
+    """``count_lines`` for a .gz file: the lines of its first ``block`` bytes (decompressed)
+    times its size over the compressed bytes they took, or the exact count when the whole
+    file (or ``limit`` lines) fits in that block; None for a corrupt file (the reader names
+    the damage) or no newline in the block."""
+    cap = math.inf if limit is None else limit
+    try:
+        with open(path, "rb") as raw, gzip.GzipFile(fileobj=raw) as f:
+            first = f.read(block)
+            lines = first.count(b"\n")
+            exact = len(first) < block or lines >= cap
+            if exact:
+                lines += bool(first) and first[-1:] != b"\n"  # an unterminated last line
+            elif not lines:
+                return None
+            else:
+                lines = round(lines * path.stat().st_size / max(1, raw.tell()))
+    except (OSError, EOFError, zlib.error):
+        return None
+    lines = int(min(lines, cap))
+    if holdout_every > 0 and part != "all":  # line numbers k, 2k, ... are the test part
+        lines = lines // holdout_every if part == "test" else lines - lines // holdout_every
+    return lines, exact
+
+
+# ------------------------------------------------------------------------------ the settings
+def scale_exponent(lines: int) -> int:
+    """k of the scale r = 2**k of ``derived_settings``: sqrt(lines / SCALE_LINES) rounded to a
+    power of two (the nearest in log scale), between 1/32 and 1. In integers: the largest k <= 0
+    with lines >= SCALE_LINES / 2**(1 - 2 k), i.e. 15M lines for r = 1, 3.75M for 1/2, 937,500
+    for 1/4, 234,375 for 1/8, 58,594 for 1/16; 1/32 below."""
+    for k in range(0, SMALLEST_R, -1):
+        if lines * 2 ** (1 - 2 * k) >= SCALE_LINES:
+            return k
+    return SMALLEST_R
+
+
+def derived_settings(lines: int) -> dict[str, Any]:
+    """The default settings for an epoch of ``lines`` training lines: MLPerf's (``MLPERF``)
+    scaled by r = 2**scale_exponent(lines): the batch times r; the tables' rate divided by r
+    (a table row gets r**2 times MLPerf's updates, and Adagrad moves a row about in proportion
+    to the square root of its updates); the dense part's rate MLPerf's (its steps, lines /
+    batch, shrink only as r); D, the MLP widths and the cross rank times r, but not below a
+    quarter of MLPerf's (D 32); the cross layers 3. From 15M lines on: MLPerf's exactly."""
+    k = scale_exponent(lines)
+    m = -max(k, SMALLEST_MODEL_R)  # the sizes: w >> m = w * 2**-m (MLPerf's are powers of two)
+    return {"batch_size": MLPERF["batch_size"] >> -k,
+            "embedding_lr": MLPERF["embedding_lr"] * 2 ** -k, "lr": MLPERF["lr"],
+            "dim": MLPERF["dim"] >> m, "bottom_mlp": [w >> m for w in MLPERF["bottom_mlp"]],
+            "cross_layers": MLPERF["cross_layers"], "cross_rank": MLPERF["cross_rank"] >> m,
+            "top_mlp": [w >> m for w in MLPERF["top_mlp"]]}
+
+
+def checkpoint_settings(root: Path) -> dict[str, Any] | None:
+    """The settings the newest checkpoint under ``root`` records (``save_checkpoint``); MLPerf's
+    for one written before checkpoints recorded them (MLPerf's were the defaults then); None
+    when there is no checkpoint or it cannot be read (``restore_checkpoint`` says why)."""
+    try:
+        ckpt = root / (root / "latest").read_text().strip()
+        dense = torch.load(ckpt / "dense.pt", map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - restore_checkpoint reads it again and names the problem
+        return None
+    recorded = dense.get("settings") if isinstance(dense, dict) else None
+    return dict(MLPERF) if recorded is None else dict(recorded)
+
+
+SETTING_NAMES = {"batch_size": "batch", "lr": "dense rate", "embedding_lr": "tables' rate",
+                 "dim": "D", "bottom_mlp": "bottom", "cross_layers": "cross layers",
+                 "cross_rank": "cross rank", "top_mlp": "top"}
+
+
+def _setting(key: str, value: Any) -> str:
+    shown = "-".join(map(str, value)) if isinstance(value, list) else f"{value:g}"
+    return f"{SETTING_NAMES[key]} {shown}"
+
+
+def choose_settings(args: argparse.Namespace, data: Dataset | None, root: Path,
+                    say: Callable[..., None] = print) -> dict[str, Any]:
+    """Sets the settings of ``MLPERF``'s keys that the command line leaves open, and prints
+    them with their source. Who wins: a flag given explicitly; then ``--mlperf`` (MLPerf's);
+    then, on ``--resume`` with a checkpoint, the checkpoint's (so a resumed run trains on with
+    the settings it started with); then the ones derived from the training lines of ``data``
+    (``derived_settings``; MLPerf's when there is no data or its size is unknown). The tables'
+    D and rate come from the ``--spec`` file when there is one, D is 1 with ``--model logreg``
+    and the model sizes do not apply to it. Returns the settings the run uses (for its
+    checkpoints)."""
+    keys = [k for k in MLPERF
+            if not (args.spec is not None and k in ("dim", "embedding_lr"))
+            and not (args.model == "logreg" and k in SIZES)]
+    open_keys = [k for k in keys if k not in args.given]
+    why, values = "", dict(MLPERF)
+    recorded = checkpoint_settings(root) if args.resume and not args.mlperf else None
+    if args.mlperf:
+        why = "--mlperf: MLPerf DLRM-DCNv2's"
+    elif recorded is not None:
+        values.update(recorded)
+        why = f"the checkpoint's under {root} (the run's own)"
+    elif data is None:
+        why = "MLPerf DLRM-DCNv2's (no data to derive them from)"
+    elif (counted := data.train_lines()) is None:
+        why = (f"MLPerf DLRM-DCNv2's (the lines of {data.train_path.name} are unknown: nothing "
+               f"to derive them from)")
+    else:
+        lines, exact = counted
+        k = scale_exponent(lines)
+        values = derived_settings(lines)
+        scale = "1" if k == 0 else f"1/{2 ** -k}"
+        why = (f"derived from the {'' if exact else 'estimated '}{lines:,} training lines: "
+               f"r = {scale} (sqrt(lines / {SCALE_LINES:,}) to a power of two, 1/32 ... 1), "
+               f"MLPerf's batch x r, tables' rate / r"
+               + (", sizes x max(r, 1/4)" if args.model == "dcnv2" else "")
+               + ("; MLPerf's exactly from 15M lines on" if k else " (MLPerf's)"))
+    for k in open_keys:
+        v = values.get(k, MLPERF[k])
+        setattr(args, k, list(v) if isinstance(v, list) else v)
+    chosen = {k: getattr(args, k) for k in keys}
+    say("settings: " + ", ".join(_setting(k, v) for k, v in chosen.items())
+        + (f" (the tables' D and rate: {args.spec}'s)" if args.spec is not None else ""))
+    given = [f"--{k.replace('_', '-')}" for k in keys if k in args.given]
+    if given:
+        say(f"  given: {', '.join(given)} (a flag given wins)")
+    if open_keys:
+        say(f"  {'the others' if given else 'all'}: {why}"
+            + ("" if args.mlperf else "; --mlperf gives MLPerf's"))
+    return chosen
 
 
 def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
@@ -500,15 +680,18 @@ def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 def save_checkpoint(root: Path, model: DLRM, dense_opt: torch.optim.Optimizer,
                     position: dict[str, int], history: list[dict[str, Any]],
-                    identity: dict[str, Any], keep: int, rank: int) -> Path:
+                    identity: dict[str, Any], keep: int, rank: int,
+                    settings: dict[str, Any] | None = None) -> Path:
     """Writes a checkpoint, then points ``latest`` at it, then prunes old ones: an interrupted
-    save leaves the previous checkpoint the one ``--resume`` reads."""
+    save leaves the previous checkpoint the one ``--resume`` reads. ``settings``: the run's
+    (``choose_settings``), which a resumed run takes for the flags not given again."""
     ckpt = root / f"step-{position['global_step']:08d}"
     ec.save(ckpt / "embedding", model.embedding, extra=dict(position))  # every process
     if rank == 0:
         dense = {"position": position, "model_config": asdict(model.config),
                  "dense_arch": model.dense_arch.state_dict(),
-                 "optimizer": dense_opt.state_dict(), "history": history, "run": identity}
+                 "optimizer": dense_opt.state_dict(), "history": history, "run": identity,
+                 "settings": settings}
         _write_atomic(ckpt / "dense.pt", lambda p: torch.save(dense, p))
         _write_atomic(root / "latest", lambda p: p.write_text(ckpt.name + "\n"))
         for old in sorted(root.glob("step-*"))[:-keep]:
@@ -717,7 +900,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
     if args.spec is not None:  # the tables as data: the dense part takes D from them
         spec = read_spec(args.spec)
         try:
-            config = config_from_spec(spec, **dense_sizes(args))
+            config = config_from_spec(spec, **dense_sizes(args))  # (checked; sizes below)
         except ValueError as e:
             raise ValueError(f"--spec {args.spec}: {e}") from None
         if not config.raw_ids:  # static tables: the reader hashes the ids into their rows
@@ -733,8 +916,13 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
             f"click probabilities'), their log loss {synthetic['best_test_logloss']:.4f}")
     if data is not None:
         say(f"data: {data.describe()}")
+    out: Path = args.out
+    root = out / "checkpoints"
+    settings = choose_settings(args, data, root, say)
     if spec is None:
         config, spec = flags_spec(args, data, say)
+    else:
+        config = config_from_spec(spec, **dense_sizes(args))
     if args.write_spec is not None:
         if rank == 0:
             args.write_spec.parent.mkdir(parents=True, exist_ok=True)
@@ -762,8 +950,6 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
          if config.arch == "dcnv2" else "model: logistic regression (the baseline); ")
         + f"{n_dense:,} dense parameters, {sum(config.capacities) * config.dim:,} table entries")
 
-    out: Path = args.out
-    root = out / "checkpoints"
     out.mkdir(parents=True, exist_ok=True)
     identity = {**data.identity(), "batch_size": args.batch_size, "seed": args.seed,
                 "world": world}
@@ -850,7 +1036,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                 window_loss, window_n, window_start = 0.0, 0, now
             if args.checkpoint_every and position["global_step"] % args.checkpoint_every == 0:
                 save_checkpoint(root, model, dense_opt, position, history, identity,
-                                args.keep_checkpoints, rank)
+                                args.keep_checkpoints, rank, settings)
                 if rank == 0:
                     write_metrics(out, history)
         if bar is not None:
@@ -877,7 +1063,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
         history.append(record)
         position.update(epoch=epoch, line=0, epoch_step=0)
         save_checkpoint(root, model, dense_opt, position, history, identity,
-                        args.keep_checkpoints, rank)
+                        args.keep_checkpoints, rank, settings)
         if rank == 0:
             write_metrics(out, history)
             title = "DLRM-DCNv2" if config.arch == "dcnv2" else "Logistic regression"
