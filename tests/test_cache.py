@@ -21,6 +21,7 @@ from switches import kernels
 from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
 
 import embcore as ec
+from embcore.config.tables import MAP_BYTES_PER_ROW
 from embcore.config.budget import parse_budget
 from embcore.ops import native
 from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
@@ -106,7 +107,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
                   if p.offloaded) for b in (30_000, 60_000)]
     assert caches[1] > caches[0]
     # A dynamic table goes to the slow tier like any other; its map stays in fast memory and is
-    # charged to the budget (65 bytes a row of capacity). Rules that move every row stay.
+    # charged to the budget (MAP_BYTES_PER_ROW a row of capacity). Rules that move every row stay.
     dyn = make_plan(_specs(dynamic=True), 1, None, None, 240_000)
     huge = next(p for p in dyn.physical if "huge" in p.tables)
     assert huge.offloaded and huge.dynamic
@@ -115,11 +116,12 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     # An offloaded table's cache index holds 4 bytes for each of its rows, charged first.
     with pytest.raises(ValueError, match=r"cache indexes of the offloaded tables \[.*'huge'"
                                          r".*\(4 bytes a row\)"):
-        make_plan(_specs(dynamic=True), 1, None, None, 200_000)
+        make_plan(_specs(dynamic=True), 1, None, None, 3000 * MAP_BYTES_PER_ROW + 5000)
     dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
     assert not any(p.offloaded for p in dense.physical)
     with pytest.raises(ValueError,
-                       match=r"maps of dynamic tables \['huge'\] \(65 bytes a row\): 195000"):
+                       match=rf"maps of dynamic tables \['huge'\] \({MAP_BYTES_PER_ROW} bytes a "
+                             rf"row\): {3000 * MAP_BYTES_PER_ROW}"):
         make_plan(_specs(dynamic=True), 1, None, None, 1000)
     with pytest.raises(ValueError, match="Adam\\(lazy_adam=False\\) table 'big'"):
         make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 1000)
@@ -246,7 +248,7 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
     assert advised, "the moves asked for their pages"
     advised.clear()
     runs = []
-    for budget in (None, 40 * 65 + RAW_INDEX + 200):
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 200):
         emb = _raw_engine(opt, budget)
         runs.append((_run(emb, _raw_batches(5)), _state(emb), emb))
     _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
@@ -325,7 +327,8 @@ def test_dynamic_tables_in_the_slow_tier_equal_in_memory(opt, eviction, admit_af
     evaluation lookup between steps -> bit-identical to no budget."""
     batches = _raw_batches(8)
     runs = []
-    for budget in (None, 40 * 65 + RAW_INDEX + 200):  # the map, the indexes, a few rows
+    # the map, the indexes, a few rows
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 200):
         emb = _raw_engine(opt, budget, eviction, admit_after)
         acts = _run(emb, batches[:5])
         emb.enqueue(batches[5][0], training=False)  # evaluation: admits nothing
@@ -348,15 +351,15 @@ def test_dynamic_tables_in_the_slow_tier_pipelined_and_through_checkpoints(tmp_p
     pending update), then saved and loaded under another budget -> as without a budget."""
     batches = _raw_batches(10, seed=3)
     runs = []
-    for budget in (None, 40 * 65 + RAW_INDEX + 150):
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 150):
         emb = _raw_engine("adagrad", budget, pipelined=True)
         runs.append((_run(emb, batches[:6]), _state(emb)))
     _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
-    emb = _raw_engine("adagrad", 40 * 65 + RAW_INDEX + 150)
+    emb = _raw_engine("adagrad", 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 150)
     _run(emb, batches[:6])
     ec.save(tmp_path / "ck", emb)
     outs = []
-    for budget in (None, 40 * 65 + RAW_INDEX + 100):
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 100):
         other = _raw_engine("adagrad", budget)
         ec.load(tmp_path / "ck", other)
         outs.append((_run(other, batches[6:]), _state(other)))

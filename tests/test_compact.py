@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
+from embcore.config.tables import MAP_BYTES_PER_ROW
 from embcore.ops import native, rounding
 from embcore.ops.bags import Bags
 from embcore.ops.bags import dedup as dedup_of
@@ -322,7 +323,7 @@ def test_a_dynamic_compact_table_trains_in_memory_and_offloaded_alike(dtype):
     assert emb.embedding_tables["b"].dtype == dtype
     ids, _ = emb.vocabulary("b")
     assert ids.numel() > 0
-    offloaded, emb2 = _train(dtype, dynamic=True, budget=_budget([30, 50]) + 65 * 80)
+    offloaded, emb2 = _train(dtype, dynamic=True, budget=_budget([30, 50]) + MAP_BYTES_PER_ROW * 80)
     assert any(p.offloaded for p in emb2.plan.physical)
     _same_state(ref, offloaded)
 

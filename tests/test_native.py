@@ -1043,27 +1043,38 @@ def boundary_cases():
                                    r"ec_vocab_find: argument 'slots' must be non-empty"),
         "vocab_find last_use short": (vocab_find(last_use=torch.zeros(3, dtype=i64)),
                                       ValueError, r"argument 'last_use' must be of 4 elements"),
-        "vocab_valid row_used short": (
-            lambda: native.vocab_valid(rows, torch.zeros(3, dtype=torch.bool),
-                                       torch.zeros(4, dtype=i64), 0),
-            ValueError, r"ec_vocab_valid: argument 'row_used' must be of 4 elements"),
+        "vocab_valid born float": (
+            lambda: native.vocab_valid(rows, torch.zeros(4), 0),
+            TypeError, r"ec_vocab_valid: argument 'born' must be torch.int32 or torch.int64"),
         "vocab_step freed short": (
-            lambda: native.vocab_step(vocab["slots"], vocab["row_key"],
-                                      torch.zeros(4, dtype=torch.uint8), vocab["last_use"],
-                                      torch.zeros(4, dtype=i64), torch.zeros(4, dtype=i64),
+            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+                                      torch.zeros(4, dtype=i64), torch.zeros(4, dtype=i64), 4, 0,
                                       torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
                                       1, 0, False, 0, 3, torch.zeros(2, dtype=i64)),
             ValueError, r"ec_vocab_step: argument 'freed' must be of 3 elements, got 2"),
+        "vocab_step born short": (
+            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+                                      torch.zeros(4, dtype=i64), torch.zeros(3, dtype=i64), 4, 0,
+                                      torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
+                                      1, 0, False, 0),
+            ValueError, r"ec_vocab_step: argument 'born' must be of 4 elements, got 3"),
+        "vocab_step steps of two dtypes": (
+            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+                                      torch.zeros(4, dtype=torch.int32),
+                                      torch.zeros(4, dtype=i64), 4, 0,
+                                      torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
+                                      1, 0, False, 0),
+            TypeError, r"ec_vocab_step: last_use, frequency and born must share one dtype"),
         "init_normal table narrow": (
             lambda: native.init_normal(0, ids, ids, (0, 5), 0.0, 1.0, 1.0, table),
             ValueError, r"ec_init_normal: columns \(0, 5\) need a table 5 wide"),
         "init_normal table float64": (
             lambda: native.init_normal(0, ids, ids, (0, 4), 0.0, 1.0, 1.0, table.double()),
             TypeError, r"argument 'table' must be torch.float32"),
-        "vocab_index slots int32": (
-            lambda: native.vocab_index(vocab["slots"].int(), vocab["row_key"],
-                                       torch.zeros(4, dtype=torch.uint8)),
-            TypeError, r"ec_vocab_index: argument 'slots' must be torch.int64"),
+        "vocab_index slots int16": (
+            lambda: native.vocab_index(vocab["slots"].short(), vocab["row_key"],
+                                       torch.full((4,), -1, dtype=torch.int32)),
+            TypeError, r"ec_vocab_index: argument 'slots' must be torch.int32 or torch.int64"),
         "f32 scales as int64": (lambda: native.lookup(table, ids, offsets, ids, out()),
                                 TypeError, (r"argument 'scales' must be torch.float32, got "
                                            r"torch.int64 \(expected a contiguous CPU float32 "
@@ -1127,7 +1138,8 @@ def _c_types(kind) -> set[str]:
         return {scalars[id(kind)]}
     const = "" if getattr(kind, "writes", True) else "const"
     if isinstance(kind, kernel_args.TensorArg):
-        if len(kind.dtypes) > 1 and torch.float16 in kind.dtypes:  # rows of several types
+        if len(kind.dtypes) > 1 and (torch.float16 in kind.dtypes  # rows of several types
+                                     or torch.int32 in kind.dtypes):  # a vocab map's int32/64
             return {f"{const}void*"}
         base = {torch.float32: "float", torch.int64: "i64", torch.int32: "int32_t",
                 torch.uint8: "uint8_t", torch.int16: "uint16_t"}[kind.dtypes[0]]

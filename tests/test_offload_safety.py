@@ -23,12 +23,13 @@ import torch
 from distributed import exited_pid
 
 import embcore as ec
+from embcore.config.tables import MAP_BYTES_PER_ROW
 from embcore.state import cache as cache_module
 
 ROWS, DIM = 1000, 8
-# the dynamic table's map (65 bytes a row), both cache indexes and a cache row each (8180
+# the dynamic table's map (MAP_BYTES_PER_ROW a row), both cache indexes and a cache row each (8180
 # bytes), 40 cache rows: both tables offloaded, their caches a few dozen rows
-BUDGET = ROWS * 4 + ROWS * 65 + 8180 + 64 * 40
+BUDGET = ROWS * 4 + ROWS * MAP_BYTES_PER_ROW + 8180 + 64 * 40
 
 
 def _engine(offload_dir, dynamic=True):

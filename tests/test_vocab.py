@@ -4,13 +4,15 @@ the bounded counts, and one large map."""
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles import examples
 
-from embcore.ops import native
+from embcore.ops import native, vocab
 from embcore.ops.reference_vocab import ReferenceVocabulary
 from embcore.ops.vocab import NativeVocabMap, VocabMap, vocab_map
 
@@ -18,9 +20,21 @@ I64 = torch.int64
 EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]
 
 
-# Both forms of the map: torch ops (sorted keys) and the fused kernels (a hash index).
-MAPS = [VocabMap, pytest.param(NativeVocabMap, marks=pytest.mark.skipif(
-    not native.available(), reason=f"the fused kernels are not built: {native.error()}"))]
+class HeldNativeVocabMap(NativeVocabMap):
+    """The native map holding 5 rows at least: all of small capacities from the start, the
+    others growing from 5 (the default holds 1 at first)."""
+
+    min_rows = 5
+
+
+_NO_KERNELS = pytest.mark.skipif(not native.available(),
+                                 reason=f"the fused kernels are not built: {native.error()}")
+# Both forms of the map: torch ops (sorted keys) and the fused kernels (a hash index over the rows
+# held, which grow from one row, or from five).
+MAPS = [VocabMap, pytest.param(NativeVocabMap, marks=_NO_KERNELS),
+        pytest.param(HeldNativeVocabMap, marks=_NO_KERNELS)]
+# The native map's own tensors (its compact layout; absent in VocabMap's layout)
+COMPACT = ("_ids", "_last", "_freq", "_born", "slots")
 
 
 def shuffled(ids: list[int]) -> list[int]:
@@ -41,13 +55,13 @@ def snapshot(m: VocabMap) -> dict:
     """Every piece of the map's state (copies)."""
     keys = ("keys", "key_rows", "row_key", "row_used", "last_use", "frequency", "born",
             "pending_ids", "pending_counts", "pending_seen")
-    if isinstance(m, NativeVocabMap) and not m._stale:  # (a stale index is rebuilt when used)
-        keys += ("slots",)
+    if isinstance(m, NativeVocabMap) and m._compact:
+        keys += COMPACT
     return {"step": m.step, **{k: getattr(m, k).cpu().clone() for k in keys}}
 
 
 def assert_same_snapshot(a: dict, b: dict) -> None:
-    assert a.keys() - {"slots"} == b.keys() - {"slots"}
+    assert a.keys() - set(COMPACT) == b.keys() - set(COMPACT)
     for k, x in a.items():
         if k not in b:
             continue
@@ -441,3 +455,188 @@ def test_vocab_map_picks_the_kernels_on_the_cpu():
         assert type(vocab_map(4)) is VocabMap
     finally:
         native.set_enabled(previous)
+
+
+# ---------------------------------------------------------------- the native map's compact layout
+def held_bytes(m: VocabMap) -> int:
+    """The bytes of every tensor the map holds (each storage once), its counted ids' aside."""
+    seen = {}
+    for key, v in vars(m).items():
+        if isinstance(v, torch.Tensor) and not key.startswith("pending_"):
+            seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    """(n,) distinct int64 ids over the whole range, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.unique(torch.randint(-(2**63), 2**63 - 1, (n + n // 50 + 16,), generator=gen))
+    return ids[torch.randperm(ids.numel(), generator=gen)[:n]]
+
+
+@_NO_KERNELS
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_the_native_map_holds_at_most_48_bytes_per_resident_id_at_any_fill(eviction, one_thread):
+    """Filled by steps of 4096 new ids (and a few resident ones) to 10%, 57% and 100% of 100k
+    rows, then evicting; filled by one step; loaded from a checkpoint: every tensor it holds,
+    over its resident ids, is at most 48 bytes (today's layout: 111 at 57%)."""
+    capacity = 100_000
+    pool = random_ids(200_000, seed=5)
+    m = NativeVocabMap(capacity, eviction=eviction)
+    resident, per_id = 0, {}
+    for target in (10_000, 57_000, 100_000, 112_288):
+        while resident < target:
+            new = min(4096, target - resident)
+            hits = pool[max(resident - 1000, 0):resident]  # resident: used again
+            step = torch.cat([hits, pool[resident:resident + new]])
+            m.train_step(step)
+            resident += new
+            per_id[resident] = held_bytes(m) / min(resident, capacity)
+    assert max(per_id.values()) <= 48, per_id
+    assert per_id[10_000] <= 48 and per_id[57_000] <= 48 and per_id[100_000] < 30.001
+    assert m.nbytes(pending=False) == held_bytes(m) <= m.nbytes()
+    assert m.n_resident == capacity
+    # one step to 57%, and a checkpoint of it loaded
+    m = NativeVocabMap(capacity, eviction=eviction)
+    m.train_step(pool[:57_000])
+    assert held_bytes(m) / 57_000 <= 48
+    loaded = NativeVocabMap(capacity, eviction=eviction)
+    loaded.load_state_dict(m.state_dict())
+    assert held_bytes(loaded) / 57_000 <= 48
+    assert torch.equal(loaded.find(pool[:60_000]), m.find(pool[:60_000]))
+
+
+@st.composite
+def growing_streams(draw):
+    """Streams over capacities up to 40 and steps of up to 30 ids: the native map's held rows
+    grow through 1, 2, 3, 4, 6, 9, 13, 19, 28, 40 (or straight to what a step needs) while ids
+    are counted, admitted, evicted and expire."""
+    cfg = {"eviction": draw(st.sampled_from(["lru", "lfu"])),
+           "admit_after": draw(st.integers(1, 3)),
+           "ttl_steps": draw(st.sampled_from([None, 1, 2, 4]))}
+    capacity = draw(st.integers(1, 40))
+    pool = st.one_of(st.integers(-20, 60), st.sampled_from(EXTREMES))
+    steps = draw(st.lists(st.tuples(st.lists(pool, max_size=30),
+                                    st.sampled_from([True, True, True, True, False])),
+                          max_size=20))
+    reload_at = draw(st.integers(0, max(len(steps), 1)))
+    return capacity, cfg, steps, reload_at
+
+
+@_NO_KERNELS
+@pytest.mark.parametrize("Map", [NativeVocabMap, HeldNativeVocabMap])
+@settings(max_examples=examples(300), deadline=None)
+@given(growing_streams())
+def test_the_native_map_growing_its_rows_equals_the_oracle(Map, case):
+    capacity, cfg, steps, reload_at = case
+    v = ReferenceVocabulary(capacity=capacity, **cfg)
+    maps = [Map(capacity, name="t7", **cfg)]
+    for k, (ids, training) in enumerate(steps):
+        if k == reload_at:  # a checkpoint mid-stream into a map holding its first rows only
+            restored = Map(capacity, name="t7", **cfg)
+            restored.load_state_dict(maps[0].state_dict())
+            maps.append(restored)
+        run_step(maps, v, ids, training)
+        for m in maps:  # the rows held: every row in use, at most the capacity
+            used = (m._born >= 0).nonzero()
+            assert m.n_resident == used.numel() == len(v.rows)
+            assert used.numel() == 0 or int(used.max()) < m._ids.numel() <= capacity
+            assert m.slots.numel() == vocab._slots_for(m._ids.numel())
+
+
+@_NO_KERNELS
+@pytest.mark.parametrize("Map", [NativeVocabMap, HeldNativeVocabMap])
+def test_a_checkpoint_of_a_growing_map_loads_into_a_fresh_one_and_continues_alike(Map):
+    """The state's content and format do not depend on the rows held: a fresh map of the same
+    capacity (native or not) loads it and continues exactly as the saved one, with the oracle."""
+    capacity = 300
+    cfg = {"eviction": "lfu", "admit_after": 2, "ttl_steps": 6}
+    m, v = Map(capacity, **cfg), ReferenceVocabulary(capacity=capacity, **cfg)
+    gen = torch.Generator().manual_seed(13)  # ids of 600 (the counts stay below their bound)
+    pool = ids_tensor(list(range(-297, 297)) + EXTREMES)
+    steps = [pool[torch.randperm(600, generator=gen)[:n]].tolist()
+             for n in [3, 9, 30, 60, 120] * 8]
+    held = []
+    for k, ids in enumerate(steps):
+        if k % 7 == 3:
+            s = m.state_dict()
+            assert set(s) == {"ids", "rows", "last_use", "frequency", "pending_ids",
+                              "pending_counts", "pending_seen", "step"}
+            assert all(x.dtype == torch.int64 for x in s.values())
+            others = [Map(capacity, **cfg), VocabMap(capacity, **cfg)]
+            for o in others:
+                o.load_state_dict(s)
+                got = o.state_dict()
+                assert all(torch.equal(got[key], s[key]) for key in s)
+            w = oracle_from_state(s, capacity, **cfg)
+            for later in steps[k:k + 6]:
+                run_step(others, w, later, True)
+        run_step([m], v, ids, True)
+        held.append(m._ids.numel())
+    assert held[0] < held[-1] and len(set(held)) > 3  # it grew, several times
+
+
+@_NO_KERNELS
+@pytest.mark.parametrize("wide", [False, True])
+@settings(max_examples=examples(100), deadline=None)
+@given(streams())
+def test_steps_and_frequencies_beyond_int32_widen_the_native_map_exactly(wide, case):
+    """A map loaded at step 2**31 - 3 (with frequencies near 2**31, or beyond) keeps int32 step
+    values while they fit, then int64: the results are the oracle's throughout."""
+    capacity, cfg, steps, _ = case
+    state = VocabMap(capacity + 2).state_dict()
+    state["step"] = torch.tensor(2**31 - 3)
+    state["ids"], state["rows"] = torch.tensor([-5, 7]), torch.tensor([capacity + 1, 0])
+    state["last_use"] = torch.tensor([2**31 - 4, 2**31 - 3])
+    state["frequency"] = torch.tensor([2**31 - 2 if not wide else 2**40, 2**31 - 3])
+    v = oracle_from_state(state, capacity + 2, **cfg)
+    m = NativeVocabMap(capacity + 2, name="t7", **cfg)
+    m.load_state_dict(state)
+    assert m._last.dtype == (torch.int64 if wide else torch.int32)
+    for ids, training in steps:
+        run_step([m], v, ids, training)
+        # int32 while the next step's values fit: after one step (2**31 - 1 at most), not two
+        assert m._last.dtype == m._freq.dtype == m._born.dtype == (
+            torch.int64 if wide or m.step >= 2**31 - 1 else torch.int32)
+
+
+@_NO_KERNELS
+@settings(max_examples=examples(60), deadline=None)
+@given(streams())
+def test_a_shard_of_2_31_rows_indexes_them_in_int64_as_int32_does_below(case):
+    """From a capacity of 2**31 rows the index holds int64 slots: it gives the rows an int32
+    index gives a capacity of 2**31 - 1 (no step here fills either)."""
+    _, cfg, steps, _ = case
+    with unittest.mock.patch.object(vocab, "_physical_memory", lambda: None):  # (held: a few)
+        wide, narrow = NativeVocabMap(2**31, **cfg), NativeVocabMap(2**31 - 1, **cfg)
+        assert wide.slots.dtype == torch.int64 and narrow.slots.dtype == torch.int32
+        for ids, training in steps:
+            distinct = ids_tensor(shuffled(sorted(set(ids))))
+            if training:
+                a, b = wide.train_step(distinct), narrow.train_step(distinct)
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
+            assert torch.equal(wide.find(ids_tensor(ids)), narrow.find(ids_tensor(ids)))
+            assert torch.equal(wide.valid(ids_tensor(list(range(-1, 9))), wide.step),
+                               narrow.valid(ids_tensor(list(range(-1, 9))), narrow.step))
+        sw, sn = wide.state_dict(), narrow.state_dict()
+    assert all(torch.equal(sw[k], sn[k]) for k in sw)
+
+
+@pytest.mark.parametrize("Map", MAPS)
+def test_row_values_and_ids_of_rows_read_every_row_of_the_capacity(Map):
+    """Per row of the capacity (free rows and rows never held: 0), as VocabMap's tensors say."""
+    m = Map(capacity=50, ttl_steps=3, eviction="lfu")
+    for ids in ([1, 2, 3], [2, 3, 4, 5, 6, 7], [3, 8], [3, 8], [3, 8, 9], [3, 9]):
+        m.train_step(ids_tensor(ids))  # 1 expires at step 5, 2 and 4-7 at step 6
+    used = m.row_used
+    for key, full in (("ids", m.row_key), ("last_use", m.last_use),
+                      ("frequency", m.frequency)):
+        want = torch.where(used, full, 0)
+        assert torch.equal(m.row_values(key), want)
+        rows = ids_tensor([49, 0, 3, 8, 1, 2, 30])
+        assert torch.equal(m.row_values(key, rows), want[rows])
+    rows = ids_tensor([0, 1, 2, 5, 8, 49])
+    assert torch.equal(m.ids_of_rows(rows), m.row_key[rows])
+    held = m.row_ids()
+    assert torch.equal(held, m.row_key[:held.numel()]) and not m.row_key[held.numel():].any()
+    assert m.n_resident == m.keys.numel() == 3

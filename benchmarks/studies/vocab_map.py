@@ -45,11 +45,8 @@ def median_ms(fn, repeats: int, device: torch.device, setup=None) -> float:
 
 
 def state_bytes(m: VocabMap) -> int:
-    """Bytes the map holds (the sorted view of a native map is transient: not counted)."""
-    keys = ["row_key", "row_used", "last_use", "frequency", "born", "pending_ids",
-            "pending_counts", "pending_seen"]
-    keys += ["slots"] if isinstance(m, NativeVocabMap) else ["keys", "key_rows"]
-    return sum(getattr(m, k).nbytes for k in keys)
+    """Bytes the map holds: every tensor of it (``VocabMap.nbytes``)."""
+    return m.nbytes()
 
 
 def distinct_ids(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -71,7 +68,7 @@ def bench_find(device: torch.device, repeats: int, gen: torch.Generator) -> None
     ms = median_ms(lambda: m.find(query), repeats, device)
     print(f"find 1M ids in a map of 10M ids: {ms:8.2f} ms ({ms:.1f} ns per id); "
           f"building it (one train_step of 10M new ids): {build:.0f} ms; "
-          f"{state_bytes(m) / m.keys.numel():.1f} bytes per resident id")
+          f"{state_bytes(m) / m.n_resident:.1f} bytes per resident id")
 
 
 def bench_step(device: torch.device, repeats: int, gen: torch.Generator) -> None:
@@ -90,9 +87,9 @@ def bench_step(device: torch.device, repeats: int, gen: torch.Generator) -> None
                            setup=lambda m=m, state=state: m.load_state_dict(state))
             m.load_state_dict(state)
             _, new_ids, _ = m.train_step(step)
-            assert new_ids.numel() == new and m.keys.numel() == min(capacity, resident + new)
+            assert new_ids.numel() == new and m.n_resident == min(capacity, resident + new)
             print(f"train_step {u:6d} ids, {case:5s} (map of {resident:6d} ids, {new:5d} "
-                  f"admitted): {ms:8.2f} ms;  {state_bytes(m) / m.keys.numel():.1f} bytes per "
+                  f"admitted): {ms:8.2f} ms;  {state_bytes(m) / m.n_resident:.1f} bytes per "
                   f"resident id")
 
 

@@ -15,7 +15,7 @@ per step, the process's anonymous and file-backed resident memory, and disk traf
 
 ``--raw``: every table dynamic (raw 63-bit ids: each id times an odd constant, modulo 2^64,
 xor a per-table constant, one to one), its capacity the table's rows, the default initializer;
-the maps (65 bytes a row, 2.2 GB) stay in fast memory, the rows and slots go to the slow tier.
+the maps (``MAP_BYTES_PER_ROW`` a row of capacity charged to the budget) stay in fast memory, the rows and slots go to the slow tier.
 
 ``--optimizer rowwise``: RowwiseAdagrad (one accumulator a row: 135 MB). ``--dtype float16`` (or
 bfloat16): compact rows, stochastic rounding; with rowwise Adagrad the whole W4 is 8.8 GB, in

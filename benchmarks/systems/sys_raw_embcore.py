@@ -7,7 +7,8 @@ into [0, 2^63) (``workloads.raw_ids``); each table is ``dynamic`` with ``--capac
 every id fits, nothing is evicted; 50k: eviction every step). Stream mode by default (common.py:
 ``--fill`` untimed steps, default ``workloads.RAW_FILL``, then every step a new batch). The result
 line adds the maps' resident ids and bytes (``map_bytes``: every tensor of each table's
-``VocabMap``, found through ``emb._store.dynamic``) and one more step's admitted / evicted ids.
+``VocabMap``, found through ``emb._store.dynamic``'s stacks) and one more step's admitted /
+evicted ids.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class RawEmbcoreSystem:
     def map_bytes(self) -> int:
         """Bytes of every tensor the tables' maps hold (their storages, each counted once)."""
         seen: dict[int, int] = {}
-        for dyn in self.emb._store.dynamic.values():
-            for v in vars(dyn.map).values():
+        for stack in self.emb._store.dynamic.values():  # (the tables stack: a map each)
+            for v in (v for m in stack.members for v in vars(m.map).values()):
                 if isinstance(v, torch.Tensor):
                     st = v.untyped_storage()
                     seen[st.data_ptr()] = st.nbytes()

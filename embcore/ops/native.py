@@ -83,8 +83,9 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread"
 # 4: ec_copy_rows, 5: ec_vocab_step's spare rows, 6: ec_sparse_update's row strides,
 # 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
 # 9: ec_cache_step's threads, 10: ec_will_need, 11: 16-bit rows in ec_lookup and ec_sparse_update,
-# ec_round16).
-ABI_VERSION = 11
+# ec_round16, 12: ec_vocab_*'s compact maps: int32 or int64 slots (with fingerprints) and steps,
+# no row_used, the rows held apart from the capacity; ec_vocab_grow).
+ABI_VERSION = 12
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
@@ -684,10 +685,13 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 _VOCAB_FIND = Kernel("ec_vocab_find", INT64, [
-    ("slots", read(I64, nonempty=True)),  # (mask + 1,) the index
-    ("mask", INT64),
-    ("row_key", read(I64)),           # (C,)
-    ("last_use", read(I64)),          # (C,)
+    ("slots", read(I32 + I64, nonempty=True)),  # (S,) the index
+    ("size", INT64),
+    ("wide_slots", INT),
+    ("row_key", read(I64)),           # (A,)
+    ("n_rows", INT64),
+    ("last_use", read(I32 + I64)),    # (A,)
+    ("wide_steps", INT),
     ("cut", INT64),
     ("ids", read(I64)),               # (n,)
     ("n", INT64),
@@ -697,16 +701,32 @@ _VOCAB_FIND = Kernel("ec_vocab_find", INT64, [
 ])
 
 
+def _wide(t: torch.Tensor) -> int:
+    """1 for an int64 tensor of a ``NativeVocabMap`` (slots or steps), 0 for int32 (the kernels
+    check the dtypes themselves)."""
+    return int(t.dtype == torch.int64)
+
+
+def _same_steps(kernel: Kernel, *tensors: torch.Tensor) -> None:
+    """The per-row step arrays of one call (last_use, frequency, born) share one dtype."""
+    dtypes = {getattr(t, "dtype", None) for t in tensors}
+    if len(dtypes) > 1:
+        raise TypeError(f"{kernel.name}: last_use, frequency and born must share one dtype "
+                        f"(int32 or int64), got {sorted(map(str, dtypes))}")
+
+
 def vocab_find(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor, cut: int,
                ids: torch.Tensor, fill: int = -1) -> tuple[torch.Tensor, int]:
     """``(rows (n,), missing)``: the int64 rows of contiguous int64 ``ids`` in a
-    ``NativeVocabMap``'s index (``fill``: not resident, or last used before step ``cut``) and
-    how many are not found."""
+    ``NativeVocabMap``'s index ``slots`` (int32 or int64) over its rows' ``row_key`` (int64) and
+    ``last_use`` (int32 or int64, read only with a TTL) (``fill``: not resident, or last used
+    before step ``cut``) and how many are not found."""
     n = ids.numel()
     out = torch.empty(n, dtype=torch.int64)
-    missing = _VOCAB_FIND.call((slots, None), slots.numel() - 1, (row_key, None),
-                               (last_use, row_key.numel()), cut, (ids, None), n, fill, (out, n),
-                               _threads())
+    c = row_key.numel()
+    missing = _VOCAB_FIND.call((slots, None), slots.numel(), _wide(slots), (row_key, None), c,
+                               (last_use, c), _wide(last_use), cut, (ids, None), n, fill,
+                               (out, n), _threads())
     return out, missing
 
 
@@ -735,33 +755,35 @@ def vocab_split(ids: torch.Tensor, rows: torch.Tensor
 _VOCAB_VALID = Kernel("ec_vocab_valid", INT64, [
     ("rows", read(I64)),              # (n,)
     ("n", INT64),
-    ("row_used", read(U8)),           # (C,)
-    ("born", read(I64)),              # (C,)
-    ("capacity", INT64),
+    ("born", read(I32 + I64)),        # (A,)
+    ("wide_steps", INT),
+    ("n_rows", INT64),
     ("since", INT64),
     ("keep", written(U8)),            # (n,)
 ])
 
 
-def vocab_valid(rows: torch.Tensor, row_used: torch.Tensor, born: torch.Tensor,
-                since: int) -> tuple[torch.Tensor, int]:
-    """``(keep (n,) bool, kept)``: which of contiguous int64 ``rows`` are in range, used and got
-    their id at or before step ``since`` (``VocabMap.valid``), and how many."""
-    n, c = rows.numel(), born.numel()
+def vocab_valid(rows: torch.Tensor, born: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
+    """``(keep (n,) bool, kept)``: which of contiguous int64 ``rows`` are in the rows ``born``
+    (int32 or int64) covers, used (``born >= 0``) and got their id at or before step ``since``
+    (``VocabMap.valid``), and how many."""
+    n = rows.numel()
     keep = torch.empty(n, dtype=torch.bool)
-    kept = _VOCAB_VALID.call((rows, None), n, (row_used, c), (born, None), c, since,
+    kept = _VOCAB_VALID.call((rows, None), n, (born, None), _wide(born), born.numel(), since,
                              (keep, n))
     return keep, kept
 
 
 _VOCAB_STEP = Kernel("ec_vocab_step", INT64, [
-    ("slots", written(I64, nonempty=True)),  # (mask + 1,) the index
-    ("mask", INT64),
-    ("row_key", written(I64)),        # (C,)
-    ("row_used", written(U8)),        # (C,)
-    ("last_use", written(I64)),       # (C,)
-    ("frequency", written(I64)),      # (C,)
-    ("born", written(I64)),           # (C,)
+    ("slots", written(I32 + I64, nonempty=True)),  # (S,) the index
+    ("size", INT64),
+    ("wide_slots", INT),
+    ("row_key", written(I64)),        # (A,)
+    ("last_use", written(I32 + I64)),  # (A,)
+    ("frequency", written(I32 + I64)),  # (A,)
+    ("born", written(I32 + I64)),     # (A,)
+    ("wide_steps", INT),
+    ("n_rows", INT64),
     ("capacity", INT64),
     ("hit_rows", read(I64)),          # (H,)
     ("n_hit", INT64),
@@ -771,37 +793,48 @@ _VOCAB_STEP = Kernel("ec_vocab_step", INT64, [
     ("cut", INT64),
     ("lfu", INT),
     ("new_rows", written(I64)),       # (A,)
-    ("info", array(ctypes.c_int64)),  # (4,) free, evictable, hint (in/out), n_freed
+    ("info", array(ctypes.c_int64)),  # (5,) free, evictable, hint (in/out), n_freed, resident
     ("spare", INT64),
     ("freed", written(I64, optional=True)),  # (spare,)
 ])
 
 
-def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor,
-               last_use: torch.Tensor, frequency: torch.Tensor, born: torch.Tensor,
+def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor,
+               frequency: torch.Tensor, born: torch.Tensor, capacity: int, resident: int,
                hit_rows: torch.Tensor, new_ids: torch.Tensor, t: int, cut: int, lfu: bool,
                hint: int, spare: int = 0, freed: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor | None, int, int, int, int]:
+               ) -> tuple[torch.Tensor | None, int, int, int, int, int]:
     """One training step's changes to a ``NativeVocabMap`` (``ec_vocab_step`` in
-    ``csrc/vocab.h``); ``spare``: when it evicts, free up to that many more rows, written to
-    ``freed`` (spare,).
+    ``csrc/vocab.h``): its index ``slots`` and its first A rows (``row_key`` int64, ``last_use``,
+    ``frequency``, ``born`` of one dtype, int32 or int64) of ``capacity`` rows, ``resident`` ids
+    before the step; A must be the capacity or at least ``resident`` plus the admissions.
+    ``spare``: when it evicts, free up to that many more rows, written to ``freed`` (spare,).
 
     Returns:
-        ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed)``: on overflow
-        nothing changed and ``free`` / ``evictable`` count the rows; else the new free-row
-        hint, and ``freed[:n_freed]`` the rows freed beyond the step's needs.
+        ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed, resident)``: on
+        overflow nothing changed and ``free`` / ``evictable`` count the rows; else the new
+        free-row hint, ``freed[:n_freed]`` the rows freed beyond the step's needs, and the
+        resident ids after the step.
+
+    Raises:
+        RuntimeError: the rows held are too few for the admissions (nothing changed).
     """
+    _same_steps(_VOCAB_STEP, last_use, frequency, born)
     c, a = row_key.numel(), new_ids.numel()
     new_rows = torch.empty(a, dtype=torch.int64)
-    info = (ctypes.c_int64 * 4)(0, 0, hint, 0)
+    info = (ctypes.c_int64 * 5)(0, 0, hint, 0, resident)
     spare = max(spare, 0)
-    rc = _VOCAB_STEP.call((slots, None), slots.numel() - 1, (row_key, None), (row_used, c),
-                          (last_use, c), (frequency, c), (born, c), c, (hit_rows, None),
-                          hit_rows.numel(), (new_ids, None), a, t, cut, int(lfu), (new_rows, a),
-                          info, spare, (freed if spare > 0 else None, spare))
+    rc = _VOCAB_STEP.call((slots, None), slots.numel(), _wide(slots), (row_key, None),
+                          (last_use, c), (frequency, c), (born, c), _wide(born), c, capacity,
+                          (hit_rows, None), hit_rows.numel(), (new_ids, None), a, t, cut,
+                          int(lfu), (new_rows, a), info, spare,
+                          (freed if spare > 0 else None, spare))
+    if rc == -2:
+        raise RuntimeError(f"{_VOCAB_STEP.name}: {c} rows held for {resident} resident ids and "
+                           f"{a} admissions of a map of {capacity} rows")
     if rc != 0:
-        return None, info[0], info[1], hint, 0
-    return new_rows, 0, 0, info[2], info[3]
+        return None, info[0], info[1], hint, 0, resident
+    return new_rows, 0, 0, info[2], info[3], info[4]
 
 
 _CACHE_STEP = Kernel("ec_cache_step", INT64, [
@@ -910,19 +943,59 @@ def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple
                       (table, None), stride)
 
 
-_VOCAB_INDEX = Kernel("ec_vocab_index", None, [
-    ("slots", written(I64, nonempty=True)),  # (mask + 1,)
-    ("mask", INT64),
-    ("row_key", read(I64)),           # (C,)
-    ("row_used", read(U8)),           # (C,)
-    ("capacity", INT64),
+_VOCAB_INDEX = Kernel("ec_vocab_index", INT64, [
+    ("slots", written(I32 + I64, nonempty=True)),  # (S,)
+    ("size", INT64),
+    ("wide_slots", INT),
+    ("row_key", read(I64)),           # (A,)
+    ("born", read(I32 + I64)),        # (A,)
+    ("wide_steps", INT),
+    ("n_rows", INT64),
 ])
 
 
-def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, row_used: torch.Tensor) -> None:
-    """Rebuilds a ``NativeVocabMap``'s index ``slots`` from its per-row state."""
+def vocab_index(slots: torch.Tensor, row_key: torch.Tensor, born: torch.Tensor) -> int:
+    """Rebuilds a ``NativeVocabMap``'s index ``slots`` (int32 or int64) from its rows' ids
+    ``row_key`` (int64) and ``born`` (int32 or int64; a row is used when >= 0); returns how many
+    rows are used."""
     c = row_key.numel()
-    _VOCAB_INDEX.call((slots, None), slots.numel() - 1, (row_key, None), (row_used, c), c)
+    return _VOCAB_INDEX.call((slots, None), slots.numel(), _wide(slots), (row_key, None),
+                             (born, c), _wide(born), c)
+
+
+_VOCAB_GROW = Kernel("ec_vocab_grow", INT64, [
+    ("old_key", read(I64)),           # (held,)
+    ("old_last", read(I32 + I64)),    # (held,)
+    ("old_freq", read(I32 + I64)),    # (held,)
+    ("old_born", read(I32 + I64)),    # (held,)
+    ("held", INT64),
+    ("wide_old", INT),
+    ("row_key", written(I64)),        # (A,)
+    ("last_use", written(I32 + I64)),  # (A,)
+    ("frequency", written(I32 + I64)),  # (A,)
+    ("born", written(I32 + I64)),     # (A,)
+    ("wide_steps", INT),
+    ("n_rows", INT64),
+    ("slots", written(I32 + I64, nonempty=True)),  # (S,)
+    ("size", INT64),
+    ("wide_slots", INT),
+])
+
+
+def vocab_grow(old: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
+               slots: torch.Tensor) -> int:
+    """A ``NativeVocabMap``'s rows held grow: ``old`` (row_key, last_use, frequency, born) of
+    ``held`` rows copied into the first rows of ``new`` (the same, of more rows; the steps of
+    another dtype, int32 or int64, where they widen), the others free, and the index ``slots``
+    rebuilt over them. Returns how many rows are used."""
+    _same_steps(_VOCAB_GROW, *old[1:])
+    _same_steps(_VOCAB_GROW, *new[1:])
+    held, a = old[0].numel(), new[0].numel()
+    if a < held:
+        raise ValueError(f"{_VOCAB_GROW.name}: {a} rows for the {held} held")
+    return _VOCAB_GROW.call((old[0], None), (old[1], held), (old[2], held), (old[3], held), held,
+                            _wide(old[1]), (new[0], None), (new[1], a), (new[2], a), (new[3], a),
+                            _wide(new[1]), a, (slots, None), slots.numel(), _wide(slots))
 
 
 def main() -> int:

@@ -223,18 +223,66 @@ class VocabMap:
         self.device = torch.device(device)
         self.step = 0  # training steps so far
         self.last_freed = _EMPTY  # rows a step freed beyond its needs (train_step's spare)
-        c, dev = self.capacity, self.device
-        self.keys = torch.empty(0, dtype=_I64, device=dev)             # (R,) resident ids, sorted
-        self.key_rows = torch.empty(0, dtype=_I64, device=dev)         # (R,) their rows
-        with _allocating(name, c, dev):
-            self.row_key = torch.zeros(c, dtype=_I64, device=dev)      # (C,) id held, 0 when free
-            self.row_used = torch.zeros(c, dtype=torch.bool, device=dev)  # (C,)
-            self.last_use = torch.zeros(c, dtype=_I64, device=dev)     # (C,) step of last use
-            self.frequency = torch.zeros(c, dtype=_I64, device=dev)    # (C,) steps that used it
-            self.born = torch.full((c,), -1, dtype=_I64, device=dev)   # (C,) step it got its id
+        dev = self.device
+        with _allocating(name, self.capacity, dev):
+            self._allocate_rows()
         self.pending_ids = torch.empty(0, dtype=_I64, device=dev)      # (P,) counted ids, sorted
         self.pending_counts = torch.empty(0, dtype=_I64, device=dev)   # (P,) steps seen
         self.pending_seen = torch.empty(0, dtype=_I64, device=dev)     # (P,) last step seen
+
+    def _allocate_rows(self) -> None:
+        """The state of an empty map (the per-row tensors of ``capacity`` rows)."""
+        c, dev = self.capacity, self.device
+        self.keys = torch.empty(0, dtype=_I64, device=dev)             # (R,) resident ids, sorted
+        self.key_rows = torch.empty(0, dtype=_I64, device=dev)         # (R,) their rows
+        self.row_key = torch.zeros(c, dtype=_I64, device=dev)          # (C,) id held, 0 when free
+        self.row_used = torch.zeros(c, dtype=torch.bool, device=dev)   # (C,)
+        self.last_use = torch.zeros(c, dtype=_I64, device=dev)         # (C,) step of last use
+        self.frequency = torch.zeros(c, dtype=_I64, device=dev)        # (C,) steps that used it
+        self.born = torch.full((c,), -1, dtype=_I64, device=dev)       # (C,) step it got its id
+
+    @property
+    def n_resident(self) -> int:
+        """How many ids are resident."""
+        return self.keys.numel()
+
+    def nbytes(self, pending: bool = True) -> int:
+        """The bytes of every tensor the map holds (each storage once; ``pending`` False: not
+        the counted ids' ``pending_*``)."""
+        seen: dict[int, int] = {}
+        for key, v in vars(self).items():
+            if isinstance(v, torch.Tensor) and (pending or not key.startswith("pending_")):
+                st = v.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
+
+    def row_values(self, key: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Per row: ``"ids"`` the id it holds, ``"last_use"`` or ``"frequency"``; 0 where free.
+
+        Args:
+            key: ``"ids"``, ``"last_use"`` or ``"frequency"``.
+            rows: None (every row), or (n,) int64 rows in ``[0, capacity)``.
+
+        Returns:
+            (C,) or (n,) int64, a new tensor on the map's device.
+        """
+        value = {"ids": self.row_key, "last_use": self.last_use,
+                 "frequency": self.frequency}[key]
+        if rows is None:
+            return torch.where(self.row_used, value, 0)
+        rows = rows.to(self.device)
+        return torch.where(self.row_used[rows], value[rows], 0)
+
+    def row_ids(self) -> torch.Tensor:
+        """(n,) int64, n <= capacity: the id each row holds (0: free), rows ``[0, n)``; the rows
+        from n on hold none. The map's own tensor (not a copy): read it, do not keep it beyond
+        the next step."""
+        return self.row_key
+
+    def ids_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the id each of the (n,) int64 ``rows`` in ``[0, capacity)`` holds (0:
+        free), on the map's device."""
+        return self.row_key.index_select(0, rows.to(self.device))
 
     @property
     def pending_limit(self) -> int:
@@ -244,7 +292,7 @@ class VocabMap:
     def __repr__(self) -> str:
         return (f"VocabMap(name={self.name!r}, capacity={self.capacity}, "
                 f"eviction={self.eviction!r}, admit_after={self.admit_after}, "
-                f"ttl_steps={self.ttl_steps}, resident={self.keys.numel()}, step={self.step}, "
+                f"ttl_steps={self.ttl_steps}, resident={self.n_resident}, step={self.step}, "
                 f"device={self.device})")
 
     def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
@@ -562,24 +610,32 @@ class VocabMap:
             if not bool(((seen >= 1) & (seen <= step)).all()):
                 raise bad("pending_seen", f"must be in [1, step = {step}]")
 
-        c, dev = self.capacity, self.device
-        row_key = torch.zeros(c, dtype=_I64, device=dev)
-        row_used = torch.zeros(c, dtype=torch.bool, device=dev)
-        last_use = torch.zeros(c, dtype=_I64, device=dev)
-        frequency = torch.zeros(c, dtype=_I64, device=dev)
-        born = torch.full((c,), -1, dtype=_I64, device=dev)
-        row_key[rows], row_used[rows], born[rows] = ids, True, step
-        last_use[rows], frequency[rows] = got["last_use"], got["frequency"]
-        self.step = step
-        self.keys, self.key_rows = ids.clone(), rows.clone()
-        self.row_key, self.row_used, self.born = row_key, row_used, born
-        self.last_use, self.frequency = last_use, frequency
         counts = got["pending_counts"]
         if pids.numel() > self.pending_limit:  # as a step forgets: the longest unseen go
             keep = ~_smallest(seen, pids.numel() - self.pending_limit)
             pids, counts, seen = pids[keep], counts[keep], seen[keep]
+        self._install(step, ids, rows, got["last_use"], got["frequency"])
+        self.step = step
         self.pending_ids, self.pending_counts = pids.clone(), counts.clone()
         self.pending_seen = seen.clone()
+
+    def _install(self, step: int, ids: torch.Tensor, rows: torch.Tensor,
+                 last_use: torch.Tensor, frequency: torch.Tensor) -> None:
+        """Replaces the resident ids by the checked (R,) ``ids`` (ascending) at ``rows`` with
+        their ``last_use`` and ``frequency``, received at ``step``; raises (changing nothing)
+        only when the state cannot be allocated."""
+        c, dev = self.capacity, self.device
+        with _allocating(self.name, c, dev):
+            row_key = torch.zeros(c, dtype=_I64, device=dev)
+            row_used = torch.zeros(c, dtype=torch.bool, device=dev)
+            last = torch.zeros(c, dtype=_I64, device=dev)
+            freq = torch.zeros(c, dtype=_I64, device=dev)
+            born = torch.full((c,), -1, dtype=_I64, device=dev)
+        row_key[rows], row_used[rows], born[rows] = ids, True, step
+        last[rows], freq[rows] = last_use, frequency
+        self.keys, self.key_rows = ids.clone(), rows.clone()
+        self.row_key, self.row_used, self.born = row_key, row_used, born
+        self.last_use, self.frequency = last, freq
 
     def to(self, device: torch.device | str) -> None:
         """Moves the state tensors to ``device`` (in place)."""
@@ -591,72 +647,172 @@ class VocabMap:
 
 
 _NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id is live
+_INT32_MAX = 2**31 - 1
+# VocabMap's per-row tensors and sorted view: a NativeVocabMap shows them (computed, in its
+# compact layout; its own tensors where the kernels do not apply)
+_LAYOUT = ("keys", "key_rows", "row_key", "row_used", "last_use", "frequency", "born")
+
+
+def _slots_for(rows: int) -> int:
+    """The slots of a ``NativeVocabMap``'s index over ``rows`` rows held: load at most 2/5."""
+    return rows * 5 // 2 + 1
+
+
+def _layout_view(key: str) -> property:
+    """``VocabMap``'s tensor ``key`` on a ``NativeVocabMap``: in its compact layout a new tensor
+    computed from it (reading it changes nothing; writing into it is lost), else its own."""
+
+    def get(self: NativeVocabMap) -> torch.Tensor:
+        return self._view(key) if self._compact else self.__dict__["_f_" + key]
+
+    def put(self: NativeVocabMap, value: torch.Tensor) -> None:
+        assert not self._compact, f"{key} is set in VocabMap's layout only"
+        self.__dict__["_f_" + key] = value
+
+    return property(get, put, doc=f"VocabMap's ``{key}`` (computed in the compact layout)")
 
 
 class NativeVocabMap(VocabMap):
     """``VocabMap`` stepped by the fused kernels (``csrc/vocab.h``, ``ec_vocab_*``): the same
-    rules, state and results, with a hash index in place of the sorted keys.
+    rules, state and results, in a compact layout with a hash index in place of the sorted keys.
 
-    The index is ``slots`` (S,) int64, ``S`` the smallest power of two >= max(2 * capacity, 16):
-    each slot holds a row or -1, and a slot's id is ``row_key`` of its row (open addressing,
-    linear probing from ``splitmix64``'s finalizer of the id; removal shifts entries back, so
-    there are no tombstones). A training step with ``U`` distinct ids and ``A`` admissions costs
-    ``O(U + A)`` (hash probes, no merge of the resident ids), plus ``O(C)`` when it evicts or
-    with a TTL (one scan of the rows); ``find`` is ``O(n)`` probes over the threads. The sorted
-    ``keys`` / ``key_rows`` (``resident``, ``state_dict``) are computed when asked for.
-    8 bytes per slot: 16 per row at most beside the 33 of the per-row state.
+    The layout holds the first ``A`` rows of the ``C`` of the capacity (``A <= C``; the rows from
+    ``A`` on were never used, so they are free): rows are given lowest free first, so the rows in
+    use lie below the highest row ever used, and ``A`` grows (by half at least, up to ``C``)
+    before a step that could need more, never while rows below it are free. Per held row:
+    ``_ids`` int64 the id it holds (0 when free), ``_last`` (last use), ``_freq`` (frequency) and
+    ``_born`` (-1 when free: a row is used iff ``born >= 0``), these three int32 while every step
+    and frequency fits (an exact bound is kept; they widen to int64 once before a step that could
+    pass 2**31 - 1). The index is ``slots`` (S,), S = 5A/2 + 1, int32 (int64 from a capacity of
+    2**31 rows): each slot holds -1 or a row, with a fingerprint of its id in the bits above the
+    row's (a probe reads the row's ``_ids`` only where the fingerprint matches): open addressing,
+    linear probing from the multiply-shift reduction of ``splitmix64``'s finalizer of the id to
+    ``[0, S)``, removal shifting entries back (no tombstones), load at most 2/5 (at 1/2, hits
+    probed 15% slower than the old index's); it is rebuilt when ``A`` grows.
 
-    Where the kernels do not apply (switched off, or the state moved off the CPU) every method
-    is ``VocabMap``'s; the index is rebuilt when the kernels apply again.
+    That is 30 bytes per held row (20 of rows, 10 of index; 42 with int64 steps), so 30 per
+    resident id in a full map and at most 45 (30 x 1.5) while it fills or after a load, beside
+    the 24 per counted id (``pending_*``). (Ids expired by a TTL leave their rows held.)
+
+    A training step with ``U`` distinct ids and ``A`` admissions costs ``O(U + A)`` (hash probes,
+    no merge of the resident ids), plus ``O(A)`` rows scanned when it evicts or with a TTL, plus
+    a growth (``O(A)``, geometric: amortized ``O(1)`` per admitted id); ``find`` is ``O(n)``
+    probes over the threads. ``VocabMap``'s tensors (``keys``, ``key_rows``, ``row_key``,
+    ``row_used``, ``last_use``, ``frequency``, ``born``) are computed when read.
+
+    Where the kernels do not apply (switched off, or the state moved off the CPU) the map takes
+    ``VocabMap``'s layout (its own tensors, of the capacity) and every method is ``VocabMap``'s;
+    it takes the compact layout again when the kernels apply again.
     """
 
-    def __init__(self, capacity: int, **kwargs) -> None:
-        self._keys: torch.Tensor | None = None
-        self._key_rows: torch.Tensor | None = None
-        self._stale = True  # the index does not describe the per-row state
-        super().__init__(capacity, **kwargs)
-        size = 16
-        while size < 2 * self.capacity:
-            size *= 2
-        with _allocating(self.name, self.capacity, self.device):
-            self.slots = torch.full((size,), -1, dtype=_I64, device=self.device)  # (S,)
+    min_rows = 1  # the rows held at least (at most the capacity)
+
+    keys = _layout_view("keys")
+    key_rows = _layout_view("key_rows")
+    row_key = _layout_view("row_key")
+    row_used = _layout_view("row_used")
+    last_use = _layout_view("last_use")
+    frequency = _layout_view("frequency")
+    born = _layout_view("born")
+
+    def _allocate_rows(self) -> None:
+        self._compact = True
+        for key in _LAYOUT:
+            self.__dict__["_f_" + key] = None
+        self._slot_dtype = torch.int32 if self.capacity <= _INT32_MAX else _I64
+        self._resident = 0  # resident ids
         self._hint = 0  # no row below it is free
+        self._top = 0  # every step and frequency held is at most this (and self.step <= it)
+        self._ids = self._last = self._freq = self._born = self.slots = None
+        if self.device.type != "cpu":  # the kernels do not apply there
+            self._compact = False
+            super()._allocate_rows()
+            return
+        a = min(self.capacity, max(self.min_rows, 1))
+        self._ids = torch.zeros(a, dtype=_I64)                         # (A,) id held, 0: free
+        self._last = torch.zeros(a, dtype=torch.int32)                 # (A,) step of last use
+        self._freq = torch.zeros(a, dtype=torch.int32)                 # (A,) steps that used it
+        self._born = torch.full((a,), -1, dtype=torch.int32)           # (A,) step it got its id
+        self.slots = torch.full((_slots_for(a),), -1, dtype=self._slot_dtype)  # the index
 
-    # The sorted view of the resident ids: computed from the per-row state when asked for, set
-    # by VocabMap's own methods (which then leave the index stale).
-    def _sorted(self) -> None:
-        if self._keys is None:
-            rows = self.row_used.nonzero().squeeze(1)  # (R,)
-            ids, order = torch.sort(self.row_key[rows])
-            self._keys, self._key_rows = ids, rows[order]
+    # ---- the layouts
+    def _held_for(self, high: int) -> int:
+        """The rows to hold for rows ``[0, high)`` in use (a step's growth: half more)."""
+        return min(self.capacity, max(self.min_rows, 1, high + high // 2))
 
-    @property
-    def keys(self) -> torch.Tensor:  # type: ignore[override]
-        self._sorted()
-        return self._keys
+    def _view(self, key: str) -> torch.Tensor:
+        """``VocabMap``'s tensor ``key`` computed from the compact layout."""
+        if key in ("keys", "key_rows"):
+            rows = (self._born >= 0).nonzero().squeeze(1)  # (R,)
+            ids, order = torch.sort(self._ids[rows])
+            return ids if key == "keys" else rows[order]
+        src = {"row_key": self._ids, "row_used": self._born >= 0, "last_use": self._last,
+               "frequency": self._freq, "born": self._born}[key]
+        out = torch.full((self.capacity,), -1 if key == "born" else 0,
+                         dtype=torch.bool if key == "row_used" else _I64)
+        out[:src.numel()] = src
+        return out
 
-    @keys.setter
-    def keys(self, value: torch.Tensor) -> None:
-        self._keys, self._stale = value, True
+    def _expand(self) -> None:
+        """Takes ``VocabMap``'s layout (where the kernels do not apply)."""
+        if not self._compact:
+            return
+        with _allocating(self.name, self.capacity, self.device):
+            full = {key: self._view(key) for key in _LAYOUT}
+        self._compact = False
+        for key, v in full.items():
+            self.__dict__["_f_" + key] = v
+        self._ids = self._last = self._freq = self._born = self.slots = None
 
-    @property
-    def key_rows(self) -> torch.Tensor:  # type: ignore[override]
-        self._sorted()
-        return self._key_rows
+    def _compress(self) -> None:
+        """Takes the compact layout from ``VocabMap``'s (on the CPU, the kernels applying)."""
+        if self._compact:
+            return
+        used = self._f_row_used.nonzero()
+        a = self._held_for(int(used[-1]) + 1 if used.numel() else 0)
+        top = max(self.step, int(self._f_frequency.max()))
+        steps = torch.int32 if top <= _INT32_MAX else _I64
+        with _allocating(self.name, self.capacity, self.device):
+            ids = self._f_row_key[:a].clone()
+            last = self._f_last_use[:a].to(steps, copy=True)
+            freq = self._f_frequency[:a].to(steps, copy=True)
+            born = self._f_born[:a].to(steps, copy=True)
+            slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
+        self._resident = native.vocab_index(slots, ids, born)
+        self._ids, self._last, self._freq, self._born, self.slots = ids, last, freq, born, slots
+        self._top, self._hint, self._compact = top, 0, True
+        for key in _LAYOUT:
+            self.__dict__["_f_" + key] = None
 
-    @key_rows.setter
-    def key_rows(self, value: torch.Tensor) -> None:
-        self._key_rows, self._stale = value, True
+    def _resize(self, rows: int, steps: torch.dtype | None = None) -> None:
+        """Holds ``rows`` rows (at least those held now), the step values of dtype ``steps``
+        (None: as now), the index rebuilt over them."""
+        steps = self._last.dtype if steps is None else steps
+        with _allocating(self.name, self.capacity, self.device):
+            new = (torch.empty(rows, dtype=_I64), torch.empty(rows, dtype=steps),
+                   torch.empty(rows, dtype=steps), torch.empty(rows, dtype=steps))
+            slots = torch.empty(_slots_for(rows), dtype=self._slot_dtype)
+        # (one kernel, one thread: torch's copies would each wait for a second thread)
+        self._resident = native.vocab_grow((self._ids, self._last, self._freq, self._born), new,
+                                           slots)
+        (self._ids, self._last, self._freq, self._born), self.slots = new, slots
+
+    def _reserve(self, n_new: int) -> None:
+        """Before a step admitting ``n_new`` ids: holds the rows they may take (every free row
+        of the capacity is then held, or enough free rows for them are) and step values that
+        fit the step's."""
+        held = self._ids.numel()
+        need = min(self.capacity, self._resident + n_new)
+        if need > held:
+            self._resize(min(self.capacity, max(need, held + held // 2)))
+        if self._top >= _INT32_MAX and self._last.dtype != _I64:  # t or a frequency + 1
+            self._resize(self._ids.numel(), _I64)
 
     def _native(self) -> bool:
-        """Whether the kernels apply now (rebuilding the index if it is stale)."""
-        if not native.usable(self.row_key):
+        """Whether the kernels apply now (taking the compact layout if they do)."""
+        if not native.usable(self._ids if self._compact else self._f_row_key):
             return False
-        if self._stale:
-            if self.slots.device != self.row_key.device:
-                self.slots = self.slots.to(self.row_key.device)
-            native.vocab_index(self.slots, self.row_key, self.row_used.view(torch.uint8))
-            self._hint, self._stale = 0, False
+        self._compress()
         return True
 
     def _cut(self, t: int) -> int:
@@ -665,13 +821,42 @@ class NativeVocabMap(VocabMap):
             return t - self.ttl_steps
         return _NO_CUT
 
+    # ---- VocabMap's methods
+    @property
+    def n_resident(self) -> int:
+        return self._resident if self._compact else super().n_resident
+
+    def row_values(self, key: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._compact:
+            return super().row_values(key, rows)
+        value = {"ids": self._ids, "last_use": self._last, "frequency": self._freq}[key]
+        held = value.numel()
+        if rows is None:
+            out = torch.zeros(self.capacity, dtype=_I64)
+            out[:held] = torch.where(self._born >= 0, value, 0)
+            return out
+        rows = rows.to(self.device)
+        r = rows.clamp(max=held - 1)
+        return torch.where((rows < held) & (self._born[r] >= 0), value[r], 0).to(_I64)
+
+    def row_ids(self) -> torch.Tensor:
+        return self._ids if self._compact else super().row_ids()
+
+    def ids_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self._compact:
+            return super().ids_of_rows(rows)
+        rows = rows.to(self.device)
+        held = self._ids.numel()
+        return torch.where(rows < held, self._ids[rows.clamp(max=held - 1)], 0)
+
     def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
         if not self._native():
+            self._expand()
             return super().find(ids, fill=fill)
         ids = _as_ids(ids, f"{self.name}: ids").contiguous()
         if ids.device != self.device:
             ids = ids.to(self.device)
-        return native.vocab_find(self.slots, self.row_key, self.last_use, _NO_CUT,
+        return native.vocab_find(self.slots, self._ids, self._last, _NO_CUT,
                                  ids.reshape(-1), fill)[0].reshape(ids.shape)
 
     def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
@@ -679,14 +864,16 @@ class NativeVocabMap(VocabMap):
 
     def valid_count(self, rows: torch.Tensor, since: int) -> tuple[torch.Tensor, int]:
         """``(valid(rows, since), how many are valid)``."""
-        if not native.usable(self.row_key):
+        if not self._native():
+            self._expand()
             return super().valid_count(rows, since)
         rows = _as_ids(rows, f"{self.name}: rows").contiguous()
-        return native.vocab_valid(rows.reshape(-1), self.row_used, self.born, since)
+        return native.vocab_valid(rows.reshape(-1), self._born, since)
 
     def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1,
                    spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self._native():
+            self._expand()
             return super().train_step(distinct, check=check, fill=fill)
         self.last_freed = _EMPTY
         distinct = self._step_ids(distinct)
@@ -694,7 +881,7 @@ class NativeVocabMap(VocabMap):
             raise ValueError(f"{self.name}: the ids of a training step must be distinct")
         t = self.step + 1
         cut = self._cut(t)
-        rows, missing = native.vocab_find(self.slots, self.row_key, self.last_use, cut,
+        rows, missing = native.vocab_find(self.slots, self._ids, self._last, cut,
                                           distinct)  # (U,)
         if missing:  # (H,) rows found; (M,) the other ids ascending, their positions
             hit_rows, miss_ids, miss = native.vocab_split(distinct, rows)
@@ -710,17 +897,19 @@ class NativeVocabMap(VocabMap):
                 counts += torch.where(pfound, self.pending_counts[ppos], 0)
             admit = counts >= self.admit_after  # (M,)
             new_ids, admitted = miss_ids[admit], miss[admit]
+        if new_ids.numel() <= self.capacity - hit_rows.numel():  # (else an overflow, below)
+            self._reserve(new_ids.numel())
         freed = torch.empty(max(spare, 0), dtype=_I64) if spare > 0 else None
-        new_rows, n_free, n_evictable, hint, n_freed = native.vocab_step(
-            self.slots, self.row_key, self.row_used.view(torch.uint8), self.last_use,
-            self.frequency, self.born, hit_rows, new_ids, t, cut, self.eviction == "lfu",
-            self._hint, max(spare, 0), freed)
+        new_rows, n_free, n_evictable, hint, n_freed, resident = native.vocab_step(
+            self.slots, self._ids, self._last, self._freq, self._born, self.capacity,
+            self._resident, hit_rows, new_ids, t, cut, self.eviction == "lfu", self._hint,
+            max(spare, 0), freed)
         if new_rows is None:
             raise ValueError(
                 f"{self.name}: this step admits {new_ids.numel()} new ids but the shard holds "
                 f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the "
                 f"others are used by this step)")
-        self._hint = hint
+        self._hint, self._resident, self._top = hint, resident, self._top + 1
         if n_freed:
             self.last_freed = freed[:n_freed]
         if new_rows.numel():
@@ -731,16 +920,61 @@ class NativeVocabMap(VocabMap):
             (self.pending_ids, self.pending_counts,
              self.pending_seen) = self._count(miss_ids, ppos, pfound, counts, admit, t)
         self.step = t
-        self._keys = self._key_rows = None  # the sorted view is computed again when asked
         return rows, new_ids, new_rows
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        super().load_state_dict(state)  # sets the sorted view, leaving the index stale
-        self._native()  # rebuilt now where the kernels apply
+    def resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._compact:
+            return super().resident()
+        rows = (self._born >= 0).nonzero().squeeze(1)  # (R,)
+        ids, order = torch.sort(self._ids[rows])
+        return ids, rows[order]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if not self._compact:
+            return super().state_dict()
+        ids, rows = self.resident()
+        return {"ids": ids, "rows": rows, "last_use": self._last[rows].to(_I64),
+                "frequency": self._freq[rows].to(_I64),
+                "pending_ids": self.pending_ids.clone(),
+                "pending_counts": self.pending_counts.clone(),
+                "pending_seen": self.pending_seen.clone(),
+                "step": torch.tensor(self.step, dtype=_I64, device=self.device)}
+
+    def _install(self, step: int, ids: torch.Tensor, rows: torch.Tensor,
+                 last_use: torch.Tensor, frequency: torch.Tensor) -> None:
+        if self.device.type != "cpu" or not native.usable(ids):  # VocabMap's layout
+            compact, self._compact = self._compact, False
+            try:
+                super()._install(step, ids, rows, last_use, frequency)
+            except BaseException:
+                self._compact = compact
+                raise
+            self._ids = self._last = self._freq = self._born = self.slots = None
+            return
+        a = self._held_for(int(rows.max()) + 1 if rows.numel() else 0)
+        top = max(step, int(frequency.max()) if frequency.numel() else 0)
+        steps = torch.int32 if top <= _INT32_MAX else _I64
+        with _allocating(self.name, self.capacity, self.device):
+            row_ids = torch.zeros(a, dtype=_I64)
+            last = torch.zeros(a, dtype=steps)
+            freq = torch.zeros(a, dtype=steps)
+            born = torch.full((a,), -1, dtype=steps)
+            slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
+        row_ids[rows], last[rows], freq[rows] = ids, last_use.to(steps), frequency.to(steps)
+        born[rows] = step
+        self._resident = native.vocab_index(slots, row_ids, born)
+        self._ids, self._last, self._freq, self._born, self.slots = row_ids, last, freq, born, slots
+        self._top, self._hint, self._compact = top, 0, True
+        for key in _LAYOUT:
+            self.__dict__["_f_" + key] = None
 
     def to(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if self._compact and device.type == "cpu":  # (the compact layout is on the CPU)
+            self.device = device
+            return
+        self._expand()
         super().to(device)
-        self.slots, self._stale = self.slots.to(self.device), True
 
 
 def vocab_map(capacity: int, **kwargs) -> VocabMap:

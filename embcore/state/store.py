@@ -123,12 +123,11 @@ class RowStore:
         if r is None or not r.stochastic:
             return r
         dyn = self.dynamic.get(p)
-        if at is None:
-            return r.at(step, None if dyn is None else dyn.map.row_key)
+        if at is None:  # (the map's rows past its row_ids hold no id: no update reaches them)
+            return r.at(step, None if dyn is None else dyn.map.row_ids())
         keys = self.workspace.get("round_keys", (self.cached[p].table.shape[0],), torch.int64,
                                   rows.device)  # (the cache's rows: it may have grown)
-        keys.index_copy_(0, at, rows if dyn is None else
-                         dyn.map.row_key.index_select(0, rows.to(dyn.map.row_key.device)))
+        keys.index_copy_(0, at, rows if dyn is None else dyn.map.ids_of_rows(rows))
         return r.at(step, keys)
 
     def _allocate(self, p: PhysicalTable, seed: int, device: torch.device) -> None:

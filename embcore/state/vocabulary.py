@@ -275,12 +275,9 @@ class DynamicRows:
         where free), ``"last_use"`` (0: free) or ``"frequency"``."""
         m, n = self.map, self.capacity
         with self.lock:
-            used = m.row_used[:n]
-            value = {"ids": m.row_key, "last_use": m.last_use, "frequency": m.frequency}[key]
             if rows is None:
-                return torch.where(used, value[:n], 0).reshape(n, 1).clone()
-            rows = rows.to(used.device)
-            return torch.where(used[rows], value[rows], 0).reshape(-1, 1).cpu()
+                return m.row_values(key)[:n].reshape(n, 1).clone()
+            return m.row_values(key, rows).reshape(-1, 1).cpu()
 
     def scalar(self, key: str) -> torch.Tensor:
         return torch.tensor(self.steps if key == "step" else self.seed, dtype=torch.int64)

@@ -8,66 +8,151 @@
 #include "pool.h"
 
 // ---- dynamic vocabularies (ops/vocab.py's NativeVocabMap) ----------------------------------
-// A shard's raw id -> row map is an open-addressing index over its rows: ``slots`` (S,) holds a
-// row or -1 (empty), S a power of two >= 2 x the rows (load <= 1/2), linear probing from
-// mix64(id) & (S - 1); a slot's key is row_key[slot's row]. Removal shifts the following entries
-// back (no tombstones), so a probe always ends at the first empty slot.
+// A shard's raw id -> row map holds, per row of the first A rows (A <= C, the capacity; the rows
+// beyond A were never used): ``row_key`` int64 the id it holds (0 when free), ``last_use``,
+// ``frequency`` and ``born`` (-1 when free: a row is used iff born >= 0), the three of type
+// ``Step``: int32 while every step and frequency fits, else int64. The index over them is
+// ``slots`` (S,) of type ``Slot`` (int32 when the rows fit, else int64): -1 (empty) or an entry,
+// a row in its low b bits (b = the bits of A - 1) and above them a fingerprint of its id (the low
+// bits of mix64(id) that fit below the sign bit), S > the resident ids (the caller keeps S > 5A/2:
+// load <= 2/5), linear probing from the multiply-shift reduction of mix64(id) to [0, S) (S need
+// not be a power of two); an entry's id is row_key[its row], read only where the fingerprint
+// matches. Removal shifts the following entries back (no tombstones), so a probe always ends at
+// the first empty slot. The index is rebuilt whenever A changes.
 
 namespace {
 
-// The slot holding ``id``, or the empty slot where its probe ends (slots[result] == -1).
-inline i64 vocab_slot(const i64* slots, i64 mask, const i64* row_key, i64 id) {
-  i64 i = i64(mix64(uint64_t(id)) & uint64_t(mask));
-  while (slots[i] >= 0 && row_key[slots[i]] != id) i = (i + 1) & mask;
-  return i;
-}
+constexpr i64 kVocabDeep = i64(1) << 18;  // rows from which ec_vocab_find prefetches theirs
 
-// Removes resident ``id`` (its row's row_key still holds it), shifting later entries back.
-inline void vocab_erase(i64* slots, i64 mask, const i64* row_key, i64 id) {
-  i64 i = vocab_slot(slots, mask, row_key, id);
-  if (slots[i] < 0) return;
-  i64 j = i;
-  for (;;) {
-    j = (j + 1) & mask;
-    if (slots[j] < 0) break;
-    const i64 home = i64(mix64(uint64_t(row_key[slots[j]])) & uint64_t(mask));
-    // slots[j] may move to hole i when i lies on its probe path (cyclically from home to j)
-    if (((j - home) & mask) >= ((j - i) & mask)) {
-      slots[i] = slots[j];
-      i = j;
+// The index: ``size`` slots over ``n_rows`` rows.
+template <class Slot>
+struct VocabIndex {
+  Slot* slots;
+  i64 size;
+  int bits;        // of a row
+  Slot rows_mask;  // the row's bits
+  Slot tag_mask;   // the fingerprint's bits (above the row's, below the sign bit)
+
+  VocabIndex(void* s, i64 size_, i64 n_rows) : slots(static_cast<Slot*>(s)), size(size_) {
+    bits = 1;
+    while (bits < 62 && (i64(1) << bits) < n_rows) ++bits;
+    const int top = int(sizeof(Slot)) * 8 - 1;  // the bits below the sign bit
+    rows_mask = Slot((uint64_t(1) << bits) - 1);
+    tag_mask = Slot(((uint64_t(1) << top) - 1) & ~uint64_t(rows_mask));
+  }
+  // mix64(id) * size / 2^64: the home slot of an id of hash h
+  i64 home(uint64_t h) const { return i64((unsigned __int128)h * uint64_t(size) >> 64); }
+  Slot tag(uint64_t h) const { return Slot((h << bits) & uint64_t(tag_mask)); }
+  i64 row(Slot v) const { return i64(v & rows_mask); }
+  i64 next(i64 i) const { return i + 1 == size ? 0 : i + 1; }
+
+  // The slot holding ``id``, or the empty slot where its probe ends (slots[result] < 0).
+  i64 find(const i64* row_key, i64 id) const {
+    return find_hashed(row_key, id, mix64(uint64_t(id)));
+  }
+  // find() of ``id`` whose hash mix64(id) is ``h``
+  i64 find_hashed(const i64* row_key, i64 id, uint64_t h) const {
+    const Slot t = tag(h);
+    for (i64 i = home(h);; i = next(i)) {
+      const Slot v = slots[i];
+      if (v < 0 || ((v & tag_mask) == t && row_key[row(v)] == id)) return i;
     }
   }
-  slots[i] = -1;
+  // Places ``id`` (not indexed) at row ``r``.
+  void insert(i64 id, i64 r) { insert_hashed(mix64(uint64_t(id)), r); }
+  // insert() of an id whose hash mix64(id) is ``h``
+  void insert_hashed(uint64_t h, i64 r) {
+    i64 i = home(h);
+    while (slots[i] >= 0) i = next(i);
+    slots[i] = Slot(tag(h) | Slot(r));
+  }
+  // Removes indexed ``id`` (its row's row_key still holds it), shifting later entries back.
+  void erase(const i64* row_key, i64 id) {
+    i64 i = find(row_key, id);
+    if (slots[i] < 0) return;
+    auto behind = [this](i64 a, i64 b) { return a >= b ? a - b : a - b + size; };  // a-b mod S
+    i64 j = i;
+    for (;;) {
+      j = next(j);
+      if (slots[j] < 0) break;
+      const i64 h = home(mix64(uint64_t(row_key[row(slots[j])])));
+      // slots[j] may move to hole i when i lies on its probe path (cyclically from h to j)
+      if (behind(j, h) >= behind(j, i)) {
+        slots[i] = slots[j];
+        i = j;
+      }
+    }
+    slots[i] = Slot(-1);
+  }
+};
+
+// Calls f(Slot{}, Step{}) with the types the flags name (int64 when set, else int32).
+template <class F>
+inline i64 vocab_types(int wide_slots, int wide_steps, F&& f) {
+  if (wide_slots) return wide_steps ? f(i64{}, i64{}) : f(i64{}, int32_t{});
+  return wide_steps ? f(int32_t{}, i64{}) : f(int32_t{}, int32_t{});
 }
 
 // The k-th smallest score (1 <= k <= candidates) among the resident rows not used by step t
-// (row_used and last_use != t). Scores are step counts (last uses or frequencies): when their
-// range is small, a count per value finds it in O(C + range); else nth_element over a copy.
-inline i64 vocab_kth_score(const i64* score, const uint8_t* row_used, const i64* last_use,
-                           i64 capacity, i64 t, i64 k) {
+// (born >= 0 and last_use != t) of the first ``n_rows``, and in ``at`` how many candidates have
+// it. Scores are step counts (last uses or frequencies): when their range is small, a count per
+// value finds it in O(A + range); else nth_element over a copy.
+template <class Step>
+inline i64 vocab_kth_score(const Step* score, const Step* born, const Step* last_use, i64 n_rows,
+                           i64 t, i64 k, i64* at) {
   i64 lo = INT64_MAX, hi = INT64_MIN;
-  for (i64 q = 0; q < capacity; ++q) {
-    if (!row_used[q] || last_use[q] == t) continue;
-    lo = std::min(lo, score[q]);
-    hi = std::max(hi, score[q]);
+  for (i64 q = 0; q < n_rows; ++q) {
+    if (born[q] < 0 || last_use[q] == t) continue;
+    lo = std::min<i64>(lo, score[q]);
+    hi = std::max<i64>(hi, score[q]);
   }
-  if (hi - lo <= 4 * capacity + 1024) {
+  if (hi - lo <= 4 * n_rows + 1024) {
     thread_local std::vector<i64> counts;
     counts.assign(size_t(hi - lo + 1), 0);
-    for (i64 q = 0; q < capacity; ++q)
-      if (row_used[q] && last_use[q] != t) counts[size_t(score[q] - lo)]++;
+    for (i64 q = 0; q < n_rows; ++q)
+      if (born[q] >= 0 && last_use[q] != t) counts[size_t(score[q] - lo)]++;
     i64 run = 0;
     for (i64 v = 0;; ++v) {
       run += counts[size_t(v)];
-      if (run >= k) return lo + v;
+      if (run >= k) {
+        *at = counts[size_t(v)];
+        return lo + v;
+      }
     }
   }
   std::vector<i64> s;
-  s.reserve(size_t(capacity));
-  for (i64 q = 0; q < capacity; ++q)
-    if (row_used[q] && last_use[q] != t) s.push_back(score[q]);
+  s.reserve(size_t(n_rows));
+  for (i64 q = 0; q < n_rows; ++q)
+    if (born[q] >= 0 && last_use[q] != t) s.push_back(score[q]);
   std::nth_element(s.begin(), s.begin() + (k - 1), s.end());
-  return s[size_t(k - 1)];
+  const i64 kth = s[size_t(k - 1)];
+  *at = std::count(s.begin(), s.end(), kth);
+  return kth;
+}
+
+// Sets every slot of ``ix`` to -1, then inserts every used row's id (born >= 0) of the first
+// n_rows. Returns how many rows are used.
+template <class Slot, class Step>
+inline i64 vocab_build_index(VocabIndex<Slot>& ix, const i64* row_key, const Step* born,
+                             i64 n_rows) {
+  std::fill(ix.slots, ix.slots + ix.size, Slot(-1));
+  // the rows' hashes, computed once, P ahead: their home slots are requested then
+  constexpr i64 kRing = 2 * kPrefetch;
+  uint64_t hash[kRing];
+  for (i64 r = 0; r < std::min(n_rows, kPrefetch); ++r)
+    hash[r % kRing] = mix64(uint64_t(row_key[r]));
+  i64 used = 0;
+  for (i64 r = 0; r < n_rows; ++r) {
+    if (r + kPrefetch < n_rows) {
+      const uint64_t h = mix64(uint64_t(row_key[r + kPrefetch]));
+      hash[(r + kPrefetch) % kRing] = h;
+      __builtin_prefetch(ix.slots + ix.home(h), 1, 1);
+    }
+    if (born[r] < 0) continue;
+    ix.insert_hashed(hash[r % kRing], r);
+    ++used;
+  }
+  return used;
 }
 
 }  // namespace
@@ -75,27 +160,57 @@ inline i64 vocab_kth_score(const i64* score, const uint8_t* row_used, const i64*
 extern "C" {
 
 // rows[i] = the row of ids[i] when it is resident and last used at step >= cut (TTL: ids that
-// expire at the start of this step are not found; INT64_MIN: no TTL), else ``fill``. Reads only.
-//   slots (mask + 1,) the index; row_key, last_use (C,) per row.
+// expire at the start of this step are not found; INT64_MIN: no TTL, last_use is not read), else
+// ``fill``. Reads only.
+//   slots (size,) the index, int64 when wide_slots else int32; row_key (n_rows,) int64;
+//   last_use (n_rows,) int64 when wide_steps else int32.
 // Returns how many are not found.
-i64 ec_vocab_find(const i64* slots, i64 mask, const i64* row_key, const i64* last_use, i64 cut,
-                  const i64* ids, i64 n, i64 fill, i64* rows, int nt) {
-  nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay off late
-  const i64 chunks = chunks_for(n * 8, nt, 64);
-  std::atomic<i64> missing{0};
-  parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64, i64 lo, i64 hi) {
-    i64 miss = 0;
-    for (i64 i = lo; i < hi; ++i) {
-      if (i + kPrefetch < hi)
-        __builtin_prefetch(slots + (mix64(uint64_t(ids[i + kPrefetch])) & uint64_t(mask)), 0, 1);
-      const i64 r = slots[vocab_slot(slots, mask, row_key, ids[i])];
-      const bool found = r >= 0 && last_use[r] >= cut;
-      rows[i] = found ? r : fill;
-      miss += !found;
-    }
-    missing.fetch_add(miss);
+i64 ec_vocab_find(const void* slots, i64 size, int wide_slots, const i64* row_key, i64 n_rows,
+                  const void* last_use, int wide_steps, i64 cut, const i64* ids, i64 n, i64 fill,
+                  i64* rows, int nt) {
+  return vocab_types(wide_slots, wide_steps, [&](auto slot_type, auto step_type) -> i64 {
+    using Slot = decltype(slot_type);
+    using Step = decltype(step_type);
+    const VocabIndex<Slot> ix(const_cast<void*>(slots), size, n_rows);
+    const Step* lu = static_cast<const Step*>(last_use);
+    const bool ttl = cut != INT64_MIN;
+    // beyond the caches, the rows of the entries are requested ahead too (in them, that costs
+    // more than it saves)
+    const bool deep = n_rows >= kVocabDeep;
+    nt = n < 65536 ? 1 : std::max(nt, 1);  // a probe is a few cache misses: threads pay late
+    const i64 chunks = chunks_for(n * 8, nt, 64);
+    std::atomic<i64> missing{0};
+    parallel_ranges(chunks, nt, n, nullptr, 0, [&](i64, i64 lo, i64 hi) {
+      // the ids' hashes, computed once, 2P ahead: the home slot of id i + 2P is requested,
+      // then (deep) the row of id i + P's first entry, where its fingerprint matches
+      constexpr i64 kRing = 4 * kPrefetch;
+      uint64_t hash[kRing];
+      for (i64 i = lo; i < std::min(hi, lo + 2 * kPrefetch); ++i)
+        hash[i % kRing] = mix64(uint64_t(ids[i]));
+      i64 miss = 0;
+      for (i64 i = lo; i < hi; ++i) {
+        if (i + 2 * kPrefetch < hi) {
+          const uint64_t h = mix64(uint64_t(ids[i + 2 * kPrefetch]));
+          hash[(i + 2 * kPrefetch) % kRing] = h;
+          __builtin_prefetch(ix.slots + ix.home(h), 0, 1);
+        }
+        if (deep && i + kPrefetch < hi) {
+          const uint64_t h = hash[(i + kPrefetch) % kRing];
+          const Slot v = ix.slots[ix.home(h)];
+          if (v >= 0 && (v & ix.tag_mask) == ix.tag(h)) {
+            __builtin_prefetch(row_key + ix.row(v), 0, 1);
+            if (ttl) __builtin_prefetch(lu + ix.row(v), 0, 1);
+          }
+        }
+        const Slot v = ix.slots[ix.find_hashed(row_key, ids[i], hash[i % kRing])];
+        const bool found = v >= 0 && (!ttl || i64(lu[ix.row(v)]) >= cut);
+        rows[i] = found ? ix.row(v) : fill;
+        miss += !found;
+      }
+      missing.fetch_add(miss);
+    });
+    return missing.load();
   });
-  return missing.load();
 }
 
 // The two parts of a step's ids after ec_vocab_find: hit_rows (n - M,) out the rows of the found
@@ -116,18 +231,24 @@ i64 ec_vocab_split(const i64* ids, const i64* rows, i64 n, i64* hit_rows, i64* m
   return m;
 }
 
-// keep[i] = whether rows[i] still holds the id it held after step ``since``: in [0, capacity),
-// used, and given its id at or before ``since`` (born[row] <= since). Returns how many are kept.
-i64 ec_vocab_valid(const i64* rows, i64 n, const uint8_t* row_used, const i64* born,
-                   i64 capacity, i64 since, uint8_t* keep) {
-  i64 kept = 0;
-  for (i64 i = 0; i < n; ++i) {
-    const i64 r = rows[i];
-    const bool ok = r >= 0 && r < capacity && row_used[r] && born[r] <= since;
-    keep[i] = ok;
-    kept += ok;
-  }
-  return kept;
+// keep[i] = whether rows[i] still holds the id it held after step ``since``: in [0, n_rows),
+// used, and given its id at or before ``since`` (0 <= born[row] <= since). Rows from n_rows on
+// (up to the capacity) were never used. born (n_rows,) int64 when wide_steps else int32.
+// Returns how many are kept.
+i64 ec_vocab_valid(const i64* rows, i64 n, const void* born, int wide_steps, i64 n_rows,
+                   i64 since, uint8_t* keep) {
+  return vocab_types(0, wide_steps, [&](auto, auto step_type) -> i64 {
+    using Step = decltype(step_type);
+    const Step* b = static_cast<const Step*>(born);
+    i64 kept = 0;
+    for (i64 i = 0; i < n; ++i) {
+      const i64 r = rows[i];
+      const bool ok = r >= 0 && r < n_rows && b[r] >= 0 && i64(b[r]) <= since;
+      keep[i] = ok;
+      kept += ok;
+    }
+    return kept;
+  });
 }
 
 // The changes of one training step t, after ec_vocab_find (with the same cut) gave the rows of
@@ -137,105 +258,181 @@ i64 ec_vocab_valid(const i64* rows, i64 n, const uint8_t* row_used, const i64* b
 // free rows first (scanning from info[2], below which no row is free), then the rows of the
 // resident ids not used by this step with the lowest (score, id), score = frequency when
 // ``lfu`` else last_use, in that order; new rows get last_use t, frequency 1, born t.
-// Returns 0; or -1 when A > C - H (more ids than free plus evictable rows), changing nothing and
-// setting info[0] = free rows, info[1] = evictable rows. info[2] in: the free-row hint; out: the
-// new hint.
+//   The per-row arrays hold the first n_rows rows of the capacity's: rows n_rows.. are free
+//   (never used). The caller holds n_rows == capacity or n_rows >= the resident ids (info[4])
+//   plus A, so that the admissions fit in the rows held without evicting; -2 otherwise (a
+//   caller's error), changing nothing. The types as ec_vocab_find's.
+// Returns 0; or -1 when A > capacity - H (more ids than free plus evictable rows), changing
+// nothing and setting info[0] = free rows, info[1] = evictable rows. info[2] in: the free-row
+// hint; out: the new hint. info[4] in: the resident ids; out: after the step.
 // spare: when this step must evict, free up to this many more of the lowest-scored resident ids
 // (not used by the step) at once, so that the following steps find free rows without a scan;
 // their rows go to freed (spare,) out, their count to info[3]. 0 for the maps of raw ids.
-i64 ec_vocab_step(i64* slots, i64 mask, i64* row_key, uint8_t* row_used, i64* last_use,
-                  i64* frequency, i64* born, i64 capacity, const i64* hit_rows, i64 n_hit,
-                  const i64* new_ids, i64 n_new, i64 t, i64 cut, int lfu, i64* new_rows,
-                  i64* info, i64 spare, i64* freed) {
-  info[3] = 0;
-  if (n_new > capacity - n_hit) {
-    i64 live = 0;
-    for (i64 r = 0; r < capacity; ++r) live += row_used[r] && last_use[r] >= cut;
-    info[0] = capacity - live;
-    info[1] = live - n_hit;
-    return -1;
-  }
-  for (i64 k = 0; k < n_hit; ++k) {
-    const i64 r = hit_rows[k];
-    last_use[r] = t;
-    frequency[r] += 1;
-  }
-  i64 hint = std::max<i64>(info[2], 0);
-  if (cut != INT64_MIN) {  // TTL: free the rows last used before cut
-    for (i64 r = 0; r < capacity; ++r) {
-      if (row_used[r] && last_use[r] < cut) {
-        vocab_erase(slots, mask, row_key, row_key[r]);
-        row_key[r] = 0;
-        row_used[r] = 0;
-        last_use[r] = 0;
-        frequency[r] = 0;
-        born[r] = -1;
-        hint = std::min(hint, r);
+i64 ec_vocab_step(void* slots, i64 size, int wide_slots, i64* row_key, void* last_use,
+                  void* frequency, void* born, int wide_steps, i64 n_rows, i64 capacity,
+                  const i64* hit_rows, i64 n_hit, const i64* new_ids, i64 n_new, i64 t, i64 cut,
+                  int lfu, i64* new_rows, i64* info, i64 spare, i64* freed) {
+  return vocab_types(wide_slots, wide_steps, [&](auto slot_type, auto step_type) -> i64 {
+    using Slot = decltype(slot_type);
+    using Step = decltype(step_type);
+    VocabIndex<Slot> ix(slots, size, n_rows);
+    Step* lu = static_cast<Step*>(last_use);
+    Step* fr = static_cast<Step*>(frequency);
+    Step* bo = static_cast<Step*>(born);
+    i64 resident = info[4];
+    info[3] = 0;
+    if (n_new > capacity - n_hit) {
+      i64 live = 0;
+      for (i64 r = 0; r < n_rows; ++r) live += bo[r] >= 0 && i64(lu[r]) >= cut;
+      info[0] = capacity - live;
+      info[1] = live - n_hit;
+      return i64(-1);
+    }
+    if (n_rows < capacity && n_rows - resident < n_new) return i64(-2);
+    for (i64 k = 0; k < n_hit; ++k) {
+      if (k + kPrefetch < n_hit) {
+        __builtin_prefetch(lu + hit_rows[k + kPrefetch], 1, 1);
+        __builtin_prefetch(fr + hit_rows[k + kPrefetch], 1, 1);
+      }
+      const i64 r = hit_rows[k];
+      lu[r] = Step(t);
+      fr[r] += 1;
+    }
+    i64 hint = std::max<i64>(info[2], 0);
+    if (cut != INT64_MIN) {  // TTL: free the rows last used before cut
+      for (i64 r = 0; r < n_rows; ++r) {
+        if (bo[r] >= 0 && i64(lu[r]) < cut) {
+          ix.erase(row_key, row_key[r]);
+          row_key[r] = 0;
+          lu[r] = 0;
+          fr[r] = 0;
+          bo[r] = -1;
+          hint = std::min(hint, r);
+          --resident;
+        }
       }
     }
-  }
-  if (n_new == 0) {
-    info[2] = hint;
-    return 0;
-  }
-  i64 placed = 0, r = hint;
-  for (; r < capacity && placed < n_new; ++r)
-    if (!row_used[r]) new_rows[placed++] = r;
-  // every row below r is used now (or taken by this step)
-  info[2] = r;
-  const i64 k = n_new - placed;
-  if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
-    const i64* score = lfu ? frequency : last_use;
-    i64 candidates = 0;
-    if (spare > 0)
-      for (i64 q = 0; q < capacity; ++q) candidates += row_used[q] && last_use[q] != t;
-    const i64 extra = std::max<i64>(0, std::min(spare, candidates - k));
-    const i64 kth = vocab_kth_score(score, row_used, last_use, capacity, t, k + extra);
-    // every candidate below the k-th score, and of those at it the smallest ids
-    struct Cand {
-      i64 score, id, row;
-    };
-    std::vector<Cand> victims, ties;
-    victims.reserve(size_t(k));
-    for (i64 q = 0; q < capacity; ++q) {
-      if (!row_used[q] || last_use[q] == t) continue;
-      if (score[q] < kth) {
-        victims.push_back({score[q], row_key[q], q});
-      } else if (score[q] == kth) {
-        ties.push_back({score[q], row_key[q], q});
-      }
+    info[4] = resident + n_new;
+    if (n_new == 0) {
+      info[2] = hint;
+      return i64(0);
     }
-    const size_t need = size_t(k + extra) - victims.size();
-    auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
-    std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
-    victims.insert(victims.end(), ties.begin(), ties.begin() + need);
-    std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
-      return a.score < b.score || (a.score == b.score && a.id < b.id);
+    i64 placed = 0, r = hint;
+    for (; r < n_rows && placed < n_new; ++r)
+      if (bo[r] < 0) new_rows[placed++] = r;
+    // every row below r is used now (or taken by this step)
+    info[2] = r;
+    const i64 k = n_new - placed;
+    if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
+      const Step* score = lfu ? fr : lu;
+      i64 candidates = 0;
+      if (spare > 0)
+        for (i64 q = 0; q < n_rows; ++q) candidates += bo[q] >= 0 && i64(lu[q]) != t;
+      const i64 extra = std::max<i64>(0, std::min(spare, candidates - k));
+      i64 at = 0;
+      const i64 kth = vocab_kth_score(score, bo, lu, n_rows, t, k + extra, &at);
+      // every candidate below the k-th score, and of those at it the smallest ids
+      struct Cand {
+        i64 score, id, row;
+      };
+      std::vector<Cand> victims, ties;
+      victims.reserve(size_t(k + extra));
+      ties.reserve(size_t(at));
+      for (i64 q = 0; q < n_rows; ++q) {
+        if (bo[q] < 0 || i64(lu[q]) == t) continue;
+        if (score[q] < kth) {
+          victims.push_back({score[q], row_key[q], q});
+        } else if (score[q] == kth) {
+          ties.push_back({score[q], row_key[q], q});
+        }
+      }
+      const size_t need = size_t(k + extra) - victims.size();
+      auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
+      std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
+      victims.insert(victims.end(), ties.begin(), ties.begin() + need);
+      std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
+        return a.score < b.score || (a.score == b.score && a.id < b.id);
+      });
+      for (i64 j = 0; j < k + extra; ++j) {
+        if (j + kPrefetch < k + extra)
+          __builtin_prefetch(ix.slots + ix.home(mix64(uint64_t(victims[j + kPrefetch].id))), 1, 1);
+        ix.erase(row_key, victims[j].id);
+      }
+      for (i64 j = 0; j < k; ++j) new_rows[placed + j] = victims[j].row;
+      for (i64 j = 0; j < extra; ++j) {  // freed now: the next steps admit into them
+        const i64 q = victims[k + j].row;
+        row_key[q] = 0;
+        lu[q] = 0;
+        fr[q] = 0;
+        bo[q] = -1;
+        freed[j] = q;
+        info[2] = std::min(info[2], q);
+      }
+      info[3] = extra;
+      info[4] -= k + extra;
+    }
+    for (i64 j = 0; j < n_new; ++j) {
+      if (j + kPrefetch < n_new)
+        __builtin_prefetch(ix.slots + ix.home(mix64(uint64_t(new_ids[j + kPrefetch]))), 1, 1);
+      const i64 q = new_rows[j], id = new_ids[j];
+      row_key[q] = id;
+      lu[q] = Step(t);
+      fr[q] = 1;
+      bo[q] = Step(t);
+      ix.insert(id, q);
+    }
+    return i64(0);
+  });
+}
+
+// Rebuilds the index from the per-row state: slots (size,) all set to -1, then every used row's
+// id (born >= 0) of the first n_rows inserted. The types as ec_vocab_find's. Returns how many
+// rows are used.
+i64 ec_vocab_index(void* slots, i64 size, int wide_slots, const i64* row_key, const void* born,
+                   int wide_steps, i64 n_rows) {
+  return vocab_types(wide_slots, wide_steps, [&](auto slot_type, auto step_type) -> i64 {
+    using Slot = decltype(slot_type);
+    using Step = decltype(step_type);
+    VocabIndex<Slot> ix(slots, size, n_rows);
+    return vocab_build_index(ix, row_key, static_cast<const Step*>(born), n_rows);
+  });
+}
+
+// A map's rows held grow: the first ``held`` rows of row_key (int64) and last_use, frequency,
+// born (int64 when wide_old else int32) are copied into the new arrays of n_rows >= held rows
+// (int64 when wide_steps else int32; every value fits), the rows after them free (id 0, last
+// use 0, frequency 0, born -1), and the index ``slots`` (size,) is rebuilt over them (as
+// ec_vocab_index). One thread: it is a copy. Returns how many rows are used.
+i64 ec_vocab_grow(const i64* old_key, const void* old_last, const void* old_freq,
+                  const void* old_born, i64 held, int wide_old, i64* row_key, void* last_use,
+                  void* frequency, void* born, int wide_steps, i64 n_rows, void* slots, i64 size,
+                  int wide_slots) {
+  return vocab_types(wide_slots, wide_steps, [&](auto slot_type, auto step_type) -> i64 {
+    using Slot = decltype(slot_type);
+    using Step = decltype(step_type);
+    Step* lu = static_cast<Step*>(last_use);
+    Step* fr = static_cast<Step*>(frequency);
+    Step* bo = static_cast<Step*>(born);
+    std::memcpy(row_key, old_key, size_t(held) * sizeof(i64));
+    std::fill(row_key + held, row_key + n_rows, i64(0));
+    vocab_types(0, wide_old, [&](auto, auto old_type) -> i64 {
+      using Old = decltype(old_type);
+      const Old* ol = static_cast<const Old*>(old_last);
+      const Old* of = static_cast<const Old*>(old_freq);
+      const Old* ob = static_cast<const Old*>(old_born);
+      for (i64 r = 0; r < held; ++r) {
+        lu[r] = Step(ol[r]);
+        fr[r] = Step(of[r]);
+        bo[r] = Step(ob[r]);
+      }
+      return i64(0);
     });
-    for (i64 j = 0; j < k + extra; ++j) vocab_erase(slots, mask, row_key, victims[j].id);
-    for (i64 j = 0; j < k; ++j) new_rows[placed + j] = victims[j].row;
-    for (i64 j = 0; j < extra; ++j) {  // freed now: the next steps admit into them
-      const i64 q = victims[k + j].row;
-      row_key[q] = 0;
-      row_used[q] = 0;
-      last_use[q] = 0;
-      frequency[q] = 0;
-      born[q] = -1;
-      freed[j] = q;
-      info[2] = std::min(info[2], q);
-    }
-    info[3] = extra;
-  }
-  for (i64 j = 0; j < n_new; ++j) {
-    const i64 q = new_rows[j], id = new_ids[j];
-    row_key[q] = id;
-    row_used[q] = 1;
-    last_use[q] = t;
-    frequency[q] = 1;
-    born[q] = t;
-    slots[vocab_slot(slots, mask, row_key, id)] = q;
-  }
-  return 0;
+    std::fill(lu + held, lu + n_rows, Step(0));
+    std::fill(fr + held, fr + n_rows, Step(0));
+    std::fill(bo + held, bo + n_rows, Step(-1));
+    VocabIndex<Slot> ix(slots, size, n_rows);
+    return vocab_build_index(ix, row_key, static_cast<const Step*>(bo), n_rows);
+  });
 }
 
 }  // extern "C"
@@ -294,15 +491,6 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
       o[j - c0] = float(inverse_normal(lo + u * width) / div);  // not fused: torch's rounding
     }
   }
-}
-
-// Rebuilds the index from the per-row state: slots (mask + 1,) all set, then every used row's
-// id inserted.
-void ec_vocab_index(i64* slots, i64 mask, const i64* row_key, const uint8_t* row_used,
-                    i64 capacity) {
-  std::fill(slots, slots + mask + 1, i64(-1));
-  for (i64 r = 0; r < capacity; ++r)
-    if (row_used[r]) slots[vocab_slot(slots, mask, row_key, row_key[r])] = r;
 }
 
 }  // extern "C"
