@@ -31,7 +31,9 @@ from workloads import RAW_FILL, get_workload  # noqa: E402
 
 SECTION = "w1-raw"
 STATIC = "embcore static"
-TARGET_STATIC, TARGET_PEER = 0.7, 3.0  # the targets: raw >= 0.7x static W1, >= 3x the best peer
+# the targets: raw >= 0.8x static W1 where every id fits, 0.6x where it evicts every step (a
+# capacity below 100k), >= 3x the best peer
+TARGET_FITS, TARGET_EVICTS, TARGET_PEER = 0.8, 0.6, 3.0
 
 
 def systems(capacities: list[int]) -> list[tuple]:
@@ -100,8 +102,9 @@ def targets(results: list[dict]) -> list[str]:
         parts = []
         if static:
             x = r["examples_per_s"] / static["examples_per_s"]
-            parts.append(f"{x:.2f}x static (target >= {TARGET_STATIC}x: "
-                         f"{'met' if x >= TARGET_STATIC else 'NOT met'})")
+            target = TARGET_FITS if r["cap"] >= 100_000 else TARGET_EVICTS
+            parts.append(f"{x:.2f}x static (target >= {target}x: "
+                         f"{'met' if x >= target else 'NOT met'})")
         if peer:
             x = r["examples_per_s"] / peer["examples_per_s"]
             parts.append(f"{x:.2f}x the best peer, {peer['system']} (target >= {TARGET_PEER}x: "

@@ -478,6 +478,11 @@ class DynamicStack:
         if len(self.members) == 1:
             return self.members[0].valid(rows, since)
         steps, segments = since
+        if steps == tuple(m.step for m in self.members):  # no map stepped since: every row
+            zero = rows == self.zero_row  # but the zero row holds its id still
+            if not bool(zero.any()):
+                return torch.ones_like(rows, dtype=torch.bool), rows.numel()
+            return ~zero, rows.numel() - int(zero.sum())
         if segments is None:  # any rows: each to its member by its place in the shard
             bounds = torch.tensor(self.starts[1:] + [self.zero_row], device=rows.device)
             member = torch.searchsorted(bounds, rows, right=True)  # (n,) M: the zero row
