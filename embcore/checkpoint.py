@@ -13,9 +13,9 @@ holding the object's ``state_dict()`` under TF's names: ``<table>/parameters``,
 (raw ids) adds its map, ``<table>/vocabulary/{ids,last_use,frequency}`` laid out by row like its
 parameters, ``<table>/vocabulary/{step,seed}`` and ``<table>/vocabulary/pending`` (the ids
 counted for admission, their counts and last steps seen: ``(P, 3)``, P varying; vocabulary.py).
-Entries are whole logical tables, so a checkpoint does not depend on how the tables were stacked or placed: loading
-fills tensors shaped as the *target's* state dict, which is what lets DCP restore a checkpoint
-written by W processes into W' processes with another layout.
+Entries are whole logical tables, so a checkpoint does not depend on how the tables were stacked
+or placed: loading fills tensors shaped as the *target's* state dict, which is what lets DCP
+restore a checkpoint written by W processes into W' processes with another layout.
 
 Atomicity. ``save`` writes into a temporary sibling ``<path>.tmp-<pid>-<random>``, fsyncs it, then
 swaps it in: an existing ``<path>`` is renamed to ``<path>.old``, the temporary directory to
@@ -38,14 +38,15 @@ saying the checkpoint is corrupt, naming the file.
 Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
 written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
 "index": <CRC of .metadata>, "chunks": [{"file", "offset", "length", "key", "at", "crc32"}, ...],
-"manifest": <CRC of the manifest's other fields>, "seal": <CRC of the rest>}``, the zlib CRC-32 (``state/published.py``'s ``crc``, as publish entries
-use) of every byte range DCP wrote, one per saved chunk: a state-dict key (``key``) and the offsets
-of its chunk in the logical tensor (``at``; a whole tensor, or a process's DTensor shard), where
-DCP's index says its bytes lie (``file``, ``offset``, ``length``: the chunk as DCP serialized it,
-header included). Each process computes, right after writing them (still in the page cache), the
-CRCs of the chunks it wrote (replicated tensors are written by one process); every process then
-reads the index rank 0 wrote (what ``dcp.save`` returns lacks it in some torch versions), the CRCs
-are all-gathered in its order, and rank 0 adds the index's CRC and writes them to the manifest.
+"manifest": <CRC of the manifest's other fields>, "seal": <CRC of the rest>}``, the zlib CRC-32
+(``state/published.py``'s ``crc``, as publish entries use) of every byte range DCP wrote, one
+per saved chunk: a state-dict key (``key``) and the offsets of its chunk in the logical tensor
+(``at``; a whole tensor, or a process's DTensor shard), where DCP's index says its bytes lie
+(``file``, ``offset``, ``length``: the chunk as DCP serialized it, header included). Each process
+computes, right after writing them (still in the page cache), the CRCs of the chunks it wrote
+(replicated tensors are written by one process); every process then reads the index rank 0 wrote
+(what ``dcp.save`` returns lacks it in some torch versions), the CRCs are all-gathered in its
+order, and rank 0 adds the index's CRC and writes them to the manifest.
 
 Why per saved chunk, of the file's bytes: a load may reshard (written by W processes, read by W'),
 so a CRC of a whole logical tensor, or of the rows a process reads, cannot be checked by a process

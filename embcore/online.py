@@ -324,8 +324,15 @@ def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: 
             if dyn is not None and p in pub.used:
                 evicted = _evicted(store.member(place.name), pub.used[p], local + start)
         counts[place.name] += local.numel()
-        if local.numel() or (dyn is not None and slots):  # (the map's counts go every time)
+        if local.numel() or (slots and _counts(store, place)):  # (counted ids: every time)
             yield _chunks(store, place, local, slots, dyn is not None, evicted)
+
+
+def _counts(store: RowStore, place: Any) -> bool:
+    """Whether a table counts ids before admitting them (``admit_after > 1``): with slots its
+    counted ids go in every entry (``T/vocabulary/pending``), whole."""
+    dynamic = store.configs[place.name].dynamic
+    return dynamic is not None and dynamic.admit_after > 1
 
 
 def _evicted(dyn: Any, before: tuple[torch.Tensor, torch.Tensor],
@@ -366,7 +373,7 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
                 chunk[f"{name}/{VOCAB}{k}"] = dyn.scalar(k)
             if evicted is not None and i == 0:  # (the ids evicted since the last publish)
                 chunk[f"{name}/{VOCAB}evicted"] = evicted
-            if slots and i == 0:  # the ids this process counts for admission, whole
+            if slots and i == 0 and _counts(store, place):  # its counted ids, whole
                 chunk[f"{name}/{VOCAB}{PENDING}"] = dyn.pending()
         yield chunk
 

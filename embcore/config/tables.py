@@ -484,24 +484,22 @@ def _fill(init: Callable[..., Any], block: torch.Tensor, table: str,
     and checks the values itself."""
     if check:
         block.fill_(float("nan"))
-    if in_place is None or in_place:
+    torch_style: TypeError | None = None
+    if in_place is not False:
         try:
             init(block)
             in_place = True
-        except TypeError as torch_style:
-            if in_place:
+        except TypeError as e:
+            if in_place:  # (known to fill in place: its own error)
                 raise
-            error = torch_style
-            in_place = False
-    else:
-        error = None
+            torch_style, in_place = e, False
     if not in_place:
         try:
             values = init(tuple(block.shape), block.dtype)
         except TypeError:
-            if error is None:
+            if torch_style is None:
                 raise
-            raise error from None
+            raise torch_style from None
         if not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(block.shape):
             raise TypeError(f"table {table!r}: initializer({tuple(block.shape)}, {block.dtype}) "
                             f"returned {type(values).__name__} "

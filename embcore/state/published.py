@@ -31,9 +31,10 @@ flat ``{key: tensor}``, read back with ``weights_only=True``): per logical table
     T/vocabulary/last_use (n, 1) int64 ... 0 when the row is free (its id evicted)
     T/vocabulary/frequency, T/vocabulary/step, T/vocabulary/seed    the map's counters
     T/vocabulary/evicted  (e,) int64   a delta: the ids evicted since its predecessor
-    T/vocabulary/pending  (p, 3) int64 with ``slots=True``: the ids this process counts for
-                          admission, their counts and last steps seen (every entry, whole:
-                          a dynamic table's first part always goes, even with no rows)
+    T/vocabulary/pending  (p, 3) int64 with ``slots=True`` and ``admit_after > 1``: the ids this
+                          process counts for admission, their counts and last steps seen
+                          (every entry, whole: such a table's first part always goes, even
+                          with no rows)
 
 A snapshot carries every row; a delta the rows written since its predecessor (a dynamic table:
 also the rows freed since, with ``last_use`` 0). A replicated table is written by process 0 only.

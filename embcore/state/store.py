@@ -50,8 +50,7 @@ from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
 from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
 from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, DynamicStack,
-                         initialize_rows,
-                         whole_vocabulary)
+                         initialize_rows, whole_vocabulary)
 
 INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
 
@@ -567,8 +566,6 @@ class RowStore:
             name, slot = key.split("/", 1)
             if not shape:  # a dynamic table's step or seed, the same on every process
                 out[key] = self.member(name).scalar(slot[len(VOCAB):])
-                if slot == VOCAB + SCALARS[0]:  # (and its counted ids, after the step)
-                    out[f"{name}/{VOCAB}{PENDING}"] = self.pending(name)
                 continue
             local = self.local(name, slot)
             if self.comm.world_size == 1:
@@ -577,6 +574,9 @@ class RowStore:
                 place = self.plan.table(name)
                 out[key] = to_sharded(place, self.plan.physical[place.physical], local,
                                       shape[1], self.comm)
+        for place in self.plan.tables:  # dynamic tables' counted ids (P varies: not a shape)
+            if place.physical in self.dynamic:
+                out[f"{place.name}/{VOCAB}{PENDING}"] = self.pending(place.name)
         return out
 
     def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
@@ -603,8 +603,7 @@ class RowStore:
             got = tuple(v.size()) if k != "step" else tuple(torch.as_tensor(v).shape)
             if k in optional:
                 if not isinstance(v, torch.Tensor) or v.dim() != 2 or got[1] != 3 or \
-                        v.dtype.is_floating_point or v.dtype in (torch.bool, torch.complex64,
-                                                                 torch.complex128):
+                        v.is_floating_point() or v.is_complex() or v.dtype == torch.bool:
                     raise ValueError(f"{k!r}: must be an integer tensor of shape [P, 3] (ids, "
                                      f"counts, last steps seen), got {getattr(v, 'dtype', '')} "
                                      f"{list(got)}")

@@ -14,7 +14,6 @@ dropped.
 from __future__ import annotations
 
 import copy
-
 import functools
 import math
 import threading
@@ -402,23 +401,12 @@ class DynamicStack:
     def __init__(self, members: list[DynamicRows], starts: list[int], rows: int) -> None:
         self.members, self.starts = members, starts
         self.zero_row = rows
-        self.lock = threading.Lock()  # (each member's map has its own; this one orders a step)
-
-    @property
-    def capacity(self) -> int:
-        return self.zero_row
 
     @property
     def map(self) -> VocabMap:
         """The map of a table alone (a stacked table's: ``members[m].map``)."""
         assert len(self.members) == 1, "a stack has a map per member"
         return self.members[0].map
-
-    @property
-    def step(self) -> int | tuple[int, ...]:
-        if len(self.members) == 1:
-            return self.members[0].step
-        return tuple(m.step for m in self.members)
 
     def pieces(self, ids: torch.Tensor, segments: tuple[tuple[int, int], ...] | None
                ) -> list[tuple[int, torch.Tensor]]:
@@ -440,8 +428,8 @@ class DynamicStack:
                 segments: tuple[tuple[int, int], ...] | None = None
                 ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any]:
         """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
-        rows; a training step checks every member first (``check_step``), so a batch that one
-        member's map cannot place changes no map.
+        rows; a training step of several members checks every one first (``check_step``), so
+        a batch that one member's map cannot place changes no map.
 
         Returns:
             ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since)``.
@@ -461,6 +449,8 @@ class DynamicStack:
         return torch.cat(out) if len(out) > 1 else out[0], new, self.since(segments)
 
     def since(self, segments: tuple[tuple[int, int], ...] | None) -> Any:
+        """What ``valid`` takes of rows resolved now: the member's step (one member), else the
+        members' steps and ``segments`` (the rows' runs; None: any rows)."""
         if len(self.members) == 1:
             return self.members[0].step
         return (tuple(m.step for m in self.members), segments)

@@ -23,9 +23,10 @@ waiting in the exchange until the timeout), and the learning rates, evaluated on
 processes passed, move a counting callable on every process or on none. A callable learning
 rate that raises on some processes only is agreed on the same way (a second small all_reduce,
 made only with W > 1 and a callable rate in the batch): every process raises at once, nothing
-written (the callables of the processes where it did not raise have been called). ``apply_gradients`` skips,
-as a whole, the tables of an optimizer with ``skip_nonfinite_gradients`` whose gradients hold NaN
-or inf on any process (docs/semantics.md section 3).
+written (the callables of the processes where it did not raise have been called).
+``apply_gradients`` skips, as a whole, the tables of an optimizer with
+``skip_nonfinite_gradients`` whose gradients hold NaN or inf on any process (docs/semantics.md
+section 3).
 """
 
 from __future__ import annotations

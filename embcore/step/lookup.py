@@ -56,13 +56,14 @@ def _check_map_steps(prepared: Prepared, store: RowStore,
     """Before the map steps of a training batch with two dynamic tables or more (stacked or
     not): checks on every process that none of them fails (``RowStore.check_steps``: free
     unless a table has more distinct ids than its capacity), so that a batch failing at one
-    table changes no map anywhere. With several processes it asks the ids of the batch's dynamic tables first (the
-    collectives their lookups would make, whose results it returns for them: ``{physical: what
-    each process asked}``) and agrees on the outcome (one small all_reduce), so every process
-    raises, before any step, when one would fail."""
+    table changes no map anywhere. With several processes it asks the ids of the batch's
+    dynamic tables first (the collectives their lookups would make, whose results it returns
+    for them: ``{physical: what each process asked}``) and agrees on the outcome (one small
+    all_reduce), so every process raises, before any step, when one would fail."""
     dynamic = [tb for tb in prepared.tables if tb.physical in store.dynamic]
-    if sum(len(tb.segments or ((0, 0),)) for tb in dynamic) < 2:
-        return {}  # one table: its step fails whole (a stack's members: a table each)
+    if len(dynamic) < 2 and (comm.world_size == 1 or not dynamic or dynamic[0].segments is None
+                             or len(dynamic[0].segments) < 2):
+        return {}  # one table (one process's stack checks its own members: DynamicStack)
     if comm.world_size == 1:
         store.check_steps([(tb.physical, [tb.dedup.unique], tb.segments) for tb in dynamic])
         return {}

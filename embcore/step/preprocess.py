@@ -90,72 +90,26 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
     tables = []
     for p in sorted(members):
         phys = plan.physical[p]
+        fs, of = members[p], None
         if phys.dynamic and len(phys.tables) > 1:  # stacked dynamic tables: by member
             member = {n: k for k, n in enumerate(phys.tables)}
-            of = [member[feature_tables[f]] for f in members[p]]
-            fs = [f for _, f in sorted(zip(of, members[p]))]
-            (bags, dd), slices, segments = _concatenate_members(
-                [(f, features[f]) for f in fs], sorted(of))
-            tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
-                                     segments))
-            continue
-        parts = [(f, features[f]) for f in members[p]]
-        bags, slices = _concatenate(parts, [plan.table(feature_tables[f]).row_offset
-                                            for f in members[p]],
-                                    None if phys.dynamic else phys.rows)
-        tables.append(TableBatch(p, bags[0], bags[1], slices, route(plan, p, bags[1].unique)))
+            of, fs = (list(t) for t in zip(*sorted((member[feature_tables[f]], f) for f in fs)))
+        (bags, dd), slices, segments = _concatenate(
+            [(f, features[f]) for f in fs], [plan.table(feature_tables[f]).row_offset
+                                            for f in fs],
+            None if phys.dynamic else phys.rows, of)
+        tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
+                                 segments))
     return Prepared(training, tuple(tables), len(features))
 
 
-def _concatenate_members(parts: list[tuple[int, Bags | None]], of: list[int]
-                         ) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...],
-                                    tuple[tuple[int, int], ...]]:
-    """``_concatenate`` for the features of stacked dynamic tables, grouped by member (``of``:
-    each part's member index, ascending): their raw ids are deduplicated per member (one
-    member's id is not another's), the runs joined into one ``Dedup``. Also returns the
-    ``(member, distinct ids)`` segments."""
-    groups: list[tuple[int, list[tuple[int, Bags | None]]]] = []
-    for m, part in zip(of, parts):
-        if groups and groups[-1][0] == m:
-            groups[-1][1].append(part)
-        else:
-            groups.append((m, [part]))
-    done = [_concatenate(g, [0] * len(g), None) for _, g in groups]
-    if len(done) == 1:
-        return done[0][0], done[0][1], ((groups[0][0], done[0][0][1].unique.numel()),)
-    bags = [b for (b, _), _ in done]
-    dds = [d for (_, d), _ in done]
-    nnz = [b.ids.numel() for b in bags]
-    rows = [b.num_rows for b in bags]
-    counts = [d.unique.numel() for d in dds]
-    at = [sum(nnz[:k]) for k in range(len(nnz))]
-    ids = torch.cat([b.ids for b in bags])
-    unique = torch.cat([d.unique for d in dds])
-    order = torch.cat([d.order + a if a else d.order for d, a in zip(dds, at)])
-    uoff = torch.cat([d.unique_offsets[:-1] + a if a else d.unique_offsets[:-1]
-                      for d, a in zip(dds, at)] + [ids.new_tensor([sum(nnz)])])
-    dd = Dedup(unique, order, uoff)
-    ubase = [sum(counts[:k]) for k in range(len(counts))]
-    dd.__dict__["inverse"] = torch.cat([d.inverse + u if u else d.inverse
-                                        for d, u in zip(dds, ubase)])
-    if all(b.unit for b in bags):
-        joined = Bags(ids, None, None)
-    else:
-        offs, scales = [], []
-        for b, a in zip(bags, at):
-            o, sc = b.offsets_and_scales()
-            offs.append(o[:-1] + a if a else o[:-1])
-            scales.append(sc)
-        joined = Bags(ids, torch.cat(offs + [ids.new_tensor([sum(nnz)])]), torch.cat(scales))
-    slices = []
-    for (_, sl), r0 in zip(done, [sum(rows[:k]) for k in range(len(rows))]):
-        slices += [FeatureSlice(s.feature, s.start + r0, s.rows, s.shape) for s in sl]
-    return (joined, dd), tuple(slices), tuple((m, c) for (m, _), c in zip(groups, counts))
-
-
-def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],
-                 num_rows: int | None) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...]]:
-    """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated."""
+def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows: int | None,
+                 of: list[int] | None = None
+                 ) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...],
+                            tuple[tuple[int, int], ...] | None]:
+    """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
+    for stacked dynamic tables (``of``: each part's member index, ascending) the raw ids are
+    deduplicated per member (``_dedup_members``), which also gives the segments."""
     unit = all(b is not None and b.unit for _, b in parts)
     offsets, scales, slices = [], [], []
     nnz = rows = 0
@@ -168,11 +122,47 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int],
         slices.append(FeatureSlice(f, rows, b.num_rows, b.shape))
         nnz += b.ids.numel()
         rows += b.num_rows
-    ids, dd = concat_dedup([b.ids for _, b in parts if b is not None], adds, num_rows)
+    id_parts = [b.ids for _, b in parts if b is not None]
+    segments = None
+    if of is None:
+        ids, dd = concat_dedup(id_parts, adds, num_rows)
+    else:
+        ids, dd, segments = _dedup_members(id_parts, of)
     if unit:
-        return (Bags(ids, None, None), dd), tuple(slices)
+        return (Bags(ids, None, None), dd), tuple(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return (Bags(ids, native.concat(offsets), native.concat(scales)), dd), tuple(slices)
+    return ((Bags(ids, native.concat(offsets), native.concat(scales)), dd), tuple(slices),
+            segments)
+
+
+def _dedup_members(parts: list[torch.Tensor], of: list[int]
+                   ) -> tuple[torch.Tensor, Dedup, tuple[tuple[int, int], ...]]:
+    """The raw ids of stacked dynamic tables' features (``of``: each part's member, ascending),
+    deduplicated per member (one member's id is not another's): ``(ids (nnz,), dedup,
+    segments)``, ``dedup.unique`` a run of distinct ids per member and ``segments`` the
+    ``(member, run length)`` pairs."""
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for m, t in zip(of, parts):
+        if runs and runs[-1][0] == m:
+            runs[-1][1].append(t)
+        else:
+            runs.append((m, [t]))
+    done = [concat_dedup(ts, [0] * len(ts), None) for _, ts in runs]
+    segments = tuple((m, d.unique.numel()) for (m, _), (_, d) in zip(runs, done))
+    if len(done) == 1:
+        return done[0][0], done[0][1], segments
+    at = u = 0
+    order, uoff, inverse = [], [], []
+    for i, d in done:  # each run's positions shifted past the runs before it
+        order.append(d.order + at if at else d.order)
+        uoff.append(d.unique_offsets[:-1] + at if at else d.unique_offsets[:-1])
+        inverse.append(d.inverse + u if u else d.inverse)
+        at, u = at + i.numel(), u + d.unique.numel()
+    ids = torch.cat([i for i, _ in done])
+    dd = Dedup(torch.cat([d.unique for _, d in done]), torch.cat(order),
+               torch.cat(uoff + [ids.new_tensor([at])]))
+    dd.__dict__["inverse"] = torch.cat(inverse)  # (the cached_property's value, known)
+    return ids, dd, segments
 
 
 def route(plan: ShardingPlan, physical: int, unique: torch.Tensor,
