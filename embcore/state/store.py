@@ -324,8 +324,8 @@ class RowStore:
                             self.slots[p])
             else:  # the new rows are written in the cache (their old values are not read)
                 with cache.lock:
-                    cache.renew(new_rows, lambda table, slots, at: self._renew(
-                        p, m, new_ids, at, table, slots))
+                    cache.renew(new_rows, lambda table, slots, at, m=m, ids=new_ids:
+                                self._renew(p, m, ids, at, table, slots))
         if inverse is None:
             return [rows], since
         return list(rows[inverse].split([t.numel() for t in ids])), since

@@ -99,7 +99,7 @@ def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) 
     only way a callable that draws from a generator gives each id values of its own, whatever
     else is admitted with it; about 6 us an id beyond the initializer's own work.
     """
-    n, dim = ids.numel(), table.dim
+    dim = table.dim
     if table.initializer is None:
         u = hashing.uniform(seed, ids, dim)  # (n, D) in (0, 1)
         p = _PHI_LO + u * (_PHI_HI - _PHI_LO)
