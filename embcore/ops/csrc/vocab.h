@@ -482,13 +482,32 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
     i64 seed, const i64* ids, const i64* rows, i64 n, i64 c0, i64 c1, double lo, double width,
     double div, float* table, i64 stride) {
   const uint64_t gamma = 0x9E3779B97F4A7C15ULL;
+  // A row's columns go in blocks whose loops vectorize: the probabilities, then every value by
+  // the central branch, then (rarely: 0.3% of the default's values) the tails' in scalar code.
+  constexpr i64 kBlock = 64;
+  double p[kBlock];
   for (i64 i = 0; i < n; ++i) {
     const uint64_t key = mix64((mix64(uint64_t(ids[i]) + gamma) ^ uint64_t(seed)) + gamma);
-    float* o = table + rows[i] * stride;
-    for (i64 j = c0; j < c1; ++j) {
-      const uint64_t bits = mix64(key + uint64_t(j) + gamma) >> 11;
-      const double u = (double(bits) + 0.5) * 0x1p-53;
-      o[j - c0] = float(inverse_normal(lo + u * width) / div);  // not fused: torch's rounding
+    float* o = table + rows[i] * stride - c0;
+    for (i64 j0 = c0; j0 < c1; j0 += kBlock) {
+      const i64 m = std::min(kBlock, c1 - j0);
+      for (i64 k = 0; k < m; ++k) {  // the top 53 bits: an int64 converts exactly
+        const i64 bits = i64(mix64(key + uint64_t(j0 + k) + gamma) >> 11);
+        p[k] = lo + ((double(bits) + 0.5) * 0x1p-53) * width;
+      }
+      for (i64 k = 0; k < m; ++k) {
+        const double q = p[k] - 0.5;
+        const double r = q * q;
+        const double x =
+            (((((kA[0] * r + kA[1]) * r + kA[2]) * r + kA[3]) * r + kA[4]) * r + kA[5]) * q /
+            (((((kB[0] * r + kB[1]) * r + kB[2]) * r + kB[3]) * r + kB[4]) * r + 1.0);
+        o[j0 + k] = float(x / div);  // not fused: torch's rounding
+      }
+      i64 tails = 0;
+      for (i64 k = 0; k < m; ++k) tails += (p[k] < kPLow) | (p[k] > 1.0 - kPLow);
+      if (tails)
+        for (i64 k = 0; k < m; ++k)
+          if (p[k] < kPLow || p[k] > 1.0 - kPLow) o[j0 + k] = float(inverse_normal(p[k]) / div);
     }
   }
 }
