@@ -84,8 +84,9 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread"
 # 7: ec_concat_dedup's id limits and steps, 8: ec_cache_step, ec_set_flags, ec_expand,
 # 9: ec_cache_step's threads, 10: ec_will_need, 11: 16-bit rows in ec_lookup and ec_sparse_update,
 # ec_round16, 12: ec_vocab_*'s compact maps: int32 or int64 slots (with fingerprints) and steps,
-# no row_used, the rows held apart from the capacity; ec_vocab_grow).
-ABI_VERSION = 12
+# no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
+# ec_vocab_step_many.
+ABI_VERSION = 13
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
@@ -941,6 +942,120 @@ def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple
                          f"got shape {tuple(table.shape)}")
     _INIT_NORMAL.call(_seed64(seed), (ids, None), (rows, n), n, c0, c1, lo, width, div,
                       (table, None), stride)
+
+
+# The maps of stacked dynamic tables stepped together: a row of ``maps`` per map (csrc/vocab.h's
+# MapField order), built by ``map_fields``.
+MAP_FIELDS = ("slots", "size", "wide_slots", "row_key", "n_rows", "last_use", "frequency", "born",
+              "wide_steps", "capacity", "step", "cut", "lfu", "start", "seed")
+
+_VOCAB_FIND_MANY = Kernel("ec_vocab_find_many", None, [
+    ("maps", read(I64, dim=2)),       # (M, len(MAP_FIELDS))
+    ("n_maps", INT64),
+    ("ids", read(I64)),               # (n,)
+    ("offsets", read(I64)),           # (M + 1,)
+    ("rows", written(I64)),           # (n,)
+    ("missing", written(I64)),        # (M,)
+    ("nt", INT),
+])
+
+_VOCAB_STEP_MANY = Kernel("ec_vocab_step_many", INT64, [
+    ("maps", read(I64, dim=2)),       # (M, len(MAP_FIELDS))
+    ("n_maps", INT64),
+    ("ids", read(I64)),               # (n,)
+    ("offsets", read(I64)),           # (M + 1,)
+    ("rows", written(I64)),           # (n,)
+    ("new_offsets", read(I64)),       # (M + 1,)
+    ("new_ids", written(I64)),        # (A,)
+    ("new_rows", written(I64)),       # (A,)
+    ("info", written(I64)),           # (M, 5)
+    ("table", written(F32, optional=True, dim=2)),  # (N, stride) or None
+    ("stride", INT64),
+    ("c0", INT64),
+    ("c1", INT64),
+    ("lo", DOUBLE),
+    ("width", DOUBLE),
+    ("div", DOUBLE),
+    ("nt", INT),
+])
+
+
+def map_fields(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor,
+               frequency: torch.Tensor, born: torch.Tensor, capacity: int, step: int, cut: int,
+               lfu: bool, start: int, seed: int) -> list[int]:
+    """One map's row of ``vocab_find_many``'s and ``vocab_step_many``'s ``maps``: the addresses
+    and sizes of a ``NativeVocabMap``'s contiguous CPU arrays (``slots`` int32 or int64, the
+    int64 ``row_key``, the step arrays of one dtype, int32 or int64), its capacity, the step
+    ``step`` and its ``cut``, the eviction, the member's first shard row and its seed. The
+    tensors must stay alive and unchanged until the calls that take the row return."""
+    n = row_key.numel()
+    for name, t, dtypes in (("slots", slots, (torch.int32, torch.int64)),
+                            ("row_key", row_key, (torch.int64,)),
+                            ("last_use", last_use, (last_use.dtype,)),
+                            ("frequency", frequency, (last_use.dtype,)),
+                            ("born", born, (last_use.dtype,))):
+        if (t.dtype not in dtypes or t.dtype not in (torch.int32, torch.int64) or not t.is_cpu
+                or not t.is_contiguous() or (name != "slots" and t.numel() != n)
+                or t.numel() == 0):
+            raise ValueError(f"map_fields: {name} must be a non-empty contiguous CPU int32/int64 "
+                             f"tensor (the step arrays of one dtype, {n} rows), got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return [slots.data_ptr(), slots.numel(), _wide(slots), row_key.data_ptr(), n,
+            last_use.data_ptr(), frequency.data_ptr(), born.data_ptr(), _wide(last_use),
+            capacity, step, cut, int(lfu), start, _seed64(seed)]
+
+
+def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows (n,), missing (M,))``: ``vocab_find`` of each map (a row of ``maps``:
+    ``map_fields``) over its distinct ids ``ids[offsets[m]:offsets[m + 1]]`` at its cut, -1 where
+    not found; how many of each map's are not found. On the threads, a map each."""
+    n, m = ids.numel(), maps.shape[0]
+    rows = torch.empty(n, dtype=torch.int64)
+    missing = torch.empty(m, dtype=torch.int64)
+    _VOCAB_FIND_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1), (rows, n),
+                          (missing, m), _threads())
+    return rows, missing
+
+
+def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                    rows: torch.Tensor, missing: torch.Tensor, info: torch.Tensor,
+                    init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training step of each map after ``vocab_find_many`` gave ``rows`` and ``missing``,
+    every id not found admitted (the caller checked that each map's admissions fit and reserved
+    its rows: ``NativeVocabMap._reserve``); ``rows`` become shard rows (the map's ``start``
+    added). ``info`` (M, 5): ``vocab_step``'s per map, in (the free-row hint, the resident ids)
+    and out. ``init``: None, or ``(table, columns, lo, width, div)`` to write the admitted ids'
+    default initial values into their rows of the float32 ``table`` (``init_normal``, each with
+    its map's seed).
+
+    Returns:
+        ``(new_ids (A,), new_rows (A,) shard rows, new_offsets (M + 1,))``: each map's admitted
+        ids (ascending) and rows at ``new_offsets[m]:new_offsets[m + 1]``.
+
+    Raises:
+        RuntimeError: a map's step failed (a caller's error).
+    """
+    n, m = ids.numel(), maps.shape[0]
+    new_offsets = torch.zeros(m + 1, dtype=torch.int64)
+    torch.cumsum(missing, 0, out=new_offsets[1:])
+    a = int(new_offsets[-1])
+    new_ids = torch.empty(a, dtype=torch.int64)
+    new_rows = torch.empty(a, dtype=torch.int64)
+    table, (c0, c1), lo, width, div = init if init is not None else (None, (0, 0), 0.0, 0.0, 1.0)
+    stride = table.shape[-1] if table is not None else 0
+    if table is not None and c1 - c0 > stride:
+        raise ValueError(f"{_VOCAB_STEP_MANY.name}: columns {(c0, c1)} need a table {c1 - c0} "
+                         f"wide, got shape {tuple(table.shape)}")
+    failed = _VOCAB_STEP_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1),
+                                   (rows, n), (new_offsets, m + 1), (new_ids, a), (new_rows, a),
+                                   (info, 5 * m), (table, None), stride, c0, c1, lo, width, div,
+                                   _threads())
+    if failed:
+        raise RuntimeError(f"{_VOCAB_STEP_MANY.name}: map {-1 - failed}'s step failed (its "
+                           f"admissions were not checked or reserved)")
+    return new_ids, new_rows, new_offsets
 
 
 _VOCAB_INDEX = Kernel("ec_vocab_index", INT64, [

@@ -40,6 +40,10 @@ everything, checks the overflow, and only then changes the state (the per-row te
 at the rows that change). Every op is exact integer work: the results do not depend on torch's
 thread count.
 
+``NativeVocabMap`` (below) is the same map stepped by the fused kernels; ``train_steps`` steps
+several of them at once (the members of stacked dynamic tables): two fused calls, over the
+threads, for the whole batch.
+
 >>> m = VocabMap(capacity=2)
 >>> m.train_step(torch.tensor([10, 20]))[0].tolist()
 [0, 1]
@@ -55,9 +59,10 @@ thread count.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -984,3 +989,59 @@ def vocab_map(capacity: int, **kwargs) -> VocabMap:
     if device.type == "cpu" and native.available():
         return NativeVocabMap(capacity, **kwargs)
     return VocabMap(capacity, **kwargs)
+
+
+def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
+                starts: Sequence[int], seeds: Sequence[int],
+                init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+    """A training step of each of several maps at once (the members of stacked dynamic tables
+    in a batch), in two fused calls over the threads: map ``k`` over its distinct ids, the run of
+    ``counts[k]`` in ``ids`` (int64, contiguous: every map's run in turn), every id not resident
+    admitted. The same steps as ``train_step`` of each map in turn.
+
+    Args:
+        starts: each map's first row in the shard its rows are part of (the rows returned are
+            shard rows: a map's row plus its start). seeds: each map's table seed.
+        init: None, or ``(table, columns, lo, width, div)``: the admitted ids' default initial
+            values written into their shard rows of ``table`` (``native.vocab_step_many``).
+
+    Returns:
+        ``(rows (n,), new_ids (A,), new_rows (A,), admitted per map)``: every id's shard row,
+        and each map's admitted ids (ascending) and shard rows in turn; or None where this does
+        not apply, nothing changed: a map the kernels do not step (not a ``NativeVocabMap`` on
+        the CPU, or ``admit_after > 1``), or one whose admissions would not fit (its
+        ``train_step`` raises the error).
+    """
+    if not native.usable(ids) or not all(isinstance(m, NativeVocabMap) and m.admit_after == 1
+                                          and m._native() for m in maps):
+        return None
+    if not maps:
+        return _EMPTY, _EMPTY, _EMPTY, []
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
+    steps = [m.step + 1 for m in maps]
+    cuts = [m._cut(t) for m, t in zip(maps, steps)]
+
+    def fields() -> torch.Tensor:
+        return torch.tensor([native.map_fields(m.slots, m._ids, m._last, m._freq, m._born,
+                                               m.capacity, t, cut, m.eviction == "lfu", start,
+                                               seed)
+                             for m, t, cut, start, seed in zip(maps, steps, cuts, starts, seeds)],
+                            dtype=_I64)
+
+    table = fields()
+    rows, missing = native.vocab_find_many(table, ids, offsets)
+    miss = missing.tolist()
+    if any(a > m.capacity - (n - a) for m, n, a in zip(maps, counts, miss)):
+        return None  # an overflow: nothing changed
+    held = [m._ids for m in maps]
+    for m, a in zip(maps, miss):
+        m._reserve(a)
+    if any(m._ids is not h for m, h in zip(maps, held)):  # a map grew: its arrays moved
+        table = fields()
+    info = torch.tensor([[0, 0, m._hint, 0, m._resident] for m in maps], dtype=_I64)
+    new_ids, new_rows, _ = native.vocab_step_many(table, ids, offsets, rows, missing, info, init)
+    for m, t, (_, _, hint, _, resident) in zip(maps, steps, info.tolist()):
+        m.last_freed = _EMPTY
+        m._hint, m._resident, m._top, m.step = hint, resident, m._top + 1, t
+    return rows, new_ids, new_rows, miss

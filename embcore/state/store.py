@@ -312,9 +312,13 @@ class RowStore:
         else:  # what several processes asked for: their union (in any order: the map's step
             # does not depend on it)
             distinct, inverse = _distinct(torch.cat(ids))
-        rows, new, since = dyn.resolve(distinct, training, segments)  # (U,), per member
+        rows, new, since, written = dyn.resolve(distinct, training, segments,
+                                                self._init_target(p, dyn))  # (U,), per member
         if training and self.changes is not None:  # the map's state of these rows moved
             self.changes.mark(p, rows)
+        if written:  # the new rows hold their initial values: their slots start afresh
+            self._fresh_slots(p, torch.cat([r for _, _, r in new]), self.slots[p])
+            new = []
         for m, new_ids, new_rows in new:  # (A,) ids admitted by member m, (A,) their rows
             if not new_ids.numel():
                 continue
@@ -394,9 +398,25 @@ class RowStore:
         dyn = self.dynamic[p].members[m]
         initialize_rows(dyn.table, dyn.name, dyn.seed, ids, at, table,
                         self.plan.physical[p].columns[self.comm.rank])
+        self._fresh_slots(p, at, slots)
+
+    def _fresh_slots(self, p: int, at: torch.Tensor, slots: dict[str, torch.Tensor]) -> None:
+        """Resets rows ``at`` of physical table ``p``'s ``slots`` to their initial values."""
         opt = self.plan.physical[p].optimizer
         for spec in (opt.slots if opt is not None else ()):
             slots[spec.name].index_fill_(0, at, spec.initial_value)
+
+    def _init_target(self, p: int, dyn: DynamicStack
+                     ) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """Where a fused step of stack ``dyn`` (physical table ``p``) may write its new rows'
+        initial values itself: ``(table, columns)`` when they are the default's for every
+        member, into a float32 table in memory (``DynamicStack.resolve``); else None."""
+        table = self.tables[p]
+        if (p in self.cached or len(dyn.members) == 1 or table.dtype != torch.float32
+                or not table.is_contiguous() or not table.is_cpu
+                or any(m.table.initializer is not None for m in dyn.members)):
+            return None
+        return table, self.plan.physical[p].columns[self.comm.rank]
 
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,

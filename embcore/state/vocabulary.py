@@ -26,7 +26,7 @@ import torch
 from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
 from ..ops import hashing, native
-from ..ops.vocab import VocabMap, vocab_map
+from ..ops.vocab import VocabMap, train_steps, vocab_map
 from ..planning.placement import Placement
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
@@ -425,20 +425,31 @@ class DynamicStack:
         return torch.where(rows == dyn.zero_row, self.zero_row, rows + start)
 
     def resolve(self, ids: torch.Tensor, training: bool,
-                segments: tuple[tuple[int, int], ...] | None = None
-                ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any]:
+                segments: tuple[tuple[int, int], ...] | None = None,
+                init: tuple[torch.Tensor, tuple[int, int]] | None = None
+                ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any, bool]:
         """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
         rows; a training step of several members checks every one first (``check_step``), so
-        a batch that one member's map cannot place changes no map.
+        a batch that one member's map cannot place changes no map. Several members' steps run
+        together in two fused calls where the kernels apply (``ops.vocab.train_steps``).
+
+        Args:
+            init: None, or ``(table, columns)``: the shard's float32 table (columns ``columns``
+                of the logical tables) where the fused steps may write the admitted ids'
+                initial values at once (every member taking the default initializer).
 
         Returns:
-            ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since)``.
+            ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since, written)``:
+            ``written``, whether the new rows' initial values are in ``init``'s table already.
         """
         parts = self.pieces(ids, segments)
         if len(parts) == 1 and len(self.members) == 1:
             rows, new_ids, new_rows = self.members[0].resolve(ids, training)
-            return rows, [(0, new_ids, new_rows)], self.members[0].step
+            return rows, [(0, new_ids, new_rows)], self.members[0].step, False
         if training and len(parts) > 1:
+            fused = self._train_together(ids, parts, init)
+            if fused is not None:
+                return (*fused, self.since(segments), init is not None)
             for m, t in parts:
                 self.members[m].check_step(t)
         out, new = [], []
@@ -446,7 +457,40 @@ class DynamicStack:
             rows, new_ids, new_rows = self.members[m].resolve(t, training)
             out.append(self._to_shard(m, rows))
             new.append((m, new_ids, new_rows + self.starts[m]))
-        return torch.cat(out) if len(out) > 1 else out[0], new, self.since(segments)
+        return torch.cat(out) if len(out) > 1 else out[0], new, self.since(segments), False
+
+    def _train_together(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
+                        init: tuple[torch.Tensor, tuple[int, int]] | None
+                        ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
+                                                           torch.Tensor]]] | None:
+        """The training steps of the members of ``parts`` in two fused calls
+        (``ops.vocab.train_steps``): ``(rows, new)`` as ``resolve``'s, or None where they do not
+        apply (nothing changed: ``resolve`` steps the members one by one)."""
+        members = [self.members[m] for m, _ in parts]
+        if any(d.capacity == 0 for d in members):
+            return None
+        spec = None
+        if init is not None:
+            dim = members[0].table.dim
+            spec = (init[0], init[1], _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(dim))
+        locks = [d.lock for d in members]
+        for lock in locks:
+            lock.acquire()
+        try:
+            got = train_steps([d.map for d in members], ids, [t.numel() for _, t in parts],
+                              [self.starts[m] for m, _ in parts], [d.seed for d in members],
+                              spec)
+            if got is None:
+                return None
+            for d in members:
+                d.steps += 1
+        finally:
+            for lock in locks:
+                lock.release()
+        rows, new_ids, new_rows, admitted = got
+        new = [(m, i, r) for (m, _), i, r in zip(parts, new_ids.split(admitted),
+                                                new_rows.split(admitted))]
+        return rows, new
 
     def since(self, segments: tuple[tuple[int, int], ...] | None) -> Any:
         """What ``valid`` takes of rows resolved now: the member's step (one member), else the

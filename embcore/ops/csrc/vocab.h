@@ -515,3 +515,96 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
 }
 
 }  // extern "C"
+
+// ---- the maps of stacked dynamic tables, stepped together ----------------------------------
+// Several maps (the members of one physical table, ops/vocab.py's ``stack_train_step``) are
+// described by ``maps`` (M, kMapFields) int64, a row per map: the addresses and sizes of its
+// arrays (as ec_vocab_step takes them), its capacity, this step t, its cut, lfu, the member's
+// first shard row and its table's seed. Member m's distinct ids are ids[offsets[m],
+// offsets[m + 1]). The members run on the threads, one member per chunk.
+
+namespace {
+
+enum MapField : int {
+  kSlots, kSize, kWideSlots, kRowKey, kNRows, kLastUse, kFrequency, kBorn, kWideSteps,
+  kCapacity, kStep, kCut, kLfu, kStart, kSeed, kMapFields
+};
+
+// f(m) for each member m (``every``: also those without ids) on the threads
+template <class F>
+inline void each_member(i64 n_maps, const i64* offsets, int nt, bool every, F&& f) {
+  nt = offsets[n_maps] < 4096 ? 1 : std::max(nt, 1);
+  parallel_chunks(n_maps, nt, [&](i64 m) {
+    if (every || offsets[m + 1] > offsets[m]) f(m);
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// ec_vocab_find of each map over its ids with its cut, rows[i] its row or -1; missing (M,) out:
+// how many of each map's are not found. Reads only.
+void ec_vocab_find_many(const i64* maps, i64 n_maps, const i64* ids, const i64* offsets,
+                        i64* rows, i64* missing, int nt) {
+  std::fill(missing, missing + n_maps, i64(0));
+  each_member(n_maps, offsets, nt, false, [&](i64 m) {
+    const i64* d = maps + m * kMapFields;
+    const i64 a = offsets[m];
+    missing[m] = ec_vocab_find(reinterpret_cast<const void*>(d[kSlots]), d[kSize],
+                               int(d[kWideSlots]), reinterpret_cast<const i64*>(d[kRowKey]),
+                               d[kNRows], reinterpret_cast<const void*>(d[kLastUse]),
+                               int(d[kWideSteps]), d[kCut], ids + a, offsets[m + 1] - a, -1,
+                               rows + a, 1);
+  });
+}
+
+// After ec_vocab_find_many (the rows it wrote in ``rows``), the training step of each map (those
+// without ids too: their TTLs expire) admitting every id not found (admit_after 1): ec_vocab_split, then ec_vocab_step, the caller
+// having held the rows they take (no map can fail: it checked each map's admissions fit, and
+// reserved them). Then rows[i] becomes a shard row (the member's start plus its row), and
+// member m's admitted ids and their shard rows go to new_ids, new_rows [new_offsets[m],
+// new_offsets[m + 1]) (its missing count). With a ``table``, their default initial values are
+// written there (ec_init_normal with the member's seed). info (M, 5): ec_vocab_step's, per map.
+// Returns 0, or -1 - m when map m's step failed (a caller's error: its map unchanged; maps
+// processed on other threads may have stepped).
+i64 ec_vocab_step_many(const i64* maps, i64 n_maps, const i64* ids, const i64* offsets,
+                       i64* rows, const i64* new_offsets, i64* new_ids, i64* new_rows,
+                       i64* info, float* table, i64 stride, i64 c0, i64 c1, double lo,
+                       double width, double div, int nt) {
+  std::atomic<i64> failed{0};
+  each_member(n_maps, offsets, nt, true, [&](i64 m) {  // (a map without ids steps too)
+    const i64* d = maps + m * kMapFields;
+    const i64 a = offsets[m], n = offsets[m + 1] - a;
+    const i64 n_miss = new_offsets[m + 1] - new_offsets[m];
+    thread_local std::vector<i64> hit, pos;
+    hit.resize(size_t(n - n_miss));
+    pos.resize(size_t(n_miss));
+    i64* ids_out = new_ids + new_offsets[m];
+    i64* rows_out = new_rows + new_offsets[m];
+    if (ec_vocab_split(ids + a, rows + a, n, hit.data(), ids_out, pos.data()) != n_miss) {
+      failed.store(-1 - m);
+      return;
+    }
+    const i64 r = ec_vocab_step(
+        reinterpret_cast<void*>(d[kSlots]), d[kSize], int(d[kWideSlots]),
+        reinterpret_cast<i64*>(d[kRowKey]), reinterpret_cast<void*>(d[kLastUse]),
+        reinterpret_cast<void*>(d[kFrequency]), reinterpret_cast<void*>(d[kBorn]),
+        int(d[kWideSteps]), d[kNRows], d[kCapacity], hit.data(), n - n_miss, ids_out, n_miss,
+        d[kStep], d[kCut], int(d[kLfu]), rows_out, info + 5 * m, 0, nullptr);
+    if (r != 0) {
+      failed.store(-1 - m);
+      return;
+    }
+    const i64 start = d[kStart];
+    for (i64 j = 0; j < n_miss; ++j) rows[a + pos[size_t(j)]] = rows_out[j];
+    for (i64 i = a; i < a + n; ++i) rows[i] += start;
+    for (i64 j = 0; j < n_miss; ++j) rows_out[j] += start;
+    if (table != nullptr)
+      ec_init_normal(d[kSeed], ids_out, rows_out, n_miss, c0, c1, lo, width, div, table,
+                     stride);
+  });
+  return failed.load();
+}
+
+}  // extern "C"
