@@ -688,6 +688,33 @@ def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
 
 @requires_native
 @settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=3), min_size=1, max_size=5),
+       st.integers(0, 2**31 - 1))
+def test_dedup_raw_runs_equals_dedup_raw_of_each_run(runs, seed):
+    """Stacked dynamic tables' raw ids: deduplicated run by run (the same id in two runs is
+    two distinct ids) in one call, as ``dedup_raw`` of each run's concatenated parts, each run's
+    positions and distinct indices shifted past the runs before it."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([-(2**63), -1, 0, 7, 2**62, 2**63 - 1, 12345])
+    parts = [pool[torch.randint(0, pool.numel(), (n,), generator=gen)] for r in runs for n in r]
+    ids, unique, inverse, order, uoff, counts = native.dedup_raw_runs(parts, [len(r) for r in runs])
+    assert torch.equal(ids, torch.cat(parts))
+    at = u = k = 0
+    for r, c in zip(runs, counts):
+        run = torch.cat(parts[k:k + len(r)])
+        k += len(r)
+        w_unique, w_inverse, w_order, w_uoff = native.dedup_raw(run)
+        assert c == w_unique.numel()
+        assert torch.equal(unique[u:u + c], w_unique)
+        assert torch.equal(inverse[at:at + run.numel()], w_inverse + u)
+        assert torch.equal(order[at:at + run.numel()], w_order + at)
+        assert torch.equal(uoff[u:u + c + 1], w_uoff + at)
+        at, u = at + run.numel(), u + c
+    assert unique.numel() == u and uoff.numel() == u + 1 and int(uoff[-1]) == ids.numel()
+
+
+@requires_native
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.sampled_from([1, 1, 2, 5])),
                 min_size=1, max_size=4),
        st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.02, 0.3]))

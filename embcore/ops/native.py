@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import os
 import platform
 import shutil
@@ -683,6 +684,49 @@ def dedup_raw(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     base = buf.data_ptr()
     u = _DEDUP_RAW.call((ids, None), n, base, base + 8 * n, base + 16 * n, base + 24 * n)
     return buf[:u], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:3 * n + u + 1]
+
+
+_DEDUP_RAW_RUNS = Kernel("ec_dedup_raw_runs", INT64, [
+    ("parts", PartsArg()),              # (nparts,) part p: lens[p] ids
+    ("lens", array(ctypes.c_int64)),    # (nparts,)
+    ("run_parts", array(ctypes.c_int64)),  # (R + 1,) run r: parts [run_parts[r], run_parts[r+1])
+    ("nruns", INT64),
+    ("ids_out", allocated(I64)),        # (n,)
+    ("unique", allocated(I64)),         # (U,)
+    ("inverse", allocated(I64)),        # (n,)
+    ("order", allocated(I64)),          # (n,)
+    ("uoff", allocated(I64)),           # (U + 1,)
+    ("run_unique", allocated(I64)),     # (R,)
+])
+
+
+def dedup_raw_runs(parts: Sequence[torch.Tensor], runs: Sequence[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, list[int]]:
+    """Concatenates raw-id parts and deduplicates them run by run, in one call.
+
+    Args:
+        parts: contiguous int64 CPU ids (one tensor per feature).
+        runs: how many consecutive parts each run holds (the features of one stacked member):
+            an id of one run is not the same as that id in another.
+
+    Returns:
+        ``(ids (nnz,), unique (U,), inverse (nnz,), order (nnz,), unique_offsets (U + 1,),
+        per run its distinct ids)``: ``dedup_raw``'s layout over the whole, each run's distinct
+        ids a block of ``unique`` (in order of first occurrence), views of one buffer.
+    """
+    lens = [t.numel() for t in parts]
+    n, r = sum(lens), len(runs)
+    bounds = [0, *itertools.accumulate(runs)]
+    buf = torch.empty(5 * n + 1 + r, dtype=torch.int64)  # [ids|unique|inverse|order|uoff|runs]
+    base = buf.data_ptr()
+    u = _DEDUP_RAW_RUNS.call((parts, lens, None), ctypes_array(ctypes.c_int64, len(lens))(*lens),
+                             ctypes_array(ctypes.c_int64, r + 1)(*bounds), r, base,
+                             base + 8 * n, base + 16 * n, base + 24 * n, base + 32 * n,
+                             base + 8 * (4 * n + 1 + n))
+    run_unique = buf[5 * n + 1:5 * n + 1 + r].tolist()
+    return (buf[:n], buf[n:n + u], buf[2 * n:3 * n], buf[3 * n:4 * n],
+            buf[4 * n:4 * n + u + 1], run_unique)
 
 
 _VOCAB_FIND = Kernel("ec_vocab_find", INT64, [

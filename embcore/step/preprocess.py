@@ -147,6 +147,12 @@ def _dedup_members(parts: list[torch.Tensor], of: list[int]
             runs[-1][1].append(t)
         else:
             runs.append((m, [t]))
+    if len(runs) > 1 and native.usable(*parts):  # one call for every run
+        ids, unique, inverse, order, uoff, counts = native.dedup_raw_runs(
+            [t.contiguous() for t in parts], [len(ts) for _, ts in runs])
+        dd = Dedup(unique, order, uoff)
+        dd.__dict__["inverse"] = inverse  # (the cached_property's value, known)
+        return ids, dd, tuple((m, c) for (m, _), c in zip(runs, counts))
     done = [concat_dedup(ts, [0] * len(ts), None) for _, ts in runs]
     segments = tuple((m, d.unique.numel()) for (m, _), (_, d) in zip(runs, done))
     if len(done) == 1:

@@ -199,4 +199,35 @@ i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i
   return u;
 }
 
+
+// The raw ids of several runs of parts (stacked dynamic tables' features, a run per member)
+// concatenated into ids_out (n,) and deduplicated run by run (one run's id is not another's):
+// run r holds parts [run_parts[r], run_parts[r + 1]), contiguous. unique (<= n,), inverse (n,),
+// order (n,), uoff (<= n + 1,) out as ec_dedup_raw's over the whole (run r's distinct ids a
+// block, in order of first occurrence; positions and distinct indices global); run_unique (R,)
+// out: each run's distinct ids. Returns U, the distinct ids of all runs.
+i64 ec_dedup_raw_runs(const i64* const* parts, const i64* lens, const i64* run_parts,
+                      i64 nruns, i64* ids_out, i64* unique, i64* inverse, i64* order,
+                      i64* uoff, i64* run_unique) {
+  i64 a = 0, u0 = 0;
+  uoff[0] = 0;
+  for (i64 r = 0; r < nruns; ++r) {
+    i64 n = 0;
+    for (i64 p = run_parts[r]; p < run_parts[r + 1]; ++p) {
+      std::memcpy(ids_out + a + n, parts[p], size_t(lens[p]) * sizeof(i64));
+      n += lens[p];
+    }
+    const i64 u = ec_dedup_raw(ids_out + a, n, unique + u0, inverse + a, order + a, uoff + u0);
+    for (i64 i = a; i < a + n; ++i) {
+      inverse[i] += u0;
+      order[i] += a;
+    }
+    for (i64 k = u0; k <= u0 + u; ++k) uoff[k] += a;
+    run_unique[r] = u;
+    a += n;
+    u0 += u;
+  }
+  return u0;
+}
+
 }  // extern "C"
