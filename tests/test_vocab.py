@@ -479,7 +479,7 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
 def test_the_native_map_holds_at_most_48_bytes_per_resident_id_at_any_fill(eviction, one_thread):
     """Filled by steps of 4096 new ids (and a few resident ones) to 10%, 57% and 100% of 100k
     rows, then evicting; filled by one step; loaded from a checkpoint: every tensor it holds,
-    over its resident ids, is at most 48 bytes (today's layout: 111 at 57%)."""
+    over its resident ids, is at most 48 bytes (the sorted layout's: 111 at 57%)."""
     capacity = 100_000
     pool = random_ids(200_000, seed=5)
     m = NativeVocabMap(capacity, eviction=eviction)
@@ -493,7 +493,8 @@ def test_the_native_map_holds_at_most_48_bytes_per_resident_id_at_any_fill(evict
             resident += new
             per_id[resident] = held_bytes(m) / min(resident, capacity)
     assert max(per_id.values()) <= 48, per_id
-    assert per_id[10_000] <= 48 and per_id[57_000] <= 48 and per_id[100_000] < 30.001
+    queue = 0.75 if eviction == "lru" else 0  # LRU's eviction queue, once every row is held
+    assert per_id[10_000] <= 48 and per_id[57_000] <= 48 and per_id[100_000] < 30.001 + queue
     assert m.nbytes(pending=False) == held_bytes(m) <= m.nbytes()
     assert m.n_resident == capacity
     # one step to 57%, and a checkpoint of it loaded
@@ -721,3 +722,25 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
                 assert_same_snapshot(snapshot(together[k]), snapshot(alone[k]))
     finally:
         torch.set_num_threads(old)
+
+
+@_NO_KERNELS
+@pytest.mark.parametrize("ttl", [None, 50])
+def test_lru_evictions_from_the_queue_equal_the_oracle(ttl):
+    """An LRU map that evicts a few ids a step takes its victims from its eviction queue (the
+    lowest candidates of the last scan) for several steps between scans: the same victims as
+    the oracle's, step after step, hits and TTL expiries invalidating entries on the way."""
+    capacity = 4096  # a queue of 128 entries
+    v = ReferenceVocabulary(capacity=capacity, eviction="lru", ttl_steps=ttl)
+    m = NativeVocabMap(capacity, eviction="lru", ttl_steps=ttl)
+    gen = torch.Generator().manual_seed(11)
+    served = 0
+    for k in range(100):
+        draw = (torch.rand(300, generator=gen) ** 4 * 10_000).long()  # popular ids most often
+        ids = torch.unique(draw).tolist()
+        before = m._queued
+        run_step([m], v, ids, True, full=k % 20 == 19)
+        served += before[0] > 0 and before[1] > 0 and m._queued[0] == before[0] \
+            and m._queued[1] > before[1]
+    assert m._queue is not None and served >= 10, served
+    assert_matches(m, v)

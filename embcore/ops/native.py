@@ -838,28 +838,34 @@ _VOCAB_STEP = Kernel("ec_vocab_step", INT64, [
     ("cut", INT64),
     ("lfu", INT),
     ("new_rows", written(I64)),       # (A,)
-    ("info", array(ctypes.c_int64)),  # (5,) free, evictable, hint (in/out), n_freed, resident
+    ("info", array(ctypes.c_int64)),  # (7,) free, evictable, hint (in/out), n_freed, resident,
+    #                                   queue entries, next entry (in/out)
     ("spare", INT64),
     ("freed", written(I64, optional=True)),  # (spare,)
+    ("queue", written(I64, optional=True)),  # (queue_cap, 3)
+    ("queue_cap", INT64),
 ])
 
 
 def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor,
                frequency: torch.Tensor, born: torch.Tensor, capacity: int, resident: int,
                hit_rows: torch.Tensor, new_ids: torch.Tensor, t: int, cut: int, lfu: bool,
-               hint: int, spare: int = 0, freed: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor | None, int, int, int, int, int]:
+               hint: int, spare: int = 0, freed: torch.Tensor | None = None,
+               queue: torch.Tensor | None = None, queued: tuple[int, int] = (0, 0)
+               ) -> tuple[torch.Tensor | None, int, int, int, int, int, tuple[int, int]]:
     """One training step's changes to a ``NativeVocabMap`` (``ec_vocab_step`` in
     ``csrc/vocab.h``): its index ``slots`` and its first A rows (``row_key`` int64, ``last_use``,
     ``frequency``, ``born`` of one dtype, int32 or int64) of ``capacity`` rows, ``resident`` ids
     before the step; A must be the capacity or at least ``resident`` plus the admissions.
     ``spare``: when it evicts, free up to that many more rows, written to ``freed`` (spare,).
+    ``queue``: None, or an LRU map's queue of eviction candidates (Q, 3) int64, ``queued`` its
+    ``(entries held, next entry)`` (0 entries after any other change to the rows).
 
     Returns:
-        ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed, resident)``: on
-        overflow nothing changed and ``free`` / ``evictable`` count the rows; else the new
-        free-row hint, ``freed[:n_freed]`` the rows freed beyond the step's needs, and the
-        resident ids after the step.
+        ``(new_rows (A,) or None on overflow, free, evictable, hint, n_freed, resident,
+        queued)``: on overflow nothing changed and ``free`` / ``evictable`` count the rows; else
+        the new free-row hint, ``freed[:n_freed]`` the rows freed beyond the step's needs, the
+        resident ids after the step and the queue's state.
 
     Raises:
         RuntimeError: the rows held are too few for the admissions (nothing changed).
@@ -867,19 +873,20 @@ def vocab_step(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
     _same_steps(_VOCAB_STEP, last_use, frequency, born)
     c, a = row_key.numel(), new_ids.numel()
     new_rows = torch.empty(a, dtype=torch.int64)
-    info = (ctypes.c_int64 * 5)(0, 0, hint, 0, resident)
+    info = (ctypes.c_int64 * 7)(0, 0, hint, 0, resident, *queued)
     spare = max(spare, 0)
+    q = 0 if queue is None else queue.shape[0]
     rc = _VOCAB_STEP.call((slots, None), slots.numel(), _wide(slots), (row_key, None),
                           (last_use, c), (frequency, c), (born, c), _wide(born), c, capacity,
                           (hit_rows, None), hit_rows.numel(), (new_ids, None), a, t, cut,
                           int(lfu), (new_rows, a), info, spare,
-                          (freed if spare > 0 else None, spare))
+                          (freed if spare > 0 else None, spare), (queue, 3 * q), q)
     if rc == -2:
         raise RuntimeError(f"{_VOCAB_STEP.name}: {c} rows held for {resident} resident ids and "
                            f"{a} admissions of a map of {capacity} rows")
     if rc != 0:
-        return None, info[0], info[1], hint, 0, resident
-    return new_rows, 0, 0, info[2], info[3], info[4]
+        return None, info[0], info[1], hint, 0, resident, queued
+    return new_rows, 0, 0, info[2], info[3], info[4], (info[5], info[6])
 
 
 _CACHE_STEP = Kernel("ec_cache_step", INT64, [
@@ -991,7 +998,9 @@ def init_normal(seed: int, ids: torch.Tensor, rows: torch.Tensor, columns: tuple
 # The maps of stacked dynamic tables stepped together: a row of ``maps`` per map (csrc/vocab.h's
 # MapField order), built by ``map_fields``.
 MAP_FIELDS = ("slots", "size", "wide_slots", "row_key", "n_rows", "last_use", "frequency", "born",
-              "wide_steps", "capacity", "step", "cut", "lfu", "start", "seed")
+              "wide_steps", "capacity", "step", "cut", "lfu", "start", "seed", "queue",
+              "queue_cap")
+VOCAB_INFO = 7  # vocab_step's info: a row of vocab_step_many's per map
 
 _VOCAB_FIND_MANY = Kernel("ec_vocab_find_many", None, [
     ("maps", read(I64, dim=2)),       # (M, len(MAP_FIELDS))
@@ -1012,7 +1021,7 @@ _VOCAB_STEP_MANY = Kernel("ec_vocab_step_many", INT64, [
     ("new_offsets", read(I64)),       # (M + 1,)
     ("new_ids", written(I64)),        # (A,)
     ("new_rows", written(I64)),       # (A,)
-    ("info", written(I64)),           # (M, 5)
+    ("info", written(I64)),           # (M, VOCAB_INFO)
     ("table", written(F32, optional=True, dim=2)),  # (N, stride) or None
     ("stride", INT64),
     ("c0", INT64),
@@ -1026,13 +1035,20 @@ _VOCAB_STEP_MANY = Kernel("ec_vocab_step_many", INT64, [
 
 def map_fields(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tensor,
                frequency: torch.Tensor, born: torch.Tensor, capacity: int, step: int, cut: int,
-               lfu: bool, start: int, seed: int) -> list[int]:
+               lfu: bool, start: int, seed: int, queue: torch.Tensor | None = None
+               ) -> list[int]:
     """One map's row of ``vocab_find_many``'s and ``vocab_step_many``'s ``maps``: the addresses
     and sizes of a ``NativeVocabMap``'s contiguous CPU arrays (``slots`` int32 or int64, the
     int64 ``row_key``, the step arrays of one dtype, int32 or int64), its capacity, the step
-    ``step`` and its ``cut``, the eviction, the member's first shard row and its seed. The
-    tensors must stay alive and unchanged until the calls that take the row return."""
+    ``step`` and its ``cut``, the eviction, the member's first shard row, its seed and its
+    eviction queue (None, or (Q, 3) int64: ``vocab_step``'s). The tensors must stay alive and
+    unchanged until the calls that take the row return."""
     n = row_key.numel()
+    if queue is not None and (queue.dtype != torch.int64 or not queue.is_cpu
+                              or not queue.is_contiguous() or queue.dim() != 2
+                              or queue.shape[1] != 3):
+        raise ValueError(f"map_fields: queue must be a contiguous (Q, 3) CPU int64 tensor, got "
+                         f"{queue.dtype} {tuple(queue.shape)} on {queue.device}")
     for name, t, dtypes in (("slots", slots, (torch.int32, torch.int64)),
                             ("row_key", row_key, (torch.int64,)),
                             ("last_use", last_use, (last_use.dtype,)),
@@ -1046,7 +1062,8 @@ def map_fields(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     return [slots.data_ptr(), slots.numel(), _wide(slots), row_key.data_ptr(), n,
             last_use.data_ptr(), frequency.data_ptr(), born.data_ptr(), _wide(last_use),
-            capacity, step, cut, int(lfu), start, _seed64(seed)]
+            capacity, step, cut, int(lfu), start, _seed64(seed),
+            0 if queue is None else queue.data_ptr(), 0 if queue is None else queue.shape[0]]
 
 
 def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
@@ -1069,8 +1086,8 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
     """The training step of each map after ``vocab_find_many`` gave ``rows`` and ``missing``,
     every id not found admitted (the caller checked that each map's admissions fit and reserved
     its rows: ``NativeVocabMap._reserve``); ``rows`` become shard rows (the map's ``start``
-    added). ``info`` (M, 5): ``vocab_step``'s per map, in (the free-row hint, the resident ids)
-    and out. ``init``: None, or ``(table, columns, lo, width, div)`` to write the admitted ids'
+    added). ``info`` (M, VOCAB_INFO): ``vocab_step``'s per map, in (the free-row hint, the
+    resident ids, the queue's state) and out. ``init``: None, or ``(table, columns, lo, width, div)`` to write the admitted ids'
     default initial values into their rows of the float32 ``table`` (``init_normal``, each with
     its map's seed).
 
@@ -1094,7 +1111,8 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
                          f"wide, got shape {tuple(table.shape)}")
     failed = _VOCAB_STEP_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1),
                                    (rows, n), (new_offsets, m + 1), (new_ids, a), (new_rows, a),
-                                   (info, 5 * m), (table, None), stride, c0, c1, lo, width, div,
+                                   (info, VOCAB_INFO * m), (table, None), stride, c0, c1, lo,
+                                   width, div,
                                    _threads())
     if failed:
         raise RuntimeError(f"{_VOCAB_STEP_MANY.name}: map {-1 - failed}'s step failed (its "

@@ -697,7 +697,10 @@ class NativeVocabMap(VocabMap):
 
     That is 30 bytes per held row (20 of rows, 10 of index; 42 with int64 steps), so 30 per
     resident id in a full map and at most 45 (30 x 1.5) while it fills or after a load, beside
-    the 24 per counted id (``pending_*``). (Ids expired by a TTL leave their rows held.)
+    the 24 per counted id (``pending_*``) and, for LRU once every row is held, an eviction queue
+    of 0.75 bytes a row (the lowest ``capacity / 32`` candidates of the last scan: the steps
+    after it take their victims there, without scanning every row, while its entries last).
+    (Ids expired by a TTL leave their rows held.)
 
     A training step with ``U`` distinct ids and ``A`` admissions costs ``O(U + A)`` (hash probes,
     no merge of the resident ids), plus ``O(A)`` rows scanned when it evicts or with a TTL, plus
@@ -729,6 +732,8 @@ class NativeVocabMap(VocabMap):
         self._hint = 0  # no row below it is free
         self._top = 0  # every step and frequency held is at most this (and self.step <= it)
         self._ids = self._last = self._freq = self._born = self.slots = None
+        self._queue: torch.Tensor | None = None  # an LRU map's eviction queue (ec_vocab_step)
+        self._queued = (0, 0)  # its entries held, its next entry (0 held: refilled when needed)
         if self.device.type != "cpu":  # the kernels do not apply there
             self._compact = False
             super()._allocate_rows()
@@ -785,7 +790,7 @@ class NativeVocabMap(VocabMap):
             slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
         self._resident = native.vocab_index(slots, ids, born)
         self._ids, self._last, self._freq, self._born, self.slots = ids, last, freq, born, slots
-        self._top, self._hint, self._compact = top, 0, True
+        self._top, self._hint, self._compact, self._queued = top, 0, True, (0, 0)
         for key in _LAYOUT:
             self.__dict__["_f_" + key] = None
 
@@ -801,6 +806,7 @@ class NativeVocabMap(VocabMap):
         self._resident = native.vocab_grow((self._ids, self._last, self._freq, self._born), new,
                                            slots)
         (self._ids, self._last, self._freq, self._born), self.slots = new, slots
+        self._queued = (0, 0)
 
     def _reserve(self, n_new: int) -> None:
         """Before a step admitting ``n_new`` ids: holds the rows they may take (every free row
@@ -819,6 +825,18 @@ class NativeVocabMap(VocabMap):
             return False
         self._compress()
         return True
+
+    def _eviction_queue(self) -> torch.Tensor | None:
+        """An LRU map's queue of eviction candidates, once it holds every row of its capacity
+        (it evicts only then): ``capacity / 32`` entries of 24 bytes, at least 16 (0.75 bytes a
+        row; ``ec_vocab_step``); None for LFU (a new id's frequency, 1, may rank below the
+        queue's)."""
+        if self.eviction != "lru" or self._ids.numel() < self.capacity:
+            return None
+        if self._queue is None:
+            self._queue = torch.zeros(max(16, self.capacity // 32), 3, dtype=_I64)
+            self._queued = (0, 0)
+        return self._queue
 
     def _cut(self, t: int) -> int:
         """Rows last used before this step expire at the start of training step ``t``."""
@@ -905,16 +923,17 @@ class NativeVocabMap(VocabMap):
         if new_ids.numel() <= self.capacity - hit_rows.numel():  # (else an overflow, below)
             self._reserve(new_ids.numel())
         freed = torch.empty(max(spare, 0), dtype=_I64) if spare > 0 else None
-        new_rows, n_free, n_evictable, hint, n_freed, resident = native.vocab_step(
+        new_rows, n_free, n_evictable, hint, n_freed, resident, queued = native.vocab_step(
             self.slots, self._ids, self._last, self._freq, self._born, self.capacity,
             self._resident, hit_rows, new_ids, t, cut, self.eviction == "lfu", self._hint,
-            max(spare, 0), freed)
+            max(spare, 0), freed, self._eviction_queue(), self._queued)
         if new_rows is None:
             raise ValueError(
                 f"{self.name}: this step admits {new_ids.numel()} new ids but the shard holds "
                 f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the "
                 f"others are used by this step)")
         self._hint, self._resident, self._top = hint, resident, self._top + 1
+        self._queued = queued
         if n_freed:
             self.last_freed = freed[:n_freed]
         if new_rows.numel():
@@ -969,7 +988,7 @@ class NativeVocabMap(VocabMap):
         born[rows] = step
         self._resident = native.vocab_index(slots, row_ids, born)
         self._ids, self._last, self._freq, self._born, self.slots = row_ids, last, freq, born, slots
-        self._top, self._hint, self._compact = top, 0, True
+        self._top, self._hint, self._compact, self._queued = top, 0, True, (0, 0)
         for key in _LAYOUT:
             self.__dict__["_f_" + key] = None
 
@@ -1025,7 +1044,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
     def fields() -> torch.Tensor:
         return torch.tensor([native.map_fields(m.slots, m._ids, m._last, m._freq, m._born,
                                                m.capacity, t, cut, m.eviction == "lfu", start,
-                                               seed)
+                                               seed, m._eviction_queue())
                              for m, t, cut, start, seed in zip(maps, steps, cuts, starts, seeds)],
                             dtype=_I64)
 
@@ -1039,9 +1058,11 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         m._reserve(a)
     if any(m._ids is not h for m, h in zip(maps, held)):  # a map grew: its arrays moved
         table = fields()
-    info = torch.tensor([[0, 0, m._hint, 0, m._resident] for m in maps], dtype=_I64)
+    info = torch.tensor([[0, 0, m._hint, 0, m._resident, *m._queued] for m in maps],
+                        dtype=_I64)
     new_ids, new_rows, _ = native.vocab_step_many(table, ids, offsets, rows, missing, info, init)
-    for m, t, (_, _, hint, _, resident) in zip(maps, steps, info.tolist()):
+    for m, t, (_, _, hint, _, resident, *queued) in zip(maps, steps, info.tolist()):
         m.last_freed = _EMPTY
         m._hint, m._resident, m._top, m.step = hint, resident, m._top + 1, t
+        m._queued = tuple(queued)
     return rows, new_ids, new_rows, miss

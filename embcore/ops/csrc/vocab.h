@@ -270,10 +270,16 @@ i64 ec_vocab_valid(const i64* rows, i64 n, const void* born, int wide_steps, i64
 // spare: when this step must evict, free up to this many more of the lowest-scored resident ids
 // (not used by the step) at once, so that the following steps find free rows without a scan;
 // their rows go to freed (spare,) out, their count to info[3]. 0 for the maps of raw ids.
+// queue (queue_cap, 3) in/out, or nullptr: an LRU map's queue of eviction candidates (row, last
+// use, born), info[5] of them held, the next at info[6]: a step that evicts takes its victims
+// from the queue's entries that still hold; when too few do, the scan that chooses them refills
+// it with the lowest queue_cap candidates (so that the next steps evict without a scan). Exact:
+// the victims are those of a scan. A caller that changes the rows otherwise sets info[5] = 0.
 i64 ec_vocab_step(void* slots, i64 size, int wide_slots, i64* row_key, void* last_use,
                   void* frequency, void* born, int wide_steps, i64 n_rows, i64 capacity,
                   const i64* hit_rows, i64 n_hit, const i64* new_ids, i64 n_new, i64 t, i64 cut,
-                  int lfu, i64* new_rows, i64* info, i64 spare, i64* freed) {
+                  int lfu, i64* new_rows, i64* info, i64 spare, i64* freed, i64* queue,
+                  i64 queue_cap) {
   return vocab_types(wide_slots, wide_steps, [&](auto slot_type, auto step_type) -> i64 {
     using Slot = decltype(slot_type);
     using Step = decltype(step_type);
@@ -327,34 +333,68 @@ i64 ec_vocab_step(void* slots, i64 size, int wide_slots, i64* row_key, void* las
     const i64 k = n_new - placed;
     if (k > 0) {  // evict the k resident ids not used by this step with the lowest (score, id)
       const Step* score = lfu ? fr : lu;
-      i64 candidates = 0;
-      if (spare > 0)
-        for (i64 q = 0; q < n_rows; ++q) candidates += bo[q] >= 0 && i64(lu[q]) != t;
-      const i64 extra = std::max<i64>(0, std::min(spare, candidates - k));
-      i64 at = 0;
-      const i64 kth = vocab_kth_score(score, bo, lu, n_rows, t, k + extra, &at);
-      // every candidate below the k-th score, and of those at it the smallest ids
       struct Cand {
         i64 score, id, row;
       };
-      std::vector<Cand> victims, ties;
-      victims.reserve(size_t(k + extra));
-      ties.reserve(size_t(at));
-      for (i64 q = 0; q < n_rows; ++q) {
-        if (bo[q] < 0 || i64(lu[q]) == t) continue;
-        if (score[q] < kth) {
-          victims.push_back({score[q], row_key[q], q});
-        } else if (score[q] == kth) {
-          ties.push_back({score[q], row_key[q], q});
+      std::vector<Cand> victims;
+      // LRU's queue: the lowest candidates of the last scan, in (score, id) order; an entry
+      // still holds while its row keeps the id and last use it had then (a last use only grows,
+      // new ids come in at the step's, so every row outside the queue still ranks above it)
+      const bool queued = queue != nullptr && queue_cap > 0 && !lfu && spare == 0;
+      if (queued) {
+        victims.reserve(size_t(k));
+        i64 e = info[6];
+        for (; e < info[5] && i64(victims.size()) < k; ++e) {
+          const i64 q = queue[3 * e];
+          if (i64(bo[q]) == queue[3 * e + 2] && i64(lu[q]) == queue[3 * e + 1])
+            victims.push_back({queue[3 * e + 1], row_key[q], q});
+        }
+        if (i64(victims.size()) == k) {
+          info[6] = e;
+        } else {
+          victims.clear();
         }
       }
-      const size_t need = size_t(k + extra) - victims.size();
-      auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
-      std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
-      victims.insert(victims.end(), ties.begin(), ties.begin() + need);
-      std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
-        return a.score < b.score || (a.score == b.score && a.id < b.id);
-      });
+      i64 extra = 0;
+      if (victims.empty()) {  // a scan of every row
+        i64 candidates = 0;
+        if (spare > 0 || queued)
+          for (i64 q = 0; q < n_rows; ++q) candidates += bo[q] >= 0 && i64(lu[q]) != t;
+        extra = std::max<i64>(0, std::min(spare, candidates - k));
+        const i64 want = queued ? std::max(k, std::min(queue_cap, candidates)) : k + extra;
+        i64 at = 0;
+        const i64 kth = vocab_kth_score(score, bo, lu, n_rows, t, want, &at);
+        // every candidate below the k-th score, and of those at it the smallest ids
+        std::vector<Cand> ties;
+        victims.reserve(size_t(want));
+        ties.reserve(size_t(at));
+        for (i64 q = 0; q < n_rows; ++q) {
+          if (bo[q] < 0 || i64(lu[q]) == t) continue;
+          if (score[q] < kth) {
+            victims.push_back({score[q], row_key[q], q});
+          } else if (score[q] == kth) {
+            ties.push_back({score[q], row_key[q], q});
+          }
+        }
+        const size_t need = size_t(want) - victims.size();
+        auto by_id = [](const Cand& a, const Cand& b) { return a.id < b.id; };
+        std::nth_element(ties.begin(), ties.begin() + (need - 1), ties.end(), by_id);
+        victims.insert(victims.end(), ties.begin(), ties.begin() + need);
+        std::sort(victims.begin(), victims.end(), [](const Cand& a, const Cand& b) {
+          return a.score < b.score || (a.score == b.score && a.id < b.id);
+        });
+        if (queued) {  // the lowest candidates (as many as it holds), the first k taken now
+          const i64 keep = std::min(want, queue_cap);
+          for (i64 j = 0; j < keep; ++j) {
+            const i64 q = victims[size_t(j)].row;
+            queue[3 * j] = q;
+            queue[3 * j + 1] = i64(lu[q]);
+            queue[3 * j + 2] = i64(bo[q]);
+          }
+          info[5] = keep;
+          info[6] = std::min(k, keep);
+        }
+      }
       for (i64 j = 0; j < k + extra; ++j) {
         if (j + kPrefetch < k + extra)
           __builtin_prefetch(ix.slots + ix.home(mix64(uint64_t(victims[j + kPrefetch].id))), 1, 1);
@@ -525,9 +565,11 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
 
 namespace {
 
+constexpr i64 kInfo = 7;  // ec_vocab_step's info
+
 enum MapField : int {
   kSlots, kSize, kWideSlots, kRowKey, kNRows, kLastUse, kFrequency, kBorn, kWideSteps,
-  kCapacity, kStep, kCut, kLfu, kStart, kSeed, kMapFields
+  kCapacity, kStep, kCut, kLfu, kStart, kSeed, kQueue, kQueueCap, kMapFields
 };
 
 // f(m) for each member m (``every``: also those without ids) on the threads
@@ -565,7 +607,8 @@ void ec_vocab_find_many(const i64* maps, i64 n_maps, const i64* ids, const i64* 
 // reserved them). Then rows[i] becomes a shard row (the member's start plus its row), and
 // member m's admitted ids and their shard rows go to new_ids, new_rows [new_offsets[m],
 // new_offsets[m + 1]) (its missing count). With a ``table``, their default initial values are
-// written there (ec_init_normal with the member's seed). info (M, 5): ec_vocab_step's, per map.
+// written there (ec_init_normal with the member's seed). info (M, kInfo): ec_vocab_step's, per
+// map.
 // Returns 0, or -1 - m when map m's step failed (a caller's error: its map unchanged; maps
 // processed on other threads may have stepped).
 i64 ec_vocab_step_many(const i64* maps, i64 n_maps, const i64* ids, const i64* offsets,
@@ -591,7 +634,8 @@ i64 ec_vocab_step_many(const i64* maps, i64 n_maps, const i64* ids, const i64* o
         reinterpret_cast<i64*>(d[kRowKey]), reinterpret_cast<void*>(d[kLastUse]),
         reinterpret_cast<void*>(d[kFrequency]), reinterpret_cast<void*>(d[kBorn]),
         int(d[kWideSteps]), d[kNRows], d[kCapacity], hit.data(), n - n_miss, ids_out, n_miss,
-        d[kStep], d[kCut], int(d[kLfu]), rows_out, info + 5 * m, 0, nullptr);
+        d[kStep], d[kCut], int(d[kLfu]), rows_out, info + kInfo * m, 0, nullptr,
+        reinterpret_cast<i64*>(d[kQueue]), d[kQueueCap]);
     if (r != 0) {
       failed.store(-1 - m);
       return;
