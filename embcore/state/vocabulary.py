@@ -449,7 +449,7 @@ class DynamicStack:
         if training and len(parts) > 1:
             fused = self._train_together(ids, parts, init)
             if fused is not None:
-                return (*fused, self.since(segments), init is not None)
+                return (*fused, self.since(segments, resident=True), init is not None)
             for m, t in parts:
                 self.members[m].check_step(t)
         out, new = [], []
@@ -492,12 +492,14 @@ class DynamicStack:
                                                 new_rows.split(admitted))]
         return rows, new
 
-    def since(self, segments: tuple[tuple[int, int], ...] | None) -> Any:
+    def since(self, segments: tuple[tuple[int, int], ...] | None,
+              resident: bool = False) -> Any:
         """What ``valid`` takes of rows resolved now: the member's step (one member), else the
-        members' steps and ``segments`` (the rows' runs; None: any rows)."""
+        members' steps, ``segments`` (the rows' runs; None: any rows) and ``resident`` (every
+        row is a resident id's: none is the zero row)."""
         if len(self.members) == 1:
             return self.members[0].step
-        return (tuple(m.step for m in self.members), segments)
+        return (tuple(m.step for m in self.members), segments, resident)
 
     def check_step(self, ids: torch.Tensor,
                    segments: tuple[tuple[int, int], ...] | None = None) -> None:
@@ -511,8 +513,10 @@ class DynamicStack:
         ``rows`` are ``resolve``'s, in its runs; without, any shard rows."""
         if len(self.members) == 1:
             return self.members[0].valid(rows, since)
-        steps, segments = since
+        steps, segments, resident = since
         if steps == tuple(m.step for m in self.members):  # no map stepped since: every row
+            if resident:  # (none is the zero row)
+                return torch.ones_like(rows, dtype=torch.bool), rows.numel()
             zero = rows == self.zero_row  # but the zero row holds its id still
             if not bool(zero.any()):
                 return torch.ones_like(rows, dtype=torch.bool), rows.numel()
