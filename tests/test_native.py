@@ -714,6 +714,30 @@ def test_dedup_raw_runs_equals_dedup_raw_of_each_run(runs, seed):
 
 
 @requires_native
+def test_dedup_raw_runs_over_threads_equals_one_thread():
+    """Runs large enough to go over the threads (an empty one among them) give one thread's
+    result."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randint(-(2**40), 2**40, (n,), generator=gen) % m
+             for n, m in [(20_000, 5_000), (0, 1), (7_000, 100), (30_000, 2**40), (9, 3)]]
+    runs = [2, 1, 2]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.dedup_raw_runs(parts, runs)
+        torch.set_num_threads(2)
+        two = native.dedup_raw_runs(parts, runs)
+    finally:
+        torch.set_num_threads(old)
+    assert one[5] == two[5] and sum(one[5]) == one[1].numel()
+    for a, b in zip(one[:5], two[:5]):
+        assert torch.equal(a, b)
+    ids, unique, inverse, order, uoff, _ = two
+    assert torch.equal(unique[inverse], ids)  # (each occurrence's distinct id)
+    assert torch.equal(torch.sort(order).values, torch.arange(ids.numel()))
+
+
+@requires_native
 @settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 30), st.sampled_from([1, 1, 2, 5])),
                 min_size=1, max_size=4),

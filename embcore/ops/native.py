@@ -697,6 +697,7 @@ _DEDUP_RAW_RUNS = Kernel("ec_dedup_raw_runs", INT64, [
     ("order", allocated(I64)),          # (n,)
     ("uoff", allocated(I64)),           # (U + 1,)
     ("run_unique", allocated(I64)),     # (R,)
+    ("nt", INT),
 ])
 
 
@@ -723,7 +724,7 @@ def dedup_raw_runs(parts: Sequence[torch.Tensor], runs: Sequence[int]
     u = _DEDUP_RAW_RUNS.call((parts, lens, None), ctypes_array(ctypes.c_int64, len(lens))(*lens),
                              ctypes_array(ctypes.c_int64, r + 1)(*bounds), r, base,
                              base + 8 * n, base + 16 * n, base + 24 * n, base + 32 * n,
-                             base + 8 * (4 * n + 1 + n))
+                             base + 8 * (4 * n + 1 + n), _threads())
     run_unique = buf[5 * n + 1:5 * n + 1 + r].tolist()
     return (buf[:n], buf[n:n + u], buf[2 * n:3 * n], buf[3 * n:4 * n],
             buf[4 * n:4 * n + u + 1], run_unique)

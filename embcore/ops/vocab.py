@@ -63,6 +63,7 @@ import itertools
 import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -652,6 +653,7 @@ class VocabMap:
 
 
 _NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id is live
+_FIELD_STEP, _FIELD_CUT = native.MAP_FIELDS.index("step"), native.MAP_FIELDS.index("cut")
 _INT32_MAX = 2**31 - 1
 # VocabMap's per-row tensors and sorted view: a NativeVocabMap shows them (computed, in its
 # compact layout; its own tensors where the kernels do not apply)
@@ -734,6 +736,7 @@ class NativeVocabMap(VocabMap):
         self._ids = self._last = self._freq = self._born = self.slots = None
         self._queue: torch.Tensor | None = None  # an LRU map's eviction queue (ec_vocab_step)
         self._queued = (0, 0)  # its entries held, its next entry (0 held: refilled when needed)
+        self._fields: tuple[tuple[Any, ...], list[int]] | None = None  # (_map_fields' memo)
         if self.device.type != "cpu":  # the kernels do not apply there
             self._compact = False
             super()._allocate_rows()
@@ -837,6 +840,21 @@ class NativeVocabMap(VocabMap):
             self._queue = torch.zeros(max(16, self.capacity // 32), 3, dtype=_I64)
             self._queued = (0, 0)
         return self._queue
+
+    def _map_fields(self, t: int, cut: int, start: int, seed: int) -> list[int]:
+        """``native.map_fields`` of this map for step ``t`` at ``cut`` (its first shard row
+        ``start``, its table's seed ``seed``), made again only when what it reads changed."""
+        q = self._eviction_queue()
+        key = (self.slots.data_ptr(), self._ids.data_ptr(), self._ids.numel(),
+               self._last.data_ptr(), self._last.dtype, self._freq.data_ptr(),
+               self._born.data_ptr(), 0 if q is None else q.data_ptr(), start, seed)
+        if self._fields is None or self._fields[0] != key:
+            self._fields = key, native.map_fields(
+                self.slots, self._ids, self._last, self._freq, self._born, self.capacity, t, cut,
+                self.eviction == "lfu", start, seed, q)
+        row = self._fields[1].copy()
+        row[_FIELD_STEP], row[_FIELD_CUT] = t, cut
+        return row
 
     def _cut(self, t: int) -> int:
         """Rows last used before this step expire at the start of training step ``t``."""
@@ -1042,9 +1060,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
     cuts = [m._cut(t) for m, t in zip(maps, steps)]
 
     def fields() -> torch.Tensor:
-        return torch.tensor([native.map_fields(m.slots, m._ids, m._last, m._freq, m._born,
-                                               m.capacity, t, cut, m.eviction == "lfu", start,
-                                               seed, m._eviction_queue())
+        return torch.tensor([m._map_fields(t, cut, start, seed)
                              for m, t, cut, start, seed in zip(maps, steps, cuts, starts, seeds)],
                             dtype=_I64)
 

@@ -205,29 +205,46 @@ i64 ec_dedup_raw(const i64* ids, i64 n, i64* unique, i64* inverse, i64* order, i
 // run r holds parts [run_parts[r], run_parts[r + 1]), contiguous. unique (<= n,), inverse (n,),
 // order (n,), uoff (<= n + 1,) out as ec_dedup_raw's over the whole (run r's distinct ids a
 // block, in order of first occurrence; positions and distinct indices global); run_unique (R,)
-// out: each run's distinct ids. Returns U, the distinct ids of all runs.
+// out: each run's distinct ids. The runs go over the threads. Returns U, the distinct ids of
+// all runs.
 i64 ec_dedup_raw_runs(const i64* const* parts, const i64* lens, const i64* run_parts,
                       i64 nruns, i64* ids_out, i64* unique, i64* inverse, i64* order,
-                      i64* uoff, i64* run_unique) {
-  i64 a = 0, u0 = 0;
-  uoff[0] = 0;
+                      i64* uoff, i64* run_unique, int nt) {
+  std::vector<i64> at(size_t(nruns) + 1, 0);  // each run's first position
   for (i64 r = 0; r < nruns; ++r) {
-    i64 n = 0;
+    at[size_t(r) + 1] = at[size_t(r)];
+    for (i64 p = run_parts[r]; p < run_parts[r + 1]; ++p) at[size_t(r) + 1] += lens[p];
+  }
+  const i64 n = at[size_t(nruns)];
+  // each run on its own (a run per chunk, over the threads): its distinct ids and offsets in a
+  // scratch block at its first position (a run has at most as many distinct ids as ids)
+  thread_local std::vector<i64> scratch;
+  scratch.resize(size_t(2 * n + nruns));
+  i64* s_unique = scratch.data();
+  i64* s_uoff = scratch.data() + n;  // run r's at at[r] + r
+  parallel_chunks(nruns, n < 16384 ? 1 : nt, [&](i64 r) {
+    const i64 a = at[size_t(r)];
+    i64 k = a;
     for (i64 p = run_parts[r]; p < run_parts[r + 1]; ++p) {
-      std::memcpy(ids_out + a + n, parts[p], size_t(lens[p]) * sizeof(i64));
-      n += lens[p];
+      std::memcpy(ids_out + k, parts[p], size_t(lens[p]) * sizeof(i64));
+      k += lens[p];
     }
-    const i64 u = ec_dedup_raw(ids_out + a, n, unique + u0, inverse + a, order + a, uoff + u0);
-    for (i64 i = a; i < a + n; ++i) {
-      inverse[i] += u0;
+    run_unique[r] = ec_dedup_raw(ids_out + a, k - a, s_unique + a, inverse + a, order + a,
+                                 s_uoff + a + r);
+  });
+  std::vector<i64> u0(size_t(nruns) + 1, 0);  // each run's first distinct index
+  for (i64 r = 0; r < nruns; ++r) u0[size_t(r) + 1] = u0[size_t(r)] + run_unique[r];
+  parallel_chunks(nruns, n < 16384 ? 1 : nt, [&](i64 r) {  // into place, shifted
+    const i64 a = at[size_t(r)], b = at[size_t(r) + 1], u = u0[size_t(r)], c = run_unique[r];
+    std::memcpy(unique + u, s_unique + a, size_t(c) * sizeof(i64));
+    for (i64 k = 0; k < c; ++k) uoff[u + k] = s_uoff[a + r + k] + a;  // (the end: below)
+    for (i64 i = a; i < b; ++i) {
+      inverse[i] += u;
       order[i] += a;
     }
-    for (i64 k = u0; k <= u0 + u; ++k) uoff[k] += a;
-    run_unique[r] = u;
-    a += n;
-    u0 += u;
-  }
-  return u0;
+  });
+  uoff[u0[size_t(nruns)]] = n;
+  return u0[size_t(nruns)];
 }
 
 }  // extern "C"
