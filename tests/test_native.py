@@ -735,6 +735,8 @@ def test_dedup_raw_runs_over_threads_equals_one_thread():
     ids, unique, inverse, order, uoff, _ = two
     assert torch.equal(unique[inverse], ids)  # (each occurrence's distinct id)
     assert torch.equal(torch.sort(order).values, torch.arange(ids.numel()))
+    assert torch.equal(inverse[order], torch.repeat_interleave(
+        torch.arange(unique.numel()), uoff[1:] - uoff[:-1]))  # (occurrences grouped by id)
 
 
 @requires_native
