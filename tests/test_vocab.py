@@ -720,6 +720,18 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
             assert torch.equal(table, want_table)
             for k in range(len(together)):
                 assert_same_snapshot(snapshot(together[k]), snapshot(alone[k]))
+            # evaluation: every map's find at once, the same as each map's, nothing changed
+            asked = [r + [99, -(2**63)] for r in runs]
+            before = [snapshot(together[k]) for k in named]
+            found = vocab.find_many([together[k] for k in named],
+                                    ids_tensor([i for r in asked for i in r]),
+                                    [len(r) for r in asked], [starts[k] for k in named], -7)
+            want_found = [x for k, r in zip(named, asked)
+                          for x in torch.where(alone[k].find(ids_tensor(r)) < 0, -7,
+                                               alone[k].find(ids_tensor(r)) + starts[k]).tolist()]
+            assert found.tolist() == want_found
+            for k, b in zip(named, before):
+                assert_same_snapshot(snapshot(together[k]), b)
     finally:
         torch.set_num_threads(old)
 

@@ -1067,6 +1067,11 @@ def map_fields(slots: torch.Tensor, row_key: torch.Tensor, last_use: torch.Tenso
             0 if queue is None else queue.data_ptr(), 0 if queue is None else queue.shape[0]]
 
 
+def map_fields_seed(seed: int) -> int:
+    """A seed as ``map_fields`` writes it (the int64 of its low 64 bits)."""
+    return _seed64(seed)
+
+
 def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows (n,), missing (M,))``: ``vocab_find`` of each map (a row of ``maps``:

@@ -653,7 +653,8 @@ class VocabMap:
 
 
 _NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id is live
-_FIELD_STEP, _FIELD_CUT = native.MAP_FIELDS.index("step"), native.MAP_FIELDS.index("cut")
+_FIELD_STEP, _FIELD_CUT, _FIELD_START, _FIELD_SEED = (
+    native.MAP_FIELDS.index(k) for k in ("step", "cut", "start", "seed"))
 _INT32_MAX = 2**31 - 1
 # VocabMap's per-row tensors and sorted view: a NativeVocabMap shows them (computed, in its
 # compact layout; its own tensors where the kernels do not apply)
@@ -847,13 +848,14 @@ class NativeVocabMap(VocabMap):
         q = self._eviction_queue()
         key = (self.slots.data_ptr(), self._ids.data_ptr(), self._ids.numel(),
                self._last.data_ptr(), self._last.dtype, self._freq.data_ptr(),
-               self._born.data_ptr(), 0 if q is None else q.data_ptr(), start, seed)
+               self._born.data_ptr(), 0 if q is None else q.data_ptr())
         if self._fields is None or self._fields[0] != key:
             self._fields = key, native.map_fields(
                 self.slots, self._ids, self._last, self._freq, self._born, self.capacity, t, cut,
                 self.eviction == "lfu", start, seed, q)
         row = self._fields[1].copy()
         row[_FIELD_STEP], row[_FIELD_CUT] = t, cut
+        row[_FIELD_START], row[_FIELD_SEED] = start, native.map_fields_seed(seed)
         return row
 
     def _cut(self, t: int) -> int:
@@ -1026,6 +1028,28 @@ def vocab_map(capacity: int, **kwargs) -> VocabMap:
     if device.type == "cpu" and native.available():
         return NativeVocabMap(capacity, **kwargs)
     return VocabMap(capacity, **kwargs)
+
+
+def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
+              starts: Sequence[int], fill: int) -> torch.Tensor | None:
+    """``find`` of several maps at once (evaluation of stacked dynamic tables: nothing
+    changes), in one fused call over the threads: map ``k``'s ids are the run of ``counts[k]``
+    in ``ids`` (int64, contiguous); each id's row plus its map's ``starts[k]`` (a shard row), or
+    ``fill`` where not resident. None where the kernels do not step every map (a map not a
+    ``NativeVocabMap`` on the CPU)."""
+    if not native.usable(ids) or not all(isinstance(m, NativeVocabMap) and m._native()
+                                          for m in maps):
+        return None
+    if not maps:
+        return _EMPTY
+    offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
+    table = torch.tensor([m._map_fields(m.step + 1, _NO_CUT, start, 0)
+                          for m, start in zip(maps, starts)], dtype=_I64)
+    rows, missing = native.vocab_find_many(table, ids, offsets)
+    shift = torch.repeat_interleave(torch.tensor(list(starts), dtype=_I64),
+                                    torch.tensor(list(counts), dtype=_I64),
+                                    output_size=ids.numel())
+    return torch.where(rows < 0, fill, rows + shift)
 
 
 def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
