@@ -1204,7 +1204,7 @@ def _c_types(kind) -> set[str]:
     if isinstance(kind, kernel_args.AllocatedArg):
         return {"i64*"}
     if isinstance(kind, kernel_args.ArrayArg):
-        return {ctypes.c_int64: {"i64*", "consti64*"},
+        return {ctypes.c_int64: {"i64*", "consti64*"}, ctypes.c_double: {"constdouble*"},
                 ctypes.c_void_p: {"constfloat*const*"}}[kind.ctype._type_]
     raise AssertionError(f"a kind without a C type: {kind!r}")
 

@@ -665,7 +665,7 @@ def stacks(draw):
 def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
     """``train_steps`` (two fused calls for every map) gives each map's ``train_step`` results
     (as shard rows: its start added), leaves the same state, writes the admitted ids' initial
-    values (``init_normal``, each map's seed), and where it does not apply (``admit_after > 1``,
+    values (``init_normal``, each map's seed) and fresh slots, and where it does not apply (``admit_after > 1``,
     an overflow) returns None having changed nothing."""
     cfgs, capacities, steps = case
     together = [NativeVocabMap(c, name=f"t{k}", **cfg)
@@ -677,6 +677,8 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
     d, width = 3, 0.9
     rows_total = sum(capacities) + 1
     table, want_table = torch.zeros(rows_total, d), torch.zeros(rows_total, d)
+    slots = [(torch.zeros(rows_total, d), 0.5), (torch.zeros(rows_total, 1), -1.25)]
+    want_slots = [torch.zeros(rows_total, d), torch.zeros(rows_total, 1)]
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -688,7 +690,7 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
             got = vocab.train_steps([together[k] for k in named], flat,
                                     [len(r) for r in runs], [starts[k] for k in named],
                                     [seeds[k] for k in named],
-                                    (table, (0, d), 0.05, width, 2.0))
+                                    (table, (0, d), 0.05, width, 2.0), slots)
             want, failed = [], False
             for k, r in zip(named, runs):
                 try:
@@ -717,7 +719,11 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
             for k, w in zip(named, want):
                 native.init_normal(seeds[k], w[1], w[2] + starts[k], (0, d), 0.05, width, 2.0,
                                    want_table)
+                for (_, value), want_slot in zip(slots, want_slots):
+                    want_slot.index_fill_(0, w[2] + starts[k], value)
             assert torch.equal(table, want_table)
+            for (slot, _), want_slot in zip(slots, want_slots):
+                assert torch.equal(slot, want_slot)
             for k in range(len(together)):
                 assert_same_snapshot(snapshot(together[k]), snapshot(alone[k]))
             # evaluation: every map's find at once, the same as each map's, nothing changed

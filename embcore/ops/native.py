@@ -1030,6 +1030,10 @@ _VOCAB_STEP_MANY = Kernel("ec_vocab_step_many", INT64, [
     ("lo", DOUBLE),
     ("width", DOUBLE),
     ("div", DOUBLE),
+    ("slot_addrs", array(ctypes.c_int64)),    # (n_slots,) float32 (N, slot_widths[s]) arrays
+    ("slot_widths", array(ctypes.c_int64)),   # (n_slots,)
+    ("slot_values", array(ctypes.c_double)),  # (n_slots,)
+    ("n_slots", INT64),
     ("nt", INT),
 ])
 
@@ -1087,7 +1091,8 @@ def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
 
 def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
                     rows: torch.Tensor, missing: torch.Tensor, info: torch.Tensor,
-                    init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None
+                    init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None,
+                    slots: Sequence[tuple[torch.Tensor, float]] = ()
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The training step of each map after ``vocab_find_many`` gave ``rows`` and ``missing``,
     every id not found admitted (the caller checked that each map's admissions fit and reserved
@@ -1095,7 +1100,8 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
     added). ``info`` (M, VOCAB_INFO): ``vocab_step``'s per map, in (the free-row hint, the
     resident ids, the queue's state) and out. ``init``: None, or ``(table, columns, lo, width, div)`` to write the admitted ids'
     default initial values into their rows of the float32 ``table`` (``init_normal``, each with
-    its map's seed).
+    its map's seed); with it, ``slots``: ``(slot, value)`` pairs, each slot a contiguous float32
+    CPU ``(N, C)`` tensor whose admitted rows are set to ``value`` (an optimizer's fresh slots).
 
     Returns:
         ``(new_ids (A,), new_rows (A,) shard rows, new_offsets (M + 1,))``: each map's admitted
@@ -1115,11 +1121,21 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
     if table is not None and c1 - c0 > stride:
         raise ValueError(f"{_VOCAB_STEP_MANY.name}: columns {(c0, c1)} need a table {c1 - c0} "
                          f"wide, got shape {tuple(table.shape)}")
-    failed = _VOCAB_STEP_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1),
-                                   (rows, n), (new_offsets, m + 1), (new_ids, a), (new_rows, a),
-                                   (info, VOCAB_INFO * m), (table, None), stride, c0, c1, lo,
-                                   width, div,
-                                   _threads())
+    for slot, _ in slots:
+        if (table is None or slot.dtype != torch.float32 or not slot.is_cpu
+                or not slot.is_contiguous() or slot.dim() != 2
+                or slot.shape[0] != table.shape[0]):
+            raise ValueError(f"{_VOCAB_STEP_MANY.name}: a slot must be a contiguous float32 CPU "
+                             f"(N, C) tensor of the table's rows (and a table given), got "
+                             f"{slot.dtype} {tuple(slot.shape)} on {slot.device}")
+    k = len(slots)
+    failed = _VOCAB_STEP_MANY.call(
+        (maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1), (rows, n),
+        (new_offsets, m + 1), (new_ids, a), (new_rows, a), (info, VOCAB_INFO * m),
+        (table, None), stride, c0, c1, lo, width, div,
+        ctypes_array(ctypes.c_int64, k)(*(t.data_ptr() for t, _ in slots)),
+        ctypes_array(ctypes.c_int64, k)(*(t.shape[1] for t, _ in slots)),
+        ctypes_array(ctypes.c_double, k)(*(float(v) for _, v in slots)), k, _threads())
     if failed:
         raise RuntimeError(f"{_VOCAB_STEP_MANY.name}: map {-1 - failed}'s step failed (its "
                            f"admissions were not checked or reserved)")

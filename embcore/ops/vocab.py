@@ -1054,7 +1054,8 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
 
 def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
                 starts: Sequence[int], seeds: Sequence[int],
-                init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None = None
+                init: tuple[torch.Tensor, tuple[int, int], float, float, float] | None = None,
+                slots: Sequence[tuple[torch.Tensor, float]] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
     """A training step of each of several maps at once (the members of stacked dynamic tables
     in a batch), in two fused calls over the threads: map ``k`` over its distinct ids, the run of
@@ -1065,7 +1066,8 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         starts: each map's first row in the shard its rows are part of (the rows returned are
             shard rows: a map's row plus its start). seeds: each map's table seed.
         init: None, or ``(table, columns, lo, width, div)``: the admitted ids' default initial
-            values written into their shard rows of ``table`` (``native.vocab_step_many``).
+            values written into their shard rows of ``table`` (``native.vocab_step_many``);
+            with it, ``slots``: ``(slot, value)``, each slot's admitted rows set to ``value``.
 
     Returns:
         ``(rows (n,), new_ids (A,), new_rows (A,), admitted per map)``: every id's shard row,
@@ -1100,7 +1102,8 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         table = fields()
     info = torch.tensor([[0, 0, m._hint, 0, m._resident, *m._queued] for m in maps],
                         dtype=_I64)
-    new_ids, new_rows, _ = native.vocab_step_many(table, ids, offsets, rows, missing, info, init)
+    new_ids, new_rows, _ = native.vocab_step_many(table, ids, offsets, rows, missing, info, init,
+                                                  slots)
     for m, t, (_, _, hint, _, resident, *queued) in zip(maps, steps, info.tolist()):
         m.last_freed = _EMPTY
         m._hint, m._resident, m._top, m.step = hint, resident, m._top + 1, t

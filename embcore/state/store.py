@@ -316,8 +316,7 @@ class RowStore:
                                                 self._init_target(p, dyn))  # (U,), per member
         if training and self.changes is not None:  # the map's state of these rows moved
             self.changes.mark(p, rows)
-        if written:  # the new rows hold their initial values: their slots start afresh
-            self._fresh_slots(p, torch.cat([r for _, _, r in new]), self.slots[p])
+        if written:  # the new rows hold their initial values and fresh slots already
             new = []
         for m, new_ids, new_rows in new:  # (A,) ids admitted by member m, (A,) their rows
             if not new_ids.numel():
@@ -407,16 +406,24 @@ class RowStore:
             slots[spec.name].index_fill_(0, at, spec.initial_value)
 
     def _init_target(self, p: int, dyn: DynamicStack
-                     ) -> tuple[torch.Tensor, tuple[int, int]] | None:
+                     ) -> tuple[torch.Tensor, tuple[int, int],
+                                list[tuple[torch.Tensor, float]]] | None:
         """Where a fused step of stack ``dyn`` (physical table ``p``) may write its new rows'
-        initial values itself: ``(table, columns)`` when they are the default's for every
-        member, into a float32 table in memory (``DynamicStack.resolve``); else None."""
+        initial values and fresh slots itself: ``(table, columns, [(slot, initial value)])``
+        when the values are the default's for every member, into a float32 table and float32
+        slots in memory (``DynamicStack.resolve``); else None."""
         table = self.tables[p]
         if (p in self.cached or len(dyn.members) == 1 or table.dtype != torch.float32
                 or not table.is_contiguous() or not table.is_cpu
                 or any(m.table.initializer is not None for m in dyn.members)):
             return None
-        return table, self.plan.physical[p].columns[self.comm.rank]
+        opt = self.plan.physical[p].optimizer
+        slots = [(self.slots[p][spec.name], spec.initial_value)
+                 for spec in (opt.slots if opt is not None else ())]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or not t.is_cpu or t.dim() != 2
+               or t.shape[0] != table.shape[0] for t, _ in slots):
+            return None
+        return table, self.plan.physical[p].columns[self.comm.rank], slots
 
     def update(self, p: int, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,

@@ -426,7 +426,8 @@ class DynamicStack:
 
     def resolve(self, ids: torch.Tensor, training: bool,
                 segments: tuple[tuple[int, int], ...] | None = None,
-                init: tuple[torch.Tensor, tuple[int, int]] | None = None
+                init: tuple[torch.Tensor, tuple[int, int],
+                            list[tuple[torch.Tensor, float]]] | None = None
                 ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any, bool]:
         """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
         rows; a training step of several members checks every one first (``check_step``), so
@@ -434,13 +435,15 @@ class DynamicStack:
         together in two fused calls where the kernels apply (``ops.vocab.train_steps``).
 
         Args:
-            init: None, or ``(table, columns)``: the shard's float32 table (columns ``columns``
-                of the logical tables) where the fused steps may write the admitted ids'
-                initial values at once (every member taking the default initializer).
+            init: None, or ``(table, columns, slots)``: the shard's float32 table (columns
+                ``columns`` of the logical tables) where the fused steps may write the admitted
+                ids' initial values at once (every member taking the default initializer), and
+                its optimizer's slots with their initial values (``[(slot, value)]``).
 
         Returns:
             ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since, written)``:
-            ``written``, whether the new rows' initial values are in ``init``'s table already.
+            ``written``, whether the new rows' initial values and fresh slots are in ``init``'s
+            tensors already.
         """
         parts = self.pieces(ids, segments)
         if len(parts) == 1 and len(self.members) == 1:
@@ -483,7 +486,8 @@ class DynamicStack:
                 lock.release()
 
     def _train_together(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
-                        init: tuple[torch.Tensor, tuple[int, int]] | None
+                        init: tuple[torch.Tensor, tuple[int, int],
+                                    list[tuple[torch.Tensor, float]]] | None
                         ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
                                                            torch.Tensor]]] | None:
         """The training steps of the members of ``parts`` in two fused calls
@@ -502,7 +506,7 @@ class DynamicStack:
         try:
             got = train_steps([d.map for d in members], ids, [t.numel() for _, t in parts],
                               [self.starts[m] for m, _ in parts], [d.seed for d in members],
-                              spec)
+                              spec, init[2] if init is not None else ())
             if got is None:
                 return None
             for d in members:

@@ -602,19 +602,22 @@ void ec_vocab_find_many(const i64* maps, i64 n_maps, const i64* ids, const i64* 
 }
 
 // After ec_vocab_find_many (the rows it wrote in ``rows``), the training step of each map (those
-// without ids too: their TTLs expire) admitting every id not found (admit_after 1): ec_vocab_split, then ec_vocab_step, the caller
-// having held the rows they take (no map can fail: it checked each map's admissions fit, and
-// reserved them). Then rows[i] becomes a shard row (the member's start plus its row), and
-// member m's admitted ids and their shard rows go to new_ids, new_rows [new_offsets[m],
-// new_offsets[m + 1]) (its missing count). With a ``table``, their default initial values are
-// written there (ec_init_normal with the member's seed). info (M, kInfo): ec_vocab_step's, per
-// map.
+// without ids too: their TTLs expire) admitting every id not found (admit_after 1):
+// ec_vocab_split, then ec_vocab_step, the caller having held the rows they take (no map can
+// fail: it checked each map's admissions fit, and reserved them). Then rows[i] becomes a shard
+// row (the member's start plus its row), and member m's admitted ids and their shard rows go to
+// new_ids, new_rows [new_offsets[m], new_offsets[m + 1]) (its missing count). With a ``table``,
+// their default initial values are written there (ec_init_normal with the member's seed), and
+// their rows of each of the n_slots optimizer slots (float32, slot_addrs[s] the address of a
+// (N, slot_widths[s]) row-major array) set to slot_values[s]. info (M, kInfo): ec_vocab_step's,
+// per map.
 // Returns 0, or -1 - m when map m's step failed (a caller's error: its map unchanged; maps
 // processed on other threads may have stepped).
 i64 ec_vocab_step_many(const i64* maps, i64 n_maps, const i64* ids, const i64* offsets,
                        i64* rows, const i64* new_offsets, i64* new_ids, i64* new_rows,
                        i64* info, float* table, i64 stride, i64 c0, i64 c1, double lo,
-                       double width, double div, int nt) {
+                       double width, double div, const i64* slot_addrs, const i64* slot_widths,
+                       const double* slot_values, i64 n_slots, int nt) {
   std::atomic<i64> failed{0};
   each_member(n_maps, offsets, nt, true, [&](i64 m) {  // (a map without ids steps too)
     const i64* d = maps + m * kMapFields;
@@ -644,9 +647,14 @@ i64 ec_vocab_step_many(const i64* maps, i64 n_maps, const i64* ids, const i64* o
     for (i64 j = 0; j < n_miss; ++j) rows[a + pos[size_t(j)]] = rows_out[j];
     for (i64 i = a; i < a + n; ++i) rows[i] += start;
     for (i64 j = 0; j < n_miss; ++j) rows_out[j] += start;
-    if (table != nullptr)
-      ec_init_normal(d[kSeed], ids_out, rows_out, n_miss, c0, c1, lo, width, div, table,
-                     stride);
+    if (table == nullptr) return;
+    ec_init_normal(d[kSeed], ids_out, rows_out, n_miss, c0, c1, lo, width, div, table, stride);
+    for (i64 k = 0; k < n_slots; ++k) {
+      float* slot = reinterpret_cast<float*>(slot_addrs[k]);
+      const i64 w = slot_widths[k];
+      const float v = float(slot_values[k]);
+      for (i64 j = 0; j < n_miss; ++j) std::fill_n(slot + rows_out[j] * w, w, v);
+    }
   });
   return failed.load();
 }
