@@ -316,19 +316,24 @@ class RowStore:
                                                 self._init_target(p, dyn))  # (U,), per member
         if training and self.changes is not None:  # the map's state of these rows moved
             self.changes.mark(p, rows)
-        if written:  # the new rows hold their initial values and fresh slots already
+        new = [] if written else [n for n in new if n[1].numel()]  # (else: written already)
+        cache = self.cached.get(p)
+        if cache is not None and new:  # the new rows are written in the cache (their old
+            # values are not read), every member's in one pass: member m's ids at its run
+            counts = [r.numel() for _, _, r in new]
+
+            def write(table: torch.Tensor, slots: dict[str, torch.Tensor],
+                      at: torch.Tensor) -> None:
+                for (m, new_ids, _), at_m in zip(new, at.split(counts)):
+                    self._renew(p, m, new_ids, at_m, table, slots, fresh=False)
+                self._fresh_slots(p, at, slots)
+
+            with cache.lock:
+                cache.renew(torch.cat([r for _, _, r in new]) if len(new) > 1 else new[0][2],
+                            write)
             new = []
         for m, new_ids, new_rows in new:  # (A,) ids admitted by member m, (A,) their rows
-            if not new_ids.numel():
-                continue
-            cache = self.cached.get(p)
-            if cache is None:
-                self._renew(p, m, new_ids, new_rows.to(self.device), self.tables[p],
-                            self.slots[p])
-            else:  # the new rows are written in the cache (their old values are not read)
-                with cache.lock:
-                    cache.renew(new_rows, lambda table, slots, at, m=m, ids=new_ids:
-                                self._renew(p, m, ids, at, table, slots))
+            self._renew(p, m, new_ids, new_rows.to(self.device), self.tables[p], self.slots[p])
         if inverse is None:
             return [rows], since
         return list(rows[inverse].split([t.numel() for t in ids])), since
@@ -391,13 +396,14 @@ class RowStore:
             dyn.check_step(ids[0] if len(ids) == 1 else _distinct(torch.cat(ids))[0])
 
     def _renew(self, p: int, m: int, ids: torch.Tensor, at: torch.Tensor, table: torch.Tensor,
-               slots: dict[str, torch.Tensor]) -> None:
-        """Writes the initial values of member ``m``'s new ``ids`` (A,) and fresh slots into
-        rows ``at`` (A,) of ``table`` and ``slots``."""
+               slots: dict[str, torch.Tensor], fresh: bool = True) -> None:
+        """Writes the initial values of member ``m``'s new ``ids`` (A,) and (``fresh``) fresh
+        slots into rows ``at`` (A,) of ``table`` and ``slots``."""
         dyn = self.dynamic[p].members[m]
         initialize_rows(dyn.table, dyn.name, dyn.seed, ids, at, table,
                         self.plan.physical[p].columns[self.comm.rank])
-        self._fresh_slots(p, at, slots)
+        if fresh:
+            self._fresh_slots(p, at, slots)
 
     def _fresh_slots(self, p: int, at: torch.Tensor, slots: dict[str, torch.Tensor]) -> None:
         """Resets rows ``at`` of physical table ``p``'s ``slots`` to their initial values."""
