@@ -18,13 +18,14 @@
 // uses), so native.py compiles it with one compiler call into one library.
 //   common.h       int64 rows, prefetching, splitting work by cost, ids' hash
 //   pool.h         the thread pool and the parallel loops over it
-//   dedup.h        ec_dedup, ec_concat_dedup, ec_dedup_raw, ec_expand
+//   dedup.h        ec_dedup, ec_concat_dedup, ec_dedup_raw, ec_dedup_raw_runs, ec_expand
 //   half.h         16-bit rows: widening, rounding (to nearest, stochastic), ec_round16
 //   lookup.h       ec_lookup
 //   update.h       EcHyper, ec_hyper_*, ec_sparse_update
 //   inputs.h       ec_minmax, ec_offsets_error, ec_first_unordered, ec_combiner_scales, ec_bag_of
 //   rows.h         ec_copy_rows, ec_will_need
-//   vocab.h        ec_vocab_*, ec_init_normal
+//   vocab.h        ec_vocab_* (ec_vocab_find_many, ec_vocab_step_many: a stack's maps at
+//                  once), ec_init_normal
 //   cache_index.h  ec_cache_step, ec_set_flags
 // native.py declares every exported function's arguments by name and kind (its ctypes
 // signature and per-call checks come from that table): a change of a signature here changes the
