@@ -762,3 +762,35 @@ def test_lru_evictions_from_the_queue_equal_the_oracle(ttl):
             and m._queued[1] > before[1]
     assert m._queue is not None and served >= 10, served
     assert_matches(m, v)
+
+
+@_NO_KERNELS
+def test_maps_stepped_together_refuse_runs_that_do_not_fit_and_change_nothing():
+    """Runs that do not cover the ids, a missing start or seed, ids not 1-D, bad offsets or
+    miss counts below: a ValueError naming the maps or the kernel, before any map changes."""
+    maps = [NativeVocabMap(10, name="a"), NativeVocabMap(10, name="b")]
+    maps[0].train_step(ids_tensor([5]))
+    before = [snapshot(m) for m in maps]
+    fields = torch.zeros(2, len(native.MAP_FIELDS), dtype=I64)
+    cases = [
+        (lambda: vocab.train_steps(maps, ids_tensor([1, 2, 3]), [1, 1], [0, 10], [1, 2]),
+         r"train_steps of \['a', 'b'\]"),
+        (lambda: vocab.train_steps(maps, ids_tensor([1, 2]), [1, 1], [0], [1, 2]),
+         r"train_steps of \['a', 'b'\]"),
+        (lambda: vocab.train_steps(maps, ids_tensor([1, 2]), [3, -1], [0, 10], [1, 2]),
+         r"train_steps of \['a', 'b'\]"),
+        (lambda: vocab.find_many(maps, ids_tensor([1, 2]).reshape(1, 2), [1, 1], [0, 10], -1),
+         r"find_many of \['a', 'b'\]"),
+        (lambda: native.dedup_raw_runs([ids_tensor([1])], [2]), "ec_dedup_raw_runs: runs"),
+        (lambda: native.vocab_find_many(fields, ids_tensor([1, 2]), ids_tensor([0, 5, 2])),
+         "ec_vocab_find_many: offsets"),
+        (lambda: native.vocab_step_many(fields, ids_tensor([1, 2]), ids_tensor([0, 1, 2]),
+                                        ids_tensor([0, 1]), ids_tensor([2, 0]),
+                                        torch.zeros(14, dtype=I64), None),
+         "ec_vocab_step_many: missing"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    for m, b in zip(maps, before):
+        assert_same_snapshot(snapshot(m), b)

@@ -20,7 +20,8 @@ fully written file and the same random rows:
 Every step is timed; the figures are the median of the second half of the steps (the dirty
 pages have passed the kernel's limits by then: the steady state a long run meets), with the
 device's sectors written during the run (/proc/diskstats: every process on the machine). The
-file (rows x (1 + spare) KiB) is deleted at the end, its dirty pages with it.
+file (rows x (1 + spare) KiB, its blocks allocated first: a disk without room for it is an error
+before anything runs) is deleted at the end, its dirty pages with it.
 """
 
 from __future__ import annotations
@@ -172,9 +173,13 @@ def run(name: str, rows: int, places: int, steps: list[tuple[np.ndarray, np.ndar
         directory: str | None, advise_random: bool) -> dict:
     with tempfile.TemporaryDirectory(dir=directory, prefix="ec-slow-writes-") as d:
         path = Path(d) / "records.bin"
-        with open(path, "wb") as f:
-            f.truncate(places * RECORD)
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # the blocks first: a full disk is an OSError here, not a SIGBUS in a store later
+            os.posix_fallocate(fd, 0, places * RECORD)
+        except OSError as e:
+            os.close(fd)
+            raise SystemExit(f"slow_writes: cannot hold {places * RECORD / 2**30:.1f} GiB in "
+                             f"{d}: {e}") from None
         mapping = mmap.mmap(fd, places * RECORD)
         if advise_random:  # as the engine's slow tier asks (ops/memory.py's advise_random)
             mapping.madvise(mmap.MADV_RANDOM)

@@ -719,6 +719,9 @@ def dedup_raw_runs(parts: Sequence[torch.Tensor], runs: Sequence[int]
     lens = [t.numel() for t in parts]
     n, r = sum(lens), len(runs)
     bounds = [0, *itertools.accumulate(runs)]
+    if any(k < 0 for k in runs) or bounds[-1] != len(parts):
+        raise ValueError(f"{_DEDUP_RAW_RUNS.name}: runs must count the {len(parts)} parts in "
+                         f"turn (none negative), got {list(runs)}")
     buf = torch.empty(5 * n + 1 + r, dtype=torch.int64)  # [ids|unique|inverse|order|uoff|runs]
     base = buf.data_ptr()
     u = _DEDUP_RAW_RUNS.call((parts, lens, None), ctypes_array(ctypes.c_int64, len(lens))(*lens),
@@ -1076,12 +1079,23 @@ def map_fields_seed(seed: int) -> int:
     return _seed64(seed)
 
 
+def _runs_of(kernel: Kernel, offsets: torch.Tensor, maps: int, n: int) -> list[int]:
+    """Each map's run length from ``offsets`` (M + 1,), checked to rise from 0 to ``n``."""
+    o = offsets.tolist()
+    steps = list(itertools.pairwise(o))
+    if len(o) != maps + 1 or o[0] != 0 or o[-1] != n or any(b < a for a, b in steps):
+        raise ValueError(f"{kernel.name}: offsets must rise from 0 to the {n} ids, a run per "
+                         f"map ({maps}), got {o}")
+    return [b - a for a, b in steps]
+
+
 def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows (n,), missing (M,))``: ``vocab_find`` of each map (a row of ``maps``:
     ``map_fields``) over its distinct ids ``ids[offsets[m]:offsets[m + 1]]`` at its cut, -1 where
     not found; how many of each map's are not found. On the threads, a map each."""
     n, m = ids.numel(), maps.shape[0]
+    _runs_of(_VOCAB_FIND_MANY, offsets, m, n)
     rows = torch.empty(n, dtype=torch.int64)
     missing = torch.empty(m, dtype=torch.int64)
     _VOCAB_FIND_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1), (rows, n),
@@ -1111,6 +1125,10 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
         RuntimeError: a map's step failed (a caller's error).
     """
     n, m = ids.numel(), maps.shape[0]
+    runs = _runs_of(_VOCAB_STEP_MANY, offsets, m, n)
+    if len(missing) != m or any(not 0 <= a <= r for a, r in zip(missing.tolist(), runs)):
+        raise ValueError(f"{_VOCAB_STEP_MANY.name}: missing must count each map's ids not "
+                         f"found (0 to its run's {runs}), got {missing.tolist()}")
     new_offsets = torch.zeros(m + 1, dtype=torch.int64)
     torch.cumsum(missing, 0, out=new_offsets[1:])
     a = int(new_offsets[-1])

@@ -1030,6 +1030,17 @@ def vocab_map(capacity: int, **kwargs) -> VocabMap:
     return VocabMap(capacity, **kwargs)
 
 
+def _check_runs(what: str, maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
+                *per_map: Sequence[int]) -> None:
+    """A run of ``ids`` per map (``counts``, none negative, summing to the ids) and one of each
+    of ``per_map`` per map, else a ValueError naming the maps (before anything changes)."""
+    if (ids.dim() != 1 or len(counts) != len(maps) or any(c < 0 for c in counts)
+            or sum(counts) != ids.numel() or any(len(v) != len(maps) for v in per_map)):
+        raise ValueError(f"{what} of {[m.name for m in maps]}: ids must be 1-D runs of the "
+                         f"counts' lengths ({list(counts)}, {ids.numel()} ids in shape "
+                         f"{tuple(ids.shape)}), with a count, start and seed per map")
+
+
 def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
               starts: Sequence[int], fill: int) -> torch.Tensor | None:
     """``find`` of several maps at once (evaluation of stacked dynamic tables: nothing
@@ -1042,6 +1053,7 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
         return None
     if not maps:
         return _EMPTY
+    _check_runs("find_many", maps, ids, counts, starts)
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     table = torch.tensor([m._map_fields(m.step + 1, _NO_CUT, start, 0)
                           for m, start in zip(maps, starts)], dtype=_I64)
@@ -1081,6 +1093,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         return None
     if not maps:
         return _EMPTY, _EMPTY, _EMPTY, []
+    _check_runs("train_steps", maps, ids, counts, starts, seeds)
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     steps = [m.step + 1 for m in maps]
     cuts = [m._cut(t) for m, t in zip(maps, steps)]

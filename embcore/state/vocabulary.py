@@ -13,12 +13,13 @@ dropped.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -467,23 +468,31 @@ class DynamicStack:
             new.append((m, new_ids, new_rows + self.starts[m]))
         return torch.cat(out) if len(out) > 1 else out[0], new, self.since(segments), False
 
+    @contextlib.contextmanager
+    def _holding(self, parts: list[tuple[int, torch.Tensor]]
+                 ) -> Iterator[tuple[list[DynamicRows], list[int], list[int]] | None]:
+        """``(members, their runs' lengths, their first shard rows)`` of ``parts``, every
+        member's lock held, for the fused calls over them; None where one of them holds no rows
+        on this process (the calls do not apply)."""
+        members = [self.members[m] for m, _ in parts]
+        if any(d.capacity == 0 for d in members):
+            yield None
+            return
+        with contextlib.ExitStack() as held:
+            for d in members:
+                held.enter_context(d.lock)
+            yield members, [t.numel() for _, t in parts], [self.starts[m] for m, _ in parts]
+
     def _find_together(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]]
                        ) -> torch.Tensor | None:
         """The shard rows of the members' runs of ``ids`` (evaluation: no map changes) in one
         fused call (``ops.vocab.find_many``), the zero row where not resident; None where the
         kernels do not apply."""
-        members = [self.members[m] for m, _ in parts]
-        if any(d.capacity == 0 for d in members):
-            return None
-        locks = [d.lock for d in members]
-        for lock in locks:
-            lock.acquire()
-        try:
-            return find_many([d.map for d in members], ids, [t.numel() for _, t in parts],
-                             [self.starts[m] for m, _ in parts], self.zero_row)
-        finally:
-            for lock in locks:
-                lock.release()
+        with self._holding(parts) as got:
+            if got is None:
+                return None
+            members, counts, starts = got
+            return find_many([d.map for d in members], ids, counts, starts, self.zero_row)
 
     def _train_together(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
                         init: tuple[torch.Tensor, tuple[int, int],
@@ -493,28 +502,22 @@ class DynamicStack:
         """The training steps of the members of ``parts`` in two fused calls
         (``ops.vocab.train_steps``): ``(rows, new)`` as ``resolve``'s, or None where they do not
         apply (nothing changed: ``resolve`` steps the members one by one)."""
-        members = [self.members[m] for m, _ in parts]
-        if any(d.capacity == 0 for d in members):
-            return None
-        spec = None
-        if init is not None:
-            dim = members[0].table.dim
-            spec = (init[0], init[1], _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(dim))
-        locks = [d.lock for d in members]
-        for lock in locks:
-            lock.acquire()
-        try:
-            got = train_steps([d.map for d in members], ids, [t.numel() for _, t in parts],
-                              [self.starts[m] for m, _ in parts], [d.seed for d in members],
-                              spec, init[2] if init is not None else ())
+        with self._holding(parts) as got:
             if got is None:
+                return None
+            members, counts, starts = got
+            spec = None
+            if init is not None:
+                spec = (init[0], init[1], _PHI_LO, _PHI_HI - _PHI_LO,
+                        math.sqrt(members[0].table.dim))
+            stepped = train_steps([d.map for d in members], ids, counts, starts,
+                                  [d.seed for d in members], spec,
+                                  init[2] if init is not None else ())
+            if stepped is None:
                 return None
             for d in members:
                 d.steps += 1
-        finally:
-            for lock in locks:
-                lock.release()
-        rows, new_ids, new_rows, admitted = got
+        rows, new_ids, new_rows, admitted = stepped
         new = [(m, i, r) for (m, _), i, r in zip(parts, new_ids.split(admitted),
                                                 new_rows.split(admitted))]
         return rows, new
