@@ -24,11 +24,21 @@ import embcore as ec
 from embcore.config.tables import MAP_BYTES_PER_ROW
 from embcore.config.budget import parse_budget
 from embcore.ops import native
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from embcore.planning.plan import make_plan
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, LOG_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.planning.plan import make_plan, where_bytes
 from embcore.state import cache as cache_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:table .* a step touches")
+
+# test_sharded's config(opt): 160 static rows, each with a place in its slow tier's log when
+# offloaded (LOG_BYTES_PER_ROW), beside the budgets below
+LOGS = 160 * LOG_BYTES_PER_ROW
+
+
+def _small(opt: str, base: int = 1500) -> int:
+    """A budget whose caches hold a handful of config(opt)'s rows (``base`` bytes beside their
+    logs; SGD's rows, 16 and 24 bytes, are near their index's 15: its own)."""
+    return 160 * (WHERE_BYTES_PER_ROW + LOG_BYTES_PER_ROW) + 450 if opt == "sgd" else base + LOGS
 
 
 def _state(emb):
@@ -94,7 +104,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     everything = sum(t.vocabulary_size for _, t, _ in specs) * row
     free = make_plan(specs, 1, None, None, None)
     assert make_plan(specs, 1, None, None, everything) == free  # what fits changes nothing
-    for budget in (30_000, 90_000, 200_000):
+    for budget in (80_000, 120_000, 250_000):
         plan = make_plan(specs, 1, None, None, budget)
         slow = {n for p in plan.physical if p.offloaded for n in p.tables}
         assert "huge" in slow and "small" not in slow  # the largest go, the smallest stay
@@ -104,7 +114,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
         assert "[slow tier, cached]" in text and "MB per rank in fast memory" in text
     # more budget, more cache
     caches = [sum(p.cache_rows[0] for p in make_plan(specs, 1, None, None, b).physical
-                  if p.offloaded) for b in (30_000, 60_000)]
+                  if p.offloaded) for b in (80_000, 120_000)]
     assert caches[1] > caches[0]
     # A dynamic table goes to the slow tier like any other; its map stays in fast memory and is
     # charged to the budget (MAP_BYTES_PER_ROW a row of capacity). Rules that move every row stay.
@@ -113,9 +123,11 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     assert huge.offloaded and huge.dynamic
     assert dyn.bytes_per_rank(fast=True)[0] <= 240_000
     assert "+ maps" in str(dyn)
-    # An offloaded table's cache index holds 4 bytes for each of its rows, charged first.
+    # An offloaded table's cache index holds WHERE_BYTES_PER_ROW for each of its rows, first.
     with pytest.raises(ValueError, match=r"cache indexes of the offloaded tables \[.*'huge'"
-                                         r".*\(4 bytes a row\)"):
+                                         rf".*\({WHERE_BYTES_PER_ROW} bytes a row, "
+                                         rf"{WHERE_BYTES_PER_ROW + LOG_BYTES_PER_ROW} for a "
+                                         rf"static table's\)"):
         make_plan(_specs(dynamic=True), 1, None, None, 3000 * MAP_BYTES_PER_ROW + 5000)
     dense = make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 10**6)
     assert not any(p.offloaded for p in dense.physical)
@@ -126,9 +138,9 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     with pytest.raises(ValueError, match="Adam\\(lazy_adam=False\\) table 'big'"):
         make_plan(_specs(ec.Adam(learning_rate=0.1, lazy_adam=False)), 1, None, None, 1000)
     # Per process: row-split tables hold half their rows on each of 2 processes.
-    two = make_plan(specs, 2, "row_div", None, 15_000)
+    two = make_plan(specs, 2, "row_div", None, 45_000)
     assert all(p.cache_rows[0] > 0 and p.cache_rows[1] > 0 for p in two.physical if p.offloaded)
-    assert max(two.bytes_per_rank(fast=True)) <= 15_000
+    assert max(two.bytes_per_rank(fast=True)) <= 45_000
 
 
 @settings(max_examples=examples(80), deadline=None)
@@ -213,7 +225,7 @@ def test_cached_tables_equal_in_memory_tables(data, opt, fraction, steps):
         if budget is None:  # (dynamic tables' maps and the caches' indexes stay in fast memory)
             plan = layer.engine.plan
             maps = plan.bytes_per_rank(fast=True)[0] - plan.bytes_per_rank()[0]
-            index = sum(p.row_counts[0] for p in plan.physical) * WHERE_BYTES_PER_ROW
+            index = sum(p.row_counts[0] * where_bytes(p.dynamic) for p in plan.physical)
             least = sum(plan.physical[t.physical].bytes_per_row + INDEX_BYTES_PER_ROW
                         for t in plan.tables)  # a cache row of each table
             rows = plan.bytes_per_rank()[0]
@@ -269,11 +281,11 @@ def _evictions_every_step(opt):
     fc, _ = config(opt, {})
     if OPTIMIZERS[opt]().updates_every_row:  # every row moves every step: it stays in fast memory
         with pytest.raises(ValueError, match="below what must stay in fast memory"):
-            ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1500)
+            ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1500 + LOGS)
         return
     batches = [concat(global_batch(s, 2)) for s in range(6)]
     runs = []
-    for budget in (None, 1500):
+    for budget in (None, _small(opt)):
         torch.manual_seed(11)
         emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=budget)
         runs.append((_run(emb, batches), _state(emb), emb))
@@ -301,7 +313,7 @@ def _raw_batches(steps, seed=0):
     return out
 
 
-RAW_INDEX = (40 + 30) * WHERE_BYTES_PER_ROW  # _raw_engine's caches' indexes
+RAW_INDEX = (40 + 30) * WHERE_BYTES_PER_ROW + 30 * LOG_BYTES_PER_ROW  # _raw_engine's indexes
 
 
 def _raw_engine(opt, budget, eviction="lru", admit_after=1, pipelined=False, sharding=None,
@@ -376,7 +388,7 @@ def test_batch_eviction_frees_rows_ahead_and_stays_exact():
     batches = [({"f": torch.multinomial(ranks, 200, replacement=True, generator=g)}, None)
                for _ in range(25)]
     runs, freed_seen = [], 0
-    for budget in (None, 300 * (4 * 8 + 80)):
+    for budget in (None, 3000 * (WHERE_BYTES_PER_ROW + LOG_BYTES_PER_ROW) + 300 * (4 * 8 + 40)):
         torch.manual_seed(1)
         emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.3), memory_budget=budget)
         if budget is not None:
@@ -401,14 +413,14 @@ def test_pipelined_and_layer_training_with_a_budget():
     fc, _ = config("adagrad", {})
     batches = [concat(global_batch(s, 2)) for s in range(5)]
     runs = []
-    for budget in (None, 1500):
+    for budget in (None, 1500 + LOGS):
         torch.manual_seed(5)
         emb = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=budget,
                            pipeline_execution=True)
         runs.append((_run(emb, batches), _state(emb)))
     _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
     layers = []
-    for budget in (None, "1.5KB"):
+    for budget in (None, f"{(1500 + LOGS) / 1000}KB"):
         torch.manual_seed(5)
         layer = ec.EmbeddingLayer(fc, ec.Adagrad(learning_rate=0.3), memory_budget=budget)
         for s, (feats, w) in enumerate(batches):
@@ -423,10 +435,10 @@ def test_checkpoints_load_under_any_budget(tmp_path):
     fc, _ = config("adagrad", {})
     batches = [concat(global_batch(s, 2)) for s in range(6)]
     torch.manual_seed(2)
-    cached = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500)
+    cached = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500 + LOGS)
     _run(cached, batches[:3])
     ec.save(tmp_path / "ckpt", cached)
-    for budget in (None, 1500, 4000):
+    for budget in (None, 1500 + LOGS, 4000 + LOGS):
         torch.manual_seed(9)  # other initial values: the checkpoint must replace them all
         emb = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=budget)
         ec.load(tmp_path / "ckpt", emb)
@@ -441,7 +453,7 @@ def test_checkpoints_load_under_any_budget(tmp_path):
     plain = ec.Embedding(fc, OPTIMIZERS["adagrad"]())
     _run(plain, batches[:2])
     torch.manual_seed(1)
-    target = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500)
+    target = ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500 + LOGS)
     _run(target, batches[2:4])  # a warm, dirty cache that the load must not write back over
     target.load_state_dict(plain.state_dict())
     _assert_same([], [], _state(plain), _state(target))
@@ -449,7 +461,7 @@ def test_checkpoints_load_under_any_budget(tmp_path):
 
 def test_slow_tier_files_live_in_offload_dir_and_go_with_the_engine(tmp_path):
     fc, _ = config("sgd", {})
-    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=1200, offload_dir=tmp_path)
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=_small("sgd"), offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
     files = list(tmp_path.rglob("*.bin"))
     assert files, "the slow tier's files are under offload_dir"
@@ -473,21 +485,21 @@ def test_files_a_killed_process_left_are_removed_by_the_next_one(tmp_path):
         d.mkdir()
         (d / "p0-1.bin").write_bytes(b"x" * 10)
     fc, _ = config("sgd", {})
-    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=1200, offload_dir=tmp_path)
+    emb = ec.Embedding(fc, OPTIMIZERS["sgd"](), memory_budget=_small("sgd"), offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
     assert not dead.exists() and live.exists() and other.exists()
 
 
 def test_a_step_larger_than_its_cache_grows_it_with_one_warning():
-    t = ec.TableConfig(vocabulary_size=200, dim=4, name="t")
+    t = ec.TableConfig(vocabulary_size=200, dim=16, name="t")
     emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
-                       memory_budget=200 * WHERE_BYTES_PER_ROW + 64 * 10)
+                       memory_budget=200 * (WHERE_BYTES_PER_ROW + LOG_BYTES_PER_ROW) + 64 * 10)
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         for _ in range(3):
             emb.enqueue({"f": torch.randperm(200)[:50]})
             emb.dequeue()
-            emb.apply_gradients({"f": torch.ones(50, 4)})
+            emb.apply_gradients({"f": torch.ones(50, 16)})
     grew = [r for r in rec if "the cache grows" in str(r.message)]
     assert len(grew) == 1 and "table 't'" in str(grew[0].message)
 
@@ -499,7 +511,7 @@ def _sharded_worker(rank, world, init, cases_, steps):
     for opt_name, strategies in cases_:
         fc, strategies = config(opt_name, strategies)
         runs = []
-        for budget in (None, 1200):
+        for budget in (None, _small(opt_name, 1200)):
             torch.manual_seed(7)
             emb = ec.Embedding(fc, OPTIMIZERS[opt_name](), sharding=strategies, timeout=60,
                                memory_budget=budget)
@@ -529,8 +541,10 @@ def _sharded_dynamic_worker(rank, world, init, strategies):
                 t.name: v.clone() for t, v in emb.embedding_tables.items()}))
             assert (budget is None) != any(p.offloaded for p in emb.plan.physical)
             fast = emb.plan.bytes_per_rank(fast=True)
-            # the maps, the caches' indexes (at most 80 + 30 rows) and a few rows
-            budget = max(fast) - min(emb.plan.bytes_per_rank()) + 110 * WHERE_BYTES_PER_ROW + 150
+            # the maps, the caches' indexes (at most 80 + 30 rows, the static table's logs) and
+            # a few rows
+            budget = (max(fast) - min(emb.plan.bytes_per_rank()) + 110 * WHERE_BYTES_PER_ROW
+                      + 30 * LOG_BYTES_PER_ROW + 150)
         _assert_same(runs[0][0], runs[1][0], runs[0][1], runs[1][1])
 
 
@@ -581,7 +595,7 @@ def test_profile_records_curves_and_the_planner_uses_them(tmp_path):
     assert flat[max(k for k in flat if k <= 20)] < 0.1
     # The prior (Zipf) splits the budget between the two; the measured curves show that the
     # skewed table needs 20 rows for 95% of its lookups, so the uniform table stays whole.
-    budget = 80_000
+    budget = 80_000 + 2500 * LOG_BYTES_PER_ROW
 
     def slow(emb):
         return {n for p in emb.plan.physical if p.offloaded for n in p.tables}
@@ -630,7 +644,8 @@ def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt)
     field aligned, the record a multiple of RECORD_ALIGN bytes; the arrays are views of it."""
     from embcore.state.cache import RECORD_ALIGN
     fc, _ = config(opt, {})
-    emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=1200, offload_dir=tmp_path)
+    emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=_small(opt, 1200),
+                       offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
     caches = list(emb._store.cached.values())
     assert caches, "the budget offloads a table"

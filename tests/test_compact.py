@@ -23,7 +23,8 @@ from embcore.ops import native, rounding
 from embcore.ops.bags import Bags
 from embcore.ops.bags import dedup as dedup_of
 from embcore.ops.combine import OutputGrads
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW
+from embcore.planning.plan import where_bytes
 from embcore.ops.update import update
 from profiles import examples
 from switches import kernels
@@ -247,7 +248,7 @@ def test_updates_below_half_an_ulp_train_stochastically_and_stall_to_nearest(dty
 
 def _budget(tables_rows, dim=8):
     """A memory budget that offloads every table behind a small cache (test_fast.py's)."""
-    return sum(n * WHERE_BYTES_PER_ROW + dim * 4 * 3 + INDEX_BYTES_PER_ROW
+    return sum(n * where_bytes(False) + dim * 4 * 3 + INDEX_BYTES_PER_ROW
                for n in tables_rows) + 400
 
 

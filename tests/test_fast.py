@@ -18,7 +18,8 @@ from switches import fast_path
 
 import embcore as ec
 from embcore.ops import native
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW
+from embcore.planning.plan import where_bytes
 from embcore.step import fast
 from embcore.step.fast import FastPath
 
@@ -58,7 +59,7 @@ def setups(draw):
     # the tables in memory, or offloaded behind caches of a row or two (grown to each step's
     # rows: the budget holds the caches' indexes and a row of each, slots included) or of a few
     # rows (evicting)
-    index = sum(t.vocabulary_size * WHERE_BYTES_PER_ROW + t.dim * 4 * 3 + INDEX_BYTES_PER_ROW
+    index = sum(t.vocabulary_size * where_bytes(False) + t.dim * 4 * 3 + INDEX_BYTES_PER_ROW
                 for t in tables)
     budget = draw(st.sampled_from([None, index, index + 400]))
     return tables, readers, shapes, opt, steps, budget

@@ -24,12 +24,14 @@ from distributed import exited_pid
 
 import embcore as ec
 from embcore.config.tables import MAP_BYTES_PER_ROW
+from embcore.ops.cache_index import LOG_BYTES_PER_ROW
 from embcore.state import cache as cache_module
 
 ROWS, DIM = 1000, 8
 # the dynamic table's map (MAP_BYTES_PER_ROW a row), both cache indexes and a cache row each (8180
-# bytes), 40 cache rows: both tables offloaded, their caches a few dozen rows
-BUDGET = ROWS * 4 + ROWS * MAP_BYTES_PER_ROW + 8180 + 64 * 40
+# bytes), the static table's log (LOG_BYTES_PER_ROW a row), 40 cache rows: both tables
+# offloaded, their caches a few dozen rows
+BUDGET = ROWS * 4 + ROWS * MAP_BYTES_PER_ROW + 8180 + 64 * 40 + ROWS * LOG_BYTES_PER_ROW
 
 
 def _engine(offload_dir, dynamic=True):

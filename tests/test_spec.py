@@ -11,6 +11,10 @@ import torch
 from test_sharded import OPTIMIZERS, concat, config, global_batch
 
 import embcore as ec
+from embcore.ops.cache_index import LOG_BYTES_PER_ROW
+
+# a budget whose caches hold a handful of test_sharded's config rows, beside their logs
+BUDGET = 1500 + 160 * LOG_BYTES_PER_ROW
 
 
 def _round_trip(spec):
@@ -40,10 +44,10 @@ def test_every_optimizer_and_structure_round_trips_exactly(opt):
 
 def test_engines_from_a_spec_train_as_the_engines_it_describes():
     fc, _ = config("adagrad", {})
-    spec = _round_trip(ec.EmbeddingSpec(fc, OPTIMIZERS["adagrad"](), memory_budget=1500))
+    spec = _round_trip(ec.EmbeddingSpec(fc, OPTIMIZERS["adagrad"](), memory_budget=BUDGET))
     batches = [concat(global_batch(s, 2)) for s in range(3)]
     results = []
-    for build in (lambda: ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=1500),
+    for build in (lambda: ec.Embedding(fc, OPTIMIZERS["adagrad"](), memory_budget=BUDGET),
                   lambda: ec.Embedding.from_spec(spec)):
         torch.manual_seed(4)
         emb = build()
@@ -56,7 +60,7 @@ def test_engines_from_a_spec_train_as_the_engines_it_describes():
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
     layer = ec.EmbeddingLayer.from_spec(spec)
     assert isinstance(layer, ec.EmbeddingLayer) and layer.engine.plan == ec.Embedding(
-        fc, OPTIMIZERS["adagrad"](), memory_budget=1500).plan
+        fc, OPTIMIZERS["adagrad"](), memory_budget=BUDGET).plan
     with pytest.raises(TypeError, match="from_spec takes an ec.EmbeddingSpec"):
         ec.Embedding.from_spec(spec.to_dict())
 

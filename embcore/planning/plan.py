@@ -34,7 +34,7 @@ import torch
 
 from ..config.optimizers import Optimizer
 from ..config.tables import TableConfig
-from ..ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from ..ops.cache_index import INDEX_BYTES_PER_ROW, LOG_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 from ..config.tables import MAP_BYTES_PER_ROW
 from .placement import STRATEGIES as _PLACEMENTS
 from .placement import Placement, make_placement
@@ -44,6 +44,12 @@ Strategy = Literal["replicated", "table", "row_div", "row_mod", "column", "hash"
 STRATEGIES: tuple[str, ...] = tuple(_PLACEMENTS)
 # "auto" replicates tables whose parameters and slots take less than this.
 AUTO_REPLICATE_BYTES = 1 << 20
+
+
+def where_bytes(dynamic: bool) -> int:
+    """Fast-memory bytes an offloaded table holds for each row of its shard: where its cache
+    has it, and for a static table where its slow tier's log has it (``ops/cache_index.py``)."""
+    return WHERE_BYTES_PER_ROW + (0 if dynamic else LOG_BYTES_PER_ROW)
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,7 @@ class ShardingPlan:
                 if fast and p.offloaded:
                     out[r] += (p.cache_rows[r] * (int(p.bytes_per_row * frac)
                                                   + INDEX_BYTES_PER_ROW)
-                               + p.row_counts[r] * WHERE_BYTES_PER_ROW)
+                               + p.row_counts[r] * where_bytes(p.dynamic))
                 else:
                     out[r] += int(p.row_counts[r] * p.bytes_per_row * frac)
         return out
@@ -171,7 +177,8 @@ class ShardingPlan:
                 for r in range(w):
                     c0, c1 = p.columns[r]
                     row = int(p.bytes_per_row * (c1 - c0) / max(p.dim, 1)) + INDEX_BYTES_PER_ROW
-                    mb = (p.cache_rows[r] * row + p.row_counts[r] * WHERE_BYTES_PER_ROW) / 2**20
+                    mb = (p.cache_rows[r] * row
+                          + p.row_counts[r] * where_bytes(p.dynamic)) / 2**20
                     per_rank.append(f"{p.cache_rows[r]}/{mb:.2f}")
                 lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MB "
                              f"per rank: {' '.join(per_rank)}")
@@ -366,7 +373,8 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
         for r in range(world_size):
             here = [n for n in out if local[n][r]]
             cost = [max(1, per_rank[n][r] // local[n][r]) + INDEX_BYTES_PER_ROW for n in here]
-            index = sum(local[n][r] * WHERE_BYTES_PER_ROW for n in indexed)
+            index = sum(local[n][r] * where_bytes(cfg[n].dynamic is not None)
+                        for n in indexed)
             floor = [1 if n in indexed else 0 for n in here]  # a cache row each, first
             least = sum(c * f for c, f in zip(cost, floor))
             left = budget - maps[r] - index - sum(per_rank[n][r] for n in fixed)
@@ -377,7 +385,8 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
                     f"Adam(lazy_adam=False) table {n!r}: {per_rank[n][r]}"
                     for n in sorted(pinned) if per_rank[n][r]] + (
                     [f"the cache indexes of the offloaded tables {sorted(indexed)} "
-                     f"({WHERE_BYTES_PER_ROW} bytes a row) and a cache row of each: "
+                     f"({WHERE_BYTES_PER_ROW} bytes a row, {where_bytes(False)} for a "
+                     f"static table's) and a cache row of each: "
                      f"{index + least}"] if indexed else [])
                 raise ValueError(
                     f"memory_budget={budget} bytes is below what must stay in fast memory on "

@@ -2,7 +2,8 @@
 
 The budget caps, per process, the bytes of the tables' rows and slots in fast memory plus the
 caches (rows, slots and ``cache_index.INDEX_BYTES_PER_ROW`` of index each, and
-``cache_index.WHERE_BYTES_PER_ROW`` for each row of an offloaded table). Tables that fit change
+``cache_index.WHERE_BYTES_PER_ROW`` for each row of an offloaded table, and
+``LOG_BYTES_PER_ROW`` more for a static one's: ``plan.where_bytes``). Tables that fit change
 nothing. Otherwise fast memory goes where it serves the most lookups:
 
 - What must stay in fast memory takes its bytes first: the maps of dynamic tables (raw ids;

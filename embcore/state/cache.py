@@ -49,6 +49,7 @@ from ..base.files import pid_alive
 from ..ops import native
 from ..ops.cache_index import MAX_CAPACITY, CacheIndex
 from ..ops.memory import advise_random, empty_table
+from .slow_log import RecordLog, places_for
 
 try:
     import fcntl
@@ -314,26 +315,67 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
 
 RECORD_ALIGN = 64  # bytes: a slow-tier record's size is a multiple of this
 
+WRITES_ENV = "EMBCORE_SLOW_WRITES"  # "log" (the default) or "in-place": for measurements
 
-def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]]
-                 ) -> list[torch.Tensor]:
-    """One mapped file (sparse until written) of ``rows`` records, each holding one row of every
-    field ``(dtype, width)`` side by side (aligned to its dtype; a record padded to
-    ``RECORD_ALIGN`` bytes); returns each field's ``(rows, width)`` view, rows ``record`` bytes
-    apart. A row of a table and its slots are then one record: moving it reads or dirties one
-    or two pages of the file, not one or two per array (a page fault reads, and a dirtied page
-    writes, 4 KiB: a file per array doubled both)."""
+
+def slow_writes() -> str:
+    """How a static table's CPU slow tier writes rows back: ``"log"`` (appended, slow_log.py;
+    the default) or ``"in-place"`` (each row over its record), from the environment variable
+    ``EMBCORE_SLOW_WRITES`` (read when an engine is built; for comparisons: both compute the
+    same values).
+
+    Raises:
+        ValueError: another value.
+    """
+    how = os.environ.get(WRITES_ENV, "log") or "log"
+    if how not in ("log", "in-place"):
+        raise ValueError(f"{WRITES_ENV}={how!r}: must be 'log' (the default) or 'in-place'")
+    return how
+
+
+def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]],
+                 places: int | None = None) -> list[torch.Tensor]:
+    """One mapped file (sparse until written) of ``rows`` records (``places``: that many), each
+    holding one row of every field ``(dtype, width)`` side by side (aligned to its dtype; a
+    record padded to ``RECORD_ALIGN`` bytes); returns each field's ``(rows, width)`` view, rows
+    ``record`` bytes apart. A row of a table and its slots are then one record: moving it reads
+    or dirties one or two pages of the file, not one or two per array (a page fault reads, and a
+    dirtied page writes, 4 KiB: a file per array doubled both). ``records(views)`` gives the
+    file's ``(places, record)`` bytes and each view's offset in a record."""
     offsets, at = [], 0
     for dtype, width in fields:
         at = -(-at // dtype.itemsize) * dtype.itemsize
         offsets.append(at)
         at += width * dtype.itemsize
     record = max(-(-at // RECORD_ALIGN) * RECORD_ALIGN, RECORD_ALIGN)
-    raw = slow_tensor(path, (rows, record), torch.uint8)
+    raw = slow_tensor(path, (rows if places is None else places, record), torch.uint8)
     views = [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
     for v in views:
         setattr(v, FILE_ATTR, slow_file(raw))
+        setattr(v, RECORDS_ATTR, (raw, v.data_ptr() - raw.data_ptr()))
     return views
+
+
+RECORDS_ATTR = "_embcore_records"  # a ``slow_records`` view's (records, offset)
+
+
+def records(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """``(raw, offsets)``: the ``(places, record)`` uint8 records under the ``slow_records``
+    views ``views`` and each view's byte offset in a record."""
+    raw = getattr(views[0], RECORDS_ATTR)[0]
+    return raw, [getattr(v, RECORDS_ATTR)[1] for v in views]
+
+
+def slow_log(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]]
+             ) -> tuple[list[torch.Tensor], RecordLog]:
+    """``slow_records`` written as a log (slow_log.py): a file of ``places_for(rows)`` records,
+    the views over all of them, and the ``RecordLog`` of their places (compact: row ``r`` at
+    place ``r``, where the caller initializes it)."""
+    places, segment = places_for(rows)
+    views = slow_records(path, rows, fields, places)
+    raw, _ = records(views)
+    f = slow_file(raw)
+    return views, RecordLog(raw, f.fd if f is not None else None, rows, segment)
 
 
 class OffloadDir:
@@ -459,6 +501,9 @@ class CachedRows:
         bounds: (T + 1,) first local row of each member table, then N (per-table statistics).
         members: the member tables' names.
         mapped: whether the slow tier is mapped files (reads may wait for the disk).
+        log: where the rows' records are, when ``slow`` is the views of a ``slow_log`` (rows
+            written back are then appended, and ``slow``'s first N records are the rows in
+            order only after ``drop``).
 
     The files under the slow tier (``SlowFile``: those of ``slow_tensor`` and ``slow_records``)
     are checked before every move of rows to or from them, and before a read of them or the
@@ -468,9 +513,12 @@ class CachedRows:
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
                  device: torch.device, bounds: Sequence[int], members: Sequence[str],
-                 mapped: bool = False) -> None:
+                 mapped: bool = False, log: RecordLog | None = None) -> None:
         self.name, self.slow, self.device = name, slow, device
-        self.rows = slow["parameters"].shape[0]
+        self.log = log
+        self.rows = log.rows if log is not None else slow["parameters"].shape[0]
+        if log is not None:  # (each array's byte offset in a record)
+            self._field_at = dict(zip(slow, records(list(slow.values()))[1]))
         self.members = list(members)
         self._bounds = list(bounds)[1:-1]  # the first row of members 1..T-1
         self.read_rows = 0     # rows read from the slow tier
@@ -604,6 +652,8 @@ class CachedRows:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
         stride: the parameters come first in it)."""
         seen = set()
+        if self.log is not None:
+            rows = self.log.at(rows)
         for slow in self.slow.values():
             mapping = slow.untyped_storage().data_ptr()
             if mapping not in seen:
@@ -612,6 +662,13 @@ class CachedRows:
 
     def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
               direct: bool) -> None:
+        if self.log is not None:  # reads at the rows' places; writes appended
+            if not to_cache:
+                self.log.append(rows, {self._field_at[key]: (
+                    self.table if key == "parameters" else self.slots[key], slots)
+                    for key in self.slow})
+                return
+            rows = self.log.at(rows)
         for key, slow in self.slow.items():
             cache = self.table if key == "parameters" else self.slots[key]
             src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache
@@ -657,17 +714,22 @@ class CachedRows:
         at = self.index.where[rows].to(torch.int64)  # (n,) cache rows, -1 when not cached
         cached = at >= 0
         out = torch.empty((rows.numel(),) + tuple(slow.shape[1:]), dtype=slow.dtype)
-        out[~cached] = slow[rows[~cached]]
+        away = rows[~cached]
+        out[~cached] = slow[self.log.at(away) if self.log is not None else away]
         out[cached] = cache[at[cached].to(cache.device)].cpu()
         return out
 
     def drop(self, write_back: bool = True) -> None:
         """Empties the cache (after writing updated rows back, unless ``write_back`` is
         False: the slow tier is about to be overwritten); its files are checked first (the
-        tier is then handed out whole: ``RowStore.local``)."""
+        tier is then handed out whole: ``RowStore.local``). A log is compacted: the first N
+        records of ``slow``'s arrays are then the shard's rows in order, until the next step
+        writes rows back."""
         self.check_files()
         if write_back:
             self.flush()
+        if self.log is not None:
+            self.log.compact()
         self._allocate(self.capacity)
 
     def stats(self) -> dict[str, dict[str, float | int]]:

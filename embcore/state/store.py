@@ -46,7 +46,7 @@ from ..ops.rounding import COMPACT, Rounding, shard_segments
 from ..ops.update import update
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from .cache import CachedRows, OffloadDir, slow_records, slow_tensor
+from .cache import CachedRows, OffloadDir, slow_log, slow_records, slow_tensor, slow_writes
 from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
 from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, DynamicStack,
@@ -183,10 +183,15 @@ class RowStore:
         opt = p.optimizer
         specs = list(opt.slots) if opt is not None else []
         slots: dict[str, torch.Tensor]
+        log = None
         if files and not p.dynamic:
-            views = slow_records(self._offload.file(f"p{p.index}.bin"), n_local,
-                                 [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0)
-                                                         for s in specs])
+            path = self._offload.file(f"p{p.index}.bin")
+            fields = [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0)
+                                             for s in specs]
+            if slow_writes() == "log":
+                views, log = slow_log(path, n_local, fields)
+            else:
+                views = slow_records(path, n_local, fields)
             w, slots = views[0], {s.name: v for s, v in zip(specs, views[1:])}
         else:
             def allocate(shape: tuple[int, ...], dtype: torch.dtype, _: Any = None,
@@ -213,7 +218,7 @@ class RowStore:
                         slots[spec.name][at].fill_(spec.initial_value)
         bounds = [self.plan.table(n).local_offsets[rank] for n in p.tables] + [n_local]
         return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
-                          bounds, p.tables, mapped=files)
+                          bounds, p.tables, mapped=files, log=log)
 
     # ------------------------------------------------------------------------ the step's rows
     def combine(self, p: int, index: torch.Tensor, bags: Bags,

@@ -1,0 +1,214 @@
+"""A slow tier written as a log: rows written back are appended, never rewritten in place.
+
+The CPU slow tier of a static table is one mapped file of records (``cache.slow_records``: a
+row and its slots side by side). Written back in place, every evicted row dirties the 4 KiB
+page around its record, and under heavy misses the kernel's write-back of those scattered
+pages throttles the process to the disk (full-size W2 at a 10% cache: 0.07x the in-memory
+engine, benchmarks/RESULTS.md). ``RecordLog`` keeps the same file larger by ``SPARE`` and lets
+a row's record live anywhere in it:
+
+- ``where[row]`` is the place (record number) holding the row's current record, ``owner[place]``
+  the row whose current record it holds (-1: free). A read of rows is a read at their places.
+- Rows written back are gathered into a buffer and written at the **head**, in order, with
+  ``pwrite`` (whole pages, none read first); their old places become free.
+- The file is cut in **segments** (``SEGMENT`` records at most). When the head enters a
+  segment, the **cleaner** first moves that segment's live records (rows not written since)
+  to the head, i.e. to the segment's front, so the head then always finds free places ahead
+  (round robin over the segments: the oldest writes are cleaned first).
+- ``compact()`` puts row ``r`` back at place ``r`` for every row (blocks of at most the free
+  places: the displaced records of a block go to free places after it, then its rows come home),
+  so that the tier reads as a table again, rows in order, where the store hands it out whole
+  (``RowStore.local``: checkpoints, loads, whole tables). A fresh log is compact.
+
+Measured apart on this disk (``benchmarks/studies/slow_writes.py``): 4.0x less time a step than
+writing back in place under W2's miss traffic, for 1.43x the records written (the cleaner's
+moves) at ``SPARE`` 0.5. The values never change: a record moves whole, so a run behind a log
+computes exactly what a run in memory computes.
+
+Fast memory: ``where`` (4 bytes a row) and ``owner`` (4 bytes a place: 6 a row at ``SPARE``
+0.5), int32 while the places fit (int64 beyond 2**31 places); the disk: ``1 + SPARE`` times the
+records.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+
+import torch
+
+from ..ops import native
+
+SPARE = 0.5  # the file's places beyond its rows, as a share of them
+SEGMENT = 4096  # records a segment holds at most (the cleaner's unit; 4 MiB of 1 KiB records)
+MIN_SEGMENTS = 16  # a small table's segments are smaller: at least this many cover its rows
+
+
+def places_for(rows: int) -> tuple[int, int]:
+    """``(places, segment)``: the records a log of ``rows`` rows holds and its segment's
+    records (``places`` a multiple of ``segment``, at least one segment more than ``rows``)."""
+    segment = max(1, min(SEGMENT, -(-rows // MIN_SEGMENTS)))
+    places = -(-max(math.ceil(rows * (1 + SPARE)), rows + segment) // segment) * segment
+    return places, segment
+
+
+class RecordLog:
+    """The places of ``rows`` rows' records in ``raw`` (a ``(places, record)`` uint8 tensor of a
+    mapped file, ``places_for(rows)[0]`` records), written through ``fd`` (the file's
+    descriptor; None: through the mapping).
+
+    Args:
+        raw: the file's records.
+        fd: the file, open for writing (``SlowFile.fd``), or None.
+        rows: the rows it holds; row ``r`` starts at place ``r`` (a compact log).
+        segment: records per segment (``places_for``).
+    """
+
+    def __init__(self, raw: torch.Tensor, fd: int | None, rows: int, segment: int) -> None:
+        self.raw, self.fd, self.rows, self.segment = raw, fd, rows, segment
+        self.places = raw.shape[0]
+        self.record = raw.shape[1]
+        if self.places % segment or self.places < rows + segment:
+            raise ValueError(f"a log of {rows} rows in segments of {segment} needs a multiple "
+                             f"of {segment} places beyond {rows + segment - 1}, got "
+                             f"{self.places}")
+        self.index_dtype = torch.int32 if self.places < 2**31 else torch.int64
+        self.where = torch.empty(rows, dtype=self.index_dtype)
+        self.owner = torch.empty(self.places, dtype=self.index_dtype)
+        self.written = 0  # records appended (rows written back)
+        self.moved = 0    # records the cleaner moved
+        self._buffer = torch.empty((0, self.record), dtype=torch.uint8)
+        self._reset()
+
+    def _reset(self) -> None:
+        """The compact state: row ``r`` at place ``r``, the head at the first whole free
+        segment."""
+        torch.arange(self.rows, out=self.where)
+        self.owner[:self.rows] = self.where
+        self.owner[self.rows:] = -1
+        self.head = -(-self.rows // self.segment) * self.segment % self.places
+        self._cleaned: int | None = None  # the segment the head entered last
+        self.compact_ = True
+
+    # ---------------------------------------------------------------- reads
+    def at(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the places of rows ``rows`` (n,) int64."""
+        if self.compact_:
+            return rows
+        return self.where[rows].to(torch.int64)
+
+    # ---------------------------------------------------------------- writes
+    def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]]
+               ) -> None:
+        """Writes new records of distinct rows ``rows`` (k,) int64 at the head: the bytes of a
+        record at offset ``o`` (a field) are those of ``source[at[i]]`` for each
+        ``o: (source, at)`` of ``sources`` (a 2-D CPU tensor with rows of the field's width and
+        the (k,) int64 rows of it to take). Their old records become free."""
+        k = rows.numel()
+        if k == 0:
+            return
+        self.compact_ = False
+        self.owner[self.where[rows].to(torch.int64)] = -1  # (their values are in ``sources``)
+        data = self._staging(k)
+        dst = torch.arange(k)
+        for offset, (source, at) in sources.items():
+            view = self._field(data, offset, source)
+            if native.usable(source, at):
+                native.copy_rows(source.contiguous(), at.contiguous(), view, dst)
+            else:
+                view.copy_(source.index_select(0, at.to(source.device)))
+        self._place(rows, data)
+        self.written += k
+
+    def _field(self, records: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """``records``' field at byte ``offset`` as a (n, width) tensor of ``like``'s dtype."""
+        size = like.element_size()
+        return records[:, offset:offset + like.shape[1] * size].view(like.dtype)
+
+    def _staging(self, k: int) -> torch.Tensor:
+        """A (k, record) uint8 buffer, kept across calls (the largest asked for)."""
+        if self._buffer.shape[0] < k:
+            self._buffer = torch.empty((k, self.record), dtype=torch.uint8)
+        return self._buffer[:k]
+
+    def _place(self, rows: torch.Tensor, data: torch.Tensor, cleaning: bool = False) -> None:
+        """Writes records ``data`` (n, record) of rows ``rows`` (n,) from the head on (cleaning
+        each segment it enters first, unless ``cleaning``)."""
+        n, at = rows.numel(), 0
+        while at < n:
+            # each segment the head enters is cleaned once (one whole live: the next one)
+            while not cleaning and self.head % self.segment == 0 and \
+                    self.head // self.segment != self._cleaned:
+                self._cleaned = self.head // self.segment
+                self._clean(self._cleaned)
+            k = min(n - at, self.segment - self.head % self.segment)
+            self._write(self.head, data[at:at + k])
+            chunk = rows[at:at + k]
+            self.where[chunk] = torch.arange(self.head, self.head + k, dtype=self.index_dtype)
+            self.owner[self.head:self.head + k] = chunk.to(self.index_dtype)
+            self.head = (self.head + k) % self.places
+            at += k
+
+    def _clean(self, seg: int) -> None:
+        """Moves the live records of segment ``seg`` (the head at its first place) to the
+        head: its front."""
+        a = seg * self.segment
+        live = torch.nonzero(self.owner[a:a + self.segment] >= 0).flatten()
+        if live.numel() == 0:
+            return
+        if live.numel() == self.segment:  # (all live: it stays as it is)
+            self.head = (self.head + self.segment) % self.places
+            return
+        places = live + a
+        rows = self.owner[places].to(torch.int64)
+        data = self.raw.index_select(0, places)  # (copied before the writes over them)
+        self.owner[places] = -1
+        self._place(rows, data, cleaning=True)
+        self.moved += rows.numel()
+
+    def _write(self, place: int, data: torch.Tensor) -> None:
+        """Records ``data`` at places ``place``.. (consecutive): one ``pwrite`` of whole pages
+        where a descriptor is held (a store into a mapping that advises random reads would
+        read each page from the disk first), else through the mapping."""
+        if self.fd is None or not hasattr(os, "pwrite"):
+            self.raw[place:place + data.shape[0]] = data
+            return
+        view = memoryview(data.contiguous().numpy()).cast("B")
+        offset, done = place * self.record, 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    # ---------------------------------------------------------------- outside the step
+    def compact(self) -> None:
+        """Puts row ``r``'s record at place ``r`` for every row: the file's first ``rows``
+        records then read as the table, in row order (``RowStore.local``)."""
+        if self.compact_:
+            return
+        free = self.places - self.rows
+        for a in range(0, self.rows, free):
+            b = min(self.rows, a + free)
+            here = torch.arange(a, b, dtype=self.index_dtype)
+            occupant = self.owner[a:b]
+            # 1. records of other rows in [a, b) go to free places after it
+            out = torch.nonzero((occupant >= 0) & (occupant != here)).flatten()
+            if out.numel():
+                to = torch.nonzero(self.owner[b:] < 0).flatten()[:out.numel()] + b
+                self._move(out + a, to)
+            # 2. the rows of [a, b) come home (each from a place after b: see above)
+            away = torch.nonzero(self.owner[a:b] != here).flatten() + a
+            if away.numel():
+                self._move(self.where[away].to(torch.int64), away)
+        self._reset()
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves the records at places ``src`` to free places ``dst`` (disjoint, int64)."""
+        rows = self.owner[src].to(torch.int64)
+        if native.usable(self.raw):
+            native.copy_rows(self.raw, src.contiguous(), self.raw, dst.contiguous())
+        else:
+            self.raw[dst] = self.raw[src]
+        self.owner[src] = -1
+        self.owner[dst] = rows.to(self.index_dtype)
+        self.where[rows] = dst.to(self.index_dtype)
+        self.moved += rows.numel()
