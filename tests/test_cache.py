@@ -30,6 +30,14 @@ from embcore.state import cache as cache_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:table .* a step touches")
 
+
+@pytest.fixture(autouse=True)
+def _logs(monkeypatch):
+    """Every static table here writes its slow tier as a log (the files here are small: "auto"
+    would write them in place, which the other modules' budgets run, and test_slow_log.py
+    compares both)."""
+    monkeypatch.setenv(cache_module.WRITES_ENV, "log")
+
 # test_sharded's config(opt): 160 static rows, each with a place in its slow tier's log when
 # offloaded (LOG_BYTES_PER_ROW), beside the budgets below
 LOGS = 160 * LOG_BYTES_PER_ROW
@@ -649,6 +657,7 @@ def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt)
     _run(emb, [concat(global_batch(0, 2))])
     caches = list(emb._store.cached.values())
     assert caches, "the budget offloads a table"
+    assert all(c.log is not None for c in caches)  # (written as logs here: ``_logs``)
     for cache in caches:
         arrays = list(cache.slow.values())
         record = arrays[0].stride(0) * arrays[0].element_size()

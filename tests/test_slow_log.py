@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import embcore as ec
 from embcore.ops import native
+from embcore.state import cache as cache_module
 from embcore.state.cache import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
 from embcore.state.slow_log import RecordLog, places_for
 
@@ -112,13 +113,26 @@ def test_records_offsets(tmp_path: Path) -> None:
 
 
 def test_slow_writes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log where the records exceed what the kernel keeps dirty, else in place; the
+    environment variable decides when set."""
     monkeypatch.delenv(WRITES_ENV, raising=False)
-    assert slow_writes() == "log"
+    monkeypatch.setattr(cache_module, "dirty_limit", lambda: 1000)
+    assert slow_writes(1001) == "log" and slow_writes(1000) == "in-place"
+    monkeypatch.setattr(cache_module, "dirty_limit", lambda: None)  # (not Linux)
+    assert slow_writes(10**12) == "in-place"
     monkeypatch.setenv(WRITES_ENV, "in-place")
-    assert slow_writes() == "in-place"
+    assert slow_writes(10**12) == "in-place"
+    monkeypatch.setenv(WRITES_ENV, "log")
+    assert slow_writes(1) == "log"
     monkeypatch.setenv(WRITES_ENV, "sideways")
     with pytest.raises(ValueError, match="EMBCORE_SLOW_WRITES='sideways'"):
-        slow_writes()
+        slow_writes(1)
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc")
+def test_dirty_limit_reads_the_kernels_setting() -> None:
+    limit = cache_module.dirty_limit()
+    assert limit is not None and limit > 0
 
 
 def _train(tmp_path: Path, writes: str, monkeypatch: pytest.MonkeyPatch,
@@ -143,7 +157,7 @@ def _train(tmp_path: Path, writes: str, monkeypatch: pytest.MonkeyPatch,
     state = {k: v.clone() for k, v in emb.state_dict().items()}
     stats = emb.cache_stats()
     logs = [c.log for c in emb._ready().store.cached.values()]
-    assert all((lg is not None) == (writes == "log") for lg in logs)
+    assert all((lg is not None) == (writes in ("log", "auto")) for lg in logs)
     assert budget is None or (logs and all(lg is None or lg.moved > 0 for lg in logs))
     del emb
     return state, outs + [mid["t0/parameters"]], stats
@@ -157,7 +171,8 @@ def test_engine_behind_a_log_equals_in_place_and_memory(tmp_path: Path,
     checkpoint taken mid-run are bit-identical behind a log, writing in place, and in memory."""
     ref_state, ref_outs, _ = _train(tmp_path / "m", "log", monkeypatch, None)
     budget = 140_000  # caches of a few hundred rows each: the log laps its file
-    for writes in ("log", "in-place"):
+    monkeypatch.setattr(cache_module, "dirty_limit", lambda: 100_000)  # (auto: below the files)
+    for writes in ("log", "in-place", "auto"):
         state, outs, stats = _train(tmp_path / writes, writes, monkeypatch, budget)
         assert stats and all(s["misses"] > 1000 for s in stats.values()), stats
         assert state.keys() == ref_state.keys()
@@ -172,7 +187,7 @@ def test_the_planner_charges_the_logs_index(tmp_path: Path) -> None:
     from embcore.ops.cache_index import LOG_BYTES_PER_ROW
     from embcore.planning.plan import where_bytes
     for rows in (100, 100_000):
-        views, log, d = _log(tmp_path / str(rows), rows)
+        _, log, d = _log(tmp_path / str(rows), rows)
         held = log.where.element_size() + log.owner.element_size() * log.places / log.rows
         assert held <= LOG_BYTES_PER_ROW < held + 1.5
         d.remove()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -39,7 +40,9 @@ from cache_workloads import batches_for  # noqa: E402
 from workloads import get_workload, raw_ids  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW  # noqa: E402
+from embcore.ops.cache_index import INDEX_BYTES_PER_ROW  # noqa: E402
+from embcore.planning.plan import where_bytes  # noqa: E402
+from embcore.state.cache import WRITES_ENV  # noqa: E402
 from embcore.ops.vocab import MAP_BYTES_PER_ROW  # noqa: E402
 
 LR, ACC0 = 0.01, 0.1
@@ -123,15 +126,17 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
     return out
 
 
-def spawn(args: argparse.Namespace, alpha: float, budget: int | None) -> dict:
-    """One run in a fresh process."""
+def spawn(args: argparse.Namespace, alpha: float, budget: int | None,
+          writes: str = "log") -> dict:
+    """One run in a fresh process (``writes``: how its slow tier writes rows back)."""
     cmd = [sys.executable, __file__, "--single", f"{alpha},{budget}", "--workload", args.workload,
            "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--repeats", str(args.repeats)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--raw"] if args.raw else []
     cmd += ["--offload-dir", args.offload_dir] if args.offload_dir else []
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          env={**os.environ, WRITES_ENV: writes})
     if proc.returncode != 0:
         sys.exit(f"run alpha={alpha} budget={budget} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -150,6 +155,9 @@ def main() -> None:
     ap.add_argument("--offload-dir", default=None)
     ap.add_argument("--raw", action="store_true", help="dynamic tables with raw 63-bit ids")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--writes", default="log",
+                    help="how static tables' slow tiers write rows back: log, in-place, or both "
+                         "(log,in-place: each fraction run with each)")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # alpha,budget: one run
     args = ap.parse_args()
     w = get_workload(args.workload, quick=args.quick)
@@ -164,26 +172,28 @@ def main() -> None:
           f"L{w.bag}; exact Adagrad; "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads", flush=True)
-    print(f"{'alpha':>5} {'cache':>6} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'new/st':>7} "
+    print(f"{'alpha':>5} {'cache':>6} {'writes':>8} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'new/st':>7} "
           f"{'read/st':>8} "
           f"{'write/st':>8} {'anon MiB':>8} {'file MiB':>8} {'setup s':>7}", flush=True)
     results = []
     for alpha in [float(a) for a in args.alphas.split(",")]:
         base = spawn(args, alpha, None)
         results.append(base)
-        print(f"{alpha:>5} {'memory':>6} {base['ex_per_s']:>9.0f} {1.0:>6.2f} {'':>6} {'':>7} "
+        print(f"{alpha:>5} {'memory':>6} {'':>8} {base['ex_per_s']:>9.0f} {1.0:>6.2f} {'':>6} {'':>7} "
               f"{'':>8} "
               f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
               f"{base['setup_s']:>7.1f}", flush=True)
-        for f in [float(x) for x in args.fractions.split(",")]:
+        for f, writes in [(float(x), wr) for x in args.fractions.split(",")
+                          for wr in args.writes.split(",")]:
             budget = int(f * w.tables * w.rows * (row_bytes + INDEX_BYTES_PER_ROW)
-                         + w.tables * w.rows * WHERE_BYTES_PER_ROW
+                         + w.tables * w.rows * where_bytes(args.raw)
                          + (w.tables * w.rows * MAP_BYTES_PER_ROW if args.raw else 0))
-            res = spawn(args, alpha, budget)
+            res = spawn(args, alpha, budget, writes)
             same = res["sha256"] == base["sha256"]
-            res.update(fraction=f, vs_memory=res["ex_per_s"] / base["ex_per_s"], exact=same)
+            res.update(fraction=f, writes=writes, vs_memory=res["ex_per_s"] / base["ex_per_s"],
+                       exact=same)
             results.append(res)
-            print(f"{alpha:>5} {f:>6.0%} {res['ex_per_s']:>9.0f} {res['vs_memory']:>6.2f} "
+            print(f"{alpha:>5} {f:>6.0%} {writes:>8} {res['ex_per_s']:>9.0f} {res['vs_memory']:>6.2f} "
                   f"{res['hit_rate']:>6.1%} {res['new_per_step']:>7.0f} "
                   f"{res['read_per_step']:>8.0f} "
                   f"{res['written_per_step']:>8.0f} {res['RssAnon']:>8.0f} "

@@ -14,7 +14,9 @@ lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``; at m
 ``SPARE_STEPS`` times the step's rows), so that the next
 steps admit into free rows without scanning. Before a cache row is given to a new shard row,
 its old row is written back to the slow tier if it was updated since it was read (write-back);
-then the new row is read whole, with its slots. Rows move whole, values unchanged, so a run
+then the new row is read whole, with its slots (a static table's records on the CPU may be
+written as a log instead of in place, slow_log.py: ``slow_writes`` decides, ``CachedRows.log``
+holds the places). Rows move whole, values unchanged, so a run
 with a cache computes exactly what a run without one computes: the cache decides where a row
 is, never what it holds.
 
@@ -315,22 +317,62 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
 
 RECORD_ALIGN = 64  # bytes: a slow-tier record's size is a multiple of this
 
-WRITES_ENV = "EMBCORE_SLOW_WRITES"  # "log" (the default) or "in-place": for measurements
+WRITES_ENV = "EMBCORE_SLOW_WRITES"  # "auto" (the default), "log" or "in-place"
 
 
-def slow_writes() -> str:
-    """How a static table's CPU slow tier writes rows back: ``"log"`` (appended, slow_log.py;
-    the default) or ``"in-place"`` (each row over its record), from the environment variable
-    ``EMBCORE_SLOW_WRITES`` (read when an engine is built; for comparisons: both compute the
-    same values).
+def slow_writes(record_bytes: int) -> str:
+    """How the CPU slow tiers of a process's static tables, ``record_bytes`` of records in all,
+    write rows back: ``"log"`` (appended, slow_log.py) or ``"in-place"`` (each row over its
+    record).
+
+    Written in place, rows dirty pages of the page cache that later writes dirty again: while
+    the kernel lets all of the files' pages stay dirty (``dirty_limit``), nothing waits for the
+    disk, and that is the fastest. Beyond it, the kernel writes the dirty pages back as they
+    come and the process waits for the disk, a 4 KiB page for each row: a log then writes
+    whole pages in order, 4x less time a step under full-size W2's misses (RESULTS.md). So by
+    default (``"auto"``): a log when the records exceed ``dirty_limit()``, else in place. The
+    environment variable ``EMBCORE_SLOW_WRITES`` (``auto``, ``log`` or ``in-place``, read when
+    an engine is built) overrides it: both compute the same values.
 
     Raises:
-        ValueError: another value.
+        ValueError: the variable holds another value.
     """
-    how = os.environ.get(WRITES_ENV, "log") or "log"
-    if how not in ("log", "in-place"):
-        raise ValueError(f"{WRITES_ENV}={how!r}: must be 'log' (the default) or 'in-place'")
-    return how
+    how = os.environ.get(WRITES_ENV, "auto") or "auto"
+    if how not in ("auto", "log", "in-place"):
+        raise ValueError(f"{WRITES_ENV}={how!r}: must be 'auto' (the default), 'log' or "
+                         f"'in-place'")
+    if how != "auto":
+        return how
+    limit = dirty_limit()
+    return "log" if limit is not None and record_bytes > limit else "in-place"
+
+
+def dirty_limit() -> int | None:
+    """Bytes of dirty file pages beyond which Linux writes them back while processes run
+    (``vm.dirty_background_bytes``, else ``vm.dirty_background_ratio`` percent of the memory
+    available); None where that is not known (not Linux)."""
+    try:
+        fixed = int(Path("/proc/sys/vm/dirty_background_bytes").read_text())
+        if fixed > 0:
+            return fixed
+        ratio = int(Path("/proc/sys/vm/dirty_background_ratio").read_text())
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 * ratio // 100
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def record_layout(fields: Sequence[tuple[torch.dtype, int]]) -> tuple[list[int], int]:
+    """``(offsets, record)``: each field's byte offset in a ``slow_records`` record (aligned to
+    its dtype) and the record's bytes (padded to ``RECORD_ALIGN``)."""
+    offsets, at = [], 0
+    for dtype, width in fields:
+        at = -(-at // dtype.itemsize) * dtype.itemsize
+        offsets.append(at)
+        at += width * dtype.itemsize
+    return offsets, max(-(-at // RECORD_ALIGN) * RECORD_ALIGN, RECORD_ALIGN)
 
 
 def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]],
@@ -342,12 +384,7 @@ def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]
     or dirties one or two pages of the file, not one or two per array (a page fault reads, and a
     dirtied page writes, 4 KiB: a file per array doubled both). ``records(views)`` gives the
     file's ``(places, record)`` bytes and each view's offset in a record."""
-    offsets, at = [], 0
-    for dtype, width in fields:
-        at = -(-at // dtype.itemsize) * dtype.itemsize
-        offsets.append(at)
-        at += width * dtype.itemsize
-    record = max(-(-at // RECORD_ALIGN) * RECORD_ALIGN, RECORD_ALIGN)
+    offsets, record = record_layout(fields)
     raw = slow_tensor(path, (rows if places is None else places, record), torch.uint8)
     views = [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
     for v in views:

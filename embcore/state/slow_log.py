@@ -79,6 +79,7 @@ class RecordLog:
         self.written = 0  # records appended (rows written back)
         self.moved = 0    # records the cleaner moved
         self._buffer = torch.empty((0, self.record), dtype=torch.uint8)
+        self._segment_buffer: torch.Tensor | None = None  # the cleaner's reads
         self._reset()
 
     def _reset(self) -> None:
@@ -162,10 +163,28 @@ class RecordLog:
             return
         places = live + a
         rows = self.owner[places].to(torch.int64)
-        data = self.raw.index_select(0, places)  # (copied before the writes over them)
+        data = self._read(a).index_select(0, live)  # (copied before the writes over them)
         self.owner[places] = -1
         self._place(rows, data, cleaning=True)
         self.moved += rows.numel()
+
+    def _read(self, place: int) -> torch.Tensor:
+        """(segment, record) records from ``place`` on: one ``pread`` of the whole segment
+        (sequential: its pages may have left the page cache since the head wrote them, and
+        faults would read them one by one), else the mapping."""
+        if self.fd is None or not hasattr(os, "preadv"):
+            return self.raw[place:place + self.segment]
+        if self._segment_buffer is None:
+            self._segment_buffer = torch.empty((self.segment, self.record), dtype=torch.uint8)
+        view = memoryview(self._segment_buffer.numpy()).cast("B")
+        offset, done = place * self.record, 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"the slow tier's log ended at byte {offset + done} (it holds "
+                              f"{self.places * self.record})")
+            done += got
+        return self._segment_buffer
 
     def _write(self, place: int, data: torch.Tensor) -> None:
         """Records ``data`` at places ``place``.. (consecutive): one ``pwrite`` of whole pages

@@ -46,7 +46,8 @@ from ..ops.rounding import COMPACT, Rounding, shard_segments
 from ..ops.update import update
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from .cache import CachedRows, OffloadDir, slow_log, slow_records, slow_tensor, slow_writes
+from .cache import (CachedRows, OffloadDir, record_layout, slow_log, slow_records, slow_tensor,
+                    slow_writes)
 from .changes import ChangedRows
 from .dtensors import from_value, gather_whole, to_sharded
 from .vocabulary import (PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows, DynamicStack,
@@ -82,6 +83,11 @@ class RowStore:
         rank = comm.rank
         self._offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                          else None)
+        # how the static tables' files write rows back: a log or in place (cache.slow_writes)
+        self._writes = slow_writes(sum(
+            p.row_counts[rank] * record_layout(self._fields(p))[1]
+            for p in plan.physical if p.offloaded and not p.dynamic)) \
+            if device.type == "cpu" and self._offload is not None else "in-place"
         # float16 / bfloat16 tables: how their updates round (ops/rounding.py)
         self.rounding: dict[int, Rounding] = {
             p.index: self._rounding(p, seed) for p in plan.physical if p.dtype in COMPACT}
@@ -165,6 +171,14 @@ class RowStore:
         self.slots.append(opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
                                          allocate=empty_table) if opt is not None else {})
 
+    def _fields(self, p: PhysicalTable) -> list[tuple[torch.dtype, int]]:
+        """``(dtype, width)`` of physical table ``p``'s parameters and slots on this process:
+        the fields of its slow tier's records (``slow_records``)."""
+        c0, c1 = p.columns[self.comm.rank]
+        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        specs = list(p.optimizer.slots) if p.optimizer is not None else []
+        return [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0) for s in specs]
+
     def _offloaded(self, p: PhysicalTable, seed: int, device: torch.device) -> CachedRows:
         """Physical table ``p``'s shard in the slow tier and its empty cache.
 
@@ -186,9 +200,8 @@ class RowStore:
         log = None
         if files and not p.dynamic:
             path = self._offload.file(f"p{p.index}.bin")
-            fields = [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0)
-                                             for s in specs]
-            if slow_writes() == "log":
+            fields = self._fields(p)
+            if self._writes == "log":
                 views, log = slow_log(path, n_local, fields)
             else:
                 views = slow_records(path, n_local, fields)
