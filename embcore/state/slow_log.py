@@ -11,18 +11,18 @@ a row's record live anywhere in it:
   the row whose current record it holds (-1: free). A read of rows is a read at their places.
 - Rows written back are gathered into a buffer and written at the **head**, in order, with
   ``pwrite`` (whole pages, none read first); their old places become free.
-- The file is cut in **segments** (``SEGMENT`` records at most). When the head enters a
-  segment, the **cleaner** first moves that segment's live records (rows not written since)
-  to the head, i.e. to the segment's front, so the head then always finds free places ahead
-  (round robin over the segments: the oldest writes are cleaned first).
+- The file is cut in **segments** (``SEGMENT`` records at most). When the head fills its
+  segment it takes the one holding the fewest live records (``live``: greedy), and the
+  **cleaner** first moves that segment's live records (rows not written since) to its front
+  (read with one ``pread``), the head after them: the places ahead of it are then free.
 - ``compact()`` puts row ``r`` back at place ``r`` for every row (blocks of at most the free
   places: the displaced records of a block go to free places after it, then its rows come home),
   so that the tier reads as a table again, rows in order, where the store hands it out whole
   (``RowStore.local``: checkpoints, loads, whole tables). A fresh log is compact.
 
-Measured apart on this disk (``benchmarks/studies/slow_writes.py``): 4.0x less time a step than
-writing back in place under W2's miss traffic, for 1.43x the records written (the cleaner's
-moves) at ``SPARE`` 0.5. The values never change: a record moves whole, so a run behind a log
+Full-size W2 at a 10% cache (benchmarks/RESULTS.md): 3.8x the examples/s of writing back in
+place, for 1.75x the records written (the cleaner's moves; 1.32x with ``SPARE`` 1.0, twice the
+disk, for 7% less time). The values never change: a record moves whole, so a run behind a log
 computes exactly what a run in memory computes.
 
 Fast memory: ``where`` (4 bytes a row) and ``owner`` (4 bytes a place: 6 a row at ``SPARE``
@@ -76,6 +76,7 @@ class RecordLog:
         self.index_dtype = torch.int32 if self.places < 2**31 else torch.int64
         self.where = torch.empty(rows, dtype=self.index_dtype)
         self.owner = torch.empty(self.places, dtype=self.index_dtype)
+        self.live = torch.empty(self.places // segment, dtype=torch.int64)  # records a segment
         self.written = 0  # records appended (rows written back)
         self.moved = 0    # records the cleaner moved
         self._buffer = torch.empty((0, self.record), dtype=torch.uint8)
@@ -88,6 +89,9 @@ class RecordLog:
         torch.arange(self.rows, out=self.where)
         self.owner[:self.rows] = self.where
         self.owner[self.rows:] = -1
+        self.live.zero_()
+        self.live.index_add_(0, torch.arange(self.rows) // self.segment,
+                             torch.ones(self.rows, dtype=torch.int64))
         self.head = -(-self.rows // self.segment) * self.segment % self.places
         self._cleaned: int | None = None  # the segment the head entered last
         self.compact_ = True
@@ -110,7 +114,9 @@ class RecordLog:
         if k == 0:
             return
         self.compact_ = False
-        self.owner[self.where[rows].to(torch.int64)] = -1  # (their values are in ``sources``)
+        old = self.where[rows].to(torch.int64)
+        self.owner[old] = -1  # (their values are in ``sources``)
+        self.live.index_add_(0, old // self.segment, torch.full_like(old, -1))
         data = self._staging(k)
         dst = torch.arange(k)
         for offset, (source, at) in sources.items():
@@ -138,33 +144,38 @@ class RecordLog:
         each segment it enters first, unless ``cleaning``)."""
         n, at = rows.numel(), 0
         while at < n:
-            # each segment the head enters is cleaned once (one whole live: the next one)
-            while not cleaning and self.head % self.segment == 0 and \
+            if not cleaning and self.head % self.segment == 0 and \
                     self.head // self.segment != self._cleaned:
-                self._cleaned = self.head // self.segment
-                self._clean(self._cleaned)
+                self._enter()
             k = min(n - at, self.segment - self.head % self.segment)
             self._write(self.head, data[at:at + k])
             chunk = rows[at:at + k]
             self.where[chunk] = torch.arange(self.head, self.head + k, dtype=self.index_dtype)
             self.owner[self.head:self.head + k] = chunk.to(self.index_dtype)
+            self.live[self.head // self.segment] += k
             self.head = (self.head + k) % self.places
             at += k
 
-    def _clean(self, seg: int) -> None:
-        """Moves the live records of segment ``seg`` (the head at its first place) to the
-        head: its front."""
+    def _enter(self) -> None:
+        """Takes the segment holding the fewest live records (the lowest such) for the head:
+        its live records move to its front (the cleaner), the head after them. Greedy: on
+        MovieLens-like skew (W2's Zipf 1.05) it moves fewer records than taking the segments in
+        turn (benchmarks/RESULTS.md). The fewest is under a whole segment: the file has a
+        segment of places more than its rows."""
+        seg = int(torch.argmin(self.live))
+        if int(self.live[seg]) >= self.segment:
+            raise RuntimeError(f"the slow tier's log has no free place ({self.rows} rows in "
+                               f"{self.places} places)")
+        self.head, self._cleaned = seg * self.segment, seg
         a = seg * self.segment
         live = torch.nonzero(self.owner[a:a + self.segment] >= 0).flatten()
         if live.numel() == 0:
-            return
-        if live.numel() == self.segment:  # (all live: it stays as it is)
-            self.head = (self.head + self.segment) % self.places
             return
         places = live + a
         rows = self.owner[places].to(torch.int64)
         data = self._read(a).index_select(0, live)  # (copied before the writes over them)
         self.owner[places] = -1
+        self.live[seg] -= live.numel()
         self._place(rows, data, cleaning=True)
         self.moved += rows.numel()
 
