@@ -308,6 +308,27 @@ def test_the_same_bits_whatever_the_threads_the_stacking_and_the_budget(dtype):
 
 @requires_native
 @pytest.mark.parametrize("dtype", COMPACT)
+def test_dynamic_tables_stack_with_stochastic_rounding(dtype):
+    """16-bit dynamic tables with stochastic rounding stack (a row's identity: its member's
+    key plus its raw id) and round as they do alone, whatever the threads, the path and the
+    budget."""
+    ref, emb = _train(dtype, dynamic=True)
+    assert emb.plan.physical[0].tables == ("a", "b")  # stacked
+    alone, _ = _train(dtype, dynamic=True, two_tables=False)
+    _same_state(ref, alone, ["b/parameters", "b/accumulators"])
+    _same_state(ref, _train(dtype, dynamic=True, threads=1)[0])
+    _same_state(ref, _train(dtype, dynamic=True, fast=False)[0])
+    offloaded, emb2 = _train(dtype, dynamic=True,
+                             budget=_budget([30, 50]) + MAP_BYTES_PER_ROW * 80)
+    assert any(p.offloaded for p in emb2.plan.physical)
+    _same_state(ref, offloaded)
+    nearest, emb3 = _train(dtype, dynamic=True, stochastic=False)  # (it stacked before too)
+    assert emb3.plan.physical[0].tables == ("a", "b")
+    assert not all(torch.equal(nearest[k], ref[k]) for k in ("a/parameters", "b/parameters"))
+
+
+@requires_native
+@pytest.mark.parametrize("dtype", COMPACT)
 def test_the_kernels_and_the_torch_paths_agree(dtype):
     """Kernels on and off (the optimizers' math, ops/rounding.py's rounding): on dyadic SGD
     steps, the same bits."""

@@ -18,9 +18,9 @@ Strategies (docs/semantics.md section 5), each applied to every logical table on
 Dynamic tables (raw ids) stack with one another, never with tables whose ids are rows: on each
 process each member keeps its own id -> row map over its own rows of the shard (its capacity,
 eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them all; a
-batch's ids travel to their owners in one exchange, by member. Replicated with W > 1, or 16-bit
-with stochastic rounding (whose rounding keys are a table's raw ids), a dynamic table stands
-alone.
+batch's ids travel to their owners in one exchange, by member (16-bit members with stochastic
+rounding keep their identities: member key + raw id, ``RowStore.rounding_at``). Replicated with
+W > 1, a dynamic table stands alone.
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
@@ -301,8 +301,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
-        alone = cfg.dynamic is not None and (
-            rounds or (world_size > 1 and strategies[name] == "replicated"))
+        alone = cfg.dynamic is not None and world_size > 1 and strategies[name] == "replicated"
         key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
                cfg.dynamic is not None,  # raw ids and row ids do not mix

@@ -42,7 +42,7 @@ from ..ops import native
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, combine, row_gradients
 from ..ops.memory import empty_table
-from ..ops.rounding import COMPACT, Rounding, shard_segments
+from ..ops.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.update import update
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
@@ -88,7 +88,9 @@ class RowStore:
             p.row_counts[rank] * record_layout(self._fields(p))[1]
             for p in plan.physical if p.offloaded and not p.dynamic)) \
             if device.type == "cpu" and self._offload is not None else "in-place"
-        # float16 / bfloat16 tables: how their updates round (ops/rounding.py)
+        # float16 / bfloat16 tables: how their updates round (ops/rounding.py); a stack of
+        # dynamic tables' member keys (its rows' identities: member key + raw id)
+        self._member_keys: dict[int, torch.Tensor] = {}
         self.rounding: dict[int, Rounding] = {
             p.index: self._rounding(p, seed) for p in plan.physical if p.dtype in COMPACT}
         for p in plan.physical:
@@ -108,8 +110,20 @@ class RowStore:
 
     def _rounding(self, p: PhysicalTable, seed: int) -> Rounding:
         """How updates of a 16-bit physical table round: the rows' identities (per member, its
-        key plus the logical row; a dynamic table's key plus the raw id), its first column."""
+        key plus the logical row; a dynamic table's key plus the raw id), its first column.
+
+        A stack of dynamic tables has one segment of base 0 and stride 1, and each updated row's
+        key is its member's key plus its raw id (``rounding_at``): the identity the member has
+        alone (its key as the base, the raw id as the row)."""
         rank = self.comm.rank
+        if p.dynamic and len(p.tables) > 1:
+            self._member_keys[p.index] = torch.tensor([table_key(seed, n) for n in p.tables],
+                                                      dtype=torch.int64)
+            i64 = torch.int64
+            return Rounding(self.configs[p.tables[0]].stochastic_rounding,
+                            Segments(torch.tensor([0, p.row_counts[rank] + 1], dtype=i64),
+                                     torch.zeros(1, dtype=i64), torch.ones(1, dtype=i64)),
+                            col0=p.columns[rank][0])
         if p.dynamic:
             members = [(p.tables[0], 0, torch.arange(0))]
         else:
@@ -123,11 +137,21 @@ class RowStore:
                   at: torch.Tensor | None = None) -> Rounding | None:
         """The rounding of an update of physical table ``p`` at ``step`` (None: not 16-bit). An
         offloaded table's kernel writes cache rows ``at``: their identities come from the shard
-        rows ``rows`` (a dynamic table's: from their ids)."""
+        rows ``rows`` (a dynamic table's: from their ids). A stack of dynamic tables needs the
+        updated shard ``rows``: their keys (member key + raw id) are written for them."""
         r = self.rounding.get(p)
         if r is None or not r.stochastic:
             return r
         dyn = self.dynamic.get(p)
+        members = self._member_keys.get(p)
+        if members is not None:  # a stack of dynamic tables
+            assert rows is not None, "a stack of dynamic tables rounds by its updated rows"
+            ids, member = dyn.ids_of_rows(rows)
+            n = self.cached[p].table.shape[0] if at is not None else dyn.zero_row + 1
+            keys = self.workspace.get("round_keys", (n,), torch.int64, rows.device)
+            keys.index_copy_(0, at if at is not None else rows,
+                             ids + members.to(rows.device)[member])
+            return r.at(step, keys)
         if at is None:  # (the map's rows past its row_ids hold no id: no update reaches them)
             return r.at(step, None if dyn is None else dyn.map.row_ids())
         keys = self.workspace.get("round_keys", (self.cached[p].table.shape[0],), torch.int64,
@@ -485,7 +509,7 @@ class RowStore:
             self.written(p, rows, every=optimizer.updates_every_row)
             return
         update(self.tables[p], self.slots[p], rows, grad, optimizer, lr, step, self.workspace,
-               gradient_multiplier=gradient_multiplier, round_to=self.rounding_at(p, step))
+               gradient_multiplier=gradient_multiplier, round_to=self.rounding_at(p, step, rows))
         if dyn is not None and optimizer.updates_every_row:  # it moved every row, the zero row too
             self.tables[p][dyn.zero_row] = 0
         self.written(p, rows, every=optimizer.updates_every_row)

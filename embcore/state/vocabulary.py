@@ -409,6 +409,19 @@ class DynamicStack:
         assert len(self.members) == 1, "a stack has a map per member"
         return self.members[0].map
 
+    def ids_of_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, member)``: the id each of the (n,) int64 shard ``rows`` holds (0: free; the
+        zero row's is 0) and the member whose rows they are, both (n,) int64."""
+        starts = torch.tensor(self.starts, dtype=torch.int64, device=rows.device)
+        member = (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
+        ids = torch.zeros_like(rows)
+        held = rows < self.zero_row
+        for m, dyn in enumerate(self.members):
+            at = torch.nonzero((member == m) & held).flatten()
+            if at.numel():
+                ids[at] = dyn.map.ids_of_rows(rows[at] - self.starts[m]).to(rows.device)
+        return ids, member
+
     def pieces(self, ids: torch.Tensor, segments: tuple[tuple[int, int], ...] | None
                ) -> list[tuple[int, torch.Tensor]]:
         """``[(member, its ids)]``: ``ids`` split by ``segments`` (None: all member 0's)."""

@@ -303,5 +303,6 @@ class FastPath:
                 native.sparse_update(t.rule, self.store.tables[tb.physical],
                                      self.store.slots[tb.physical].get("accumulators"),
                                      dd.unique, hyper, g, starts, dd.unique_offsets, dd.order,
-                                     round_to=self.store.rounding_at(tb.physical, step))
+                                     round_to=self.store.rounding_at(tb.physical, step,
+                                                                     dd.unique))
             self.store.written(tb.physical, dd.unique)
