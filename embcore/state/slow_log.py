@@ -59,7 +59,8 @@ class RecordLog:
     descriptor; None: through the mapping).
 
     Args:
-        raw: the file's records.
+        raw: the file's records (a ``cache.slow_tensor``: it holds the ``SlowFile``, whose
+            descriptor ``fd`` is, open while ``raw`` lives).
         fd: the file, open for writing (``SlowFile.fd``), or None.
         rows: the rows it holds; row ``r`` starts at place ``r`` (a compact log).
         segment: records per segment (``places_for``).

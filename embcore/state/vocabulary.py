@@ -28,6 +28,7 @@ from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
 from ..ops import hashing, native
 from ..ops.vocab import VocabMap, find_many, train_steps, vocab_map
+from ..ops.rounding import COMPACT
 from ..planning.placement import Placement
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
@@ -182,6 +183,13 @@ def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
             and native.usable(out, ids, rows)):
         native.init_normal(seed, ids.contiguous(), rows.contiguous(), columns, _PHI_LO,
                            _PHI_HI - _PHI_LO, math.sqrt(table.dim), out)
+        return
+    if table.initializer is None and out.dtype in COMPACT and native.usable(out, ids, rows):
+        # (the same float32 values, then rounded to nearest as below)
+        values = torch.empty((ids.numel(), columns[1] - columns[0]), dtype=torch.float32)
+        native.init_normal(seed, ids.contiguous(), torch.arange(ids.numel()), columns, _PHI_LO,
+                           _PHI_HI - _PHI_LO, math.sqrt(table.dim), values)
+        out.index_copy_(0, rows, values.to(out.dtype))
         return
     c0, c1 = columns
     values = initial_values(table, name, seed, ids.cpu())[:, c0:c1]  # (A, C)
@@ -415,11 +423,21 @@ class DynamicStack:
         starts = torch.tensor(self.starts, dtype=torch.int64, device=rows.device)
         member = (torch.searchsorted(starts, rows, right=True) - 1).clamp(min=0)
         ids = torch.zeros_like(rows)
-        held = rows < self.zero_row
-        for m, dyn in enumerate(self.members):
-            at = torch.nonzero((member == m) & held).flatten()
-            if at.numel():
-                ids[at] = dyn.map.ids_of_rows(rows[at] - self.starts[m]).to(rows.device)
+        ends = list(self.starts[1:]) + [self.zero_row]
+        if rows.numel() > 1 and bool((member[1:] >= member[:-1]).all()):  # (runs by member:
+            cuts = torch.searchsorted(  # a step's rows are) one slice each
+                member, torch.arange(len(self.members) + 1, device=rows.device)).tolist()
+            pieces = [torch.arange(cuts[m], cuts[m + 1], device=rows.device)
+                      if cuts[m + 1] > cuts[m] else None for m in range(len(self.members))]
+        else:
+            pieces = [torch.nonzero(member == m).flatten() for m in range(len(self.members))]
+        for m, (dyn, at) in enumerate(zip(self.members, pieces)):
+            if at is None or at.numel() == 0:
+                continue
+            local = rows[at] - self.starts[m]
+            inside = local < ends[m] - self.starts[m]  # (the zero row: past the last member)
+            got = dyn.map.ids_of_rows(local.clamp(max=max(ends[m] - self.starts[m] - 1, 0)))
+            ids[at] = torch.where(inside, got.to(rows.device), 0)
         return ids, member
 
     def pieces(self, ids: torch.Tensor, segments: tuple[tuple[int, int], ...] | None
