@@ -20,7 +20,7 @@ a row's record live anywhere in it:
   so that the tier reads as a table again, rows in order, where the store hands it out whole
   (``RowStore.local``: checkpoints, loads, whole tables). A fresh log is compact.
 
-Full-size W2 at a 10% cache (benchmarks/RESULTS.md): 3.8x the examples/s of writing back in
+Full-size W2 at a 10% cache (benchmarks/RESULTS.md): 3.8-5.4x the examples/s of writing back in
 place, for 1.75x the records written (the cleaner's moves; 1.32x with ``SPARE`` 1.0, twice the
 disk, for 7% less time). The values never change: a record moves whole, so a run behind a log
 computes exactly what a run in memory computes.
