@@ -95,12 +95,12 @@ class RecordLog:
                              torch.ones(self.rows, dtype=torch.int64))
         self.head = -(-self.rows // self.segment) * self.segment % self.places
         self._cleaned: int | None = None  # the segment the head entered last
-        self.compact_ = True
+        self.compacted = True
 
     # ---------------------------------------------------------------- reads
     def at(self, rows: torch.Tensor) -> torch.Tensor:
         """(n,) int64: the places of rows ``rows`` (n,) int64."""
-        if self.compact_:
+        if self.compacted:
             return rows
         return self.where[rows].to(torch.int64)
 
@@ -114,7 +114,7 @@ class RecordLog:
         k = rows.numel()
         if k == 0:
             return
-        self.compact_ = False
+        self.compacted = False
         old = self.where[rows].to(torch.int64)
         self.owner[old] = -1  # (their values are in ``sources``)
         self.live.index_add_(0, old // self.segment, torch.full_like(old, -1))
@@ -214,7 +214,7 @@ class RecordLog:
     def compact(self) -> None:
         """Puts row ``r``'s record at place ``r`` for every row: the file's first ``rows``
         records then read as the table, in row order (``RowStore.local``)."""
-        if self.compact_:
+        if self.compacted:
             return
         free = self.places - self.rows
         for a in range(0, self.rows, free):

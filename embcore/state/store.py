@@ -143,20 +143,20 @@ class RowStore:
         if r is None or not r.stochastic:
             return r
         dyn = self.dynamic.get(p)
-        members = self._member_keys.get(p)
-        if members is not None:  # a stack of dynamic tables
-            assert rows is not None, "a stack of dynamic tables rounds by its updated rows"
-            ids, member = dyn.ids_of_rows(rows)
-            n = self.cached[p].table.shape[0] if at is not None else dyn.zero_row + 1
-            keys = self.workspace.get("round_keys", (n,), torch.int64, rows.device)
-            keys.index_copy_(0, at if at is not None else rows,
-                             ids + members.to(rows.device)[member])
-            return r.at(step, keys)
-        if at is None:  # (the map's rows past its row_ids hold no id: no update reaches them)
+        members = self._member_keys.get(p)  # (a stack of dynamic tables)
+        if at is None and members is None:  # (the map's rows past its row_ids hold no id)
             return r.at(step, None if dyn is None else dyn.map.row_ids())
-        keys = self.workspace.get("round_keys", (self.cached[p].table.shape[0],), torch.int64,
-                                  rows.device)  # (the cache's rows: it may have grown)
-        keys.index_copy_(0, at, rows if dyn is None else dyn.map.ids_of_rows(rows))
+        assert rows is not None, "the keys are written for the updated rows"
+        if members is not None:
+            ids, member = dyn.ids_of_rows(rows)
+            ids = ids + members.to(rows.device)[member]
+        else:
+            ids = rows if dyn is None else dyn.map.ids_of_rows(rows)
+        # written where the kernel reads them: the cache rows (the cache may have grown), or
+        # the stack's shard rows
+        n = self.cached[p].table.shape[0] if at is not None else dyn.zero_row + 1
+        keys = self.workspace.get("round_keys", (n,), torch.int64, rows.device)
+        keys.index_copy_(0, at if at is not None else rows, ids)
         return r.at(step, keys)
 
     def _allocate(self, p: PhysicalTable, seed: int, device: torch.device) -> None:

@@ -179,17 +179,17 @@ def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
                     rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int]) -> None:
     """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
     the table: a column split holds some), by the fused kernels where they apply."""
-    if (table.initializer is None and out.dtype == torch.float32 and out.is_contiguous()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    if (table.initializer is None and (direct or out.dtype in COMPACT)
             and native.usable(out, ids, rows)):
-        native.init_normal(seed, ids.contiguous(), rows.contiguous(), columns, _PHI_LO,
-                           _PHI_HI - _PHI_LO, math.sqrt(table.dim), out)
-        return
-    if table.initializer is None and out.dtype in COMPACT and native.usable(out, ids, rows):
-        # (the same float32 values, then rounded to nearest as below)
-        values = torch.empty((ids.numel(), columns[1] - columns[0]), dtype=torch.float32)
-        native.init_normal(seed, ids.contiguous(), torch.arange(ids.numel()), columns, _PHI_LO,
-                           _PHI_HI - _PHI_LO, math.sqrt(table.dim), values)
-        out.index_copy_(0, rows, values.to(out.dtype))
+        # into the float32 table, or float32 values rounded to nearest as below
+        values = out if direct else torch.empty((ids.numel(), columns[1] - columns[0]),
+                                                dtype=torch.float32)
+        native.init_normal(seed, ids.contiguous(),
+                           rows.contiguous() if direct else torch.arange(ids.numel()), columns,
+                           _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(table.dim), values)
+        if not direct:
+            out.index_copy_(0, rows, values.to(out.dtype))
         return
     c0, c1 = columns
     values = initial_values(table, name, seed, ids.cpu())[:, c0:c1]  # (A, C)
