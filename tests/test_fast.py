@@ -6,6 +6,7 @@ lookup), and batches it declines mixed in; errors and shape rules as the general
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -154,6 +155,83 @@ def test_the_layer_on_the_fast_path_equals_the_general_path(setup):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@st.composite
+def dynamic_setups(draw):
+    """Raw-id tables (stacked when dims agree) beside a static one or not, small capacities
+    (evicting, overflowing), each map's rules drawn, and per step how the batch is fed."""
+    n_tables = draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
+    init = draw(st.sampled_from([None, functools.partial(torch.nn.init.constant_, val=0.5)]))
+    tables = [ec.TableConfig(vocabulary_size=draw(st.integers(2, 10)),
+                             dim=draw(st.sampled_from([4, 4, 8])),
+                             combiner=draw(st.sampled_from(["sum", "mean", "sqrtn"])),
+                             dtype=dtype, name=f"t{i}", initializer=init,
+                             dynamic=ec.DynamicVocabulary(
+                                 eviction=draw(st.sampled_from(["lru", "lfu"])),
+                                 admit_after=draw(st.sampled_from([1, 1, 2])),
+                                 ttl_steps=draw(st.sampled_from([None, None, 2]))))
+              for i in range(n_tables)]
+    if draw(st.booleans()):  # a static table beside them
+        tables.append(ec.TableConfig(vocabulary_size=12, dim=4, dtype=dtype, name="s"))
+    readers = draw(st.lists(st.integers(0, len(tables) - 1), min_size=1, max_size=4))
+    b = draw(st.integers(1, 5))
+    shapes = [draw(st.sampled_from([(b,), (b, 1)])) for _ in readers]
+    opt = draw(st.sampled_from([ec.SGD(learning_rate=0.1), ec.Adagrad(learning_rate=0.1),
+                                ec.RowwiseAdagrad(learning_rate=0.1)]))
+    steps = draw(st.lists(st.sampled_from(["dense", "dense", "dense", "columns", "int32",
+                                           "none_grad", "strided_grad"]),
+                          min_size=2, max_size=6))
+    return tables, readers, shapes, opt, steps
+
+
+def raw_batch_of(tables, readers, shapes, seed, kind):
+    """``batch_of`` with raw ids (any int64: negative, large) for the dynamic tables."""
+    out = batch_of(tables, readers, shapes, seed, kind)
+    g = torch.Generator().manual_seed(seed + 500)
+    pool = torch.tensor([-7, 0, 3, 11, 2**62 + 1, -(2**40), 123456789, 5])
+    for i, t in enumerate(readers):
+        if tables[t].dynamic is not None:
+            x = out[f"f{i}"]
+            raw = pool[torch.randint(0, pool.numel(), x.shape, generator=g)]
+            out[f"f{i}"] = raw.to(x.dtype) if kind == "int32" and raw.abs().max() < 2**31 \
+                else raw
+    return out
+
+
+@requires_native
+@settings(max_examples=examples(60), deadline=None)
+@given(dynamic_setups())
+def test_the_fast_path_equals_the_general_path_on_raw_id_tables(setup):
+    """Dynamic tables (their maps' admission, eviction, TTL, pending counts) stepped on the fast
+    path and on the general path: the same activations, tables, slots and maps, the same
+    overflow errors (nothing changed by them), the same evaluation lookups."""
+    tables, readers, shapes, opt, steps = setup
+    engines = [engine(tables, features_of(readers), opt, on) for on in (True, False)]
+    for step, kind in enumerate(steps):
+        batch = raw_batch_of(tables, readers, shapes, step, kind)
+        outs, errors = [], []
+        for emb in engines:
+            try:
+                emb.enqueue(batch)
+                acts = emb.dequeue()
+            except ValueError as e:  # more new ids than a table holds: both refuse
+                errors.append(str(e))
+                continue
+            emb.apply_gradients(gradients_of(acts, step, kind), warn_on_none=False)
+            outs.append(acts)
+        assert len(errors) in (0, 2) and len(set(errors)) <= 1, errors
+        if outs:
+            for k in outs[0]:
+                assert torch.equal(outs[0][k], outs[1][k]), (step, kind, k)
+        a, b = state(engines[0]), state(engines[1])
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (step, kind, k)
+    served = [emb.lookup(raw_batch_of(tables, readers, [(3,) for _ in readers], 99, "dense"))
+              for emb in engines]
+    assert all(torch.equal(served[0][k], served[1][k]) for k in served[0])
+
+
 def two_features(optimizer=None):
     t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
     u = ec.TableConfig(vocabulary_size=5, dim=4, name="u")
@@ -238,4 +316,18 @@ def test_engines_the_fast_path_cannot_take_have_none():
         off = ec.Embedding({"a": ec.FeatureConfig(table=t)}, ec.SGD())
         off.build()
     assert not isinstance(off._path, FastPath)
+
+
+def test_raw_id_tables_take_the_fast_path_in_memory_only(tmp_path):
+    raw = ec.TableConfig(vocabulary_size=40, dim=16, name="r", dynamic=ec.DynamicVocabulary())
+    here = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD())
+    here.build()
+    assert isinstance(here._path, FastPath) == native.available()
+    away = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD(), memory_budget=3000,
+                        offload_dir=tmp_path)  # rows behind a cache: the general path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        away.build()
+    assert away.plan.physical[0].offloaded
+    assert not isinstance(away._path, FastPath)
     assert fast.set_enabled(True) is True

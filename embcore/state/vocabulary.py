@@ -395,6 +395,12 @@ class DynamicRows:
                 self.seed = seed
 
 
+def _every(rows: torch.Tensor) -> torch.Tensor:
+    """(n,) bool, every entry True, for ``rows`` (n,): a broadcast view of one value (filling n
+    would hand a large step's mask to torch's threads, which cost more than the mask)."""
+    return torch.ones((), dtype=torch.bool, device=rows.device).expand(rows.shape)
+
+
 class DynamicStack:
     """The dynamic tables of one physical table on this process: one ``DynamicRows`` per member
     (its own map over its own rows: capacity, eviction, counts and statistics), member ``m``'s
@@ -577,10 +583,10 @@ class DynamicStack:
         steps, segments, resident = since
         if steps == tuple(m.step for m in self.members):  # no map stepped since: every row
             if resident:  # (none is the zero row)
-                return torch.ones_like(rows, dtype=torch.bool), rows.numel()
+                return _every(rows), rows.numel()
             zero = rows == self.zero_row  # but the zero row holds its id still
             if not bool(zero.any()):
-                return torch.ones_like(rows, dtype=torch.bool), rows.numel()
+                return _every(rows), rows.numel()
             return ~zero, rows.numel() - int(zero.sum())
         if segments is None:  # any rows: each to its member by its place in the shard
             bounds = torch.tensor(self.starts[1:] + [self.zero_row], device=rows.device)

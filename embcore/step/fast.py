@@ -3,16 +3,19 @@
 Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
 (``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 (or
 float16 / bfloat16: compact rows, widened and rounded inside the kernels) in this
-process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``),
-trained by an optimizer the fused kernels implement. The general path (path.py, over
+process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``;
+a dynamic table in memory), trained by an optimizer the fused kernels implement. The general path (path.py, over
 preprocess.py, lookup.py and gradients.py) takes every input kind, placement and optimizer; at
 small batches its Python costs more than the work itself (about 0.19 ms a step for two features
 of batch 16). ``FastPath`` takes those batches straight to the kernels:
 
-- ``prepare``: per physical table one ``native.concat_dedup``, which also checks the ids' range;
-- ``lookup``: per physical table one ``native.lookup`` into one buffer, viewed per feature;
+- ``prepare``: per physical table one ``native.concat_dedup``, which also checks the ids' range
+  (a dynamic table's raw ids: one ``native.dedup_raw_runs``, a run per stacked member);
+- ``lookup``: per physical table one ``native.lookup`` into one buffer, viewed per feature (a
+  dynamic table's maps step first, as on the general path: lookup.py's ``resolve_here``);
 - ``apply``: per physical table one ``native.sparse_update`` that reads the activations'
-  gradients where they are (multipliers and learning rates from gradients.py, before any write).
+  gradients where they are (multipliers and learning rates from gradients.py, before any write;
+  a dynamic table's through ``RowStore.update``, which leaves rows given away since alone).
 
 ``prepare`` builds the very ``Prepared`` preprocess.py would, so the general path can take over
 any of its batches. Every verb hands to the general path, having changed nothing, what it does
@@ -35,13 +38,15 @@ import torch
 
 from ..inputs.features import Shapes
 from ..ops import native
-from ..ops.bags import Bags, Dedup
+from ..ops.bags import Bags, Dedup, concat_dedup
+from ..ops.combine import OutputGrads
 from ..ops.rounding import ROW_TYPES
 from ..ops.update import _hyper, native_rule
-from .exchange import Answers
+from .exchange import Answered, Answers
 from .gradients import gradient_multipliers, learning_rates
+from .lookup import check_map_steps, resolve_here
 from .path import Activations, Batch, GeneralPath, StepPath
-from .preprocess import FeatureSlice, Prepared, TableBatch
+from .preprocess import FeatureSlice, Prepared, TableBatch, dedup_members
 
 _HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
 _LAYOUTS_KEPT = 64  # batch layouts (each feature's shape) whose fixed arguments are kept
@@ -60,14 +65,17 @@ class _Table:
     """One physical table of the path: its features, their row offsets and vocabularies."""
 
     def __init__(self, physical: int, features: list[int], adds: list[int], limits: list[int],
-                 rows: int, dim: int, rule: int | None) -> None:
+                 rows: int, dim: int, rule: int | None, dynamic: bool = False) -> None:
         self.physical = physical
-        self.features = features  # flat feature indices reading it, in flat order
+        self.features = features  # flat feature indices reading it, in flat order (stacked
+        #                           dynamic tables: by member, then in flat order)
         self.adds = adds          # each feature's first row in the physical table
         self.limits = limits      # each feature's vocabulary size
         self.rows = rows
         self.dim = dim
         self.rule = rule          # the fused update's rule (None: none, or no optimizer)
+        self.dynamic = dynamic    # raw ids, which its maps turn into rows
+        self.of: list[int] | None = None  # stacked dynamic tables: each feature's member
         self.hypers: dict[tuple[float, float | None], native.Hyper] = {}
 
 
@@ -80,7 +88,7 @@ class _Layout:
         starts = [0, *itertools.accumulate(sizes)]
         self.slices = tuple(FeatureSlice(i, start, n, shapes[i])
                             for i, start, n in zip(t.features, starts, sizes))
-        self.dedup = native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
+        self.dedup = None if t.dynamic else native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 
 class FastPath:
@@ -107,10 +115,17 @@ class FastPath:
                 rule = (native_rule(opt, table) if opt is not None
                         and not opt.skip_nonfinite_gradients else None)
                 t = by_table[place.physical] = _Table(place.physical, [], [], [], p.rows, p.dim,
-                                                      rule)
+                                                      rule, place.physical in store.dynamic)
             t.features.append(i)
             t.adds.append(place.row_offset)
             t.limits.append(features.configs[i].table.vocabulary_size)
+        for p, t in by_table.items():
+            names = plan.physical[p].tables
+            if t.dynamic and len(names) > 1:  # stacked dynamic tables: by member (preprocess.py)
+                member = {n: k for k, n in enumerate(names)}
+                got = sorted((member[features.tables[i]], i, a, lim)
+                             for i, a, lim in zip(t.features, t.adds, t.limits))
+                t.of, t.features, t.adds, t.limits = (list(c) for c in zip(*got))
         self.tables = [by_table[p] for p in sorted(by_table)]  # physical table order
         self.by_physical = by_table
         self.layouts: dict[tuple[tuple[int, ...], ...], list[_Layout]] = {}
@@ -119,18 +134,19 @@ class FastPath:
     def of(general: GeneralPath) -> StepPath:
         """The engine's path: a fast path in front of ``general``, or ``general`` alone when
         the configuration leaves no batch to a fast path: more than one process, not the CPU,
-        no fused kernels, a sequence feature or one with ``output_shape``, a dynamic table, a
-        table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An offloaded
-        table's rows are read and updated in its cache (``RowStore.held``)."""
+        no fused kernels, a sequence feature or one with ``output_shape``, an offloaded dynamic
+        table, a table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An
+        offloaded static table's rows are read and updated in its cache (``RowStore.held``); a
+        dynamic table's maps step as in the general path (``RowStore.resolve``)."""
         store, plan = general.store, general.plan
         if (not _enabled or general.comm.world_size != 1 or store.device.type != "cpu"
                 or not native.available()):
             return general
         for f in general.features.configs:
-            if f.sequence_length or f.output_shape is not None or f.table.dynamic is not None:
+            if f.sequence_length or f.output_shape is not None:
                 return general
         for p, phys in enumerate(plan.physical):
-            if p in store.dynamic or not phys.placement.held_everywhere:
+            if (p in store.dynamic and p in store.cached) or not phys.placement.held_everywhere:
                 return general
             t = store.tables[p]
             if t.dtype not in ROW_TYPES or not t.is_contiguous():
@@ -150,10 +166,10 @@ class FastPath:
         return self.general.staged(features, weights, training)  # (the worker's: one thread)
 
     def lookup(self, prepared: Prepared) -> tuple[Activations, Answers]:
-        flat = self._lookup(prepared)
-        if flat is None:
+        got = self._lookup(prepared)
+        if got is None:
             return self.general.lookup(prepared)
-        return flat, (None,) * len(prepared.tables)  # (no exchange, no map)
+        return got
 
     def apply(self, prepared: Prepared, answers: Answers, grads: Sequence[object], step: int,
               warn_on_none: bool, before_write: Callable[[], None]) -> None:
@@ -164,7 +180,7 @@ class FastPath:
         multipliers = gradient_multipliers(prepared, self.plan, step)  # these may raise: before
         lrs = learning_rates(prepared, self.plan)  # any write (lrs last: a callable may count)
         before_write()
-        self._update(prepared, parts, lrs, multipliers, step)
+        self._update(prepared, answers, parts, lrs, multipliers, step)
 
     # ------------------------------------------------------------------------------ prepare
     def _prepare(self, batch: Any, training: bool, shapes: Shapes) -> Prepared | None:
@@ -208,6 +224,16 @@ class FastPath:
             layout = self.layouts[key] = [_Layout(t, natural) for t in self.tables]
         tables = []
         for t, lay in zip(self.tables, layout):
+            if lay.dedup is None:  # raw ids (any int64), deduplicated per member
+                parts = [flat[i].reshape(-1) for i in t.features]  # (a copy: a column's ids)
+                segments = None
+                if t.of is None:
+                    ids, dd = concat_dedup(parts, t.adds, None)
+                else:
+                    ids, dd, segments = dedup_members(parts, t.of)
+                tables.append(TableBatch(t.physical, Bags(ids, None, None), dd, lay.slices, None,
+                                         segments))
+                continue
             got = lay.dedup([flat[i] for i in t.features],
                             None if steps is None else [steps[i] for i in t.features])
             if isinstance(got, int):  # an id out of range: the general path names it
@@ -222,18 +248,28 @@ class FastPath:
         return Prepared(training, tuple(tables), len(flat))
 
     # ------------------------------------------------------------------------------- lookup
-    def _lookup(self, prepared: Prepared) -> Activations | None:
-        """Per feature (flat order) its activation ``shape + (D,)``, or None to decline (a
-        table made differentiable or moved since: the general lookup handles it)."""
+    def _lookup(self, prepared: Prepared) -> tuple[Activations, Answers] | None:
+        """Per feature (flat order) its activation ``shape + (D,)``, and per table what the
+        apply needs (a dynamic table's rows and map step, as lookup.py's); or None to decline
+        (a table made differentiable or moved since: the general lookup handles it)."""
         flat: list[torch.Tensor | None] = [None] * prepared.num_features
+        answers: list[Answered | None] = [None] * len(prepared.tables)
         for tb in prepared.tables:  # (all checked first: declining after a cached table's rows
-            table = self.store.tables[tb.physical]  # were brought in would count them twice)
-            if table.requires_grad or not table.is_cpu:
+            table = self.store.tables[tb.physical]  # were brought in, or a map stepped, would
+            if table.requires_grad or not table.is_cpu:  # count them twice)
                 return None
-        for tb in prepared.tables:
+        if prepared.training:  # a batch that one map cannot place changes no map
+            check_map_steps(prepared, self.store, self.general.comm)
+        for k, tb in enumerate(prepared.tables):
             table = self.store.tables[tb.physical]
             ids, d = tb.bags.ids, table.shape[1]
-            if tb.physical in self.store.cached:  # the cache rows of the ids, brought in
+            if self.by_physical[tb.physical].dynamic:  # the rows the maps give the raw ids
+                rows, since = resolve_here(prepared.training, self.store, self.general.comm, tb)
+                answers[k] = Answered([rows], since)
+                dd = tb.dedup
+                out = native.lookup(table, native.expand(rows, dd.order, dd.unique_offsets), None,
+                                    None, torch.empty(ids.numel(), d))
+            elif tb.physical in self.store.cached:  # the cache rows of the ids, brought in
                 dd = tb.dedup
                 with self.store.held(tb.physical, dd.unique) as (table, _, at):
                     ids = native.expand(at, dd.order, dd.unique_offsets)
@@ -243,7 +279,7 @@ class FastPath:
             parts = out.split_with_sizes([s.rows for s in tb.slices])  # (one call: views)
             for s, a in zip(tb.slices, parts):
                 flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, d)
-        return flat
+        return flat, tuple(answers)
 
     # -------------------------------------------------------------------------------- apply
     def _gradients(self, prepared: Prepared,
@@ -274,23 +310,31 @@ class FastPath:
             out.append(parts)
         return out
 
-    def _update(self, prepared: Prepared, parts: list[list[torch.Tensor]],
+    def _update(self, prepared: Prepared, answers: Answers, parts: list[list[torch.Tensor]],
                 lrs: Mapping[int, float], multipliers: Mapping[int, float | None],
                 step: int) -> None:
-        """Applies each table's optimizer to the batch's rows (``parts``: ``_gradients``' result;
-        ``lrs`` / ``multipliers``: as gradients.py evaluates them, before any write; ``step``:
-        the updates so far, for a 16-bit table's rounding)."""
-        for tb, g in zip(prepared.tables, parts):
+        """Applies each table's optimizer to the batch's rows (``answers``: the lookup's;
+        ``parts``: ``_gradients``' result; ``lrs`` / ``multipliers``: as gradients.py evaluates
+        them, before any write; ``step``: the updates so far, for a 16-bit table's rounding)."""
+        for tb, got, g in zip(prepared.tables, answers, parts):
             t = self.by_physical[tb.physical]
             assert t.rule is not None  # (_gradients declined otherwise)
             lr, gmul = lrs[tb.physical], multipliers[tb.physical]
+            starts = [s.start for s in tb.slices] + [tb.bags.num_rows]
+            if t.dynamic:  # the rows the map gave at the lookup, those still valid (store.py)
+                assert got is not None
+                opt = self.plan.physical[tb.physical].optimizer
+                assert opt is not None
+                self.store.update(tb.physical, got.rows[0],
+                                  OutputGrads(g, starts, tb.bags, tb.dedup), opt, lr, step,
+                                  gradient_multiplier=gmul, since=got.since)
+                continue
             hyper = t.hypers.get((lr, gmul))
             if hyper is None:
                 if len(t.hypers) >= _HYPERS_KEPT:  # (a schedule: a new rate every step)
                     t.hypers.clear()
                 opt = self.plan.physical[tb.physical].optimizer
                 hyper = t.hypers[(lr, gmul)] = _hyper(opt, lr, gradient_multiplier=gmul)
-            starts = [s.start for s in tb.slices] + [tb.bags.num_rows]
             dd = tb.dedup
             if tb.physical in self.store.cached:  # the cache rows the lookup brought in
                 with self.store.held(tb.physical, dd.unique, count=False, write=True) as (

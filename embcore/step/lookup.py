@@ -29,14 +29,14 @@ def lookup(prepared: Prepared, store: RowStore,
     """
     flat: list[torch.Tensor | None] = [None] * prepared.num_features
     received: list[Answered | None] = []
-    asked = _check_map_steps(prepared, store, comm) if prepared.training else {}
+    asked = check_map_steps(prepared, store, comm) if prepared.training else {}
     for tb in prepared.tables:
         if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
             out = store.combine(tb.physical, tb.bags.ids, tb.bags,
                                 tb.dedup if tb.physical in store.cached else None)  # (R, D)
             received.append(None)
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
-            rows, since = _resolve_here(prepared.training, store, comm, tb,
+            rows, since = resolve_here(prepared.training, store, comm, tb,
                                         asked.get(tb.physical))  # (U,)
             out = store.combine(tb.physical, rows.index_select(0, tb.dedup.inverse),
                                 tb.bags)  # (R, D)
@@ -51,7 +51,7 @@ def lookup(prepared: Prepared, store: RowStore,
     return flat, tuple(received)
 
 
-def _check_map_steps(prepared: Prepared, store: RowStore,
+def check_map_steps(prepared: Prepared, store: RowStore,
                      comm: Communicator) -> dict[int, list[torch.Tensor]]:
     """Before the map steps of a training batch with two dynamic tables or more (stacked or
     not): checks on every process that none of them fails (``RowStore.check_steps``: free
@@ -92,7 +92,7 @@ def _check_map_steps(prepared: Prepared, store: RowStore,
     return asked
 
 
-def _resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
+def resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
                   everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
     map step. A replicated table's map takes the same step on every process: over the distinct

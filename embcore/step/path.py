@@ -8,8 +8,8 @@ it went. Two paths implement it:
   ``lookup`` (lookup.py) and ``apply_step`` (gradients.py): any input kind, weights, placement,
   store and optimizer, one process or many.
 - ``FastPath`` (fast.py): one kernel call per verb and physical table for batches of dense
-  one-id features on in-memory float32 tables; it hands whatever it does not cover to the
-  general path, which then raises its errors.
+  one-id features on the tables of one CPU process (raw-id tables: their maps' step first); it
+  hands whatever it does not cover to the general path, which then raises its errors.
 """
 
 from __future__ import annotations

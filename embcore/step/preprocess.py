@@ -109,7 +109,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
                             tuple[tuple[int, int], ...] | None]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
     for stacked dynamic tables (``of``: each part's member index, ascending) the raw ids are
-    deduplicated per member (``_dedup_members``), which also gives the segments."""
+    deduplicated per member (``dedup_members``), which also gives the segments."""
     unit = all(b is not None and b.unit for _, b in parts)
     offsets, scales, slices = [], [], []
     nnz = rows = 0
@@ -127,7 +127,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     if of is None:
         ids, dd = concat_dedup(id_parts, adds, num_rows)
     else:
-        ids, dd, segments = _dedup_members(id_parts, of)
+        ids, dd, segments = dedup_members(id_parts, of)
     if unit:
         return (Bags(ids, None, None), dd), tuple(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
@@ -135,7 +135,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
             segments)
 
 
-def _dedup_members(parts: list[torch.Tensor], of: list[int]
+def dedup_members(parts: list[torch.Tensor], of: list[int]
                    ) -> tuple[torch.Tensor, Dedup, tuple[tuple[int, int], ...]]:
     """The raw ids of stacked dynamic tables' features (``of``: each part's member, ascending),
     deduplicated per member (one member's id is not another's): ``(ids (nnz,), dedup,
