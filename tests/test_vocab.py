@@ -493,7 +493,7 @@ def test_the_native_map_holds_at_most_48_bytes_per_resident_id_at_any_fill(evict
             resident += new
             per_id[resident] = held_bytes(m) / min(resident, capacity)
     assert max(per_id.values()) <= 48, per_id
-    queue = 0.75 if eviction == "lru" else 0  # LRU's eviction queue, once every row is held
+    queue = 3.0 if eviction == "lru" else 0  # LRU's eviction queue, once every row is held
     assert per_id[10_000] <= 48 and per_id[57_000] <= 48 and per_id[100_000] < 30.001 + queue
     assert m.nbytes(pending=False) == held_bytes(m) <= m.nbytes()
     assert m.n_resident == capacity

@@ -271,7 +271,7 @@ class RowStore:
                 slots = self._cache_rows(cache, index)  # (first: it may grow the cache)
                 return combine(cache.table, slots, bags)
         with self.held(p, dedup.unique) as (table, _, at):
-            return combine(table, _occurrences(at, dedup), bags)
+            return combine(table, occurrences(at, dedup), bags)
 
     @contextlib.contextmanager
     def held(self, p: int, rows: torch.Tensor, count: bool = True, write: bool = False
@@ -744,8 +744,11 @@ class RowStore:
         return out
 
 
-def _occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
-    """(nnz,) ``at`` (U,), given per distinct row of ``dedup``, at each of its occurrences."""
+def occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
+    """(nnz,) ``at`` (U,), given per distinct row of ``dedup``, at each of its occurrences (on
+    the kernels' threads where they apply: a torch op this large runs on torch's, whose workers
+    then spin for milliseconds on the cores the next kernels use; benchmarks/RESULTS.md,
+    W1-raw)."""
     if native.usable(at, dedup.order):
         return native.expand(at, dedup.order, dedup.unique_offsets)
     return at.index_select(0, dedup.inverse)

@@ -481,7 +481,7 @@ class DynamicStack:
         Returns:
             ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since, written)``:
             ``written``, whether the new rows' initial values and fresh slots are in ``init``'s
-            tensors already.
+            tensors already (the list of new ids is then empty: nobody needs it).
         """
         parts = self.pieces(ids, segments)
         if len(parts) == 1 and len(self.members) == 1:
@@ -555,6 +555,8 @@ class DynamicStack:
             for d in members:
                 d.steps += 1
         rows, new_ids, new_rows, admitted = stepped
+        if init is not None:  # the new rows are written already: nobody reads them
+            return rows, []
         new = [(m, i, r) for (m, _), i, r in zip(parts, new_ids.split(admitted),
                                                 new_rows.split(admitted))]
         return rows, new

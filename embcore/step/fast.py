@@ -225,7 +225,8 @@ class FastPath:
         tables = []
         for t, lay in zip(self.tables, layout):
             if lay.dedup is None:  # raw ids (any int64), deduplicated per member
-                parts = [flat[i].reshape(-1) for i in t.features]  # (a copy: a column's ids)
+                parts = [x if x.dim() == 1 and x.is_contiguous() else x.reshape(-1)
+                         for x in (flat[i] for i in t.features)]  # (a copy: a column's ids)
                 segments = None
                 if t.of is None:
                     ids, dd = concat_dedup(parts, t.adds, None)

@@ -14,7 +14,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..ops.combine import combine
-from ..state.store import RowStore
+from ..state.store import RowStore, occurrences
 from .exchange import Answered, Answers, fetch_rows
 from .preprocess import Prepared, TableBatch
 
@@ -38,8 +38,7 @@ def lookup(prepared: Prepared, store: RowStore,
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
             rows, since = resolve_here(prepared.training, store, comm, tb,
                                         asked.get(tb.physical))  # (U,)
-            out = store.combine(tb.physical, rows.index_select(0, tb.dedup.inverse),
-                                tb.bags)  # (R, D)
+            out = store.combine(tb.physical, occurrences(rows, tb.dedup), tb.bags)  # (R, D)
             received.append(Answered([rows], since))
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
