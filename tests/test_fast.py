@@ -184,11 +184,13 @@ def dynamic_setups(draw):
     return tables, readers, shapes, opt, steps
 
 
-def raw_batch_of(tables, readers, shapes, seed, kind):
-    """``batch_of`` with raw ids (any int64: negative, large) for the dynamic tables."""
+def raw_batch_of(tables, readers, shapes, seed, kind, pool=None):
+    """``batch_of`` with raw ids for the dynamic tables, drawn from ``pool`` (default: eight
+    int64s, negative and large among them)."""
     out = batch_of(tables, readers, shapes, seed, kind)
     g = torch.Generator().manual_seed(seed + 500)
-    pool = torch.tensor([-7, 0, 3, 11, 2**62 + 1, -(2**40), 123456789, 5])
+    if pool is None:
+        pool = torch.tensor([-7, 0, 3, 11, 2**62 + 1, -(2**40), 123456789, 5])
     for i, t in enumerate(readers):
         if tables[t].dynamic is not None:
             x = out[f"f{i}"]
@@ -207,8 +209,13 @@ def test_the_fast_path_equals_the_general_path_on_raw_id_tables(setup):
     overflow errors (nothing changed by them), the same evaluation lookups."""
     tables, readers, shapes, opt, steps = setup
     engines = [engine(tables, features_of(readers), opt, on) for on in (True, False)]
+    _step_alike(engines, tables, readers, shapes, steps)
+
+
+def _step_alike(engines, tables, readers, shapes, steps, pool=None):
+    """Steps both engines over the same raw-id batches; the same results, errors and state."""
     for step, kind in enumerate(steps):
-        batch = raw_batch_of(tables, readers, shapes, step, kind)
+        batch = raw_batch_of(tables, readers, shapes, step, kind, pool)
         outs, errors = [], []
         for emb in engines:
             try:
@@ -227,9 +234,29 @@ def test_the_fast_path_equals_the_general_path_on_raw_id_tables(setup):
         assert a.keys() == b.keys()
         for k in a:
             assert torch.equal(a[k], b[k]), (step, kind, k)
-    served = [emb.lookup(raw_batch_of(tables, readers, [(3,) for _ in readers], 99, "dense"))
-              for emb in engines]
+    served = [emb.lookup(raw_batch_of(tables, readers, [(3,) for _ in readers], 99, "dense",
+                                      pool)) for emb in engines]
     assert all(torch.equal(served[0][k], served[1][k]) for k in served[0])
+
+
+@requires_native
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_offloaded_raw_id_tables_on_the_fast_path_equal_the_general_path(tmp_path, eviction):
+    """Stacked raw-id tables behind a cache (rows and slots in the slow tier, maps in memory):
+    the fast path's steps equal the general path's, bit for bit."""
+    dyn = ec.DynamicVocabulary(eviction=eviction, admit_after=2, ttl_steps=4)
+    tables = [ec.TableConfig(vocabulary_size=v, dim=16, combiner=c, name=f"t{k}", dynamic=dyn)
+              for k, (v, c) in enumerate([(30, "sum"), (24, "mean"), (40, "sum")])]
+    readers = [0, 1, 2, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (caches that grow warn)
+        engines = [engine(tables, features_of(readers), ec.Adagrad(learning_rate=0.1), on,
+                          memory_budget=12000, offload_dir=tmp_path / f"slow{on}")
+                   for on in (True, False)]
+    assert engines[0].plan.physical[0].offloaded
+    pool = torch.arange(70) * (2**40 + 7) - 2**45  # more ids than the tables hold: evictions
+    _step_alike(engines, tables, readers, [(12,)] * 4, ["dense"] * 10, pool)
+    assert engines[0]._ready().store.cache_stats()  # (the cache was used)
 
 
 def two_features(optimizer=None):
@@ -318,16 +345,16 @@ def test_engines_the_fast_path_cannot_take_have_none():
     assert not isinstance(off._path, FastPath)
 
 
-def test_raw_id_tables_take_the_fast_path_in_memory_only(tmp_path):
+def test_raw_id_tables_take_the_fast_path_in_memory_and_offloaded(tmp_path):
     raw = ec.TableConfig(vocabulary_size=40, dim=16, name="r", dynamic=ec.DynamicVocabulary())
     here = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD())
     here.build()
     assert isinstance(here._path, FastPath) == native.available()
     away = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD(), memory_budget=3000,
-                        offload_dir=tmp_path)  # rows behind a cache: the general path
+                        offload_dir=tmp_path)  # rows behind a cache
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         away.build()
     assert away.plan.physical[0].offloaded
-    assert not isinstance(away._path, FastPath)
+    assert isinstance(away._path, FastPath) == native.available()
     assert fast.set_enabled(True) is True

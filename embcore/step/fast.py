@@ -3,8 +3,8 @@
 Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
 (``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), every table float32 (or
 float16 / bfloat16: compact rows, widened and rounded inside the kernels) in this
-process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``;
-a dynamic table in memory), trained by an optimizer the fused kernels implement. The general
+process (in memory, or offloaded: its rows read and updated in its cache, ``RowStore.held``),
+raw-id tables included, trained by an optimizer the fused kernels implement. The general
 path (path.py, over preprocess.py, lookup.py and gradients.py) takes every input kind,
 placement and optimizer; at small batches its Python costs more than the work itself (about
 0.19 ms a step for two features of batch 16), and 26 features of raw ids cost it 0.5-1 ms a
@@ -135,10 +135,11 @@ class FastPath:
     def of(general: GeneralPath) -> StepPath:
         """The engine's path: a fast path in front of ``general``, or ``general`` alone when
         the configuration leaves no batch to a fast path: more than one process, not the CPU,
-        no fused kernels, a sequence feature or one with ``output_shape``, an offloaded dynamic
-        table, a table that is not float32, float16 or bfloat16 (or ``set_enabled(False)``). An
-        offloaded static table's rows are read and updated in its cache (``RowStore.held``); a
-        dynamic table's maps step as in the general path (``RowStore.resolve``)."""
+        no fused kernels, a sequence feature or one with ``output_shape``, a table that is not
+        float32, float16 or bfloat16 (or ``set_enabled(False)``). An offloaded table's rows are
+        read and updated in its cache (``RowStore.held``; a dynamic table's through
+        ``RowStore.combine`` and ``update``, as on the general path); a dynamic table's maps
+        step as in the general path (``RowStore.resolve``)."""
         store, plan = general.store, general.plan
         if (not _enabled or general.comm.world_size != 1 or store.device.type != "cpu"
                 or not native.available()):
@@ -147,7 +148,7 @@ class FastPath:
             if f.sequence_length or f.output_shape is not None:
                 return general
         for p, phys in enumerate(plan.physical):
-            if (p in store.dynamic and p in store.cached) or not phys.placement.held_everywhere:
+            if not phys.placement.held_everywhere:
                 return general
             t = store.tables[p]
             if t.dtype not in ROW_TYPES or not t.is_contiguous():
@@ -269,8 +270,11 @@ class FastPath:
                 rows, since = resolve_here(prepared.training, self.store, self.general.comm, tb)
                 answers[k] = Answered([rows], since)
                 dd = tb.dedup
-                out = native.lookup(table, native.expand(rows, dd.order, dd.unique_offsets), None,
-                                    None, torch.empty(ids.numel(), d))
+                at = native.expand(rows, dd.order, dd.unique_offsets)  # (R,) each id's row
+                if tb.physical in self.store.cached:  # brought into the cache, as lookup.py's
+                    out = self.store.combine(tb.physical, at, tb.bags)
+                else:
+                    out = native.lookup(table, at, None, None, torch.empty(ids.numel(), d))
             elif tb.physical in self.store.cached:  # the cache rows of the ids, brought in
                 dd = tb.dedup
                 with self.store.held(tb.physical, dd.unique) as (table, _, at):
