@@ -86,8 +86,8 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread"
 # 9: ec_cache_step's threads, 10: ec_will_need, 11: 16-bit rows in ec_lookup and ec_sparse_update,
 # ec_round16, 12: ec_vocab_*'s compact maps: int32 or int64 slots (with fingerprints) and steps,
 # no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
-# ec_vocab_step_many.
-ABI_VERSION = 13
+# ec_vocab_step_many, 14: ec_vocab_find_many's shard rows.
+ABI_VERSION = 14
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
@@ -1013,6 +1013,8 @@ _VOCAB_FIND_MANY = Kernel("ec_vocab_find_many", None, [
     ("offsets", read(I64)),           # (M + 1,)
     ("rows", written(I64)),           # (n,)
     ("missing", written(I64)),        # (M,)
+    ("fill", INT64),
+    ("shard", INT),
     ("nt", INT),
 ])
 
@@ -1089,17 +1091,19 @@ def _runs_of(kernel: Kernel, offsets: torch.Tensor, maps: int, n: int) -> list[i
     return [b - a for a, b in steps]
 
 
-def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_find_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                    fill: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows (n,), missing (M,))``: ``vocab_find`` of each map (a row of ``maps``:
     ``map_fields``) over its distinct ids ``ids[offsets[m]:offsets[m + 1]]`` at its cut, -1 where
-    not found; how many of each map's are not found. On the threads, a map each."""
+    not found (with ``fill``: shard rows, the map's ``start`` plus its row, ``fill`` where not
+    found); how many of each map's are not found. On the threads, a map each."""
     n, m = ids.numel(), maps.shape[0]
     _runs_of(_VOCAB_FIND_MANY, offsets, m, n)
     rows = torch.empty(n, dtype=torch.int64)
     missing = torch.empty(m, dtype=torch.int64)
     _VOCAB_FIND_MANY.call((maps, m * len(MAP_FIELDS)), m, (ids, n), (offsets, m + 1), (rows, n),
-                          (missing, m), _threads())
+                          (missing, m), -1 if fill is None else fill, int(fill is not None),
+                          _threads())
     return rows, missing
 
 

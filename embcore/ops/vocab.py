@@ -1058,11 +1058,8 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     table = torch.tensor([m._map_fields(m.step + 1, _NO_CUT, start, 0)
                           for m, start in zip(maps, starts)], dtype=_I64)
-    rows = native.vocab_find_many(table, ids, offsets)[0]
-    shift = torch.repeat_interleave(torch.tensor(list(starts), dtype=_I64),
-                                    torch.tensor(list(counts), dtype=_I64),
-                                    output_size=ids.numel())
-    return torch.where(rows < 0, fill, rows + shift)
+    return native.vocab_find_many(table, ids, offsets, fill)[0]  # (the shift and fill there:
+    # torch ops this large would run on torch's threads, slowing the kernels after them)
 
 
 def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],

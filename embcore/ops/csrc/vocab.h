@@ -585,10 +585,11 @@ inline void each_member(i64 n_maps, const i64* offsets, int nt, bool every, F&& 
 
 extern "C" {
 
-// ec_vocab_find of each map over its ids with its cut, rows[i] its row or -1; missing (M,) out:
-// how many of each map's are not found. Reads only.
+// ec_vocab_find of each map over its ids with its cut, rows[i] its row or -1 (``shard``: its
+// shard row, the map's start plus its row, or ``fill``); missing (M,) out: how many of each
+// map's are not found. Reads only.
 void ec_vocab_find_many(const i64* maps, i64 n_maps, const i64* ids, const i64* offsets,
-                        i64* rows, i64* missing, int nt) {
+                        i64* rows, i64* missing, i64 fill, int shard, int nt) {
   std::fill(missing, missing + n_maps, i64(0));
   each_member(n_maps, offsets, nt, false, [&](i64 m) {
     const i64* d = maps + m * kMapFields;
@@ -598,6 +599,9 @@ void ec_vocab_find_many(const i64* maps, i64 n_maps, const i64* ids, const i64* 
                                d[kNRows], reinterpret_cast<const void*>(d[kLastUse]),
                                int(d[kWideSteps]), d[kCut], ids + a, offsets[m + 1] - a, -1,
                                rows + a, 1);
+    if (!shard) return;
+    const i64 start = d[kStart];
+    for (i64 i = a; i < offsets[m + 1]; ++i) rows[i] = rows[i] < 0 ? fill : rows[i] + start;
   });
 }
 
