@@ -108,6 +108,18 @@ def test_log_writes_whole_segments_and_cleans(tmp_path: Path) -> None:
     d.remove()
 
 
+def test_a_write_that_takes_nothing_is_an_error_not_a_hang(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    views, log, d = _log(tmp_path, 64)
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    src = torch.zeros(2, 4)
+    with pytest.raises(OSError, match="took no bytes"):
+        log.append(torch.tensor([1, 2]), {0: (src[:, :3].contiguous(), torch.arange(2)),
+                                          12: (src[:, 3:].contiguous(), torch.arange(2))})
+    d.remove()
+
+
 def test_records_offsets(tmp_path: Path) -> None:
     d = OffloadDir(tmp_path, 0)
     views, log = slow_log(d.file("t.bin"), 10, [(torch.float32, 5), (torch.float64, 1)])

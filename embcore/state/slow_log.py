@@ -208,7 +208,11 @@ class RecordLog:
         view = memoryview(data.contiguous().numpy()).cast("B")
         offset, done = place * self.record, 0
         while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+            put = os.pwrite(self.fd, view[done:], offset + done)  # (OSError: the disk's error)
+            if put <= 0:  # (the file's space is reserved: this would be a broken file system)
+                raise OSError(f"the slow tier's log took no bytes at byte {offset + done} (it "
+                              f"holds {self.places * self.record})")
+            done += put
 
     # ---------------------------------------------------------------- outside the step
     def compact(self) -> None:

@@ -13,7 +13,7 @@ step more. ``FastPath`` takes those batches straight to the kernels:
 - ``prepare``: per physical table one ``native.concat_dedup``, which also checks the ids' range
   (a dynamic table's raw ids: one ``native.dedup_raw_runs``, a run per stacked member);
 - ``lookup``: per physical table one ``native.lookup`` into one buffer, viewed per feature (a
-  dynamic table's maps step first, as on the general path: lookup.py's ``resolve_here``);
+  dynamic table's maps step first, as on the general path: lookup.py's ``dynamic_here``);
 - ``apply``: per physical table one ``native.sparse_update`` that reads the activations'
   gradients where they are (multipliers and learning rates from gradients.py, before any write;
   a dynamic table's through ``RowStore.update``, which leaves rows given away since alone).
@@ -45,7 +45,7 @@ from ..ops.rounding import ROW_TYPES
 from ..ops.update import _hyper, native_rule
 from .exchange import Answered, Answers
 from .gradients import gradient_multipliers, learning_rates
-from .lookup import check_map_steps, resolve_here
+from .lookup import check_map_steps, dynamic_here
 from .path import Activations, Batch, GeneralPath, StepPath
 from .preprocess import FeatureSlice, Prepared, TableBatch, dedup_members
 
@@ -267,14 +267,8 @@ class FastPath:
             table = self.store.tables[tb.physical]
             ids, d = tb.bags.ids, table.shape[1]
             if self.by_physical[tb.physical].dynamic:  # the rows the maps give the raw ids
-                rows, since = resolve_here(prepared.training, self.store, self.general.comm, tb)
-                answers[k] = Answered([rows], since)
-                dd = tb.dedup
-                at = native.expand(rows, dd.order, dd.unique_offsets)  # (R,) each id's row
-                if tb.physical in self.store.cached:  # brought into the cache, as lookup.py's
-                    out = self.store.combine(tb.physical, at, tb.bags)
-                else:
-                    out = native.lookup(table, at, None, None, torch.empty(ids.numel(), d))
+                out, answers[k] = dynamic_here(prepared.training, self.store, self.general.comm,
+                                               tb)
             elif tb.physical in self.store.cached:  # the cache rows of the ids, brought in
                 dd = tb.dedup
                 with self.store.held(tb.physical, dd.unique) as (table, _, at):

@@ -36,10 +36,8 @@ def lookup(prepared: Prepared, store: RowStore,
                                 tb.dedup if tb.physical in store.cached else None)  # (R, D)
             received.append(None)
         elif tb.route is None:  # a dynamic table held here: its map gives the rows
-            rows, since = resolve_here(prepared.training, store, comm, tb,
-                                        asked.get(tb.physical))  # (U,)
-            out = store.combine(tb.physical, occurrences(rows, tb.dedup), tb.bags)  # (R, D)
-            received.append(Answered([rows], since))
+            out, got = dynamic_here(prepared.training, store, comm, tb, asked.get(tb.physical))
+            received.append(got)
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
                                              prepared.training, asked.get(tb.physical))  # (U, D)
@@ -51,7 +49,7 @@ def lookup(prepared: Prepared, store: RowStore,
 
 
 def check_map_steps(prepared: Prepared, store: RowStore,
-                     comm: Communicator) -> dict[int, list[torch.Tensor]]:
+                    comm: Communicator) -> dict[int, list[torch.Tensor]]:
     """Before the map steps of a training batch with two dynamic tables or more (stacked or
     not): checks on every process that none of them fails (``RowStore.check_steps``: free
     unless a table has more distinct ids than its capacity), so that a batch failing at one
@@ -91,7 +89,18 @@ def check_map_steps(prepared: Prepared, store: RowStore,
     return asked
 
 
-def resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
+def dynamic_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
+                 everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Answered]:
+    """``(out (R, D), answered)``: the bags of a dynamic table held whole here (one process, or
+    replicated), read at the rows its map gives the batch's distinct ids (``_resolve_here``), and
+    those rows with the map step they are valid at, for the update (the general and the fast
+    path's lookup alike)."""
+    rows, since = _resolve_here(training, store, comm, tb, everyone)  # (U,)
+    out = store.combine(tb.physical, occurrences(rows, tb.dedup), tb.bags)  # (R, D)
+    return out, Answered([rows], since)
+
+
+def _resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
                   everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
     """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
     map step. A replicated table's map takes the same step on every process: over the distinct

@@ -136,7 +136,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
 
 
 def dedup_members(parts: list[torch.Tensor], of: list[int]
-                   ) -> tuple[torch.Tensor, Dedup, tuple[tuple[int, int], ...]]:
+                  ) -> tuple[torch.Tensor, Dedup, tuple[tuple[int, int], ...]]:
     """The raw ids of stacked dynamic tables' features (``of``: each part's member, ascending),
     deduplicated per member (one member's id is not another's): ``(ids (nnz,), dedup,
     segments)``, ``dedup.unique`` a run of distinct ids per member and ``segments`` the
