@@ -167,7 +167,6 @@ class Embedding:
         self._path: StepPath | None = None
         self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
-        self._publishers: dict[str, Any] = {}  # directory -> its publish state (online.py)
 
     @property
     def plan(self) -> ShardingPlan:
@@ -245,9 +244,11 @@ class Embedding:
         return self._path
 
     @contextlib.contextmanager
-    def _quiet(self) -> Iterator[RowStore]:
-        """The store, with the engine's lock held and background work done: the rows as the
-        last applied step left them, for a publish."""
+    def quiescent(self) -> Iterator[RowStore]:
+        """The engine's rows (its ``RowStore``, built if it was not), with the engine's lock
+        held and its background work done: the rows as the last applied step left them, for
+        code that reads them between steps (``ec.publish``). Not for a model's code: every
+        other use of the rows goes through the engine's verbs."""
         with self._lock:
             self._queue.wait_all()
             yield self._ready().store

@@ -19,6 +19,7 @@ import secrets
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,19 @@ class _Publisher:
     # dynamic tables: (rows in use, the id each row holds) at that publish, per physical table
     # (rows freed since belong in the next delta, and the ids that left them are its evicted)
     used: dict[int, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+
+# per engine, per directory (its real path) it publishes to: its publish state
+_PUBLISHERS: weakref.WeakKeyDictionary[Embedding, dict[str, _Publisher]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _publishers(engine: Embedding) -> dict[str, _Publisher]:
+    """The publish state ``engine`` keeps per directory (created empty)."""
+    got = _PUBLISHERS.get(engine)
+    if got is None:
+        got = _PUBLISHERS[engine] = {}
+    return got
 
 
 def _engine(obj: Any) -> Embedding:
@@ -161,7 +175,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         raise ValueError(f"compact_ratio must be a finite number > 0, got {compact_ratio!r}")
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
-    with engine._quiet() as store:
+    with engine.quiescent() as store:
         pub, lock = _open(engine, directory)
         kind = "snapshot" if (pub is None or snapshot or bool(slots) != pub.slots or (
             snapshot is None and pub.delta_bytes > compact_ratio * pub.snapshot_bytes)) \
@@ -233,7 +247,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             raise
         if pub is None:
             pub = _Publisher(lock, seq, entry_id, bool(slots), 0)
-            engine._publishers[key] = pub
+            _publishers(engine)[key] = pub
         pub.lock = pub.lock or lock
         pub.seq, pub.id, pub.slots = seq, entry_id, bool(slots)
         pub.used.update(used)
@@ -256,7 +270,7 @@ def _open(engine: Embedding, directory: Path
     """The engine's publish state for ``directory`` (None: its first publish there), checked
     against the directory, and the directory's writer lock when process 0 takes it now (its
     first publish there, or its first since ``ec.load`` of the directory)."""
-    pub = engine._publishers.get(_key(directory))
+    pub = _publishers(engine).get(_key(directory))
     error: BaseException | None = None
     lock = None
     if engine.comm.rank == 0:
@@ -304,9 +318,10 @@ def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: 
         n = place.row_counts[rank]
         if n == 0:
             continue
-        dyn = store.dynamic.get(p)
-        if dyn is not None and p not in used:  # (N_p,) rows in use and the ids they hold
-            used[p] = (dyn.row_state("last_use")[:, 0] > 0, dyn.row_state("ids")[:, 0])
+        in_use = store.in_use(p) if p not in used else None  # (a raw-id table's)
+        if in_use is not None:  # (N_p,) rows in use and the ids they hold
+            used[p] = in_use
+        mapped = p in used
         evicted = None
         if kind == "snapshot":
             local = torch.arange(n)
@@ -314,25 +329,24 @@ def _chunks_to_write(store: RowStore, kind: str, pub: _Publisher | None, slots: 
             assert pub is not None
             if p not in changed:
                 rows = taken[p]  # (k,) shard rows written since, ascending
-                if dyn is not None and p in pub.used:  # and rows freed since
+                if mapped and p in pub.used:  # and rows freed since
                     freed = (pub.used[p][0] & ~used[p][0]).nonzero().squeeze(1)
                     rows = torch.unique(torch.cat([rows, freed]))
                 changed[p] = rows
             start = place.local_offsets[rank]
             rows = changed[p]
             local = rows[(rows >= start) & (rows < start + n)] - start
-            if dyn is not None and p in pub.used:
+            if mapped and p in pub.used:
                 evicted = _evicted(store.member(place.name), pub.used[p], local + start)
         counts[place.name] += local.numel()
         if local.numel() or (slots and _counts(store, place)):  # (counted ids: every time)
-            yield _chunks(store, place, local, slots, dyn is not None, evicted)
+            yield _chunks(store, place, local, slots, mapped, evicted)
 
 
 def _counts(store: RowStore, place: Any) -> bool:
     """Whether a table counts ids before admitting them (``admit_after > 1``): with slots its
     counted ids go in every entry (``T/vocabulary/pending``), whole."""
-    dynamic = store.configs[place.name].dynamic
-    return dynamic is not None and dynamic.admit_after > 1
+    return store.counts_ids(place.name)
 
 
 def _evicted(dyn: Any, before: tuple[torch.Tensor, torch.Tensor],
@@ -417,7 +431,8 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
                          f"{[m['seq'] for m in manifests if not m.get('slots')]}): it holds no "
                          f"optimizer slots to resume training from; load it with slots=False "
                          f"for the parameters only")
-    shapes = engine._ready().store.state_shapes()
+    with engine.quiescent() as store:
+        shapes = store.state_shapes()
     saved = last["engine"].get("tables", {})
     own = engine.manifest()["tables"]
     names = [n for n in own if n in saved]
@@ -442,12 +457,11 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
     if slots and not missing:
         state["step"] = torch.tensor(last["step"], dtype=torch.int64)
     engine.load_state_dict(state, strict=False)
-    with engine._quiet() as store:  # later publishes continue this chain
+    with engine.quiescent() as store:  # later publishes continue this chain
         store.track().take(_key(directory))  # (from now on: what the load wrote is in it)
-        old = engine._publishers.get(_key(directory))
-        used = {p: (d.row_state("last_use")[:, 0] > 0, d.row_state("ids")[:, 0])
-                for p, d in store.dynamic.items()}
-        engine._publishers[_key(directory)] = _Publisher(
+        old = _publishers(engine).get(_key(directory))
+        used = {p: u for p in range(len(store)) if (u := store.in_use(p)) is not None}
+        _publishers(engine)[_key(directory)] = _Publisher(
             old.lock if old is not None else None, last["seq"], last["id"],
             bool(last.get("slots")), 0, used=used)
     return {**last["engine"], "step": last["step"], "seq": last["seq"]}

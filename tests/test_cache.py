@@ -302,7 +302,7 @@ def _evictions_every_step(opt):
     stats = emb.cache_stats()
     assert stats and all(s["misses"] > 0 for s in stats.values())
     assert set(stats) == {n for p in emb.plan.physical if p.offloaded for n in p.tables}
-    cache = next(iter(emb._store.cached.values()))
+    cache = next(iter(emb._store.caches()))
     assert cache.written_rows > 0  # updated rows went back to the slow tier
 
 
@@ -401,7 +401,7 @@ def test_batch_eviction_frees_rows_ahead_and_stays_exact():
         emb = ec.Embedding(fc, ec.Adagrad(learning_rate=0.3), memory_budget=budget)
         if budget is not None:
             _run(emb, batches[:1])
-            cache = next(iter(emb._store.cached.values()))
+            cache = next(iter(emb._store.caches()))
             assert cache.capacity >= 200
             for i, b in enumerate(batches[1:], start=1):
                 written, rounds = cache.written_rows, cache.evictions
@@ -655,7 +655,7 @@ def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt)
     emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=_small(opt, 1200),
                        offload_dir=tmp_path)
     _run(emb, [concat(global_batch(0, 2))])
-    caches = list(emb._store.cached.values())
+    caches = list(emb._store.caches())
     assert caches, "the budget offloads a table"
     assert all(c.log is not None for c in caches)  # (written as logs here: ``_logs``)
     for cache in caches:

@@ -117,7 +117,7 @@ def test_the_tier_is_reserved_and_a_dynamic_tables_rows_read_as_zeros(tmp_path):
     for f in files:
         st = f.stat()
         assert st.st_blocks * 512 >= st.st_size, f"{f.name} is reserved"
-    dyn = next(c for c in emb._store.cached.values() if c.name == "r")
+    dyn = next(c for c in emb._store.caches() if c.name == "r")
     assert not dyn.slow["parameters"].any()
 
 
@@ -251,7 +251,7 @@ def test_a_check_costs_little(tmp_path):
 
     emb = _engine(tmp_path)
     emb.build(per_replica_batch_size=16)
-    cache = next(iter(emb._store.cached.values()))
+    cache = next(iter(emb._store.caches()))
     cache.check_files(moving=True)
     start = time.perf_counter()
     for _ in range(1000):

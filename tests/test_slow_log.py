@@ -172,7 +172,7 @@ def _train(tmp_path: Path, writes: str, monkeypatch: pytest.MonkeyPatch,
             mid = {k: v.clone() for k, v in emb.state_dict().items()}
     state = {k: v.clone() for k, v in emb.state_dict().items()}
     stats = emb.cache_stats()
-    logs = [c.log for c in emb._ready().store.cached.values()]
+    logs = [c.log for c in emb._ready().store.caches()]
     assert all((lg is not None) == (writes in ("log", "auto")) for lg in logs)
     assert budget is None or (logs and all(lg is None or lg.moved > 0 for lg in logs))
     del emb

@@ -91,7 +91,7 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
 
     for i in range(warmup):
         step(batch(i))
-    stores = list(emb._store.cached.values()) if emb._store is not None else []
+    stores = list(emb._store.caches()) if emb._store is not None else []
     before = [(c.hits.sum().item(), c.misses.sum().item(), c.read_rows, c.written_rows,
                c.new.sum().item()) for c in stores]
     times = []

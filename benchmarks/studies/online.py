@@ -81,7 +81,7 @@ def quantiles(xs: list[float]) -> dict[str, float]:
 def tracking(args: argparse.Namespace) -> dict:
     emb, batches, grads = w1_engine()
     store = emb._ready().store
-    on = ChangedRows([store.plan.physical[p].row_counts[0] for p in range(len(store.tables))])
+    on = ChangedRows([store.plan.physical[p].row_counts[0] for p in range(len(store))])
     for i in range(5):
         step(emb, batches[i % 8], grads)
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -89,6 +89,8 @@ def tracking(args: argparse.Namespace) -> dict:
     for r in range(args.rounds):
         for mode in order if r % 2 == 0 else order[::-1]:
             store.changes = on if mode == "on" else None
+            for rows in store:  # (each rows object flags its own writes)
+                rows.changes = store.changes
             t0 = time.perf_counter()
             for i in range(args.steps):
                 step(emb, batches[i % 8], grads)

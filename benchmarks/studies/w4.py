@@ -110,7 +110,7 @@ def embcore_run(args: argparse.Namespace, rows: list[int]) -> None:
     for i in range(args.warmup):
         step(i)
     warm = time.perf_counter() - t0
-    caches = list(emb._store.cached.values())
+    caches = list(emb._store.caches())
     before = [(int(c.hits.sum()), int(c.misses.sum()), c.read_rows, c.written_rows,
                int(c.new.sum())) for c in caches]
     io2, t0 = proc_io(), time.perf_counter()

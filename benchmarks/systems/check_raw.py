@@ -48,7 +48,7 @@ def main() -> None:
     emb = sys_raw_embcore.RawEmbcoreSystem(w, "adagrad", grads, None)
     plain = sys_raw_plain.RawPlainSystem(w, "adagrad", grads, None)
     plain.exact_lru_order = True
-    dyn = {d.name: d for stack in emb.emb._store.dynamic.values()
+    dyn = {d.name: d for stack in (r.stack for r in emb.emb._store if r.maps)
            for d in stack.members}  # {table name: DynamicRows} (the tables stack)
 
     def embcore_init(t: int, ids: list[int]) -> torch.Tensor:

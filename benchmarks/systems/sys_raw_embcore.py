@@ -7,7 +7,7 @@ into [0, 2^63) (``workloads.raw_ids``); each table is ``dynamic`` with ``--capac
 every id fits, nothing is evicted; 50k: eviction every step). Stream mode by default (common.py:
 ``--fill`` untimed steps, default ``workloads.RAW_FILL``, then every step a new batch). The result
 line adds the maps' resident ids and bytes (``map_bytes``: every tensor of each table's
-``VocabMap``, found through ``emb._store.dynamic``'s stacks) and one more step's admitted /
+``VocabMap``, found through the store's raw-id rows objects' stacks) and one more step's admitted /
 evicted ids.
 """
 
@@ -66,7 +66,7 @@ class RawEmbcoreSystem:
     def map_bytes(self) -> int:
         """Bytes of every tensor the tables' maps hold (their storages, each counted once)."""
         seen: dict[int, int] = {}
-        for stack in self.emb._store.dynamic.values():  # (the tables stack: a map each)
+        for stack in (r.stack for r in self.emb._store if r.maps):  # (the tables stack: a map each)
             for v in (v for m in stack.members for v in vars(m.map).values()):
                 if isinstance(v, torch.Tensor):
                     st = v.untyped_storage()

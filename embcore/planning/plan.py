@@ -19,23 +19,22 @@ Dynamic tables (raw ids) stack with one another, never with tables whose ids are
 process each member keeps its own id -> row map over its own rows of the shard (its capacity,
 eviction and statistics: vocabulary.py's ``DynamicStack``); one zero row follows them all; a
 batch's ids travel to their owners in one exchange, by member (16-bit members with stochastic
-rounding keep their identities: member key + raw id, ``RowStore.rounding_at``). Replicated with
+rounding keep their identities: member key + raw id, ``MappedRows.rounding_at``). Replicated with
 W > 1, a dynamic table stands alone.
 On each process the shard of a physical table is its member tables' local rows one after another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ..config.optimizers import Optimizer
-from ..config.tables import TableConfig
+from ..config.tables import MAP_BYTES_PER_ROW, TableConfig
 from ..ops.cache_index import INDEX_BYTES_PER_ROW, LOG_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
-from ..config.tables import MAP_BYTES_PER_ROW
 from .placement import STRATEGIES as _PLACEMENTS
 from .placement import Placement, make_placement
 from .tiers import Curve, fast_rows, zipf_curve
@@ -154,8 +153,8 @@ class ShardingPlan:
 
     def __str__(self) -> str:
         w = self.world_size
-        lines = [f"ShardingPlan(world_size={w}, {len(self.tables)} tables in "
-                 f"{len(self.physical)} physical tables)",
+        lines = [(f"ShardingPlan(world_size={w}, {len(self.tables)} tables in "
+                  f"{len(self.physical)} physical tables)"),
                  f"  {'table':<20} {'strategy':<10} {'physical':>8} {'rows':>10} {'dim':>5}  "
                  f"rows per rank / MB per rank"
                  + ("  [tier]" if any(p.offloaded for p in self.physical) else "")]
@@ -210,7 +209,7 @@ def table_strategies(tables: Sequence[tuple[str, TableConfig, Optimizer | None]]
     if sharding is None:
         sharding = "table" if world_size == 1 else "auto"
     if isinstance(sharding, str):
-        chosen = {n: sharding for n in names}
+        chosen = dict.fromkeys(names, sharding)
     elif isinstance(sharding, Mapping):
         unknown = sorted(set(sharding) - set(names))
         if unknown:
@@ -252,10 +251,10 @@ def table_strategies(tables: Sequence[tuple[str, TableConfig, Optimizer | None]]
 
 def _owners(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
             strategies: Mapping[str, str], world_size: int,
-            lookups: Mapping[str, int]) -> dict[str, int]:
+            lookups: Mapping[str, float]) -> dict[str, int]:
     """Greedy balance of "table" tables: largest first onto the least loaded rank."""
     load = [0] * world_size
-    calls = [0] * world_size
+    calls = [0.0] * world_size
     owners = {}
     whole = [(n, _table_bytes(c, o)) for n, c, o in tables if strategies[n] == "table"]
     for name, size in sorted(whole, key=lambda x: (-x[1], x[0])):
@@ -365,7 +364,7 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     pinned = {name for name, cfg, opt in tables  # rules moving every row every step
               if opt is not None and opt.updates_every_row}
 
-    def fill(fixed: set[str], indexed: set[str] = set()) -> dict[str, list[int]]:
+    def fill(fixed: set[str], indexed: Collection[str] = ()) -> dict[str, list[int]]:
         """Fast rows per rank of the tables not in ``fixed`` (whose bytes are taken first, as
         are the cache indexes of the tables ``indexed``)."""
         out = {n: [0] * world_size for n in cfg if n not in fixed}
@@ -379,14 +378,14 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
             left = budget - maps[r] - index - sum(per_rank[n][r] for n in fixed)
             if left < least:
                 dyn = sorted(n for n, c, _ in tables if c.dynamic is not None and local[n][r])
-                what = ([f"the maps of dynamic tables {dyn} ({MAP_BYTES_PER_ROW} bytes a row): "
-                         f"{maps[r]}"] if maps[r] else []) + [
+                what = ([(f"the maps of dynamic tables {dyn} ({MAP_BYTES_PER_ROW} bytes a row): "
+                          f"{maps[r]}")] if maps[r] else []) + [
                     f"Adam(lazy_adam=False) table {n!r}: {per_rank[n][r]}"
                     for n in sorted(pinned) if per_rank[n][r]] + (
-                    [f"the cache indexes of the offloaded tables {sorted(indexed)} "
-                     f"({WHERE_BYTES_PER_ROW} bytes a row, {where_bytes(False)} for a "
-                     f"static table's) and a cache row of each: "
-                     f"{index + least}"] if indexed else [])
+                    [(f"the cache indexes of the offloaded tables {sorted(indexed)} "
+                      f"({WHERE_BYTES_PER_ROW} bytes a row, {where_bytes(False)} for a "
+                      f"static table's) and a cache row of each: "
+                      f"{index + least}")] if indexed else [])
                 raise ValueError(
                     f"memory_budget={budget} bytes is below what must stay in fast memory on "
                     f"process {r}: {budget - left + least} bytes ({'; '.join(what)}); raise "

@@ -62,10 +62,11 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     assert rt is not None, "a sharded table's batch is routed"
     if asked is None:
         asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
-    if p.dynamic:
-        return _fetch_dynamic(comm, p, store, tb, asked, training)
-    answered, since = store.resolve(p.index, asked, training)
-    answers = [store.gather(p.index, rows) for rows in answered]  # W x (n_s, D_r)
+    rows_here = store[p.index]
+    if rows_here.maps:  # raw ids: an owner's map step may fail
+        return _fetch_mapped(comm, p, store, tb, asked, training)
+    answered, since = rows_here.resolve(asked, training)
+    answers = [rows_here.gather(rows) for rows in answered]  # W x (n_s, D_r)
     if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
         back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
@@ -78,10 +79,10 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     return rows, answered, since
 
 
-def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
+def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
                    asked: list[torch.Tensor], training: bool
                    ) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
-    """``fetch_rows`` of a dynamic table (rows, never a column split). Its owners' maps resolve
+    """``fetch_rows`` of a raw-id table (rows, never a column split). Its owners' maps resolve
     the raw ids, and a training step can fail on one owner (more ids to admit than its shard
     holds): every answer carries one more row, a status (1 in its first column: the owner's
     step failed), so that every process raises a ``ValueError`` at this table instead of the
@@ -89,21 +90,19 @@ def _fetch_dynamic(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Ta
     rt = tb.route
     assert rt is not None
     failure: ValueError | None = None
+    rows_here = store[p.index]
     try:
-        answered, since = store.resolve(p.index, asked, training)  # raw ids -> rows
+        answered, since = rows_here.resolve(asked, training)  # raw ids -> rows
     except ValueError as e:  # nothing changed here; the other processes learn it below
         failure, answered, since = e, [], None
-    table = store.tables[p.index]
+    table = rows_here.table
     answers = []
     for s, ids in enumerate(asked):
         n = ids.numel() - rt.header  # (a stack's ids come after the count of each member's)
         out = torch.empty(n + 1, table.shape[1], dtype=table.dtype,
                           device=table.device)  # (n_s + 1, D): the rows, then the status
         if failure is None:
-            if p.offloaded:  # (through its cache)
-                out[:-1] = store.gather(p.index, answered[s])
-            else:
-                torch.index_select(table, 0, answered[s], out=out[:-1])
+            rows_here.gather(answered[s], out=out[:-1])
             out[-1] = 0
         else:
             out.zero_()

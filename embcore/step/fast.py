@@ -42,14 +42,13 @@ from ..ops import native
 from ..ops.bags import Bags, Dedup, concat_dedup
 from ..ops.combine import OutputGrads
 from ..ops.rounding import ROW_TYPES
-from ..ops.update import _hyper, native_rule
+from ..ops.update import native_rule
 from .exchange import Answered, Answers
 from .gradients import gradient_multipliers, learning_rates
-from .lookup import check_map_steps, dynamic_here
+from .lookup import check_map_steps
 from .path import Activations, Batch, GeneralPath, StepPath
 from .preprocess import FeatureSlice, Prepared, TableBatch, dedup_members
 
-_HYPERS_KEPT = 8  # per table: (lr, multiplier) pairs whose kernel parameters are kept
 _LAYOUTS_KEPT = 64  # batch layouts (each feature's shape) whose fixed arguments are kept
 _enabled = True
 
@@ -77,7 +76,6 @@ class _Table:
         self.rule = rule          # the fused update's rule (None: none, or no optimizer)
         self.dynamic = dynamic    # raw ids, which its maps turn into rows
         self.of: list[int] | None = None  # stacked dynamic tables: each feature's member
-        self.hypers: dict[tuple[float, float | None], native.Hyper] = {}
 
 
 class _Layout:
@@ -112,11 +110,11 @@ class FastPath:
             t = by_table.get(place.physical)
             if t is None:
                 p = plan.physical[place.physical]
-                opt, table = p.optimizer, store.tables[place.physical]
-                rule = (native_rule(opt, table) if opt is not None
+                opt, rows = p.optimizer, store[place.physical]
+                rule = (native_rule(opt, rows.table) if opt is not None
                         and not opt.skip_nonfinite_gradients else None)
                 t = by_table[place.physical] = _Table(place.physical, [], [], [], p.rows, p.dim,
-                                                      rule, place.physical in store.dynamic)
+                                                      rule, rows.maps)
             t.features.append(i)
             t.adds.append(place.row_offset)
             t.limits.append(features.configs[i].table.vocabulary_size)
@@ -150,7 +148,7 @@ class FastPath:
         for p, phys in enumerate(plan.physical):
             if not phys.placement.held_everywhere:
                 return general
-            t = store.tables[p]
+            t = store[p].table
             if t.dtype not in ROW_TYPES or not t.is_contiguous():
                 return general
         return FastPath(general)
@@ -253,29 +251,23 @@ class FastPath:
     # ------------------------------------------------------------------------------- lookup
     def _lookup(self, prepared: Prepared) -> tuple[Activations, Answers] | None:
         """Per feature (flat order) its activation ``shape + (D,)``, and per table what the
-        apply needs (a dynamic table's rows and map step, as lookup.py's); or None to decline
-        (a table made differentiable or moved since: the general lookup handles it)."""
+        apply needs (a raw-id table's rows and map step); or None to decline (a table made
+        differentiable or moved since: the general lookup handles it)."""
         flat: list[torch.Tensor | None] = [None] * prepared.num_features
         answers: list[Answered | None] = [None] * len(prepared.tables)
         for tb in prepared.tables:  # (all checked first: declining after a cached table's rows
-            table = self.store.tables[tb.physical]  # were brought in, or a map stepped, would
+            table = self.store[tb.physical].table  # were brought in, or a map stepped, would
             if table.requires_grad or not table.is_cpu:  # count them twice)
                 return None
+        comm = self.general.comm
         if prepared.training:  # a batch that one map cannot place changes no map
-            check_map_steps(prepared, self.store, self.general.comm)
+            check_map_steps(prepared, self.store, comm)
         for k, tb in enumerate(prepared.tables):
-            table = self.store.tables[tb.physical]
-            ids, d = tb.bags.ids, table.shape[1]
-            if self.by_physical[tb.physical].dynamic:  # the rows the maps give the raw ids
-                out, answers[k] = dynamic_here(prepared.training, self.store, self.general.comm,
-                                               tb)
-            elif tb.physical in self.store.cached:  # the cache rows of the ids, brought in
-                dd = tb.dedup
-                with self.store.held(tb.physical, dd.unique) as (table, _, at):
-                    ids = native.expand(at, dd.order, dd.unique_offsets)
-                    out = native.lookup(table, ids, None, None, torch.empty(ids.numel(), d))
-            else:
-                out = native.lookup(table, ids, None, None, torch.empty(ids.numel(), d))  # (R, D)
+            out, got = self.store[tb.physical].lookup(tb.bags, tb.dedup, prepared.training,
+                                                      tb.segments, comm)  # (R, D)
+            if got is not None:
+                answers[k] = Answered(*got)
+            d = out.shape[1]
             parts = out.split_with_sizes([s.rows for s in tb.slices])  # (one call: views)
             for s, a in zip(tb.slices, parts):
                 flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, d)
@@ -317,36 +309,11 @@ class FastPath:
         ``parts``: ``_gradients``' result; ``lrs`` / ``multipliers``: as gradients.py evaluates
         them, before any write; ``step``: the updates so far, for a 16-bit table's rounding)."""
         for tb, got, g in zip(prepared.tables, answers, parts):
-            t = self.by_physical[tb.physical]
-            assert t.rule is not None  # (_gradients declined otherwise)
-            lr, gmul = lrs[tb.physical], multipliers[tb.physical]
+            opt = self.plan.physical[tb.physical].optimizer
+            assert opt is not None
             starts = [s.start for s in tb.slices] + [tb.bags.num_rows]
-            if t.dynamic:  # the rows the map gave at the lookup, those still valid (store.py)
-                assert got is not None
-                opt = self.plan.physical[tb.physical].optimizer
-                assert opt is not None
-                self.store.update(tb.physical, got.rows[0],
-                                  OutputGrads(g, starts, tb.bags, tb.dedup), opt, lr, step,
-                                  gradient_multiplier=gmul, since=got.since)
-                continue
-            hyper = t.hypers.get((lr, gmul))
-            if hyper is None:
-                if len(t.hypers) >= _HYPERS_KEPT:  # (a schedule: a new rate every step)
-                    t.hypers.clear()
-                opt = self.plan.physical[tb.physical].optimizer
-                hyper = t.hypers[(lr, gmul)] = _hyper(opt, lr, gradient_multiplier=gmul)
-            dd = tb.dedup
-            if tb.physical in self.store.cached:  # the cache rows the lookup brought in
-                with self.store.held(tb.physical, dd.unique, count=False, write=True) as (
-                        table, slots, at):
-                    native.sparse_update(t.rule, table, slots.get("accumulators"), at, hyper, g,
-                                         starts, dd.unique_offsets, dd.order,
-                                         round_to=self.store.rounding_at(tb.physical, step,
-                                                                         dd.unique, at))
-            else:
-                native.sparse_update(t.rule, self.store.tables[tb.physical],
-                                     self.store.slots[tb.physical].get("accumulators"),
-                                     dd.unique, hyper, g, starts, dd.unique_offsets, dd.order,
-                                     round_to=self.store.rounding_at(tb.physical, step,
-                                                                     dd.unique))
-            self.store.written(tb.physical, dd.unique)
+            self.store[tb.physical].update(
+                tb.dedup.unique if got is None else got.rows[0],
+                OutputGrads(g, starts, tb.bags, tb.dedup), opt, lrs[tb.physical], step,
+                gradient_multiplier=multipliers[tb.physical],
+                since=None if got is None else got.since)

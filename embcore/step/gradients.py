@@ -346,15 +346,15 @@ def apply_gradients(prepared: Prepared, answers: Answers,
         lr, gmul = lrs[tb.physical], multipliers[tb.physical]
         if comm.world_size == 1:  # fused: row gradients formed in the update
             # (a dynamic table's rows: those its map gave the distinct ids at the lookup)
-            store.update(tb.physical, tb.dedup.unique if got is None else got.rows[0], outputs,
-                         opt, lr, step, gradient_multiplier=gmul,
-                         since=None if got is None else got.since)
+            store[tb.physical].update(tb.dedup.unique if got is None else got.rows[0],
+                                      outputs, opt, lr, step, gradient_multiplier=gmul,
+                                      since=None if got is None else got.since)
             continue
         g_unique = row_gradients(outputs, store.workspace)  # (U, D)
         rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,
                                      g_unique)
-        store.update(tb.physical, rows, g, opt, lr, step, gradient_multiplier=gmul,
-                     since=got.since if got is not None else None)
+        store[tb.physical].update(rows, g, opt, lr, step, gradient_multiplier=gmul,
+                                  since=got.since if got is not None else None)
 
 
 def _skip_groups(prepared: Prepared, plan: ShardingPlan) -> list[tuple[list[int], Optimizer]]:

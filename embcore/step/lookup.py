@@ -8,15 +8,13 @@ one ``combine`` (ops/combine.py). No table is written.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..base.comm import Communicator
 from ..ops.combine import combine
-from ..state.store import RowStore, occurrences
+from ..state.store import RowStore
 from .exchange import Answered, Answers, fetch_rows
-from .preprocess import Prepared, TableBatch
+from .preprocess import Prepared
 
 
 def lookup(prepared: Prepared, store: RowStore,
@@ -31,13 +29,10 @@ def lookup(prepared: Prepared, store: RowStore,
     received: list[Answered | None] = []
     asked = check_map_steps(prepared, store, comm) if prepared.training else {}
     for tb in prepared.tables:
-        if tb.route is None and tb.physical not in store.dynamic:  # rows held here: read them
-            out = store.combine(tb.physical, tb.bags.ids, tb.bags,
-                                tb.dedup if tb.physical in store.cached else None)  # (R, D)
-            received.append(None)
-        elif tb.route is None:  # a dynamic table held here: its map gives the rows
-            out, got = dynamic_here(prepared.training, store, comm, tb, asked.get(tb.physical))
-            received.append(got)
+        if tb.route is None:  # held here: the rows object reads them (a map's step first)
+            out, got = store[tb.physical].lookup(tb.bags, tb.dedup, prepared.training,
+                                                 tb.segments, comm, asked.get(tb.physical))
+            received.append(None if got is None else Answered(*got))
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
                                              prepared.training, asked.get(tb.physical))  # (U, D)
@@ -51,18 +46,19 @@ def lookup(prepared: Prepared, store: RowStore,
 def check_map_steps(prepared: Prepared, store: RowStore,
                     comm: Communicator) -> dict[int, list[torch.Tensor]]:
     """Before the map steps of a training batch with two dynamic tables or more (stacked or
-    not): checks on every process that none of them fails (``RowStore.check_steps``: free
+    not): checks on every process that none of them fails (``Rows.check_step``: free
     unless a table has more distinct ids than its capacity), so that a batch failing at one
     table changes no map anywhere. With several processes it asks the ids of the batch's
     dynamic tables first (the collectives their lookups would make, whose results it returns
     for them: ``{physical: what each process asked}``) and agrees on the outcome (one small
     all_reduce), so every process raises, before any step, when one would fail."""
-    dynamic = [tb for tb in prepared.tables if tb.physical in store.dynamic]
+    dynamic = [tb for tb in prepared.tables if store[tb.physical].maps]
     if len(dynamic) < 2 and (comm.world_size == 1 or not dynamic or dynamic[0].segments is None
                              or len(dynamic[0].segments) < 2):
         return {}  # one table (one process's stack checks its own members: DynamicStack)
     if comm.world_size == 1:
-        store.check_steps([(tb.physical, [tb.dedup.unique], tb.segments) for tb in dynamic])
+        for tb in dynamic:
+            store[tb.physical].check_step([tb.dedup.unique], tb.segments)
         return {}
     asked: dict[int, list[torch.Tensor]] = {}
     for tb in dynamic:  # what each table's map will step over on this process
@@ -72,7 +68,8 @@ def check_map_steps(prepared: Prepared, store: RowStore,
             asked[tb.physical] = comm.all_to_all(tb.route.send_ids)
     failure: ValueError | None = None
     try:
-        store.check_steps([(p, ids, None) for p, ids in asked.items()])
+        for p, ids in asked.items():
+            store[p].check_step(ids)
     except ValueError as e:
         failure = e
     flags = torch.zeros(comm.world_size, dtype=torch.int32, device=store.device)
@@ -87,31 +84,3 @@ def check_map_steps(prepared: Prepared, store: RowStore,
             f"its shard holds (that process's error names the table and the counts); every "
             f"process drops this batch, no map changed")
     return asked
-
-
-def dynamic_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
-                 everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Answered]:
-    """``(out (R, D), answered)``: the bags of a dynamic table held whole here (one process, or
-    replicated), read at the rows its map gives the batch's distinct ids (``_resolve_here``), and
-    those rows with the map step they are valid at, for the update (the general and the fast
-    path's lookup alike)."""
-    rows, since = _resolve_here(training, store, comm, tb, everyone)  # (U,)
-    out = store.combine(tb.physical, occurrences(rows, tb.dedup), tb.bags)  # (R, D)
-    return out, Answered([rows], since)
-
-
-def _resolve_here(training: bool, store: RowStore, comm: Communicator, tb: TableBatch,
-                  everyone: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Any]:
-    """(U,) shard rows of a dynamic table held whole here (one process, or replicated), and the
-    map step. A replicated table's map takes the same step on every process: over the distinct
-    ids of all processes (gathered: a collective, unless ``everyone`` holds them already), so
-    that every replica stays identical."""
-    unique = tb.dedup.unique  # (U,)
-    if comm.world_size == 1 or not training:
-        rows, since = store.resolve(tb.physical, [unique], training, tb.segments)
-        return rows[0], since
-    if everyone is None:
-        everyone = comm.all_to_all([unique] * comm.world_size)  # W x (U_r,)
-    union = torch.unique(torch.cat(everyone), sorted=True)  # (V,)
-    rows, since = store.resolve(tb.physical, [union], training)
-    return rows[0][torch.searchsorted(union, unique)], since

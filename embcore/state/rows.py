@@ -1,0 +1,339 @@
+"""The rows of one physical table on this process: a kind of table is an object, chosen once.
+
+The plan decides, per physical table, where its shard lives; ``build.py`` turns that decision
+into one rows object, and nothing after asks again. Three kinds, one interface (``Rows``):
+
+- ``MemoryRows``: the shard held whole in fast memory (host memory, on huge pages where the
+  system allows; device memory on a GPU), read and written in place;
+- ``OffloadedRows``: the shard in a slow tier (mapped files, or pinned host memory for a GPU)
+  with its hot rows in a write-back cache (cache.py): every verb takes shard rows as always and
+  resolves them to cache rows inside, reading misses and writing evicted updates back;
+- ``MappedRows`` (mapped.py): raw ids, which a map per stacked table turns into rows of either
+  kind above (its ``storage``).
+
+Each object owns what depends on its kind: ``lookup`` (a batch's bags read here, a raw-id
+table's map stepped first), ``combine``, ``gather``, ``update``, ``resolve`` (ids to shard
+rows: the identity but for raw ids), the rounding keys of a 16-bit table's updated rows, and the
+flags of the rows it wrote (``written``, for the next publish). The step calls these verbs and
+never asks which kind it holds (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..base.comm import Communicator
+from ..config.optimizers import Optimizer
+from ..ops import native
+from ..ops.bags import Bags, Dedup
+from ..ops.combine import OutputGrads, combine
+from ..ops.rounding import Rounding
+from ..ops.update import update
+from ..ops.workspace import Workspace
+from .cache import CachedRows
+from .changes import ChangedRows
+
+Segments = tuple[tuple[int, int], ...]  # a stack's runs of distinct ids: (member, count)
+# per asking process the shard rows answered, and the map step they are valid at (None: ids
+# are rows): what a lookup hands its update
+Resolved = tuple[list[torch.Tensor], Any]
+# (table, slots, at) -> None: writes new rows' values at rows ``at`` of ``table`` and ``slots``
+Writer = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], None]
+# (updated shard rows, where the kernel writes them or None) -> the update's rounding
+RoundingOf = Callable[[torch.Tensor, torch.Tensor | None], Rounding | None]
+
+
+class Rows:
+    """The verbs of one physical table's shard on this process (see the module's docstring).
+
+    Args:
+        p: the physical table's index in the plan.
+        rounding: how its updates round (a float16 / bfloat16 table), else None.
+        workspace: the store's buffers for the update's temporaries, kept across steps.
+    """
+
+    maps = False  # whether a batch's ids are raw ids that a map turns into rows
+
+    def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace) -> None:
+        self.p, self.rounding, self.workspace = p, rounding, workspace
+        self.changes: ChangedRows | None = None  # rows written since publishes (``written``)
+
+    # -- what the kinds implement
+    @property
+    def table(self) -> torch.Tensor:
+        """(n, D_r) the tensor the kernels read: the shard, or its cache."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    def combine(self, index: torch.Tensor, bags: Bags, dedup: Dedup | None = None
+                ) -> torch.Tensor:
+        """(R, D) bags of shard rows ``index`` combined (``dedup``: the batch's distinct rows,
+        when ``index`` is its ids: an offloaded table brings each distinct row in once)."""
+        raise NotImplementedError
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, D_r) shard rows ``rows`` (into ``out`` when given)."""
+        raise NotImplementedError
+
+    def held(self, rows: torch.Tensor, count: bool = True, write: bool = False
+             ) -> contextlib.AbstractContextManager[
+                 tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        """``(table, slots, at)``: where distinct shard rows ``rows`` are, for the block's reads
+        (``write``: and writes)."""
+        raise NotImplementedError
+
+    def renew(self, rows: torch.Tensor, write: Writer) -> None:
+        """Gives distinct shard ``rows`` new values and slots: ``write(table, slots, at)``
+        writes them where the rows are (their old values are not read)."""
+        raise NotImplementedError
+
+    def full(self, key: str) -> torch.Tensor:
+        """The whole shard of ``key`` (``"parameters"`` or a slot), every row current."""
+        raise NotImplementedError
+
+    def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """(n, C) copies of shard rows ``rows`` of ``key``, nothing moved."""
+        raise NotImplementedError
+
+    def to(self, device: torch.device, workspace: Workspace) -> None:
+        """Moves the rows the step reads to ``device`` (with the store's new workspace)."""
+        self.workspace = workspace
+
+    def stats(self) -> dict[str, dict[str, float | int]]:
+        """A slow tier's cache statistics per member table (none in fast memory)."""
+        return {}
+
+    def cache(self) -> CachedRows | None:
+        """The slow tier and its cache, for an offloaded shard (benchmarks, tests)."""
+        return None
+
+    # -- the same for every kind but raw ids (mapped.py overrides them)
+    def lookup(self, bags: Bags, dedup: Dedup, training: bool,
+               segments: Segments | None = None, comm: Communicator | None = None,
+               everyone: list[torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, Resolved | None]:
+        """``(out (R, D), resolved)``: a batch's bags of this table, held whole here, and what
+        the update needs of the rows it read (None: the batch's distinct ids are its rows)."""
+        return self.combine(bags.ids, bags, dedup), None
+
+    def resolve(self, ids: list[torch.Tensor], training: bool,
+                segments: Segments | None = None) -> Resolved:
+        """The shard rows of ``ids`` (per asking process) and the map step they are valid at:
+        ``ids`` themselves here (mapped.py: through the maps)."""
+        return ids, None
+
+    def check_step(self, ids: list[torch.Tensor], segments: Segments | None = None) -> None:
+        """Raises what ``resolve``'s training step over ``ids`` would (nothing here)."""
+
+    def update(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
+               optimizer: Optimizer, lr: float, step: int, *,
+               gradient_multiplier: float | None = None, since: Any = None,
+               rounding: RoundingOf | None = None) -> None:
+        """Applies ``optimizer`` to distinct shard rows ``rows`` in place (ops/update.py), and
+        flags them written; ``since``: a raw-id table's (mapped.py); ``rounding``: the rounding
+        of the updated rows, when another object knows their identities."""
+        raise NotImplementedError
+
+    def rounding_at(self, step: int, rows: torch.Tensor | None = None,
+                    at: torch.Tensor | None = None,
+                    ids: torch.Tensor | None = None) -> Rounding | None:
+        """The rounding of an update at ``step`` (None: not 16-bit). ``ids``: the identities of
+        the updated shard ``rows`` when they are not the rows' own (a raw-id table's), written
+        where the kernel reads them, at ``at`` (an offloaded table's cache rows) or ``rows``."""
+        r = self.rounding
+        if r is None or not r.stochastic or (ids is None and at is None):
+            return None if r is None else r.at(step, None) if r.stochastic else r
+        assert rows is not None, "the keys are written for the updated rows"
+        where = at if at is not None else rows
+        n = self.table.shape[0]
+        keys = self.workspace.get("round_keys", (n,), torch.int64, where.device)
+        keys.index_copy_(0, where, rows if ids is None else ids)
+        return r.at(step, keys)
+
+    def track(self, changes: ChangedRows) -> None:
+        """Flags the rows written from now on in ``changes`` (a publish started it)."""
+        self.changes = changes
+
+    def written(self, rows: torch.Tensor, every: bool = False) -> None:
+        """Flags shard rows ``rows`` (``every``: all rows) written, for the next publish
+        (nothing while nobody publishes)."""
+        if self.changes is not None:
+            if every:
+                self.changes.mark_all(self.p)
+            else:
+                self.changes.mark(self.p, rows)
+
+
+class MemoryRows(Rows):
+    """A shard held whole in fast memory.
+
+    Args:
+        table: (n, D_r) its rows; slots: the optimizer's slots of them.
+    """
+
+    def __init__(self, p: int, table: torch.Tensor, slots: dict[str, torch.Tensor],
+                 rounding: Rounding | None, workspace: Workspace) -> None:
+        super().__init__(p, rounding, workspace)
+        self._table, self.slots = table, slots
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self._table
+
+    def combine(self, index: torch.Tensor, bags: Bags, dedup: Dedup | None = None
+                ) -> torch.Tensor:
+        return combine(self._table, index, bags)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return self._table[rows]
+        return torch.index_select(self._table, 0, rows, out=out)
+
+    @contextlib.contextmanager
+    def held(self, rows: torch.Tensor, count: bool = True, write: bool = False
+             ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        yield self._table, self.slots, rows
+
+    def renew(self, rows: torch.Tensor, write: Writer) -> None:
+        write(self._table, self.slots, rows.to(self._table.device))
+
+    def update(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
+               optimizer: Optimizer, lr: float, step: int, *,
+               gradient_multiplier: float | None = None, since: Any = None,
+               rounding: RoundingOf | None = None) -> None:
+        round_to = rounding(rows, None) if rounding is not None else self.rounding_at(step)
+        update(self._table, self.slots, rows, grad, optimizer, lr, step, self.workspace,
+               gradient_multiplier=gradient_multiplier, round_to=round_to)
+        self.written(rows, every=optimizer.updates_every_row)
+
+    def full(self, key: str) -> torch.Tensor:
+        return self._table if key == "parameters" else self.slots[key]
+
+    def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        full = self.full(key)
+        return full[rows.to(full.device)].cpu()
+
+    def to(self, device: torch.device, workspace: Workspace) -> None:
+        super().to(device, workspace)
+        self._table = self._table.to(device)
+        self.slots = {k: v.to(device) for k, v in self.slots.items()}
+
+
+class OffloadedRows(Rows):
+    """A shard in the slow tier behind its write-back cache (``CachedRows``): the verbs resolve
+    shard rows to cache rows under the cache's lock (a background lookup may run beside a
+    main-thread one)."""
+
+    def __init__(self, p: int, cache: CachedRows, rounding: Rounding | None,
+                 workspace: Workspace) -> None:
+        super().__init__(p, rounding, workspace)
+        self._cache = cache
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self._cache.table
+
+    def cache(self) -> CachedRows:
+        return self._cache
+
+    def combine(self, index: torch.Tensor, bags: Bags, dedup: Dedup | None = None
+                ) -> torch.Tensor:
+        cache = self._cache
+        if dedup is None:
+            with cache.lock:
+                at = self._cache_rows(index)  # (first: it may grow the cache)
+                return combine(cache.table, at, bags)
+        with self.held(dedup.unique) as (table, _, at):
+            return combine(table, occurrences(at, dedup), bags)
+
+    def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        with self._cache.lock:
+            at = self._cache_rows(rows)  # (first: it may grow the cache)
+            got = self._cache.table[at]
+        if out is None:
+            return got
+        return out.copy_(got)
+
+    def _cache_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The cache rows of shard rows ``rows`` (repeats allowed), brought in as needed."""
+        if rows.numel() == 0:
+            return rows
+        unique, inverse = distinct(rows)
+        return self._cache.resolve(unique).index_select(0, inverse)
+
+    @contextlib.contextmanager
+    def held(self, rows: torch.Tensor, count: bool = True, write: bool = False
+             ) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]]:
+        """The cache's table and slots and the cache rows of ``rows``, brought in (``count``: a
+        lookup, counted in the statistics) and held under the cache's lock; with ``write``
+        they are marked updated (written back when they leave)."""
+        cache = self._cache
+        with cache.lock:
+            at = cache.resolve(rows, count=count)
+            try:
+                yield cache.table, cache.slots, at
+            finally:
+                if write:
+                    cache.touched(at)
+
+    def renew(self, rows: torch.Tensor, write: Writer) -> None:
+        with self._cache.lock:
+            self._cache.renew(rows, write)
+
+    def update(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
+               optimizer: Optimizer, lr: float, step: int, *,
+               gradient_multiplier: float | None = None, since: Any = None,
+               rounding: RoundingOf | None = None) -> None:
+        # distinct shard rows -> their cache rows (hits, unless evicted since the lookup)
+        with self.held(rows, count=False, write=True) as (table, slots, at):
+            if isinstance(grad, OutputGrads):
+                d = grad.dedup
+                grad = OutputGrads(grad.parts, grad.starts, grad.bags,
+                                   Dedup(at, d.order, d.unique_offsets))
+            round_to = (rounding(rows, at) if rounding is not None
+                        else self.rounding_at(step, rows, at))
+            update(table, slots, at, grad, optimizer, lr, step, self.workspace,
+                   gradient_multiplier=gradient_multiplier, round_to=round_to)
+        self.written(rows, every=optimizer.updates_every_row)
+
+    def full(self, key: str) -> torch.Tensor:
+        cache = self._cache  # the slow tier, every row current: the cache written back and
+        with cache.lock:     # emptied (a write through the view is then seen by the step)
+            cache.drop()
+        return cache.slow[key]
+
+    def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        with self._cache.lock:
+            return self._cache.read(key, rows)
+
+    def to(self, device: torch.device, workspace: Workspace) -> None:
+        super().to(device, workspace)
+        self._cache.to(device)
+
+    def stats(self) -> dict[str, dict[str, float | int]]:
+        return self._cache.stats()
+
+
+def occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
+    """(nnz,) ``at`` (U,), given per distinct row of ``dedup``, at each of its occurrences (on
+    the kernels' threads where they apply: a torch op this large runs on torch's, whose workers
+    then spin for milliseconds on the cores the next kernels use; benchmarks/RESULTS.md,
+    W1-raw)."""
+    if native.usable(at, dedup.order):
+        return native.expand(at, dedup.order, dedup.unique_offsets)
+    return at.index_select(0, dedup.inverse)
+
+
+def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(distinct, inverse)`` of int64 ``ids``: hashing on the kernels (first-occurrence
+    order), else ``torch.unique`` (ascending); ``distinct[inverse] == ids``."""
+    if native.usable(ids):
+        return native.dedup_raw(ids.contiguous())[:2]
+    return torch.unique(ids, return_inverse=True)
