@@ -1,9 +1,9 @@
 """The engine (``ec.Embedding``): a thin shell over the three verbs of a step.
 
 Every public method reads: check, queue, one call of the engine's path (step/path.py), which
-prepares a batch (``preprocess``), looks it up (``lookup``) and applies its gradients
-(``apply_step``) over the rows of a ``RowStore`` (state/store.py), or takes a batch of dense
-one-id features through one kernel call a verb (step/fast.py). This file owns only the queue's
+prepares a batch (``preprocess``, or for dense one-id batches the native preprocess:
+step/native_prepare.py), looks it up (``lookup``) and applies its gradients (``apply_step``) over
+the rows objects of a ``RowStore`` (state/store.py). This file owns only the queue's
 order and its errors (a rejected call changes nothing), pipelining and the public API
 (docs/architecture.md).
 """
@@ -33,9 +33,8 @@ from .planning.profile import LookupProfile, plan_features
 from .state.cache import OffloadDir
 from .state.store import RowStore
 from .step.exchange import Answers
-from .step.fast import FastPath
 from .step.gradients import reject_gradients
-from .step.path import Batch, GeneralPath, StepPath
+from .step.path import Batch, StepPath
 from .step.queue import StepQueue, TrainingStep
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -239,8 +238,7 @@ class Embedding:
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device,
                                    self._offload_dir)
         if self._path is None:
-            self._path = FastPath.of(GeneralPath(self._features, self._plan, self._store,
-                                                 self._comm))
+            self._path = StepPath(self._features, self._plan, self._store, self._comm)
         return self._path
 
     @contextlib.contextmanager

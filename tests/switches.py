@@ -1,5 +1,5 @@
 """The process-wide switches tests flip for a block, always restored: the fused kernels
-(``native.set_enabled``), the fast path (``fast.set_enabled``: engines built inside the block)
+(``native.set_enabled``), the native preprocess (``native_prepare.set_enabled``: engines built inside the block)
 and compat.py's private fast paths."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from embcore.base import compat
 from embcore.ops import native
-from embcore.step import fast
+from embcore.step import native_prepare as fast
 
 
 @contextlib.contextmanager
@@ -33,5 +33,5 @@ def private_paths(enabled: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def fast_path(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """``fast.set_enabled(enabled)`` for the block (it applies to engines built inside it)."""
+    """``native_prepare.set_enabled(enabled)`` for the block (it applies to engines built inside it)."""
     return _switched(fast.set_enabled, enabled)

@@ -1,4 +1,4 @@
-"""The fast path (step/fast.py) against the general path: bit-identical activations, tables and slots
+"""The native preprocess (step/native_prepare.py) against preprocess.py: bit-identical activations, tables and slots
 over several steps, for every optimizer (those without a fused kernel decline at the update),
 tables in memory or offloaded behind caches,
 every verb that takes it (enqueue / dequeue / apply_gradients, the layer's training step,
@@ -21,8 +21,7 @@ import embcore as ec
 from embcore.ops import native
 from embcore.ops.cache_index import INDEX_BYTES_PER_ROW
 from embcore.planning.plan import where_bytes
-from embcore.step import fast
-from embcore.step.fast import FastPath
+from embcore.step import native_prepare as fast
 
 requires_native = pytest.mark.skipif(not native.available(),
                                      reason=f"fused kernels unavailable: {native.error()}")
@@ -34,7 +33,7 @@ def engine(tables, features, optimizer, enabled, **kw):
     with fast_path(enabled):
         emb = ec.Embedding(features(tables), optimizer, **kw)
         emb.build()
-    assert isinstance(emb._path, FastPath) == enabled
+    assert (emb._path.native is not None) == enabled
     return emb
 
 
@@ -272,10 +271,17 @@ def two_features(optimizer=None):
 @requires_native
 def test_dense_batches_take_the_fast_path_and_others_do_not():
     emb = two_features()
-    assert isinstance(emb._path, FastPath)
-    calls = []
-    real = emb._path.lookup
-    emb._path.lookup = lambda p: calls.append(p) or real(p)
+    assert (emb._path.native is not None)
+    calls = []  # the batches the native preprocess took
+    real = emb._path.native.prepare
+
+    def counted(*args):
+        got = real(*args)
+        if got is not None:
+            calls.append(got)
+        return got
+
+    emb._path.native.prepare = counted
     emb.enqueue({"a": torch.tensor([1, 2, 3]), "b": torch.tensor([[4], [0], [4]])})
     emb.apply_gradients({k: torch.ones(3, 4) for k in emb.dequeue()})
     assert len(calls) == 1
@@ -331,30 +337,30 @@ def test_engines_the_fast_path_cannot_take_have_none():
     t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
     seq = ec.Embedding({"a": ec.FeatureConfig(table=t, max_sequence_length=2)}, ec.SGD())
     seq.build()
-    assert not isinstance(seq._path, FastPath)
+    assert not (seq._path.native is not None)
     shaped = ec.Embedding({"a": ec.FeatureConfig(table=t, output_shape=[2, 2])}, ec.SGD())
     shaped.build()
-    assert not isinstance(shaped._path, FastPath)
+    assert not (shaped._path.native is not None)
     half = ec.Embedding({"a": ec.FeatureConfig(table=ec.TableConfig(
         vocabulary_size=10, dim=4, dtype=torch.float64))}, ec.SGD())
     half.build()
-    assert not isinstance(half._path, FastPath)
+    assert not (half._path.native is not None)
     with fast_path(False):
         off = ec.Embedding({"a": ec.FeatureConfig(table=t)}, ec.SGD())
         off.build()
-    assert not isinstance(off._path, FastPath)
+    assert not (off._path.native is not None)
 
 
 def test_raw_id_tables_take_the_fast_path_in_memory_and_offloaded(tmp_path):
     raw = ec.TableConfig(vocabulary_size=40, dim=16, name="r", dynamic=ec.DynamicVocabulary())
     here = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD())
     here.build()
-    assert isinstance(here._path, FastPath) == native.available()
+    assert (here._path.native is not None) == native.available()
     away = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD(), memory_budget=3000,
                         offload_dir=tmp_path)  # rows behind a cache
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         away.build()
     assert away.plan.physical[0].offloaded
-    assert isinstance(away._path, FastPath) == native.available()
+    assert (away._path.native is not None) == native.available()
     assert fast.set_enabled(True) is True

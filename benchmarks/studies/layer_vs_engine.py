@@ -13,8 +13,8 @@ Four systems run the same batches (Zipf(1.05) ids, Adagrad, 2 threads) and the s
 a step would cost if the engine's kernels and the loss's torch ops did not slow each other down
 ((b) - (a) - (d): what they do). The systems alternate (a b c d, d c b a, ...) over ``--rounds``
 rounds of ``--steps`` steps each; the table shows the median ms/step (and the range) and
-(c)/(b). ``--paths`` also reports which path (the fast one of embcore/step/fast.py, or the
-general one) each system's lookup and update took.
+(c)/(b). ``--paths`` also reports which preprocess (the native one of
+embcore/step/native_prepare.py, or preprocess.py's) each system's batches took.
 
     python benchmarks/studies/layer_vs_engine.py                 # W1 and W2-quick, under a minute
     python benchmarks/studies/layer_vs_engine.py --full          # W2 at 8 x 1M rows
@@ -142,11 +142,11 @@ def systems(w: Workload) -> dict[str, Callable[[dict[str, torch.Tensor]], None]]
 
 
 def paths(w: Workload) -> None:
-    """Which path each system's steps take: the calls of the fast path's verbs
-    (embcore/step/fast.py; "declined": it returned None and the general path took the batch)
-    and of the general path's (embcore/step/path.py), over one step of each system."""
-    from embcore.step.fast import FastPath
-    from embcore.step.path import GeneralPath
+    """Which preprocess each system's steps take: the calls of the native preprocess
+    (embcore/step/native_prepare.py; "declined": it returned None and preprocess.py took the
+    batch) and of the path's verbs (embcore/step/path.py), over one step of each system."""
+    from embcore.step.native_prepare import NativePrepare
+    from embcore.step.path import StepPath
     counts: dict[str, int] = {}
     patched: list[tuple[object, str, object]] = []
 
@@ -161,10 +161,9 @@ def paths(w: Workload) -> None:
         patched.append((owner, name, f))
         setattr(owner, name, counted)
 
-    for n in ("prepare", "lookup", "gradients", "update"):  # (_update returns nothing)
-        wrap(FastPath, f"_{n}", f"fast {n}", n != "update")
+    wrap(NativePrepare, "prepare", "native prepare", True)
     for n in ("prepare", "lookup", "apply"):
-        wrap(GeneralPath, n, f"general {n}", False)
+        wrap(StepPath, n, n, False)
     try:
         b = batches(w)[0]
         for label, step in systems(w).items():

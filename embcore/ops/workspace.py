@@ -10,10 +10,13 @@ geometrically and reused every step. Tensors handed to the user (activations) ar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 SMALL = 1 << 20  # bytes
+KEPT = 64  # values ``kept``
 
 
 class Workspace:
@@ -21,6 +24,21 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._kept: dict[tuple[Any, ...], tuple[object, Any]] = {}
+
+    def kept(self, owner: object, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """``make()``, kept for ``owner`` (by identity) and ``key`` across steps: small
+        per-step arguments that are the same every step (a kernel's hyper-parameters). At most
+        ``KEPT`` are kept (a schedule makes a new one every step)."""
+        k = (id(owner), *key)
+        got = self._kept.get(k)
+        if got is not None and got[0] is owner:
+            return got[1]
+        if len(self._kept) >= KEPT:
+            self._kept.clear()
+        value = make()
+        self._kept[k] = (owner, value)
+        return value
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:

@@ -12,7 +12,9 @@ table's optimizer where the row is held:
   store drops the gradients of ids not resident and of rows given to another id since.
 
 Everything that can reject a call runs before the first table is written (``apply_step``):
-``check_gradients`` (kinds, dtypes and shapes of the gradients), each optimizer's
+``check_gradients`` (kinds, dtypes and shapes of the gradients; none to check or convert when
+each is already a tensor of its activation's shape in the update's dtype and device:
+``exact_rows``), each optimizer's
 ``gradient_multiplier(step)`` (``gradient_multipliers``), the search for non-finite gradients,
 the gradients' conversion to the tables' device and working dtype (``gradient_rows``) and, last,
 ``learning_rates``. With several processes these checks are local, so the processes agree on
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
 
@@ -189,11 +191,14 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
     groups = _skip_groups(prepared, plan)
     failure: Exception | None = None
     try:
-        checked = check_gradients(prepared, grads, names, plan, warn_on_none)
+        parts = exact_rows(prepared, grads, plan, store.device)  # (None: to check, convert)
+        checked = (check_gradients(prepared, grads, names, plan, warn_on_none) if parts is None
+                   else cast(Sequence[torch.Tensor], grads))
         multipliers = gradient_multipliers(prepared, plan, step)
         nonfinite = nonfinite_gradients(prepared, checked, names, plan)
         before_write()
-        parts = gradient_rows(prepared, checked, store)
+        if parts is None:
+            parts = gradient_rows(prepared, checked, store)
     except Exception as e:  # noqa: BLE001 - the other processes learn it, then it is raised
         if comm.world_size == 1:
             raise
@@ -304,6 +309,35 @@ def reject_gradients(prepared: Prepared, plan: ShardingPlan, comm: Communicator,
     if comm.world_size > 1:
         agree_gradients(comm, failure, [False] * len(_skip_groups(prepared, plan)), device)
     raise failure
+
+
+def exact_rows(prepared: Prepared, grads: Sequence[object], plan: ShardingPlan,
+               device: torch.device) -> dict[int, list[torch.Tensor]] | None:
+    """``gradient_rows``' result without a copy, when every gradient is already what the update
+    takes: a dense tensor (not requiring grad) of its activation's shape, in its table's working
+    dtype, on ``device`` (then there is nothing to check or convert: each is viewed as its
+    ``(R_f, D)`` rows, a column slice of a wider gradient read where it is). None otherwise:
+    ``check_gradients`` and ``gradient_rows`` then check, convert or reject them."""
+    out = {}
+    for tb in prepared.tables:
+        p = plan.physical[tb.physical]
+        work, dim = _work_dtype(p.dtype), p.dim
+        parts = []
+        for s in tb.slices:
+            g = grads[s.feature]
+            if (type(g) is not torch.Tensor or g.dtype is not work or g.is_nested
+                    or g.layout is not torch.strided or g.requires_grad or g.device != device):
+                return None
+            if len(s.shape) == 1:
+                if g.shape != (s.rows, dim):
+                    return None
+            elif g.shape != s.shape + (dim,) or not g.is_contiguous():
+                return None
+            else:
+                g = g.view(s.rows, dim)
+            parts.append(g)
+        out[tb.physical] = parts
+    return out
 
 
 def gradient_rows(prepared: Prepared, grads: Sequence[torch.Tensor | None],

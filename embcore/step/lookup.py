@@ -38,8 +38,11 @@ def lookup(prepared: Prepared, store: RowStore,
                                              prepared.training, asked.get(tb.physical))  # (U, D)
             out = combine(rows_u, tb.dedup.inverse, tb.bags)  # (R, D)
             received.append(Answered(rows, since))
-        for s in tb.slices:
-            flat[s.feature] = out[s.start:s.start + s.rows].view(*s.shape, out.shape[1])
+        d = out.shape[1]
+        parts = (out.split_with_sizes([s.rows for s in tb.slices]) if len(tb.slices) > 1
+                 else (out,))  # (one call: views)
+        for s, a in zip(tb.slices, parts):
+            flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, d)
     return flat, tuple(received)
 
 

@@ -1,22 +1,20 @@
-"""A step's path: the three verbs (prepare, lookup, apply) behind one small interface.
+"""A step's path: the three verbs (prepare, lookup, apply) over one engine's features and rows.
 
-``StepPath`` is what the engine calls; a ``Batch`` remembers the path that prepared it, so the
-choice of path is made once per batch, at ``prepare``, and the batch's lookup and apply go where
-it went. Two paths implement it:
-
-- ``GeneralPath`` (here): every batch, over the verbs ``preprocess`` (preprocess.py),
-  ``lookup`` (lookup.py) and ``apply_step`` (gradients.py): any input kind, weights, placement,
-  store and optimizer, one process or many.
-- ``FastPath`` (fast.py): one kernel call per verb and physical table for batches of dense
-  one-id features on the tables of one CPU process (raw-id tables: their maps' step first); it
-  hands whatever it does not cover to the general path, which then raises its errors.
+There is one path. ``StepPath.prepare`` chooses how a batch is preprocessed, once per batch:
+dense one-id batches of an engine that allows it take the native preprocess (native_prepare.py:
+one fused kernel call per physical table), every other batch ``preprocess`` (preprocess.py);
+both give the same ``Prepared``. From there every batch takes the same verbs: ``lookup``
+(lookup.py) and ``apply_step`` (gradients.py), whose rows objects (state/rows.py) and
+``ops/update.update`` choose the kernels. Nothing falls back in the middle of a batch.
+Pipelined batches (``staged``) take the same route: the preprocess chosen now, on the caller's
+thread, and the lookup on the pipeline's worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,34 +26,10 @@ from ..state.store import RowStore
 from .exchange import Answers
 from .gradients import apply_step
 from .lookup import lookup
+from .native_prepare import NativePrepare
 from .preprocess import Prepared, preprocess
 
 Activations = list[torch.Tensor | None]  # per feature (flat order): its activation, or None
-
-
-class StepPath(Protocol):
-    """The verbs of a step over one engine's features, plan and rows (``store``)."""
-
-    store: RowStore
-
-    def prepare(self, features: Any, weights: Any, training: bool, shapes: Shapes,
-                template: Any = None) -> Batch:
-        """The batch validated and prepared (``template``: a serving_config to look up through
-        instead of the engine's features). Raises on a bad batch; nothing changes then."""
-
-    def staged(self, features: Any, weights: Any,
-               training: bool) -> Callable[[], tuple[Batch, Activations | None, Answers]]:
-        """The batch validated now, and a function that prepares it (and, with one process,
-        looks it up) on the pipeline's worker."""
-
-    def lookup(self, prepared: Prepared) -> tuple[Activations, Answers]:
-        """Per feature its ``shape + (D,)`` activation, and what the apply needs of the
-        exchange (a collective when a table is sharded)."""
-
-    def apply(self, prepared: Prepared, answers: Answers, grads: Sequence[object], step: int,
-              warn_on_none: bool, before_write: Callable[[], None]) -> None:
-        """Checks the flat gradients and evaluates multipliers and learning rates (raising
-        before any write), calls ``before_write()``, then updates the batch's rows."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +48,9 @@ class Batch:
         self.path.apply(self.prepared, answers, grads, step, warn_on_none, before_write)
 
 
-class GeneralPath:
-    """The three verbs for every batch (see the module's docstring).
+class StepPath:
+    """The verbs of a step over one engine's features, plan and rows (see the module's
+    docstring).
 
     Args:
         features: the engine's features (their shapes are read and fixed as ``Shapes`` says).
@@ -85,25 +60,46 @@ class GeneralPath:
     def __init__(self, features: Features, plan: ShardingPlan, store: RowStore,
                  comm: Communicator) -> None:
         self.features, self.plan, self.store, self.comm = features, plan, store, comm
+        # the native preprocess, where this engine's configuration allows it (else None)
+        self.native = NativePrepare.of(features, plan, store, comm)
+
+    def _native(self, features: Any, weights: Any, training: bool, shapes: Shapes,
+                template: Any = None) -> Prepared | None:
+        """The batch prepared by the native preprocess, or None when it is not a batch of its
+        layout (then ``preprocess`` prepares it, and raises its errors)."""
+        if self.native is None or weights is not None or template is not None:
+            return None
+        return self.native.prepare(features, training, shapes)
 
     def prepare(self, features: Any, weights: Any, training: bool, shapes: Shapes,
                 template: Any = None) -> Batch:
-        device = self.store.device
-        if template is None:
-            bags = self.features.bags(features, weights, device, shapes)
-            tables = self.features.tables
-        else:
-            bags, tables = self.features.serving_bags(template, features, weights, device)
-        return Batch(self, preprocess(bags, tables, self.plan, training))
+        """The batch validated and prepared (``template``: a serving_config to look up through
+        instead of the engine's features). Raises on a bad batch; nothing changes then."""
+        prepared = self._native(features, weights, training, shapes, template)
+        if prepared is None:
+            device = self.store.device
+            if template is None:
+                bags = self.features.bags(features, weights, device, shapes)
+                tables = self.features.tables
+            else:
+                bags, tables = self.features.serving_bags(template, features, weights, device)
+            prepared = preprocess(bags, tables, self.plan, training)
+        return Batch(self, prepared)
 
     def staged(self, features: Any, weights: Any,
                training: bool) -> Callable[[], tuple[Batch, Activations | None, Answers]]:
-        bags = self.features.bags(features, weights, self.store.device, Shapes.FIX)
+        """The batch validated now, and a function that prepares it (and, with one process,
+        looks it up) on the pipeline's worker. A batch the native preprocess takes is prepared
+        now (one kernel call per table: its validation)."""
+        prepared = self._native(features, weights, training, Shapes.FIX)
+        bags = (self.features.bags(features, weights, self.store.device, Shapes.FIX)
+                if prepared is None else None)
 
         def stage() -> tuple[Batch, Activations | None, Answers]:
             # one thread for the fused kernels here: the caller's model has the cores
             with native.single_threaded():
-                batch = Batch(self, preprocess(bags, self.features.tables, self.plan, training))
+                batch = Batch(self, prepared if prepared is not None else
+                              preprocess(bags, self.features.tables, self.plan, training))
                 if self.comm.world_size > 1:  # collectives stay on the caller's thread
                     return batch, None, ()
                 with torch.no_grad():
@@ -112,9 +108,13 @@ class GeneralPath:
         return stage
 
     def lookup(self, prepared: Prepared) -> tuple[Activations, Answers]:
+        """Per feature its ``shape + (D,)`` activation, and what the apply needs of the
+        exchange (a collective when a table is sharded)."""
         return lookup(prepared, self.store, self.comm)
 
     def apply(self, prepared: Prepared, answers: Answers, grads: Sequence[object], step: int,
               warn_on_none: bool, before_write: Callable[[], None]) -> None:
+        """Checks the flat gradients and evaluates multipliers and learning rates (raising
+        before any write), calls ``before_write()``, then updates the batch's rows."""
         apply_step(prepared, answers, grads, self.features.names, self.store, self.comm, step,
                    warn_on_none, before_write)

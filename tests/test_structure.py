@@ -1,0 +1,82 @@
+"""Structural claims of docs/architecture.md, checked on the source (issue 41, point 5).
+
+- A kind of table is decided once (state/build.py): neither the step's modules (step/) nor
+  online.py read a store's kind (``.cached``, ``.dynamic``, ``.tables``, ``.slots`` of a store),
+  or a private attribute of the engine (``engine._...``).
+- A batch's route is chosen in one place: only step/path.py calls the native preprocess.
+- Only state/build.py constructs rows objects (their kind is chosen there).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "embcore"
+STEP_AND_ONLINE = sorted((PACKAGE / "step").glob("*.py")) + [PACKAGE / "online.py"]
+KIND_ATTRIBUTES = {"cached", "dynamic", "tables", "slots"}
+ROWS_KINDS = {"MemoryRows", "OffloadedRows", "MappedRows"}
+
+
+def _tree(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
+def _store_like(node: ast.AST) -> bool:
+    """``store``, ``self.store``, ``x.store``, ``self._store``: a name for a RowStore."""
+    if isinstance(node, ast.Name):
+        return node.id in ("store", "_store")
+    return isinstance(node, ast.Attribute) and node.attr in ("store", "_store")
+
+
+def test_step_and_online_read_no_store_kind_and_no_engine_private():
+    found = []
+    for path in STEP_AND_ONLINE:
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.Attribute):
+                continue
+            where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+            if node.attr in KIND_ATTRIBUTES and _store_like(node.value):
+                found.append(f"{where}: store.{node.attr}")
+            if (node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id == "engine"):
+                found.append(f"{where}: engine.{node.attr}")
+    assert not found, "reads of a store's kind or an engine private:\n" + "\n".join(found)
+
+
+def test_the_checks_see_what_they_forbid():
+    """The checks above find such reads when they are there (the test can fail)."""
+    tree = ast.parse("store.cached\nself.store.dynamic\nengine._quiet()\n")
+    kinds = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+             and n.attr in KIND_ATTRIBUTES and _store_like(n.value)]
+    privates = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                and n.attr.startswith("_") and isinstance(n.value, ast.Name)
+                and n.value.id == "engine"]
+    assert len(kinds) == 2 and len(privates) == 1
+
+
+def _calls(attr: str) -> dict[str, int]:
+    """Per module of the package, how many calls of ``<something>.<attr>(...)`` it makes."""
+    out: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        n = sum(1 for node in ast.walk(_tree(path)) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and node.func.attr == attr
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "native")
+        if n:
+            out[str(path.relative_to(PACKAGE))] = n
+    return out
+
+
+def test_the_route_of_a_batch_is_chosen_in_one_place():
+    assert set(_calls("prepare")) == {"step/path.py"}
+
+
+def test_only_the_builder_chooses_a_kind():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ROWS_KINDS):
+                found.append(str(path.relative_to(PACKAGE)))
+    assert set(found) == {"state/build.py"}, found
