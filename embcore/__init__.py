@@ -6,14 +6,14 @@ sparse optimizer in place, checkpoints and serving) rebuilt for CPUs and GPUs. S
 
 from .base.version import __version__
 from .checkpoint import load, save
-from .config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, RowwiseAdagrad
+from .config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, LaProp, RowwiseAdagrad
 from .config.spec import EmbeddingSpec
 from .config.tables import DynamicVocabulary, FeatureConfig, TableConfig
 from .engine import Embedding
 from .layer import EmbeddingLayer
+from .online import load_published, publish
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, profile
-from .online import load_published, publish
 from .serving.quantize import QuantizedTable, quantize_table
 from .serving.serve import serving_embedding_lookup
 
@@ -21,7 +21,7 @@ cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
-    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LookupProfile", "QuantizedTable",
+    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LaProp", "LookupProfile", "QuantizedTable",
     "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load",
     "load_published", "profile", "publish", "quantize_table", "save", "serving_embedding_lookup",
     "__version__",

@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
+from embcore.ops import gpu
 from embcore.ops.combine import OutputGrads
-from embcore.ops.update import apply_in_place, in_place_supported, update
+from embcore.ops.update import apply_in_place, in_place_supported, native_rule, update
 from profiles import examples
-from strategies import any_optimizer, occurrences
+from strategies import any_optimizer, common_options, occurrences, rounded
 from switches import kernels
 
 
@@ -88,3 +89,51 @@ def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, so
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9,
                                                                         "atol": 1e-9}
     check_rows_updated(opt, lr, step, table, slots, touched, row_grads, new_table, new_slots, tol)
+
+
+# --------------------------------------------------------------------------------------------
+# LaProp: no kernel runs it (its record names none), so the entry point takes the optimizer's own
+# math, with the kernels on; against the loop reference, every common option drawn at random.
+
+@st.composite
+def laprop_cases(draw):
+    """(LaProp with random hyper-parameters and options, lr, step)."""
+    lr = rounded(draw, 0.01, 1.0)
+    opt = ec.LaProp(learning_rate=lr, beta_1=rounded(draw, 0.0, 0.95),
+                    beta_2=rounded(draw, 0.0, 0.99),
+                    epsilon=draw(st.sampled_from([1e-30, 1e-8, 1e-3, 0.5])), **common_options(draw))
+    return opt, lr, draw(st.integers(0, 5))
+
+
+def test_laprop_takes_the_pure_path():
+    opt = ec.LaProp(learning_rate=0.1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        table = torch.zeros(3, 2, dtype=dtype)
+        assert native_rule(opt, table) is None and not in_place_supported(opt, table)
+    assert gpu._rule(opt) is None
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(laprop_cases(), st.integers(1, 20), st.sampled_from([1, 3, 8]),
+       st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["summed", "outputs"]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_update_entry_point_laprop_equals_reference(opt_case, n, d, dtype, source, unit, seed):
+    opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(n, d, generator=gen, dtype=dtype)
+    slots = {"momenta": torch.randn(n, d, generator=gen, dtype=dtype),
+             "velocities": torch.rand(n, d, generator=gen, dtype=dtype)}
+    if source == "summed":
+        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
+        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
+        grad = row_grads.to(dtype)
+    else:
+        grad, row_grads, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
+                                                                      generator=gen)), unit)
+        grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
+        rows = grad.dedup.unique
+    new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
+    update(new_table, new_slots, rows, grad, opt, lr, step)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9,
+                                                                        "atol": 1e-9}
+    check_rows_updated(opt, lr, step, table, slots, rows, row_grads, new_table, new_slots, tol)

@@ -22,6 +22,7 @@ from embcore.config.optimizers import (
     Adagrad,
     AdagradMomentum,
     Adam,
+    LaProp,
     Optimizer,
     RowwiseAdagrad,
     SlotSpec,
@@ -30,7 +31,7 @@ from embcore.config.torch_optim import resolve_optimizer
 from embcore.ops.reference_optim import reference_update, to_rows
 
 MAX_EXAMPLES = 50
-CLASSES = (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)
+CLASSES = (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL, LaProp)
 
 
 # -- strategies -------------------------------------------------------------------------------
@@ -128,6 +129,10 @@ def optimizers(draw: st.DrawFn) -> Optimizer:
                   allow_zero_accumulator=allow_zero)
         if not kw["multiply_linear_by_learning_rate"]:
             lr_positive = True
+    elif cls is LaProp:
+        kw.update(beta_1=draw(st.sampled_from([0.0, 0.5, 0.9])),
+                  beta_2=draw(st.sampled_from([0.0, 0.5, 0.95])),
+                  epsilon=draw(st.sampled_from([1e-30, 1e-8, 0.1])))
     rate = st.floats(0.01, 1.0) if lr_positive else st.one_of(st.just(0.0), st.floats(0.001, 1.0))
     schedules = st.lists(rate, min_size=4, max_size=4).map(Schedule)
     kw["learning_rate"] = draw(st.one_of(rate, schedules))
@@ -298,6 +303,7 @@ def test_update_checks_its_arguments() -> None:
     (Adam(), (SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0))),
     (FTRL(initial_accumulator_value=0.2),
      (SlotSpec("accumulators", 0.2), SlotSpec("linears", 0.0))),
+    (LaProp(), (SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0))),
 ])
 def test_slot_specs(opt: Optimizer, slots: tuple) -> None:
     assert opt.slots == slots
@@ -335,7 +341,7 @@ def test_every_row_update_only_for_non_lazy_adam() -> None:
 
 @pytest.mark.parametrize("opt, noop", [
     (SGD(), True), (Adagrad(), True), (RowwiseAdagrad(), True),
-    (AdagradMomentum(), False), (Adam(), False), (FTRL(), False),
+    (AdagradMomentum(), False), (Adam(), False), (FTRL(), False), (LaProp(), False),
     (SGD(gradient_multiplier=half, clipvalue=1.0), True),
     (SGD(weight_decay_factor=0.0), True),
     (SGD(weight_decay_factor=0.1), False), (Adagrad(clip_weight_min=-1.0), False),
@@ -421,6 +427,12 @@ def test_identity_repr_and_immutability() -> None:
     (lambda: SGD(clipvalue=(1.0, 2.0, 3.0)), r"clipvalue.*\(1\.0, 2\.0, 3\.0\)"),
     (lambda: Adagrad(use_gradient_accumulation=False),
      r"use_gradient_accumulation=False.*sums the gradients of duplicate ids"),
+    (lambda: LaProp(beta_1=1.0), r"LaProp: beta_1 must be in \[0, 1\), got 1\.0"),
+    (lambda: LaProp(beta_1=-0.5), r"beta_1.*-0\.5"),
+    (lambda: LaProp(beta_2=1.0), r"LaProp: beta_2 must be in \[0, 1\), got 1\.0"),
+    (lambda: LaProp(epsilon=0.0), r"LaProp: epsilon must be > 0, got 0\.0"),
+    (lambda: LaProp(epsilon=float("inf")), r"epsilon must be finite, got inf"),
+    (lambda: LaProp(learning_rate=-1.0), r"learning_rate.*-1\.0"),
 ])
 def test_invalid_hyper_parameters(make, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -442,6 +454,10 @@ def test_hyper_parameter_of_wrong_type() -> None:
         SGD(clipvalue=(None, "1"))
     with pytest.raises(TypeError, match=r"beta_1 must be a real number, got True"):
         Adam(beta_1=True)
+    with pytest.raises(TypeError, match=r"LaProp: epsilon must be a real number, got '1e-8'"):
+        LaProp(epsilon="1e-8")
+    with pytest.raises(TypeError, match=r"LaProp: beta_2 must be a real number, got None"):
+        LaProp(beta_2=None)
 
 
 def test_init_slots_with_an_allocator() -> None:
@@ -578,10 +594,105 @@ def test_translated_adam_matches_torch_up_to_eps_term() -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
 
 
+# -- LaProp ------------------------------------------------------------------------------------
+
+def test_laprop_defaults_are_jax_tpu_embeddings() -> None:
+    o = LaProp()
+    assert (o.learning_rate, o.beta_1, o.beta_2, o.epsilon) == (0.001, 0.9, 0.95, 1e-30)
+    assert not o.updates_every_row and not o.zero_gradient_is_noop
+    assert LaProp(0.5).learning_rate == 0.5   # learning_rate positional, as every optimizer's
+
+
+def test_laprop_one_step_by_hand() -> None:
+    """v = 0.75*0.25 + 0.25*(1 + 0.25) = 0.5; m = sqrt(1 - 0.25) * 1/sqrt(0.5) = sqrt(1.5)."""
+    opt = LaProp(learning_rate=0.1, beta_1=0.5, beta_2=0.75, epsilon=0.25)
+    slots = {"momenta": torch.zeros(1, 1, dtype=torch.float64),
+             "velocities": torch.full((1, 1), 0.25, dtype=torch.float64)}
+    w, s = opt.update(torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                      slots, lr=0.1, step=0)
+    assert s["velocities"].item() == pytest.approx(0.5, rel=1e-15)
+    assert s["momenta"].item() == pytest.approx(math.sqrt(1.5), rel=1e-15)
+    assert w.item() == pytest.approx(1 - 0.1 * math.sqrt(1.5), rel=1e-15)
+    ref_w, _ = reference_update(opt, [[1.0]], [[1.0]], {k: v.tolist() for k, v in slots.items()},
+                                lr=0.1, step=0)
+    assert ref_w == [[pytest.approx(w.item(), rel=1e-15)]]
+    # the momentum carries on: a zero gradient still moves the row and decays both slots
+    w2, s2 = opt.update(w, torch.zeros(1, 1, dtype=torch.float64), s, lr=0.1, step=1)
+    assert s2["momenta"].item() == pytest.approx(0.5 * math.sqrt(1.5), rel=1e-15)
+    assert s2["velocities"].item() == pytest.approx(0.75 * 0.5 + 0.25 * 0.25, rel=1e-15)
+    assert w2.item() == pytest.approx(w.item() - 0.1 * 0.5 * math.sqrt(1.5), rel=1e-15)
+
+
+def test_laprop_underflowing_velocity_takes_no_step() -> None:
+    """In float32 an epsilon of 1e-46 is 0: a zero gradient on a zero velocity gives 0 / 0,
+    which the rule takes as no step (never NaN), as the reference does."""
+    opt = LaProp(learning_rate=1.0, beta_1=0.0, beta_2=0.0, epsilon=1e-46)
+    w, s = opt.update(torch.ones(2, 3), torch.zeros(2, 3), opt.init_slots(2, 3), lr=1.0, step=0)
+    assert torch.equal(w, torch.ones(2, 3)) and torch.equal(s["momenta"], torch.zeros(2, 3))
+    ref_w, _ = reference_update(opt, [[1.0]], [[0.0]], {"momenta": [[0.0]], "velocities": [[0.0]]},
+                                lr=1.0, step=0)
+    assert ref_w == [[1.0]]
+
+
+def test_laprop_by_name_and_in_a_spec() -> None:
+    assert resolve_optimizer("laprop") == LaProp() and resolve_optimizer("LaProp") == LaProp()
+    assert resolve_optimizer((LaProp, {"beta_2": 0.5})) == LaProp(beta_2=0.5)
+    assert embcore.LaProp is LaProp
+    with pytest.raises(ValueError, match=r"'lion'.*'ftrl' or 'laprop'"):
+        resolve_optimizer("lion")
+
+
+@st.composite
+def laprops(draw: st.DrawFn) -> LaProp:
+    """A LaProp with random hyper-parameters, common options and a float learning rate."""
+    return LaProp(learning_rate=draw(st.floats(0.001, 1.0)),
+                  beta_1=draw(st.sampled_from([0.0, 0.5, 0.9])),
+                  beta_2=draw(st.sampled_from([0.0, 0.5, 0.95])),
+                  epsilon=draw(st.sampled_from([1e-30, 1e-8, 0.1])), **draw(common_kwargs()))
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(laprops(), st.integers(1, 12), st.sampled_from([1, 3]), st.integers(1, 5),
+       st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_engine_trains_laprop_as_the_reference(opt: LaProp, n: int, d: int, b: int, steps: int,
+                                               seed: int) -> None:
+    """ec.Embedding with LaProp, a few steps of jagged bags of two ids (combiner sum), against a
+    hand-rolled model: the lookup as a sum of rows, each touched row's gradient summed over its
+    occurrences, then the loop reference (ops/reference_optim.py) on the touched rows."""
+    table = embcore.TableConfig(vocabulary_size=n, dim=d, combiner="sum", name="t",
+                                dtype=torch.float64)
+    emb = embcore.Embedding({"f": embcore.FeatureConfig(table=table)}, opt)
+    w = emb.state_dict()["t/parameters"].clone()                      # (N, D)
+    slots = {"momenta": torch.zeros(n, d, dtype=torch.float64),
+             "velocities": torch.zeros(n, d, dtype=torch.float64)}
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        ids = torch.randint(0, n, (b, 2), generator=gen)              # (B, 2)
+        emb.enqueue({"f": torch.nested.nested_tensor_from_jagged(      # B bags of 2 ids
+            ids.reshape(-1), torch.arange(b + 1) * 2)})
+        acts = emb.dequeue()["f"]                                     # (B, D)
+        torch.testing.assert_close(acts, w[ids].sum(dim=1), rtol=1e-12, atol=1e-12)
+        grads = torch.randn(b, d, generator=gen, dtype=torch.float64)  # (B, D)
+        emb.apply_gradients({"f": grads})
+        summed = torch.zeros(n, d, dtype=torch.float64).index_add_(
+            0, ids.reshape(-1), grads.repeat_interleave(2, dim=0))     # (N, D)
+        rows = torch.unique(ids)                                      # (U,)
+        new_w, new_s = reference_update(opt, w[rows], summed[rows],
+                                        {k: v[rows] for k, v in slots.items()},
+                                        lr=opt.current_learning_rate(), step=step)
+        w[rows] = torch.tensor(new_w, dtype=torch.float64)
+        for k in slots:
+            slots[k][rows] = torch.tensor(new_s[k], dtype=torch.float64)
+    state = emb.state_dict()
+    torch.testing.assert_close(state["t/parameters"], w, rtol=1e-9, atol=1e-9)
+    for k in slots:
+        torch.testing.assert_close(state[f"t/{k}"], slots[k], rtol=1e-9, atol=1e-9)
+
+
 # -- docstring examples -----------------------------------------------------------------------
 
 def test_docstring_examples_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SGD", "Adagrad", "RowwiseAdagrad", "AdagradMomentum", "Adam", "FTRL"):
+    for name in ("SGD", "Adagrad", "RowwiseAdagrad", "AdagradMomentum", "Adam", "FTRL", "LaProp"):
         if not hasattr(embcore, name):  # the package exports them; tolerate a partial checkout
             monkeypatch.setattr(embcore, name, getattr(eo, name), raising=False)
     result = doctest.testmod(eo, optionflags=doctest.ELLIPSIS)

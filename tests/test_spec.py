@@ -3,6 +3,7 @@ built from it, and the spec in checkpoints (a served model rebuilt from its chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -11,6 +12,7 @@ import torch
 from test_sharded import OPTIMIZERS, concat, config, global_batch
 
 import embcore as ec
+from embcore.config.optimizers import records
 from embcore.ops.cache_index import LOG_BYTES_PER_ROW
 
 # a budget whose caches hold a handful of test_sharded's config rows, beside their logs
@@ -40,6 +42,35 @@ def test_every_optimizer_and_structure_round_trips_exactly(opt):
     leaves = again.to_dict()["tables"]
     assert leaves["own"]["optimizer"]["class"] == "SGD" and leaves["own"]["combiner"] == "sqrtn"
     assert isinstance(again.feature_config["more"][1], tuple)
+
+
+@pytest.mark.parametrize("record", records(), ids=lambda r: r.name)
+def test_every_declared_optimizer_round_trips_by_its_name(record):
+    """The spec names an optimizer by its record (``"class"``), whatever its hyper-parameters."""
+    f = ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=10, dim=2, name="t"))
+    own = {fl.name: fl.default for fl in dataclasses.fields(record.cls)
+           if fl.name not in ("_", "learning_rate") and isinstance(fl.default, float)}
+    for opt in (record.cls(), record.cls(learning_rate=0.25, clipvalue=(None, 1.0),
+                                         **{k: v / 2 for k, v in own.items()})):
+        spec = _round_trip(ec.EmbeddingSpec(f, opt))
+        assert spec.to_dict()["optimizer"]["class"] == record.name
+        assert type(spec.optimizer) is record.cls and spec.optimizer == opt
+
+
+def test_laprop_in_a_spec():
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t",
+                       optimizer=ec.LaProp(learning_rate=0.05, beta_2=0.5, epsilon=1e-8))
+    spec = _round_trip(ec.EmbeddingSpec(ec.FeatureConfig(table=t), ec.SGD()))
+    assert spec.to_dict()["tables"]["t"]["optimizer"] == {
+        "class": "LaProp", "learning_rate": 0.05, "use_gradient_accumulation": True,
+        "clip_weight_min": None, "clip_weight_max": None, "weight_decay_factor": None,
+        "multiply_weight_decay_factor_by_learning_rate": None, "clipvalue": None,
+        "gradient_multiplier": None, "skip_nonfinite_gradients": False, "beta_1": 0.9,
+        "beta_2": 0.5, "epsilon": 1e-8}
+    bad = spec.to_dict()
+    bad["tables"]["t"]["optimizer"]["beta_2"] = 1.5
+    with pytest.raises(ValueError, match=r"LaProp: beta_2 must be in \[0, 1\), got 1\.5"):
+        ec.EmbeddingSpec.from_dict(bad)
 
 
 def test_engines_from_a_spec_train_as_the_engines_it_describes():

@@ -6,6 +6,15 @@ touched. The engine owns the tables and slots; it gathers the touched rows, call
 scatters the result.
 ``embcore.ops.reference_optim`` is the same math as plain loops: the specification.
 
+Each optimizer is declared once, here: its class (hyper-parameters with TF's defaults, and
+``_rule``, the torch math of step 3 below) and, beside it, its ``OptimizerRecord`` (``@_declare``:
+the ranges its hyper-parameters are checked against, its slots, the name users may give, and which
+kernel runs it: the fused CPU kernel's and the Triton kernel's rule ids, the Triton kernel's own
+hyper-parameters, the torch-ops in-place rule). Everything else reads the records
+(``records()``, ``record_of``): the spec's names, ``resolve_optimizer``'s names, and the kernel
+choice of ``ops/update.py`` and ``ops/gpu.py``. Adding an optimizer is a class and its record here,
+its loop in ``ops/reference_optim.py``, and the kernel sources if a kernel runs it.
+
 The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
 
     1. g = g * gradient_multiplier(step)             if gradient_multiplier
@@ -22,7 +31,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import KW_ONLY, dataclass, fields
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -32,6 +41,8 @@ ClipValue = float | tuple[float | None, float | None] | None
 Slots = dict[str, Tensor]
 # (shape, dtype, device) -> an uninitialized tensor: how init_slots gets its memory.
 Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device | None], Tensor]
+# The Triton kernel's own hyper-parameters of a rule: ((h1, ..., h5), F1, F2), fewer h's padded.
+KernelArgs = tuple[tuple[float, ...], bool, bool]
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,102 @@ class SlotSpec:
         """Whether every value must be >= 0: accumulated squares (``accumulators`` of the
         Adagrad family and FTRL, Adam's ``velocities``), whose square roots the rules take."""
         return self.name in ("accumulators", "velocities")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one hyper-parameter takes, checked at construction (``ValueError`` naming it).
+
+    Args:
+        name: the hyper-parameter (a field of the optimizer).
+        what: the range as the error says it (``">= 0"``, ``"in [0, 1)"``).
+        ok: the test of a value (a real number, finite: ``Optimizer._number`` checks that first,
+            a ``TypeError`` otherwise).
+    """
+
+    name: str
+    what: str
+    ok: Callable[[float], bool]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A slot as a record declares it; ``spec(opt)`` is the ``SlotSpec`` of one optimizer.
+
+    Args:
+        name: TF's slot name (the checkpoint key ``<table>/<name>``).
+        initial: the initial value, or the name of the hyper-parameter that holds it.
+        rowwise: one value per row, ``(N, 1)``.
+    """
+
+    name: str
+    initial: float | str = 0.0
+    rowwise: bool = False
+
+    def spec(self, opt: Optimizer) -> SlotSpec:
+        value = getattr(opt, self.initial) if isinstance(self.initial, str) else self.initial
+        return SlotSpec(self.name, float(value), self.rowwise)
+
+
+def _no_args(opt: Any) -> KernelArgs:
+    return (), False, False
+
+
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """One optimizer, declared once (``@_declare`` beside its class): what the package reads.
+
+    The torch rule is the class's own (``cls._rule``, the pure math every optimizer has); the
+    kernels are optional. The kernels update the touched rows only: an optimizer whose
+    ``updates_every_row`` is True (``Adam(lazy_adam=False)``) takes the torch path whatever its
+    record says. Rule ids are plain ints (config/ lies below ops/); tests/test_optimizer_records.py
+    holds them equal to the kernels' constants.
+
+    Attributes:
+        cls: the class (``ec.<name>``).
+        name: its name in a spec (``"class"``) and in ``ec``: the class's name.
+        alias: the lower-case name ``EmbeddingLayer(optimizer=...)`` also takes (with the
+            defaults), or None.
+        ranges: its own hyper-parameters' ranges, checked at construction in this order (a check
+            that depends on another hyper-parameter stays in the class's ``_check``).
+        slots: its slots, in order (``Optimizer.slots``).
+        native_rule: the fused CPU kernel's rule (``enum Rule`` of ops/csrc/update.h,
+            ``native.sparse_update``), or None: every option, float32 / float16 / bfloat16 rows.
+        triton_rule: the Triton kernel's ``RULE`` (ops/triton_kernels.py), or None.
+        triton_args: ``opt -> ((h1..h5), F1, F2)``, the Triton kernel's own hyper-parameters of
+            this rule (the common ones reach every kernel as ``native.Hyper``).
+        in_place: the torch-ops in-place rule (``ops/update.py apply_in_place``: ``"sgd"``,
+            ``"adagrad"``, ``"rowwise_adagrad"``), or None; it runs without options only.
+    """
+
+    cls: type[Optimizer]
+    name: str
+    alias: str | None = None
+    ranges: tuple[Range, ...] = ()
+    slots: tuple[Slot, ...] = ()
+    native_rule: int | None = None
+    triton_rule: int | None = None
+    triton_args: Callable[[Any], KernelArgs] = _no_args
+    in_place: str | None = None
+
+
+_RECORDS: dict[type, OptimizerRecord] = {}
+
+
+def records() -> tuple[OptimizerRecord, ...]:
+    """Every optimizer's record, in the order of their declaration."""
+    return tuple(_RECORDS.values())
+
+
+def record_of(opt: Optimizer | type) -> OptimizerRecord | None:
+    """The record of this optimizer's exact class (or of the class itself); None for a class
+    declared elsewhere (a user's subclass has no kernel and no name in a spec)."""
+    return _RECORDS.get(opt if isinstance(opt, type) else type(opt))
+
+
+def listed(words: list[str], last: str = "or") -> str:
+    """``"a, b, c or d"``: names for an error message."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
 
 
 _COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "weight_decay_factor",
@@ -95,6 +202,8 @@ class Optimizer:
             not finite, inconsistent with another), naming it and its value.
     """
 
+    _record: ClassVar[OptimizerRecord | None] = None  # set by @_declare (subclasses inherit it)
+
     learning_rate: LearningRate = 0.01
     _: KW_ONLY
     use_gradient_accumulation: bool = True
@@ -108,8 +217,8 @@ class Optimizer:
 
     def __post_init__(self) -> None:
         if type(self) is Optimizer:
-            raise TypeError("Optimizer is the abstract base; use ec.SGD, ec.Adagrad, "
-                            "ec.RowwiseAdagrad, ec.AdagradMomentum, ec.Adam or ec.FTRL")
+            raise TypeError("Optimizer is the abstract base; use "
+                            + listed([f"ec.{r.name}" for r in records()]))
         if not callable(self.learning_rate):
             self._check_lr(self._number("learning_rate", self.learning_rate))
         if not isinstance(self.use_gradient_accumulation, bool):
@@ -135,7 +244,7 @@ class Optimizer:
         clip = self.clipvalue
         if isinstance(clip, (tuple, list)):
             bounds = [None if c is None else self._number("clipvalue", c) for c in clip]
-            if len(bounds) != 2 or None not in bounds and bounds[0] > bounds[1]:
+            if len(bounds) != 2 or (None not in bounds and bounds[0] > bounds[1]):
                 raise ValueError(f"{self._name}: clipvalue must be a number c > 0 or a pair "
                                  f"(lo, hi) with lo <= hi, got {clip!r}")
             object.__setattr__(self, "clipvalue", tuple(clip))  # hashable, once, at construction
@@ -150,7 +259,10 @@ class Optimizer:
         self._check()
 
     def _check(self) -> None:
-        """Validates the optimizer's own hyper-parameters (overridden)."""
+        """Validates the optimizer's own hyper-parameters: its record's ranges (a class adds the
+        checks that depend on another hyper-parameter)."""
+        for r in self._record.ranges if self._record is not None else ():
+            self._require(r.name, r.what, r.ok)
 
     @property
     def _name(self) -> str:
@@ -171,8 +283,8 @@ class Optimizer:
     # -- what the engine reads ------------------------------------------------------------------
     @property
     def slots(self) -> tuple[SlotSpec, ...]:
-        """The slot tensors kept per table (names are checkpoint keys)."""
-        return ()
+        """The slot tensors kept per table (names are checkpoint keys): its record's."""
+        return tuple(s.spec(self) for s in self._record.slots) if self._record is not None else ()
 
     @property
     def updates_every_row(self) -> bool:
@@ -383,10 +495,40 @@ def _safe_div(num: Tensor, den: Tensor) -> Tensor:
     return torch.where(den == 0, 0.0, num / den)
 
 
-_optimizer = dataclass(frozen=True, eq=False, repr=False)
+OptimizerClass = TypeVar("OptimizerClass", bound=type[Optimizer])
 
 
-@_optimizer
+def _declare(*, alias: str | None = None, ranges: tuple[Range, ...] = (),
+             slots: tuple[Slot, ...] = (), native_rule: int | None = None,
+             triton_rule: int | None = None, triton_args: Callable[[Any], KernelArgs] = _no_args,
+             in_place: str | None = None) -> Callable[[OptimizerClass], OptimizerClass]:
+    """Makes the class an optimizer (a frozen dataclass) and registers its record (the
+    arguments, see ``OptimizerRecord``)."""
+    def declare(cls: OptimizerClass) -> OptimizerClass:
+        dataclass(frozen=True, eq=False, repr=False)(cls)  # in place: the same class
+        record = OptimizerRecord(cls, cls.__name__, alias, ranges, slots, native_rule,
+                                 triton_rule, triton_args, in_place)
+        if cls.__name__ in {r.name for r in _RECORDS.values()}:
+            raise TypeError(f"optimizer {cls.__name__!r} is declared twice")
+        cls._record = record
+        _RECORDS[cls] = record
+        return cls
+    return declare
+
+
+def _nonnegative(x: float) -> bool:
+    return x >= 0
+
+
+def _positive(x: float) -> bool:
+    return x > 0
+
+
+def _decay(x: float) -> bool:
+    return 0 <= x < 1
+
+
+@_declare(alias="sgd", native_rule=0, triton_rule=1, in_place="sgd")
 class SGD(Optimizer):
     """Stochastic gradient descent on the touched rows; no slots.
 
@@ -409,7 +551,12 @@ class SGD(Optimizer):
         return w - lr * g, {}                                         # (U, D)
 
 
-@_optimizer
+_ACCUMULATOR_RANGE = Range("initial_accumulator_value", ">= 0", _nonnegative)
+
+
+@_declare(alias="adagrad", ranges=(_ACCUMULATOR_RANGE,),
+          slots=(Slot("accumulators", "initial_accumulator_value"),),
+          native_rule=1, triton_rule=2, in_place="adagrad")
 class Adagrad(Optimizer):
     """Adagrad: a per-entry sum of squared gradients scales the step.
 
@@ -431,19 +578,14 @@ class Adagrad(Optimizer):
     learning_rate: LearningRate = 0.001
     initial_accumulator_value: float = 0.1
 
-    def _check(self) -> None:
-        self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
-
-    @property
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return (SlotSpec("accumulators", float(self.initial_accumulator_value)),)
-
     def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
         a = s["accumulators"] + g * g                                 # (U, D)
         return w - lr * _safe_div(g, a.sqrt()), {"accumulators": a}   # (U, D)
 
 
-@_optimizer
+@_declare(ranges=(_ACCUMULATOR_RANGE,),
+          slots=(Slot("accumulators", "initial_accumulator_value", rowwise=True),),
+          native_rule=2, triton_rule=3, in_place="rowwise_adagrad")
 class RowwiseAdagrad(Adagrad):
     """Adagrad with one accumulator per row, shape (N, 1): D times less slot memory.
 
@@ -463,16 +605,17 @@ class RowwiseAdagrad(Adagrad):
         tensor([[12.5000]])
     """
 
-    @property
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return (SlotSpec("accumulators", float(self.initial_accumulator_value), rowwise=True),)
-
     def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
         a = s["accumulators"] + (g * g).mean(dim=1, keepdim=True)     # (U, 1)
         return w - lr * _safe_div(g, a.sqrt()), {"accumulators": a}   # (U, D)
 
 
-@_optimizer
+@_declare(ranges=(Range("momentum", ">= 0", _nonnegative), Range("exponent", "> 0", _positive),
+                  Range("beta2", "in (0, 1]", lambda x: 0 < x <= 1),
+                  Range("epsilon", "> 0", _positive)),
+          slots=(Slot("accumulators"), Slot("momenta")), triton_rule=4,
+          triton_args=lambda o: ((o.momentum, o.beta2, o.epsilon, -1.0 / o.exponent),
+                                 bool(o.use_nesterov), o.beta2 == 1))
 class AdagradMomentum(Optimizer):
     """Adagrad scaling followed by (optionally Nesterov) momentum.
 
@@ -507,16 +650,6 @@ class AdagradMomentum(Optimizer):
 
     _rule_zero_noop = False
 
-    def _check(self) -> None:
-        self._require("momentum", ">= 0", lambda x: x >= 0)
-        self._require("exponent", "> 0", lambda x: x > 0)
-        self._require("beta2", "in (0, 1]", lambda x: 0 < x <= 1)
-        self._require("epsilon", "> 0", lambda x: x > 0)
-
-    @property
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return SlotSpec("accumulators", 0.0), SlotSpec("momenta", 0.0)
-
     def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
         a = s["accumulators"]                                         # (U, D)
         a = a + g * g if self.beta2 == 1 else self.beta2 * a + (1 - self.beta2) * g * g
@@ -526,7 +659,12 @@ class AdagradMomentum(Optimizer):
         return w - lr * step, {"accumulators": a, "momenta": m}
 
 
-@_optimizer
+@_declare(alias="adam", ranges=(Range("beta_1", "in [0, 1)", _decay),
+                               Range("beta_2", "in [0, 1)", _decay),
+                               Range("epsilon", "> 0", _positive)),
+          slots=(Slot("momenta"), Slot("velocities")), triton_rule=5,
+          triton_args=lambda o: ((o.beta_1, 1 - o.beta_1, o.beta_2, 1 - o.beta_2, o.epsilon),
+                                 bool(o.sum_inside_sqrt), False))
 class Adam(Optimizer):
     """Adam without bias correction (as on TPU); lazy by default.
 
@@ -568,15 +706,6 @@ class Adam(Optimizer):
 
     _rule_zero_noop = False
 
-    def _check(self) -> None:
-        self._require("beta_1", "in [0, 1)", lambda x: 0 <= x < 1)
-        self._require("beta_2", "in [0, 1)", lambda x: 0 <= x < 1)
-        self._require("epsilon", "> 0", lambda x: x > 0)
-
-    @property
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return SlotSpec("momenta", 0.0), SlotSpec("velocities", 0.0)
-
     @property
     def updates_every_row(self) -> bool:
         return not self.lazy_adam
@@ -591,7 +720,15 @@ class Adam(Optimizer):
         return w - lr * (m / den), {"momenta": m, "velocities": v}
 
 
-@_optimizer
+@_declare(alias="ftrl", ranges=(Range("learning_rate_power", "<= 0", lambda x: x <= 0),
+                               Range("l1_regularization_strength", ">= 0", _nonnegative),
+                               Range("l2_regularization_strength", ">= 0", _nonnegative),
+                               Range("beta", ">= 0", _nonnegative)),
+          slots=(Slot("accumulators", "initial_accumulator_value"), Slot("linears")),
+          triton_rule=6,
+          triton_args=lambda o: ((-o.learning_rate_power, o.l1_regularization_strength,
+                                  o.l2_regularization_strength, o.beta),
+                                 bool(o.multiply_linear_by_learning_rate), False))
 class FTRL(Optimizer):
     """Follow-the-regularized-leader: the weights are recomputed from two slots each update.
 
@@ -635,9 +772,7 @@ class FTRL(Optimizer):
     _rule_zero_noop = False
 
     def _check(self) -> None:
-        self._require("learning_rate_power", "<= 0", lambda x: x <= 0)
-        for arg in ("l1_regularization_strength", "l2_regularization_strength", "beta"):
-            self._require(arg, ">= 0", lambda x: x >= 0)
+        super()._check()  # the record's ranges; the accumulator's depends on another argument
         if self.allow_zero_accumulator:
             self._require("initial_accumulator_value", ">= 0", lambda x: x >= 0)
         else:
@@ -649,11 +784,6 @@ class FTRL(Optimizer):
         if lr == 0 and not self.multiply_linear_by_learning_rate:
             raise ValueError(f"{self._name}: learning_rate must be > 0 (FTRL divides by it), got "
                              f"{lr!r}; multiply_linear_by_learning_rate=True allows 0")
-
-    @property
-    def slots(self) -> tuple[SlotSpec, ...]:
-        return (SlotSpec("accumulators", float(self.initial_accumulator_value)),
-                SlotSpec("linears", 0.0))
 
     def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
         p, l1 = -self.learning_rate_power, self.l1_regularization_strength
@@ -672,3 +802,59 @@ class FTRL(Optimizer):
         keep = (lin.abs() > threshold) & (quad > 0)                   # (U, D)
         w = torch.where(keep, (torch.sign(lin) * threshold - lin) / quad, 0.0)  # (U, D)
         return w, {"accumulators": a_new, "linears": lin}
+
+
+@_declare(alias="laprop", ranges=(Range("beta_1", "in [0, 1)", _decay),
+                                 Range("beta_2", "in [0, 1)", _decay),
+                                 Range("epsilon", "> 0", _positive)),
+          slots=(Slot("momenta"), Slot("velocities")))
+class LaProp(Optimizer):
+    """LaProp (Ziyin et al., 2020; jax-tpu-embedding's SparseCore LaProp): Adam's two moving
+    averages, with the momentum taken of the gradient already divided by its RMS. No bias
+    correction; lazy (the touched rows only).
+
+    Args:
+        learning_rate: a float >= 0, or a zero-argument callable returning one.
+        beta_1: in [0, 1), the momentum's decay (0: RMSProp).
+        beta_2: in [0, 1), the velocity's decay.
+        epsilon: > 0, added to ``g*g`` inside the velocity.
+
+    Update (slots ``momenta`` = 0, ``velocities`` = 0)::
+
+        v = beta_2*v + (1 - beta_2)*(g*g + epsilon)
+        m = beta_1*m + sqrt(1 - beta_1**2) * g / sqrt(v)     (g / sqrt(v) = 0 where v == 0)
+        w = w - lr * m
+
+    ``sqrt(1 - beta_1**2)`` (not ``1 - beta_1``) is jax-tpu-embedding's momentum weight. Its
+    defaults are jax-tpu-embedding's too. A zero gradient still decays ``m`` and ``v``: not a
+    no-op.
+
+    No bias correction inside the engine: ``v`` decays by ``beta_2`` at every update.
+    jax-tpu-embedding, given the step ``t`` (0 first), decays it by
+    ``beta_2 * (1 - beta_2**t) / (1 - beta_2**(t+1))`` instead, which makes ``v`` the
+    bias-corrected average (and uses ``beta_2``, as here, without a step). Unlike Adam's, this
+    correction acts inside the momentum, so a learning-rate schedule only approximates it:
+    ``lr0 * sqrt(1 - beta_2**t)`` at the t-th update (t = 1, 2, ...) corrects that update's new
+    term but not the terms ``m`` carries from earlier updates.
+
+    Example:
+        >>> import torch, embcore as ec
+        >>> opt = ec.LaProp(learning_rate=0.1, beta_1=0.0, beta_2=0.0)   # a step of lr*sign(g)
+        >>> w, s = opt.update(torch.ones(1, 2), torch.tensor([[2.0, -3.0]]),
+        ...                   opt.init_slots(1, 2), lr=0.1, step=0)
+        >>> w
+        tensor([[0.9000, 1.1000]])
+    """
+
+    learning_rate: LearningRate = 0.001
+    beta_1: float = 0.9
+    beta_2: float = 0.95
+    epsilon: float = 1e-30
+
+    _rule_zero_noop = False
+
+    def _rule(self, w: Tensor, g: Tensor, s: Slots, lr: float) -> tuple[Tensor, Slots]:
+        v = self.beta_2 * s["velocities"] + (1 - self.beta_2) * (g * g + self.epsilon)  # (U, D)
+        normalized = _safe_div(g, v.sqrt())                           # (U, D)
+        m = self.beta_1 * s["momenta"] + math.sqrt(1 - self.beta_1 ** 2) * normalized  # (U, D)
+        return w - lr * m, {"momenta": m, "velocities": v}

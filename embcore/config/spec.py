@@ -33,21 +33,13 @@ import torch
 
 from ..base.nest import check_depth, leaves_with_paths
 from .budget import parse_budget
-from .optimizers import (
-    FTRL,
-    SGD,
-    Adagrad,
-    AdagradMomentum,
-    Adam,
-    Optimizer,
-    RowwiseAdagrad,
-)
+from .optimizers import Optimizer, records
 from .tables import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
 
 T = TypeVar("T")
 
 FORMAT = "embcore-spec-1"
-OPTIMIZERS = {c.__name__: c for c in (SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, Adam, FTRL)}
+OPTIMIZERS = {r.name: r.cls for r in records()}  # the spec's "class" names: the optimizers' records
 INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}

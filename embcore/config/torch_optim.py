@@ -1,7 +1,8 @@
 """Translating what ``EmbeddingLayer(optimizer=...)`` accepts into an embcore optimizer.
 
-Names ("sgd", "adagrad", "adam", "ftrl") and ``torch.optim`` classes (SGD, Adagrad, Adam) become the
-embcore optimizer with the same math, or a clear error saying why they cannot.
+Names (the optimizers' records' ``alias``: "sgd", "adagrad", "adam", ...) and ``torch.optim``
+classes (SGD, Adagrad, Adam) become the embcore optimizer with the same math, or a clear error
+saying why they cannot.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizers import FTRL, SGD, Adagrad, Adam, Optimizer
+from .optimizers import SGD, Adagrad, Adam, Optimizer, listed, records
 
-_BY_NAME: dict[str, type[Optimizer]] = {"sgd": SGD, "adagrad": Adagrad, "adam": Adam, "ftrl": FTRL}
+_BY_NAME: dict[str, type[Optimizer]] = {r.alias: r.cls for r in records() if r.alias is not None}
+_NAMES = listed([repr(name) for name in _BY_NAME])            # 'sgd', 'adagrad', ... or '...'
+_CLASSES = ", ".join(f"ec.{r.name}" for r in records())       # ec.SGD, ec.Adagrad, ...
 _NO_MATH = ("foreach", "fused", "capturable", "differentiable")  # torch kernel choices only
 _WHY = {
     "momentum": "its momentum buffers decay every row every step, which a row-sparse update "
@@ -53,8 +56,9 @@ def resolve_optimizer(spec: Any) -> Optimizer:
     """Turns what ``EmbeddingLayer(optimizer=...)`` accepts into an embcore optimizer.
 
     Args:
-        spec: an embcore optimizer (returned as is); ``"sgd"``, ``"adagrad"``, ``"adam"`` or
-            ``"ftrl"`` (any case, TF's defaults); or ``torch.optim.SGD``, ``Adagrad`` or ``Adam``
+        spec: an embcore optimizer (returned as is); an optimizer's name (its record's
+            ``alias``: ``"sgd"``, ``"adagrad"``, ``"adam"``, ...; any case, the optimizer's
+            defaults); or ``torch.optim.SGD``, ``Adagrad`` or ``Adam``
             as the class, ``functools.partial(cls, **kwargs)``, ``(cls, kwargs)`` or an instance
             (its hyper-parameters; the parameters it was given are not used), translated
             to the embcore optimizer with the same math (torch's defaults apply):
@@ -88,8 +92,8 @@ def resolve_optimizer(spec: Any) -> Optimizer:
     if isinstance(spec, str):
         if spec.lower() in _BY_NAME:
             return _BY_NAME[spec.lower()]()
-        raise ValueError(f"unknown optimizer name {spec!r}: use 'sgd', 'adagrad', 'adam' or "
-                         "'ftrl', or an optimizer object such as ec.Adagrad(learning_rate=0.1)")
+        raise ValueError(f"unknown optimizer name {spec!r}: use {_NAMES}, or an optimizer "
+                         "object such as ec.Adagrad(learning_rate=0.1)")
     if isinstance(spec, torch.optim.Optimizer):  # an instance: its hyper-parameters
         cls = type(spec)
         if cls not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam):
@@ -110,8 +114,7 @@ def resolve_optimizer(spec: Any) -> Optimizer:
     if cls not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam):
         raise ValueError(f"torch.optim.{cls.__name__} cannot be translated; embcore translates "
                          "torch.optim.SGD, torch.optim.Adagrad and torch.optim.Adam; use an "
-                         "embcore optimizer (ec.SGD, ec.Adagrad, ec.RowwiseAdagrad, "
-                         "ec.AdagradMomentum, ec.Adam, ec.FTRL)")
+                         f"embcore optimizer ({_CLASSES})")
     return _from_torch(cls, kwargs)
 
 
@@ -127,8 +130,8 @@ def _class_and_kwargs(spec: Any) -> tuple[type, dict[str, Any]]:
     if isinstance(cls, type) and issubclass(cls, (Optimizer, torch.optim.Optimizer)):
         return cls, kwargs
     raise TypeError(f"optimizer must be an embcore optimizer (ec.SGD(...), ec.Adagrad(...), ...), "
-                    "one of 'sgd', 'adagrad', 'adam', 'ftrl', or torch.optim.SGD / Adagrad / Adam "
-                    "given as the class, functools.partial(cls, **kwargs) or (cls, kwargs); got "
+                    f"one of {_NAMES}, or torch.optim.SGD / Adagrad / Adam given as the class, "
+                    "functools.partial(cls, **kwargs) or (cls, kwargs); got "
                     f"{type(spec).__name__} {repr(spec)[:80]}")
 
 

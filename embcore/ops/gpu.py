@@ -29,15 +29,7 @@ from typing import Any
 
 import torch
 
-from ..config.optimizers import (
-    FTRL,
-    SGD,
-    Adagrad,
-    AdagradMomentum,
-    Adam,
-    Optimizer,
-    RowwiseAdagrad,
-)
+from ..config.optimizers import Optimizer, record_of
 from .kernel_args import Hyper
 from .rounding import ROW_TYPES, Rounding
 
@@ -159,26 +151,13 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
 # -- the fused backward + update ------------------------------------------------------------------
 
 def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
-    """(rule, its hyper-parameters h1..h5, flag 1, flag 2) for the kernel, or None."""
-    k = _load()
-    t = type(opt)
-    if t is SGD:
-        return k.SGD, (), False, False
-    if t is Adagrad:
-        return k.ADAGRAD, (), False, False
-    if t is RowwiseAdagrad:
-        return k.ROWWISE_ADAGRAD, (), False, False
-    if t is AdagradMomentum:
-        return (k.MOMENTUM, (opt.momentum, opt.beta2, opt.epsilon, -1.0 / opt.exponent),
-                bool(opt.use_nesterov), opt.beta2 == 1)
-    if t is Adam and not opt.updates_every_row:
-        return (k.ADAM, (opt.beta_1, 1 - opt.beta_1, opt.beta_2, 1 - opt.beta_2, opt.epsilon),
-                bool(opt.sum_inside_sqrt), False)
-    if t is FTRL:
-        return (k.FTRL, (-opt.learning_rate_power, opt.l1_regularization_strength,
-                         opt.l2_regularization_strength, opt.beta),
-                bool(opt.multiply_linear_by_learning_rate), False)
-    return None
+    """(rule, its hyper-parameters h1..h5, flag 1, flag 2) for the kernel, or None: the optimizer's
+    record's ``triton_rule`` and ``triton_args`` (the kernel updates the touched rows only)."""
+    record = record_of(opt)
+    if record is None or record.triton_rule is None or opt.updates_every_row:
+        return None
+    h, f1, f2 = record.triton_args(opt)
+    return record.triton_rule, tuple(h), f1, f2
 
 
 def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:

@@ -573,7 +573,19 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
     ("step_key", INT64),
     ("nt", INT),
 ])
-_RULES = (SGD, ADAGRAD, ROWWISE_ADAGRAD)
+
+
+def _native_rules() -> dict[int, str]:
+    """The kernel's rules by id, named as the constants above (``RowwiseAdagrad`` ->
+    ``ROWWISE_ADAGRAD``): every optimizer whose record has a ``native_rule``."""
+    import re
+
+    from ..config.optimizers import records
+    return {r.native_rule: re.sub(r"(?<=[a-z])(?=[A-Z])", "_", r.name).upper()
+            for r in records() if r.native_rule is not None}
+
+
+_RULES = _native_rules()
 _NEAREST = rounding.nearest()
 
 
@@ -607,8 +619,8 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     """
     name = _SPARSE_UPDATE.name
     if rule not in _RULES:
-        raise ValueError(f"{name}: rule {rule!r} is none of SGD, ADAGRAD, ROWWISE_ADAGRAD "
-                         f"({_RULES})")
+        raise ValueError(f"{name}: rule {rule!r} is none of {', '.join(_RULES.values())} "
+                         f"({tuple(_RULES)})")
     if acc is None and rule != SGD:
         raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
     if (unique_offsets is None) != (order is None):

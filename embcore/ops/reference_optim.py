@@ -19,6 +19,7 @@ from ..config.optimizers import (
     Adagrad,
     AdagradMomentum,
     Adam,
+    LaProp,
     Optimizer,
     RowwiseAdagrad,
 )
@@ -140,6 +141,8 @@ def _rule(opt: Optimizer, w: list[float], g: list[float], s: dict[str, list[floa
         return w
     if isinstance(opt, FTRL):
         return _ftrl_row(opt, w, g, s, lr)
+    if isinstance(opt, LaProp):
+        return _laprop_row(opt, w, g, s, lr)
     raise TypeError(f"no reference rule for {type(opt).__name__}")
 
 
@@ -165,4 +168,21 @@ def _ftrl_row(opt: FTRL, w: list[float], g: list[float], s: dict[str, list[float
         else:
             w[c] = 0.0
         a[c] = a_new
+    return w
+
+
+def _laprop_row(opt: LaProp, w: list[float], g: list[float], s: dict[str, list[float]],
+                lr: float) -> list[float]:
+    """LaProp: the velocity first, then the momentum of the gradient divided by its root."""
+    m, v = s["momenta"], s["velocities"]
+    b1, b2, eps = opt.beta_1, opt.beta_2, opt.epsilon
+    weight = math.sqrt(1.0 - b1 * b1)        # the momentum's weight of the new term
+    for c in range(len(w)):
+        v[c] = b2 * v[c] + (1.0 - b2) * (g[c] * g[c] + eps)
+        if v[c] > 0:
+            normalized = g[c] / math.sqrt(v[c])
+        else:                                 # only when g*g + eps underflows: no step
+            normalized = 0.0
+        m[c] = b1 * m[c] + weight * normalized
+        w[c] = w[c] - lr * m[c]
     return w

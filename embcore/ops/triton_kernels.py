@@ -41,6 +41,8 @@ else:
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
 # Rules of ``sparse_update_kernel`` (``RULE``); NONE only sums the gradients (combine backward).
+# An optimizer's record (config/optimizers.py) names its rule here (``triton_rule``) and gives its
+# h1..h5, F1, F2 (``triton_args``).
 # (tl.constexpr: a compiled kernel reads no other globals; the interpreter takes either)
 NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = (
     tl.constexpr(i) if tl is not None else i for i in range(7))

@@ -6,19 +6,21 @@ a table held here, in place (docs/semantics.md section 3). The gradient comes ei
 (``OutputGrads``: a table held here, whose row gradients can be formed inside the update). The
 gradient multiplier is evaluated once per call, or given already evaluated
 (``gradient_multiplier=``: the engine evaluates it once per step, before any write), and every
-kernel uses that value. The kernel is chosen here and nowhere else:
+kernel uses that value. The kernel is chosen here and nowhere else, from the optimizer's record
+(``config/optimizers.py OptimizerRecord``: which kernels run it, under which rule id):
 
-1. the fused CPU kernel (``native.sparse_update``): SGD, Adagrad and RowwiseAdagrad with every
-   option, float32, float16 and bfloat16 tables on the CPU (a 16-bit row widened, updated in
-   float32 and rounded back in the same pass); each touched row and its accumulator are read
-   and written once, and from ``OutputGrads`` the row gradients are summed in the same pass (no
-   ``(U, D)`` temporary at all);
-2. on CUDA, the Triton kernel (``gpu.sparse_update``): the same contract for SGD, Adagrad,
-   RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every option, float32, float16 and
-   bfloat16 tables (16-bit rows rounded as on the CPU), float32 slots (the output gradients'
-   parts are concatenated first);
-3. torch ops in place (``apply_in_place``): the same optimizers without options (two gathers, the
-   arithmetic in the gathered buffers, two scatters);
+1. the fused CPU kernel (``native.sparse_update``, the records' ``native_rule``: SGD, Adagrad and
+   RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU (a 16-bit
+   row widened, updated in float32 and rounded back in the same pass); each touched row and its
+   accumulator are read and written once, and from ``OutputGrads`` the row gradients are summed
+   in the same pass (no ``(U, D)`` temporary at all);
+2. on CUDA, the Triton kernel (``gpu.sparse_update``, the records' ``triton_rule``): the same
+   contract for SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every
+   option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU), float32
+   slots (the output gradients' parts are concatenated first);
+3. torch ops in place (``apply_in_place``, the records' ``in_place``: SGD, Adagrad and
+   RowwiseAdagrad) without options (two gathers, the arithmetic in the gathered buffers, two
+   scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
    (rounded by ``ops/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
@@ -32,14 +34,15 @@ from __future__ import annotations
 
 import torch
 
-from ..config.optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
+from ..config.optimizers import Optimizer, record_of
 from . import gpu, native, rounding
 from .combine import OutputGrads, row_gradients
 from .rounding import COMPACT, ROW_TYPES, Rounding
 from .workspace import Workspace
 
-_RULES = {SGD: native.SGD, Adagrad: native.ADAGRAD, RowwiseAdagrad: native.ROWWISE_ADAGRAD}
 _NEAREST = rounding.nearest()
+# The in-place rules of ``apply_in_place`` (a record's ``in_place``).
+_IN_PLACE = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
@@ -72,7 +75,10 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     rule = native_rule(optimizer, table)
     if rule is not None:
         acc = slots.get("accumulators")
-        hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
+        hyper = (_hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
+                 if workspace is None else workspace.kept(  # (the same every step)
+                     optimizer, ("hyper", lr, gradient_multiplier),
+                     lambda: _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)))
         if isinstance(grad, OutputGrads):  # the backward fused into the update
             g = grad
             native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
@@ -126,8 +132,10 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
-    """The fused kernel's rule for this optimizer and table, or None when it does not apply."""
-    rule = _RULES.get(type(opt))
+    """The fused kernel's rule for this optimizer and table (its record's ``native_rule``), or None
+    when it does not apply."""
+    record = record_of(opt)
+    rule = None if record is None or opt.updates_every_row else record.native_rule
     if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
         return None
     return rule if native.usable(table) else None
@@ -151,16 +159,19 @@ def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> n
 
 
 def in_place_supported(opt: Optimizer, params: torch.Tensor) -> bool:
-    """Whether ``apply_in_place`` handles this optimizer and table dtype."""
-    if type(opt) not in (SGD, Adagrad, RowwiseAdagrad):
+    """Whether ``apply_in_place`` handles this optimizer (its record's ``in_place`` rule, without
+    options) and table dtype."""
+    record = record_of(opt)
+    if record is None or record.in_place not in _IN_PLACE or opt.updates_every_row:
         return False
     if params.dtype not in (torch.float32, torch.float64):
         return False
     plain = (opt.gradient_multiplier is None and opt.clipvalue is None
              and not opt.weight_decay_factor and opt.clip_weight_min is None
              and opt.clip_weight_max is None)
-    # A zero accumulator could meet a zero gradient (0 / 0): the pure path guards that case.
-    positive = isinstance(opt, SGD) or opt.initial_accumulator_value > 0
+    # A zero accumulator could meet a zero gradient (0 / 0): the pure path guards that case (the
+    # in-place rules divide by the square root of their one slot; SGD has none).
+    positive = all(s.initial_value > 0 for s in opt.slots)
     return plain and positive
 
 
@@ -170,7 +181,7 @@ def apply_in_place(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.T
     """Updates ``table[rows]`` (and slots) in place with torch ops; ``rows`` distinct.
 
     Args:
-        opt: SGD, Adagrad or RowwiseAdagrad (see ``in_place_supported``).
+        opt: an optimizer whose record names an in-place rule (see ``in_place_supported``).
         table: (N, D) parameters.
         slots: ``{"accumulators": (N, D) or (N, 1)}`` (none for SGD).
         rows: (U,) distinct row ids.
@@ -178,15 +189,20 @@ def apply_in_place(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.T
         lr: the learning rate.
         workspace: buffers for the gathered rows (None allocates them).
     """
+    record = record_of(opt)
+    rule = None if record is None else record.in_place
+    if rule not in _IN_PLACE:
+        raise ValueError(f"apply_in_place: {type(opt).__name__} has no in-place rule "
+                         f"({rule!r}); see in_place_supported")
     g = grad.to(table.dtype)
-    if isinstance(opt, SGD):
+    if rule == "sgd":
         table.index_add_(0, rows, g, alpha=-lr)
         return
     acc = slots["accumulators"]
     a = _gather(acc, rows, "acc_rows", workspace)  # (U, D) or (U, 1)
-    if isinstance(opt, RowwiseAdagrad):
+    if rule == "rowwise_adagrad":
         a.add_(g.square().mean(dim=1, keepdim=True))
-    else:
+    else:  # adagrad
         a.addcmul_(g, g)
     acc.index_copy_(0, rows, a)
     w = _gather(table, rows, "param_rows", workspace)  # (U, D)
