@@ -208,7 +208,8 @@ class MemoryRows(Rows):
                optimizer: Optimizer, lr: float, step: int, *,
                gradient_multiplier: float | None = None, since: Any = None,
                rounding: RoundingOf | None = None) -> None:
-        round_to = rounding(rows, None) if rounding is not None else self.rounding_at(step)
+        round_to = (rounding(rows, None) if rounding is not None else
+                    None if self.rounding is None else self.rounding_at(step))
         update(self._table, self.slots, rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier, round_to=round_to)
         self.written(rows, every=optimizer.updates_every_row)

@@ -58,6 +58,7 @@ class RowStore:
                               self.workspace)
         self._rows = builder.build()
         self._offload = builder.offload  # (the slow tier's directory lives as long as the store)
+        self.maps = any(rows.maps for rows in self._rows)  # (a raw-id table: maps step)
 
     def __getitem__(self, p: int) -> Rows:
         """Physical table ``p``'s rows object."""

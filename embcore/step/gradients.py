@@ -195,7 +195,8 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
         checked = (check_gradients(prepared, grads, names, plan, warn_on_none) if parts is None
                    else cast(Sequence[torch.Tensor], grads))
         multipliers = gradient_multipliers(prepared, plan, step)
-        nonfinite = nonfinite_gradients(prepared, checked, names, plan)
+        nonfinite = (nonfinite_gradients(prepared, checked, names, plan) if groups
+                     else {})  # (only the groups' tables are read)
         before_write()
         if parts is None:
             parts = gradient_rows(prepared, checked, store)
