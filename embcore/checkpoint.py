@@ -93,7 +93,6 @@ import numpy as np
 import torch
 
 from .base.comm import CollectiveError, everywhere
-from .base.files import agreed_token, fsync_dir, pid_alive
 from .base.compat import (
     DCP_INDEX,
     DCP_INDEX_PRIVATE_GLOBALS,
@@ -101,6 +100,7 @@ from .base.compat import (
     PICKLED_PATH_MODULES,
     dcp_index_name,
 )
+from .base.files import agreed_token, fsync_dir, pid_alive
 from .engine import Embedding
 from .layer import EmbeddingLayer
 from .online import resume
@@ -230,8 +230,9 @@ def _dcp() -> SimpleNamespace:
                                      f"{info.transform_descriptors}; embcore writes none")
             if self.checksums is not None:
                 self.checksums.match_index(md.storage_data, path)
-            if getattr(md, "storage_meta", None) is not None:  # as DCP's reader does (compat.py)
-                md.storage_meta.load_id = self.load_id
+            storage_meta = getattr(md, "storage_meta", None)
+            if storage_meta is not None:  # as DCP's reader does (compat.py)
+                storage_meta.load_id = self.load_id
             return md
 
         def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
@@ -576,7 +577,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         storage, failed = None, None
         try:
             storage = d.Reader(tmp).read_metadata().storage_data
-        except Exception as e:  # noqa: BLE001 - re-raised below, once every process knows
+        except Exception as e:  # re-raised below, once every process knows
             failed = e
         if not _all_ok(engine, failed is None):
             raise failed or RuntimeError(f"another process could not read the index of {tmp}; "

@@ -51,7 +51,7 @@ def _serialized(method: F) -> F:
     return cast(F, wrapper)
 
 
-class EmbeddingTables(dict):  # type: ignore[type-arg]
+class EmbeddingTables(dict[Any, Any]):
     """``{TableConfig: (N, D) tensor}`` (``embedding_tables``) whose reads also take a table's
     resolved name: ``tables["users"]``, ``tables.get("users")``, ``"users" in tables``.
 
@@ -405,7 +405,11 @@ class Embedding:
                 "world_size": self._plan.world_size,
                 **EmbeddingSpec.manifest_entry(self._features.template, *self._spec_args)}
 
-    from_spec = classmethod(from_spec)
+    @classmethod
+    def from_spec(cls, spec: EmbeddingSpec, **kwargs: Any) -> Embedding:
+        """The engine that ``spec`` describes (config/spec.py's ``from_spec``); ``kwargs``: the
+        arguments a spec does not hold (``process_group``, ``device``, ``timeout``, ...)."""
+        return from_spec(cls, spec, **kwargs)
 
     def __repr__(self) -> str:
         return (f"Embedding({len(self._features)} features, {len(self._features.table_names)} "

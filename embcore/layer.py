@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .base.nest import Structure
-from .config.spec import from_spec
+from .config.spec import EmbeddingSpec, from_spec
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
@@ -138,7 +138,11 @@ class EmbeddingLayer(torch.nn.Module):
                 self.engine.to(target)
         return out
 
-    from_spec = classmethod(from_spec)
+    @classmethod
+    def from_spec(cls, spec: EmbeddingSpec, **kwargs: Any) -> EmbeddingLayer:
+        """The layer that ``spec`` describes (config/spec.py's ``from_spec``); ``kwargs``: the
+        arguments a spec does not hold (``process_group``, ``device``, ``timeout``, ...)."""
+        return from_spec(cls, spec, **kwargs)
 
     def for_serving(self, serving_config: Any = None, *, quantize: Any = None
                     ) -> torch.nn.Module:

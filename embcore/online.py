@@ -196,7 +196,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                     error = e
             _all_ok(engine, error, f"creating {tmp}")
             written: dict[str, dict[str, int]] = {}
-            rows = {n: 0 for n in engine.table_names().values()}
+            rows = dict.fromkeys(engine.table_names().values(), 0)
             used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             try:
                 chunks = _chunks_to_write(store, kind, pub, bool(slots), rows, used, taken)

@@ -1,1 +1,2 @@
-"""What everything stands on: torch's private APIs (one place), collectives with timeouts, nested structures."""
+"""What everything stands on: torch's private APIs (one place), collectives with timeouts,
+nested structures."""

@@ -130,7 +130,7 @@ class ProcessGroupCommunicator:
     def _wait(self, work: Any, what: str) -> None:
         try:
             ok = work.wait(timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - every backend failure becomes one clear error
+        except Exception as e:  # every backend failure becomes one clear error
             raise CollectiveError(
                 f"embcore: {what} failed on rank {self.rank} of {self.world_size} "
                 f"(timeout {self.timeout.total_seconds():.0f}s): another process probably died "

@@ -83,7 +83,8 @@ def jagged_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         if (isinstance(values, torch.Tensor) and isinstance(offsets, torch.Tensor)
                 and not _autograd_matters(x, values)):
             return values, offsets, getattr(x, "_lengths", None)
-    return x.values(), x.offsets(), x.lengths()
+    nested: Any = x  # (a NestedTensor: torch.Tensor's type has no offsets() or lengths())
+    return nested.values(), nested.offsets(), nested.lengths()
 
 
 # Reads a tensor subclass's attributes without its __torch_function__ (None where missing).

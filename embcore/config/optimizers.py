@@ -244,7 +244,8 @@ class Optimizer:
         clip = self.clipvalue
         if isinstance(clip, (tuple, list)):
             bounds = [None if c is None else self._number("clipvalue", c) for c in clip]
-            if len(bounds) != 2 or (None not in bounds and bounds[0] > bounds[1]):
+            lo, hi = (bounds + [None, None])[:2]
+            if len(bounds) != 2 or (lo is not None and hi is not None and lo > hi):
                 raise ValueError(f"{self._name}: clipvalue must be a number c > 0 or a pair "
                                  f"(lo, hi) with lo <= hi, got {clip!r}")
             object.__setattr__(self, "clipvalue", tuple(clip))  # hashable, once, at construction
@@ -502,14 +503,17 @@ def _declare(*, alias: str | None = None, ranges: tuple[Range, ...] = (),
              slots: tuple[Slot, ...] = (), native_rule: int | None = None,
              triton_rule: int | None = None, triton_args: Callable[[Any], KernelArgs] = _no_args,
              in_place: str | None = None) -> Callable[[OptimizerClass], OptimizerClass]:
-    """Makes the class an optimizer (a frozen dataclass) and registers its record (the
-    arguments, see ``OptimizerRecord``)."""
+    """Registers the optimizer class's record (the arguments, see ``OptimizerRecord``); the
+    class is a frozen dataclass of its hyper-parameters (``@dataclass(frozen=True, eq=False,
+    repr=False)`` under this decorator)."""
     def declare(cls: OptimizerClass) -> OptimizerClass:
-        dataclass(frozen=True, eq=False, repr=False)(cls)  # in place: the same class
-        record = OptimizerRecord(cls, cls.__name__, alias, ranges, slots, native_rule,
-                                 triton_rule, triton_args, in_place)
         if cls.__name__ in {r.name for r in _RECORDS.values()}:
             raise TypeError(f"optimizer {cls.__name__!r} is declared twice")
+        if "__dataclass_fields__" not in vars(cls):
+            raise TypeError(f"optimizer {cls.__name__}: declare it a dataclass "
+                            f"(@dataclass(frozen=True, eq=False, repr=False)) under @_declare")
+        record = OptimizerRecord(cls, cls.__name__, alias, ranges, slots, native_rule,
+                                 triton_rule, triton_args, in_place)
         cls._record = record
         _RECORDS[cls] = record
         return cls
@@ -529,6 +533,7 @@ def _decay(x: float) -> bool:
 
 
 @_declare(alias="sgd", native_rule=0, triton_rule=1, in_place="sgd")
+@dataclass(frozen=True, eq=False, repr=False)
 class SGD(Optimizer):
     """Stochastic gradient descent on the touched rows; no slots.
 
@@ -557,6 +562,7 @@ _ACCUMULATOR_RANGE = Range("initial_accumulator_value", ">= 0", _nonnegative)
 @_declare(alias="adagrad", ranges=(_ACCUMULATOR_RANGE,),
           slots=(Slot("accumulators", "initial_accumulator_value"),),
           native_rule=1, triton_rule=2, in_place="adagrad")
+@dataclass(frozen=True, eq=False, repr=False)
 class Adagrad(Optimizer):
     """Adagrad: a per-entry sum of squared gradients scales the step.
 
@@ -586,6 +592,7 @@ class Adagrad(Optimizer):
 @_declare(ranges=(_ACCUMULATOR_RANGE,),
           slots=(Slot("accumulators", "initial_accumulator_value", rowwise=True),),
           native_rule=2, triton_rule=3, in_place="rowwise_adagrad")
+@dataclass(frozen=True, eq=False, repr=False)
 class RowwiseAdagrad(Adagrad):
     """Adagrad with one accumulator per row, shape (N, 1): D times less slot memory.
 
@@ -616,6 +623,7 @@ class RowwiseAdagrad(Adagrad):
           slots=(Slot("accumulators"), Slot("momenta")), triton_rule=4,
           triton_args=lambda o: ((o.momentum, o.beta2, o.epsilon, -1.0 / o.exponent),
                                  bool(o.use_nesterov), o.beta2 == 1))
+@dataclass(frozen=True, eq=False, repr=False)
 class AdagradMomentum(Optimizer):
     """Adagrad scaling followed by (optionally Nesterov) momentum.
 
@@ -665,6 +673,7 @@ class AdagradMomentum(Optimizer):
           slots=(Slot("momenta"), Slot("velocities")), triton_rule=5,
           triton_args=lambda o: ((o.beta_1, 1 - o.beta_1, o.beta_2, 1 - o.beta_2, o.epsilon),
                                  bool(o.sum_inside_sqrt), False))
+@dataclass(frozen=True, eq=False, repr=False)
 class Adam(Optimizer):
     """Adam without bias correction (as on TPU); lazy by default.
 
@@ -729,6 +738,7 @@ class Adam(Optimizer):
           triton_args=lambda o: ((-o.learning_rate_power, o.l1_regularization_strength,
                                   o.l2_regularization_strength, o.beta),
                                  bool(o.multiply_linear_by_learning_rate), False))
+@dataclass(frozen=True, eq=False, repr=False)
 class FTRL(Optimizer):
     """Follow-the-regularized-leader: the weights are recomputed from two slots each update.
 
@@ -808,6 +818,7 @@ class FTRL(Optimizer):
                                  Range("beta_2", "in [0, 1)", _decay),
                                  Range("epsilon", "> 0", _positive)),
           slots=(Slot("momenta"), Slot("velocities")))
+@dataclass(frozen=True, eq=False, repr=False)
 class LaProp(Optimizer):
     """LaProp (Ziyin et al., 2020; jax-tpu-embedding's SparseCore LaProp): Adam's two moving
     averages, with the momentum taken of the gradient already divided by its RMS. No bias

@@ -299,7 +299,8 @@ def _optimizer_from(d: Any, what: str) -> Optimizer | None:
                          f"{sorted(OPTIMIZERS)}")
     _keys(d, f"{what} ({name})", ("class", *(f.name for f in dataclasses.fields(cls)
                                               if f.name != "_")))
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k != "class"}
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()
+                              if k != "class"}
     return cls(**kwargs)
 
 

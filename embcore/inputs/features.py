@@ -122,7 +122,7 @@ class Features:
             ValueError: a table no feature reads.
         """
         name = self.table_names.get(table) if isinstance(table, TableConfig) else table
-        if name not in self.table_names.values():
+        if name is None or name not in self.table_names.values():
             raise ValueError(f"{table!r} is not a table of this engine; its tables are "
                              f"{sorted(self.table_names.values())}")
         return name
@@ -140,10 +140,11 @@ class Features:
         if per_replica_input_shapes is not None:
             flat = flatten_like(self.template, per_replica_input_shapes, is_feature,
                                 "per_replica_input_shapes")
-            declared = [_sizes(s, f"feature {n!r}: per_replica_input_shapes") for s, n in
-                        zip(flat, self.names)]
+            given = [_sizes(s, f"feature {n!r}: per_replica_input_shapes") for s, n in
+                     zip(flat, self.names)]
+            declared = list(given)
             shapes = [output_shape_from_input_shape(f, s, n, None)
-                      for f, s, n in zip(self.configs, declared, self.names)]
+                      for f, s, n in zip(self.configs, given, self.names)]
         elif per_replica_batch_size is not None:
             (b,) = _sizes((per_replica_batch_size,), "per_replica_batch_size")
             shapes = [(b, f.sequence_length) if f.sequence_length else (b,)
@@ -176,7 +177,8 @@ class Features:
         """
         leaves = leaves_with_paths(template, is_feature)
         flat_ids, flat_w = _flat_inputs(template, features, weights, len(leaves))
-        out, tables = [], []
+        out: list[Bags | None] = []
+        tables: list[str] = []
         for (path, f), ids, w in zip(leaves, flat_ids, flat_w):
             i = self._index.get(id(f))
             if i is None and f.table not in self.table_names:

@@ -3,9 +3,10 @@
 A shard of ``N`` rows has a cache of ``C`` rows. The index is direct: ``where`` (N,) int32 holds
 each shard row's cache row, or -1, so a step finds a row with one read (4 bytes a shard row, the
 price of a hash map's probes saved on every lookup). Per cache row: ``owner`` (the shard row it
-holds, or -1), ``stamp`` (the clock of its last use; ``FREE_STAMP`` when free), ``dirty`` (updated since read: written
-back before it is given to another row) and ``fresh`` (given to a new id of a dynamic table and
-not looked up since: counted as new, not as a hit). The free cache rows form a stack.
+holds, or -1), ``stamp`` (the clock of its last use; ``FREE_STAMP`` when free), ``dirty``
+(updated since read: written back before it is given to another row) and ``fresh`` (given to a
+new id of a dynamic table and not looked up since: counted as new, not as a hit). The free cache
+rows form a stack.
 
 ``step(rows)`` takes a step's distinct shard rows and returns their cache rows:
 
@@ -89,8 +90,9 @@ class CacheIndex:
                                     spare, self.bounds if count else None,
                                     self.counts if count else None)
             assert got is not None
-            slots, miss_rows, miss_slots, out_rows, out_slots, self.n_free, evicted = got
-            return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
+            slots, miss_rows, miss_slots, out_rows, out_slots, n_free, evicted = got
+            self.n_free = int(n_free)
+            return Step(slots, miss_rows, miss_slots, out_rows, out_slots, int(evicted))
         return self._step(rows, count, spare)
 
     def _step(self, rows: torch.Tensor, count: bool, spare: int) -> Step:

@@ -140,11 +140,11 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     block_d = min(_next_pow2(d), 256)
     block_r = _grid_rows(d, block_d)
     grid = (_cdiv(num_rows, block_r), _cdiv(d, block_d))
-    unit = offsets is None
     k.lookup_kernel[grid](
-        table, ids.contiguous(), ids if unit else offsets.contiguous(),
+        table, ids.contiguous(), ids if offsets is None else offsets.contiguous(),
         table if scales is None else scales.to(torch.float32).contiguous(), out, num_rows, d,
-        UNIT=unit, SCALED=scales is not None and not unit, BLOCK_R=block_r, BLOCK_D=block_d)
+        UNIT=offsets is None, SCALED=scales is not None and offsets is not None,
+        BLOCK_R=block_r, BLOCK_D=block_d)
     return out
 
 
@@ -193,7 +193,9 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
             the rounding are computed in the kernel (its segments kept on the device).
     """
     k = _load()
-    rule, h, f1, f2 = _rule(opt)
+    got = _rule(opt)
+    assert got is not None, "update_supported checked the optimizer"
+    rule, h, f1, f2 = got
     names = [s.name for s in opt.slots]
     s1 = slots[names[0]] if len(names) > 0 else table
     s2 = slots[names[1]] if len(names) > 1 else table
@@ -228,15 +230,15 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
     block_u = _grid_rows(d, block_d)
     h = tuple(float(x) for x in h) + (0.0,) * (5 - len(h))
     dummy = rows
-    keyed = round_to is not None and round_to.key_rows is not None
+    key_rows = round_to.key_rows if round_to is not None else None
     seg = round_to.segments.packed(rows.device) if round_to is not None else dummy
     k.sparse_update_kernel[(_cdiv(u, block_u),)](
         table, s1, s2, rows, u, d, grad.to(torch.float32).contiguous(),
         dummy if direct else unique_offsets, dummy if direct else order,
         dummy if bags is None else bags, grad if scales is None else scales.to(torch.float32),
         table if out is None else out,
-        round_to.key_rows.to(rows.device) if keyed else dummy,
-        round_to.key_rows.numel() if keyed else 0, seg,
+        key_rows.to(rows.device) if key_rows is not None else dummy,
+        key_rows.numel() if key_rows is not None else 0, seg,
         round_to.segments.bases.numel() if round_to is not None else 0,
         round_to.key_of_step if round_to is not None else 0,
         round_to.col0 if round_to is not None else 0,
@@ -250,4 +252,4 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         DECAYED=hyper.weight_decay != 0.0,
         BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
         ROWS=ROW_TYPES[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
-        KEYED=keyed, BLOCK_U=block_u, BLOCK_D=block_d)
+        KEYED=key_rows is not None, BLOCK_U=block_u, BLOCK_D=block_d)

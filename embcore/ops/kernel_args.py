@@ -18,7 +18,7 @@ import ctypes
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -58,7 +58,7 @@ class Hyper(ctypes.Structure):
 
     def as_dict(self) -> dict[str, float]:
         """``{field name: value}`` in field order."""
-        return {name: getattr(self, name) for name, _ in self._fields_}
+        return {field[0]: getattr(self, field[0]) for field in self._fields_}
 
     def __repr__(self) -> str:
         return "Hyper(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
@@ -68,7 +68,7 @@ class Hyper(ctypes.Structure):
             return NotImplemented
         return self.as_dict() == other.as_dict()
 
-    __hash__ = None  # mutable, like every ctypes.Structure
+    # (__eq__ without __hash__: unhashable, mutable like every ctypes.Structure)
 
 
 # ---- the kernels' arguments, by name and kind --------------------------------------------------
@@ -253,6 +253,8 @@ class RowsArg:
             return rejected(kernel, arg, "2-D", f"shape {tuple(t.shape)}", self)
         if t.shape[1] > 1 and t.stride(1) != 1:
             return rejected(kernel, arg, "of unit column stride", _shape(t), self)
+        if like is None:  # (not reached: every requirement holds)
+            return rejected(kernel, arg, "a tensor the check accepts", _shape(t), self)
         return rejected(kernel, arg, f"{like.shape[1]} columns wide (as the rows it pairs with)",
                          f"shape {tuple(t.shape)}", self)
 
@@ -466,11 +468,11 @@ def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -
     """
     if lib.ec_hyper_size() != ctypes.sizeof(cls):  # nothing more to compare safely
         return [f"size {ctypes.sizeof(cls)} in Python, {lib.ec_hyper_size()} in C++"]
-    if any(t is not ctypes.c_double for _, t in cls._fields_):
+    if any(field[1] is not ctypes.c_double for field in cls._fields_):
         return [f"fields {cls._fields_} in Python, doubles only in C++"]
     errors = []
-    names = [name for name, _ in cls._fields_]
-    cpp = []
+    names = [field[0] for field in cls._fields_]
+    cpp: list[str] = []
     while len(cpp) <= len(names):  # one past the Python side's last: None unless C++ has more
         name = lib.ec_hyper_field_name(len(cpp))
         if name is None:
@@ -488,10 +490,11 @@ def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -
     return errors
 
 
-_ARRAYS: dict[tuple[type, int], type] = {}
+_C = TypeVar("_C", bound="ctypes._SimpleCData[Any]")
+_ARRAYS: dict[tuple[type, int], Any] = {}  # {(ctype, n): ctype * n}
 
 
-def ctypes_array(ctype: type, n: int) -> type:
+def ctypes_array(ctype: type[_C], n: int) -> type[ctypes.Array[_C]]:
     """The ctypes array type ``ctype * n`` (cached: creating one costs microseconds)."""
     key = (ctype, n)
     t = _ARRAYS.get(key)

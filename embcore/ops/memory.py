@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -20,10 +22,10 @@ MADV_RANDOM = 1
 MADV_HUGEPAGE = 14
 MIN_BYTES = 8 * HUGE_PAGE  # smaller tensors gain little
 
-_madvise = None
+_madvise: Callable[..., int] | Literal[False] | None = None  # False: libc has none
 
 
-def _libc_madvise():
+def _libc_madvise() -> Callable[..., int] | Literal[False] | None:
     global _madvise
     if _madvise is None:
         try:

@@ -11,11 +11,12 @@ says why once, and every caller uses its torch-ops twin (same results, slower).
 
 Every C function is declared here once, next to its wrapper, as a list of its arguments by name
 and kind (kernel_args.py: ``read(I64)``, a contiguous CPU int64 tensor the kernel reads;
-``INT64``, a scalar; ...): the ctypes signature and the checks of every call come from that list. A tensor of the
-wrong dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and
-the argument, raised before the kernel runs. The values inside index tensors (ids within the
-table, offsets within the ids) are the callers' contract: they are checked where the inputs come
-in (``inputs/canonical.py``, ``ConcatDedup``'s limits), not on every call.
+``INT64``, a scalar; ...): the ctypes signature and the checks of every call come from that
+list. A tensor of the wrong dtype, layout, device or length is a ``TypeError`` /
+``ValueError`` naming the kernel and the argument, raised before the kernel runs. The values
+inside index tensors (ids within the table, offsets within the ids) are the callers' contract:
+they are checked where the inputs come in (``inputs/canonical.py``, ``ConcatDedup``'s limits),
+not on every call.
 
 Every wrapper takes and returns torch tensors and is tested against ``ops/reference.py`` and
 ``ops/reference_optim.py``. ``set_enabled(False)`` switches the kernels off for this process
@@ -933,7 +934,9 @@ _CACHE_STEP = Kernel("ec_cache_step", INT64, [
 def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor,
                dirty: torch.Tensor, fresh: torch.Tensor, free: torch.Tensor, n_free: int,
                clock: int, spare: int, bounds: torch.Tensor | None,
-               counts: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+               counts: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                          int, int] | None:
     """One step of a cache's index (``ec_cache_step`` in ``csrc/cache_index.h``;
     ``CacheIndex.step`` is its torch-ops twin and documents it).
 
@@ -1128,10 +1131,11 @@ def vocab_step_many(maps: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
     every id not found admitted (the caller checked that each map's admissions fit and reserved
     its rows: ``NativeVocabMap._reserve``); ``rows`` become shard rows (the map's ``start``
     added). ``info`` (M, VOCAB_INFO): ``vocab_step``'s per map, in (the free-row hint, the
-    resident ids, the queue's state) and out. ``init``: None, or ``(table, columns, lo, width, div)`` to write the admitted ids'
-    default initial values into their rows of the float32 ``table`` (``init_normal``, each with
-    its map's seed); with it, ``slots``: ``(slot, value)`` pairs, each slot a contiguous float32
-    CPU ``(N, C)`` tensor whose admitted rows are set to ``value`` (an optimizer's fresh slots).
+    resident ids, the queue's state) and out. ``init``: None, or ``(table, columns, lo, width,
+    div)`` to write the admitted ids' default initial values into their rows of the float32
+    ``table`` (``init_normal``, each with its map's seed); with it, ``slots``: ``(slot, value)``
+    pairs, each slot a contiguous float32 CPU ``(N, C)`` tensor whose admitted rows are set to
+    ``value`` (an optimizer's fresh slots).
 
     Returns:
         ``(new_ids (A,), new_rows (A,) shard rows, new_offsets (M + 1,))``: each map's admitted

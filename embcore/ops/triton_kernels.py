@@ -2,10 +2,10 @@
 
 Imported only by ``ops/gpu.py``, on first use (this module imports triton at its top; embcore
 itself never needs it; without triton it still imports, with ``MISSING`` saying why, and the
-kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows (lookup) or
-``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by masking the
-columns past D. Every sum runs in float32 in the order the CPU kernels use (csrc/lookup.h,
-csrc/update.h):
+kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows
+(lookup) or ``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by
+masking the columns past D. Every sum runs in float32 in the order the CPU kernels use
+(csrc/lookup.h, csrc/update.h):
 
 - lookup: bag r = ``sum_k scales[k] * table[ids[k]]`` over ``k in [offsets[r], offsets[r+1])``,
   k ascending, starting from zero (a unit lookup is a plain copy);

@@ -63,7 +63,7 @@ import itertools
 import operator
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -148,7 +148,7 @@ def _count_arg(value: object, arg: str, name: str) -> int:
     """``value`` as an int in ``[1, 2**63 - 1]`` (the int64 range of the state it is compared
     with), else a ``ValueError`` naming ``arg``."""
     try:
-        v = operator.index(value)  # type: ignore[arg-type]
+        v = operator.index(value) if isinstance(value, SupportsIndex) else None
     except TypeError:
         v = None
     if v is None or isinstance(value, bool) or not 1 <= v <= _INT64_MAX:
@@ -343,9 +343,9 @@ class VocabMap:
 
         Returns:
             ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, ``fill``
-            if it is not resident (still being counted); new_ids (A,) int64 ascending, the ids admitted
-            by this step; new_rows (A,) int64 their rows (the caller initializes their values and
-            optimizer slots).
+            if it is not resident (still being counted); new_ids (A,) int64 ascending, the ids
+            admitted by this step; new_rows (A,) int64 their rows (the caller initializes their
+            values and optimizer slots).
 
         Raises:
             ValueError: ``distinct`` is not distinct (when checked); or the step admits more ids
@@ -401,15 +401,16 @@ class VocabMap:
         # The others are counted; those seen in admit_after steps are admitted.
         miss = (~hit).nonzero().squeeze(1)  # (M,) indices into distinct
         miss_ids = distinct[miss]  # (M,) ascending
+        counted = None  # (ppos, pfound, counts) of the ids counted (admit_after > 1)
         if self.admit_after == 1:
             admit = torch.ones(miss_ids.shape, dtype=torch.bool, device=dev)
-            ppos = pfound = counts = None
         else:
             ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
             counts = torch.ones_like(miss_ids)  # (M,) with this step
             if self.pending_ids.numel():
                 counts += torch.where(pfound, self.pending_counts[ppos], 0)
             admit = counts >= self.admit_after  # (M,)
+            counted = ppos, pfound, counts
         new_ids = miss_ids[admit]  # (A,) ascending
 
         # Placement: the lowest free rows first, then the evictable ids' rows by (score, id).
@@ -454,15 +455,18 @@ class VocabMap:
         self.frequency[hit_rows] += 1
         self.row_key[new_rows], self.row_used[new_rows], self.born[new_rows] = new_ids, True, t
         self.last_use[new_rows], self.frequency[new_rows] = t, 1
-        if evicted is not None or key_live is not None:  # some ids left: compact the keys
-            keep = key_live if evicted is None else evicted.logical_not_()  # (R,)
-            if evicted is not None and key_live is not None:
+        keep = None if evicted is None else evicted.logical_not_()  # (R,) the ids that stay
+        if key_live is not None:
+            if keep is None:
+                keep = key_live
+            else:
                 keep &= key_live
+        if keep is not None:  # some ids left: compact the keys
             keys, key_rows = keys[keep], key_rows[keep]
         self.keys, (self.key_rows,) = _merge(keys, (key_rows,), new_ids, (new_rows,))
-        if self.admit_after > 1:
+        if counted is not None:
             (self.pending_ids, self.pending_counts,
-             self.pending_seen) = self._count(miss_ids, ppos, pfound, counts, admit, t)
+             self.pending_seen) = self._count(miss_ids, *counted, admit, t)
         self.step = t
         return rows, new_ids, new_rows
 
@@ -734,9 +738,11 @@ class NativeVocabMap(VocabMap):
         self._resident = 0  # resident ids
         self._hint = 0  # no row below it is free
         self._top = 0  # every step and frequency held is at most this (and self.step <= it)
-        self._ids = self._last = self._freq = self._born = self.slots = None
+        # The compact layout's tensors: empty (none held) while VocabMap's layout is taken
+        self._ids = self._last = self._freq = self._born = self.slots = _EMPTY
         self._queue: torch.Tensor | None = None  # an LRU map's eviction queue (ec_vocab_step)
-        self._queued = (0, 0)  # its entries held, its next entry (0 held: refilled when needed)
+        # its entries held, its next entry (0 held: refilled when needed)
+        self._queued: tuple[int, int] = (0, 0)
         self._fields: tuple[tuple[Any, ...], list[int]] | None = None  # (_map_fields' memo)
         if self.device.type != "cpu":  # the kernels do not apply there
             self._compact = False
@@ -776,21 +782,22 @@ class NativeVocabMap(VocabMap):
         self._compact = False
         for key, v in full.items():
             self.__dict__["_f_" + key] = v
-        self._ids = self._last = self._freq = self._born = self.slots = None
+        self._ids = self._last = self._freq = self._born = self.slots = _EMPTY
 
     def _compress(self) -> None:
         """Takes the compact layout from ``VocabMap``'s (on the CPU, the kernels applying)."""
         if self._compact:
             return
-        used = self._f_row_used.nonzero()
+        # (VocabMap's tensors, its own in this layout)
+        used = self.row_used.nonzero()
         a = self._held_for(int(used[-1]) + 1 if used.numel() else 0)
-        top = max(self.step, int(self._f_frequency.max()))
+        top = max(self.step, int(self.frequency.max()))
         steps = torch.int32 if top <= _INT32_MAX else _I64
         with _allocating(self.name, self.capacity, self.device):
-            ids = self._f_row_key[:a].clone()
-            last = self._f_last_use[:a].to(steps, copy=True)
-            freq = self._f_frequency[:a].to(steps, copy=True)
-            born = self._f_born[:a].to(steps, copy=True)
+            ids = self.row_key[:a].clone()
+            last = self.last_use[:a].to(steps, copy=True)
+            freq = self.frequency[:a].to(steps, copy=True)
+            born = self.born[:a].to(steps, copy=True)
             slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
         self._resident = native.vocab_index(slots, ids, born)
         self._ids, self._last, self._freq, self._born, self.slots = ids, last, freq, born, slots
@@ -825,7 +832,7 @@ class NativeVocabMap(VocabMap):
 
     def _native(self) -> bool:
         """Whether the kernels apply now (taking the compact layout if they do)."""
-        if not native.usable(self._ids if self._compact else self._f_row_key):
+        if not native.usable(self._ids if self._compact else self.row_key):
             return False
         self._compress()
         return True
@@ -955,7 +962,7 @@ class NativeVocabMap(VocabMap):
                 f"others are used by this step)")
         self._hint, self._resident, self._top = hint, resident, self._top + 1
         self._queued = queued
-        if n_freed:
+        if freed is not None and n_freed:
             self.last_freed = freed[:n_freed]
         if new_rows.numel():
             rows[admitted] = new_rows
@@ -994,7 +1001,7 @@ class NativeVocabMap(VocabMap):
             except BaseException:
                 self._compact = compact
                 raise
-            self._ids = self._last = self._freq = self._born = self.slots = None
+            self._ids = self._last = self._freq = self._born = self.slots = _EMPTY
             return
         a = self._held_for(int(rows.max()) + 1 if rows.numel() else 0)
         top = max(step, int(frequency.max()) if frequency.numel() else 0)
@@ -1049,15 +1056,15 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
     in ``ids`` (int64, contiguous); each id's row plus its map's ``starts[k]`` (a shard row), or
     ``fill`` where not resident. None where the kernels do not step every map (a map not a
     ``NativeVocabMap`` on the CPU)."""
-    if not native.usable(ids) or not all(isinstance(m, NativeVocabMap) and m._native()
-                                          for m in maps):
+    nmaps = [m for m in maps if isinstance(m, NativeVocabMap)]
+    if not native.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
-    if not maps:
+    if not nmaps:
         return _EMPTY
-    _check_runs("find_many", maps, ids, counts, starts)
+    _check_runs("find_many", nmaps, ids, counts, starts)
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     table = torch.tensor([m._map_fields(m.step + 1, _NO_CUT, start, 0)
-                          for m, start in zip(maps, starts)], dtype=_I64)
+                          for m, start in zip(nmaps, starts)], dtype=_I64)
     return native.vocab_find_many(table, ids, offsets, fill)[0]  # (the shift and fill there:
     # torch ops this large would run on torch's threads, slowing the kernels after them)
 
@@ -1086,11 +1093,12 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         the CPU, or ``admit_after > 1``), or one whose admissions would not fit (its
         ``train_step`` raises the error).
     """
-    if not native.usable(ids) or not all(isinstance(m, NativeVocabMap) and m.admit_after == 1
-                                          and m._native() for m in maps):
+    nmaps = [m for m in maps if isinstance(m, NativeVocabMap) and m.admit_after == 1]
+    if not native.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
-    if not maps:
+    if not nmaps:
         return _EMPTY, _EMPTY, _EMPTY, []
+    maps = nmaps
     _check_runs("train_steps", maps, ids, counts, starts, seeds)
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     steps = [m.step + 1 for m in maps]
@@ -1118,5 +1126,5 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
     for m, t, (_, _, hint, _, resident, *queued) in zip(maps, steps, info.tolist()):
         m.last_freed = _EMPTY
         m._hint, m._resident, m._top, m.step = hint, resident, m._top + 1, t
-        m._queued = tuple(queued)
+        m._queued = (queued[0], queued[1])
     return rows, new_ids, new_rows, miss

@@ -93,6 +93,24 @@ class WholeTable(Placement):
         return torch.full_like(rows, self.owner), rows
 
 
+def _block_rows(p: Placement, rank: int) -> torch.Tensor:
+    """The rows ``rank`` holds of ``p``'s rows in W contiguous blocks (``RowDiv``, ``Hashed``)."""
+    sizes = split_sizes(p.rows, p.world)
+    start = sum(sizes[:rank])
+    return torch.arange(start, start + sizes[rank])
+
+
+def _block_owner(p: Placement, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``owner_of`` of ``p``'s rows in W contiguous blocks (``RowDiv``, ``Hashed``)."""
+    q, rem = divmod(p.rows, p.world)
+    boundary = rem * (q + 1)
+    big = rows < boundary
+    owner = torch.where(big, torch.div(rows, q + 1, rounding_mode="floor"),
+                        rem + torch.div(rows - boundary, max(q, 1), rounding_mode="floor"))
+    start = torch.where(big, owner * (q + 1), boundary + (owner - rem) * q)
+    return owner, rows - start
+
+
 class RowDiv(Placement):
     """Rows in W contiguous blocks, the first ``rows % W`` blocks one row longer."""
 
@@ -102,21 +120,13 @@ class RowDiv(Placement):
     raw_ids = False
 
     def held_rows(self, rank: int) -> torch.Tensor:
-        sizes = split_sizes(self.rows, self.world)
-        start = sum(sizes[:rank])
-        return torch.arange(start, start + sizes[rank])
+        return _block_rows(self, rank)
 
     def held_count(self, rank: int) -> int:
         return split_sizes(self.rows, self.world)[rank]
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, rem = divmod(self.rows, self.world)
-        boundary = rem * (q + 1)
-        big = rows < boundary
-        owner = torch.where(big, torch.div(rows, q + 1, rounding_mode="floor"),
-                            rem + torch.div(rows - boundary, max(q, 1), rounding_mode="floor"))
-        start = torch.where(big, owner * (q + 1), boundary + (owner - rem) * q)
-        return owner, rows - start
+        return _block_owner(self, rows)
 
 
 class RowMod(Placement):
@@ -170,13 +180,13 @@ class Hashed(Placement):
     row_ids = False
 
     def held_rows(self, rank: int) -> torch.Tensor:
-        return RowDiv.held_rows(self, rank)
+        return _block_rows(self, rank)
 
     def held_count(self, rank: int) -> int:
-        return RowDiv.held_count(self, rank)
+        return split_sizes(self.rows, self.world)[rank]
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return RowDiv.owner_of(self, rows)
+        return _block_owner(self, rows)
 
     def owner_of_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return hashing.owner(ids, self.world)

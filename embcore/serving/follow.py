@@ -237,18 +237,18 @@ class PublishedModule(ServingModule):
                     maps.setdefault(name, []).append(
                         (rows, part[f"{name}/{VOCAB}ids"][:, 0],
                          part[f"{name}/{VOCAB}last_use"][:, 0] > 0))
-        writes = []
+        writes: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         overlays: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, got in pieces.items():
             time.sleep(0)
             rows = torch.unique(torch.cat([r for r, _, _ in got]))  # (U,) ascending
             values = torch.zeros(rows.numel(), self._dims[name])
-            for r, cols, v in got:
+            for r, span, v in got:
                 at = torch.searchsorted(rows, r)
-                if cols is None:
+                if span is None:
                     values[at] = v.to(values.dtype)
                 else:
-                    values[at, cols[0]:cols[1]] = v.to(values.dtype)
+                    values[at, span[0]:span[1]] = v.to(values.dtype)
             precision = self.precisions[name]
             if precision is None:
                 buffer = getattr(self, self.buffer_name(name))
@@ -257,16 +257,16 @@ class PublishedModule(ServingModule):
             else:
                 q = quantize_table(values, precision, name=name)
                 writes.append((name, getattr(self, self.buffer_name(name)), rows, q.data))
-                if q.scale is not None:
+                if q.scale is not None and q.bias is not None:  # (int8: both)
                     writes.append((name, getattr(self, self.buffer_name(name, "__scale")), rows,
                                    q.scale))
                     writes.append((name, getattr(self, self.buffer_name(name, "__bias")), rows,
                                    q.bias))
                 overlays[name] = (rows, q.dequantize())
         new_maps = {}
-        for name, got in maps.items():
+        for name, changed in maps.items():
             ids, used = (t.clone() for t in self._maps[name])
-            for rows, i, u in got:
+            for rows, i, u in changed:
                 ids[rows], used[rows] = i, u
             new_maps[name] = (ids, used)
             sorted_ids, sorted_rows = _resident(ids, used)

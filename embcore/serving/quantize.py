@@ -184,7 +184,7 @@ def resolve_quantize(quantize: Any, names: Mapping[TableConfig, str]
         for name in names.values():
             if quantize is not None:
                 check_precision(quantize, name)
-        return {t: quantize for t in names}
+        return dict.fromkeys(names, quantize)
     if not isinstance(quantize, Mapping):
         raise TypeError(f"quantize must be None, 'fp16', 'int8' or a mapping of table names to "
                         f"those, got {type(quantize).__name__}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -126,7 +126,7 @@ def _dynamic_dims(x: Any, where: str) -> Any:
     auto = getattr(torch.export.Dim, "AUTO", None)
     if auto is None:  # (torch before 2.6)
         raise RuntimeError("dynamic_shapes needs torch.export.Dim.AUTO (torch >= 2.6)")
-    return {d: auto for d in range(x.dim())}
+    return dict.fromkeys(range(x.dim()), auto)
 
 
 def _mirror(template: Any, value: Any, leaf: Any, path: str = "") -> Any:
@@ -145,6 +145,10 @@ def _mirror(template: Any, value: Any, leaf: Any, path: str = "") -> Any:
     return items
 
 
+@overload
+def with_zero_row(table: torch.Tensor) -> torch.Tensor: ...
+@overload
+def with_zero_row(table: QuantizedTable) -> QuantizedTable: ...
 def with_zero_row(table: Table) -> Table:
     """(N + 1, D): a dynamic table's rows and the zero row ids not resident read."""
     if isinstance(table, QuantizedTable):
@@ -203,7 +207,8 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
               else [None] * len(features))
     out = []
     for (path, f), ids, w in zip(flat, flat_ids, flat_w):
-        table = tables.get(f.table) if f.table in tables else tables.get(names[f.table])
+        table: Table | None = (tables.get(f.table) if f.table in tables
+                               else tables.get(names[f.table]))
         if table is None:
             raise KeyError(f"feature {f.name or path!r}: no tensor for table {names[f.table]!r} "
                            f"in tables")
@@ -262,10 +267,11 @@ class ServingModule(torch.nn.Module):
             dynamic = table.dynamic is not None
             rows = tables[table].detach()
             rows = with_zero_row(rows) if dynamic else rows  # (N (+ 1), D)
-            if precisions[table] is None:
+            precision = precisions[table]
+            if precision is None:
                 self.register_buffer(self.buffer_name(key), rows if dynamic else rows.clone())
             else:
-                q = quantize_table(rows, precisions[table], name=key)
+                q = quantize_table(rows, precision, name=key)
                 self.register_buffer(self.buffer_name(key), q.data)
                 if q.scale is not None:
                     self.register_buffer(self.buffer_name(key, "__scale"), q.scale)
@@ -390,7 +396,7 @@ class ServingModule(torch.nn.Module):
         if not 1 <= len(args) <= 2:
             raise TypeError(f"dynamic_shapes takes the example inputs (features,) or (features, "
                             f"weights), got {len(args)} arguments")
-        out = []
+        out: list[Any] = []
         for value, what in zip(args, ("features", "weights")):
             if value is None:
                 out.append(None)

@@ -1,1 +1,2 @@
-"""This process's rows and slots: the store, the slow tier's cache, dynamic vocabularies, DTensor views."""
+"""This process's rows and slots: the store, the slow tier's cache, dynamic vocabularies,
+DTensor views."""

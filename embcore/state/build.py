@@ -12,9 +12,9 @@ row after them. A float16 / bfloat16 table gets its rounding (ops/rounding.py).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
@@ -23,8 +23,15 @@ from ..ops.memory import empty_table
 from ..ops.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from .cache import (CachedRows, OffloadDir, record_layout, slow_log, slow_records, slow_tensor,
-                    slow_writes)
+from .cache import (
+    CachedRows,
+    OffloadDir,
+    record_layout,
+    slow_log,
+    slow_records,
+    slow_tensor,
+    slow_writes,
+)
 from .mapped import MappedRows
 from .rows import MemoryRows, OffloadedRows, Rows
 from .vocabulary import DynamicRows, DynamicStack
@@ -146,7 +153,8 @@ class RowsBuilder:
         slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         opt = p.optimizer
         slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
-                                allocate=empty_table) if opt is not None else {})
+                                allocate=lambda shape, dtype, _: empty_table(shape, dtype, device))
+                 if opt is not None else {})
         return w, slots
 
     def _fields(self, p: PhysicalTable) -> list[tuple[torch.dtype, int]]:
@@ -186,10 +194,11 @@ class RowsBuilder:
                 views = slow_records(path, n_local, fields)
             w, slots = views[0], {s.name: v for s, v in zip(specs, views[1:])}
         else:
-            def allocate(shape: tuple[int, ...], dtype: torch.dtype, _: Any = None,
-                         key: list[int] = [0]) -> torch.Tensor:
-                key[0] += 1
-                path = offload.file(f"p{p.index}-{key[0]}.bin") if files else None
+            numbers = itertools.count(1)  # (a file per array)
+
+            def allocate(shape: tuple[int, ...], dtype: torch.dtype,
+                         _: torch.device | None = None) -> torch.Tensor:
+                path = offload.file(f"p{p.index}-{next(numbers)}.bin") if files else None
                 return slow_tensor(path, shape, dtype, pin)
 
             w = allocate((n_local, c1 - c0), p.dtype)

@@ -34,12 +34,14 @@ ignores the lock, between a check and the accesses after it, can still fault).
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import re
 import socket
 import tempfile
 import threading
 import time
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -53,10 +55,11 @@ from ..ops.cache_index import MAX_CAPACITY, CacheIndex
 from ..ops.memory import advise_random, empty_table
 from .slow_log import RecordLog, places_for
 
+fcntl: types.ModuleType | None
 try:
-    import fcntl
+    fcntl = importlib.import_module("fcntl")
 except ImportError:  # (not a POSIX system: no locks)
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None
 
 # When the cache must evict, it evicts this share of its rows beyond the step's needs at once
 # (the least recently used ones), so that the next steps admit into free rows without scanning;

@@ -19,13 +19,16 @@ from __future__ import annotations
 import functools
 import sys
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from ..base.comm import Communicator
 from ..base.compat import shard_chunk
 from ..planning.plan import LogicalTable, PhysicalTable
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _held(place: LogicalTable, phys: PhysicalTable, rank: int,
@@ -57,7 +60,7 @@ def _dt() -> SimpleNamespace:
     return SimpleNamespace(DTensor=DTensor, Shard=Shard, DeviceMesh=DeviceMesh)
 
 
-def _is_dtensor(value: Any) -> bool:
+def _is_dtensor(value: Any) -> TypeGuard[DTensor]:
     # No DTensor can exist before torch.distributed.tensor is imported.
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(value, mod.DTensor)

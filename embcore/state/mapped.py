@@ -24,7 +24,7 @@ from ..ops.rounding import Rounding
 from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows
-from .rows import Resolved, Rows, RoundingOf, Segments, Writer, distinct, occurrences
+from .rows import Resolved, RoundingOf, Rows, Segments, Writer, distinct, occurrences
 from .vocabulary import DynamicRows, DynamicStack, initialize_rows
 
 

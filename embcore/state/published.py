@@ -62,7 +62,7 @@ import shutil
 import socket
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,7 +186,7 @@ def chain(directory: Path, after: tuple[int, str] | None = None) -> list[Entry]:
 
 def _linked(run: list[Entry]) -> list[Entry]:
     """``run`` checked: consecutive numbers, each entry's predecessor the one before it."""
-    ids: dict[int, str] = {}
+    ids: dict[int, str | None] = {}
     for i, e in enumerate(run):
         m = e.manifest()
         ids[e.seq] = m.get("id")
@@ -210,7 +210,7 @@ def crc(t: torch.Tensor) -> int:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return 0
-    return zlib.crc32(flat.view(torch.uint8).numpy())
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
 def write_part(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
@@ -420,7 +420,7 @@ def apply_part(part: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor],
                 dest[rows] = v.to(dest.dtype)
 
 
-def replay(run: list[Entry], manifests: list[Mapping[str, Any]],
+def replay(run: list[Entry], manifests: Sequence[Mapping[str, Any]],
            shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """The whole tensors of ``shapes``' keys after applying ``run`` (a snapshot and the entries
     after it, from ``chain``) in order. Raises PublishError: a key no entry holds."""

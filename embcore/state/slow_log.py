@@ -188,7 +188,7 @@ class RecordLog:
             return self.raw[place:place + self.segment]
         if self._segment_buffer is None:
             self._segment_buffer = torch.empty((self.segment, self.record), dtype=torch.uint8)
-        view = memoryview(self._segment_buffer.numpy()).cast("B")
+        view = self._segment_buffer.numpy().data.cast("B")
         offset, done = place * self.record, 0
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], offset + done)
@@ -205,7 +205,7 @@ class RecordLog:
         if self.fd is None or not hasattr(os, "pwrite"):
             self.raw[place:place + data.shape[0]] = data
             return
-        view = memoryview(data.contiguous().numpy()).cast("B")
+        view = data.contiguous().numpy().data.cast("B")
         offset, done = place * self.record, 0
         while done < len(view):
             put = os.pwrite(self.fd, view[done:], offset + done)  # (OSError: the disk's error)

@@ -27,8 +27,8 @@ import torch
 from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
 from ..ops import hashing, native
-from ..ops.vocab import VocabMap, find_many, train_steps, vocab_map
 from ..ops.rounding import COMPACT
+from ..ops.vocab import VocabMap, find_many, train_steps, vocab_map
 from ..planning.placement import Placement
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
@@ -494,9 +494,9 @@ class DynamicStack:
             for m, t in parts:
                 self.members[m].check_step(t)
         elif len(parts) > 1:
-            rows = self._find_together(ids, parts)
-            if rows is not None:
-                return rows, [(m, ids.new_empty(0), ids.new_empty(0)) for m, _ in parts], \
+            found = self._find_together(ids, parts)
+            if found is not None:
+                return found, [(m, ids.new_empty(0), ids.new_empty(0)) for m, _ in parts], \
                     self.since(segments), False
         out, new = [], []
         for m, t in parts:
@@ -602,14 +602,15 @@ class DynamicStack:
                     keep[at] = k
                     kept += n
             return keep, kept
-        keep, kept = [], 0
+        keeps: list[torch.Tensor] = []
+        kept = 0
         for m, t in self.pieces(rows, segments):
             dyn, start = self.members[m], self.starts[m]
             local = torch.where(t == self.zero_row, dyn.zero_row, t - start)
             k, n = dyn.valid(local, steps[m])
-            keep.append(k)
+            keeps.append(k)
             kept += n
-        return (torch.cat(keep) if len(keep) > 1 else keep[0]), kept
+        return (torch.cat(keeps) if len(keeps) > 1 else keeps[0]), kept
 
     def row_state(self, key: str) -> torch.Tensor:
         """(N, 1) int64 over the whole shard (every member's rows in turn; the zero row not

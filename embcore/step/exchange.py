@@ -80,8 +80,8 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
 
 
 def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,
-                   asked: list[torch.Tensor], training: bool
-                   ) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
+                  asked: list[torch.Tensor], training: bool
+                  ) -> tuple[torch.Tensor, list[torch.Tensor], int | None]:
     """``fetch_rows`` of a raw-id table (rows, never a column split). Its owners' maps resolve
     the raw ids, and a training step can fail on one owner (more ids to admit than its shard
     holds): every answer carries one more row, a status (1 in its first column: the owner's

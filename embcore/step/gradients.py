@@ -73,6 +73,7 @@ def check_gradients(prepared: Prepared, grads: Sequence[object], names: Sequence
                 quiet_none = quiet_none and p.optimizer.zero_gradient_is_noop
                 continue
             _check_gradient(g, names[s.feature], s.shape + (p.dim,))
+            assert isinstance(g, torch.Tensor)  # (checked)
             out[s.feature] = g.detach() if g.requires_grad else g
     if warn_none and not quiet_none:
         noisy = sorted({names[s.feature] for tb in prepared.tables for s in tb.slices
@@ -198,9 +199,8 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
         nonfinite = (nonfinite_gradients(prepared, checked, names, plan) if groups
                      else {})  # (only the groups' tables are read)
         before_write()
-        if parts is None:
-            parts = gradient_rows(prepared, checked, store)
-    except Exception as e:  # noqa: BLE001 - the other processes learn it, then it is raised
+        row_parts = parts if parts is not None else gradient_rows(prepared, checked, store)
+    except Exception as e:
         if comm.world_size == 1:
             raise
         failure = e
@@ -219,11 +219,11 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
         failure = None
         try:
             lrs = learning_rates(prepared, plan)
-        except Exception as e:  # noqa: BLE001 - the other processes learn it, then it is raised
+        except Exception as e:
             failure = e
         agree_gradients(comm, failure, [False] * len(groups), store.device)
     skipped = _skipped(groups, bad, nonfinite, plan)
-    apply_gradients(prepared, answers, parts, store, comm, step, lrs, multipliers, skipped)
+    apply_gradients(prepared, answers, row_parts, store, comm, step, lrs, multipliers, skipped)
 
 
 # A process's status in ``agree_gradients``: what its checks raised (0: they passed).
@@ -271,7 +271,7 @@ def agree_gradients(comm: Communicator, failure: Exception | None, flags: Sequen
         got = comm.all_reduce_sum(torch.tensor(mine, dtype=torch.int32, device=device)).tolist()
     except CollectiveError:
         if failure is not None:  # this process's own error first (the collective's: context)
-            raise failure
+            raise failure  # noqa: B904 - the collective's error stays its context
         raise
     statuses = got[:w]
     failed = [r for r, s in enumerate(statuses) if s != _PASSED]
@@ -285,7 +285,7 @@ def agree_gradients(comm: Communicator, failure: Exception | None, flags: Sequen
         messages = comm.all_gather(message)  # W x (_MESSAGE_BYTES,)
     except CollectiveError:
         if failure is not None:
-            raise failure
+            raise failure  # noqa: B904 - the collective's error stays its context
         raise
     if failure is not None:
         raise failure  # (as with one process)

@@ -97,8 +97,8 @@ class NativePrepare:
             t.features.append(i)
             t.adds.append(place.row_offset)
             t.limits.append(features.configs[i].table.vocabulary_size)
-        for p, t in by_table.items():
-            names = plan.physical[p].tables
+        for physical, t in by_table.items():
+            names = plan.physical[physical].tables
             if t.dynamic and len(names) > 1:  # stacked dynamic tables: by member (preprocess.py)
                 member = {n: k for k, n in enumerate(names)}
                 got = sorted((member[features.tables[i]], i, a, lim)

@@ -98,8 +98,12 @@ class StepPath:
         def stage() -> tuple[Batch, Activations | None, Answers]:
             # one thread for the fused kernels here: the caller's model has the cores
             with native.single_threaded():
-                batch = Batch(self, prepared if prepared is not None else
-                              preprocess(bags, self.features.tables, self.plan, training))
+                if prepared is None:
+                    assert bags is not None  # (validated when the native preprocess declined)
+                    batch = Batch(self, preprocess(bags, self.features.tables, self.plan,
+                                                   training))
+                else:
+                    batch = Batch(self, prepared)
                 if self.comm.world_size > 1:  # collectives stay on the caller's thread
                     return batch, None, ()
                 with torch.no_grad():

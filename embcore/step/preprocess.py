@@ -158,16 +158,18 @@ def dedup_members(parts: list[torch.Tensor], of: list[int]
     if len(done) == 1:
         return done[0][0], done[0][1], segments
     at = u = 0
-    order, uoff, inverse = [], [], []
+    orders: list[torch.Tensor] = []
+    uoffs: list[torch.Tensor] = []
+    inverses: list[torch.Tensor] = []
     for i, d in done:  # each run's positions shifted past the runs before it
-        order.append(d.order + at if at else d.order)
-        uoff.append(d.unique_offsets[:-1] + at if at else d.unique_offsets[:-1])
-        inverse.append(d.inverse + u if u else d.inverse)
+        orders.append(d.order + at if at else d.order)
+        uoffs.append(d.unique_offsets[:-1] + at if at else d.unique_offsets[:-1])
+        inverses.append(d.inverse + u if u else d.inverse)
         at, u = at + i.numel(), u + d.unique.numel()
     ids = torch.cat([i for i, _ in done])
-    dd = Dedup(torch.cat([d.unique for _, d in done]), torch.cat(order),
-               torch.cat(uoff + [ids.new_tensor([at])]))
-    dd.__dict__["inverse"] = torch.cat(inverse)  # (the cached_property's value, known)
+    dd = Dedup(torch.cat([d.unique for _, d in done]), torch.cat(orders),
+               torch.cat(uoffs + [ids.new_tensor([at])]))
+    dd.__dict__["inverse"] = torch.cat(inverses)  # (the cached_property's value, known)
     return ids, dd, segments
 
 
@@ -212,8 +214,9 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor,
                           device=unique.device)
     bounds = torch.searchsorted(unique, starts).tolist()  # unique is sorted: members are ranges
     owners, locals_ = [], []
-    for k, m in enumerate(members):
-        o, loc = m.owner_and_local(unique[bounds[k]:bounds[k + 1]] - m.row_offset)  # (n_k,)
+    for k, logical in enumerate(members):
+        o, loc = logical.owner_and_local(unique[bounds[k]:bounds[k + 1]]
+                                         - logical.row_offset)  # (n_k,)
         owners.append(o)
         locals_.append(loc)
     owner = torch.cat(owners)  # (U,)

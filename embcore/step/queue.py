@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-
 from .exchange import Answers
 from .path import Activations, Batch
 
@@ -26,7 +25,7 @@ class Queued:
     also looks it up); its activations and answers once looked up."""
 
     training: bool
-    batch: Batch | Future
+    batch: Batch | Future[tuple[Batch, Activations | None, Answers]]
     activations: Activations | None = None
     answers: Answers = ()
 
@@ -34,6 +33,7 @@ class Queued:
         """The prepared batch, once the background work (if any) is done."""
         if isinstance(self.batch, Future):
             self.batch, self.activations, self.answers = self.batch.result()
+        assert isinstance(self.batch, Batch)
         return self.batch
 
     def look_up(self) -> Activations:
@@ -105,7 +105,8 @@ class StepQueue:
         except BaseException:
             self.discard(item)
             raise
-        return [(a.detach() if a.requires_grad else a).requires_grad_(item.training)
+        return [None if a is None else
+                (a.detach() if a.requires_grad else a).requires_grad_(item.training)
                 for a in activations]
 
     def awaiting(self) -> Queued:
