@@ -66,23 +66,25 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
             None: evaluated here, once.
         round_to: how a 16-bit table's results are rounded (its ``at(step, ...)`` already).
     """
-    if gradient_multiplier is None:
-        gradient_multiplier = optimizer.current_gradient_multiplier(step)  # None: it has none
+    if gradient_multiplier is None and optimizer.gradient_multiplier is not None:
+        gradient_multiplier = optimizer.current_gradient_multiplier(step)
     compact = table.dtype in COMPACT
     if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
         _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
         return
-    rule = native_rule(optimizer, table)
-    if rule is not None:
+    rule, hyper = (_fused(optimizer, table, lr, gradient_multiplier) if workspace is None
+                   else workspace.kept(optimizer, (lr, gradient_multiplier, table.dtype),
+                                       lambda: _fused(optimizer, table, lr,
+                                                      gradient_multiplier)))  # (every step)
+    if rule is not None and hyper is not None and table.is_contiguous() and native.usable(table):
         acc = slots.get("accumulators")
-        hyper = (_hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
-                 if workspace is None else workspace.kept(  # (the same every step)
-                     optimizer, ("hyper", lr, gradient_multiplier),
-                     lambda: _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)))
-        if isinstance(grad, OutputGrads):  # the backward fused into the update
+        if isinstance(grad, OutputGrads):  # the backward fused into the update (a part whose
+            # columns are consecutive, as a column slice of a wider gradient from torch.cat's
+            # backward, is read where it is, with its row stride)
             g = grad
             native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
-                                 [_unit_columns(p) for p in g.parts], g.starts,
+                                 [p if p.shape[1] <= 1 or p.stride(1) == 1 else p.contiguous()
+                                  for p in g.parts], g.starts,
                                  g.dedup.unique_offsets, g.dedup.order,
                                  None if g.bags.unit else g.bags.bag_of, g.bags.scales,
                                  round_to=round_to)
@@ -109,12 +111,6 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         slots[k].index_copy_(0, rows, v)
 
 
-def _unit_columns(part: torch.Tensor) -> torch.Tensor:
-    """``part`` itself when its columns are consecutive (a column slice of a wider gradient, as
-    ``torch.cat``'s backward gives: the kernel reads it with its row stride), else a copy."""
-    return part if part.shape[1] <= 1 or part.stride(1) == 1 else part.contiguous()
-
-
 def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
                 grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float,
                 gradient_multiplier: float | None, round_to: Rounding | None) -> None:
@@ -129,6 +125,18 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
                           None if g.bags.unit else g.bags.bag_of, g.bags.scales, round_to)
     else:
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
+
+
+def _fused(opt: Optimizer, table: torch.Tensor, lr: float, gradient_multiplier: float | None
+           ) -> tuple[int | None, native.Hyper | None]:
+    """The fused kernel's rule for this optimizer and table dtype (None: it has none) and its
+    hyper-parameters: what ``update`` keeps across steps (the table's layout and the kernels'
+    availability are asked every call)."""
+    rule = record_of(opt)
+    if rule is None or rule.native_rule is None or opt.updates_every_row \
+            or table.dtype not in ROW_TYPES:
+        return None, None
+    return rule.native_rule, _hyper(opt, lr, gradient_multiplier=gradient_multiplier)
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:

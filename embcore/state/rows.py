@@ -212,7 +212,8 @@ class MemoryRows(Rows):
                     None if self.rounding is None else self.rounding_at(step))
         update(self._table, self.slots, rows, grad, optimizer, lr, step, self.workspace,
                gradient_multiplier=gradient_multiplier, round_to=round_to)
-        self.written(rows, every=optimizer.updates_every_row)
+        if self.changes is not None:
+            self.written(rows, every=optimizer.updates_every_row)
 
     def full(self, key: str) -> torch.Tensor:
         return self._table if key == "parameters" else self.slots[key]
@@ -302,7 +303,8 @@ class OffloadedRows(Rows):
                         else self.rounding_at(step, rows, at))
             update(table, slots, at, grad, optimizer, lr, step, self.workspace,
                    gradient_multiplier=gradient_multiplier, round_to=round_to)
-        self.written(rows, every=optimizer.updates_every_row)
+        if self.changes is not None:
+            self.written(rows, every=optimizer.updates_every_row)
 
     def full(self, key: str) -> torch.Tensor:
         cache = self._cache  # the slow tier, every row current: the cache written back and

@@ -222,7 +222,7 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
         except Exception as e:
             failure = e
         agree_gradients(comm, failure, [False] * len(groups), store.device)
-    skipped = _skipped(groups, bad, nonfinite, plan)
+    skipped = _skipped(groups, bad, nonfinite, plan) if groups else set()
     apply_gradients(prepared, answers, row_parts, store, comm, step, lrs, multipliers, skipped)
 
 
