@@ -56,6 +56,20 @@ def test_options_fall_back_to_the_pure_path():
 # The update entry point on its torch-ops paths (fused kernels off) against the loop reference,
 # every optimizer with random options: the same sweep as the fused kernel's (test_native.py).
 
+def _gradient(gen, n, d, dtype, source, unit):
+    """``(rows, grad, row_grads)``: distinct rows and their gradient, summed per row
+    (``source`` "summed") or as output rows' gradients (``OutputGrads``), with the float64 sums
+    the reference takes."""
+    if source == "summed":
+        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
+        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
+        return rows, row_grads.to(dtype), row_grads
+    grad, row_grads, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,), generator=gen)),
+                                     unit)
+    grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
+    return grad.dedup.unique, grad, row_grads
+
+
 @settings(max_examples=examples(120), deadline=None)
 @given(any_optimizer(), st.integers(1, 20), st.sampled_from([1, 3, 8]),
        st.sampled_from([torch.float32, torch.float64]), st.sampled_from(["summed", "outputs"]),
@@ -69,15 +83,7 @@ def test_update_entry_point_torch_ops_equals_reference(opt_case, n, d, dtype, so
                       + (torch.rand(n, 1 if s.rowwise else d, generator=gen, dtype=dtype)
                          if s.name in ("accumulators", "velocities") else 0.0))
              for s in opt.slots}
-    if source == "summed":
-        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
-        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
-        grad = row_grads.to(dtype)
-    else:
-        grad, row_grads, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
-                                                                      generator=gen)), unit)
-        grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
-        rows = grad.dedup.unique
+    rows, grad, row_grads = _gradient(gen, n, d, dtype, source, unit)
     new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
     with kernels(False):
         update(new_table, new_slots, rows, grad, opt, lr, step)
@@ -123,15 +129,7 @@ def test_update_entry_point_laprop_equals_reference(opt_case, n, d, dtype, sourc
     table = torch.randn(n, d, generator=gen, dtype=dtype)
     slots = {"momenta": torch.randn(n, d, generator=gen, dtype=dtype),
              "velocities": torch.rand(n, d, generator=gen, dtype=dtype)}
-    if source == "summed":
-        rows = torch.randperm(n, generator=gen)[:int(torch.randint(0, n + 1, (1,), generator=gen))]
-        row_grads = torch.randn(len(rows), d, generator=gen, dtype=torch.float64)
-        grad = row_grads.to(dtype)
-    else:
-        grad, row_grads, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
-                                                                      generator=gen)), unit)
-        grad = OutputGrads([p.to(dtype) for p in grad.parts], grad.starts, grad.bags, grad.dedup)
-        rows = grad.dedup.unique
+    rows, grad, row_grads = _gradient(gen, n, d, dtype, source, unit)
     new_table, new_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
     update(new_table, new_slots, rows, grad, opt, lr, step)
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9,
