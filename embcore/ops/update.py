@@ -72,10 +72,9 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
         _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
         return
-    rule, hyper = (_fused(optimizer, table, lr, gradient_multiplier) if workspace is None
-                   else workspace.kept(optimizer, (lr, gradient_multiplier, table.dtype),
-                                       lambda: _fused(optimizer, table, lr,
-                                                      gradient_multiplier)))  # (every step)
+    rule, hyper = (_fused(optimizer, table.dtype, lr, gradient_multiplier) if workspace is None
+                   else workspace.kept(_fused, optimizer, table.dtype, lr,
+                                       gradient_multiplier))  # (the same every step)
     if rule is not None and hyper is not None and table.is_contiguous() and native.usable(table):
         acc = slots.get("accumulators")
         if isinstance(grad, OutputGrads):  # the backward fused into the update (a part whose
@@ -127,14 +126,14 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
 
 
-def _fused(opt: Optimizer, table: torch.Tensor, lr: float, gradient_multiplier: float | None
+def _fused(opt: Optimizer, dtype: torch.dtype, lr: float, gradient_multiplier: float | None
            ) -> tuple[int | None, native.Hyper | None]:
     """The fused kernel's rule for this optimizer and table dtype (None: it has none) and its
     hyper-parameters: what ``update`` keeps across steps (the table's layout and the kernels'
     availability are asked every call)."""
     rule = record_of(opt)
     if rule is None or rule.native_rule is None or opt.updates_every_row \
-            or table.dtype not in ROW_TYPES:
+            or dtype not in ROW_TYPES:
         return None, None
     return rule.native_rule, _hyper(opt, lr, gradient_multiplier=gradient_multiplier)
 

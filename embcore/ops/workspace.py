@@ -26,17 +26,17 @@ class Workspace:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
         self._kept: dict[tuple[Any, ...], tuple[object, Any]] = {}
 
-    def kept(self, owner: object, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-        """``make()``, kept for ``owner`` (by identity) and ``key`` across steps: small
-        per-step arguments that are the same every step (a kernel's hyper-parameters). At most
-        ``KEPT`` are kept (a schedule makes a new one every step)."""
-        k = (id(owner), *key)
+    def kept(self, make: Callable[..., Any], owner: object, *key: Any) -> Any:
+        """``make(owner, *key)``, kept across steps for ``owner`` (by identity) and ``key``
+        (hashable): small per-step arguments that are the same every step (a kernel's
+        hyper-parameters). At most ``KEPT`` are kept (a schedule makes new ones every step)."""
+        k = (make, id(owner), *key)
         got = self._kept.get(k)
         if got is not None and got[0] is owner:
             return got[1]
         if len(self._kept) >= KEPT:
             self._kept.clear()
-        value = make()
+        value = make(owner, *key)
         self._kept[k] = (owner, value)
         return value
 
