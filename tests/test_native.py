@@ -45,6 +45,8 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
 RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}
 NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales",
                 "bag_of", "offsets_error", "first_unordered")
+# the kernels bound to one table (the rows objects'), counted as the function they call
+NATIVE_BOUND = {"lookup": native.TableLookup, "sparse_update": native.SparseUpdate}
 
 
 def hyper_at(opt, lr, step):
@@ -59,6 +61,7 @@ def spy_native(forbid: bool = False):
     """Counts calls of the native wrappers (or makes them fail, ``forbid``); restores them."""
     calls: Counter[str] = Counter()
     saved = {name: getattr(native, name) for name in NATIVE_FUNCS}
+    bound = {name: cls.__call__ for name, cls in NATIVE_BOUND.items()}
 
     def wrap(name, fn):
         def wrapper(*args, **kwargs):
@@ -71,10 +74,14 @@ def spy_native(forbid: bool = False):
     try:
         for name, fn in saved.items():
             setattr(native, name, wrap(name, fn))
+        for name, fn in bound.items():
+            NATIVE_BOUND[name].__call__ = wrap(name, fn)
         yield calls
     finally:
         for name, fn in saved.items():
             setattr(native, name, fn)
+        for name, fn in bound.items():
+            NATIVE_BOUND[name].__call__ = fn
 
 
 def torch_dedup(ids: torch.Tensor):

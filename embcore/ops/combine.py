@@ -16,7 +16,7 @@ of a local table is fused into the optimizer update (``ops/update.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,38 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
     return out if table.dtype in (torch.float16, torch.bfloat16) else out.to(table.dtype)
 
 
+class TableCombine:
+    """``combine`` over one table, the kernel chosen once: a rows object (state/rows.py) keeps
+    one while it holds the table (its dtype, layout and device fixed), so the fused CPU lookup
+    is chosen here, its table's arguments bound once (``native.TableLookup``), and again only
+    when the kernels are switched on or off. A call that the fused lookup does not take (the
+    table made differentiable, an index elsewhere) goes through ``combine``: the same values.
+
+    Args:
+        table: (N, D) the rows to read, held by the caller for this object's life.
+    """
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self._choose()
+
+    def _choose(self) -> None:
+        self._switch = native.enabled()
+        t = self.table
+        self._kernel = (native.TableLookup(t) if t.dtype in ROW_TYPES and t.is_contiguous()
+                        and native.usable(t) else None)
+
+    def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+        """``combine(table, index, bags)``."""
+        if self._switch is not native.enabled():
+            self._choose()
+        kernel = self._kernel
+        if kernel is None or not index.is_cpu or _differentiable(self.table):
+            return combine(self.table, index, bags)
+        out = torch.empty(bags.num_rows, kernel.d, dtype=torch.float32)  # (R, D)
+        return kernel(index.contiguous(), bags.offsets, bags.scales, out)
+
+
 def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tensor:
     """Gradient of ``combine`` w.r.t. the distinct rows: each row's occurrences summed in order.
 
@@ -90,14 +122,14 @@ def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tens
                            per_sample_weights=weights, include_last_offset=True)  # (U, D)
 
 
-@dataclass(frozen=True)
-class OutputGrads:
+class OutputGrads(NamedTuple):
     """The gradient of a physical table's output rows, as the features' parts (no copy).
 
     ``parts[i]`` is the (R_i, D) gradient of output rows ``starts[i]:starts[i+1]``, any strides
     (often a column slice of the dense part's wider gradient); the
     rows' gradients are the ``combine_backward`` of their concatenation (``row_gradients``), or
-    are formed inside the fused update (ops/update.py) without it.
+    are formed inside the fused update (ops/update.py) without it. (A named tuple: made once
+    per table and step, at a third of a frozen dataclass's cost.)
     """
 
     parts: list[torch.Tensor]   # per feature, (R_i, D) float32 / float64

@@ -395,6 +395,7 @@ class Kernel:
             raise RuntimeError(f"{name}: argument names must be distinct identifiers without a "
                                f"leading underscore, got {names}")
         self.source = self._source()
+        self._fn: Any = None  # the library's function, once bound
         self.call: Any = self._first_call  # the compiled call once the library has loaded
         _KERNELS.append(self)
 
@@ -402,11 +403,17 @@ class Kernel:
         args = ", ".join(f"{arg}: {kind!r}" for arg, kind in self.args)
         return f"{self.name}({args}) -> {self.result!r}"
 
-    def _source(self) -> str:
-        """The checking call's Python source (``fn``: the library's function)."""
+    def _source(self, fixed: Sequence[str] = ()) -> str:
+        """The checking call's Python source (``fn``: the library's function; ``fixed``:
+        arguments taken from the scope's ``_fixed`` instead, already checked: ``partial``)."""
         names = ", ".join(arg for arg, _ in self.args)
-        lines = [f"def {self.name}({names}):"]
+        params = [arg for arg, _ in self.args if arg not in fixed]
+        if fixed:  # (keyword-only defaults: read as locals, the cheapest)
+            params += ["*", *(f"{arg}=_fixed[{arg!r}]" for arg in fixed)]
+        lines = [f"def {self.name}({', '.join(params)}):"]
         for i, (arg, kind) in enumerate(self.args):
+            if arg in fixed:
+                continue
             if isinstance(kind, TensorArg):  # written out: the hot path
                 check = [  # (the temporaries' underscores: no C argument's name has one)
                     f"_t, _n = {arg}",
@@ -438,10 +445,40 @@ class Kernel:
 
     def bind(self, fn: Any) -> None:
         """Compiles ``call`` around the library's function ``fn``."""
-        scope = dict(_CHECK_SCOPE, fn=fn, kinds=[kind for _, kind in self.args], kernel=self,
-                     ArgumentError=ctypes.ArgumentError)
-        exec(compile(self.source, f"<kernel {self.name}>", "exec"), scope)
-        self.call = scope[self.name]
+        self._fn = fn
+        self.call = self._compile(self.source, {})
+
+    def _compile(self, source: str, fixed: dict[str, Any]) -> Any:
+        scope = dict(_CHECK_SCOPE, fn=self._fn, kinds=[kind for _, kind in self.args],
+                     kernel=self, ArgumentError=ctypes.ArgumentError, _fixed=fixed)
+        exec(compile(source, f"<kernel {self.name}>", "exec"), scope)
+        return scope[self.name]
+
+    def partial(self, **fixed: Any) -> Any:
+        """``call`` with the arguments ``fixed`` bound once: each checked now, as ``call``
+        checks it (a tensor as ``(tensor, n)``), and kept (a tensor stays referenced: its
+        address stays valid). Returns a function of the other arguments, in order, that
+        checks those at every call: for a kernel called every step with the same table,
+        whose checks would otherwise be repeated on every call. Loads the library."""
+        unknown = sorted(set(fixed) - {arg for arg, _ in self.args})
+        if unknown:
+            raise TypeError(f"{self.name}: no argument(s) {unknown}; it takes "
+                            f"{[arg for arg, _ in self.args]}")
+        if self.call == self._first_call:
+            problem = _LOADER[0]() if _LOADER else "no library loader"
+            if problem is not None or self.call == self._first_call:
+                raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
+                                   f"({problem}); callers check native.usable() first")
+        values: dict[str, Any] = {}
+        for arg, kind in self.args:
+            if arg not in fixed:
+                continue
+            v = fixed[arg]
+            if isinstance(kind, TensorArg | RowsArg | PartsArg | HyperArg):
+                v = kind.address(self.name, arg, v)  # (a check of each, as ``call``'s)
+            values[arg] = v
+        values["_kept"] = fixed  # (the tensors behind the addresses)
+        return self._compile(self._source([a for a, _ in self.args if a in fixed]), values)
 
     def _first_call(self, *values: Any) -> Any:
         problem = _LOADER[0]() if _LOADER else "no library loader"

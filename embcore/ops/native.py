@@ -39,6 +39,7 @@ import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,6 +114,11 @@ def set_enabled(enabled: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
     return previous
+
+
+def enabled() -> bool:
+    """Whether the kernels are switched on (``set_enabled``; they may still be unbuilt)."""
+    return _enabled
 
 
 def available() -> bool:
@@ -404,6 +410,39 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     return out
 
 
+class TableLookup:
+    """``lookup`` from one table: the table's arguments checked once, here, and bound
+    (``Kernel.partial``); each call checks the rest, as ``lookup`` does, and that the table
+    still has the storage it was bound with (else binds it again, as ``SparseUpdate``). For the rows
+    objects, which read the same table every step.
+
+    Args:
+        table: as ``lookup``'s (kept referenced).
+    """
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self._bind()
+
+    def _bind(self) -> None:
+        table = self.table
+        self.d = table.shape[-1]
+        self._at = table.data_ptr()
+        self._call = _LOOKUP.partial(type=ROW_TYPES.get(table.dtype, 0), table=(table, None),
+                                     d=self.d)
+
+    def __call__(self, ids: torch.Tensor, offsets: torch.Tensor | None,
+                 scales: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """``lookup(table, ids, offsets, scales, out)``."""
+        table = self.table
+        if table.data_ptr() != self._at:
+            self._bind()  # (its storage was replaced since: checked and bound again)
+        d, r = self.d, out.shape[0]
+        self._call((ids, r if offsets is None else None), (offsets, r + 1),
+                   (scales, ids.numel()), r, (out, r * d), _threads())
+        return out
+
+
 _COPY_ROWS = Kernel("ec_copy_rows", None, [
     ("src", read_rows(ANY)),          # rows src_stride bytes apart
     ("src_stride", INT64),
@@ -618,16 +657,41 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
     """
+    _check_rule(rule, acc)
+    if (unique_offsets is None) != (order is None):
+        raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
+                         f"(occurrences) or neither (a summed gradient)")
+    n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
+    slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts, unique_offsets)
+    nnz = order.numel() if isinstance(order, torch.Tensor) else None
+    r = _NEAREST if round_to is None else round_to
+    seg = r.segments
+    nseg = seg.bases.numel()
+    n_keys = 0 if r.key_rows is None else r.key_rows.numel()
+    _SPARSE_UPDATE.call(
+        rule, ROW_TYPES.get(table.dtype, 0), (table, None),
+        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
+        (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
+        slices, starts_, strides, n, hyper,
+        int(r.stochastic), (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
+        (seg.muls, nseg), nseg, r.col0, r.key_of_step, _threads())
+
+
+def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
     name = _SPARSE_UPDATE.name
     if rule not in _RULES:
         raise ValueError(f"{name}: rule {rule!r} is none of {', '.join(_RULES.values())} "
                          f"({tuple(_RULES)})")
     if acc is None and rule != SGD:
         raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
-    if (unique_offsets is None) != (order is None):
-        raise ValueError(f"{name}: give both unique_offsets and order (occurrences) or neither "
-                         f"(a summed gradient)")
-    n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
+
+
+def _gradient_args(table: torch.Tensor, d: int, u: int, grads: Sequence[torch.Tensor],
+                   starts: Sequence[int] | None, unique_offsets: torch.Tensor | None
+                   ) -> tuple[Any, Any, Any, int]:
+    """``sparse_update``'s gradient source checked, as the kernel's ``slices``, ``starts``,
+    ``strides`` and ``nslices``."""
+    name = _SPARSE_UPDATE.name
     n = len(grads)
     addresses, row_strides = [], []
     if unique_offsets is None:  # one (U, D) summed gradient
@@ -643,9 +707,9 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         elif len(starts) != n + 1:
             raise ValueError(f"{name}: 'starts' must have {n + 1} entries (one more than the "
                              f"gradient parts), got {len(starts)}")
+        like = table if table.dtype is torch.float32 else None
         for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
-            addresses.append(_GRADIENT_ROWS.address(
-                name, "slices", (g, table if table.dtype is torch.float32 else None), i))
+            addresses.append(_GRADIENT_ROWS.address(name, "slices", (g, like), i))
             shape = g.shape
             if shape[1] != d and g.numel():
                 raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
@@ -655,19 +719,112 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
                                  f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got "
                                  f"{shape[0]}")
             row_strides.append(g.stride(0) if shape[0] > 1 else shape[1])
-    nnz = order.numel() if isinstance(order, torch.Tensor) else None
-    r = _NEAREST if round_to is None else round_to
-    seg = r.segments
-    nseg = seg.bases.numel()
-    n_keys = 0 if r.key_rows is None else r.key_rows.numel()
-    _SPARSE_UPDATE.call(
-        rule, ROW_TYPES.get(table.dtype, 0), (table, None),
-        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
-        (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
-        ctypes_array(ctypes.c_void_p, n)(*addresses), ctypes_array(ctypes.c_int64, n + 1)(*starts)
-        if starts is not None else None, ctypes_array(ctypes.c_int64, n)(*row_strides), n, hyper,
-        int(r.stochastic), (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
-        (seg.muls, nseg), nseg, r.col0, r.key_of_step, _threads())
+    return (ctypes_array(ctypes.c_void_p, n)(*addresses),
+            None if starts is None else ctypes_array(ctypes.c_int64, n + 1)(*starts),
+            ctypes_array(ctypes.c_int64, n)(*row_strides), n)
+
+
+class SparseUpdate:
+    """``sparse_update`` of one table (and its accumulators) under one rule: the table's
+    arguments checked once, here, and bound (``Kernel.partial``); each call checks the rest,
+    as ``sparse_update`` does, and that the table and accumulators still have the storage they
+    were bound with (else binds them again: a storage replaced, e.g. by a ``resize_`` that
+    grows it; one that shrinks keeps its memory, so no write leaves it). The rounding to
+    nearest's arguments (``round_to`` None) are bound too. For the rows objects, which update
+    the same table every step; not for concurrent calls (its gradient arrays are reused).
+
+    Args:
+        rule, table, acc: as ``sparse_update``'s (kept referenced: the kernel writes them).
+
+    Raises:
+        TypeError, ValueError: an argument the kernel cannot take (named), here or at a call.
+    """
+
+    def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None) -> None:
+        _check_rule(rule, acc)
+        self.rule, self.table, self.acc = rule, table, acc
+        self._n = 0  # the arrays of ``_parts``, for this many gradient parts
+        self._slices: Any = None
+        self._strides: Any = None
+        self._starts: Any = None
+        self._starts_of: list[int] = []
+        self._bind()
+
+    def _bind(self) -> None:
+        rule, table, acc = self.rule, self.table, self.acc
+        n_rows, self.d = table.shape[0], table.shape[-1]
+        self._at = (table.data_ptr(), None if acc is None else acc.data_ptr())
+        fixed = {"rule": rule, "type": ROW_TYPES.get(table.dtype, 0), "w": (table, None),
+                 "acc": (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else self.d)), "d": self.d}
+        self._call = _SPARSE_UPDATE.partial(**fixed)
+        seg = _NEAREST.segments
+        nseg = seg.bases.numel()
+        self._nearest = _SPARSE_UPDATE.partial(
+            **fixed, stochastic=0, key_rows=(None, None), n_keys=0,
+            seg_starts=(seg.starts, nseg + 1), seg_bases=(seg.bases, nseg),
+            seg_muls=(seg.muls, nseg), nseg=nseg, col0=_NEAREST.col0,
+            step_key=_NEAREST.key_of_step)
+
+    def _parts(self, grads: Sequence[torch.Tensor], starts: Sequence[int]
+               ) -> tuple[Any, Any, Any, int]:
+        """``_gradient_args`` of output gradient parts with their ``starts``, the same checks,
+        into arrays kept across calls (a layout's ``starts`` are the same every step)."""
+        n = len(grads)
+        if n != self._n:
+            self._n = n
+            self._slices = ctypes_array(ctypes.c_void_p, n)()
+            self._strides = ctypes_array(ctypes.c_int64, n)()
+            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
+            self._starts_of = list(starts)
+        elif starts != self._starts_of:
+            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
+            self._starts_of = list(starts)
+        name, d, slices, strides = _SPARSE_UPDATE.name, self.d, self._slices, self._strides
+        like = self.table if self.table.dtype is torch.float32 else None
+        for i, g in enumerate(grads):
+            slices[i] = _GRADIENT_ROWS.address(name, "slices", (g, like), i)
+            rows, cols = g.shape
+            if cols != d and rows:
+                raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
+                                 f"table), got {cols}")
+            if rows != starts[i + 1] - starts[i]:
+                raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
+                                 f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got {rows}")
+            strides[i] = g.stride(0) if rows > 1 else cols
+        return slices, self._starts, strides, n
+
+    def __call__(self, rows: torch.Tensor, hyper: Hyper, grads: Sequence[torch.Tensor],
+                 starts: Sequence[int] | None = None,
+                 unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                 bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                 round_to: rounding.Rounding | None = None) -> None:
+        """``sparse_update(rule, table, acc, rows, hyper, grads, ...)``."""
+        table, acc = self.table, self.acc
+        if table.data_ptr() != self._at[0] or (acc is not None and
+                                               acc.data_ptr() != self._at[1]):
+            self._bind()  # (their storage was replaced since: checked and bound again)
+        if (unique_offsets is None) != (order is None):
+            raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
+                             f"(occurrences) or neither (a summed gradient)")
+        d, u = self.d, rows.numel()
+        if unique_offsets is None or starts is None or len(starts) != len(grads) + 1:
+            slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts,
+                                                         unique_offsets)
+        else:
+            slices, starts_, strides, n = self._parts(grads, starts)
+        nnz = order.numel() if order is not None else None
+        if round_to is None:
+            self._nearest((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                          (scales, nnz), slices, starts_, strides, n, hyper, _threads())
+            return
+        r = _NEAREST if round_to is None else round_to
+        seg = r.segments
+        nseg = seg.bases.numel()
+        n_keys = 0 if r.key_rows is None else r.key_rows.numel()
+        self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                   (scales, nnz), slices, starts_, strides, n, hyper, int(r.stochastic),
+                   (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
+                   (seg.muls, nseg), nseg, r.col0, r.key_of_step, _threads())
 
 
 _DEDUP_RAW = Kernel("ec_dedup_raw", INT64, [

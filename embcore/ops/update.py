@@ -110,6 +110,76 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
         slots[k].index_copy_(0, rows, v)
 
 
+class TableUpdate:
+    """``update`` for one table and its slots under one optimizer, the kernel chosen once.
+
+    A rows object (state/rows.py) keeps one per optimizer: its table's dtype, layout and device
+    are fixed while it holds it, so the choice ``update`` makes every call (the fused CPU
+    kernel, the Triton kernel, or the general paths) is made here when the object is made, and
+    again only when the kernels are switched on or off (``native.set_enabled``). The fused
+    kernel's hyper-parameters are kept per learning rate and gradient multiplier (a schedule:
+    the last few). Every call gives what ``update`` gives, bit for bit (it is ``update`` but for
+    the dispatch; tests/test_ops_update.py).
+
+    Args:
+        table, slots: as ``update``'s, held by the caller for this object's life.
+        optimizer: the rule applied to them.
+    """
+
+    _HYPERS_KEPT = 8  # hyper-parameter sets kept (a constant rate needs one)
+
+    def __init__(self, table: torch.Tensor, slots: dict[str, torch.Tensor],
+                 optimizer: Optimizer) -> None:
+        self.table, self.slots, self.optimizer = table, slots, optimizer
+        self._hypers: dict[tuple[float, float | None], native.Hyper] = {}
+        self._choose()
+
+    def _choose(self) -> None:
+        """The fused CPU kernel's rule when it takes every call to this table (None: each call
+        goes through ``update``), under the kernels' current switch."""
+        self._switch = native.enabled()
+        table, opt = self.table, self.optimizer
+        record = record_of(opt)
+        rule = (record.native_rule if record is not None and not opt.updates_every_row
+                and table.dtype in ROW_TYPES and table.is_contiguous() and native.usable(table)
+                else None)
+        self._kernel = (None if rule is None else
+                        native.SparseUpdate(rule, table, self.slots.get("accumulators")))
+
+    def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
+                 step: int, workspace: Workspace | None = None, *,
+                 gradient_multiplier: float | None = None,
+                 round_to: Rounding | None = None) -> None:
+        """``update(table, slots, rows, grad, optimizer, lr, step, workspace, ...)``."""
+        opt = self.optimizer
+        if self._switch is not native.enabled():
+            self._choose()
+        kernel = self._kernel
+        if kernel is None:
+            update(self.table, self.slots, rows, grad, opt, lr, step, workspace,
+                   gradient_multiplier=gradient_multiplier, round_to=round_to)
+            return
+        if gradient_multiplier is None and opt.gradient_multiplier is not None:
+            gradient_multiplier = opt.current_gradient_multiplier(step)
+        hyper = self._hypers.get((lr, gradient_multiplier))
+        if hyper is None:
+            if len(self._hypers) >= self._HYPERS_KEPT:
+                self._hypers.clear()
+            hyper = self._hypers[(lr, gradient_multiplier)] = _hyper(
+                opt, lr, gradient_multiplier=gradient_multiplier)
+        if type(grad) is OutputGrads:
+            g = grad
+            dd, bags = g.dedup, g.bags
+            kernel(dd.unique, hyper, [p if p.shape[1] <= 1 or p.stride(1) == 1 else
+                                      p.contiguous() for p in g.parts],
+                   g.starts, dd.unique_offsets, dd.order,
+                   None if bags.offsets is None else bags.bag_of, bags.scales, round_to)
+        else:
+            assert isinstance(grad, torch.Tensor)
+            kernel(rows.contiguous(), hyper, [grad.to(torch.float32).contiguous()],
+                   round_to=round_to)
+
+
 def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
                 grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float,
                 gradient_multiplier: float | None, round_to: Rounding | None) -> None:

@@ -30,9 +30,9 @@ from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
 from ..ops import native
 from ..ops.bags import Bags, Dedup
-from ..ops.combine import OutputGrads, combine
+from ..ops.combine import OutputGrads, TableCombine, combine
 from ..ops.rounding import Rounding
-from ..ops.update import update
+from ..ops.update import TableUpdate, update
 from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows
@@ -182,6 +182,8 @@ class MemoryRows(Rows):
                  rounding: Rounding | None, workspace: Workspace) -> None:
         super().__init__(p, rounding, workspace)
         self._table, self.slots = table, slots
+        self._update: TableUpdate | None = None  # the update under the last optimizer
+        self._combine = TableCombine(table)
 
     @property
     def table(self) -> torch.Tensor:
@@ -189,7 +191,7 @@ class MemoryRows(Rows):
 
     def combine(self, index: torch.Tensor, bags: Bags, dedup: Dedup | None = None
                 ) -> torch.Tensor:
-        return combine(self._table, index, bags)
+        return self._combine(index, bags)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
@@ -210,8 +212,11 @@ class MemoryRows(Rows):
                rounding: RoundingOf | None = None) -> None:
         round_to = (rounding(rows, None) if rounding is not None else
                     None if self.rounding is None else self.rounding_at(step))
-        update(self._table, self.slots, rows, grad, optimizer, lr, step, self.workspace,
-               gradient_multiplier=gradient_multiplier, round_to=round_to)
+        bound = self._update
+        if bound is None or bound.optimizer is not optimizer:
+            bound = self._update = TableUpdate(self._table, self.slots, optimizer)
+        bound(rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
+              round_to=round_to)
         if self.changes is not None:
             self.written(rows, every=optimizer.updates_every_row)
 
@@ -226,6 +231,7 @@ class MemoryRows(Rows):
         super().to(device, workspace)
         self._table = self._table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
+        self._update, self._combine = None, TableCombine(self._table)
 
 
 class OffloadedRows(Rows):

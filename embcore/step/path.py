@@ -3,9 +3,10 @@
 There is one path. ``StepPath.prepare`` chooses how a batch is preprocessed, once per batch:
 dense one-id batches of an engine that allows it take the native preprocess (native_prepare.py:
 one fused kernel call per physical table), every other batch ``preprocess`` (preprocess.py);
-both give the same ``Prepared``. From there every batch takes the same verbs: ``lookup``
-(lookup.py) and ``apply_step`` (gradients.py), whose rows objects (state/rows.py) and
-``ops/update.update`` choose the kernels. Nothing falls back in the middle of a batch.
+both give the same ``Prepared``. From there every batch takes the same verbs (``Batch.lookup``
+and ``Batch.apply``): ``lookup`` (lookup.py) and ``apply_step`` (gradients.py), whose rows
+objects (state/rows.py) choose the kernels, once per table (``ops/combine.TableCombine``,
+``ops/update.TableUpdate``). Nothing falls back in the middle of a batch.
 Pipelined batches (``staged``) take the same route: the preprocess chosen now, on the caller's
 thread, and the lookup on the pipeline's worker.
 """
@@ -41,11 +42,18 @@ class Batch:
     prepared: Prepared
 
     def lookup(self) -> tuple[Activations, Answers]:
-        return self.path.lookup(self.prepared)
+        """Per feature its ``shape + (D,)`` activation, and what the apply needs of the
+        exchange (a collective when a table is sharded)."""
+        path = self.path
+        return lookup(self.prepared, path.store, path.comm)
 
     def apply(self, answers: Answers, grads: Sequence[object], step: int, warn_on_none: bool,
               before_write: Callable[[], None]) -> None:
-        self.path.apply(self.prepared, answers, grads, step, warn_on_none, before_write)
+        """Checks the flat gradients and evaluates multipliers and learning rates (raising
+        before any write), calls ``before_write()``, then updates the batch's rows."""
+        path = self.path
+        apply_step(self.prepared, answers, grads, path.features.names, path.store, path.comm,
+                   step, warn_on_none, before_write)
 
 
 class StepPath:
@@ -107,18 +115,6 @@ class StepPath:
                 if self.comm.world_size > 1:  # collectives stay on the caller's thread
                     return batch, None, ()
                 with torch.no_grad():
-                    return (batch, *self.lookup(batch.prepared))
+                    return (batch, *batch.lookup())
 
         return stage
-
-    def lookup(self, prepared: Prepared) -> tuple[Activations, Answers]:
-        """Per feature its ``shape + (D,)`` activation, and what the apply needs of the
-        exchange (a collective when a table is sharded)."""
-        return lookup(prepared, self.store, self.comm)
-
-    def apply(self, prepared: Prepared, answers: Answers, grads: Sequence[object], step: int,
-              warn_on_none: bool, before_write: Callable[[], None]) -> None:
-        """Checks the flat gradients and evaluates multipliers and learning rates (raising
-        before any write), calls ``before_write()``, then updates the batch's rows."""
-        apply_step(prepared, answers, grads, self.features.names, self.store, self.comm, step,
-                   warn_on_none, before_write)
