@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("kernels", help="build the fused CPU kernels now and print where they are")
     args = p.parse_args(argv)
     if args.command == "kernels":
-        from .ops import native
+        from .kernels import native
         return native.main()
     return 2  # (argparse rejects other commands)
 

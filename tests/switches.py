@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from embcore.base import compat
-from embcore.ops import native
+from embcore.kernels import native
 from embcore.step import native_prepare as fast
 
 

@@ -21,10 +21,14 @@ from switches import kernels
 from test_sharded import OPTIMIZERS, concat, config, global_batch, grads_for, slots_whole
 
 import embcore as ec
-from embcore.config.tables import MAP_BYTES_PER_ROW
 from embcore.config.budget import parse_budget
-from embcore.ops import native
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, LOG_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.config.tables import (
+    INDEX_BYTES_PER_ROW,
+    LOG_BYTES_PER_ROW,
+    MAP_BYTES_PER_ROW,
+    WHERE_BYTES_PER_ROW,
+)
+from embcore.kernels import native
 from embcore.planning.plan import make_plan, where_bytes
 from embcore.state import cache as cache_module
 

@@ -1,4 +1,4 @@
-"""The cache's index (ops/cache_index.py): the fused kernel equals the torch-ops twin step for
+"""The cache's index (state/cache_index.py): the fused kernel equals the torch-ops twin step for
 step, and both equal a plain-Python model of the policy the module's docstring states (LRU by
 (stamp, cache row) among the rows a step does not use, spare rows freed ahead, a free stack)."""
 
@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles import examples
-
-from embcore.ops import native
-from embcore.ops.cache_index import CacheIndex, Step
 from switches import kernels
+
+from embcore.kernels import native
+from embcore.state.cache_index import CacheIndex, Step
 
 STATE = ("where", "owner", "stamp", "dirty", "fresh")
 

@@ -1,6 +1,6 @@
 """Compact rows (docs/semantics.md section 14): float16 / bfloat16 tables on the fused kernels.
 
-The rounding (ops/rounding.py, the torch reference; csrc/half.h, the kernels) bit for bit; its
+The rounding (numerics/rounding.py, the torch reference; csrc/half.h, the kernels) bit for bit; its
 statistics (unbiased, small updates that train); the update of every optimizer against a float32
 reference rounded to the rows' dtype; and the same bits whatever the threads, the path, the
 stacking, the budget or the number of processes.
@@ -16,18 +16,18 @@ import torch
 from distributed import run_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profiles import examples
+from switches import kernels
 
 import embcore as ec
-from embcore.config.tables import MAP_BYTES_PER_ROW
-from embcore.ops import native, rounding
+from embcore.config.tables import INDEX_BYTES_PER_ROW, MAP_BYTES_PER_ROW
+from embcore.kernels import native
+from embcore.numerics import rounding
 from embcore.ops.bags import Bags
 from embcore.ops.bags import dedup as dedup_of
 from embcore.ops.combine import OutputGrads
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW
-from embcore.planning.plan import where_bytes
 from embcore.ops.update import update
-from profiles import examples
-from switches import kernels
+from embcore.planning.plan import where_bytes
 
 COMPACT = [torch.float16, torch.bfloat16]
 requires_native = pytest.mark.skipif(not native.available(),
@@ -330,7 +330,7 @@ def test_dynamic_tables_stack_with_stochastic_rounding(dtype):
 @requires_native
 @pytest.mark.parametrize("dtype", COMPACT)
 def test_the_kernels_and_the_torch_paths_agree(dtype):
-    """Kernels on and off (the optimizers' math, ops/rounding.py's rounding): on dyadic SGD
+    """Kernels on and off (the optimizers' math, numerics/rounding.py's rounding): on dyadic SGD
     steps, the same bits."""
     opt = ec.SGD(learning_rate=0.125)
     _same_state(_train(dtype, opt=opt)[0], _train(dtype, opt=opt, fast=False)[0])

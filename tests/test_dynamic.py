@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from profiles import examples
 
 import embcore as ec
-from embcore.ops import native
-from embcore.ops.hashing import owner, splitmix64, splitmix64_int, uniform
-from embcore.ops.reference_vocab import ReferenceVocabulary
-from embcore.ops.vocab import vocab_map
+from embcore.kernels import native
+from embcore.numerics.hashing import owner, splitmix64, splitmix64_int, uniform
+from embcore.state.id_map import vocab_map
+from embcore.state.id_map_reference import ReferenceVocabulary
 from embcore.state.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]

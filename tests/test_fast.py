@@ -18,8 +18,8 @@ from strategies import any_optimizer
 from switches import fast_path
 
 import embcore as ec
-from embcore.ops import native
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW
+from embcore.config.tables import INDEX_BYTES_PER_ROW
+from embcore.kernels import native
 from embcore.planning.plan import where_bytes
 from embcore.step import native_prepare as fast
 

@@ -17,9 +17,9 @@ import warnings
 
 import pytest
 import torch
+from switches import kernels
 
 import embcore as ec
-from switches import kernels
 
 OPTIMIZERS = {
     "sgd": lambda **kw: ec.SGD(learning_rate=0.1, **kw),
@@ -371,7 +371,7 @@ def test_a_nan_gradient_lands_in_the_same_places_on_every_path(rowwise):
     applies it: the fused kernels, the torch ops in place, the optimizer's own math (an option
     forces it): Adagrad the element's weight and accumulator, RowwiseAdagrad the row's weights
     and accumulator; nothing else."""
-    from embcore.ops import native
+    from embcore.kernels import native
     found = []
     for kernels, option in ((True, {}), (False, {}), (False, {"clipvalue": 1e9})):
         torch.manual_seed(0)

@@ -32,7 +32,7 @@ from switches import kernels, private_paths
 
 import embcore as ec
 from embcore.base import compat
-from embcore.ops import native
+from embcore.kernels import native
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = "clicks"       # the feature given the malformed inputs; errors must name it
@@ -424,7 +424,7 @@ def test_fuzz_offsets_sparse_indices_and_ids(torch_fallbacks):
 CRASHERS = textwrap.dedent("""
     import torch, embcore as ec
     from embcore.base import compat
-    from embcore.ops import native
+    from embcore.kernels import native
     J = torch.nested.nested_tensor_from_jagged
     t = ec.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
     f = ec.FeatureConfig(table=t, validate_weights_and_indices=False, name="clicks")

@@ -19,7 +19,9 @@ PACKAGE = Path(__file__).parents[1] / "embcore"
 LAYERS: list[tuple[str, ...]] = [
     ("base",),       # torch's private APIs, collectives, nested structures, the version
     ("config",),     # what users declare: tables, features, optimizers, the spec
-    ("ops",),        # kernels and pure functions on tensors
+    ("numerics",),   # the bit-exact rules every kernel follows: hashes, 16-bit rounding
+    ("kernels",),    # the kernels' bindings: fused CPU kernels (ctypes), Triton kernels
+    ("ops",),        # tensor math over the kernels: bags, combine, the update; its oracles
     ("inputs",),     # a user's batch -> one Bags per feature
     ("planning",),   # where every table lives
     ("state",),      # this process's rows and slots

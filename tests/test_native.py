@@ -1,4 +1,4 @@
-"""The fused CPU kernels (ops/native.py, ops/csrc/) against torch and the references.
+"""The fused CPU kernels (kernels/native.py, kernels/csrc/) against torch and the references.
 
 Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
 torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
@@ -33,7 +33,8 @@ from switches import kernels
 
 import embcore as ec
 from embcore.inputs import canonical as inputs
-from embcore.ops import kernel_args, native
+from embcore.kernels import args as kernel_args
+from embcore.kernels import native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.update import _hyper
 
@@ -1235,7 +1236,7 @@ def test_every_kernel_is_declared_as_the_c_source_defines_it():
 
 
 def test_no_assert_guards_in_native():
-    """``python -O`` removes asserts: native.py and kernel_args.py guard with explicit raises
+    """``python -O`` removes asserts: native.py and args.py guard with explicit raises
     only."""
     import ast
     from pathlib import Path

@@ -23,8 +23,7 @@ import torch
 from distributed import exited_pid
 
 import embcore as ec
-from embcore.config.tables import MAP_BYTES_PER_ROW
-from embcore.ops.cache_index import LOG_BYTES_PER_ROW
+from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
 from embcore.state import cache as cache_module
 
 ROWS, DIM = 1000, 8

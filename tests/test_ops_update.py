@@ -7,14 +7,14 @@ import torch
 from checks import check_rows_updated
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import embcore as ec
-from embcore.ops import gpu
-from embcore.ops.combine import OutputGrads
-from embcore.ops.update import apply_in_place, in_place_supported, native_rule, update
 from profiles import examples
 from strategies import any_optimizer, common_options, occurrences, rounded
 from switches import kernels
+
+import embcore as ec
+from embcore.kernels import gpu
+from embcore.ops.combine import OutputGrads
+from embcore.ops.update import apply_in_place, in_place_supported, native_rule, update
 
 
 @settings(max_examples=examples(60), deadline=None)

@@ -19,12 +19,13 @@ from embcore.config import optimizers as eo
 from embcore.config.optimizers import Optimizer, record_of, records
 from embcore.config.spec import OPTIMIZERS
 from embcore.config.torch_optim import resolve_optimizer
-from embcore.ops import gpu, native, triton_kernels, update
+from embcore.kernels import gpu, native, triton_kernels
+from embcore.ops import update
 
 CSRC = Path(native.__file__).with_name("csrc") / "update.h"
 EXPORTED = {getattr(ec, name) for name in ec.__all__
             if inspect.isclass(getattr(ec, name)) and issubclass(getattr(ec, name), Optimizer)}
-# The Triton kernel's name of each rule (ops/triton_kernels.py), by optimizer.
+# The Triton kernel's name of each rule (kernels/triton_kernels.py), by optimizer.
 TRITON_NAMES = {"SGD": "SGD", "Adagrad": "ADAGRAD", "RowwiseAdagrad": "ROWWISE_ADAGRAD",
                 "AdagradMomentum": "MOMENTUM", "Adam": "ADAM", "FTRL": "FTRL"}
 
@@ -108,7 +109,7 @@ TABLES = {"f32": torch.zeros(4, 3), "f16": torch.zeros(4, 3, dtype=torch.float16
           "f64": torch.zeros(4, 3, dtype=torch.float64), "noncontig": torch.zeros(3, 4).t()}
 _ = None
 # optimizer: (native_rule on TABLES, in_place_supported on TABLES, gpu._rule), as the code gave
-# them before the records (ops/update.py _RULES and its type lists, ops/gpu.py's if-chain).
+# them before the records (ops/update.py _RULES and its type lists, kernels/gpu.py's if-chain).
 DISPATCH = [
     (ec.SGD(), (0, 0, 0, _, _), (1, 0, 0, 1, 1), (1, (), False, False)),
     (ec.SGD(clipvalue=1.0), (0, 0, 0, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),

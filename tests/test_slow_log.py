@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.ops import native
+from embcore.kernels import native
 from embcore.state import cache as cache_module
 from embcore.state.cache import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
 from embcore.state.slow_log import RecordLog, places_for
@@ -200,7 +200,7 @@ def test_engine_behind_a_log_equals_in_place_and_memory(tmp_path: Path,
 
 def test_the_planner_charges_the_logs_index(tmp_path: Path) -> None:
     """``LOG_BYTES_PER_ROW`` covers the log's ``where`` and ``owner`` (int32) per row."""
-    from embcore.ops.cache_index import LOG_BYTES_PER_ROW
+    from embcore.config.tables import LOG_BYTES_PER_ROW
     from embcore.planning.plan import where_bytes
     for rows in (100, 100_000):
         _, log, d = _log(tmp_path / str(rows), rows)

@@ -13,7 +13,7 @@ from test_sharded import OPTIMIZERS, concat, config, global_batch
 
 import embcore as ec
 from embcore.config.optimizers import records
-from embcore.ops.cache_index import LOG_BYTES_PER_ROW
+from embcore.config.tables import LOG_BYTES_PER_ROW
 
 # a budget whose caches hold a handful of test_sharded's config rows, beside their logs
 BUDGET = 1500 + 160 * LOG_BYTES_PER_ROW

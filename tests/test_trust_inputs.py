@@ -20,10 +20,10 @@ from profiles import examples
 
 import embcore as ec
 from embcore.base.nest import MAX_DEPTH, flatten_like, leaves_with_paths, unflatten_like
-from embcore.config.tables import MAX_TABLE_BYTES
-from embcore.ops import vocab
-from embcore.ops.vocab import MAP_BYTES_PER_ROW, VocabMap, vocab_map
+from embcore.config.tables import MAP_BYTES_PER_ROW, MAX_TABLE_BYTES
+from embcore.state import id_map as vocab
 from embcore.state.cache import OffloadDir
+from embcore.state.id_map import VocabMap, vocab_map
 
 
 def _good() -> dict:

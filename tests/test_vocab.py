@@ -1,4 +1,4 @@
-"""The tensor vocabulary (ops/vocab.py) against the oracle (ops/reference_vocab.py): random streams
+"""The tensor vocabulary (state/id_map.py) against the oracle (state/id_map_reference.py): random streams
 of training steps and evaluation lookups, checkpoints mid-stream, bad checkpoints, ``valid`` and
 the bounded counts, and one large map."""
 
@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles import examples
 
-from embcore.ops import native, vocab
-from embcore.ops.reference_vocab import ReferenceVocabulary
-from embcore.ops.vocab import NativeVocabMap, VocabMap, vocab_map
+from embcore.kernels import native
+from embcore.state import id_map as vocab
+from embcore.state.id_map import NativeVocabMap, VocabMap, vocab_map
+from embcore.state.id_map_reference import ReferenceVocabulary
 
 I64 = torch.int64
 EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]

@@ -26,7 +26,7 @@ REPO_DIRS = ("embcore/", "tests/", "docs/", "benchmarks/", "examples/")
 # ----------------------------------------------------------------------------- citations
 CITATION = re.compile(r"\bDESIGN(?:\.md\b|\s+(?:section\s+)?§?\s*\d)|\bissues?\s*#?\s*\d+",
                       re.IGNORECASE)
-CITATION_FILES = ("embcore/**/*.py", "embcore/ops/csrc/*", "benchmarks/**/*.py", "benchmarks/*.md",
+CITATION_FILES = ("embcore/**/*.py", "embcore/kernels/csrc/*", "benchmarks/**/*.py", "benchmarks/*.md",
                   "benchmarks/**/*.md")
 
 
@@ -188,7 +188,7 @@ def architecture_problems(text: str, doc: str = "docs/architecture.md") -> list[
 
 
 def _fake_tree(root: Path) -> None:
-    """A small repository: embcore/{engine.py, base/comm.py, state/store.py, ops/csrc/pool.h},
+    """A small repository: embcore/{engine.py, base/comm.py, state/store.py, kernels/csrc/pool.h},
     tests/test_x.py."""
     files = {
         "embcore/engine.py": "class Embedding:\n    def enqueue(self):\n        pass\n",
@@ -197,7 +197,7 @@ def _fake_tree(root: Path) -> None:
                                 "    def fallback():\n        pass\n",
         "embcore/state/store.py": "class RowStore:\n    def combine(self):\n        pass\n\n"
                                   "def lookup():\n    pass\n\nLIMIT = 3\n",
-        "embcore/ops/csrc/pool.h": "struct Pool {};\n",
+        "embcore/kernels/csrc/pool.h": "struct Pool {};\n",
         "embcore/ops/store.py": "",  # a second store.py: a bare "store.py" is ambiguous
         "tests/test_x.py": "",
     }
@@ -218,8 +218,8 @@ def test_the_architecture_checker_finds_broken_references(tmp_path, monkeypatch)
         "|---|---|---|",
         "| RowStore, lookup, LIMIT | state/store.py | fine |",
         "| Gone, Communicator, fallback | base/comm.py | Gone is not defined |",
-        "| the kernels' thread pool | ops/csrc/pool.h | no identifier: the file only |",
-        "| Pool | ops/csrc/pool.h | a word of the file |",
+        "| the kernels' thread pool | kernels/csrc/pool.h | no identifier: the file only |",
+        "| Pool | kernels/csrc/pool.h | a word of the file |",
         "",
         "| layer | folder | what it holds |",
         "|---|---|---|",

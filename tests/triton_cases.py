@@ -1,4 +1,4 @@
-"""The Triton kernels (ops/gpu.py, ops/triton_kernels.py) against the loop references.
+"""The Triton kernels (kernels/gpu.py, kernels/triton_kernels.py) against the loop references.
 
 On a machine with a CUDA GPU the kernels run compiled, on CUDA tensors. Without one, they run in
 Triton's interpreter on CPU tensors: this file sets ``TRITON_INTERPRET=1`` itself before it imports
@@ -41,7 +41,7 @@ from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 
 import embcore as ec  # noqa: E402
 from embcore.inputs.canonical import canonicalize  # noqa: E402
-from embcore.ops import gpu  # noqa: E402
+from embcore.kernels import gpu  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
 from embcore.ops.combine import combine, combine_backward  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
@@ -261,8 +261,8 @@ def test_without_triton_everything_works(monkeypatch):
     monkeypatch.setattr(gpu, "_kernels", None)
     monkeypatch.setattr(gpu, "_error", None)
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "embcore.ops.triton_kernels")
-    monkeypatch.delattr(sys.modules["embcore.ops"], "triton_kernels")
+    monkeypatch.delitem(sys.modules, "embcore.kernels.triton_kernels")
+    monkeypatch.delattr(sys.modules["embcore.kernels"], "triton_kernels")
     monkeypatch.setattr(gpu, "_forced", True)
     assert not gpu.available() and "triton" in gpu.error()
     assert not gpu.usable(torch.zeros(1))
@@ -310,9 +310,9 @@ def _dyadic(shape, gen, scale=64):
 def test_compact_rows_lookup_widened_and_update_rounded_as_the_reference(
         dtype, stochastic, summed, n, d, seed):
     """The lookup reads 16-bit rows as float32; the SGD update of dyadic values (exact in
-    float32) rounds its result as ops/rounding.py does, bit for bit, to nearest or stochastically
+    float32) rounds its result as numerics/rounding.py does, bit for bit, to nearest or stochastically
     (row keys through segments and key rows)."""
-    from embcore.ops import rounding
+    from embcore.numerics import rounding
     gen = torch.Generator().manual_seed(seed)
     table = _dyadic((n, d), gen, 16).to(dtype)
     ids = torch.randint(0, n, (7,), generator=gen)
@@ -356,7 +356,7 @@ def test_compact_rows_lookup_widened_and_update_rounded_as_the_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_compact_rowwise_adagrad_is_the_float32_rule_rounded(dtype):
-    from embcore.ops import rounding
+    from embcore.numerics import rounding
     gen = torch.Generator().manual_seed(3)
     n, d = 30, 12
     opt = ec.RowwiseAdagrad(learning_rate=0.3, weight_decay_factor=0.01)
@@ -383,8 +383,8 @@ def test_compact_rowwise_adagrad_is_the_float32_rule_rounded(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_compact_rounding_of_every_kind_of_float_as_the_reference(dtype):
     """SGD at rate 1 from zero rows stores round(0 - (-x)) for any float32 x (subnormal, huge,
-    infinite, NaN): the kernel's stochastic rounding gives ops/rounding.py's bits."""
-    from embcore.ops import rounding
+    infinite, NaN): the kernel's stochastic rounding gives numerics/rounding.py's bits."""
+    from embcore.numerics import rounding
     g = torch.Generator().manual_seed(2)
     bits = torch.randint(-2**31, 2**31 - 1, (3000,), generator=g).to(torch.int32)
     x = torch.cat([bits.view(torch.float32), torch.randn(1000, generator=g) * 1e-6,

@@ -40,10 +40,12 @@ from cache_workloads import batches_for  # noqa: E402
 from workloads import get_workload, raw_ids  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW  # noqa: E402
+from embcore.config.tables import (
+    INDEX_BYTES_PER_ROW,  # noqa: E402
+    MAP_BYTES_PER_ROW,  # noqa: E402
+)
 from embcore.planning.plan import where_bytes  # noqa: E402
 from embcore.state.cache import WRITES_ENV  # noqa: E402
-from embcore.ops.vocab import MAP_BYTES_PER_ROW  # noqa: E402
 
 LR, ACC0 = 0.01, 0.1
 

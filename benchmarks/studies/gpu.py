@@ -15,7 +15,7 @@ Workloads (one feature per table, ids uniform over the table):
   tables + Adagrad accumulators per system).
 
 Systems, each timed alone (the previous one freed): ``embcore-triton`` (``ec.Embedding`` on
-``device="cuda"``; lookup and fused backward + update in ops/triton_kernels.py), ``embcore-torch``
+``device="cuda"``; lookup and fused backward + update in kernels/triton_kernels.py), ``embcore-torch``
 (the same engine with the Triton kernels switched off: embedding_bag and the optimizers' torch
 ops) and ``plain`` (one ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table and
 ``torch.optim.Adagrad`` / ``torch.optim.SparseAdam``).
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import embcore as ec  # noqa: E402
-from embcore.ops import gpu  # noqa: E402
+from embcore.kernels import gpu  # noqa: E402
 
 # Peak memory bandwidth (bytes/s) by a substring of torch.cuda.get_device_name().
 PEAKS = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12),

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import embcore as ec
-from embcore.ops.cache_index import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from embcore.config.tables import INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # workloads.py
 from cache_workloads import batches_for  # noqa: E402

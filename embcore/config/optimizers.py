@@ -12,8 +12,8 @@ the ranges its hyper-parameters are checked against, its slots, the name users m
 kernel runs it: the fused CPU kernel's and the Triton kernel's rule ids, the Triton kernel's own
 hyper-parameters, the torch-ops in-place rule). Everything else reads the records
 (``records()``, ``record_of``): the spec's names, ``resolve_optimizer``'s names, and the kernel
-choice of ``ops/update.py`` and ``ops/gpu.py``. Adding an optimizer is a class and its record here,
-its loop in ``ops/reference_optim.py``, and the kernel sources if a kernel runs it.
+choice of ``ops/update.py`` and ``kernels/gpu.py``. Adding an optimizer is a class and its record
+here, its loop in ``ops/reference_optim.py``, and the kernel sources if a kernel runs it.
 
 The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
 
@@ -124,9 +124,9 @@ class OptimizerRecord:
         ranges: its own hyper-parameters' ranges, checked at construction in this order (a check
             that depends on another hyper-parameter stays in the class's ``_check``).
         slots: its slots, in order (``Optimizer.slots``).
-        native_rule: the fused CPU kernel's rule (``enum Rule`` of ops/csrc/update.h,
+        native_rule: the fused CPU kernel's rule (``enum Rule`` of kernels/csrc/update.h,
             ``native.sparse_update``), or None: every option, float32 / float16 / bfloat16 rows.
-        triton_rule: the Triton kernel's ``RULE`` (ops/triton_kernels.py), or None.
+        triton_rule: the Triton kernel's ``RULE`` (kernels/triton_kernels.py), or None.
         triton_args: ``opt -> ((h1..h5), F1, F2)``, the Triton kernel's own hyper-parameters of
             this rule (the common ones reach every kernel as ``native.Hyper``).
         in_place: the torch-ops in-place rule (``ops/update.py apply_in_place``: ``"sgd"``,

@@ -42,13 +42,21 @@ Initializer = Callable[[torch.Tensor], Any] | torch.Tensor
 EVICTIONS = ("lru", "lfu")
 
 INT64_MAX = 2**63 - 1  # ids, rows, steps and counts are int64 in the engine
-# Fast-memory bytes of a dynamic table's map per row of capacity, at most (ops/vocab.py): the
+# Fast-memory bytes of a dynamic table's map per row of capacity, at most (state/id_map.py): the
 # torch-ops VocabMap of other devices holds 49 (33 of per-row state, 16 of sorted ids and rows);
 # the CPU's NativeVocabMap 30 when full (20 of per-row state, 10 of int32 hash slots; 42 past
 # 2**31 - 1 training steps, 40 in a shard of 2**31 rows or more, 52 with both), less until then
 # (it holds the rows in use, and half more at most): what a ``memory_budget`` charges for it,
 # and what a table's size counts.
 MAP_BYTES_PER_ROW = 49
+# Fast-memory bytes of an offloaded table's cache (state/cache_index.py) per cache row: its owner,
+# stamp, dirty and fresh flags and free-stack entry; and per row of an offloaded shard: where it
+# is cached; and per row of a slow tier written as a log (a static table's on the CPU,
+# state/slow_log.py): its place (4) and the owners of its 1.5 places and a segment more (7). The
+# planner charges them all (the log's on every device).
+INDEX_BYTES_PER_ROW = 26
+WHERE_BYTES_PER_ROW = 4
+LOG_BYTES_PER_ROW = 11
 # The most bytes a table may take: parameters (vocabulary_size * dim * the dtype's size) plus, for
 # a dynamic table, its map (MAP_BYTES_PER_ROW, per row of capacity). 2**48 bytes
 # (256 TiB) is the whole 48-bit virtual address space of common x86-64 and ARM64 machines: a

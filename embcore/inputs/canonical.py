@@ -24,7 +24,7 @@ import torch
 
 from ..base.compat import jagged_parts, sparse_parts
 from ..config.tables import FeatureConfig
-from ..ops import native
+from ..kernels import native
 from ..ops.bags import Bags, bag_index
 
 INT_DTYPES = (torch.int32, torch.int64)

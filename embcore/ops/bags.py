@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from . import native
+from ..kernels import native
 
 
 @dataclass(frozen=True)

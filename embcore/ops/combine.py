@@ -9,7 +9,7 @@ transposed: occurrences sorted by row form the bags, the output gradient rows ar
 On the CPU with float32, float16 or bfloat16 tables the forward is the fused kernel
 ``native.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched;
 16-bit rows widened to float32 as they are read, so their activations are float32); on CUDA
-(those tables, float32 gradients) both directions are the Triton kernels of ``ops/gpu.py`` (the
+(those tables, float32 gradients) both directions are the Triton kernels of ``kernels/gpu.py`` (the
 same sums in the same order, within float rounding: tests/triton_cases.py); the training backward
 of a local table is fused into the optimizer update (``ops/update.py``).
 """
@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import gpu, native
+from ..kernels import gpu, native
+from ..numerics.rounding import ROW_TYPES
 from .bags import Bags, Dedup
-from .rounding import ROW_TYPES
 from .workspace import Workspace
 
 

@@ -23,7 +23,7 @@ kernel uses that value. The kernel is chosen here and nowhere else, from the opt
    scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
-   (rounded by ``ops/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
+   (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
 
 Hyper-parameters reach the kernel by name (``native.Hyper``, mirrored by ``EcHyper`` in C++).
@@ -35,9 +35,10 @@ from __future__ import annotations
 import torch
 
 from ..config.optimizers import Optimizer, record_of
-from . import gpu, native, rounding
+from ..kernels import gpu, native
+from ..numerics import rounding
+from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
 from .combine import OutputGrads, row_gradients
-from .rounding import COMPACT, ROW_TYPES, Rounding
 from .workspace import Workspace
 
 _NEAREST = rounding.nearest()
@@ -52,7 +53,7 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
 
     A float16 / bfloat16 table's rows are widened, updated in float32 and rounded back by
-    ``round_to`` (ops/rounding.py; None: to nearest), on every path.
+    ``round_to`` (numerics/rounding.py; None: to nearest), on every path.
 
     Args:
         table: (N, D) parameters held here.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..ops import hashing
+from ..numerics import hashing
 
 
 def split_sizes(n: int, parts: int) -> tuple[int, ...]:

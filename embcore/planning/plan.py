@@ -33,8 +33,13 @@ from typing import Any, Literal
 import torch
 
 from ..config.optimizers import Optimizer
-from ..config.tables import MAP_BYTES_PER_ROW, TableConfig
-from ..ops.cache_index import INDEX_BYTES_PER_ROW, LOG_BYTES_PER_ROW, WHERE_BYTES_PER_ROW
+from ..config.tables import (
+    INDEX_BYTES_PER_ROW,
+    LOG_BYTES_PER_ROW,
+    MAP_BYTES_PER_ROW,
+    WHERE_BYTES_PER_ROW,
+    TableConfig,
+)
 from .placement import STRATEGIES as _PLACEMENTS
 from .placement import Placement, make_placement
 from .tiers import Curve, fast_rows, zipf_curve
@@ -47,7 +52,7 @@ AUTO_REPLICATE_BYTES = 1 << 20
 
 def where_bytes(dynamic: bool) -> int:
     """Fast-memory bytes an offloaded table holds for each row of its shard: where its cache
-    has it, and for a static table where its slow tier's log has it (``ops/cache_index.py``)."""
+    has it, and for a static table where its slow tier's log has it (``config/tables.py``)."""
     return WHERE_BYTES_PER_ROW + (0 if dynamic else LOG_BYTES_PER_ROW)
 
 

@@ -1,8 +1,8 @@
 """Tiers (pure): which tables a ``memory_budget`` sends to the slow tier, and their cache sizes.
 
 The budget caps, per process, the bytes of the tables' rows and slots in fast memory plus the
-caches (rows, slots and ``cache_index.INDEX_BYTES_PER_ROW`` of index each, and
-``cache_index.WHERE_BYTES_PER_ROW`` for each row of an offloaded table, and
+caches (rows, slots and ``config.tables.INDEX_BYTES_PER_ROW`` of index each, and
+``WHERE_BYTES_PER_ROW`` for each row of an offloaded table, and
 ``LOG_BYTES_PER_ROW`` more for a static one's: ``plan.where_bytes``). Tables that fit change
 nothing. Otherwise fast memory goes where it serves the most lookups:
 

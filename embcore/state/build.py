@@ -7,7 +7,7 @@ table, mapped.py). The kind is not asked again: the step calls the object's verb
 
 Static tables get their initial values here (per row, a function of the seed, the table and the
 row: config/tables.py); a dynamic table's rows are zeros until ids are admitted, with one zero
-row after them. A float16 / bfloat16 table gets its rounding (ops/rounding.py).
+row after them. A float16 / bfloat16 table gets its rounding (numerics/rounding.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from collections.abc import Mapping
 import torch
 
 from ..config.tables import TableConfig, initial_rows
+from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.memory import empty_table
-from ..ops.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
 from .cache import (

@@ -7,7 +7,7 @@ memory when the tables live on a GPU. The **cache** holds ``capacity`` of those 
 its slots, in fast memory, laid out like an in-memory shard of ``capacity`` rows, so the step's
 lookup and fused update run on it unchanged.
 
-The cache's index (``CacheIndex``, ops/cache_index.py) holds the cache row of every shard row:
+The cache's index (``CacheIndex``, state/cache_index.py) holds the cache row of every shard row:
 a step's distinct rows are resolved by one index step, which admits the missing ones and, when
 the cache is full, evicts the least recently used rows that this step does not use (ties: the
 lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``; at most
@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 
 from ..base.files import pid_alive
-from ..ops import native
-from ..ops.cache_index import MAX_CAPACITY, CacheIndex
+from ..kernels import native
 from ..ops.memory import advise_random, empty_table
+from .cache_index import MAX_CAPACITY, CacheIndex
 from .slow_log import RecordLog, places_for
 
 fcntl: types.ModuleType | None

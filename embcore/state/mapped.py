@@ -18,9 +18,9 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
+from ..numerics.rounding import Rounding
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, row_gradients
-from ..ops.rounding import Rounding
 from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows

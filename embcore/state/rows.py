@@ -28,10 +28,10 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
-from ..ops import native
+from ..kernels import native
+from ..numerics.rounding import Rounding
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine, combine
-from ..ops.rounding import Rounding
 from ..ops.update import TableUpdate, update
 from ..ops.workspace import Workspace
 from .cache import CachedRows

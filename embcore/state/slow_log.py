@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..ops import native
+from ..kernels import native
 
 SPARE = 0.5  # the file's places beyond its rows, as a share of them
 SEGMENT = 4096  # records a segment holds at most (the cleaner's unit; 4 MiB of 1 KiB records)

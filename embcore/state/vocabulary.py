@@ -2,13 +2,13 @@
 
 A dynamic table (``TableConfig(dynamic=ec.DynamicVocabulary(...))``, docs/semantics.md section 9)
 has the ``n`` rows of its placement in its physical table's shard on a process. ``DynamicRows``
-holds that shard's ``VocabMap`` (ops/vocab.py) and translates the ids that reach this process into
-rows (``resolve``), admitting and evicting in a training step; the store then writes the new rows'
-initial values (``initial_values``: a function of the table's seed and the id alone) and resets
-their optimizer slots. A physical table of dynamic tables (one alone, or several stacked: plan.py)
-is a ``DynamicStack``: a ``DynamicRows`` per member over its own rows, and one more row after them
-all, which stays zero: ids that are not resident are looked up there, and gradients to it are
-dropped.
+holds that shard's ``VocabMap`` (its id map: state/id_map.py) and translates the ids that reach
+this process into rows (``resolve``), admitting and evicting in a training step; the store then
+writes the new rows' initial values (``initial_values``: a function of the table's seed and the
+id alone) and resets their optimizer slots. A physical table of dynamic tables (one alone, or
+several stacked: plan.py) is a ``DynamicStack``: a ``DynamicRows`` per member over its own rows,
+and one more row after them all, which stays zero: ids that are not resident are looked up there,
+and gradients to it are dropped.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
-from ..ops import hashing, native
-from ..ops.rounding import COMPACT
-from ..ops.vocab import VocabMap, find_many, train_steps, vocab_map
+from ..kernels import native
+from ..numerics import hashing
+from ..numerics.rounding import COMPACT
 from ..planning.placement import Placement
+from .id_map import VocabMap, find_many, train_steps, vocab_map
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -470,7 +471,7 @@ class DynamicStack:
         """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
         rows; a training step of several members checks every one first (``check_step``), so
         a batch that one member's map cannot place changes no map. Several members' steps run
-        together in two fused calls where the kernels apply (``ops.vocab.train_steps``).
+        together in two fused calls where the kernels apply (``id_map.train_steps``).
 
         Args:
             init: None, or ``(table, columns, slots)``: the shard's float32 table (columns
@@ -523,7 +524,7 @@ class DynamicStack:
     def _find_together(self, ids: torch.Tensor, parts: list[tuple[int, torch.Tensor]]
                        ) -> torch.Tensor | None:
         """The shard rows of the members' runs of ``ids`` (evaluation: no map changes) in one
-        fused call (``ops.vocab.find_many``), the zero row where not resident; None where the
+        fused call (``id_map.find_many``), the zero row where not resident; None where the
         kernels do not apply."""
         with self._holding(parts) as got:
             if got is None:
@@ -537,7 +538,7 @@ class DynamicStack:
                         ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
                                                            torch.Tensor]]] | None:
         """The training steps of the members of ``parts`` in two fused calls
-        (``ops.vocab.train_steps``): ``(rows, new)`` as ``resolve``'s, or None where they do not
+        (``id_map.train_steps``): ``(rows, new)`` as ``resolve``'s, or None where they do not
         apply (nothing changed: ``resolve`` steps the members one by one)."""
         with self._holding(parts) as got:
             if got is None:

@@ -25,7 +25,7 @@ from .preprocess import TableBatch
 
 
 @dataclass(frozen=True)
-class Answered:
+class OwnerRows:
     """The owner side of one physical table's lookup, for the gradients' exchange: per asking
     process, the shard rows this process answered with (a dynamic table's raw ids resolved by
     its map), and the map step they are valid at (None: a static table)."""
@@ -36,7 +36,7 @@ class Answered:
 
 # Per physical table of a batch, what this process answered (None when the table needed no
 # exchange and no map): the owner side of apply_gradients.
-Answers = tuple[Answered | None, ...]
+Answers = tuple[OwnerRows | None, ...]
 
 
 def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableBatch,

@@ -13,7 +13,7 @@ import torch
 from ..base.comm import Communicator
 from ..ops.combine import combine
 from ..state.store import RowStore
-from .exchange import Answered, Answers, fetch_rows
+from .exchange import Answers, OwnerRows, fetch_rows
 from .preprocess import Prepared
 
 
@@ -26,18 +26,18 @@ def lookup(prepared: Prepared, store: RowStore,
         None for a feature not in the batch; and what ``apply_gradients`` needs of the exchange.
     """
     flat: list[torch.Tensor | None] = [None] * prepared.num_features
-    received: list[Answered | None] = []
+    received: list[OwnerRows | None] = []
     asked = check_map_steps(prepared, store, comm) if prepared.training else {}
     for tb in prepared.tables:
         if tb.route is None:  # held here: the rows object reads them (a map's step first)
             out, got = store[tb.physical].lookup(tb.bags, tb.dedup, prepared.training,
                                                  tb.segments, comm, asked.get(tb.physical))
-            received.append(None if got is None else Answered(*got))
+            received.append(None if got is None else OwnerRows(*got))
         else:
             rows_u, rows, since = fetch_rows(comm, store.plan.physical[tb.physical], store, tb,
                                              prepared.training, asked.get(tb.physical))  # (U, D)
             out = combine(rows_u, tb.dedup.inverse, tb.bags)  # (R, D)
-            received.append(Answered(rows, since))
+            received.append(OwnerRows(rows, since))
         d = out.shape[1]
         parts = (out.split_with_sizes([s.rows for s in tb.slices]) if len(tb.slices) > 1
                  else (out,))  # (one call: views)

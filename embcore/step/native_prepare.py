@@ -29,9 +29,9 @@ import torch
 
 from ..base.comm import Communicator
 from ..inputs.features import Features, Shapes
-from ..ops import native
+from ..kernels import native
+from ..numerics.rounding import ROW_TYPES
 from ..ops.bags import Bags, Dedup, concat_dedup
-from ..ops.rounding import ROW_TYPES
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
 from .preprocess import FeatureSlice, Prepared, TableBatch, dedup_members

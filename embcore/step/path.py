@@ -21,7 +21,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..inputs.features import Features, Shapes
-from ..ops import native
+from ..kernels import native
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
 from .exchange import Answers

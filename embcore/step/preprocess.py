@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import native
+from ..kernels import native
 from ..ops.bags import Bags, Dedup, concat_dedup
 from ..planning.plan import ShardingPlan
 

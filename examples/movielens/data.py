@@ -350,10 +350,10 @@ def raw_ids(ids: torch.Tensor) -> torch.Tensor:
 
     Real raw ids (hashed user names, URLs, 64-bit item keys) come from an unbounded space; this
     stands in for such a source with a fixed bijection of int64: ``splitmix64(id ^ RAW_ID_KEY)``
-    (``embcore.ops.hashing``). Distinct ids stay distinct, so the model sees the same data; only a
+    (``embcore.numerics.hashing``). Distinct ids stay distinct, so the model sees the same data; only a
     dynamic table (``ec.DynamicVocabulary``) can take ids like these.
     """
-    return ec.ops.hashing.splitmix64(ids.to(torch.int64) ^ RAW_ID_KEY)  # (R,) int64
+    return ec.numerics.hashing.splitmix64(ids.to(torch.int64) ^ RAW_ID_KEY)  # (R,) int64
 
 
 # --------------------------------------------------------------------------------- splits

@@ -1,7 +1,7 @@
 // half.h: 16-bit rows (float16, bfloat16): widening to float32, rounding back to nearest or
 // stochastically, and the counter-based random bits of stochastic rounding.
 //
-// The rules (docs/semantics.md section 14; ops/rounding.py is their torch reference, bit for bit):
+// The rules (docs/semantics.md section 14; numerics/rounding.py is their torch reference, bit for bit):
 //   - widening is exact (every 16-bit value is a float32);
 //   - to nearest: IEEE round-to-nearest-even, as torch's .to(float16 / bfloat16) (a NaN stays a
 //     NaN; the payload is not kept);
@@ -270,7 +270,7 @@ struct Segments {
 extern "C" {
 
 // The rounding of float32 values (n,) into 16-bit row type ``type`` (kF16, kBF16): to nearest
-// (bits nullptr) or with the random bits ``bits`` (n,), for ops/rounding.py's tests.
+// (bits nullptr) or with the random bits ``bits`` (n,), for numerics/rounding.py's tests.
 void ec_round16(int type, const float* src, const int32_t* bits, uint16_t* dst, i64 n) {
   for (i64 i = 0; i < n; ++i) {
     const uint32_t u = bits ? uint32_t(bits[i]) : 0U;

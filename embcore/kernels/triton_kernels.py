@@ -1,6 +1,6 @@
 """The GPU kernels, in Triton: the pooled lookup and the fused backward + optimizer update.
 
-Imported only by ``ops/gpu.py``, on first use (this module imports triton at its top; embcore
+Imported only by ``kernels/gpu.py``, on first use (this module imports triton at its top; embcore
 itself never needs it; without triton it still imports, with ``MISSING`` saying why, and the
 kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows
 (lookup) or ``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by
@@ -15,7 +15,7 @@ masking the columns past D. Every sum runs in float32 in the order the CPU kerne
   weight decay, weight clipping.
 
 Tables of float16 / bfloat16 rows (``ROWS`` 1 / 2) are widened to float32 as they are read; the
-update rounds its float32 result back, to nearest or, with ``STOCHASTIC``, by ops/rounding.py's
+update rounds its float32 result back, to nearest or, with ``STOCHASTIC``, by numerics/rounding.py's
 rule bit for bit (``_row_keys``: each row's identity through its key rows and segments, hashed
 with the step's key; ``_round_stochastic`` with the bits ``lowbias32(key + c * 0x9E3779B9)`` of
 column c).
@@ -162,7 +162,7 @@ def _ftrl(w, g, a, lin, lr, p, l1, l2, beta, MULTIPLY_LINEAR: tl.constexpr):
     return w, a_new, lin
 
 
-# -- 16-bit rows: stochastic rounding (ops/rounding.py's rule) ----------------------------------
+# -- 16-bit rows: stochastic rounding (numerics/rounding.py's rule) -----------------------------
 
 @jit
 def _lowbias32(x):
@@ -176,7 +176,7 @@ def _lowbias32(x):
 
 @jit
 def _splitmix64(x):
-    """uint64 -> uint64: SplitMix64's output for seed ``x`` (ops/hashing.py)."""
+    """uint64 -> uint64: SplitMix64's output for seed ``x`` (numerics/hashing.py)."""
     z = x + 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
     z = (z ^ (z >> 27)) * 0x94D049BB133111EB
@@ -186,7 +186,7 @@ def _splitmix64(x):
 @jit
 def _row_keys(row, live, keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,
               KEYED: tl.constexpr):
-    """(BLOCK_U,) uint32 row keys of table rows ``row`` (ops/rounding.py: the identity through
+    """(BLOCK_U,) uint32 row keys of table rows ``row`` (numerics/rounding.py: the identity through
     the key rows and the segments, then ``low32(k) ^ high32(k)``), the first column folded in
     (``+ col0 * 0x9E3779B9``). ``seg_ptr``: (3, nseg) int64 starts, bases, strides."""
     k = row

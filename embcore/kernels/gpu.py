@@ -1,4 +1,4 @@
-"""The GPU kernels (``ops/triton_kernels.py``, Triton): when they apply, and their wrappers.
+"""The GPU kernels (``kernels/triton_kernels.py``, Triton): when they apply, and their wrappers.
 
 ``usable(...)`` is this module's ``native.usable``: True when every tensor is on a CUDA device
 and Triton imports (checked once, on the first CUDA tensor; triton is an optional dependency and
@@ -11,7 +11,7 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
 - ``lookup``: float32, float16 and bfloat16 tables (16-bit rows widened: float32 activations),
   unit bags or bags with offsets and optional scales;
 - ``sparse_update``: float32, float16 and bfloat16 tables (16-bit rows rounded back as
-  ops/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
+  numerics/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
   AdagradMomentum, Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and
   FTRL, each with every option of the update step (docs/semantics.md section 3: gradient
   multiplier, gradient clipping, decoupled weight decay, weight clipping), from summed row
@@ -30,16 +30,16 @@ from typing import Any
 import torch
 
 from ..config.optimizers import Optimizer, record_of
-from .kernel_args import Hyper
-from .rounding import ROW_TYPES, Rounding
+from ..numerics.rounding import ROW_TYPES, Rounding
+from .args import Hyper
 
-_kernels: Any = None   # the module ops/triton_kernels.py once imported; False: triton missing
+_kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
 _error: str | None = None
 _forced = False
 
 
 def _load() -> Any:
-    """ops/triton_kernels.py, imported on first use; None when triton is not importable."""
+    """kernels/triton_kernels.py, imported on first use; None when triton is not importable."""
     global _kernels, _error
     if _kernels is None:
         try:

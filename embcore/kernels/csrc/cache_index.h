@@ -1,4 +1,4 @@
-// cache_index.h: the index of a write-back cache over a shard (ops/cache_index.py).
+// cache_index.h: the index of a write-back cache over a shard (state/cache_index.py).
 
 #pragma once
 

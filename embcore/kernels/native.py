@@ -10,7 +10,7 @@ load the cached library. Where no compiler works, ``available`` is False, a ``Ru
 says why once, and every caller uses its torch-ops twin (same results, slower).
 
 Every C function is declared here once, next to its wrapper, as a list of its arguments by name
-and kind (kernel_args.py: ``read(I64)``, a contiguous CPU int64 tensor the kernel reads;
+and kind (args.py: ``read(I64)``, a contiguous CPU int64 tensor the kernel reads;
 ``INT64``, a scalar; ...): the ctypes signature and the checks of every call come from that
 list. A tensor of the wrong dtype, layout, device or length is a ``TypeError`` /
 ``ValueError`` naming the kernel and the argument, raised before the kernel runs. The values
@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
-from . import rounding
-from .kernel_args import (
+from ..numerics import rounding
+from ..numerics.rounding import ROW_TYPES
+from .args import (
     ANY,
     DOUBLE,
     F32,
@@ -71,7 +72,6 @@ from .kernel_args import (
     written,
     written_rows,
 )
-from .rounding import ROW_TYPES
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
@@ -640,7 +640,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     Args:
         rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
         table: (N, D) contiguous float32, float16 or bfloat16 parameters (16-bit rows are
-            widened, updated in float32 and rounded back by ``round_to``: ops/rounding.py).
+            widened, updated in float32 and rounded back by ``round_to``: numerics/rounding.py).
         acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
         rows: (U,) distinct int64 rows.
         hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
@@ -652,7 +652,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
-        round_to: how a 16-bit table's rows are rounded (None: to nearest; ops/rounding.py).
+        round_to: how a 16-bit table's rows are rounded (None: to nearest; numerics/rounding.py).
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
@@ -1413,7 +1413,7 @@ _ROUND16 = Kernel("ec_round16", None, [
 def round16(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``x`` rounded to ``dtype`` (float16 / bfloat16) by the kernels' rule (csrc/half.h):
     to nearest, or stochastically with the uint32 random ``bits`` (int64 values, ``x``'s shape).
-    For tests of ops/rounding.py's reference."""
+    For tests of numerics/rounding.py's reference."""
     if dtype not in rounding.COMPACT:
         raise TypeError(f"round16 rounds into {rounding.COMPACT}, not {dtype}")
     src = x.to(torch.float32).contiguous().reshape(-1)

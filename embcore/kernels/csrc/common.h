@@ -49,7 +49,7 @@ inline i64 split_point(const i64* cumulative, i64 n, i64 per_item, int t, int nt
 
 inline int threads_for(i64 work, int nt) { return work < kSerialWork ? 1 : std::max(nt, 1); }
 
-// SplitMix64's finalizer (ops/hashing.py's splitmix64 without the increment): spreads ids.
+// SplitMix64's finalizer (numerics/hashing.py's splitmix64 without the increment): spreads ids.
 inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;

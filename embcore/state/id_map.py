@@ -1,4 +1,5 @@
-"""A dynamic vocabulary (raw int64 ids -> rows) as tensors: the fast path of ops/reference_vocab.py.
+"""The id map of a dynamic vocabulary (raw int64 ids -> rows) as tensors: the fast path of
+state/id_map_reference.py.
 
 One ``VocabMap`` holds the ids resident in one shard of ``capacity`` rows and follows the rules of
 ``ReferenceVocabulary`` (the oracle; its module docstring states them) exactly: TTL expiry at the
@@ -68,7 +69,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from ..config.tables import MAP_BYTES_PER_ROW
-from . import native
+from ..kernels import native
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)

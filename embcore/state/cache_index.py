@@ -31,17 +31,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
+from ..kernels import native
 
 MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
 FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
-# Bytes of index per cache row: its owner, stamp, dirty and fresh flags and free-stack entry;
-# and per row of an offloaded shard: where it is cached; and per row of a slow tier written as a
-# log (a static table's on the CPU, state/slow_log.py): its place (4) and the owners of its 1.5
-# places and a segment more (7). The planner charges them all (the log's on every device).
-INDEX_BYTES_PER_ROW = 26
-WHERE_BYTES_PER_ROW = 4
-LOG_BYTES_PER_ROW = 11
+# (What this index and the slow tier's log take per row, which the planner charges, is
+# config/tables.py's INDEX_BYTES_PER_ROW, WHERE_BYTES_PER_ROW and LOG_BYTES_PER_ROW.)
 
 
 class Step(NamedTuple):

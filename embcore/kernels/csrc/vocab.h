@@ -7,7 +7,7 @@
 #include "common.h"
 #include "pool.h"
 
-// ---- dynamic vocabularies (ops/vocab.py's NativeVocabMap) ----------------------------------
+// ---- dynamic vocabularies (state/id_map.py's NativeVocabMap) ----------------------------------
 // A shard's raw id -> row map holds, per row of the first A rows (A <= C, the capacity; the rows
 // beyond A were never used): ``row_key`` int64 the id it holds (0 when free), ``last_use``,
 // ``frequency`` and ``born`` (-1 when free: a row is used iff born >= 0), the three of type
@@ -517,7 +517,7 @@ extern "C" {
 // column j in [c0, c1), table[rows[i], j - c0] = float(inverse_normal(lo + u * width) / div), with
 // u = (bits + 0.5) * 2^-53, bits the top 53 bits of splitmix64(key + j), key =
 // splitmix64(splitmix64(ids[i]) ^ seed), splitmix64(x) = mix64(x + 0x9E3779B97F4A7C15): the
-// doubles of ops/hashing.py's ``uniform`` (vocabulary.py's ``initial_values``: TF's truncated
+// doubles of numerics/hashing.py's ``uniform`` (vocabulary.py's ``initial_values``: TF's truncated
 // normal, the same floats in torch ops).
 //   table (N, stride) float32 row-major.
 __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
@@ -557,7 +557,7 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
 }  // extern "C"
 
 // ---- the maps of stacked dynamic tables, stepped together ----------------------------------
-// Several maps (the members of one physical table, ops/vocab.py's ``stack_train_step``) are
+// Several maps (the members of one physical table, state/id_map.py's ``stack_train_step``) are
 // described by ``maps`` (M, kMapFields) int64, a row per map: the addresses and sizes of its
 // arrays (as ec_vocab_step takes them), its capacity, this step t, its cut, lfu, the member's
 // first shard row and its table's seed. Member m's distinct ids are ids[offsets[m],
