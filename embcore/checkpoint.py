@@ -1,420 +1,52 @@
 """Checkpoints: ``ec.save(path, obj)`` / ``ec.load(path, obj)`` for an Embedding or EmbeddingLayer.
 
-Format. A checkpoint is a directory written by ``torch.distributed.checkpoint`` (DCP):
-
-    <path>/
-      .metadata        DCP's index: every key's shape, dtype and where its bytes lie (a pickle)
-      __0_0.distcp     the tensors' bytes (one file per writing process)
-      manifest.json    plain JSON: the object's ``manifest()`` (configs, plan, step), the user's
-                       ``extra`` metadata, the format version and ``checksums`` (Integrity below)
-
-holding the object's ``state_dict()`` under TF's names: ``<table>/parameters``,
-``<table>/<slot>`` (accumulators, momenta, velocities, linears) and ``step``; a dynamic table
-(raw ids) adds its map, ``<table>/vocabulary/{ids,last_use,frequency}`` laid out by row like its
-parameters, ``<table>/vocabulary/{step,seed}`` and ``<table>/vocabulary/pending`` (the ids
-counted for admission, their counts and last steps seen: ``(P, 3)``, P varying; vocabulary.py).
-Entries are whole logical tables, so a checkpoint does not depend on how the tables were stacked
-or placed: loading fills tensors shaped as the *target's* state dict, which is what lets DCP
-restore a checkpoint written by W processes into W' processes with another layout.
-
-Atomicity. ``save`` writes into a temporary sibling ``<path>.tmp-<pid>-<random>``, fsyncs it, then
-swaps it in: an existing ``<path>`` is renamed to ``<path>.old``, the temporary directory to
-``<path>``, and ``<path>.old`` is removed. ``<path>`` therefore only ever appears complete; if a
-writer is killed between the two renames, ``load(path)`` finds ``<path>.old``, the previous
-checkpoint. A leftover temporary directory (a writer killed while writing) is never read; the
-next ``save`` to the same path removes it once its writer's process is gone.
-
-Safety. Loading never runs code stored in the files. DCP stores its index with ``pickle``; this
-module reads it with a restricted unpickler that resolves only the few classes a DCP index holds
-(``ALLOWED_METADATA_GLOBALS``: DCP's metadata dataclasses, ``torch.Size``, torch dtypes and
-layouts, paths and plain builtins) and raises ``pickle.UnpicklingError`` naming any other. Tensor
-bytes are read by DCP with ``torch.load(weights_only=True)``. Every key that is loaded must be a
-tensor entry in the index: DCP would ``torch.load(weights_only=False)`` a non-tensor ("bytes")
-entry, so such entries are refused, as are data files outside the checkpoint directory.
-``manifest.json`` is plain JSON; a table's sizes there must be integers (else a ValueError saying
-the manifest is malformed), and an empty, truncated or undecodable ``.metadata`` is a ValueError
-saying the checkpoint is corrupt, naming the file.
-
-Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
-written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
-"index": <CRC of .metadata>, "chunks": [{"file", "offset", "length", "key", "at", "crc32"}, ...],
-"manifest": <CRC of the manifest's other fields>, "seal": <CRC of the rest>}``, the zlib CRC-32
-(``state/published.py``'s ``crc``, as publish entries use) of every byte range DCP wrote, one
-per saved chunk: a state-dict key (``key``) and the offsets of its chunk in the logical tensor
-(``at``; a whole tensor, or a process's DTensor shard), where DCP's index says its bytes lie
-(``file``, ``offset``, ``length``: the chunk as DCP serialized it, header included). Each process
-computes, right after writing them (still in the page cache), the CRCs of the chunks it wrote
-(replicated tensors are written by one process); every process then reads the index rank 0 wrote
-(what ``dcp.save`` returns lacks it in some torch versions), the CRCs are all-gathered in its
-order, and rank 0 adds the index's CRC and writes them to the manifest.
-
-Why per saved chunk, of the file's bytes: a load may reshard (written by W processes, read by W'),
-so a CRC of a whole logical tensor, or of the rows a process reads, cannot be checked by a process
-that reads some of the rows of a chunk; a saved chunk is the unit DCP reads (whole, then narrowed),
-so each process checks, before DCP reads anything, every chunk its load plan reads, whatever W and
-W'. Checking the file's bytes rather than the decoded tensors also covers the serialization headers
-(a damaged header cannot decode as other values) and needs no decoding. Load checks, in order: the
-``checksums`` section against its ``seal`` and the manifest's other fields (tables, plan, step,
-``extra``) against ``manifest``, as canonical JSON (a damaged manifest is named as such; a
-checkpoint written before ``manifest`` was kept has only its checksums sealed), ``.metadata``
-against ``index`` before unpickling it, that every chunk of the index has its entry (same key,
-offsets and length), then each chunk it will read (every byte is read twice: by the check, mapped,
-not copied, then by DCP, from the page cache). A mismatch is a ValueError naming the file, the key
-and the chunk; with several processes DCP hands one process's error to all. Nothing is loaded then:
-the target is changed only after every read succeeded. A partial load (``tables=``, ``slots=False``)
-checks the chunks it reads, not the others.
-
-Cost: one CRC pass over the bytes written or read (about 3.5 GB/s): for a 1M x 64 float32 table with
-Adagrad (488 MiB, in the page cache; medians on a 16-core machine) save 0.59 -> 0.80 s and load 0.46
--> 0.58 s (a CUDA engine: 0.55 -> 0.74 s, 0.34 -> 0.52 s). CRC-32 finds accidental damage (flipped,
-lost or stale bytes), not tampering: whoever can write the files can rewrite the checksums, so
-crafted files remain the restricted unpickler's business. Checkpoints written before checksums
-existed (no ``checksums`` in the manifest) load as before, unverified; the format version is
-unchanged (1): readers that predate checksums ignore the extra manifest key.
+The directory's format (DCP's files and ``manifest.json``), its atomic swap, the restricted
+unpickler of DCP's index and the CRC-32 of every saved chunk are ``formats/checkpoint.py``'s. This
+module is the shell over it: ``save`` writes an object's ``state_dict()`` with
+``torch.distributed.checkpoint`` into a temporary directory, gathers every process's checksums
+and swaps the directory in; ``load`` checks the manifest against the target, reads what it asks
+for (every chunk checked first) and fills the target only after every read succeeded.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import io
 import json
 import os
 import pickle
-import shutil
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
 from .base.comm import CollectiveError, everywhere
-from .base.compat import (
-    DCP_INDEX,
-    DCP_INDEX_PRIVATE_GLOBALS,
-    DCP_NO_PROCESS_GROUP_WARNING,
-    PICKLED_PATH_MODULES,
-    dcp_index_name,
-)
-from .base.files import agreed_token, fsync_dir, pid_alive
+from .base.compat import DCP_NO_PROCESS_GROUP_WARNING
 from .engine import Embedding
+from .formats.checkpoint import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUMS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    METADATA,
+    Checksums,
+    check_manifest,
+    crc_of_bytes,
+    dcp_io,
+    is_checkpoint,
+    manifest_crc,
+    remove_stale_temporaries,
+    remove_tree,
+    resolve_dir,
+    seal_of,
+    swap_in,
+)
+from .formats.files import agreed_token, fsync_dir
+from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
 from .online import resume
-from .state.published import crc, is_publish_dir
-
-FORMAT = "embcore.checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-CHECKSUMS = "checksums"  # the manifest's key for the chunks' CRCs (module docstring: Integrity)
-CHECKSUM_ALGORITHM = "crc32"
-_METADATA = DCP_INDEX  # DCP's index file (".metadata")
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-# (module, name) pairs the metadata unpickler resolves; torch dtypes are allowed besides (below).
-# The private ones (two DCP classes, and the function that maps "torch.strided" to the layout
-# object) are declared in compat.py: DCP_INDEX_PRIVATE_GLOBALS.
-ALLOWED_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    [(_DCP_METADATA, n) for n in ("Metadata", "MetadataIndex", "ChunkStorageMetadata",
-                                  "TensorStorageMetadata", "TensorProperties", "StorageMeta")]
-    + list(DCP_INDEX_PRIVATE_GLOBALS)
-    + [("torch", "Size"),
-       ("collections", "OrderedDict")]
-    + [(m, n) for m in PICKLED_PATH_MODULES  # StorageMeta.checkpoint_id
-       for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                 "PureWindowsPath")]
-    + [("builtins", n) for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float",
-                                 "str", "bool", "slice")])
-
-
-class RefusedGlobalError(pickle.UnpicklingError):
-    """The restricted unpickler refused what a checkpoint index asked for (a class it does not
-    allow, a persistent id): a crafted file, kept apart from merely corrupt ones."""
-
-
-class RestrictedMetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` index, resolving only ``ALLOWED_METADATA_GLOBALS`` and torch
-    dtypes; anything else (``os.system``, ``builtins.eval``, ...) is refused before it is looked
-    up, so a crafted index cannot run code.
-
-    Raises:
-        RefusedGlobalError: (a ``pickle.UnpicklingError``) naming the refused ``module.name``.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in ALLOWED_METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise RefusedGlobalError(
-            f"checkpoint metadata refers to {module}.{name}, which is not a class a "
-            f"torch.distributed.checkpoint index holds; refusing to load it (the file may have "
-            f"been tampered with)")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise RefusedGlobalError("checkpoint metadata holds a persistent id; refusing it")
-
-
-@functools.cache
-def _dcp() -> SimpleNamespace:
-    """torch.distributed.checkpoint and our reader / planner, imported on first use.
-
-    (Importing DCP takes about a second, more than the rest of embcore; ``import embcore`` should
-    not pay it.)
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    class ChecksummingWriter(FileSystemWriter):
-        """FileSystemWriter that, once this process's files are written, computes the CRC of
-        each chunk's bytes in them: ``sums[(file, offset)] = (length, crc)``."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.sums: dict[tuple[str, int], tuple[int, int]] = {}
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            written = super().write_data(plan, planner)
-            for result in written.wait():  # (FileSystemWriter's future is complete already)
-                info = result.storage_data
-                rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
-                self.sums[(rel, offset)] = (length, _range_crc(Path(self.path) / rel, offset,
-                                                               length))
-            return written
-
-    class SafeReader(FileSystemReader):
-        """FileSystemReader whose index is read by the restricted unpickler and checked, and
-        which, given the manifest's ``checksums``, verifies the index and every chunk it is
-        about to read (module docstring: Integrity)."""
-
-        def __init__(self, path: Path, checksums: Checksums | None = None) -> None:
-            super().__init__(path)
-            self.checksums = checksums
-            self.chunks: Mapping[Any, Any] = {}
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            rank = kwargs.get("rank")
-            path = Path(self.path) / dcp_index_name(rank)
-            raw = path.read_bytes()
-            if not raw:
-                raise ValueError(f"{path} is empty: the checkpoint is corrupt")
-            if self.checksums is not None and crc_of_bytes(raw) != self.checksums.index:
-                raise ValueError(f"{path} does not match its CRC-32 in {MANIFEST}: the checkpoint "
-                                 f"is corrupt (its index was damaged or replaced)")
-            try:
-                md = RestrictedMetadataUnpickler(io.BytesIO(raw)).load()
-            except RefusedGlobalError:
-                raise
-            except Exception as e:  # EOFError, truncated data, garbage: all a corrupt index
-                raise ValueError(f"{path} is truncated or corrupt ({type(e).__name__}: "
-                                 f"{str(e)[:200]}): the checkpoint is corrupt") from e
-            if not isinstance(md, Metadata):
-                raise pickle.UnpicklingError(f"{path} holds a {type(md).__name__}, not a "
-                                             f"torch.distributed.checkpoint Metadata")
-            if not all(isinstance(x, dict) for x in (md.storage_data, md.state_dict_metadata)):
-                raise ValueError(f"{path} lacks its storage or key index: the checkpoint is "
-                                 f"corrupt")
-            for info in md.storage_data.values():
-                rel = str(getattr(info, "relative_path", ""))
-                if not rel or rel != os.path.basename(rel) or rel in (".", ".."):
-                    raise ValueError(f"checkpoint index points at {rel!r}, outside its "
-                                     f"directory; refusing to read it")
-                if getattr(info, "transform_descriptors", None):
-                    raise ValueError(f"checkpoint index asks for stream transforms "
-                                     f"{info.transform_descriptors}; embcore writes none")
-            if self.checksums is not None:
-                self.checksums.match_index(md.storage_data, path)
-            storage_meta = getattr(md, "storage_meta", None)
-            if storage_meta is not None:  # as DCP's reader does (compat.py)
-                storage_meta.load_id = self.load_id
-            return md
-
-        def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
-            super().set_up_storage_reader(metadata, *args, **kwargs)
-            self.chunks = metadata.storage_data
-
-        def read_data(self, plan: Any, planner: Any) -> Any:
-            # Every chunk this process reads is verified before any is read (the target is
-            # only filled once every read succeeded anyway: load()).
-            if self.checksums is not None:
-                seen: set[tuple[str, int]] = set()
-                for item in plan.items:
-                    info = self.chunks[item.storage_index]
-                    where = (str(info.relative_path), int(info.offset))
-                    if where not in seen:
-                        seen.add(where)
-                        self.checksums.verify(Path(self.path), item.storage_index, info)
-            return super().read_data(plan, planner)
-
-    class TensorOnlyLoadPlanner(DefaultLoadPlanner):
-        """DCP's planner, minus ``load_bytes`` (which would ``torch.load(weights_only=False)``)."""
-
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is stored as "
-                             f"pickled bytes, not a tensor; refusing to unpickle it")
-
-    return SimpleNamespace(dcp=dcp, Writer=ChecksummingWriter, Reader=SafeReader,
-                           Planner=TensorOnlyLoadPlanner, TensorMD=TensorStorageMetadata,
-                           CheckpointException=CheckpointException)
-
-
-# --------------------------------------------------------------------------------- checksums
-def _range_crc(path: Path, offset: int, length: int) -> int:
-    """CRC-32 (``state.published.crc``) of ``length`` bytes of the file ``path`` from ``offset``,
-    mapped, not copied into memory."""
-    if length == 0:
-        return 0
-    # (a copy-on-write mapping: writable, as torch.from_numpy wants; never written)
-    return crc(torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=offset,
-                                          shape=(length,))))
-
-
-def crc_of_bytes(data: bytes) -> int:
-    """CRC-32 (``state.published.crc``) of ``data``."""
-    return crc(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
-
-
-def _manifest_crc(manifest: Mapping[str, Any]) -> int:
-    """The CRC of a manifest's fields but its checksums, as canonical JSON."""
-    body = {k: v for k, v in manifest.items() if k != CHECKSUMS}
-    return crc_of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                   ensure_ascii=True, allow_nan=False).encode("ascii"))
-
-
-def _seal(section: Mapping[str, Any]) -> int:
-    """The CRC of a checksums section (all but its ``seal``), as canonical JSON."""
-    body = {k: v for k, v in section.items() if k != "seal"}
-    return crc_of_bytes(json.dumps(body, sort_keys=True, separators=(",", ":"),
-                                   ensure_ascii=True).encode("ascii"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Chunk:
-    """A saved chunk's entry in the manifest: its key and offsets, its bytes and their CRC."""
-
-    file: str
-    offset: int
-    length: int
-    key: str
-    at: tuple[int, ...]
-    crc32: int
-
-    def describe(self) -> str:
-        return (f"checkpoint entry {self.key!r} (its chunk at offsets {list(self.at)}, bytes "
-                f"{self.offset}..{self.offset + self.length})")
-
-
-@dataclasses.dataclass(frozen=True)
-class Checksums:
-    """A checkpoint's ``checksums`` (module docstring: Integrity), as load checks them."""
-
-    manifest: Path
-    index: int
-    chunks: Mapping[tuple[str, int], Chunk]  # by (file, offset)
-
-    @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], path: Path) -> Checksums | None:
-        """The manifest's checksums, checked against their seal; None when it has none (a
-        checkpoint written before checksums existed).
-
-        Raises:
-            ValueError: malformed (naming the key and what it holds), an unknown algorithm, or
-                a section that does not match its seal (the manifest is corrupt).
-        """
-        if CHECKSUMS not in manifest:
-            return None
-        section = manifest[CHECKSUMS]
-
-        def malformed(where: str, value: Any, want: str) -> ValueError:
-            return ValueError(f"{path} is malformed: {where} is {type(value).__name__} "
-                              f"{str(value)[:60]!r}, not {want}")
-
-        def integer(where: str, value: Any, bound: int) -> int:
-            if type(value) is not int or not 0 <= value < bound:
-                raise malformed(where, value, f"an integer in [0, {bound})")
-            return value
-
-        if not isinstance(section, dict):
-            raise malformed(repr(CHECKSUMS), section, "an object")
-        if section.get("algorithm") != CHECKSUM_ALGORITHM:
-            raise ValueError(f"{path}: checksums computed with {section.get('algorithm')!r}; "
-                             f"this embcore knows {CHECKSUM_ALGORITHM!r}")
-        seal = integer(f"{CHECKSUMS}['seal']", section.get("seal"), 2**32)
-        index = integer(f"{CHECKSUMS}['index']", section.get("index"), 2**32)
-        entries = section.get("chunks")
-        if not isinstance(entries, list):
-            raise malformed(f"{CHECKSUMS}['chunks']", entries, "a list")
-        chunks: dict[tuple[str, int], Chunk] = {}
-        for i, e in enumerate(entries):
-            where = f"{CHECKSUMS}['chunks'][{i}]"
-            if not isinstance(e, dict) or set(e) != {f.name for f in dataclasses.fields(Chunk)}:
-                raise malformed(where, e, "an object of file, offset, length, key, at, crc32")
-            for k in ("file", "key"):
-                if not isinstance(e[k], str):
-                    raise malformed(f"{where}[{k!r}]", e[k], "a string")
-            if not isinstance(e["at"], list):
-                raise malformed(f"{where}['at']", e["at"], "a list")
-            chunk = Chunk(e["file"], integer(f"{where}['offset']", e["offset"], 2**63),
-                          integer(f"{where}['length']", e["length"], 2**63), e["key"],
-                          tuple(integer(f"{where}['at']", a, 2**63) for a in e["at"]),
-                          integer(f"{where}['crc32']", e["crc32"], 2**32))
-            if (chunk.file, chunk.offset) in chunks:
-                raise ValueError(f"{path} is malformed: {where} repeats the chunk at "
-                                 f"{chunk.file}, byte {chunk.offset}")
-            chunks[(chunk.file, chunk.offset)] = chunk
-        if seal != _seal(section):
-            raise ValueError(f"{path}: its {CHECKSUMS!r} do not match their own CRC-32 ('seal'): "
-                             f"{MANIFEST} is corrupt")
-        if "manifest" in section:  # (written since the manifest's own fields were sealed)
-            want = integer(f"{CHECKSUMS}['manifest']", section["manifest"], 2**32)
-            if want != _manifest_crc(manifest):
-                raise ValueError(f"{path}: its fields (tables, plan, step, extra, ...) do not "
-                                 f"match their CRC-32 ({CHECKSUMS}['manifest']): {MANIFEST} is "
-                                 f"corrupt")
-        return cls(path, index, chunks)
-
-    def _entry(self, index: Any, info: Any, where: Path) -> Chunk:
-        """The entry of the index's chunk ``index`` stored at ``info``, which must agree."""
-        rel, offset, length = str(info.relative_path), int(info.offset), int(info.length)
-        chunk = self.chunks.get((rel, offset))
-        if chunk is None or (chunk.key, chunk.at, chunk.length) != (
-                index.fqn, tuple(int(a) for a in index.offset), length):
-            raise ValueError(f"{where}: the chunk of {index.fqn!r} at offsets "
-                             f"{[int(a) for a in index.offset]} ({rel}, bytes {offset}.."
-                             f"{offset + length}) has no checksum in {self.manifest}: the "
-                             f"index and the manifest disagree; the checkpoint is corrupt")
-        return chunk
-
-    def match_index(self, storage: Mapping[Any, Any], where: Path) -> None:
-        """Every chunk of DCP's index (``storage_data``) has its entry, and no other is listed."""
-        for index, info in storage.items():
-            self._entry(index, info, where)
-        if len(storage) != len(self.chunks):
-            raise ValueError(f"{where} lists {len(storage)} chunks but {self.manifest} has "
-                             f"checksums of {len(self.chunks)}: the checkpoint is corrupt")
-
-    def verify(self, directory: Path, index: Any, info: Any) -> None:
-        """Checks the bytes of the index's chunk ``index`` (stored at ``info``) against its CRC.
-
-        Raises:
-            ValueError: naming the file, the key and the chunk: its bytes differ, the file is
-                shorter, or the chunk has no entry.
-        """
-        chunk = self._entry(index, info, directory / _METADATA)
-        file = directory / chunk.file
-        size = file.stat().st_size
-        if size < chunk.offset + chunk.length:
-            raise ValueError(f"{file}: {chunk.describe()} ends past the file's {size} bytes: the "
-                             f"checkpoint is corrupt or truncated")
-        if _range_crc(file, chunk.offset, chunk.length) != chunk.crc32:
-            raise ValueError(f"{file}: {chunk.describe()} does not match its CRC-32 in "
-                             f"{self.manifest}: the checkpoint is corrupt")
 
 
 def _gather_checksums(engine: Embedding, storage: Mapping[Any, Any],
@@ -472,7 +104,7 @@ def _dcp_call(what: str, world_size: int = 1) -> Iterator[None]:
                                 category=UserWarning)
         try:
             yield
-        except _dcp().CheckpointException as e:
+        except dcp_io().CheckpointException as e:
             errors = [exc for exc, _ in e.failures.values()]
             if not errors:
                 raise RuntimeError(f"{what} failed: {e}") from e
@@ -551,7 +183,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
 
     # Every process checks the (shared) file system alike, so all raise or none does.
     path = Path(os.fspath(path))
-    if path.exists() and not _is_checkpoint(path) and not (path.is_dir() and
+    if path.exists() and not is_checkpoint(path) and not (path.is_dir() and
                                                            not any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an embcore checkpoint; refusing to "
                               f"replace it (choose another path or remove it)")
@@ -559,7 +191,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     lead = comm.rank == 0  # creates the directory, writes the manifest and swaps it in
     error: BaseException | None = None
     if lead:
-        _remove_stale_temporaries(path)
+        remove_stale_temporaries(path)
         try:
             tmp.mkdir(parents=True)
         except OSError as e:
@@ -567,7 +199,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if not _all_ok(engine, error is None):  # every process raises, none waits for the others
         raise error or RuntimeError(f"rank 0 could not create {tmp}; see its error")
     try:
-        d = _dcp()
+        d = dcp_io()
         # each process writes its shards and their checksums; rank 0 the index
         writer = d.Writer(tmp, sync_files=True)
         with _dcp_call(f"writing {tmp}", comm.world_size):
@@ -585,72 +217,27 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         chunks = _gather_checksums(engine, storage or {}, writer.sums)  # the same everywhere
     except BaseException:
         if lead:
-            _remove_tree(tmp, missing_ok=True)
+            remove_tree(tmp, missing_ok=True)
         raise
     if lead:
         try:
             section = {"algorithm": CHECKSUM_ALGORITHM,
-                       "index": crc_of_bytes((tmp / _METADATA).read_bytes()), "chunks": chunks,
-                       "manifest": _manifest_crc(manifest)}
-            manifest[CHECKSUMS] = {**section, "seal": _seal(section)}
+                       "index": crc_of_bytes((tmp / METADATA).read_bytes()), "chunks": chunks,
+                       "manifest": manifest_crc(manifest)}
+            manifest[CHECKSUMS] = {**section, "seal": seal_of(section)}
             text = json.dumps(manifest, indent=1, allow_nan=False)
             with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(tmp)
-            _swap_in(tmp, path)
+            swap_in(tmp, path)
         except BaseException as e:  # re-raised below, after telling the other processes
-            _remove_tree(tmp, missing_ok=True)
+            remove_tree(tmp, missing_ok=True)
             error = e
     if not _all_ok(engine, error is None):
         raise error or RuntimeError(f"rank 0 failed to complete the checkpoint {path}; see its "
                                     f"error")
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Removes ``<path>.tmp-<pid>-<token>`` directories of writers that died on this machine (their
-    pid no longer runs): what a killed save leaves. A live writer's directory is kept."""
-    for tmp in path.parent.glob(f"{path.name}.tmp-*-*") if path.parent.is_dir() else ():
-        pid = tmp.name[len(path.name) + len(".tmp-"):].split("-", 1)[0]
-        if not pid.isdigit() or not tmp.is_dir():
-            continue
-        if not pid_alive(int(pid)):  # (a live writer's, or one that cannot be told: kept)
-            _remove_tree(tmp, missing_ok=True)
-
-
-def _swap_in(tmp: Path, path: Path) -> None:
-    """Makes the complete directory ``tmp`` the checkpoint ``path``, keeping the previous one
-    loadable at every instant (as ``path``, or as ``path.old`` between the two renames)."""
-    old = _old(path)
-    if path.exists():
-        # path only ever appears complete, so a leftover .old (a writer killed while removing
-        # it) is stale; when path is absent, .old is the latest checkpoint and stays until the
-        # new one is in place.
-        _remove_tree(old, missing_ok=True)
-        _replace(path, old)
-    _replace(tmp, path)
-    fsync_dir(path.parent)
-    _remove_tree(old, missing_ok=True)
-
-
-# File-system steps as module functions, so tests can interrupt a save between any two of them.
-def _replace(src: Path, dst: Path) -> None:
-    os.replace(src, dst)
-
-
-def _remove_tree(p: Path, missing_ok: bool = False) -> None:
-    if missing_ok and not p.exists():
-        return
-    shutil.rmtree(p)
-
-
-def _old(path: Path) -> Path:
-    return path.with_name(path.name + ".old")
-
-
-def _is_checkpoint(p: Path) -> bool:
-    return (p / MANIFEST).is_file() and (p / _METADATA).is_file()
 
 
 # --------------------------------------------------------------------------------- load
@@ -713,7 +300,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         return resume(Path(os.fspath(path)), obj, slots=slots, strict=strict)
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
-    ckpt = _resolve(Path(os.fspath(path)))
+    ckpt = resolve_dir(Path(os.fspath(path)))
     try:
         manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -721,12 +308,12 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{ckpt} is not an embcore checkpoint (manifest.json has no "
                          f"format {FORMAT!r})")
-    _check_manifest(manifest, ckpt / MANIFEST)
+    check_manifest(manifest, ckpt / MANIFEST)
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"{ckpt} has format version {manifest['format_version']}; this embcore "
                          f"({manifest.get('embcore_version')}) reads up to {FORMAT_VERSION}")
     checksums = Checksums.from_manifest(manifest, ckpt / MANIFEST)  # None: written before them
-    d = _dcp()
+    d = dcp_io()
     index = d.Reader(ckpt, checksums).read_metadata().state_dict_metadata  # {key: storage md}
 
     keys = _keys_to_load(manifest, engine.manifest()["tables"], target, index,
@@ -761,42 +348,6 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
-
-
-def _check_manifest(manifest: Mapping[str, Any], path: Path) -> None:
-    """The manifest's entries that load uses have their types (a hand-edited or damaged manifest
-    is named as malformed, not mistaken for another checkpoint)."""
-
-    def malformed(where: str, value: Any, want: str) -> ValueError:
-        return ValueError(f"{path} is malformed: {where} is {type(value).__name__} "
-                          f"{str(value)[:60]!r}, not {want}")
-
-    version = manifest.get("format_version", 0)
-    if type(version) is not int:
-        raise malformed("format_version", version, "an int")
-    tables = manifest.get("tables", {})
-    if not isinstance(tables, dict):
-        raise malformed("tables", tables, "an object")
-    for name, entry in tables.items():
-        if not isinstance(entry, dict):
-            raise malformed(f"tables[{name!r}]", entry, "an object")
-        for k in ("vocabulary_size", "dim"):
-            if type(entry.get(k)) is not int:
-                raise malformed(f"tables[{name!r}][{k!r}]", entry.get(k), "an int")
-        if entry.get("dynamic") is not None and not isinstance(entry["dynamic"], dict):
-            raise malformed(f"tables[{name!r}]['dynamic']", entry["dynamic"], "an object or null")
-
-
-def _resolve(path: Path) -> Path:
-    """The directory to read: ``path``, or ``path.old`` left by a save killed mid-swap."""
-    if path.exists():
-        if not _is_checkpoint(path):
-            raise FileNotFoundError(f"{path} is not an embcore checkpoint: it lacks "
-                                    f"{MANIFEST} or {_METADATA}")
-        return path
-    if _is_checkpoint(_old(path)):
-        return _old(path)
-    raise FileNotFoundError(f"no checkpoint at {path} (nor a previous one at {_old(path)})")
 
 
 def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
@@ -858,4 +409,3 @@ def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
     if complete and "step" in target and "step" in index:
         keys.append("step")
     return keys
-

@@ -4,7 +4,7 @@
 The first ``publish`` of an engine to a directory writes a snapshot, each later one a delta: the
 rows written since its previous publish there, found from the flags the step sets
 (state/changes.py), read from wherever they are (memory, the cache, the slow tier), and written
-as numbered, chained, checksummed entries (state/published.py). With several processes every
+as numbered, chained, checksummed entries (formats/published.py). With several processes every
 process writes its own rows; process 0 commits the entry once all have written (every wait has
 the engine's timeout). ``load_published`` returns a serving module that follows the directory
 (serving/follow.py). ``load`` (checkpoint.py) hands a publish directory to ``resume`` here.
@@ -27,15 +27,15 @@ from typing import Any
 import torch
 
 from .base.comm import CollectiveError, everywhere, from_rank0, summed
-from .base.files import agreed_token
 from .base.nest import leaves_with_paths, unflatten_like
 from .base.version import __version__
 from .config.spec import EmbeddingSpec
 from .config.tables import FeatureConfig
 from .engine import Embedding
+from .formats import published as fmt
+from .formats.files import agreed_token
 from .layer import EmbeddingLayer
 from .serving.follow import PublishedModule
-from .state import published as fmt
 from .state.store import RowStore
 from .state.vocabulary import PENDING, VOCAB
 
@@ -119,7 +119,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
     The first publish of an engine to a directory writes a snapshot (every row); each later one
     a delta: the rows written since (a dynamic table's by row, with the raw id each holds; rows
     whose id was evicted, as free). Entries are atomic, numbered, chained and checksummed
-    (state/published.py); followers (``ec.load_published``) apply them in order. With several
+    (formats/published.py); followers (``ec.load_published``) apply them in order. With several
     processes every process calls ``publish`` with the same arguments (a collective).
 
     Args:

@@ -19,6 +19,7 @@ from distributed import exited_pid
 
 import embcore as ec
 from embcore import checkpoint as ck
+from embcore.formats import checkpoint as fck
 
 # ----------------------------------------------------------------------------------- fixtures
 # Tables a and b stack (same dim and optimizer); c has its own FTRL (accumulators + linears) and
@@ -366,17 +367,17 @@ def test_malicious_metadata_is_refused(tmp_path, trained):
     # torch.load(weights_only=False).
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     with pytest.raises(pickle.UnpicklingError, match="BytesStorageMetadata"):
-        ck.RestrictedMetadataUnpickler(
+        fck.RestrictedMetadataUnpickler(
             io.BytesIO(pickle.dumps(BytesStorageMetadata()))).load()
     with pytest.raises(pickle.UnpicklingError, match="builtins.eval"):
-        ck.RestrictedMetadataUnpickler(io.BytesIO(
+        fck.RestrictedMetadataUnpickler(io.BytesIO(
             b"cbuiltins\neval\n(S'1+1'\ntR.")).load()
 
 
 def test_index_pointing_outside_is_refused(tmp_path, trained):
     ec.save(tmp_path / "ck", trained)
     with open(tmp_path / "ck" / ".metadata", "rb") as f:
-        md = ck.RestrictedMetadataUnpickler(f).load()
+        md = fck.RestrictedMetadataUnpickler(f).load()
     for info in md.storage_data.values():
         info.relative_path = "../elsewhere.distcp"
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(md))
@@ -399,7 +400,7 @@ def test_metadata_needs_only_the_allowed_classes(tmp_path, trained):
 
     with open(tmp_path / "ck" / ".metadata", "rb") as f:
         Recorder(f).load()
-    extra = {(m, n) for m, n in seen if (m, n) not in ck.ALLOWED_METADATA_GLOBALS
+    extra = {(m, n) for m, n in seen if (m, n) not in fck.ALLOWED_METADATA_GLOBALS
              and not (m == "torch" and isinstance(getattr(torch, n), torch.dtype))}
     assert not extra
 
@@ -416,13 +417,14 @@ import torch
 import torch.distributed as dist
 import embcore as ec
 from embcore import checkpoint as ck
-ck._dcp()  # import torch.distributed.checkpoint before forking
+from embcore.formats import checkpoint as fck
+fck.dcp_io()  # import torch.distributed.checkpoint before forking
 root, points = sys.stdin.readline().strip(), sys.argv[1:]  # "go": previous checkpoints exist
 
 def write(path, point):
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)
     replaced = []
-    real_replace, real_remove = ck._replace, ck._remove_tree
+    real_replace, real_remove = fck.replace_dir, fck.remove_tree
     def replace(src, dst):
         if (point, len(replaced)) in (("before_swap", 0), ("between_renames", 1)):
             die()
@@ -432,7 +434,7 @@ def write(path, point):
         if point == "after_swap" and len(replaced) == 2:
             die()
         real_remove(p, missing_ok)
-    ck._replace, ck._remove_tree = replace, remove
+    fck.replace_dir, fck.remove_tree = replace, remove
     if point == "before_metadata":  # first fsync: tensor bytes written, the index not yet
         os.fsync = lambda fd: die()
     if point == "mid_data":  # slow the writes down so that the helper kills us among them

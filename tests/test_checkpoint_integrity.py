@@ -17,7 +17,8 @@ from distributed import run_on
 
 import embcore as ec
 from embcore import checkpoint as ck
-from embcore.state.published import crc
+from embcore.formats import checkpoint as fck
+from embcore.formats.published import crc
 
 # ----------------------------------------------------------------------------------- fixtures
 A = ec.TableConfig(vocabulary_size=50, dim=4, name="a", combiner="sum")
@@ -56,7 +57,7 @@ def assert_state_equal(x: dict, y: dict) -> None:
 def chunks(path: Path) -> dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]]:
     """{(key, offsets): (data file, offset, length)} of every saved chunk, from DCP's index."""
     with open(path / ".metadata", "rb") as f:
-        md = ck.RestrictedMetadataUnpickler(f).load()
+        md = fck.RestrictedMetadataUnpickler(f).load()
     return {(i.fqn, tuple(i.offset)): (path / s.relative_path, s.offset, s.length)
             for i, s in md.storage_data.items()}
 
@@ -260,7 +261,7 @@ def test_a_damaged_manifest_field_is_an_error(saved):
 
     def unsealed(m):  # as written before the fields were sealed
         m["checksums"].pop("manifest")
-        m["checksums"]["seal"] = ck._seal(m["checksums"])
+        m["checksums"]["seal"] = fck.seal_of(m["checksums"])
 
     edit_manifest(path, unsealed)
     fresh = engine(3)
@@ -286,7 +287,7 @@ def test_damaged_checksums_are_an_error(saved):
 
     def forge(m):
         m["checksums"]["chunks"][1]["crc32"] ^= 1
-        m["checksums"]["seal"] = ck._seal(m["checksums"])
+        m["checksums"]["seal"] = fck.seal_of(m["checksums"])
 
     edit_manifest(path, forge)
     key = sums["chunks"][1]["key"]
@@ -312,7 +313,7 @@ def test_malformed_checksums_are_named(saved, change, match):
 
     def edit(m):
         change(m["checksums"])
-        m["checksums"]["seal"] = ck._seal(m["checksums"])  # past the seal: the shape is checked
+        m["checksums"]["seal"] = fck.seal_of(m["checksums"])  # past the seal: the shape is checked
 
     edit_manifest(path, edit)
     corrupt_load(path, engine(3), match)
@@ -325,7 +326,7 @@ def test_a_chunk_missing_from_the_checksums_is_an_error(saved):
 
     def drop_one(m):
         m["checksums"]["chunks"].pop(2)
-        m["checksums"]["seal"] = ck._seal(m["checksums"])
+        m["checksums"]["seal"] = fck.seal_of(m["checksums"])
 
     edit_manifest(path, drop_one)
     corrupt_load(path, engine(3), r"has no checksum in .*manifest.json: the index and the "

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).parents[1] / "embcore"
 # package's own top-level modules (the shell: engine, layer, checkpoint) stand above them all.
 LAYERS: list[tuple[str, ...]] = [
     ("base",),       # torch's private APIs, collectives, nested structures, the version
+    ("formats",),    # the on-disk formats: checkpoint and publish directories, file steps
     ("config",),     # what users declare: tables, features, optimizers, the spec
     ("numerics",),   # the bit-exact rules every kernel follows: hashes, 16-bit rounding
     ("kernels",),    # the kernels' bindings: fused CPU kernels (ctypes), Triton kernels

@@ -20,7 +20,7 @@ from distributed import run_on
 
 import embcore as ec
 from embcore.serving.serve import padded_map
-from embcore.state import published as fmt
+from embcore.formats import published as fmt
 
 
 def make_engine(seed: int = 0, dynamic: bool = True, admit_after: int = 1,
@@ -541,7 +541,7 @@ def test_two_processes_publish_what_one_would(tmp_path):
 
 _KILLED_WRITER = r"""
 import sys, time, torch, embcore as ec
-from embcore.state import published as fmt
+from embcore.formats import published as fmt
 sys.path.insert(0, sys.argv[2])
 from test_publish import make_engine, train
 real = fmt.write_part

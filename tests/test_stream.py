@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from stream import drift, serve, train  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.state import published as fmt  # noqa: E402
+from embcore.formats import published as fmt  # noqa: E402
 
 TINY = ["--lines-per-hour", "600", "--batch-size", "128", "--dim", "4", "--capacity", "400",
         "--ttl-steps", "20", "--bottom", "8", "--top", "8", "--cross-layers", "1",

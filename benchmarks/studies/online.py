@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 from workloads import get_workload, make_batches, upstream_grads  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.state import published as fmt  # noqa: E402
+from embcore.formats import published as fmt  # noqa: E402
 from embcore.state.changes import ChangedRows  # noqa: E402
 
 

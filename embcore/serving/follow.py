@@ -1,7 +1,7 @@
 """A serving module that follows a publish directory (``ec.load_published``).
 
 ``PublishedModule`` is a ``ServingModule`` (serve.py) built from the newest state of a directory
-``ec.publish`` writes (state/published.py): its newest snapshot and the deltas after it.
+``ec.publish`` writes (formats/published.py): its newest snapshot and the deltas after it.
 ``refresh()`` applies the newer entries in order, each as one unit:
 
 1. read and check the entry (every checksum) and compute what it changes, away from lookups:
@@ -38,7 +38,7 @@ import torch
 from ..base.nest import leaves_with_paths
 from ..config.spec import EmbeddingSpec
 from ..config.tables import FeatureConfig, resolve_table_names
-from ..state import published as fmt
+from ..formats import published as fmt
 from ..state.vocabulary import VOCAB
 from .quantize import quantize_table
 from .serve import ServingModule, padded_map

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ..base.files import pid_alive
+from ..formats.files import pid_alive
 from ..kernels import native
 from ..ops.memory import advise_random, empty_table
 from .cache_index import MAX_CAPACITY, CacheIndex

@@ -38,7 +38,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embcore as ec  # noqa: E402
-from embcore.state import published as fmt  # noqa: E402
+from embcore.formats import published as fmt  # noqa: E402
 from criteo.data import LABELED_FIELDS, NUM_DENSE, NUM_SPARSE, parse_line  # noqa: E402
 from criteo.model import as_model_config, make_dense_arch  # noqa: E402
 from criteo.serve import ServingDLRM  # noqa: E402

@@ -50,7 +50,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embcore as ec  # noqa: E402
-from embcore.state import published as fmt  # noqa: E402
+from embcore.formats import published as fmt  # noqa: E402
 from criteo.data import read_batches  # noqa: E402
 from criteo.metrics import roc_auc  # noqa: E402
 from criteo.model import DLRM, FEATURES, config_from_spec  # noqa: E402

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ..base.files import fsync_dir, pid_alive
+from .files import fsync_dir, pid_alive
 
 FORMAT = "embcore.publish"
 FORMAT_VERSION = 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .comm import Communicator, from_rank0
+from ..base.comm import Communicator, from_rank0
 
 
 def fsync_dir(p: Path) -> None:
