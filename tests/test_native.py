@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/native.py, kernels/csrc/) against torch and the references.
+"""The fused CPU kernels (kernels/native/, kernels/csrc/) against torch and the references.
 
 Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
 torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
@@ -534,8 +534,8 @@ def test_hyper_from_the_optimizer_by_name():
 def test_hyper_layout_agrees_with_the_kernels():
     """Same size and field names in order, and every field round-trips by name (C++ reads it at
     ``offsetof(EcHyper, name)``); ``_load`` runs the same check."""
-    lib = native._load()
-    assert native.hyper_layout_errors(lib) == []
+    lib = native.library._load()
+    assert kernel_args.hyper_layout_errors(lib) == []
     assert lib.ec_hyper_size() == ctypes.sizeof(native.Hyper) == 8 * len(HYPER_FIELDS)
     names = [lib.ec_hyper_field_name(i).decode() for i in range(len(HYPER_FIELDS))]
     assert names == HYPER_FIELDS and lib.ec_hyper_field_name(len(HYPER_FIELDS)) is None
@@ -547,30 +547,30 @@ def test_hyper_layout_agrees_with_the_kernels():
 
 @requires_native
 def test_hyper_layout_check_reports_mismatches():
-    lib = native._load()
+    lib = native.library._load()
 
     def struct(names, ctype=ctypes.c_double):
         return type("S", (ctypes.Structure,), {"_fields_": [(n, ctype) for n in names]})
 
     swapped = HYPER_FIELDS[:]
     swapped[1], swapped[2] = swapped[2], swapped[1]
-    errors = native.hyper_layout_errors(lib, struct(swapped))
+    errors = kernel_args.hyper_layout_errors(lib, struct(swapped))
     assert any("fields" in e for e in errors)
     assert any("'gradient_multiplier' does not round-trip" in e for e in errors)
-    assert native.hyper_layout_errors(lib, struct(["lr"] + HYPER_FIELDS[1:]))
-    assert "size" in native.hyper_layout_errors(lib, struct(HYPER_FIELDS[:-1]))[0]
-    assert native.hyper_layout_errors(lib, struct(HYPER_FIELDS + ["x"] * 7, ctypes.c_float))
+    assert kernel_args.hyper_layout_errors(lib, struct(["lr"] + HYPER_FIELDS[1:]))
+    assert "size" in kernel_args.hyper_layout_errors(lib, struct(HYPER_FIELDS[:-1]))[0]
+    assert kernel_args.hyper_layout_errors(lib, struct(HYPER_FIELDS + ["x"] * 7, ctypes.c_float))
 
 
 @requires_native
 def test_load_refuses_a_library_whose_hyper_disagrees(monkeypatch):
     """A layout mismatch at load is a stale / broken library: warned, and the torch ops used."""
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_error", None)
-    monkeypatch.setattr(native, "hyper_layout_errors", lambda lib: ["field 'x' differs"])
+    monkeypatch.setattr(native.library, "_tried", False)
+    monkeypatch.setattr(native.library, "_lib", None)
+    monkeypatch.setattr(native.library, "_error", None)
+    monkeypatch.setattr(native.library, "hyper_layout_errors", lambda lib: ["field 'x' differs"])
     with pytest.warns(RuntimeWarning, match="EcHyper disagree: field 'x' differs"):
-        assert native._load() is None
+        assert native.library._load() is None
     assert not native.usable(torch.zeros(1))
 
 
@@ -1180,7 +1180,7 @@ def _c_functions() -> dict[str, tuple[str, list[tuple[str, str]]]]:
     [(parameter, type)])}``, types without spaces (``const float*`` -> ``constfloat*``)."""
     import re
     functions = {}
-    for path in native._sources():
+    for path in native.library._sources():
         text = re.sub(r"//[^\n]*", "", path.read_text())
         for m in re.finditer(r"((?:const\s+)?\w+\s*\*?)\s*\b(ec_\w+)\s*\(([^)]*)\)\s*\{", text):
             params = []
@@ -1193,8 +1193,8 @@ def _c_functions() -> dict[str, tuple[str, list[tuple[str, str]]]]:
 
 def _c_types(kind) -> set[str]:
     """The C types a declared kind may stand for."""
-    scalars = {id(native.INT64): "i64", id(native.INT): "int", id(native.DOUBLE): "double",
-               id(native.STRING): "constchar*", id(native.HYPER): "constEcHyper*"}
+    scalars = {id(kernel_args.INT64): "i64", id(kernel_args.INT): "int", id(kernel_args.DOUBLE): "double",
+               id(kernel_args.STRING): "constchar*", id(kernel_args.HYPER): "constEcHyper*"}
     if id(kind) in scalars:
         return {scalars[id(kind)]}
     const = "" if getattr(kind, "writes", True) else "const"
@@ -1224,8 +1224,8 @@ def test_every_kernel_is_declared_as_the_c_source_defines_it():
     c = _c_functions()
     declared = {k.name: k for k in kernel_args.kernels()}
     assert set(c) - set(declared) == {"ec_dedup"}  # (called by ec_concat_dedup only)
-    results = {None: "void", native.INT64: "i64", native.INT: "int", native.DOUBLE: "double",
-               native.STRING: "constchar*"}
+    results = {None: "void", kernel_args.INT64: "i64", kernel_args.INT: "int", kernel_args.DOUBLE: "double",
+               kernel_args.STRING: "constchar*"}
     for name, kernel in declared.items():
         result, params = c[name]
         assert results[kernel.result] == result, name
@@ -1250,10 +1250,10 @@ def test_no_assert_guards_in_native():
 def test_the_abi_version_has_one_source():
     """native.ABI_VERSION reaches the library through the build's -DEC_ABI_VERSION: the built
     library reports it, and no source file spells a version of its own."""
-    lib = native._load()
+    lib = native.library._load()
     assert lib.ec_abi_version() == native.ABI_VERSION
     assert native.DEFINES == (f"-DEC_ABI_VERSION={native.ABI_VERSION}",)
-    text = "\n".join(p.read_text() for p in native._sources())
+    text = "\n".join(p.read_text() for p in native.library._sources())
     assert "return EC_ABI_VERSION;" in text
     assert "#define EC_ABI_VERSION" not in text
     assert "ec_abi_version() { return EC_ABI_VERSION; }" in native.SOURCE.read_text()
@@ -1265,7 +1265,7 @@ def test_a_build_without_the_abi_version_fails():
     at its #error; with it, ec_abi_version returns native.ABI_VERSION."""
     import subprocess
     try:
-        cxx = native._compiler()
+        cxx = native.library._compiler()
     except OSError:
         pytest.skip("no C++ compiler")
     cmd = [cxx, "-E", "-P", "-std=c++17", str(native.SOURCE)]
@@ -1282,20 +1282,20 @@ def test_the_build_key_covers_every_source_file_and_the_abi_version(tmp_path, mo
     import shutil
     csrc = tmp_path / "csrc"
     shutil.copytree(native.CSRC, csrc)
-    sources = native._sources(csrc)
+    sources = native.library._sources(csrc)
     assert {p.name for p in sources} >= {"kernels.cpp", "common.h", "pool.h", "dedup.h",
                                          "lookup.h", "update.h", "vocab.h", "cache_index.h"}
-    key = native._build_key("c++", ["c++ 1"], csrc)
-    assert native._build_key("c++", ["c++ 1"], csrc) == key
+    key = native.library._build_key("c++", ["c++ 1"], csrc)
+    assert native.library._build_key("c++", ["c++ 1"], csrc) == key
     seen = {key}
     for p in sources:
         text = p.read_text()
         p.write_text(text + "\n// changed\n")
-        seen.add(native._build_key("c++", ["c++ 1"], csrc))
+        seen.add(native.library._build_key("c++", ["c++ 1"], csrc))
         p.write_text(text)
     assert len(seen) == len(sources) + 1  # every file moved the key
-    monkeypatch.setattr(native, "DEFINES", ("-DEC_ABI_VERSION=999",))
-    assert native._build_key("c++", ["c++ 1"], csrc) not in seen
+    monkeypatch.setattr(native.library, "DEFINES", ("-DEC_ABI_VERSION=999",))
+    assert native.library._build_key("c++", ["c++ 1"], csrc) not in seen
 
 
 def test_kernels_cpp_includes_every_header_and_the_package_ships_them():
@@ -1305,13 +1305,13 @@ def test_kernels_cpp_includes_every_header_and_the_package_ships_them():
     import fnmatch
     import re
     tomllib = pytest.importorskip("tomllib")
-    headers = {p.name for p in native._sources() if p.suffix == ".h"}
+    headers = {p.name for p in native.library._sources() if p.suffix == ".h"}
     included = set(re.findall(r'#include "([\w.]+)"', native.SOURCE.read_text()))
     assert headers and included == headers
     pyproject = native.CSRC.parents[2] / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("an installed package: no pyproject.toml beside it")
     globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["embcore"]
-    for p in native._sources():
+    for p in native.library._sources():
         relative = p.relative_to(native.CSRC.parents[1]).as_posix()
         assert any(fnmatch.fnmatch(relative, g) for g in globs), relative

@@ -22,7 +22,7 @@ from embcore.config.torch_optim import resolve_optimizer
 from embcore.kernels import gpu, native, triton_kernels
 from embcore.ops import update
 
-CSRC = Path(native.__file__).with_name("csrc") / "update.h"
+CSRC = native.CSRC / "update.h"
 EXPORTED = {getattr(ec, name) for name in ec.__all__
             if inspect.isclass(getattr(ec, name)) and issubclass(getattr(ec, name), Optimizer)}
 # The Triton kernel's name of each rule (kernels/triton_kernels.py), by optimizer.
@@ -86,7 +86,7 @@ def test_native_rules_agree_with_the_cpp_enum_and_native_py():
     assert declared == cpp
     assert {r.name: r.native_rule for r in records() if r.native_rule is not None} == {
         "SGD": native.SGD, "Adagrad": native.ADAGRAD, "RowwiseAdagrad": native.ROWWISE_ADAGRAD}
-    assert native._RULES == {native.SGD: "SGD", native.ADAGRAD: "ADAGRAD",
+    assert native.update._RULES == {native.SGD: "SGD", native.ADAGRAD: "ADAGRAD",
                              native.ROWWISE_ADAGRAD: "ROWWISE_ADAGRAD"}
 
 

@@ -1,7 +1,7 @@
 // embcore's fused CPU kernels: dedup, lookup, and the sparse update straight from output gradients.
 //
 // Plain C++, no torch headers and no OpenMP runtime (``#pragma omp simd`` only, compiled with
-// -fopenmp-simd): the library is compiled on first use by embcore/kernels/native.py (seconds, cached)
+// -fopenmp-simd): the library is compiled on first use by embcore/kernels/native/ (seconds, cached)
 // and called through ctypes with raw pointers of contiguous tensors. Its threads are its own
 // small pool (pool.h), sized by torch's thread count. Every kernel here has a torch-ops twin in
 // ops/ and is tested against ops/reference.py and ops/reference_optim.py.
@@ -45,7 +45,7 @@
 // The ABI version has one source: native.py's ABI_VERSION, passed as -DEC_ABI_VERSION=N by its
 // build (and part of the build's cache key); native.py refuses a library reporting another.
 #ifndef EC_ABI_VERSION
-#error "compile with -DEC_ABI_VERSION=N (embcore/kernels/native.py's ABI_VERSION)"
+#error "compile with -DEC_ABI_VERSION=N (embcore/kernels/native/library.py's ABI_VERSION)"
 #endif
 
 extern "C" {

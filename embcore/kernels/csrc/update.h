@@ -6,7 +6,7 @@
 #include "half.h"
 #include "pool.h"
 
-// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/kernels/native.py's
+// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/kernels/args.py's
 // ``Hyper`` (ctypes.Structure: same names, same order). Infinities mean no bound; the options'
 // "off" values are gradient_multiplier 1, clip_min / weight_min -inf, clip_max / weight_max +inf,
 // weight_decay 0. native.py checks at load time that both sides agree (ec_hyper_size,

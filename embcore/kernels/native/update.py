@@ -1,0 +1,303 @@
+"""The update's kernels: the fused sparse update (``sparse_update``, or ``SparseUpdate`` bound to
+one table) and the rounding of 16-bit rows (``round16``) (csrc/update.h, half.h).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...numerics import rounding
+from ...numerics.rounding import ROW_TYPES
+from ..args import (
+    F32,
+    HYPER,
+    I16,
+    I32,
+    I64,
+    INT,
+    INT64,
+    ROWS,
+    Hyper,
+    Kernel,
+    array,
+    ctypes_array,
+    read,
+    read_rows,
+    written,
+)
+from .library import threads
+
+# Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
+SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
+
+_GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
+_SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
+
+_SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
+    ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
+    ("type", INT),                            # ROW_TYPES[w.dtype]
+    ("w", written(ROWS, dim=2)),              # (N, d) float32, float16 or bfloat16
+    ("acc", written(F32, optional=True)),     # (N, d) or (N, 1); None for SGD
+    ("d", INT64),
+    ("rows", read(I64)),                      # (U,) distinct
+    ("u_rows", INT64),
+    ("uoff", read(I64, optional=True)),       # (U + 1,); None: direct
+    ("order", read(I64, optional=True)),      # (nnz,)
+    ("bags", read(I64, optional=True)),       # (nnz,); None: occurrence k is row k
+    ("scales", read(F32, optional=True)),     # (nnz,); None: all 1
+    ("slices", array(ctypes.c_void_p)),       # (nslices,) gradient parts (_GRADIENT_ROWS)
+    ("starts", array(ctypes.c_int64)),        # (nslices + 1,) their first output rows
+    ("strides", array(ctypes.c_int64)),       # (nslices,) their row strides
+    ("nslices", INT64),
+    ("hyper", HYPER),
+    ("stochastic", INT),                      # 16-bit rows: 1 stochastic rounding, 0 nearest
+    ("key_rows", read(I64, optional=True)),   # (n_keys,) per table row, its identity's row
+    ("n_keys", INT64),                        # rows from n_keys on are their own
+    ("seg_starts", read(I64)),                # (nseg + 1,)
+    ("seg_bases", read(I64)),                 # (nseg,)
+    ("seg_muls", read(I64)),                  # (nseg,)
+    ("nseg", INT64),
+    ("col0", INT64),
+    ("step_key", INT64),
+    ("nt", INT),
+])
+
+
+def _native_rules() -> dict[int, str]:
+    """The kernel's rules by id, named as the constants above (``RowwiseAdagrad`` ->
+    ``ROWWISE_ADAGRAD``): every optimizer whose record has a ``native_rule``."""
+    import re
+
+    from ...config.optimizers import records
+    return {r.native_rule: re.sub(r"(?<=[a-z])(?=[A-Z])", "_", r.name).upper()
+            for r in records() if r.native_rule is not None}
+
+
+_RULES = _native_rules()
+_NEAREST = rounding.nearest()
+
+
+def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows: torch.Tensor,
+                  hyper: Hyper, grads: Sequence[torch.Tensor],
+                  starts: Sequence[int] | None = None, unique_offsets: torch.Tensor | None = None,
+                  order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
+                  scales: torch.Tensor | None = None,
+                  round_to: rounding.Rounding | None = None) -> None:
+    """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once.
+
+    Args:
+        rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
+        table: (N, D) contiguous float32, float16 or bfloat16 parameters (16-bit rows are
+            widened, updated in float32 and rounded back by ``round_to``: numerics/rounding.py).
+        acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
+        rows: (U,) distinct int64 rows.
+        hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
+        grads: the gradient source: with ``unique_offsets``, the output gradient rows split in
+            consecutive (R_i, D) float32 parts (rows ``starts[i]:starts[i+1]``), each with unit
+            column stride and any row stride (e.g. column slices of a wider gradient: no copy);
+            without, one contiguous (U, D) tensor, row u the summed gradient of ``rows[u]``.
+        starts: (len(grads) + 1) first output row of each part (needed with several parts).
+        unique_offsets, order: as returned by ``dedup`` (occurrences of each row, sorted).
+        bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
+        scales: (nnz,) float32 scale of each occurrence; None for 1.
+        round_to: how a 16-bit table's rows are rounded (None: to nearest; numerics/rounding.py).
+
+    Raises:
+        TypeError, ValueError: an argument the kernel cannot take (named).
+    """
+    _check_rule(rule, acc)
+    if (unique_offsets is None) != (order is None):
+        raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
+                         f"(occurrences) or neither (a summed gradient)")
+    n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
+    slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts, unique_offsets)
+    nnz = order.numel() if isinstance(order, torch.Tensor) else None
+    r = _NEAREST if round_to is None else round_to
+    seg = r.segments
+    nseg = seg.bases.numel()
+    n_keys = 0 if r.key_rows is None else r.key_rows.numel()
+    _SPARSE_UPDATE.call(
+        rule, ROW_TYPES.get(table.dtype, 0), (table, None),
+        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
+        (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
+        slices, starts_, strides, n, hyper,
+        int(r.stochastic), (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
+        (seg.muls, nseg), nseg, r.col0, r.key_of_step, threads())
+
+
+def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
+    name = _SPARSE_UPDATE.name
+    if rule not in _RULES:
+        raise ValueError(f"{name}: rule {rule!r} is none of {', '.join(_RULES.values())} "
+                         f"({tuple(_RULES)})")
+    if acc is None and rule != SGD:
+        raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
+
+
+def _gradient_args(table: torch.Tensor, d: int, u: int, grads: Sequence[torch.Tensor],
+                   starts: Sequence[int] | None, unique_offsets: torch.Tensor | None
+                   ) -> tuple[Any, Any, Any, int]:
+    """``sparse_update``'s gradient source checked, as the kernel's ``slices``, ``starts``,
+    ``strides`` and ``nslices``."""
+    name = _SPARSE_UPDATE.name
+    n = len(grads)
+    addresses, row_strides = [], []
+    if unique_offsets is None:  # one (U, D) summed gradient
+        if n != 1:
+            raise ValueError(f"{name}: a summed gradient is one (U, D) tensor, got {n}")
+        addresses.append(_SUMMED_GRADIENT.address(name, "slices[0]", (grads[0], u * d)))
+        row_strides.append(d)
+    else:  # the output gradient's parts
+        if starts is None:
+            if n > 1:
+                raise ValueError(f"{name}: {n} gradient parts need their 'starts'")
+            starts = [0] * (n + 1)
+        elif len(starts) != n + 1:
+            raise ValueError(f"{name}: 'starts' must have {n + 1} entries (one more than the "
+                             f"gradient parts), got {len(starts)}")
+        like = table if table.dtype is torch.float32 else None
+        for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
+            addresses.append(_GRADIENT_ROWS.address(name, "slices", (g, like), i))
+            shape = g.shape
+            if shape[1] != d and g.numel():
+                raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
+                                 f"table), got {shape[1]}")
+            if n > 1 and shape[0] != starts[i + 1] - starts[i]:
+                raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
+                                 f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got "
+                                 f"{shape[0]}")
+            row_strides.append(g.stride(0) if shape[0] > 1 else shape[1])
+    return (ctypes_array(ctypes.c_void_p, n)(*addresses),
+            None if starts is None else ctypes_array(ctypes.c_int64, n + 1)(*starts),
+            ctypes_array(ctypes.c_int64, n)(*row_strides), n)
+
+
+class SparseUpdate:
+    """``sparse_update`` of one table (and its accumulators) under one rule: the table's
+    arguments checked once, here, and bound (``Kernel.partial``); each call checks the rest,
+    as ``sparse_update`` does, and that the table and accumulators still have the storage they
+    were bound with (else binds them again: a storage replaced, e.g. by a ``resize_`` that
+    grows it; one that shrinks keeps its memory, so no write leaves it). The rounding to
+    nearest's arguments (``round_to`` None) are bound too. For the rows objects, which update
+    the same table every step; not for concurrent calls (its gradient arrays are reused).
+
+    Args:
+        rule, table, acc: as ``sparse_update``'s (kept referenced: the kernel writes them).
+
+    Raises:
+        TypeError, ValueError: an argument the kernel cannot take (named), here or at a call.
+    """
+
+    def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None) -> None:
+        _check_rule(rule, acc)
+        self.rule, self.table, self.acc = rule, table, acc
+        self._n = 0  # the arrays of ``_parts``, for this many gradient parts
+        self._slices: Any = None
+        self._strides: Any = None
+        self._starts: Any = None
+        self._starts_of: list[int] = []
+        self._bind()
+
+    def _bind(self) -> None:
+        rule, table, acc = self.rule, self.table, self.acc
+        n_rows, self.d = table.shape[0], table.shape[-1]
+        self._at = (table.data_ptr(), None if acc is None else acc.data_ptr())
+        fixed = {"rule": rule, "type": ROW_TYPES.get(table.dtype, 0), "w": (table, None),
+                 "acc": (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else self.d)), "d": self.d}
+        self._call = _SPARSE_UPDATE.partial(**fixed)
+        seg = _NEAREST.segments
+        nseg = seg.bases.numel()
+        self._nearest = _SPARSE_UPDATE.partial(
+            **fixed, stochastic=0, key_rows=(None, None), n_keys=0,
+            seg_starts=(seg.starts, nseg + 1), seg_bases=(seg.bases, nseg),
+            seg_muls=(seg.muls, nseg), nseg=nseg, col0=_NEAREST.col0,
+            step_key=_NEAREST.key_of_step)
+
+    def _parts(self, grads: Sequence[torch.Tensor], starts: Sequence[int]
+               ) -> tuple[Any, Any, Any, int]:
+        """``_gradient_args`` of output gradient parts with their ``starts``, the same checks,
+        into arrays kept across calls (a layout's ``starts`` are the same every step)."""
+        n = len(grads)
+        if n != self._n:
+            self._n = n
+            self._slices = ctypes_array(ctypes.c_void_p, n)()
+            self._strides = ctypes_array(ctypes.c_int64, n)()
+            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
+            self._starts_of = list(starts)
+        elif starts != self._starts_of:
+            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
+            self._starts_of = list(starts)
+        name, d, slices, strides = _SPARSE_UPDATE.name, self.d, self._slices, self._strides
+        like = self.table if self.table.dtype is torch.float32 else None
+        for i, g in enumerate(grads):
+            slices[i] = _GRADIENT_ROWS.address(name, "slices", (g, like), i)
+            rows, cols = g.shape
+            if cols != d and rows:
+                raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
+                                 f"table), got {cols}")
+            if rows != starts[i + 1] - starts[i]:
+                raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
+                                 f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got {rows}")
+            strides[i] = g.stride(0) if rows > 1 else cols
+        return slices, self._starts, strides, n
+
+    def __call__(self, rows: torch.Tensor, hyper: Hyper, grads: Sequence[torch.Tensor],
+                 starts: Sequence[int] | None = None,
+                 unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                 bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                 round_to: rounding.Rounding | None = None) -> None:
+        """``sparse_update(rule, table, acc, rows, hyper, grads, ...)``."""
+        table, acc = self.table, self.acc
+        if table.data_ptr() != self._at[0] or (acc is not None and
+                                               acc.data_ptr() != self._at[1]):
+            self._bind()  # (their storage was replaced since: checked and bound again)
+        if (unique_offsets is None) != (order is None):
+            raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
+                             f"(occurrences) or neither (a summed gradient)")
+        d, u = self.d, rows.numel()
+        if unique_offsets is None or starts is None or len(starts) != len(grads) + 1:
+            slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts,
+                                                         unique_offsets)
+        else:
+            slices, starts_, strides, n = self._parts(grads, starts)
+        nnz = order.numel() if order is not None else None
+        if round_to is None:
+            self._nearest((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                          (scales, nnz), slices, starts_, strides, n, hyper, threads())
+            return
+        r = _NEAREST if round_to is None else round_to
+        seg = r.segments
+        nseg = seg.bases.numel()
+        n_keys = 0 if r.key_rows is None else r.key_rows.numel()
+        self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                   (scales, nnz), slices, starts_, strides, n, hyper, int(r.stochastic),
+                   (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
+                   (seg.muls, nseg), nseg, r.col0, r.key_of_step, threads())
+
+
+
+_ROUND16 = Kernel("ec_round16", None, [
+    ("type", INT),                            # ROW_TYPES[float16 or bfloat16]
+    ("src", read(F32)),                       # (n,)
+    ("bits", read(I32, optional=True)),       # (n,) random bits; None: to nearest
+    ("dst", written(I16)),                    # (n,)
+    ("n", INT64),
+])
+
+
+def round16(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``x`` rounded to ``dtype`` (float16 / bfloat16) by the kernels' rule (csrc/half.h):
+    to nearest, or stochastically with the uint32 random ``bits`` (int64 values, ``x``'s shape).
+    For tests of numerics/rounding.py's reference."""
+    if dtype not in rounding.COMPACT:
+        raise TypeError(f"round16 rounds into {rounding.COMPACT}, not {dtype}")
+    src = x.to(torch.float32).contiguous().reshape(-1)
+    b = None if bits is None else bits.reshape(-1).to(torch.int64).to(torch.int32).contiguous()
+    out = torch.empty(src.numel(), dtype=torch.int16)
+    n = src.numel()
+    _ROUND16.call(ROW_TYPES[dtype], (src, None), (b, n), (out, n), n)
+    return out.view(dtype).reshape(x.shape)
