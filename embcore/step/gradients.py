@@ -375,7 +375,7 @@ def apply_gradients(prepared: Prepared, answers: Answers,
     for tb, got in todo:
         p = plan.physical[tb.physical]
         outputs = OutputGrads(parts.pop(tb.physical),
-                              [s.start for s in tb.slices] + [tb.bags.num_rows], tb.bags,
+                              tb.slices.starts, tb.bags,
                               tb.dedup)
         opt = _optimizer(plan, tb.physical)
         lr, gmul = lrs[tb.physical], multipliers[tb.physical]

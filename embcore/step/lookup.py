@@ -39,7 +39,7 @@ def lookup(prepared: Prepared, store: RowStore,
             out = combine(rows_u, tb.dedup.inverse, tb.bags)  # (R, D)
             received.append(OwnerRows(rows, since))
         d = out.shape[1]
-        parts = (out.split_with_sizes([s.rows for s in tb.slices]) if len(tb.slices) > 1
+        parts = (out.split_with_sizes(tb.slices.sizes) if len(tb.slices) > 1
                  else (out,))  # (one call: views)
         for s, a in zip(tb.slices, parts):
             flat[s.feature] = a if len(s.shape) == 1 else a.view(*s.shape, d)

@@ -34,7 +34,7 @@ from ..numerics.rounding import ROW_TYPES
 from ..ops.bags import Bags, Dedup, concat_dedup
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
-from .preprocess import FeatureSlice, Prepared, TableBatch, dedup_members
+from .preprocess import FeatureSlice, Prepared, Slices, TableBatch, dedup_members
 
 _LAYOUTS_KEPT = 64  # batch layouts (each feature's shape) whose fixed arguments are kept
 _enabled = True
@@ -70,8 +70,8 @@ class _Layout:
     def __init__(self, t: _Table, shapes: list[tuple[int, ...]]) -> None:
         sizes = [math.prod(shapes[i]) for i in t.features]
         starts = [0, *itertools.accumulate(sizes)]
-        self.slices = tuple(FeatureSlice(i, start, n, shapes[i])
-                            for i, start, n in zip(t.features, starts, sizes))
+        self.slices = Slices(FeatureSlice(i, start, n, shapes[i])
+                             for i, start, n in zip(t.features, starts, sizes))
         self.dedup = None if t.dynamic else native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 

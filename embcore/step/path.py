@@ -33,7 +33,7 @@ from .preprocess import Prepared, preprocess
 Activations = list[torch.Tensor | None]  # per feature (flat order): its activation, or None
 
 
-@dataclass(frozen=True)
+@dataclass  # (not frozen: made every step, as preprocess.py's records)
 class Batch:
     """A prepared batch and the path that prepared it (the one that looks it up and applies
     its gradients)."""
@@ -83,7 +83,9 @@ class StepPath:
                 template: Any = None) -> Batch:
         """The batch validated and prepared (``template``: a serving_config to look up through
         instead of the engine's features). Raises on a bad batch; nothing changes then."""
-        prepared = self._native(features, weights, training, shapes, template)
+        native = self.native  # (``_native``, inline: every batch)
+        prepared = (native.prepare(features, training, shapes)
+                    if native is not None and weights is None and template is None else None)
         if prepared is None:
             device = self.store.device
             if template is None:

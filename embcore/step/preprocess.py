@@ -11,7 +11,7 @@ maps turn them into rows at the lookup (vocabulary.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from ..ops.bags import Bags, Dedup, concat_dedup
 from ..planning.plan import ShardingPlan
 
 
-@dataclass(frozen=True)
+@dataclass
 class FeatureSlice:
     """Where one feature's output rows sit inside its physical table's output."""
 
@@ -31,7 +31,22 @@ class FeatureSlice:
     shape: tuple[int, ...]    # leading activation shape, prod == rows
 
 
-@dataclass(frozen=True)
+class Slices(tuple[FeatureSlice, ...]):
+    """A physical table's feature slices, in output order, with what every step reads of them
+    made once: ``starts`` (each slice's first output row, then R) and ``sizes`` (each slice's
+    rows). The native preprocess keeps one per batch layout."""
+
+    starts: list[int]
+    sizes: list[int]
+
+    def __new__(cls, items: Iterable[FeatureSlice]) -> Slices:
+        self = super().__new__(cls, items)
+        self.sizes = [s.rows for s in self]
+        self.starts = [s.start for s in self] + [sum(self.sizes)]
+        return self
+
+
+@dataclass
 class Route:
     """Where the distinct rows of one sharded physical table are looked up."""
 
@@ -47,14 +62,15 @@ class Route:
         return [t.numel() - self.header for t in self.send_ids]
 
 
-@dataclass(frozen=True)
+@dataclass
 class TableBatch:
-    """One physical table's share of a step."""
+    """One physical table's share of a step (made every step: a plain dataclass, never written
+    once made; ops/bags.py ``Bags`` says why)."""
 
     physical: int
     bags: Bags                      # the concatenated bags of every feature reading the table
     dedup: Dedup                    # their distinct rows
-    slices: tuple[FeatureSlice, ...]
+    slices: Slices                  # where each feature's output rows sit
     route: Route | None             # None: every row is held by this process
     # dynamic tables stacked in one physical table: per member of the batch (in member order)
     # ``(member index, distinct ids)``, its ids a run of ``dedup.unique`` (deduplicated per member:
@@ -62,7 +78,7 @@ class TableBatch:
     segments: tuple[tuple[int, int], ...] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass
 class Prepared:
     """A batch ready for ``lookup`` and ``apply_gradients``: one ``TableBatch`` per physical table
     that at least one given feature reads, in physical table order (the same on every process)."""
@@ -105,7 +121,7 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows: int | None,
                  of: list[int] | None = None
-                 ) -> tuple[tuple[Bags, Dedup], tuple[FeatureSlice, ...],
+                 ) -> tuple[tuple[Bags, Dedup], Slices,
                             tuple[tuple[int, int], ...] | None]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
     for stacked dynamic tables (``of``: each part's member index, ascending) the raw ids are
@@ -129,9 +145,9 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     else:
         ids, dd, segments = dedup_members(id_parts, of)
     if unit:
-        return (Bags(ids, None, None), dd), tuple(slices), segments
+        return (Bags(ids, None, None), dd), Slices(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return ((Bags(ids, native.concat(offsets), native.concat(scales)), dd), tuple(slices),
+    return ((Bags(ids, native.concat(offsets), native.concat(scales)), dd), Slices(slices),
             segments)
 
 
