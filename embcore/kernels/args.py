@@ -380,7 +380,9 @@ class Kernel:
     """One C function of the library: its name, result and arguments ``(name, kind)`` in order.
 
     ``call(*values)`` takes the arguments in that order (a tensor as ``(tensor, n)``), checks
-    each checked one, passes it as its kind says and returns the C function's result. It is
+    each checked one, passes it as its kind says and returns the C function's result; what it was
+    given stays referenced until the C function returns (a tensor made inline in the call has no
+    other reference). It is
     compiled from the declaration when the library loads (``source``: one function per kernel
     with the tensors' checks written out, as ``dataclasses`` compiles its methods): a generic
     loop over the arguments cost twice the checks themselves, on calls of a few microseconds.
@@ -411,6 +413,9 @@ class Kernel:
         if fixed:  # (keyword-only defaults: read as locals, the cheapest)
             params += ["*", *(f"{arg}=_fixed[{arg!r}]" for arg in fixed)]
         lines = [f"def {self.name}({', '.join(params)}):"]
+        given = [arg for arg, kind in self.args if arg not in fixed and kind.checked]
+        if given:  # the values as given (a tensor passed inline lives until the kernel returns)
+            lines.append(f"    _given = ({', '.join(given)},)")
         for i, (arg, kind) in enumerate(self.args):
             if arg in fixed:
                 continue

@@ -1,0 +1,203 @@
+"""Kernels bound to one table (kernels/args.py ``Kernel.partial``; kernels/native ``SparseUpdate``
+and ``TableLookup``; ops ``TableUpdate`` and ``TableCombine``) against the calls they stand for:
+the same bits, the same errors, and a table whose storage is replaced bound again."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles import examples
+from strategies import any_optimizer, occurrences
+from switches import kernels
+
+import embcore as ec
+from embcore.kernels import native
+from embcore.ops.bags import Bags
+from embcore.ops.combine import OutputGrads, TableCombine, combine
+from embcore.ops.update import TableUpdate, _hyper, update
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the fused CPU kernels are not "
+                                f"built here: {native.error()}")
+
+
+def _table(gen, n, d, dtype):
+    return torch.randn(n, d, generator=gen).to(dtype)
+
+
+def _acc(gen, n, d, rowwise):
+    return torch.rand(n, 1 if rowwise else d, generator=gen) + 0.1
+
+
+# ------------------------------------------------------------------------------ Kernel.partial
+def test_partial_checks_its_fixed_arguments_once_and_the_others_every_call():
+    table = torch.zeros(4, 3)
+    kernel = native.batch._LOOKUP
+    with pytest.raises(TypeError, match="ec_lookup: argument 'table' must be"):
+        kernel.partial(table=(table.double(), None))
+    with pytest.raises(ValueError, match="ec_lookup: argument 'table' must be contiguous"):
+        kernel.partial(table=(torch.zeros(3, 4).t(), None))
+    with pytest.raises(TypeError, match=r"ec_lookup: no argument\(s\) \['tabel'\]"):
+        kernel.partial(tabel=(table, None))
+    call = kernel.partial(type=0, table=(table, None), d=3)
+    out = torch.empty(2, 3)
+    with pytest.raises(TypeError, match="ec_lookup: argument 'ids' must be"):
+        call((torch.tensor([0, 1], dtype=torch.int32), 2), (None, 3), (None, 2), 2, (out, 6), 1)
+    with pytest.raises(TypeError):  # a fixed argument is keyword-only: not given again by place
+        call((torch.tensor([0, 1]), 2), (None, 3), (None, 2), 2, (out, 6), 1, 0)
+
+
+# ---------------------------------------------------------------------- SparseUpdate, lookup
+@settings(max_examples=examples(60), deadline=None)
+@given(st.sampled_from([native.SGD, native.ADAGRAD, native.ROWWISE_ADAGRAD]),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.integers(1, 12),
+       st.sampled_from([1, 4, 9]), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_sparse_update_bound_equals_sparse_update(rule, dtype, n, d, unit, summed, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table = _table(gen, n, d, dtype)
+    acc = None if rule == native.SGD else _acc(gen, n, d, rule == native.ROWWISE_ADAGRAD)
+    bound_table, bound_acc = table.clone(), None if acc is None else acc.clone()
+    bound = native.SparseUpdate(rule, bound_table, bound_acc)
+    hyper = native.Hyper(0.1, clip_min=-0.5, clip_max=0.5)
+    for step in range(3):  # (the arrays are kept across calls: a layout, then another)
+        grad, _, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,), generator=gen)),
+                                 unit)
+        dd = grad.dedup
+        if summed:
+            g = [torch.randn(dd.unique.numel(), d, generator=gen)]
+            native.sparse_update(rule, table, acc, dd.unique, hyper, g)
+            bound(dd.unique, hyper, g)
+        else:
+            bag = None if grad.bags.unit else grad.bags.bag_of
+            native.sparse_update(rule, table, acc, dd.unique, hyper, grad.parts, grad.starts,
+                                 dd.unique_offsets, dd.order, bag, grad.bags.scales)
+            bound(dd.unique, hyper, grad.parts, list(grad.starts), dd.unique_offsets, dd.order,
+                  bag, grad.bags.scales)
+        assert torch.equal(bound_table, table)
+        if acc is not None:
+            assert torch.equal(bound_acc, acc)
+
+
+def test_sparse_update_bound_checks_every_call_and_rebinds_a_replaced_storage():
+    table, acc = torch.zeros(5, 3), torch.ones(5, 3)
+    with pytest.raises(ValueError, match="needs the accumulators"):
+        native.SparseUpdate(native.ADAGRAD, table, None)
+    with pytest.raises(ValueError, match="rule 7 is none of"):
+        native.SparseUpdate(7, table, acc)
+    with pytest.raises(ValueError, match="ec_sparse_update: argument 'acc' must be of 15"):
+        native.SparseUpdate(native.ADAGRAD, table, torch.ones(5, 1))
+    bound = native.SparseUpdate(native.ADAGRAD, table, acc)
+    hyper = native.Hyper(1.0)
+    rows = torch.tensor([1, 3])
+    with pytest.raises(TypeError, match="ec_sparse_update: argument 'slices"):
+        bound(rows, hyper, [torch.ones(2, 3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"'slices\[0\]' must be 3 columns wide"):
+        bound(rows, hyper, [torch.ones(2, 4)], [0, 2], torch.tensor([0, 1, 2]),
+              torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="gradient part 0 must have starts"):
+        bound(rows, hyper, [torch.ones(3, 3)], [0, 2], torch.tensor([0, 1, 2]),
+              torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="give both unique_offsets and order"):
+        bound(rows, hyper, [torch.ones(2, 3)], None, torch.tensor([0, 1, 2]))
+    # the table's storage replaced (set_): bound again, the new storage written
+    table.set_(torch.zeros(5, 3).untyped_storage(), 0, (5, 3), (3, 1))
+    bound(rows, hyper, [torch.ones(2, 3)])
+    assert table[1].ne(0).all() and table[3].ne(0).all() and table[0].eq(0).all()
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.integers(1, 12),
+       st.sampled_from([1, 5]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_table_lookup_equals_lookup(dtype, n, d, unit, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table = _table(gen, n, d, dtype)
+    grad, _, _ = occurrences(gen, n, d, int(torch.randint(1, 3 * n, (1,), generator=gen)), unit)
+    bags = grad.bags
+    r = bags.num_rows
+    want = native.lookup(table, bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
+    got = native.TableLookup(table)(bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- TableUpdate, TableCombine
+@settings(max_examples=examples(60), deadline=None)
+@given(any_optimizer(), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(1, 12),
+       st.sampled_from([1, 4]), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_table_update_equals_update(opt_case, dtype, n, d, unit, switch, seed):
+    """Every optimizer (the fused kernel's and the others'), the kernels switched off halfway
+    when ``switch``: the bound update chooses again and still equals ``update``."""
+    opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(seed)
+    table = _table(gen, n, d, dtype)
+    slots = {s.name: torch.rand(n, 1 if s.rowwise else d, generator=gen) + 0.1
+             for s in opt.slots}
+    bound_table, bound_slots = table.clone(), {k: v.clone() for k, v in slots.items()}
+    bound = TableUpdate(bound_table, bound_slots, opt)
+    for k in range(3):
+        with kernels(not (switch and k == 1)):
+            grad, _, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
+                                                                  generator=gen)), unit)
+            update(table, slots, grad.dedup.unique, grad, opt, lr, step + k)
+            bound(grad.dedup.unique, grad, lr, step + k)
+        assert torch.equal(bound_table, table)
+        for name, v in slots.items():
+            assert torch.equal(bound_slots[name], v), name
+
+
+def test_table_update_keeps_a_schedules_hyper_parameters_bounded():
+    table, acc = torch.zeros(4, 2), torch.full((4, 2), 0.1)
+    opt = ec.Adagrad(learning_rate=0.1)
+    bound = TableUpdate(table, {"accumulators": acc}, opt)
+    rows, grad = torch.tensor([0, 2]), torch.ones(2, 2)
+    for k in range(3 * TableUpdate._HYPERS_KEPT):  # a new rate every step
+        bound(rows, grad, 0.1 + k / 100, k)
+        assert len(bound._hypers) <= TableUpdate._HYPERS_KEPT
+    assert bound._hypers[(0.1 + (k / 100), None)] == _hyper(opt, 0.1 + k / 100,
+                                                           gradient_multiplier=None)
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.sampled_from([torch.float32, torch.float16, torch.float64]), st.integers(1, 10),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_table_combine_equals_combine(dtype, n, unit, seed):
+    gen = torch.Generator().manual_seed(seed)
+    table = _table(gen, n, 3, dtype)
+    grad, _, _ = occurrences(gen, n, 3, int(torch.randint(1, 3 * n, (1,), generator=gen)), unit)
+    bags = grad.bags
+    bound = TableCombine(table)
+    assert torch.equal(bound(bags.ids, bags), combine(table, bags.ids, bags))
+    with kernels(False):  # switched off: chosen again, the torch ops
+        assert torch.equal(bound(bags.ids, bags), combine(table, bags.ids, bags))
+
+
+def test_table_combine_of_a_differentiable_table_stays_differentiable():
+    table = torch.randn(5, 3, requires_grad=True)
+    bags = Bags(torch.tensor([0, 4, 4]), None, None)
+    out = TableCombine(table)(bags.ids, bags)
+    assert out.requires_grad
+    out.sum().backward()
+    assert table.grad is not None and table.grad[4].eq(2).all() and table.grad[1].eq(0).all()
+
+
+def test_kernel_partial_keeps_its_tensors_alive():
+    """The bound addresses stay valid while the bound call lives, whatever the caller drops; a
+    tensor passed inline (``ids`` here) lives until the kernel returns (its address was taken
+    before the other arguments' checks: it segfaulted before the call kept what it was given)."""
+    call = native.batch._LOOKUP.partial(type=0, table=(torch.arange(6.0).view(2, 3), None), d=3)
+    gc.collect()
+    torch.full((2, 3), -1.0)  # (memory a freed table would give next)
+    out = torch.empty(1, 3)
+    call((torch.tensor([1]), 1), (None, 2), (None, 1), 1, (out, 3), 1)
+    assert out.tolist() == [[3.0, 4.0, 5.0]]
+
+
+def test_output_grads_is_what_the_update_reads():
+    """``OutputGrads`` (a named tuple) by field, as ``update`` and the bound update read it."""
+    gen = torch.Generator().manual_seed(0)
+    grad, _, _ = occurrences(gen, 6, 2, 9, False)
+    again = OutputGrads(*grad)
+    assert (again.parts, again.starts, again.bags, again.dedup) == tuple(grad)
+    assert again.parts is grad.parts and again.dedup is grad.dedup
