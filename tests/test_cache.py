@@ -123,7 +123,7 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
         assert plan.bytes_per_rank(fast=True)[0] <= budget
         assert plan.bytes_per_rank(fast=True)[0] > budget - (row + INDEX_BYTES_PER_ROW) * 8  # full
         text = str(plan)
-        assert "[slow tier, cached]" in text and "MB per rank in fast memory" in text
+        assert "[slow tier, cached]" in text and "MiB per rank in fast memory" in text
     # more budget, more cache
     caches = [sum(p.cache_rows[0] for p in make_plan(specs, 1, None, None, b).physical
                   if p.offloaded) for b in (80_000, 120_000)]

@@ -178,7 +178,7 @@ def test_plan_prints_and_rejects_impossible_splits():
         make_plan([("narrow", t, ec.RowwiseAdagrad())], 2, "column")
     plan = make_plan([("narrow", t, ec.Adagrad())], 4, "row_div")
     assert plan.table("narrow").row_counts == (25, 25, 25, 25)
-    assert "row_div" in str(plan) and "MB per rank" in str(plan)
+    assert "row_div" in str(plan) and "MiB per rank" in str(plan)
     big = ec.TableConfig(vocabulary_size=100_000, dim=64, name="big")
     small = ec.TableConfig(vocabulary_size=10, dim=64, name="small")
     auto = make_plan([("big", big, ec.Adagrad()), ("small", small, ec.Adagrad())], 2, "auto")
@@ -309,3 +309,15 @@ def test_failing_rank_inside_a_checkpoint_makes_the_others_raise(mode, tmp_path)
     seconds, message = (tmp_path / "error0.txt").read_text().split("\n", 1)
     assert float(seconds) < 10, seconds  # the 3 s timeout, not the group's 30 minutes
     assert "another process probably died or stalls" in message
+
+
+def test_the_plan_prints_sizes_in_mib():
+    """``emb.plan`` prints sizes in MiB (2**20 bytes), labelled so: ``memory_budget`` reads "MB"
+    as 10**6 bytes, so a "MB" label on binary sizes would mislead."""
+    t = ec.TableConfig(vocabulary_size=4096, dim=64, name="t")  # 4096 x 64 x 4 bytes = 1 MiB
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    emb.build(per_replica_batch_size=4)
+    text = str(emb.plan)
+    assert "rows per rank / MiB per rank" in text and " 4096/1.00" in text
+    assert "MiB per rank (parameters + slots): 1.00" in text
+    assert "MB" not in text.replace("MiB", "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
 from stream import drift, serve, train  # noqa: E402
 
 import embcore as ec  # noqa: E402
@@ -141,6 +143,32 @@ def test_the_http_app(tmp_path):
     assert _call(application, "GET", "/health") == ("200 OK", "ok")
 
 
+def test_the_readmes_score_command(tmp_path):
+    """examples/stream/README.md's curl command, as the shell builds its body: a generated line
+    pasted into the JSON with its raw tabs (the server once answered "Invalid control
+    character")."""
+    readme = (ROOT / "examples" / "stream" / "README.md").read_text()
+    found = re.search(r'^ +curl -s -X POST localhost:8080/score -d "(.*)"$', readme, re.M)
+    assert found, "the README's /score command"
+    template = found.group(1).replace('\\"', '"')  # what the shell passes to curl
+    sed = re.search(r"\$\(sed -n 1p ([^)]*)\)", template)
+    assert sed and sed.group(1).startswith("runs/stream/stream/part-")
+    _run(tmp_path, "--hours", "1", "--frozen-after", "0")
+    run = tmp_path / "run"
+    line = (run / "stream" / "part-00000.txt").read_text().splitlines()[0]
+    assert "\t" in line
+    data = template.replace(sed.group(0), line).encode()
+    application = serve.app(serve.Follower(run))
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/score",
+               "CONTENT_LENGTH": str(len(data)), "wsgi.input": io.BytesIO(data)}
+    status = []
+    body = json.loads(b"".join(application(environ, lambda s, headers: status.append(s))))
+    assert status == ["200 OK"], body
+    assert len(body["scores"]) == 1 and 0 < body["scores"][0] < 1
+    escaped = _call(application, "POST", "/score", {"lines": [line]})[1]  # tabs as \t
+    assert escaped["scores"] == body["scores"]
+
+
 def test_bad_flags(tmp_path):
     with pytest.raises(SystemExit):
         train.parse_args(["--follow"])  # --follow needs --input
@@ -149,3 +177,19 @@ def test_bad_flags(tmp_path):
     with pytest.raises(SystemExit, match="holds nothing published"):
         _run(tmp_path, "--resume")
     assert ec.__version__
+
+
+def test_the_job_runs_on_one_thread_by_default_and_restores_torchs(tmp_path, monkeypatch):
+    """``--threads`` defaults to 1 (as the MovieLens job), 0 keeps torch's count, and main()
+    gives torch its count back when it returns."""
+    assert train.parse_args([]).threads == 1
+    assert train.parse_args(["--threads", "0"]).threads == 0
+    with pytest.raises(SystemExit):
+        train.parse_args(["--threads", "-1"])
+    seen = []
+    real = train._main
+    monkeypatch.setattr(train, "_main", lambda args: seen.append(torch.get_num_threads())
+                        or real(args))
+    before = torch.get_num_threads()
+    _run(tmp_path, "--hours", "1", "--frozen-after", "0")
+    assert seen == [1] and torch.get_num_threads() == before

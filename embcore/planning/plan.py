@@ -161,7 +161,7 @@ class ShardingPlan:
         lines = [(f"ShardingPlan(world_size={w}, {len(self.tables)} tables in "
                   f"{len(self.physical)} physical tables)"),
                  f"  {'table':<20} {'strategy':<10} {'physical':>8} {'rows':>10} {'dim':>5}  "
-                 f"rows per rank / MB per rank"
+                 f"rows per rank / MiB per rank"
                  + ("  [tier]" if any(p.offloaded for p in self.physical) else "")]
         for t in self.tables:
             p = self.physical[t.physical]
@@ -174,7 +174,7 @@ class ShardingPlan:
             lines.append(f"  {t.name:<20} {t.strategy:<10} {t.physical:>8} {t.rows:>10} "
                          f"{t.dim:>5}  {' '.join(per_rank)}{tier}")
         total = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank())
-        lines.append(f"  MB per rank (parameters + slots): {total}")
+        lines.append(f"  MiB per rank (parameters + slots): {total}")
         for p in self.physical:
             if p.offloaded:
                 per_rank = []
@@ -184,11 +184,11 @@ class ShardingPlan:
                     mb = (p.cache_rows[r] * row
                           + p.row_counts[r] * where_bytes(p.dynamic)) / 2**20
                     per_rank.append(f"{p.cache_rows[r]}/{mb:.2f}")
-                lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MB "
+                lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MiB "
                              f"per rank: {' '.join(per_rank)}")
         if any(p.offloaded for p in self.physical):
             fast = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank(fast=True))
-            lines.append(f"  MB per rank in fast memory (tables + caches"
+            lines.append(f"  MiB per rank in fast memory (tables + caches"
                          f"{' + maps' if any(p.dynamic for p in self.physical) else ''}): {fast}")
         return "\n".join(lines)
 

@@ -17,7 +17,8 @@ the standard library's ``wsgiref`` in threads, fine for trying it, not for produ
 
     GET  /version   {"version": entry, "step": training step, "published": unix time of the
                      entry, "refreshed": unix time of the last refresh}
-    POST /score     {"lines": [Criteo TSV lines, with or without the label column]}
+    POST /score     {"lines": [Criteo TSV lines, with or without the label column; their tabs
+                    escaped as \t or raw, as the shell pastes a line]}
                     -> {"scores": [click probabilities], "version": ..., "step": ...}
     GET  /health    "ok"
 """
@@ -136,7 +137,9 @@ def app(follower: Follower) -> Any:
         if path == "/score" and method == "POST":
             try:
                 size = int(environ.get("CONTENT_LENGTH") or 0)
-                body = json.loads(environ["wsgi.input"].read(size) or b"{}")
+                # (strict=False: a TSV line pasted into the JSON as it is keeps its raw tabs, as
+                # the README's curl command sends it; JSON proper would want them as \t)
+                body = json.loads(environ["wsgi.input"].read(size) or b"{}", strict=False)
                 lines = body.get("lines") if isinstance(body, dict) else None
                 if not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
                     raise ValueError('the body must be {"lines": [Criteo TSV lines]}')
