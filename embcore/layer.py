@@ -19,6 +19,7 @@ import torch
 
 from .base.nest import Structure
 from .config.spec import EmbeddingSpec, from_spec
+from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
@@ -64,6 +65,10 @@ class EmbeddingLayer(torch.nn.Module):
     training forwards unless ``build`` or ``output_shape`` fixed it. Tables live on ``device``;
     ``layer.to(device)`` moves them (with one process), ``layer.to(dtype)`` leaves their dtype
     (``TableConfig.dtype``).
+
+    ``layer.engine`` is the ``ec.Embedding`` underneath: its plan (``layer.engine.plan``), its
+    state (``ec.save(path, layer)`` saves it) and every engine method; a raw-id table's resident
+    ids are also the layer's own ``vocabulary`` and ``whole_vocabulary``.
 
     Example:
         >>> import torch, embcore as ec
@@ -116,6 +121,16 @@ class EmbeddingLayer(torch.nn.Module):
             return EmbeddingTables({t: params[f"{n}/parameters"] for t, n in names.items()},
                                    names)
         return self.engine.embedding_tables
+
+    def vocabulary(self, table: TableConfig | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A raw-id table's resident ids and their rows: ``ec.Embedding.vocabulary`` of
+        ``layer.engine`` (``table``: its ``TableConfig`` or name)."""
+        return self.engine.vocabulary(table)
+
+    def whole_vocabulary(self, table: TableConfig | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A raw-id table's resident ids over all processes and their rows of the whole table:
+        ``ec.Embedding.whole_vocabulary`` of ``layer.engine`` (a collective when sharded)."""
+        return self.engine.whole_vocabulary(table)
 
     def forward(self, features: Any, weights: Any = None, serving_config: Any = None) -> Any:
         """Activations mirroring feature_config (or ``serving_config``, a subset of it)."""

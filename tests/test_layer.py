@@ -391,3 +391,22 @@ def test_sparse_inputs_export_for_any_number_of_entries(tmp_path):
         for k in fc:
             assert got[k].shape == want[k].shape
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+def test_the_layer_gives_a_raw_id_tables_vocabulary():
+    """``layer.vocabulary`` / ``whole_vocabulary``: the engine's, for a raw-id table; a static
+    table is refused as the engine refuses it."""
+    raw = ec.TableConfig(vocabulary_size=8, dim=2, name="raw", dynamic=ec.DynamicVocabulary())
+    static = ec.TableConfig(vocabulary_size=5, dim=2, name="static")
+    layer = ec.EmbeddingLayer({"r": ec.FeatureConfig(table=raw),
+                               "s": ec.FeatureConfig(table=static)}, "sgd")
+    out = layer({"r": torch.tensor([10**12, -3, 10**12]), "s": torch.tensor([0, 1, 2])})
+    (out["r"].sum() + out["s"].sum()).backward()
+    ids, rows = layer.vocabulary("raw")
+    assert ids.tolist() == [-3, 10**12] and rows.numel() == 2
+    for got, want in zip(layer.vocabulary(raw), layer.engine.vocabulary(raw)):
+        assert torch.equal(got, want)
+    whole_ids, whole_rows = layer.whole_vocabulary("raw")
+    assert torch.equal(whole_ids, ids) and torch.equal(whole_rows, rows)
+    with pytest.raises(ValueError):
+        layer.vocabulary("static")
