@@ -719,3 +719,35 @@ def test_a_failing_on_entry_still_applies_its_entry_whole(tmp_path):
     assert served.version == 1 and not served._overlays  # entry 1 whole, not entry 2
     assert served.refresh() == 1
     assert_follows(served, emb)
+
+
+def test_a_follower_skips_a_corrupt_delta_once_a_newer_snapshot_follows(tmp_path):
+    """``refresh()`` past a corrupt entry: an error while nothing newer starts over, then, once
+    the trainer publishes a snapshot, the newest state, with a warning naming what it skipped."""
+    trainer = make_engine()
+    ec.publish(tmp_path, trainer)
+    served = ec.load_published(tmp_path)
+    train(trainer, range(2))
+    ec.publish(tmp_path, trainer)  # entry 1, a delta: damaged below
+    _, part = _entry_file(tmp_path, 1)
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(8)
+    part.write_bytes(bytes(data))
+    with pytest.raises(fmt.PublishError):
+        served.refresh()
+    assert served.version == 0
+    train(trainer, range(2, 4))
+    ec.publish(tmp_path, trainer)  # entry 2, a delta after the damaged one: still no way on
+    with pytest.raises(fmt.PublishError):
+        served.refresh()
+    assert served.version == 0
+    ec.publish(tmp_path, trainer, snapshot=True)  # entry 3: starts over
+    train(trainer, range(4, 5))
+    ec.publish(tmp_path, trainer)  # entry 4, a delta on it
+    with pytest.warns(RuntimeWarning, match=r"entry 1 cannot be read .*skipped entries 1\.\.2 "
+                                            r"and started over from snapshot 3"):
+        assert served.refresh() == 2  # the snapshot and its delta
+    assert served.version == 4
+    fresh = ec.load_published(tmp_path)
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(served.state_dict()[k], v), k

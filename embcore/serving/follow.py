@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,14 @@ _LOCKS: dict[int, tuple[ReadWriteLock, threading.Lock]] = {}
 
 def _is_feature(x: Any) -> bool:
     return isinstance(x, FeatureConfig)
+
+
+class _Unreadable(Exception):
+    """An entry ``seq`` (or the chain from it) that ``refresh`` could not read: ``error``."""
+
+    def __init__(self, seq: int, error: fmt.PublishError) -> None:
+        super().__init__(seq, error)
+        self.seq, self.error = seq, error
 
 
 class PublishedModule(ServingModule):
@@ -171,47 +180,85 @@ class PublishedModule(ServingModule):
                 it raises, the entry is still applied whole, then its error is raised (later
                 entries are not applied).
 
+        An entry that cannot be read (corrupt, missing, out of the chain) is skipped when a
+        newer snapshot follows it: the module starts over from the newest snapshot, as
+        ``load_published`` would, and a ``RuntimeWarning`` names what it skipped. Without a
+        newer snapshot the error is raised; a later refresh tries again.
+
         Raises:
-            PublishError (a ValueError): a corrupt or missing entry, a broken chain, or a
-                directory now holding another model (other tables): the module keeps the
-                last entry it applied.
+            PublishError (a ValueError): a corrupt or missing entry, or a broken chain, that no
+                newer snapshot follows; or a directory now holding another model (other
+                tables): the module keeps the last entry it applied.
         """
         if on_entry is not None and not callable(on_entry):
             raise TypeError(f"on_entry must be a callable taking an entry's manifest, got "
                             f"{type(on_entry).__name__}")
-        rw, one = self._locks()
+        _, one = self._locks()
         with one:  # one refresh at a time
-            run = fmt.chain(self.directory, (self.version, self._id))
-            for entry in run:
+            applied = [0]
+            try:
+                try:
+                    run = fmt.chain(self.directory, (self.version, self._id))
+                except fmt.PublishError as e:  # (a missing entry, a broken chain)
+                    raise _Unreadable(self.version + 1, e) from e
+                self._apply_entries(run, on_entry, applied)
+            except _Unreadable as bad:
+                newest = [e.seq for e in fmt.entries(self.directory)
+                          if e.kind == "snapshot" and e.seq > bad.seq]
+                if not newest:
+                    raise bad.error from None
+                warnings.warn(
+                    f"{self.directory}: entry {bad.seq} cannot be read ({bad.error}); skipped "
+                    f"entries {bad.seq}..{newest[-1] - 1} and started over from snapshot "
+                    f"{newest[-1]}", RuntimeWarning, stacklevel=2)
+                try:
+                    self._apply_entries(fmt.chain(self.directory), on_entry, applied)
+                except _Unreadable as again:
+                    raise again.error from None
+        return applied[0]
+
+    def _apply_entries(self, run_of: list[fmt.Entry],
+                       on_entry: Callable[[Mapping[str, Any]], None] | None,
+                       applied: list[int]) -> None:
+        """Applies ``run_of`` in order (``refresh``'s loop), counting into ``applied[0]``; an
+        entry that cannot be read raises ``_Unreadable`` (nothing of it applied)."""
+        rw, _ = self._locks()
+        for entry in run_of:
+            try:
                 m = entry.manifest()
-                if m.get("serving_spec") != self._spec:
-                    raise fmt.PublishError(
-                        f"{entry.path} publishes another model (its tables or features "
-                        f"differ from the ones this module serves); load the directory again "
-                        f"with ec.load_published")
+            except fmt.PublishError as e:
+                raise _Unreadable(entry.seq, e) from e
+            if m.get("serving_spec") != self._spec:
+                raise fmt.PublishError(
+                    f"{entry.path} publishes another model (its tables or features "
+                    f"differ from the ones this module serves); load the directory again "
+                    f"with ec.load_published")
+            try:
                 writes, maps, overlays = self._prepare(entry, m)
-                with rw.write():  # the entry becomes what lookups see: the maps, the rows
-                    for _, buffer, rows, values in writes:
-                        if rows is None:
-                            buffer.copy_(values)
-                    self._overlays = overlays
-                    self._maps.update(maps)
-                    self.version, self._id = m["seq"], m["id"]
-                    failed = None
-                    if on_entry is not None:
-                        try:
-                            on_entry(m)
-                        except Exception as e:  # (raised once the entry is applied whole)
-                            failed = e
-                for name in overlays:  # lookups read a table's overlay while it is written
-                    for table, buffer, rows, values in writes:
-                        if table == name and rows is not None:
-                            buffer.index_copy_(0, rows, values)
-                    with rw.write():  # (its rows now hold its overlay's values)
-                        self._overlays = {k: v for k, v in self._overlays.items() if k != name}
-                if failed is not None:
-                    raise failed
-        return len(run)
+            except fmt.PublishError as e:
+                raise _Unreadable(entry.seq, e) from e
+            with rw.write():  # the entry becomes what lookups see: the maps, the rows
+                for _, buffer, rows, values in writes:
+                    if rows is None:
+                        buffer.copy_(values)
+                self._overlays = overlays
+                self._maps.update(maps)
+                self.version, self._id = m["seq"], m["id"]
+                failed = None
+                if on_entry is not None:
+                    try:
+                        on_entry(m)
+                    except Exception as e:  # (raised once the entry is applied whole)
+                        failed = e
+            for name in overlays:  # lookups read a table's overlay while it is written
+                for table, buffer, rows, values in writes:
+                    if table == name and rows is not None:
+                        buffer.index_copy_(0, rows, values)
+                with rw.write():  # (its rows now hold its overlay's values)
+                    self._overlays = {k: v for k, v in self._overlays.items() if k != name}
+            applied[0] += 1
+            if failed is not None:
+                raise failed
 
     def _prepare(self, entry: fmt.Entry, m: Mapping[str, Any]
                  ) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]],
