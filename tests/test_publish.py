@@ -751,3 +751,17 @@ def test_a_follower_skips_a_corrupt_delta_once_a_newer_snapshot_follows(tmp_path
     fresh = ec.load_published(tmp_path)
     for k, v in fresh.state_dict().items():
         assert torch.equal(served.state_dict()[k], v), k
+
+
+def test_an_unreadable_part_is_named_in_the_users_terms(tmp_path):
+    """A part file torch.load cannot read: the error names the file, says what is wrong and what
+    to do, and quotes torch's reason in whole words (it was cut mid-sentence)."""
+    part = tmp_path / "r00000-0000.pt"
+    part.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)  # a zip header, then garbage
+    with pytest.raises(fmt.PublishError) as got:
+        fmt.read_part(part, {"t/rows": 0})
+    said = str(got.value)
+    assert said.startswith(f"{part} is corrupt or truncated: torch.load cannot read it (")
+    assert said.endswith("lets followers start over past it") and "snapshot=True" in said
+    cause = said.split("(", 1)[1].split("). Its entry", 1)[0]
+    assert len(cause) < 200 and (cause.endswith(" ...") or "\n" not in cause)

@@ -139,6 +139,11 @@ def test_the_http_app(tmp_path):
     for bad in ({"lines": ["1\t2"]}, {"rows": []}, [1, 2]):
         status, body = _call(application, "POST", "/score", bad)
         assert status == "400 Bad Request" and body["error"]
+    for lines, said in (([line, ""], "line 2 is empty"),
+                        (["1\t2"], "line 1 has 2 tab-separated fields; a line to score has 40")):
+        status, body = _call(application, "POST", "/score", {"lines": lines})
+        assert status == "400 Bad Request" and said in body["error"], body
+        assert "file" not in body["error"]  # (the request's terms, not a data file's)
     assert _call(application, "GET", "/nothing")[0] == "404 Not Found"
     assert _call(application, "GET", "/health") == ("200 OK", "ok")
 

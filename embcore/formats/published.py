@@ -235,8 +235,13 @@ def read_part(path: Path, sums: Mapping[str, int]) -> dict[str, torch.Tensor]:
     except FileNotFoundError:
         raise PublishError(f"{path} is missing") from None
     except Exception as e:  # (a damaged zip: RuntimeError, pickle errors, ...)
-        raise PublishError(f"{path} is corrupt or truncated ({type(e).__name__}: "
-                           f"{str(e)[:200]})") from None
+        said = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # (its first sentence:
+        if len(said) > 160:  # torch's next ones speak of its own internals)
+            said = said[:160].rsplit(" ", 1)[0] + " ..."
+        raise PublishError(f"{path} is corrupt or truncated: torch.load cannot read it "
+                           f"({type(e).__name__}: {said}). Its entry cannot be applied; a new "
+                           f"snapshot (ec.publish(..., snapshot=True)) lets followers start "
+                           f"over past it") from None
     if not isinstance(got, dict) or set(got) != set(sums) or not all(
             isinstance(v, torch.Tensor) for v in got.values()):
         raise PublishError(f"{path} does not hold the tensors its manifest lists")

@@ -40,7 +40,13 @@ if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embcore as ec  # noqa: E402
 from embcore.formats import published as fmt  # noqa: E402
-from criteo.data import LABELED_FIELDS, NUM_DENSE, NUM_SPARSE, parse_line  # noqa: E402
+from criteo.data import (  # noqa: E402
+    LABELED_FIELDS,
+    NUM_DENSE,
+    NUM_SPARSE,
+    UNLABELED_FIELDS,
+    parse_line,
+)
 from criteo.model import as_model_config, make_dense_arch  # noqa: E402
 from criteo.serve import ServingDLRM  # noqa: E402
 
@@ -105,7 +111,15 @@ class Follower:
         dense = np.empty((n, NUM_DENSE), dtype=np.float32)
         sparse = np.empty((n, NUM_SPARSE), dtype=np.int64)
         for i, line in enumerate(lines):
-            fields = line.rstrip("\r\n").count("\t") + 1
+            text = line.rstrip("\r\n")
+            if not text.strip():
+                raise ValueError(f"line {i + 1} is empty: each line to score is a Criteo TSV "
+                                 f"line (label optional, 13 counts, 26 categories)")
+            fields = text.count("\t") + 1
+            if fields not in (LABELED_FIELDS, UNLABELED_FIELDS):
+                raise ValueError(f"line {i + 1} has {fields} tab-separated fields; a line to "
+                                 f"score has {LABELED_FIELDS} (label, 13 counts, 26 categories) "
+                                 f"or {UNLABELED_FIELDS} (the same without the label)")
             try:
                 parse_line(line, fields == LABELED_FIELDS, dense[i], sparse[i])
             except ValueError as e:
