@@ -470,10 +470,7 @@ class Kernel:
             raise TypeError(f"{self.name}: no argument(s) {unknown}; it takes "
                             f"{[arg for arg, _ in self.args]}")
         if self.call == self._first_call:
-            problem = _LOADER[0]() if _LOADER else "no library loader"
-            if problem is not None or self.call == self._first_call:
-                raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
-                                   f"({problem}); callers check native.usable() first")
+            self._load()
         values: dict[str, Any] = {}
         for arg, kind in self.args:
             if arg not in fixed:
@@ -486,11 +483,15 @@ class Kernel:
         return self._compile(self._source([a for a, _ in self.args if a in fixed]), values)
 
     def _first_call(self, *values: Any) -> Any:
+        self._load()
+        return self.call(*values)
+
+    def _load(self) -> None:
+        """Loads the library, which binds ``call``; RuntimeError when it cannot."""
         problem = _LOADER[0]() if _LOADER else "no library loader"
         if problem is not None or self.call == self._first_call:
             raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
                                f"({problem}); callers check native.usable() first")
-        return self.call(*values)
 
     def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
         """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""

@@ -36,6 +36,11 @@ def _differentiable(table: torch.Tensor) -> bool:
     return (table.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
+def _native(table: torch.Tensor) -> bool:
+    """Whether the fused CPU lookup reads ``table`` (the rows' dtype and layout, the kernels)."""
+    return table.dtype in ROW_TYPES and table.is_contiguous() and native.usable(table)
+
+
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
     """Output row r = sum over its occurrences k of ``scales[k] * table[index[k]]``.
 
@@ -53,8 +58,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
     if (gpu.usable(table, index) and gpu.lookup_supported(table)
             and not _differentiable(table)):  # CUDA: the Triton kernel
         return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    if (table.dtype in ROW_TYPES and table.is_contiguous() and not _differentiable(table)
-            and native.usable(table, index)):
+    if _native(table) and index.is_cpu and not _differentiable(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
     work = _work(table)
@@ -85,8 +89,7 @@ class TableCombine:
     def _choose(self) -> None:
         self._switch = native.enabled()
         t = self.table
-        self._kernel = (native.TableLookup(t) if t.dtype in ROW_TYPES and t.is_contiguous()
-                        and native.usable(t) else None)
+        self._kernel = native.TableLookup(t) if _native(t) else None
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""

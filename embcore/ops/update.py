@@ -6,8 +6,10 @@ a table held here, in place (docs/semantics.md section 3). The gradient comes ei
 (``OutputGrads``: a table held here, whose row gradients can be formed inside the update). The
 gradient multiplier is evaluated once per call, or given already evaluated
 (``gradient_multiplier=``: the engine evaluates it once per step, before any write), and every
-kernel uses that value. The kernel is chosen here and nowhere else, from the optimizer's record
-(``config/optimizers.py OptimizerRecord``: which kernels run it, under which rule id):
+kernel uses that value. The kernel is chosen in this module and nowhere else (by ``update`` at
+each call, or once per table by ``TableUpdate``, which the rows objects keep), from the
+optimizer's record (``config/optimizers.py OptimizerRecord``: which kernels run it, under which
+rule id):
 
 1. the fused CPU kernel (``native.sparse_update``, the records' ``native_rule``: SGD, Adagrad and
    RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU (a 16-bit
@@ -73,24 +75,12 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
         _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
         return
-    rule, hyper = (_fused(optimizer, table.dtype, lr, gradient_multiplier) if workspace is None
-                   else workspace.kept(_fused, optimizer, table.dtype, lr,
-                                       gradient_multiplier))  # (the same every step)
-    if rule is not None and hyper is not None and table.is_contiguous() and native.usable(table):
-        acc = slots.get("accumulators")
-        if isinstance(grad, OutputGrads):  # the backward fused into the update (a part whose
-            # columns are consecutive, as a column slice of a wider gradient from torch.cat's
-            # backward, is read where it is, with its row stride)
-            g = grad
-            native.sparse_update(rule, table, acc, g.dedup.unique, hyper,
-                                 [p if p.shape[1] <= 1 or p.stride(1) == 1 else p.contiguous()
-                                  for p in g.parts], g.starts,
-                                 g.dedup.unique_offsets, g.dedup.order,
-                                 None if g.bags.unit else g.bags.bag_of, g.bags.scales,
-                                 round_to=round_to)
-        else:
-            native.sparse_update(rule, table, acc, rows.contiguous(), hyper,
-                                 [grad.to(torch.float32).contiguous()], round_to=round_to)
+    rule = native_rule(optimizer, table)
+    if rule is not None:
+        rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
+        native.sparse_update(rule, table, slots.get("accumulators"), rows,
+                             _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier),
+                             grads, starts, uoff, order, bags, scales, round_to)
         return
     summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
@@ -120,7 +110,7 @@ class TableUpdate:
     again only when the kernels are switched on or off (``native.set_enabled``). The fused
     kernel's hyper-parameters are kept per learning rate and gradient multiplier (a schedule:
     the last few). Every call gives what ``update`` gives, bit for bit (it is ``update`` but for
-    the dispatch; tests/test_ops_update.py).
+    the dispatch; tests/test_bound_kernels.py).
 
     Args:
         table, slots: as ``update``'s, held by the caller for this object's life.
@@ -139,13 +129,9 @@ class TableUpdate:
         """The fused CPU kernel's rule when it takes every call to this table (None: each call
         goes through ``update``), under the kernels' current switch."""
         self._switch = native.enabled()
-        table, opt = self.table, self.optimizer
-        record = record_of(opt)
-        rule = (record.native_rule if record is not None and not opt.updates_every_row
-                and table.dtype in ROW_TYPES and table.is_contiguous() and native.usable(table)
-                else None)
+        rule = native_rule(self.optimizer, self.table)
         self._kernel = (None if rule is None else
-                        native.SparseUpdate(rule, table, self.slots.get("accumulators")))
+                        native.SparseUpdate(rule, self.table, self.slots.get("accumulators")))
 
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
                  step: int, workspace: Workspace | None = None, *,
@@ -168,17 +154,27 @@ class TableUpdate:
                 self._hypers.clear()
             hyper = self._hypers[(lr, gradient_multiplier)] = _hyper(
                 opt, lr, gradient_multiplier=gradient_multiplier)
-        if type(grad) is OutputGrads:
-            g = grad
-            dd, bags = g.dedup, g.bags
-            kernel(dd.unique, hyper, [p if p.shape[1] <= 1 or p.stride(1) == 1 else
-                                      p.contiguous() for p in g.parts],
-                   g.starts, dd.unique_offsets, dd.order,
-                   None if bags.offsets is None else bags.bag_of, bags.scales, round_to)
-        else:
-            assert isinstance(grad, torch.Tensor)
-            kernel(rows.contiguous(), hyper, [grad.to(torch.float32).contiguous()],
-                   round_to=round_to)
+        rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
+        kernel(rows, hyper, grads, starts, uoff, order, bags, scales, round_to)
+
+
+_Opt = torch.Tensor | None
+
+
+def _fused_sources(rows: torch.Tensor, grad: torch.Tensor | OutputGrads
+                   ) -> tuple[torch.Tensor, list[torch.Tensor], list[int] | None, _Opt, _Opt,
+                              _Opt, _Opt]:
+    """The fused kernel's rows and gradient source (``sparse_update``'s ``rows, grads, starts,
+    unique_offsets, order, bags, scales``): the output gradients' parts, the backward fused
+    into the update (a part whose columns are consecutive, as a column slice of a wider
+    gradient from torch.cat's backward, is read where it is, with its row stride); or one
+    (U, D) summed gradient."""
+    if isinstance(grad, OutputGrads):
+        dd, bags = grad.dedup, grad.bags
+        return (dd.unique, [p if p.shape[1] <= 1 or p.stride(1) == 1 else p.contiguous()
+                            for p in grad.parts], grad.starts, dd.unique_offsets, dd.order,
+                None if bags.offsets is None else bags.bag_of, bags.scales)
+    return rows.contiguous(), [grad.to(torch.float32).contiguous()], None, None, None, None, None
 
 
 def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
@@ -195,18 +191,6 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
                           None if g.bags.unit else g.bags.bag_of, g.bags.scales, round_to)
     else:
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
-
-
-def _fused(opt: Optimizer, dtype: torch.dtype, lr: float, gradient_multiplier: float | None
-           ) -> tuple[int | None, native.Hyper | None]:
-    """The fused kernel's rule for this optimizer and table dtype (None: it has none) and its
-    hyper-parameters: what ``update`` keeps across steps (the table's layout and the kernels'
-    availability are asked every call)."""
-    rule = record_of(opt)
-    if rule is None or rule.native_rule is None or opt.updates_every_row \
-            or dtype not in ROW_TYPES:
-        return None, None
-    return rule.native_rule, _hyper(opt, lr, gradient_multiplier=gradient_multiplier)
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:

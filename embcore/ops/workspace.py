@@ -10,13 +10,10 @@ geometrically and reused every step. Tensors handed to the user (activations) ar
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 SMALL = 1 << 20  # bytes
-KEPT = 64  # values ``kept``
 
 
 class Workspace:
@@ -24,21 +21,6 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        self._kept: dict[tuple[Any, ...], tuple[object, Any]] = {}
-
-    def kept(self, make: Callable[..., Any], owner: object, *key: Any) -> Any:
-        """``make(owner, *key)``, kept across steps for ``owner`` (by identity) and ``key``
-        (hashable): small per-step arguments that are the same every step (a kernel's
-        hyper-parameters). At most ``KEPT`` are kept (a schedule makes new ones every step)."""
-        k = (make, id(owner), *key)
-        got = self._kept.get(k)
-        if got is not None and got[0] is owner:
-            return got[1]
-        if len(self._kept) >= KEPT:
-            self._kept.clear()
-        value = make(owner, *key)
-        self._kept[k] = (owner, value)
-        return value
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:

@@ -406,12 +406,8 @@ class VocabMap:
         if self.admit_after == 1:
             admit = torch.ones(miss_ids.shape, dtype=torch.bool, device=dev)
         else:
-            ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
-            counts = torch.ones_like(miss_ids)  # (M,) with this step
-            if self.pending_ids.numel():
-                counts += torch.where(pfound, self.pending_counts[ppos], 0)
-            admit = counts >= self.admit_after  # (M,)
-            counted = ppos, pfound, counts
+            counted = self._counts(miss_ids)
+            admit = counted[2] >= self.admit_after  # (M,)
         new_ids = miss_ids[admit]  # (A,) ascending
 
         # Placement: the lowest free rows first, then the evictable ids' rows by (score, id).
@@ -470,6 +466,16 @@ class VocabMap:
              self.pending_seen) = self._count(miss_ids, *counted, admit, t)
         self.step = t
         return rows, new_ids, new_rows
+
+    def _counts(self, miss_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ppos, pfound, counts)`` of ids not resident (M,): where each is in the pending
+        counts and whether it is there, and its count with this step (admit_after > 1)."""
+        ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
+        counts = torch.ones_like(miss_ids)  # (M,) with this step
+        if self.pending_ids.numel():
+            counts += torch.where(pfound, self.pending_counts[ppos], 0)
+        return ppos, pfound, counts
 
     def _count(self, miss_ids: torch.Tensor, ppos: torch.Tensor, pfound: torch.Tensor,
                counts: torch.Tensor, admit: torch.Tensor,
@@ -943,10 +949,7 @@ class NativeVocabMap(VocabMap):
         if self.admit_after == 1:
             new_ids, admitted = miss_ids, miss
         else:
-            ppos, pfound = _locate(self.pending_ids, miss_ids)  # (M,)
-            counts = torch.ones_like(miss_ids)  # (M,) with this step
-            if self.pending_ids.numel():
-                counts += torch.where(pfound, self.pending_counts[ppos], 0)
+            ppos, pfound, counts = self._counts(miss_ids)
             admit = counts >= self.admit_after  # (M,)
             new_ids, admitted = miss_ids[admit], miss[admit]
         if new_ids.numel() <= self.capacity - hit_rows.numel():  # (else an overflow, below)

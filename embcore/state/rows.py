@@ -32,7 +32,7 @@ from ..kernels import native
 from ..numerics.rounding import Rounding
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine, combine
-from ..ops.update import TableUpdate, update
+from ..ops.update import TableUpdate
 from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows
@@ -61,6 +61,7 @@ class Rows:
     def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace) -> None:
         self.p, self.rounding, self.workspace = p, rounding, workspace
         self.changes: ChangedRows | None = None  # rows written since publishes (``written``)
+        self._update: TableUpdate | None = None  # the update of the table last updated
 
     # -- what the kinds implement
     @property
@@ -157,6 +158,16 @@ class Rows:
         keys.index_copy_(0, where, rows if ids is None else ids)
         return r.at(step, keys)
 
+    def _bound(self, table: torch.Tensor, slots: dict[str, torch.Tensor],
+               optimizer: Optimizer) -> TableUpdate:
+        """The update of ``table`` and ``slots`` (the ones the rows are in now: a moved shard or
+        a grown cache holds new tensors) under ``optimizer``, its kernel chosen once."""
+        bound = self._update
+        if (bound is None or bound.optimizer is not optimizer or bound.table is not table
+                or bound.slots is not slots):
+            bound = self._update = TableUpdate(table, slots, optimizer)
+        return bound
+
     def track(self, changes: ChangedRows) -> None:
         """Flags the rows written from now on in ``changes`` (a publish started it)."""
         self.changes = changes
@@ -182,7 +193,6 @@ class MemoryRows(Rows):
                  rounding: Rounding | None, workspace: Workspace) -> None:
         super().__init__(p, rounding, workspace)
         self._table, self.slots = table, slots
-        self._update: TableUpdate | None = None  # the update under the last optimizer
         self._combine = TableCombine(table)
 
     @property
@@ -218,11 +228,9 @@ class MemoryRows(Rows):
                rounding: RoundingOf | None = None) -> None:
         round_to = (rounding(rows, None) if rounding is not None else
                     None if self.rounding is None else self.rounding_at(step))
-        bound = self._update
-        if bound is None or bound.optimizer is not optimizer:
-            bound = self._update = TableUpdate(self._table, self.slots, optimizer)
-        bound(rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
-              round_to=round_to)
+        self._bound(self._table, self.slots, optimizer)(
+            rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
+            round_to=round_to)
         if self.changes is not None:
             self.written(rows, every=optimizer.updates_every_row)
 
@@ -237,7 +245,7 @@ class MemoryRows(Rows):
         super().to(device, workspace)
         self._table = self._table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
-        self._update, self._combine = None, TableCombine(self._table)
+        self._combine = TableCombine(self._table)
 
 
 class OffloadedRows(Rows):
@@ -313,8 +321,9 @@ class OffloadedRows(Rows):
                                    Dedup(at, d.order, d.unique_offsets))
             round_to = (rounding(rows, at) if rounding is not None
                         else self.rounding_at(step, rows, at))
-            update(table, slots, at, grad, optimizer, lr, step, self.workspace,
-                   gradient_multiplier=gradient_multiplier, round_to=round_to)
+            self._bound(table, slots, optimizer)(at, grad, lr, step, self.workspace,
+                                                 gradient_multiplier=gradient_multiplier,
+                                                 round_to=round_to)
         if self.changes is not None:
             self.written(rows, every=optimizer.updates_every_row)
 

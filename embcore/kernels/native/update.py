@@ -110,23 +110,15 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         TypeError, ValueError: an argument the kernel cannot take (named).
     """
     _check_rule(rule, acc)
-    if (unique_offsets is None) != (order is None):
-        raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
-                         f"(occurrences) or neither (a summed gradient)")
+    _check_sources(unique_offsets, order)
     n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
-    slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts, unique_offsets)
-    nnz = order.numel() if isinstance(order, torch.Tensor) else None
-    r = _NEAREST if round_to is None else round_to
-    seg = r.segments
-    nseg = seg.bases.numel()
-    n_keys = 0 if r.key_rows is None else r.key_rows.numel()
+    nnz = order.numel() if order is not None else None
     _SPARSE_UPDATE.call(
         rule, ROW_TYPES.get(table.dtype, 0), (table, None),
         (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
         (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
-        slices, starts_, strides, n, hyper,
-        int(r.stochastic), (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
-        (seg.muls, nseg), nseg, r.col0, r.key_of_step, threads())
+        *_gradient_args(table, d, u, grads, starts, unique_offsets), hyper,
+        *_rounding_args(_NEAREST if round_to is None else round_to), threads())
 
 
 def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
@@ -138,20 +130,59 @@ def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
 
 
+def _check_sources(unique_offsets: torch.Tensor | None, order: torch.Tensor | None) -> None:
+    if (unique_offsets is None) != (order is None):
+        raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
+                         f"(occurrences) or neither (a summed gradient)")
+
+
+# The kernel's arguments of a rounding, in order (``_rounding_args``).
+_ROUNDING = ("stochastic", "key_rows", "n_keys", "seg_starts", "seg_bases", "seg_muls", "nseg",
+             "col0", "step_key")
+
+
+def _rounding_args(r: rounding.Rounding) -> tuple[Any, ...]:
+    """The kernel's arguments ``_ROUNDING`` of rounding ``r``."""
+    seg = r.segments
+    nseg = seg.bases.numel()
+    return (int(r.stochastic), (r.key_rows, None),
+            0 if r.key_rows is None else r.key_rows.numel(), (seg.starts, nseg + 1),
+            (seg.bases, nseg), (seg.muls, nseg), nseg, r.col0, r.key_of_step)
+
+
+class _Arrays:
+    """The ctypes arrays of a gradient source, kept across calls (``SparseUpdate``'s: a batch
+    layout has the same number of parts and the same ``starts`` every step)."""
+
+    def __init__(self) -> None:
+        self.n = -1
+        self.slices: Any = None
+        self.strides: Any = None
+        self.starts: Any = None
+        self.starts_of: Sequence[int] | None = None
+
+
 def _gradient_args(table: torch.Tensor, d: int, u: int, grads: Sequence[torch.Tensor],
-                   starts: Sequence[int] | None, unique_offsets: torch.Tensor | None
-                   ) -> tuple[Any, Any, Any, int]:
+                   starts: Sequence[int] | None, unique_offsets: torch.Tensor | None,
+                   keep: _Arrays | None = None) -> tuple[Any, Any, Any, int]:
     """``sparse_update``'s gradient source checked, as the kernel's ``slices``, ``starts``,
-    ``strides`` and ``nslices``."""
+    ``strides`` and ``nslices`` (in ``keep``'s arrays when given, else new ones)."""
     name = _SPARSE_UPDATE.name
     n = len(grads)
-    addresses, row_strides = [], []
+    if keep is not None and keep.n == n:
+        slices, strides = keep.slices, keep.strides
+    else:
+        slices = ctypes_array(ctypes.c_void_p, n)()
+        strides = ctypes_array(ctypes.c_int64, n)()
+        if keep is not None:
+            keep.n, keep.slices, keep.strides, keep.starts_of = n, slices, strides, None
     if unique_offsets is None:  # one (U, D) summed gradient
         if n != 1:
             raise ValueError(f"{name}: a summed gradient is one (U, D) tensor, got {n}")
-        addresses.append(_SUMMED_GRADIENT.address(name, "slices[0]", (grads[0], u * d)))
-        row_strides.append(d)
+        slices[0] = _SUMMED_GRADIENT.address(name, "slices[0]", (grads[0], u * d))
+        strides[0] = d
     else:  # the output gradient's parts
+        given = starts is not None  # (each part's rows checked against the starts given)
         if starts is None:
             if n > 1:
                 raise ValueError(f"{name}: {n} gradient parts need their 'starts'")
@@ -161,19 +192,24 @@ def _gradient_args(table: torch.Tensor, d: int, u: int, grads: Sequence[torch.Te
                              f"gradient parts), got {len(starts)}")
         like = table if table.dtype is torch.float32 else None
         for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
-            addresses.append(_GRADIENT_ROWS.address(name, "slices", (g, like), i))
+            slices[i] = _GRADIENT_ROWS.address(name, "slices", (g, like), i)
             shape = g.shape
             if shape[1] != d and g.numel():
                 raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
                                  f"table), got {shape[1]}")
-            if n > 1 and shape[0] != starts[i + 1] - starts[i]:
+            if given and shape[0] != starts[i + 1] - starts[i]:
                 raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
                                  f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got "
                                  f"{shape[0]}")
-            row_strides.append(g.stride(0) if shape[0] > 1 else shape[1])
-    return (ctypes_array(ctypes.c_void_p, n)(*addresses),
-            None if starts is None else ctypes_array(ctypes.c_int64, n + 1)(*starts),
-            ctypes_array(ctypes.c_int64, n)(*row_strides), n)
+            strides[i] = g.stride(0) if shape[0] > 1 else shape[1]
+    if starts is None:
+        return slices, None, strides, n
+    if keep is None or keep.starts_of != starts:
+        array = ctypes_array(ctypes.c_int64, n + 1)(*starts)
+        if keep is None:
+            return slices, array, strides, n
+        keep.starts, keep.starts_of = array, list(starts)
+    return slices, keep.starts, strides, n
 
 
 class SparseUpdate:
@@ -195,11 +231,7 @@ class SparseUpdate:
     def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None) -> None:
         _check_rule(rule, acc)
         self.rule, self.table, self.acc = rule, table, acc
-        self._n = 0  # the arrays of ``_parts``, for this many gradient parts
-        self._slices: Any = None
-        self._strides: Any = None
-        self._starts: Any = None
-        self._starts_of: list[int] = []
+        self._arrays = _Arrays()
         self._bind()
 
     def _bind(self) -> None:
@@ -209,41 +241,8 @@ class SparseUpdate:
         fixed = {"rule": rule, "type": ROW_TYPES.get(table.dtype, 0), "w": (table, None),
                  "acc": (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else self.d)), "d": self.d}
         self._call = _SPARSE_UPDATE.partial(**fixed)
-        seg = _NEAREST.segments
-        nseg = seg.bases.numel()
         self._nearest = _SPARSE_UPDATE.partial(
-            **fixed, stochastic=0, key_rows=(None, None), n_keys=0,
-            seg_starts=(seg.starts, nseg + 1), seg_bases=(seg.bases, nseg),
-            seg_muls=(seg.muls, nseg), nseg=nseg, col0=_NEAREST.col0,
-            step_key=_NEAREST.key_of_step)
-
-    def _parts(self, grads: Sequence[torch.Tensor], starts: Sequence[int]
-               ) -> tuple[Any, Any, Any, int]:
-        """``_gradient_args`` of output gradient parts with their ``starts``, the same checks,
-        into arrays kept across calls (a layout's ``starts`` are the same every step)."""
-        n = len(grads)
-        if n != self._n:
-            self._n = n
-            self._slices = ctypes_array(ctypes.c_void_p, n)()
-            self._strides = ctypes_array(ctypes.c_int64, n)()
-            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
-            self._starts_of = list(starts)
-        elif starts != self._starts_of:
-            self._starts = ctypes_array(ctypes.c_int64, n + 1)(*starts)
-            self._starts_of = list(starts)
-        name, d, slices, strides = _SPARSE_UPDATE.name, self.d, self._slices, self._strides
-        like = self.table if self.table.dtype is torch.float32 else None
-        for i, g in enumerate(grads):
-            slices[i] = _GRADIENT_ROWS.address(name, "slices", (g, like), i)
-            rows, cols = g.shape
-            if cols != d and rows:
-                raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "
-                                 f"table), got {cols}")
-            if rows != starts[i + 1] - starts[i]:
-                raise ValueError(f"{name}: gradient part {i} must have starts[{i + 1}] - "
-                                 f"starts[{i}] = {starts[i + 1] - starts[i]} rows, got {rows}")
-            strides[i] = g.stride(0) if rows > 1 else cols
-        return slices, self._starts, strides, n
+            **fixed, **dict(zip(_ROUNDING, _rounding_args(_NEAREST))))
 
     def __call__(self, rows: torch.Tensor, hyper: Hyper, grads: Sequence[torch.Tensor],
                  starts: Sequence[int] | None = None,
@@ -255,29 +254,18 @@ class SparseUpdate:
         if table.data_ptr() != self._at[0] or (acc is not None and
                                                acc.data_ptr() != self._at[1]):
             self._bind()  # (their storage was replaced since: checked and bound again)
-        if (unique_offsets is None) != (order is None):
-            raise ValueError(f"{_SPARSE_UPDATE.name}: give both unique_offsets and order "
-                             f"(occurrences) or neither (a summed gradient)")
-        d, u = self.d, rows.numel()
-        if unique_offsets is None or starts is None or len(starts) != len(grads) + 1:
-            slices, starts_, strides, n = _gradient_args(table, d, u, grads, starts,
-                                                         unique_offsets)
-        else:
-            slices, starts_, strides, n = self._parts(grads, starts)
+        _check_sources(unique_offsets, order)
+        u = rows.numel()
         nnz = order.numel() if order is not None else None
-        if round_to is None:
+        slices, starts_, strides, n = _gradient_args(table, self.d, u, grads, starts,
+                                                     unique_offsets, self._arrays)
+        if round_to is None:  # (the arguments written out twice: a tuple a call costs)
             self._nearest((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
                           (scales, nnz), slices, starts_, strides, n, hyper, threads())
-            return
-        r = _NEAREST if round_to is None else round_to
-        seg = r.segments
-        nseg = seg.bases.numel()
-        n_keys = 0 if r.key_rows is None else r.key_rows.numel()
-        self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
-                   (scales, nnz), slices, starts_, strides, n, hyper, int(r.stochastic),
-                   (r.key_rows, None), n_keys, (seg.starts, nseg + 1), (seg.bases, nseg),
-                   (seg.muls, nseg), nseg, r.col0, r.key_of_step, threads())
-
+        else:
+            self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                       (scales, nnz), slices, starts_, strides, n, hyper,
+                       *_rounding_args(round_to), threads())
 
 
 _ROUND16 = Kernel("ec_round16", None, [
