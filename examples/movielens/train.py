@@ -497,7 +497,8 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
             group["lr"] = dense_lr(args.lr, epoch, args.epochs)
         train_loss, train_rmse = train_epoch(
             model, train, dense_opt, batch_size=args.batch_size, l2=args.l2, order=order,
-            device=args.device, desc=f"epoch {epoch}/{args.epochs}", progress=args.progress)
+            device=args.device, desc=f"epoch {epoch}/{args.epochs}",
+            progress=args.progress and rank == 0)  # one bar under torchrun: rank 0's
         test_rmse = evaluate(model, test, args.device)
         record = {"epoch": epoch, "train_loss": train_loss, "train_rmse": train_rmse,
                   "test_rmse": test_rmse, "seconds": round(time.perf_counter() - start, 3),
