@@ -76,6 +76,7 @@ from criteo.data import (  # noqa: E402
     has_labels,
     read_batches,
 )
+from board import Board  # noqa: E402  (examples/board.py)
 from criteo.generate import SYNTHETIC_NOTE, generate  # noqa: E402
 from criteo.metrics import log_loss, roc_auc  # noqa: E402
 from criteo.model import (  # noqa: E402
@@ -235,6 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     o.add_argument("--log-every", type=int, default=50, help="steps between metrics.jsonl lines")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a tqdm progress bar (when tqdm is installed)")
+    o.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="also log metrics.jsonl's records to TensorBoard in DIR (needs the "
+                        "tensorboard package)")
     args = p.parse_args(argv)
     # The settings given on the command line; the others are MLPerf's until _run chooses them
     # (choose_settings: from the data, a checkpoint or --mlperf), so parse_args alone gives
@@ -955,6 +959,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                 "world": world}
     position = {"epoch": 0, "line": 0, "epoch_step": 0, "global_step": 0, "examples": 0}
     history: list[dict[str, Any]] = []
+    board = Board(args.tensorboard if rank == 0 else None, skip=("epoch", "synthetic"))
     source = f"--spec {args.spec} gives" if args.spec is not None else "the flags build"
     restored = (restore_checkpoint(root, model, dense_opt, identity, say, source)
                 if args.resume else None)
@@ -1039,6 +1044,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                                 args.keep_checkpoints, rank, settings)
                 if rank == 0:
                     write_metrics(out, history)
+                    board.write(history)
         if bar is not None:
             bar.close()
         if stats.skipped:
@@ -1066,6 +1072,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                         args.keep_checkpoints, rank, settings)
         if rank == 0:
             write_metrics(out, history)
+            board.write(history)
             title = "DLRM-DCNv2" if config.arch == "dcnv2" else "Logistic regression"
             if not plot_curves(out, history, title + " on "
                                + ("SYNTHETIC data" if synthetic else "Criteo")) and epoch == 1:
@@ -1075,6 +1082,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
             f"{metrics['test_logloss']:.4f} over {metrics['test_examples']:,} examples",
             flush=True)
         final = record
+    board.close()
     if synthetic is not None:
         say(f"{SYNTHETIC_WARNING}\nbest achievable test AUC on it: "
             f"{synthetic['best_test_auc']:.4f}")

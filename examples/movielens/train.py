@@ -42,6 +42,8 @@ import embcore as ec
 from embcore.planning.plan import STRATEGIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # data.py, model.py, serve.py beside us
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # examples/board.py
+from board import Board  # noqa: E402
 from data import (  # noqa: E402
     DEFAULT_CACHE,
     SPLITS,
@@ -139,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after training: restore on CPU, partial restore, export, serve")
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="a tqdm progress bar per epoch (when tqdm is installed)")
+    o.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="also log metrics.jsonl's records to TensorBoard in DIR, by epoch (needs "
+                        "the tensorboard package)")
     args = p.parse_args(argv)
     if args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
@@ -473,6 +478,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     order = torch.Generator().manual_seed(args.seed)  # the data order of every epoch
 
     done, history = 0, []  # epochs completed, their metrics
+    board = Board(args.tensorboard if rank == 0 else None, step="epoch", kind="epoch")
     identity = run_identity(args, data)
     ckpt = latest_checkpoint(root) if args.resume else None
     if ckpt is not None:
@@ -511,6 +517,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
                                args.keep_checkpoints, identity)
         if rank == 0:
             write_metrics(out, history)
+            board.write(history)
             if not plot_curves(out, history) and epoch == 1:
                 say("curves.png is not written: matplotlib is not installed (pip install "
                     "matplotlib, or the examples extra)", flush=True)
@@ -519,6 +526,7 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
               + "".join(f", {n} resident {v['resident']}/{v['capacity']}"
                         for n, v in record.get("vocabulary", {}).items()), flush=True)
 
+    board.close()
     result: dict[str, Any] = dict(history[-1]) if history else {}
     if data.synthetic:
         say(SYNTHETIC_WARNING)

@@ -29,6 +29,7 @@ continues exactly) and the dense part with them:
     OUT/dense/00000012.pt   the dense part (and the optimizer, the stream position) of entry 12
     OUT/metrics.jsonl       one line per file: examples, progressive AUC (online, frozen),
                             examples/s, the entry published after it
+    OUT/auc.png             the progressive AUC per file, online against frozen (matplotlib)
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import embcore as ec  # noqa: E402
 from embcore.formats import published as fmt  # noqa: E402
+from board import Board  # noqa: E402  (examples/board.py)
 from criteo.data import read_batches  # noqa: E402
 from criteo.metrics import roc_auc  # noqa: E402
 from criteo.model import DLRM, FEATURES, config_from_spec  # noqa: E402
@@ -94,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's default). "
                         "One suits this small model, as the MovieLens job's: beside busy "
                         "processes, on two cores, torch's default made a run 115 s against 30 s")
+    p.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="also log metrics.jsonl's lines to TensorBoard in DIR, by step, with "
+                        "the progressive AUC online against frozen on one chart (needs the "
+                        "tensorboard package)")
     args = p.parse_args(argv)
     for name in ("batch_size", "dim", "capacity", "ttl_steps", "hours", "lines_per_hour"):
         if getattr(args, name) < 1:
@@ -260,6 +266,35 @@ def _auc(y: np.ndarray, scores: list[np.ndarray]) -> float | None:
     return roc_auc(y, np.concatenate(scores))
 
 
+def plot_auc(out: Path) -> bool:
+    """auc.png: each file's progressive AUC, online against frozen, in stream order (over every
+    run of OUT/metrics.jsonl: a resumed job's files follow its predecessor's). False: no
+    matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [json.loads(line) for line in
+            (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("online_auc", "online (trained as it goes)"),
+                       ("frozen_auc", "frozen (trained on the first files only)")):
+        points = [(i, r[key]) for i, r in enumerate(rows) if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), "o-", markersize=3, label=label)
+    ax.set_xlabel("file of the stream (in order)")
+    ax.set_ylabel("progressive AUC")
+    ax.set_title("Online learning on a stream (embcore)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "auc.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     threads = torch.get_num_threads()
@@ -286,7 +321,10 @@ def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
                          f"choose another --out")
     else:
         job.publish()  # the snapshot a server can start from
-    rows = []
+    rows: list[dict[str, Any]] = []
+    board = Board(args.tensorboard, kind="stream", skip=("seq",))
+    board.together("progressive AUC: online against frozen",
+                   ["stream/online_auc", "stream/frozen_auc"])
     done = set(job.position["done"])
     with open(args.out / "metrics.jsonl", "a", encoding="utf-8") as metrics:
         for i, path in enumerate(stream.files(done), start=len(done)):
@@ -297,12 +335,16 @@ def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
+            board.write(rows)
             frozen = (f", frozen {row['frozen_auc']:.4f}" if row["frozen_auc"] is not None
                       else "")
             online = f"{row['online_auc']:.4f}" if row["online_auc"] is not None else "n/a"
             print(f"{path.name}: {row['examples']:,} examples, progressive AUC online {online}"
                   f"{frozen}; {row['examples_per_s']:,.0f} examples/s; step {row['step']}; "
                   f"published up to entry {row['seq']}", flush=True)
+    board.close()
+    if not plot_auc(args.out):
+        print("auc.png is not written: matplotlib is not installed")
     info = job.publish()
     sizes = [p["bytes"] for p in job.publishes if p["kind"] == "delta"]
     print(f"published {len(job.publishes)} entries to {job.published} (the last: {info['kind']} "
