@@ -6,9 +6,9 @@ for it without the package is an error at the start, not at the first record.
 
 A record ``{"kind": "eval", "step": 400, "test_auc": 0.79, ...}`` becomes the scalar
 ``eval/test_auc`` at step 400: every finite number of the record but the step itself, booleans
-and the fields a job leaves out, under its kind's name. A resumed job writes its whole history again, from its first step, and
-TensorBoard hides what the run before it had written from that step on (``purge_step``): the
-curves show each step once.
+and the fields a job leaves out, under its kind's name. A resumed job writes its whole history
+again, from its first step, and TensorBoard hides what the run before it had written from that
+step on (``purge_step``): the curves show each step once.
 """
 
 from __future__ import annotations

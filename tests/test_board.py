@@ -59,7 +59,7 @@ def test_without_a_directory_nothing_is_written_and_without_the_package_it_says_
     b.close()
     assert b.writer is None
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
-    with pytest.raises(SystemExit, match="tensorboard package is not installed.*pip install"):
+    with pytest.raises(SystemExit, match=r"tensorboard package is not installed.*pip install"):
         board.Board(tmp_path / "tb")
     assert not (tmp_path / "tb").exists()
 
