@@ -234,11 +234,28 @@ def size_oblivious_export() -> contextlib.AbstractContextManager[Any]:
     return config.patch(backed_size_oblivious=True)
 
 
+def compile_aoti_package(program: Any, path: str, inductor_configs: dict[str, Any] | None) -> str:
+    """``torch._inductor.aoti_compile_and_package``: AOTInductor's compiler, documented by
+    torch (its export tutorials) under a private module. Used by serving/serve.py
+    ``ServingModule.compile_package``. Without it (torch < 2.6) a clear error, no fallback."""
+    try:
+        inductor = importlib.import_module("torch._inductor")
+    except ImportError as e:
+        raise RuntimeError(f"AOTInductor is not available in this torch ({e})") from None
+    compile_and_package = getattr(inductor, "aoti_compile_and_package", None)
+    if compile_and_package is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor."
+                           f"aoti_compile_and_package (torch >= 2.6 has it)")
+    return str(compile_and_package(program, package_path=path, inductor_configs=inductor_configs))
+
+
 PRIVATE_NAMES: dict[str, str] = {
     # "module:attribute.path" (an attribute, a dataclass field or an annotated field of a class)
     #   -> where embcore uses it, and what for
     "torch.fx.experimental._config:backed_size_oblivious": "compat.size_oblivious_export: "
         "torch.export of a serving module whose jagged inputs may hold 0 or 1 bags",
+    "torch._inductor:aoti_compile_and_package": "compat.aoti_compile_and_package: "
+        "ServingModule.compile_package's AOTInductor package (serving without Python embcore)",
     "torch:Tensor._indices": "compat.sparse_parts: a sparse COO tensor's stored indices "
                              "(uncoalesced too; the checked coalesce reads them as well)",
     "torch:Tensor._values": "compat.sparse_parts: a sparse COO tensor's stored values",

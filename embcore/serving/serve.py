@@ -11,12 +11,14 @@ to float32, then combined by the same ``combine``.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, overload
 
 import torch
 
-from ..base.compat import size_oblivious_export
+from ..base.compat import compile_aoti_package, size_oblivious_export
 from ..base.nest import (
     flatten_like,
     from_keyed_jagged,
@@ -433,3 +435,39 @@ class ServingModule(torch.nn.Module):
             kwargs["dynamic_shapes"] = self.dynamic_shapes(*args)
         with size_oblivious_export():
             return torch.export.export(self, args, **kwargs)
+
+    def compile_package(self, path: str | os.PathLike[str], features: Any, weights: Any = None,
+                        *, inductor_configs: dict[str, Any] | None = None, **kwargs: Any) -> Path:
+        """An AOTInductor package of ``export(features, weights, **kwargs)``: the lookups (and
+        their tables, quantized or not, and dynamic tables' maps) compiled to a shared library
+        inside one ``.pt2`` file, served without Python embcore. Returns ``path``.
+
+        AOTInductor's loader (``aoti_load_package(path)`` of torch's inductor module) loads it in
+        a process that has torch alone (embcore not installed), and
+        ``torch::inductor::AOTIModelPackageLoader`` from C++; it
+        takes the inputs ``export`` was given, of any batch size and number of ids, and answers
+        as this module does, bit for bit on the CPU (docs/semantics.md section 12). Compiling
+        needs a C++ compiler and takes seconds to a minute; ``inductor_configs`` go to
+        AOTInductor's compiler. A package checks no ids (validate them before), and its inputs'
+        shapes only under ``AOTI_RUNTIME_CHECK_INPUTS=1``: give the example's kinds and ranks.
+
+        Raises:
+            ValueError: ``path`` does not end in ``.pt2`` (AOTInductor's package suffix).
+            RuntimeError: this torch has no AOTInductor (torch >= 2.6 has it).
+
+        Example:
+            >>> import torch, embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+            >>> served = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "sgd").for_serving()
+            >>> example = {"f": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))}  # 2 bags
+            >>> path = served.compile_package("lookup.pt2", example)  # doctest: +SKIP
+
+            then, in any process with torch: ``aoti_load_package("lookup.pt2")(ids)``.
+        """
+        path = Path(path)
+        if path.suffix != ".pt2":
+            raise ValueError(f"compile_package: {path} must end in .pt2 (AOTInductor loads "
+                             f"packages by that suffix)")
+        program = self.export(features, weights, **kwargs)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(compile_aoti_package(program, str(path), inductor_configs))

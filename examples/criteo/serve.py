@@ -3,6 +3,7 @@
     python examples/criteo/serve.py --run runs/criteo                  # the newest checkpoint
     python examples/criteo/serve.py --checkpoint runs/criteo/checkpoints/step-00000391
     python examples/criteo/serve.py --run runs/criteo --export runs/criteo/serving.pt2
+    python examples/criteo/serve.py --run runs/criteo --aoti runs/criteo/dlrm-aoti.pt2
 
 The model is rebuilt from the checkpoint alone: the tables' ``ec.EmbeddingSpec`` from the
 embedding checkpoint's manifest (``ec.EmbeddingSpec.from_checkpoint``), their rows and id maps by
@@ -18,7 +19,10 @@ same dense part, and the whole test set is scored: the table prints the test AUC
 and the bytes the tables hold (dynamic tables' id maps counted apart: they are the same at every
 precision). ``--export PATH`` exports the whole model (dense part and quantized tables, their
 id maps inside) with ``torch.export``, saves it, loads it back and checks that its outputs on
-test batches are bitwise the eager model's.
+test batches are bitwise the eager model's. ``--aoti PATH`` compiles that exported model with
+AOTInductor into one package (``.pt2``: a shared library and the weights) that torch alone serves,
+embcore not installed (``torch._inductor.aoti_load_package(PATH)(dense, sparse)``, or C++'s
+``AOTIModelPackageLoader``), and checks it the same way.
 """
 
 from __future__ import annotations
@@ -131,21 +135,52 @@ def scores(model: nn.Module, dataset: Any, batch_size: int) -> tuple[np.ndarray,
 
 
 # --------------------------------------------------------------------------------- export
-def export(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
-           batches: int = 3) -> dict[str, Any]:
-    """Exports ``model`` (any batch size), saves it to ``path``, loads it back and compares its
-    logits with the eager model's on the first ``batches`` test batches (bitwise)."""
+def test_batches(dataset: Any, batch_size: int, batches: int = 3
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``batches`` test batches as ``(dense, sparse)`` tensors, and a batch of one."""
     examples = []
     for batch in dataset.test(batch_size, ReadStats(), share=(0, 1)):
         examples.append((torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse)))
         if len(examples) == batches:
             break
+    return [*examples, (examples[0][0][:1], examples[0][1][:1])]
+
+
+def export_program(model: ServingDLRM, example: tuple[torch.Tensor, torch.Tensor]
+                   ) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` for any batch size, traced on 8 rows of ``example``."""
     b = torch.export.Dim("batch", min=1)
-    trace = (examples[0][0][:8].clone(), examples[0][1][:8].clone())  # (saved with the program)
-    program = torch.export.export(model, trace, dynamic_shapes=({0: b}, {0: b}))
-    torch.export.save(program, path)
-    loaded = torch.export.load(path).module()
-    examples.append((examples[0][0][:1], examples[0][1][:1]))  # and a batch of one
+    trace = (example[0][:8].clone(), example[1][:8].clone())  # (saved with the program)
+    return torch.export.export(model, trace, dynamic_shapes=({0: b}, {0: b}))
+
+
+def export(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
+           batches: int = 3) -> dict[str, Any]:
+    """Exports ``model`` (any batch size), saves it to ``path``, loads it back and compares its
+    logits with the eager model's on the first ``batches`` test batches (bitwise)."""
+    examples = test_batches(dataset, batch_size, batches)
+    torch.export.save(export_program(model, examples[0]), path)
+    return compare(torch.export.load(path).module(), model, examples, path)
+
+
+def package(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
+            batches: int = 3) -> dict[str, Any]:
+    """Compiles the exported ``model`` with AOTInductor into the package ``path`` (``.pt2``),
+    loads it back and compares its logits with the eager model's (bitwise)."""
+    if path.suffix != ".pt2":
+        raise ValueError(f"--aoti {path}: an AOTInductor package's name ends in .pt2")
+    examples = test_batches(dataset, batch_size, batches)
+    start = time.perf_counter()
+    torch._inductor.aoti_compile_and_package(export_program(model, examples[0]),
+                                             package_path=str(path))
+    seconds = time.perf_counter() - start
+    result = compare(torch._inductor.aoti_load_package(str(path)), model, examples, path)
+    return {**result, "compile_seconds": round(seconds, 1)}
+
+
+def compare(loaded: Any, model: ServingDLRM, examples: list[tuple[torch.Tensor, torch.Tensor]],
+            path: Path) -> dict[str, Any]:
+    """``loaded``'s logits against ``model``'s on ``examples``: bitwise equal, or how far."""
     worst, equal, n = 0.0, True, 0
     with torch.no_grad():
         for dense, sparse in examples:
@@ -176,8 +211,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    default=list(PRECISIONS), help="table precisions to serve and compare")
     p.add_argument("--export", type=Path, default=None,
                    help="also export the whole model with torch.export to this file")
+    p.add_argument("--aoti", type=Path, default=None,
+                   help="also compile the exported model with AOTInductor into this package "
+                        "(.pt2), served by torch alone")
     p.add_argument("--export-precision", choices=list(PRECISIONS), default="int8",
-                   help="the tables' precision in the exported model")
+                   help="the tables' precision in the exported model (and the package)")
     p.add_argument("--batch-size", type=int, default=16384, help="examples per scoring batch")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     args = p.parse_args(argv)
@@ -253,11 +291,12 @@ def _serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
           f"{first['map_bytes']:,} bytes at every precision"
           + (f"; train.py's own evaluation: AUC {trained[-1]['test_auc']:.5f}, log loss "
              f"{trained[-1]['test_logloss']:.5f}" if trained else ""))
-    exported = None
-    if args.export is not None:
-        label = args.export_precision
+    exported = packaged = None
+    label = args.export_precision
+    if args.export is not None or args.aoti is not None:
         model = models.get(label) or ServingDLRM(
             layer.for_serving(quantize=PRECISIONS[label]), dense_arch).eval()
+    if args.export is not None:
         args.export.parent.mkdir(parents=True, exist_ok=True)
         exported = export(model, dataset, args.export, min(args.batch_size, 4096))
         print(f"exported the whole model (dense part + {label} tables + id maps) to "
@@ -267,7 +306,18 @@ def _serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                  f"NOT the eager model's (max |diff| {exported['max_abs_diff']:.3g})"))
         if not exported["bitwise_equal"]:
             raise RuntimeError("the exported model disagrees with the eager one")
-    return {"checkpoint": str(ckpt), "results": results, "export": exported,
+    if args.aoti is not None:
+        args.aoti.parent.mkdir(parents=True, exist_ok=True)
+        packaged = package(model, dataset, args.aoti, min(args.batch_size, 4096))
+        print(f"compiled the whole model ({label} tables) into the AOTInductor package "
+              f"{args.aoti} ({packaged['bytes']:,} bytes, {packaged['compile_seconds']:.0f} s); "
+              f"served by torch alone (torch._inductor.aoti_load_package), its logits on "
+              f"{packaged['examples_checked']:,} test examples are "
+              + ("bitwise the eager model's" if packaged["bitwise_equal"] else
+                 f"NOT the eager model's (max |diff| {packaged['max_abs_diff']:.3g})"))
+        if not packaged["bitwise_equal"]:
+            raise RuntimeError("the AOTInductor package disagrees with the eager model")
+    return {"checkpoint": str(ckpt), "results": results, "export": exported, "aoti": packaged,
             "synthetic": info is not None, "trained_eval": trained[-1] if trained else None}
 
 
