@@ -143,9 +143,10 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         RuntimeError: another trainer publishes to ``directory``.
         FileExistsError: ``directory`` exists and is neither empty nor a publish directory.
         PublishError (a ValueError): the directory changed under this trainer (an entry it did
-            not write, or its last entry gone).
-        OSError: a write failed (a full disk): nothing is published, the changes are kept for
-            the next publish.
+            not write, or its last entry gone); its writer lock is not a regular file (a
+            symbolic link: never followed).
+        OSError: a write failed (a full disk: ``ENOSPC``, torch's own error chained): nothing
+            is published, the changes are kept for the next publish, the lock is let go.
 
     Example:
         >>> import tempfile, torch, embcore as ec
@@ -226,8 +227,8 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                     all_sizes: dict[str, int] = {}
                     for r in range(comm.world_size):
                         side = tmp / f"r{r:05d}.json"
-                        got = {"files": written, "sizes": sizes} if r == 0 else json.loads(
-                            side.read_text(encoding="utf-8"))
+                        got: dict[str, Any] = {"files": written, "sizes": sizes} if r == 0 \
+                            else json.loads(side.read_text(encoding="utf-8"))
                         files.update(got["files"])
                         all_sizes.update(got["sizes"])
                         if comm.world_size > 1:
@@ -423,7 +424,9 @@ def load_published(directory: str | os.PathLike[str], *, quantize: Any = None
 
     Raises:
         FileNotFoundError: nothing published there yet.
-        PublishError (a ValueError): a corrupt or missing file, a broken chain.
+        PublishError (a ValueError): a corrupt or missing file, a file that is not a regular
+            file of its stated size (a link, a FIFO: never followed, never waited on), a broken
+            chain, an entry of another chain (docs/semantics.md section 13).
     """
     return PublishedModule(Path(os.fspath(directory)), quantize=quantize)
 

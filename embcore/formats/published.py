@@ -435,7 +435,8 @@ class _Sink:
     reports it as a RuntimeError of its own)."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
 
     def write(self, b: Any) -> int:
         try:
