@@ -51,6 +51,7 @@ class _Publisher:
     lock: fmt.WriterLock | None  # process 0's
     seq: int                     # the entry its last publish made
     id: str
+    chain: str | None            # the directory's chain identity (None: its next entry's id)
     slots: bool
     snapshot_bytes: int
     delta_bytes: int = 0
@@ -142,9 +143,10 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         RuntimeError: another trainer publishes to ``directory``.
         FileExistsError: ``directory`` exists and is neither empty nor a publish directory.
         PublishError (a ValueError): the directory changed under this trainer (an entry it did
-            not write, or its last entry gone).
-        OSError: a write failed (a full disk): nothing is published, the changes are kept for
-            the next publish.
+            not write, or its last entry gone); its writer lock is not a regular file (a
+            symbolic link: never followed).
+        OSError: a write failed (a full disk: ``ENOSPC``, torch's own error chained): nothing
+            is published, the changes are kept for the next publish, the lock is let go.
 
     Example:
         >>> import tempfile, torch, embcore as ec
@@ -180,11 +182,12 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         kind = "snapshot" if (pub is None or snapshot or bool(slots) != pub.slots or (
             snapshot is None and pub.delta_bytes > compact_ratio * pub.snapshot_bytes)) \
             else "delta"
-        changes = store.track()
-        key = _key(directory)
-        taken = changes.take(key)  # (rows per physical table; given back if this fails)
-        comm, tmp = engine.comm, None
+        comm, tmp, key = engine.comm, None, _key(directory)
+        changes, taken = None, None
+        published = False
         try:
+            changes = store.track()
+            taken = changes.take(key)  # (rows per physical table; given back if this fails)
             seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
             tmp = fmt.temporary(directory, seq, agreed_token(comm, engine.device))
             error: BaseException | None = None
@@ -196,6 +199,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                     error = e
             _all_ok(engine, error, f"creating {tmp}")
             written: dict[str, dict[str, int]] = {}
+            sizes: dict[str, int] = {}
             rows = dict.fromkeys(engine.table_names().values(), 0)
             used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             try:
@@ -203,53 +207,67 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                 for i, part in enumerate(fmt.parts(chunks)):
                     name = fmt.part_name(comm.rank, i)
                     written[name] = fmt.write_part(tmp / name, part)
+                    sizes[name] = os.path.getsize(tmp / name)
                 if comm.world_size > 1:  # process 0 gathers the files' checksums from these
-                    (tmp / f"r{comm.rank:05d}.json").write_text(json.dumps(written),
-                                                                encoding="utf-8")
+                    (tmp / f"r{comm.rank:05d}.json").write_text(
+                        json.dumps({"files": written, "sizes": sizes}), encoding="utf-8")
             except BaseException as e:
                 error = e
             _all_ok(engine, error, f"writing {tmp}")
             # every process's files and counts, then process 0 commits
             names = sorted(rows)
-            nbytes = sum(os.path.getsize(tmp / f) for f in written)
+            nbytes = sum(sizes.values())
             totals = summed(comm, [rows[n] for n in names] + [nbytes], engine.device)
             rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
             entry_id = f"{from_rank0(comm, [secrets.randbits(63)], engine.device)[0]:016x}"
+            chain_id = pub.chain if pub is not None else None
             if comm.rank == 0:
                 try:
                     files: dict[str, dict[str, int]] = {}
+                    all_sizes: dict[str, int] = {}
                     for r in range(comm.world_size):
                         side = tmp / f"r{r:05d}.json"
-                        files.update(written if r == 0 else json.loads(
-                            side.read_text(encoding="utf-8")))
+                        got: dict[str, Any] = {"files": written, "sizes": sizes} if r == 0 \
+                            else json.loads(side.read_text(encoding="utf-8"))
+                        files.update(got["files"])
+                        all_sizes.update(got["sizes"])
                         if comm.world_size > 1:
                             side.unlink()
+                    if pub is None:  # a trainer's first entry here continues its chain
+                        previous, chain_id = fmt.continuation(directory)
+                    else:
+                        previous = {"seq": pub.seq, "id": pub.id}
+                        if chain_id is None:  # (resumed from entries written before chains)
+                            chain_id = fmt.identity(fmt.entries(directory))[0]
+                    chain_id = chain_id or entry_id  # (the first entry: the chain's identity)
                     manifest = {
                         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
-                        "seq": seq, "kind": kind, "id": entry_id,
-                        "previous": None if pub is None else {"seq": pub.seq, "id": pub.id},
-                        "step": engine.step, "slots": bool(slots),
+                        "seq": seq, "kind": kind, "id": entry_id, "previous": previous,
+                        "chain": chain_id, "step": engine.step, "slots": bool(slots),
                         "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
-                        "world_size": comm.world_size, "files": files, "rows": rows,
-                        "bytes": nbytes, "time": time.time(),
+                        "world_size": comm.world_size, "files": files, "sizes": all_sizes,
+                        "rows": rows, "bytes": nbytes, "time": time.time(),
                         "writer": {"host": socket.gethostname(), "pid": os.getpid(),
                                    "embcore_version": __version__}}
                     fmt.commit(tmp, directory, manifest)
                 except BaseException as e:
                     error = e
             _all_ok(engine, error, f"committing entry {seq} of {directory}")
-        except BaseException:  # nothing published: the rows go out with the next publish
-            changes.give_back(key, taken)
-            if lock is not None:  # (taken by this call)
-                lock.release()
-            if tmp is not None and comm.rank == 0:  # (gone already when it was committed)
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            published = True
+        finally:
+            if not published:  # nothing published: the rows go out with the next publish
+                if changes is not None and taken is not None:
+                    changes.give_back(key, taken)
+                if lock is not None:  # (taken by this call)
+                    lock.release()
+                if tmp is not None and comm.rank == 0:  # (gone already once committed)
+                    shutil.rmtree(tmp, ignore_errors=True)
         if pub is None:
-            pub = _Publisher(lock, seq, entry_id, bool(slots), 0)
+            pub = _Publisher(lock, seq, entry_id, None, bool(slots), 0)
             _publishers(engine)[key] = pub
         pub.lock = pub.lock or lock
         pub.seq, pub.id, pub.slots = seq, entry_id, bool(slots)
+        pub.chain = chain_id  # (process 0 writes the manifests: its value is the one used)
         pub.used.update(used)
         if kind == "snapshot":
             pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
@@ -406,7 +424,9 @@ def load_published(directory: str | os.PathLike[str], *, quantize: Any = None
 
     Raises:
         FileNotFoundError: nothing published there yet.
-        PublishError (a ValueError): a corrupt or missing file, a broken chain.
+        PublishError (a ValueError): a corrupt or missing file, a file that is not a regular
+            file of its stated size (a link, a FIFO: never followed, never waited on), a broken
+            chain, an entry of another chain (docs/semantics.md section 13).
     """
     return PublishedModule(Path(os.fspath(directory)), quantize=quantize)
 
@@ -415,53 +435,79 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
            strict: bool = True) -> dict[str, Any]:
     """``ec.load`` of a publish directory: the newest published state into ``obj`` (its
     tables, slots, maps and step), checked whole before anything is written; later publishes
-    of ``obj`` to ``directory`` continue its chain with deltas.
+    of ``obj`` to ``directory`` continue its chain with deltas. Tables and slots follow a
+    checkpoint's rules (docs/semantics.md section 7): ``strict=False`` skips a table or slot of
+    ``obj`` the directory lacks (another optimizer), and the step is restored only when every
+    table is loaded with all its slots. Read again from the newest snapshot when the trainer's
+    retention removes an entry meanwhile.
 
     Raises:
-        ValueError: the entries were published without slots (and ``slots`` is True), or do
-            not match ``obj``'s tables; PublishError for a damaged directory.
-        KeyError: with ``strict``, a table of ``obj`` the directory lacks.
+        ValueError: with ``strict`` and ``slots``, the entries were published without slots;
+            tables that do not match ``obj``'s; PublishError for a damaged directory or an
+            entry of another chain.
+        KeyError: with ``strict``, a table or slot of ``obj`` the directory lacks.
     """
     engine = _engine(obj)
-    run = fmt.chain(directory)
-    manifests = [e.manifest() for e in run]  # (replay checks every byte before any write)
-    last = manifests[-1]
-    if slots and not all(m.get("slots") for m in manifests):
-        raise ValueError(f"{directory} was published with slots=False (entries "
-                         f"{[m['seq'] for m in manifests if not m.get('slots')]}): it holds no "
-                         f"optimizer slots to resume training from; load it with slots=False "
-                         f"for the parameters only")
     with engine.quiescent() as store:
         shapes = store.state_shapes()
-    saved = last["engine"].get("tables", {})
     own = engine.manifest()["tables"]
-    names = [n for n in own if n in saved]
-    missing = [n for n in own if n not in saved]
-    if missing and strict:
-        raise KeyError(f"tables {missing} are not in {directory} (it has {sorted(saved)}); "
-                       f"load with strict=False to skip them")
-    for n in names:
-        got, want = saved[n], own[n]
-        if (got["vocabulary_size"], got["dim"]) != (want["vocabulary_size"], want["dim"]) or (
-                got.get("dynamic") is None) != (want.get("dynamic") is None):
-            raise ValueError(f"table {n!r} is [{got['vocabulary_size']}, {got['dim']}]"
-                             f"{' dynamic' if got.get('dynamic') else ''} in {directory} but "
-                             f"[{want['vocabulary_size']}, {want['dim']}]"
-                             f"{' dynamic' if want.get('dynamic') else ''} in the target")
-    keys = {k: shape for k, shape in shapes.items() if k.split("/", 1)[0] in names and (
-        slots or k.endswith("/parameters") or f"/{VOCAB}" in k)}
-    if slots:  # the admission counts, which each entry published with slots carries whole
-        keys.update({f"{n}/{VOCAB}{PENDING}": fmt.VARIABLE for n in names
-                     if own[n].get("dynamic") is not None})
-    state = fmt.replay(run, manifests, keys)
-    if slots and not missing:
-        state["step"] = torch.tensor(last["step"], dtype=torch.int64)
+
+    def read(run: list[fmt.Entry], manifests: list[dict[str, Any]]
+             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        last = manifests[-1]
+        slotted = all(m.get("slots") for m in manifests)
+        if slots and strict and not slotted:
+            raise ValueError(f"{directory} was published with slots=False (entries "
+                             f"{[m['seq'] for m in manifests if not m.get('slots')]}): it holds "
+                             f"no optimizer slots to resume training from; load it with "
+                             f"slots=False for the parameters only")
+        saved = last["engine"].get("tables", {})
+        names = [n for n in own if n in saved]
+        missing = [n for n in own if n not in saved]
+        if missing and strict:
+            raise KeyError(f"tables {missing} are not in {directory} (it has {sorted(saved)}); "
+                           f"load with strict=False to skip them")
+        for n in names:
+            got, want = saved[n], own[n]
+            if (got["vocabulary_size"], got["dim"]) != (want["vocabulary_size"], want["dim"]) \
+                    or (got.get("dynamic") is None) != (want.get("dynamic") is None):
+                raise ValueError(f"table {n!r} is [{got['vocabulary_size']}, {got['dim']}]"
+                                 f"{' dynamic' if got.get('dynamic') else ''} in {directory} "
+                                 f"but [{want['vocabulary_size']}, {want['dim']}]"
+                                 f"{' dynamic' if want.get('dynamic') else ''} in the target")
+        complete = slots and not missing  # (the step needs every table with all its slots)
+        keys: dict[str, tuple[int, ...]] = {}
+        for k, shape in shapes.items():
+            n, _, what = k.partition("/")
+            if n not in names:
+                continue
+            if what == "parameters" or what.startswith(VOCAB):
+                keys[k] = shape
+            elif not slots:
+                continue
+            elif slotted and what in (saved[n].get("slots") or ()):
+                keys[k] = shape
+            elif strict:
+                raise KeyError(f"slot {what!r} of table {n!r} is not in {directory} (published "
+                               f"with optimizer {saved[n].get('optimizer')}); load with "
+                               f"slots=False for parameters only, or strict=False to skip it")
+            else:
+                complete = False
+        if slots and slotted:  # the admission counts, which each entry with slots carries whole
+            keys.update({f"{n}/{VOCAB}{PENDING}": fmt.VARIABLE for n in names
+                         if own[n].get("dynamic") is not None})
+        state = fmt.replay(run, manifests, keys)
+        if complete:
+            state["step"] = torch.tensor(last["step"], dtype=torch.int64)
+        return last, state
+
+    last, state = fmt.newest(directory, read)
     engine.load_state_dict(state, strict=False)
     with engine.quiescent() as store:  # later publishes continue this chain
         store.track().take(_key(directory))  # (from now on: what the load wrote is in it)
         old = _publishers(engine).get(_key(directory))
         used = {p: u for p in range(len(store)) if (u := store.in_use(p)) is not None}
         _publishers(engine)[_key(directory)] = _Publisher(
-            old.lock if old is not None else None, last["seq"], last["id"],
+            old.lock if old is not None else None, last["seq"], last["id"], last.get("chain"),
             bool(last.get("slots")), 0, used=used)
     return {**last["engine"], "step": last["step"], "seq": last["seq"]}

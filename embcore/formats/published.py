@@ -17,8 +17,10 @@ mid-publish leaves only a ``.tmp-`` directory, removed by the next publish once 
 gone). Its ``manifest.json`` is plain JSON: ``{"format", "format_version", "seq", "kind"
 ("snapshot" | "delta"), "id" (random, unique), "previous" ({"seq", "id"} of the entry it follows,
 or None for the first snapshot of a chain), "step", "slots", "spec", "serving_spec", "engine"
-(the engine's manifest), "world_size", "files" ({file: {tensor key: CRC-32}}), "rows"
-({table: rows carried}), "bytes", "time"}``.
+(the engine's manifest), "world_size", "files" ({file: {tensor key: CRC-32}}), "sizes" ({file:
+bytes}), "chain" (the id of the chain's first entry), "rows" ({table: rows carried}), "bytes",
+"time"}``. ("sizes" and "chain" are absent from entries written before them; such entries are
+read as before: see Chains below.)
 
 Each process writes its rows into **part files** of at most ``PART_BYTES`` (``torch.save`` of a
 flat ``{key: tensor}``, read back with ``weights_only=True``): per logical table ``T`` it holds,
@@ -44,28 +46,47 @@ Why ``torch.save`` files and not ``torch.distributed.checkpoint`` (which ``ec.sa
 delta is a different, small set of rows on each process each time; DCP plans tensors of global
 shapes and reshards them, which a delta does not need (rows carry their numbers), and stores its
 index as a pickle. A part file is a zip of raw tensor bytes that torch reads without unpickling
-code (``weights_only``) and can map (``mmap``), and whose bytes we checksum ourselves.
+code (``weights_only``), and whose bytes we checksum ourselves.
 
 Integrity: every tensor's bytes have a CRC-32 (zlib's; 4 GB/s here) in the manifest, checked
 before any value is used; a mismatch, a missing or unreadable file, a missing entry in the
 chain or a predecessor that is not the one named is a ``PublishError`` (a ValueError) naming it.
+
+Reading: a reader shares the directory with others who may change it, so every file is opened
+without following a symbolic link and without blocking (``O_NOFOLLOW | O_NONBLOCK``), must be a
+regular file (not a FIFO, a device, a directory) of the size its manifest states (a manifest: at
+most ``MANIFEST_BYTES``), and is read into memory, never mapped: a file truncated while it is
+read is a ``PublishError``, never a ``SIGBUS``; anything else is a ``PublishError`` naming the
+file. An entry removed while it is read (the writer's retention) is an ``EntryGone``: readers
+read the newest chain again (``newest``).
+
+Chains: a directory holds one model's chain of entries. Its first entry's id is the chain's
+identity, which every entry carries (``chain``); a trainer that publishes into a directory
+holding entries continues its chain (its first snapshot names the newest entry as its
+predecessor). A reader refuses an entry of another chain (a snapshot copied in from another
+directory), a snapshot naming no predecessor that is not the chain's first entry, and a
+predecessor that is present under another id. The directory's identity is the ``chain`` of its
+oldest entry that carries one; entries written before chains were kept carry none and are
+accepted as before while no older entry carries one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar, cast
 
 import torch
 
@@ -76,13 +97,23 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = ".writer.lock"
 PART_BYTES = 256 << 20  # a part file holds at most about this many bytes of tensors
+MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused unread
+READ_TRIES = 8  # readers read the newest chain again this often when retention removes entries
 _ENTRY = re.compile(r"^(\d{8})-(snapshot|delta)$")
 _TMP = re.compile(r"^\.tmp-(\d{8})-(\d+)-([0-9a-f]+)$")
 
 
 class PublishError(ValueError):
     """A publish directory that cannot be read as it must be: a corrupt or missing file, a gap
-    in its chain, an entry of another format."""
+    in its chain, an entry of another format or another chain."""
+
+
+class EntryGone(PublishError):
+    """An entry removed while it was read (the writer's retention): read the newest chain
+    again."""
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -97,10 +128,22 @@ class Entry:
         """The entry's manifest, checked for format. Raises PublishError."""
         path = self.path / MANIFEST
         try:
-            m = json.loads(path.read_text(encoding="utf-8"))
+            fd = open_regular(path)
         except FileNotFoundError:
+            if not os.path.lexists(self.path):
+                raise EntryGone(f"{self.path} was removed while it was read") from None
             raise PublishError(f"{path} is missing: the entry is incomplete") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        try:
+            size = os.fstat(fd).st_size
+            if size > MANIFEST_BYTES:
+                raise PublishError(f"{path} is {size} bytes, more than a manifest's "
+                                   f"{MANIFEST_BYTES}; the entry is corrupt")
+            raw = read_exactly(fd, size, path)
+        finally:
+            os.close(fd)
+        try:
+            m = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise PublishError(f"{path} is unreadable or not JSON ({e}); the entry is "
                                f"corrupt") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -120,6 +163,12 @@ class Entry:
                 isinstance(f, str) and f == os.path.basename(f) and f not in ("", ".", "..")
                 and isinstance(k, dict) for f, k in files.items()):
             raise PublishError(f"{path}: a malformed file list")
+        sizes = m.get("sizes")
+        if sizes is not None and not (isinstance(sizes, dict) and set(sizes) == set(files) and all(
+                type(n) is int and n >= 0 for n in sizes.values())):
+            raise PublishError(f"{path}: a malformed list of file sizes")
+        if m.get("chain") is not None and not isinstance(m["chain"], str):
+            raise PublishError(f"{path}: a malformed chain identity {m['chain']!r}")
         return m
 
 
@@ -153,15 +202,23 @@ def chain(directory: Path, after: tuple[int, str] | None = None) -> list[Entry]:
     """The entries a reader applies, in order, to reach the newest state.
 
     ``after``: the ``(seq, id)`` the reader holds (None: nothing). When the entries after it
-    link to it one by one, those; otherwise (nothing held, the reader fell behind entries that
-    were removed, or the writer started a new chain) the newest snapshot and the entries after
-    it. Empty: nothing newer.
+    link to it one by one, those; otherwise (nothing held, or the reader fell behind entries
+    that were removed) the newest snapshot and the entries after it. Empty: nothing newer.
+    Every entry returned belongs to the directory's chain (module docstring, Chains).
 
     Raises:
         PublishError: no snapshot to start from; an entry missing between two others, or one
-            whose predecessor is not the entry before it.
+            whose predecessor is not the entry before it; an entry of another chain.
+        EntryGone: an entry was removed while it was read (read again).
     """
     found = entries(directory)
+    run = _run(directory, found, after)
+    if run:
+        _check_chain(found, run)
+    return run
+
+
+def _run(directory: Path, found: list[Entry], after: tuple[int, str] | None) -> list[Entry]:
     if after is not None:
         newer = [e for e in found if e.seq > after[0]]
         if not newer:
@@ -196,15 +253,175 @@ def _linked(run: list[Entry]) -> list[Entry]:
             raise PublishError(f"entry {run[i - 1].seq + 1} is missing from "
                                f"{e.path.parent} (found {run[i - 1].seq}, then {e.seq})")
         previous = m.get("previous")
-        if e.kind == "delta" and (not isinstance(previous, dict) or (
-                previous.get("seq"), previous.get("id")) != (run[i - 1].seq, ids[e.seq - 1])):
+        if (e.kind == "delta" or previous is not None) and (
+                not isinstance(previous, dict) or (previous.get("seq"), previous.get("id"))
+                != (run[i - 1].seq, ids[e.seq - 1])):
             raise PublishError(f"{e.path} does not follow {run[i - 1].path.name} (it names "
                                f"{previous!r} as its predecessor): two writers, or a damaged "
                                f"directory")
     return run
 
 
+def identity(found: Sequence[Entry]) -> tuple[str | None, int | None]:
+    """The chain identity of a directory whose entries are ``found``: the ``chain`` of its
+    oldest entry that carries one (entries that cannot be read are passed over), and that
+    entry's number; ``(None, None)`` when none carries one (written before chains were kept)."""
+    for e in found:
+        try:
+            own = e.manifest().get("chain")
+        except PublishError:
+            continue
+        if own is not None:
+            return own, e.seq
+    return None, None
+
+
+def _check_chain(found: list[Entry], run: list[Entry]) -> None:
+    """Refuses an entry of ``run`` that is not of the directory's chain (module docstring,
+    Chains), naming it and why."""
+    ident, since = identity(found)
+    at = {e.seq: e for e in found}
+    for e in run:
+        m = e.manifest()
+        own = m.get("chain")
+        if own is None:
+            if since is not None and e.seq > since:
+                raise PublishError(
+                    f"{e.path} carries no chain identity but follows entry {since} of the "
+                    f"directory's chain {ident}: it was written elsewhere (or by an older "
+                    f"embcore) and copied in; a directory holds one model's chain, so it is "
+                    f"refused (remove it)")
+            continue
+        if own != ident:
+            raise PublishError(
+                f"{e.path} belongs to chain {own}, not to this directory's chain {ident} (that "
+                f"of entry {since}): it was copied in from another publish directory; a "
+                f"directory holds one model's chain, so it is refused (remove it)")
+        previous = m.get("previous")
+        if previous is None:
+            if m.get("id") != own:
+                raise PublishError(
+                    f"{e.path} names no predecessor, yet it is not the first entry of its chain "
+                    f"{own}; an entry after the first must name one, so it is refused")
+            continue
+        if not isinstance(previous, dict) or type(previous.get("seq")) is not int or \
+                previous["seq"] >= e.seq:
+            raise PublishError(f"{e.path} names {previous!r} as its predecessor, not an "
+                               f"earlier entry; the entry is corrupt")
+        named = at.get(previous["seq"])
+        if named is not None and e.kind == "snapshot":
+            try:
+                got = named.manifest().get("id")
+            except PublishError:  # (unreadable, or gone: nothing to compare)
+                continue
+            if got != previous.get("id"):
+                raise PublishError(
+                    f"{e.path} names entry {previous['seq']} with id {previous.get('id')!r} as "
+                    f"its predecessor, but {named.path.name} has id {got!r}: it continues "
+                    f"another copy of this chain, so it is refused")
+
+
+def newest(directory: Path, read: Callable[[list[Entry], list[dict[str, Any]]], _T]) -> _T:
+    """``read(run, manifests)`` of the newest chain (``chain(directory)``), read again when the
+    writer's retention removes one of its entries meanwhile (``EntryGone``), ``READ_TRIES``
+    times at most.
+
+    Raises:
+        PublishError: what ``chain`` and ``read`` raise; entries removed while read every time.
+    """
+    gone: EntryGone | None = None
+    for _ in range(READ_TRIES):
+        try:
+            run = chain(directory)
+            return read(run, [e.manifest() for e in run])
+        except EntryGone as e:
+            gone = e
+    raise removed_too_often(directory, gone)
+
+
+def removed_too_often(directory: Path, gone: BaseException | None) -> PublishError:
+    return PublishError(
+        f"{directory}: entries were removed while they were read, {READ_TRIES} times in a row "
+        f"({gone}): the trainer's retention removes them faster than this reader reads them; "
+        f"publish with a larger keep_snapshots")
+
+
+def continuation(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """What a trainer's first entry in ``directory`` names: its predecessor (``{"seq", "id"}``
+    of the newest entry that can be read; None when there is none) and the directory's chain
+    identity (None: none yet, the entry starts one)."""
+    found = entries(directory)
+    previous = None
+    for e in reversed(found):
+        try:
+            previous = {"seq": e.seq, "id": e.manifest()["id"]}
+            break
+        except (PublishError, KeyError):
+            continue
+    return previous, identity(found)[0]
+
+
 # ------------------------------------------------------------------------------------ files
+_READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: opened without
+    following a symbolic link and without blocking (a FIFO would), then checked.
+
+    Raises:
+        FileNotFoundError: no such file.
+        PublishError: a symbolic link, a FIFO, a device, a directory, ..., or a file that cannot
+            be opened, named.
+    """
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
+        raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
+                           f"regular files, read without following links")
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if os.path.islink(path):
+            raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
+                               f"regular files, read without following links") from None
+        raise PublishError(f"{path} cannot be opened: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise PublishError(f"{path} is {_kind(mode)}, not a regular file; a publish "
+                               f"directory's files are regular files")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_exactly(fd: int, size: int, path: Path) -> bytes:
+    """``size`` bytes from the start of ``fd``. Raises PublishError: the file ended first (it
+    was truncated)."""
+    out = bytearray(size)
+    view = memoryview(out)
+    got = 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise PublishError(f"{path} ended after {got} of its {size} bytes: it was "
+                               f"truncated while it was read")
+        got += n
+    return bytes(out)
+
+
 def crc(t: torch.Tensor) -> int:
     """CRC-32 of a CPU tensor's bytes (row-major)."""
     flat = t.detach().contiguous().reshape(-1)
@@ -213,35 +430,95 @@ def crc(t: torch.Tensor) -> int:
     return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
+class _Sink:
+    """A file ``torch.save`` writes to, which keeps the OSError of a failed write (torch
+    reports it as a RuntimeError of its own)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        try:
+            return int(self.f.write(b))
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError a RuntimeError of ``torch.save`` stands for: one in its causes, or, where its
+    message says so, a full disk; None when it says nothing of the kind."""
+    seen: set[int] = set()
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen:
+        if isinstance(at, OSError) and at.errno is not None:
+            return at
+        seen.add(id(at))
+        at = at.__cause__ or at.__context__
+    if "No space left on device" in str(e):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
 def write_part(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Writes a part file (fsynced) and returns its tensors' checksums."""
+    """Writes a part file (fsynced) and returns its tensors' checksums.
+
+    Raises:
+        OSError: a write failed (a full disk: errno ENOSPC), naming the file; torch's own
+            error, when it stood for one, is chained.
+    """
     sums = {k: crc(v) for k, v in tensors.items()}
     with open(path, "wb") as f:
-        torch.save(dict(tensors), f)
+        sink = _Sink(f)
+        try:
+            torch.save(dict(tensors), cast(IO[bytes], sink))
+        except (RuntimeError, OSError) as e:
+            cause = sink.error or _os_error(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
         f.flush()
         os.fsync(f.fileno())
     return sums
 
 
-def read_part(path: Path, sums: Mapping[str, int]) -> dict[str, torch.Tensor]:
-    """A part file's tensors (mapped, not copied), every checksum verified.
+def read_part(path: Path, sums: Mapping[str, int], size: int | None = None
+              ) -> dict[str, torch.Tensor]:
+    """A part file's tensors, every checksum verified. The file is read (never mapped: module
+    docstring, Reading), as a regular file of ``size`` bytes (None: an entry written before
+    sizes were kept).
 
     Raises:
-        PublishError: the file is missing, unreadable, holds other keys than the manifest
-            lists, or a tensor whose bytes do not match its checksum (naming file and key).
+        PublishError: the file is missing, not a regular file, not of its size, unreadable,
+            holds other keys than the manifest lists, or a tensor whose bytes do not match its
+            checksum (naming file and key).
+        EntryGone: its entry was removed while it was read.
     """
     try:
-        got = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        fd = open_regular(path)
     except FileNotFoundError:
+        if not os.path.lexists(path.parent):
+            raise EntryGone(f"{path.parent} was removed while it was read") from None
         raise PublishError(f"{path} is missing") from None
-    except Exception as e:  # (a damaged zip: RuntimeError, pickle errors, ...)
-        said = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # (its first sentence:
-        if len(said) > 160:  # torch's next ones speak of its own internals)
-            said = said[:160].rsplit(" ", 1)[0] + " ..."
-        raise PublishError(f"{path} is corrupt or truncated: torch.load cannot read it "
-                           f"({type(e).__name__}: {said}). Its entry cannot be applied; a new "
-                           f"snapshot (ec.publish(..., snapshot=True)) lets followers start "
-                           f"over past it") from None
+    with os.fdopen(fd, "rb") as f:
+        have = os.fstat(fd).st_size
+        if size is not None and have != size:
+            raise PublishError(f"{path} is {have} bytes but its manifest says {size}: the file "
+                               f"is truncated or was replaced")
+        try:
+            got = torch.load(f, weights_only=True, map_location="cpu")
+        except Exception as e:  # (a damaged zip: RuntimeError, pickle errors, ...)
+            said = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # (its first
+            if len(said) > 160:  # sentence: torch's next ones speak of its own internals)
+                said = said[:160].rsplit(" ", 1)[0] + " ..."
+            raise PublishError(f"{path} is corrupt or truncated: torch.load cannot read it "
+                               f"({type(e).__name__}: {said}). Its entry cannot be applied; a "
+                               f"new snapshot (ec.publish(..., snapshot=True)) lets followers "
+                               f"start over past it") from None
     if not isinstance(got, dict) or set(got) != set(sums) or not all(
             isinstance(v, torch.Tensor) for v in got.values()):
         raise PublishError(f"{path} does not hold the tensors its manifest lists")
@@ -256,8 +533,9 @@ def read_entry(entry: Entry, manifest: Mapping[str, Any] | None = None
                ) -> Iterator[dict[str, torch.Tensor]]:
     """Every part file of ``entry`` (verified), one at a time."""
     m = manifest if manifest is not None else entry.manifest()
+    sizes = m.get("sizes") or {}
     for name, sums in m["files"].items():
-        yield read_part(entry.path / name, sums)
+        yield read_part(entry.path / name, sums, sizes.get(name))
 
 
 def parts(tables: Iterable[Iterator[dict[str, torch.Tensor]]]
@@ -351,36 +629,73 @@ def retain(directory: Path, snapshots: int) -> list[Path]:
     return removed
 
 
+def _flock(fd: int) -> None:
+    """An exclusive ``flock`` on ``fd`` without waiting (a no-op where there is none). Raises
+    BlockingIOError: another holds it."""
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX)
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 class WriterLock:
     """The directory's writer lock: one trainer at a time publishes to a directory.
 
     ``flock`` on ``<directory>/.writer.lock``, held until ``release`` (or the process ends,
-    even by ``kill -9``: the kernel drops it). Where ``flock`` is unavailable the sequence
-    check of ``commit`` still refuses a second writer's entry."""
+    even by ``kill -9``: the kernel drops it). The file is opened without following a symbolic
+    link and must be a regular file (a link could make the trainer truncate whatever it names).
+    Where ``flock`` is unavailable the sequence check of ``commit`` still refuses a second
+    writer's entry.
+
+    Raises:
+        RuntimeError: another process holds the lock.
+        PublishError: the lock is a symbolic link, a FIFO, a directory, ...
+    """
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / LOCK
-        self._file = open(self.path, "a+", encoding="utf-8")
+        self._fd: int | None = None
+        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        refused = (f"{self.path} is {{}}; a publish directory's writer lock must be a regular "
+                   f"file: remove it and publish again")
+        if not hasattr(os, "O_NOFOLLOW") and os.path.islink(self.path):
+            raise PublishError(refused.format("a symbolic link"))
         try:
-            import fcntl
-        except ImportError:  # (not POSIX)
-            return
-        try:
-            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            who = self._file.read().strip() or "another process"
-            self._file.close()
-            raise RuntimeError(f"another trainer publishes to {directory} ({who}); one "
-                               f"directory takes one trainer's entries") from None
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        self._file.flush()
+            fd = os.open(self.path, flags, 0o644)
+        except OSError:
+            if os.path.islink(self.path):
+                raise PublishError(refused.format("a symbolic link")) from None
+            raise
+        try:  # (closed again on any failure: a lock never outlives a failed publish)
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise PublishError(refused.format(_kind(mode)))
+            try:
+                _flock(fd)
+            except BlockingIOError:
+                who = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                raise RuntimeError(f"another trainer publishes to {directory} "
+                                   f"({who or 'another process'}); one directory takes one "
+                                   f"trainer's entries") from None
+            with contextlib.suppress(OSError):  # (who holds it, for a second trainer's error;
+                os.ftruncate(fd, 0)             # a full disk does not stop the lock)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
 
     def release(self) -> None:
-        self._file.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+    def __del__(self) -> None:  # (a trainer dropped: its lock goes with it)
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 # ------------------------------------------------------------------------------------ replay
@@ -420,9 +735,14 @@ def apply_part(part: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor],
                 dest = state[k] = torch.zeros(shapes[k], dtype=v.dtype)
             if columns is not None and v.shape[1] != dest.shape[1]:
                 c0, c1 = (int(c) for c in columns)
-                dest[rows, c0:c1] = v.to(dest.dtype)
+                width = c1 - c0
             else:
-                dest[rows] = v.to(dest.dtype)
+                c0, c1, width = 0, dest.shape[1], dest.shape[1]
+            if tuple(v.shape[1:]) != (width,):
+                raise PublishError(f"{k} has shape {list(v.shape)} in the entry but {width} "
+                                   f"columns are read into (another optimizer's slot of that "
+                                   f"name?)")
+            dest[rows, c0:c1] = v.to(dest.dtype)
 
 
 def replay(run: list[Entry], manifests: Sequence[Mapping[str, Any]],

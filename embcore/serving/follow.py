@@ -120,21 +120,23 @@ class PublishedModule(ServingModule):
     """
 
     def __init__(self, directory: Path, quantize: Any = None) -> None:
-        run = fmt.chain(directory)
-        manifests = [e.manifest() for e in run]
-        last = manifests[-1]
-        spec = EmbeddingSpec.from_dict(last["serving_spec"])
-        template = spec.feature_config
-        configs = list(dict.fromkeys(f.table for _, f in leaves_with_paths(template,
-                                                                            _is_feature)))
-        names = resolve_table_names(configs)
-        shapes: dict[str, tuple[int, ...]] = {}
-        for t, n in names.items():
-            shapes[f"{n}/parameters"] = (t.vocabulary_size, t.dim)
-            if t.dynamic is not None:
-                shapes[f"{n}/{VOCAB}ids"] = (t.vocabulary_size, 1)
-                shapes[f"{n}/{VOCAB}last_use"] = (t.vocabulary_size, 1)
-        state = fmt.replay(run, manifests, shapes)  # (checks every part it reads)
+        def read(run: list[fmt.Entry], manifests: list[dict[str, Any]]
+                 ) -> tuple[dict[str, Any], Any, dict[Any, str], dict[str, torch.Tensor]]:
+            last = manifests[-1]
+            template = EmbeddingSpec.from_dict(last["serving_spec"]).feature_config
+            configs = list(dict.fromkeys(f.table for _, f in leaves_with_paths(template,
+                                                                                _is_feature)))
+            names = resolve_table_names(configs)
+            shapes: dict[str, tuple[int, ...]] = {}
+            for t, n in names.items():
+                shapes[f"{n}/parameters"] = (t.vocabulary_size, t.dim)
+                if t.dynamic is not None:
+                    shapes[f"{n}/{VOCAB}ids"] = (t.vocabulary_size, 1)
+                    shapes[f"{n}/{VOCAB}last_use"] = (t.vocabulary_size, 1)
+            return last, template, names, fmt.replay(run, manifests, shapes)  # (all checked)
+
+        # (read again from the newest snapshot when retention removes an entry meanwhile)
+        last, template, names, state = fmt.newest(directory, read)
         self_maps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         vocabularies = {}
         for t, n in names.items():
@@ -183,12 +185,15 @@ class PublishedModule(ServingModule):
         An entry that cannot be read (corrupt, missing, out of the chain) is skipped when a
         newer snapshot follows it: the module starts over from the newest snapshot, as
         ``load_published`` would, and a ``RuntimeWarning`` names what it skipped. Without a
-        newer snapshot the error is raised; a later refresh tries again.
+        newer snapshot the error is raised; a later refresh tries again. An entry the trainer's
+        retention removes while it is read is no error: the refresh reads on from where it is
+        (from the newest snapshot when it fell behind), ``fmt.READ_TRIES`` times at most.
 
         Raises:
             PublishError (a ValueError): a corrupt or missing entry, or a broken chain, that no
-                newer snapshot follows; or a directory now holding another model (other
-                tables): the module keeps the last entry it applied.
+                newer snapshot follows; an entry of another chain (copied in from another
+                directory); or a directory now holding another model (other tables): the
+                module keeps the last entry it applied.
         """
         if on_entry is not None and not callable(on_entry):
             raise TypeError(f"on_entry must be a callable taking an entry's manifest, got "
@@ -196,26 +201,33 @@ class PublishedModule(ServingModule):
         _, one = self._locks()
         with one:  # one refresh at a time
             applied = [0]
-            try:
+            skipped = False  # (past an unreadable entry: from the newest snapshot)
+            gone: fmt.EntryGone | None = None
+            for _ in range(fmt.READ_TRIES):
                 try:
-                    run = fmt.chain(self.directory, (self.version, self._id))
-                except fmt.PublishError as e:  # (a missing entry, a broken chain)
-                    raise _Unreadable(self.version + 1, e) from e
-                self._apply_entries(run, on_entry, applied)
-            except _Unreadable as bad:
-                newest = [e.seq for e in fmt.entries(self.directory)
-                          if e.kind == "snapshot" and e.seq > bad.seq]
-                if not newest:
-                    raise bad.error from None
-                warnings.warn(
-                    f"{self.directory}: entry {bad.seq} cannot be read ({bad.error}); skipped "
-                    f"entries {bad.seq}..{newest[-1] - 1} and started over from snapshot "
-                    f"{newest[-1]}", RuntimeWarning, stacklevel=2)
-                try:
-                    self._apply_entries(fmt.chain(self.directory), on_entry, applied)
-                except _Unreadable as again:
-                    raise again.error from None
-        return applied[0]
+                    try:
+                        run = fmt.chain(self.directory,
+                                        None if skipped else (self.version, self._id))
+                    except fmt.PublishError as e:  # (a missing entry, a broken chain)
+                        raise _Unreadable(self.version + 1, e) from e
+                    self._apply_entries(run, on_entry, applied)
+                    return applied[0]
+                except _Unreadable as bad:
+                    if isinstance(bad.error, fmt.EntryGone):  # (retention: read on)
+                        gone = bad.error
+                        continue
+                    if skipped:
+                        raise bad.error from None
+                    newest = [e.seq for e in fmt.entries(self.directory)
+                              if e.kind == "snapshot" and e.seq > bad.seq]
+                    if not newest:
+                        raise bad.error from None
+                    warnings.warn(
+                        f"{self.directory}: entry {bad.seq} cannot be read ({bad.error}); "
+                        f"skipped entries {bad.seq}..{newest[-1] - 1} and started over from "
+                        f"snapshot {newest[-1]}", RuntimeWarning, stacklevel=2)
+                    skipped = True
+            raise fmt.removed_too_often(self.directory, gone)
 
     def _apply_entries(self, run_of: list[fmt.Entry],
                        on_entry: Callable[[Mapping[str, Any]], None] | None,
