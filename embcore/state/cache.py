@@ -838,12 +838,12 @@ class CachedRows:
                 return
             rows = self.log.at(rows)
         if self.sums is not None:  # moved with their checksums: set, or checked when read
-            cache = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
-            slow = list(self.slow.values())
+            fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
+            tier = list(self.slow.values())
             if not to_cache:
-                move_summed(cache, slots, slow, rows, keys, self.sums, verify=False)
+                move_summed(fast, slots, tier, rows, keys, self.sums, verify=False)
                 return
-            bad = move_summed(slow, rows, cache, slots, keys, self.sums, verify=True)
+            bad = move_summed(tier, rows, fast, slots, keys, self.sums, verify=True)
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
             return
