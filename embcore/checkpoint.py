@@ -47,6 +47,7 @@ from .formats.files import agreed_token, fsync_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
 from .online import resume
+from .state.cache import saving
 
 
 def _gather_checksums(engine: Embedding, storage: Mapping[Any, Any],
@@ -165,7 +166,8 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         >>> ec.load(f"{d}/ckpt", emb)["extra"]
         {'epoch': 3}
     """
-    engine, state, v0 = _engine_and_state(obj)  # a collective when sharded
+    with saving():  # (offloaded rows checked; read through the tier's open files)
+        engine, state, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict of JSON-able values or None, got "

@@ -197,11 +197,12 @@ class RowsBuilder:
             numbers = itertools.count(1)  # (a file per array)
 
             def allocate(shape: tuple[int, ...], dtype: torch.dtype,
-                         _: torch.device | None = None) -> torch.Tensor:
+                         _: torch.device | None = None, sums: int = 0) -> torch.Tensor:
                 path = offload.file(f"p{p.index}-{next(numbers)}.bin") if files else None
-                return slow_tensor(path, shape, dtype, pin)
+                return slow_tensor(path, shape, dtype, pin, sums)
 
-            w = allocate((n_local, c1 - c0), p.dtype)
+            w = allocate((n_local, c1 - c0), p.dtype, sums=n_local)  # (the rows' checksums
+            # after the parameters, in their file)
             if p.dynamic and not files:  # (a new file reads as zeros)
                 w.zero_()
             slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device="cpu",
@@ -219,5 +220,11 @@ class RowsBuilder:
                     for spec in specs:
                         slots[spec.name][at].fill_(spec.initial_value)
         bounds = [self.plan.table(n).local_offsets[rank] for n in p.tables] + [n_local]
+        plan = self.plan
+
+        def logical(member: int, row: int) -> int:  # (a static member's row, for messages)
+            return int(plan.table(p.tables[member]).held_rows(rank)[row])
+
         return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
-                          bounds, p.tables, mapped=files, log=log)
+                          bounds, p.tables, mapped=files, log=log,
+                          logical=None if p.dynamic else logical)

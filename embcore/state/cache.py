@@ -33,6 +33,9 @@ ignores the lock, between a check and the accesses after it, can still fault).
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import contextvars
 import errno
 import importlib
 import os
@@ -44,13 +47,14 @@ import time
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from ..formats.files import pid_alive
 from ..kernels import native
+from ..ops.checksum import move_summed
 from ..ops.memory import advise_random, empty_table
 from .cache_index import MAX_CAPACITY, CacheIndex
 from .slow_log import RecordLog, places_for
@@ -80,6 +84,24 @@ SLOW_ROW_MIN_ROWS = 64  # moves of fewer rows are not timed
 # their size every time (an ``fstat``), their path (a ``stat``, three times the cost) at most
 # this often.
 PATH_CHECK_SECONDS = 1.0
+
+SEAL_ROWS = 1 << 16  # rows whose checksums are set or checked at a time (``CachedRows.seal``)
+
+# Inside ``saving()``: the tier is handed out to ``ec.save``, which reads it and writes nothing
+_SAVING: contextvars.ContextVar[bool] = contextvars.ContextVar("embcore_saving", default=False)
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """The tiers handed out inside it are read by a checkpoint's save (``ec.save``): every row
+    is checked against its checksum, and a file whose path was removed or replaced is a warning,
+    not an error: its rows are read through the file still open (docs/semantics.md, tables
+    beyond memory)."""
+    token = _SAVING.set(True)
+    try:
+        yield
+    finally:
+        _SAVING.reset(token)
 
 
 class SlowFile:
@@ -131,8 +153,11 @@ class SlowFile:
         self.check()
         return t
 
-    def check(self, tables: Sequence[str] = (), path: bool = True) -> None:
+    def check(self, tables: Sequence[str] = (), path: bool = True, rescue: bool = False
+              ) -> str | None:
         """Raises unless the file still holds its bytes and (``path``) its path still names it.
+        ``rescue`` (``ec.save``, which reads the rows through the open file): a path removed or
+        replaced is returned, as what to warn of, not raised.
 
         Raises:
             RuntimeError: the file was truncated, or its path removed or replaced (naming the
@@ -148,21 +173,32 @@ class SlowFile:
                 f"(the engine stops here rather than die of SIGBUS). Nothing may write, truncate "
                 f"or replace the files under offload_dir while an engine uses them")
         if not path:
-            return
+            return None
         try:
             at = os.stat(self.path)
         except FileNotFoundError:
+            if rescue:
+                return (f"the slow tier's file {self.path}{of} was removed while the engine ran: "
+                        f"its rows are saved from the file still open. Load the checkpoint into "
+                        f"a new engine; this one stops at its next step")
             raise RuntimeError(
                 f"the slow tier's file {self.path}{of} was removed while the engine ran (its "
-                f"rows are still in the open file, no longer under offload_dir). Nothing may "
-                f"write, truncate, remove or replace the files under offload_dir while an "
-                f"engine uses them") from None
+                f"rows are still in the open file, no longer under offload_dir: ec.save still "
+                f"saves them, to load into a new engine). Nothing may write, truncate, remove "
+                f"or replace the files under offload_dir while an engine uses them") from None
         if (at.st_dev, at.st_ino) != (self.device, self.inode):
+            if rescue:
+                return (f"the slow tier's file {self.path}{of} was replaced by another file while "
+                        f"the engine ran: its rows are saved from the file it created, still "
+                        f"open. Load the checkpoint into a new engine; this one stops at its "
+                        f"next step")
             raise RuntimeError(
                 f"the slow tier's file {self.path}{of} was replaced by another file while the "
-                f"engine ran (its rows are in the file it created, no longer at that path). "
+                f"engine ran (its rows are in the file it created, no longer at that path: "
+                f"ec.save still saves them, to load into a new engine). "
                 f"Nothing may write, truncate, remove or replace the files under offload_dir "
                 f"while an engine uses them")
+        return None
 
     def close(self) -> None:
         """Closes the descriptor (its lock goes; a mapping stays valid)."""
@@ -285,14 +321,28 @@ def slow_file(t: torch.Tensor) -> SlowFile | None:
     return getattr(t, FILE_ATTR, None)
 
 
+# a slow-tier tensor's file may carry its rows' checksums after its rows (``slow_tensor``'s
+# ``sums``): this attribute holds them, an (N,) int32 view of the file (ops/checksum.py)
+SUMS_ATTR = "_embcore_slow_sums"
+SUMS_ALIGN = 4096  # bytes: the checksums start on a page of their own
+
+
+def slow_sums(t: torch.Tensor) -> torch.Tensor | None:
+    """The rows' checksums in the file under a ``slow_tensor`` / ``slow_records`` tensor, if
+    it has them."""
+    return getattr(t, SUMS_ATTR, None)
+
+
 def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
-                pin: bool = False) -> torch.Tensor:
+                pin: bool = False, sums: int = 0) -> torch.Tensor:
     """An uninitialized CPU tensor in the slow tier: a file mapped shared (``path``), or pinned
     host memory (``path`` None and ``pin``), or plain host memory.
 
     The file is new (an existing ``path`` is an error), mode 0600, locked and its disk reserved
     (``SlowFile``, ``reserve``): it reads as zeros. When the disk cannot hold it, nothing is left:
-    the file is removed, and so is its ``OffloadDir`` with the files made before it.
+    the file is removed, and so is its ``OffloadDir`` with the files made before it. With
+    ``sums`` (a file only), the file holds ``sums`` int32 checksums after the tensor's bytes
+    (from the next multiple of ``SUMS_ALIGN``), the tensor's ``slow_sums``.
 
     Raises:
         OSError: errno ``ENOSPC`` / ``EDQUOT``, the disk too small (``reserve``), or another
@@ -304,17 +354,24 @@ def slow_tensor(path: Path | None, shape: tuple[int, ...], dtype: torch.dtype,
     for s in shape:
         numel *= s
     size = max(numel, 1)
+    at = -(-size * dtype.itemsize // SUMS_ALIGN) * SUMS_ALIGN  # (the checksums' first byte)
     try:
-        f = SlowFile(Path(path), size * dtype.itemsize)
+        f = SlowFile(Path(path), at + 4 * sums if sums else size * dtype.itemsize)
     except OSError:
         owner = _DIRS.get(str(Path(path).parent))
         if owner is not None:  # (a construction that fails leaves nothing behind)
             owner.remove()
         raise
-    t = f.map(size, dtype)
+    if not sums:
+        t = f.map(size, dtype)
+    else:  # (the file as bytes: the tensor's, then the checksums')
+        whole = f.map(at + 4 * sums, torch.uint8)
+        t = whole[:size * dtype.itemsize].view(dtype)
     advise_random(t)
     out = t[:numel].view(shape)
     setattr(out, FILE_ATTR, f)
+    if sums:
+        setattr(out, SUMS_ATTR, whole[at:].view(torch.int32))
     return out
 
 
@@ -388,10 +445,12 @@ def slow_records(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]
     dirtied page writes, 4 KiB: a file per array doubled both). ``records(views)`` gives the
     file's ``(places, record)`` bytes and each view's offset in a record."""
     offsets, record = record_layout(fields)
-    raw = slow_tensor(path, (rows if places is None else places, record), torch.uint8)
+    raw = slow_tensor(path, (rows if places is None else places, record), torch.uint8,
+                      sums=rows)
     views = [raw[:, o:o + w * d.itemsize].view(d) for o, (d, w) in zip(offsets, fields)]
     for v in views:
         setattr(v, FILE_ATTR, slow_file(raw))
+        setattr(v, SUMS_ATTR, slow_sums(raw))
         setattr(v, RECORDS_ATTR, (raw, v.data_ptr() - raw.data_ptr()))
     return views
 
@@ -553,9 +612,16 @@ class CachedRows:
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
                  device: torch.device, bounds: Sequence[int], members: Sequence[str],
-                 mapped: bool = False, log: RecordLog | None = None) -> None:
+                 mapped: bool = False, log: RecordLog | None = None,
+                 logical: Callable[[int, int], int] | None = None) -> None:
         self.name, self.slow, self.device = name, slow, device
         self.log = log
+        # the rows' checksums in the files (ops/checksum.py), or None (no files)
+        self.sums = slow_sums(slow["parameters"])
+        self.sealed = False  # every row's checksum is set (``seal``: at the first move)
+        self._checked_whole = False  # every row checked since the last move (``drop``)
+        self.broken: str | None = None  # the error of a row that failed its checksum
+        self._logical = logical  # (member, its shard row) -> its logical row, for messages
         self.rows = log.rows if log is not None else slow["parameters"].shape[0]
         if log is not None:  # (each array's byte offset in a record)
             self._field_at = dict(zip(slow, records(list(slow.values()))[1]))
@@ -623,10 +689,12 @@ class CachedRows:
                 return s
         rows = rows.to(torch.int64)
         cpu_rows = rows.cpu() if rows.device.type != "cpu" else rows
+        self._ready()
         if cpu_rows.numel() > self.capacity:
             self._grow(cpu_rows.numel())
         spare = min(self.capacity // SPARE_SHARE, SPARE_STEPS * cpu_rows.numel())
         self.check_files(moving=True)  # (before the index changes: an error leaves it as it was)
+        self._checked_whole = False
         step = self.index.step(cpu_rows, count, spare=spare)
         assert step is not None  # (the cache holds the step's rows)
         if step.evicted:  # rows left: older answers may be stale
@@ -678,15 +746,74 @@ class CachedRows:
         """Raises RuntimeError, naming the file, when a slow-tier file was truncated, removed or
         replaced (``SlowFile.check``). Before a step resolves its rows (``moving``) the size always
         (one ``fstat`` per file: 1.2 us), the path at most every ``PATH_CHECK_SECONDS`` (a
-        ``stat``: 3 us); else both."""
+        ``stat``: 3 us); else both. Inside ``saving()`` (``ec.save``) a path removed or replaced
+        is a warning: the rows are read through the files still open."""
         if not self.files:
             return
         now = time.monotonic()
         path = not moving or now - self._path_checked >= PATH_CHECK_SECONDS
+        rescue = _SAVING.get()
         for f in self.files:
-            f.check(self.members, path)
+            note = f.check(self.members, path, rescue)
+            if note is not None:
+                warnings.warn(note, RuntimeWarning, stacklevel=2)
         if path:
             self._path_checked = now
+
+    # ---------------------------------------------------------------- the rows' checksums
+    def _ready(self) -> None:
+        """Before rows move: raises the error of a row that failed its checksum (the engine
+        stops there), and sets every row's checksum when they are not all set (``seal``)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        if not self.sealed:
+            self.seal()
+
+    def seal(self) -> None:
+        """Sets every row's checksum from its bytes as they are now: at the first move of rows,
+        and after the tier was handed out whole (``drop``: a write through the view is the
+        caller's); one pass over the tier, ``SEAL_ROWS`` rows at a time."""
+        self._whole(verify=False)
+        self.sealed = True
+
+    def _whole(self, verify: bool) -> None:
+        """Sets (``verify``: checks) the checksums of every row, from the tier."""
+        if self.sums is None:
+            return
+        slow = list(self.slow.values())
+        for a in range(0, self.rows, SEAL_ROWS):
+            keys = torch.arange(a, min(a + SEAL_ROWS, self.rows))
+            places = self.log.at(keys) if self.log is not None else keys
+            bad = move_summed(slow, places, None, None, keys, self.sums, verify)
+            if bad >= 0:
+                self._corrupt(int(keys[bad]))
+
+    def _corrupt(self, row: int) -> None:
+        """Raises (and keeps raising at every later move) the error of shard row ``row``, whose
+        bytes in the tier fail their checksum."""
+        f = slow_file(self.slow["parameters"])
+        m = bisect.bisect_right(self._bounds, row)
+        local = row - (self._bounds[m - 1] if m else 0)
+        what = (f"row {self._logical(m, local)} of table {self.members[m]!r}"
+                if self._logical is not None else
+                f"the row at {local} of table {self.members[m]!r}'s shard on this process (a "
+                f"dynamic table's row: it holds one of its ids)")
+        self.broken = (
+            f"the slow tier's file {f.path if f is not None else '(in memory)'} is corrupt: "
+            f"{what} does not match its checksum: its bytes were changed outside the engine (a "
+            f"failing disk, or another process writing into the file). Its rows cannot be "
+            f"trusted and the engine stops here: restore the tables from the last checkpoint "
+            f"(ec.load into a new engine) and train on from there")
+        raise RuntimeError(self.broken)
+
+    def _check_read(self, places: torch.Tensor, keys: torch.Tensor) -> None:
+        """Checks the rows at ``places`` of the tier (shard rows ``keys``) against their
+        checksums (while every row's is set)."""
+        if self.sums is None or not self.sealed or keys.numel() == 0:
+            return
+        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True)
+        if bad >= 0:
+            self._corrupt(int(keys[bad]))
 
     def _advise(self, rows: torch.Tensor) -> None:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
@@ -702,13 +829,24 @@ class CachedRows:
 
     def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
               direct: bool) -> None:
+        keys = rows  # (the shard rows: the checksums' keys)
         if self.log is not None:  # reads at the rows' places; writes appended
             if not to_cache:
                 self.log.append(rows, {self._field_at[key]: (
                     self.table if key == "parameters" else self.slots[key], slots)
-                    for key in self.slow})
+                    for key in self.slow}, self.sums)
                 return
             rows = self.log.at(rows)
+        if self.sums is not None:  # moved with their checksums: set, or checked when read
+            fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
+            tier = list(self.slow.values())
+            if not to_cache:
+                move_summed(fast, slots, tier, rows, keys, self.sums, verify=False)
+                return
+            bad = move_summed(tier, rows, fast, slots, keys, self.sums, verify=True)
+            if bad >= 0:
+                self._corrupt(int(keys[bad]))
+            return
         for key, slow in self.slow.items():
             cache = self.table if key == "parameters" else self.slots[key]
             src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache
@@ -740,7 +878,9 @@ class CachedRows:
         """Writes every updated cache row back; the cache keeps its rows (now clean)."""
         slots = self.index.dirty_slots()
         if slots.numel():
+            self._ready()
             self.check_files(moving=True)
+            self._checked_whole = False
             self._copy_out(slots, self.index.owner[slots])
             self.index.dirty[slots] = False
 
@@ -748,6 +888,8 @@ class CachedRows:
         """(n, C) copies of shard rows ``rows`` (n,) of ``key`` (``"parameters"`` or a slot):
         from the cache where it holds them, else from the slow tier; nothing moves."""
         rows = rows.to(torch.int64).cpu()
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         self.check_files()
         slow = self.slow[key]
         cache = self.table if key == "parameters" else self.slots[key]
@@ -755,7 +897,9 @@ class CachedRows:
         cached = at >= 0
         out = torch.empty((rows.numel(),) + tuple(slow.shape[1:]), dtype=slow.dtype)
         away = rows[~cached]
-        out[~cached] = slow[self.log.at(away) if self.log is not None else away]
+        places = self.log.at(away) if self.log is not None else away
+        self._check_read(places, away)
+        out[~cached] = slow[places]
         out[cached] = cache[at[cached].to(cache.device)].cpu()
         return out
 
@@ -764,12 +908,26 @@ class CachedRows:
         False: the slow tier is about to be overwritten); its files are checked first (the
         tier is then handed out whole: ``RowStore.local``). A log is compacted: the first N
         records of ``slow``'s arrays are then the shard's rows in order, until the next step
-        writes rows back."""
+        writes rows back.
+
+        The tier handed out may be written through the view: the rows' checksums are set again
+        at the next move (``seal``). Inside ``saving()`` (``ec.save`` reads the view, writes
+        nothing) every row is checked against its checksum instead (once between moves), so
+        that a checkpoint never holds a row that fails it."""
         self.check_files()
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         if write_back:
             self.flush()
         if self.log is not None:
             self.log.compact()
+        if not _SAVING.get():
+            self.sealed = False
+        elif not self.sealed:
+            self.seal()  # (written through an earlier view: the caller's rows)
+        elif not self._checked_whole:
+            self._whole(verify=True)
+        self._checked_whole = self.sealed
         self._allocate(self.capacity)
 
     def stats(self) -> dict[str, dict[str, float | int]]:

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels import native
+from ..ops.checksum import move_summed
 
 SPARE = 0.5  # the file's places beyond its rows, as a share of them
 SEGMENT = 4096  # records a segment holds at most (the cleaner's unit; 4 MiB of 1 KiB records)
@@ -105,12 +106,14 @@ class RecordLog:
         return self.where[rows].to(torch.int64)
 
     # ---------------------------------------------------------------- writes
-    def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]]
-               ) -> None:
+    def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+               sums: torch.Tensor | None = None) -> None:
         """Writes new records of distinct rows ``rows`` (k,) int64 at the head: the bytes of a
         record at offset ``o`` (a field) are those of ``source[at[i]]`` for each
         ``o: (source, at)`` of ``sources`` (a 2-D CPU tensor with rows of the field's width and
-        the (k,) int64 rows of it to take). Their old records become free."""
+        the (k,) int64 rows of it to take). Their old records become free. With ``sums`` (the
+        rows' checksums, (rows,) int32: ops/checksum.py), the rows' checksums are set there,
+        summed from the records written (the fields in order, one ``at`` for all)."""
         k = rows.numel()
         if k == 0:
             return
@@ -120,12 +123,18 @@ class RecordLog:
         self.live.index_add_(0, old // self.segment, torch.full_like(old, -1))
         data = self._staging(k)
         dst = torch.arange(k)
-        for offset, (source, at) in sources.items():
-            view = self._field(data, offset, source)
-            if native.usable(source, at):
-                native.copy_rows(source.contiguous(), at.contiguous(), view, dst)
-            else:
-                view.copy_(source.index_select(0, at.to(source.device)))
+        if sums is not None:  # (one pass: the fields copied and summed)
+            fields = list(sources.items())
+            move_summed([source for _, (source, _) in fields], fields[0][1][1],
+                        [self._field(data, offset, source) for offset, (source, _) in fields],
+                        dst, rows, sums, verify=False)
+        else:
+            for offset, (source, at) in sources.items():
+                view = self._field(data, offset, source)
+                if native.usable(source, at):
+                    native.copy_rows(source.contiguous(), at.contiguous(), view, dst)
+                else:
+                    view.copy_(source.index_select(0, at.to(source.device)))
         self._place(rows, data)
         self.written += k
 

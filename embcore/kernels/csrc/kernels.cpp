@@ -23,7 +23,7 @@
 //   lookup.h       ec_lookup
 //   update.h       EcHyper, ec_hyper_*, ec_sparse_update
 //   inputs.h       ec_minmax, ec_offsets_error, ec_first_unordered, ec_combiner_scales, ec_bag_of
-//   rows.h         ec_copy_rows, ec_will_need
+//   rows.h         ec_copy_rows, ec_will_need, ec_copy_rows_summed (the slow tier's checksums)
 //   vocab.h        ec_vocab_* (ec_vocab_find_many, ec_vocab_step_many: a stack's maps at
 //                  once), ec_init_normal
 //   cache_index.h  ec_cache_step, ec_set_flags

@@ -14,6 +14,7 @@ from ...numerics.rounding import ROW_TYPES
 from ..args import (
     ANY,
     F32,
+    I32,
     I64,
     INT,
     INT64,
@@ -224,6 +225,46 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor,
     size, n = src.element_size(), src_rows.numel()
     _COPY_ROWS.call((src, None), src.stride(0) * size, (src_rows, None), (dst, src),
                     dst.stride(0) * size, (dst_rows, n), n, src.shape[-1] * size, threads())
+
+
+_COPY_ROWS_SUMMED = Kernel("ec_copy_rows_summed", INT64, [
+    ("src", read_rows(ANY)),          # rows src_stride bytes apart
+    ("src_stride", INT64),
+    ("src_rows", read(I64)),          # (n,)
+    ("dst", written_rows(ANY)),       # rows dst_stride bytes apart, src's dtype and width
+    ("dst_stride", INT64),
+    ("dst_rows", read(I64)),          # (n,)
+    ("n", INT64),
+    ("row_bytes", INT64),
+    ("copy", INT),
+    ("keys", read(I64)),              # (n,) the rows' shard rows
+    ("acc", written(I32)),            # (n,) the checksums so far
+    ("first", INT),
+    ("sums", written(I32, optional=True)),  # (N,) the tier's checksums, by shard row
+    ("verify", INT),
+    ("nt", INT),
+])
+
+
+def copy_rows_summed(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor | None,
+                     dst_rows: torch.Tensor | None, keys: torch.Tensor, acc: torch.Tensor,
+                     first: bool, sums: torch.Tensor | None = None, verify: bool = False
+                     ) -> int:
+    """One array's part of a move of rows with their checksums (ops/checksum.py): ``dst[dst_rows]
+    = src[src_rows]`` unless ``dst`` is None, and each row's bytes folded into its checksum
+    ``acc`` ((n,) int32; ``first``: started from its key ``keys[i]``, the shard row). The last
+    array's call passes ``sums`` ((N,) int32, by key): ``verify``, each must equal its row's
+    checksum, else it is set to it. Returns the first row (of ``src_rows``' order) whose checksum
+    differs, or -1. 2-D CPU tensors of one dtype and width, rows contiguous; index tensors (n,)
+    int64, contiguous, in range."""
+    size, n = src.element_size(), src_rows.numel()
+    copy = dst is not None
+    if dst is None or dst_rows is None:
+        dst, dst_rows = src, src_rows
+    return int(_COPY_ROWS_SUMMED.call(
+        (src, None), src.stride(0) * size, (src_rows, None), (dst, src), dst.stride(0) * size,
+        (dst_rows, n), n, src.shape[-1] * size, int(copy), (keys, n), (acc, n), int(first),
+        (sums, None), int(verify), threads()))
 
 
 _WILL_NEED = Kernel("ec_will_need", INT64, [
