@@ -28,7 +28,13 @@ import embcore as ec
 from embcore.config.budget import parse_budget
 from embcore.config.tables import INIT_BLOCK_ROWS, initial_rows
 from embcore.ops.workspace import Workspace
-from embcore.planning.placement import STRATEGIES, Placement, make_placement, split_sizes
+from embcore.planning.placement import (
+    STRATEGIES,
+    Placement,
+    WholeTable,
+    make_placement,
+    split_sizes,
+)
 from embcore.planning.plan import make_plan
 from embcore.state.build import RowsBuilder
 
@@ -184,8 +190,8 @@ def _old_held_rows(p: Placement, rank: int) -> torch.Tensor:
     """The rows each strategy listed before it counted them (the oracle)."""
     if p.strategy in ("replicated", "column"):
         return torch.arange(p.rows)
-    if p.strategy == "table":
-        return torch.arange(p.rows if rank == getattr(p, "owner") else 0)
+    if isinstance(p, WholeTable):
+        return torch.arange(p.rows if rank == p.owner else 0)
     if p.strategy in ("row_div", "hash"):
         sizes = split_sizes(p.rows, p.world)
         start = sum(sizes[:rank])
@@ -313,12 +319,12 @@ def test_an_integral_float_budget_is_taken_exactly_and_a_string_in_decimal():
 
 
 @pytest.mark.parametrize("value, error, message", [
-    (1.5, ValueError, r"memory_budget 1\.5 is 1\.5 bytes, not a whole number of bytes; "
-                      r"write a whole number, e\.g\. 1 or 2"),
+    (1.5, ValueError, (r"memory_budget 1\.5 is 1\.5 bytes, not a whole number of bytes; "
+                       r"write a whole number, e\.g\. 1 or 2")),
     (1e9 + 0.5, ValueError, "not a whole number of bytes"),
     ("1.5B", ValueError, r"memory_budget '1\.5B' is 1\.5 bytes, not a whole number"),
-    ("0.1KiB", ValueError, r"is 102\.4 bytes, not a whole number of bytes; write a whole "
-                           r"number, e\.g\. 102 or 103"),
+    ("0.1KiB", ValueError, (r"is 102\.4 bytes, not a whole number of bytes; write a whole "
+                            r"number, e\.g\. 102 or 103")),
     (float("nan"), ValueError, "memory_budget must be a finite number of bytes, got nan"),
     (float("inf"), ValueError, "memory_budget must be a finite number of bytes, got inf"),
     (-1.0, ValueError, r"memory_budget must be >= 0 bytes, got -1\.0"),
