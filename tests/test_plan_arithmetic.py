@@ -12,6 +12,7 @@ instead of taking the machine's memory.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,13 +153,15 @@ def test_a_2_33_row_table_is_planned_by_counting():
 
 
 @pytest.mark.slow
-def test_the_criteo_spec_with_2_33_rows_fails_fast_with_the_budget_error(tmp_path):
-    """examples/criteo/spec.json edited to 2^33 rows for C3 and a "4GiB" budget, trained with
-    ``train.py --spec``: the budget's error (the dynamic tables' maps, 49 bytes a row, are over
-    it), raised where the engine is made, before any table-sized allocation."""
+@pytest.mark.parametrize("budget", ["4GiB", None])
+def test_the_criteo_spec_with_2_33_rows_fails_fast_with_the_budget_error(tmp_path, budget):
+    """examples/criteo/spec.json edited to 2^33 rows for C3, trained with ``train.py --spec``:
+    with a "4GiB" budget, the budget's error (the dynamic tables' maps, 49 bytes a row, are
+    over it) where the engine is made; without one (the file's null), the build's error that
+    the tables need more than the machine's memory, before it allocates them (4.4 TB)."""
     spec = json.loads((ROOT / "examples/criteo/spec.json").read_text())
     spec["tables"]["C3"]["vocabulary_size"] = 2**33
-    spec["memory_budget"] = "4GiB"
+    spec["memory_budget"] = budget
     file = tmp_path / "spec.json"
     file.write_text(json.dumps(spec))
     got = _child(f"""
@@ -170,10 +173,43 @@ def test_the_criteo_spec_with_2_33_rows_fails_fast_with_the_budget_error(tmp_pat
             "--out", {str(tmp_path / "out")!r}]))
     """, address_space=8 * 2**30)
     assert got["error"] is not None and got["error"][0] == "ValueError", got
-    assert got["error"][1].startswith("memory_budget=4294967296 bytes is below what must stay "
-                                      "in fast memory on process 0"), got
-    assert "the maps of dynamic tables" in got["error"][1]
+    if budget is not None:
+        assert got["error"][1].startswith("memory_budget=4294967296 bytes is below what must "
+                                          "stay in fast memory on process 0"), got
+        assert "the maps of dynamic tables" in got["error"][1]
+    else:
+        need = sum(t["vocabulary_size"] for t in spec["tables"].values()) * (2 * 128 * 4 + 49)
+        assert re.match(rf"tables \['C1', .*'C26'\]: their rows and slots on this process "
+                        rf"need {need} bytes of cpu memory, more than this machine's \d+ "
+                        rf"bytes\. Give the engine a memory_budget", got["error"][1]), got
     assert got["grew"] < GROWTH, f"the child's peak grew by {got['grew'] / MiB:.0f} MiB"
+
+
+def test_tables_beyond_the_devices_memory_are_refused_before_they_are_allocated(monkeypatch):
+    """Without a budget, tables whose rows, slots and maps on this process exceed the
+    machine's physical memory are the build's ValueError, naming them, before any allocation
+    (where the system overcommits, an allocation could succeed and its first write fail)."""
+    from embcore.state import build, id_map
+    big = ec.TableConfig(vocabulary_size=100, dim=8, name="big")
+    small = ec.TableConfig(vocabulary_size=10, dim=8, name="small")
+    emb = ec.Embedding({"b": ec.FeatureConfig(table=big), "s": ec.FeatureConfig(table=small)},
+                       ec.Adagrad(0.1), sharding={"big": "table", "small": "table"})
+
+    def allocate(*args, **kwargs):
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(id_map, "_physical_memory", lambda: 5000)  # bytes
+    monkeypatch.setattr(build, "empty_table", allocate)
+    need = (100 + 10) * 8 * 8
+    with pytest.raises(ValueError, match=rf"tables \['big', 'small'\]: their rows and slots on "
+                                         rf"this process need {need} bytes of cpu memory, more "
+                                         rf"than this machine's 5000 bytes\. Give the engine a "
+                                         rf"memory_budget"):
+        emb.build()
+    monkeypatch.undo()
+    monkeypatch.setattr(id_map, "_physical_memory", lambda: need)  # fits exactly: built
+    emb.build()
+    assert emb.embedding_tables["big"].shape == (100, 8)
 
 
 def test_profile_counts_the_ids_it_sees_not_the_rows_of_the_table():

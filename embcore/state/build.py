@@ -23,6 +23,7 @@ from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, tab
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
+from . import id_map
 from .cache import (
     CachedRows,
     OffloadDir,
@@ -83,6 +84,7 @@ class RowsBuilder:
             ValueError: the rows and slots do not fit in the device's memory (naming the
                 tables and what to do).
         """
+        self._check_fits()
         out: list[Rows] = []
         for p in self.plan.physical:
             try:
@@ -98,6 +100,29 @@ class RowsBuilder:
                     f"(their rows then go to a slow tier, hot rows cached), shard them over "
                     f"more processes, or make them smaller") from None
         return out
+
+    def _check_fits(self) -> None:
+        """A ``ValueError`` before anything is allocated when what the plan keeps in fast memory
+        on this process (rows, slots, maps, caches: ``bytes_per_rank(fast=True)``) is more than
+        the device has: the machine's physical memory on the CPU, the GPU's own."""
+        need = self.plan.bytes_per_rank(fast=True)[self.rank]
+        device = self.device
+        if device.type == "cpu":
+            have, where = id_map._physical_memory(), "this machine's"  # (as the maps' check)
+        elif device.type == "cuda":
+            have = torch.cuda.get_device_properties(device).total_memory
+            where = f"{device}'s"
+        else:
+            return
+        if have is None or need <= have:
+            return
+        big = sorted((p for p in self.plan.physical if not p.offloaded and p.row_counts[self.rank]),
+                     key=lambda p: -p.row_counts[self.rank] * p.bytes_per_row)
+        raise ValueError(
+            f"tables {[n for p in big for n in p.tables]}: their rows and slots on this process "
+            f"need {need} bytes of {device} memory, more than {where} {have} bytes. Give the "
+            f"engine a memory_budget (their rows then go to a slow tier, hot rows cached), "
+            f"shard them over more processes, or make them smaller")
 
     def _rows(self, p: PhysicalTable) -> Rows:
         """Physical table ``p``'s rows object: its kind, chosen here once."""
