@@ -4,7 +4,11 @@ One small class per sharding strategy (docs/semantics.md section 5). Everything 
 strategy is a method here, so the plan, the routing of ids, the exchange and the checkpoint layout
 ask the placement instead of testing strategy names:
 
-- ``held_rows(rank)``: the table's row ids held by ``rank``, in the order of its shard;
+- ``span(rank)``: the table's rows held by ``rank`` as arithmetic, ``(first, stride, count)``:
+  its local row i is row ``first + i * stride`` (every strategy holds evenly spaced rows), so
+  the planner counts rows of tables of any size without making a tensor per row;
+- ``held_rows(rank)`` / ``held_block(rank, start, stop)``: those row ids as a tensor, all of them
+  or local rows ``start .. stop`` only (to go over a large shard in bounded blocks);
 - ``columns(rank)``: the column range ``[c0, c1)`` held by ``rank``;
 - ``owner_of(rows)``: the rank holding each row and its index in that rank's rows of the table;
 - ``held_everywhere`` / ``splits_columns``: whether a lookup needs no exchange (every process
@@ -50,14 +54,27 @@ class Placement:
     def check(cls, table: str, dim: int, optimizer: Any, world: int) -> None:
         """Raises ValueError when the strategy cannot hold this table (at plan time)."""
 
-    def held_rows(self, rank: int) -> torch.Tensor:
-        """(n_r,) int64 row ids held by ``rank``, in local order."""
-        return torch.arange(self.rows)
+    def span(self, rank: int) -> tuple[int, int, int]:
+        """``(first, stride, count)`` of the rows ``rank`` holds: its local row i is row
+        ``first + i * stride``, for i in ``0 .. count - 1``."""
+        return 0, 1, self.rows
 
     def held_count(self, rank: int) -> int:
         """How many rows ``rank`` holds (``len(held_rows(rank))``, without making the ids: the
         planner counts rows of tables it must not materialize)."""
-        return self.rows
+        return self.span(rank)[2]
+
+    def held_rows(self, rank: int) -> torch.Tensor:
+        """(n_r,) int64 row ids held by ``rank``, in local order (8 bytes a row: for a large
+        shard, ``held_block`` or ``span``)."""
+        return self.held_block(rank, 0, self.held_count(rank))
+
+    def held_block(self, rank: int, start: int, stop: int) -> torch.Tensor:
+        """Row ids of ``rank``'s local rows ``start .. stop - 1`` (clipped to its rows)."""
+        first, stride, count = self.span(rank)
+        start, stop = max(0, min(start, count)), max(0, min(stop, count))
+        return torch.arange(max(0, stop - start), dtype=torch.int64) * stride + (
+            first + start * stride)
 
     def columns(self, rank: int) -> tuple[int, int]:
         return 0, self.dim
@@ -83,21 +100,18 @@ class WholeTable(Placement):
     strategy = "table"
     replicated = False
 
-    def held_rows(self, rank: int) -> torch.Tensor:
-        return torch.arange(self.rows if rank == self.owner else 0)
-
-    def held_count(self, rank: int) -> int:
-        return self.rows if rank == self.owner else 0
+    def span(self, rank: int) -> tuple[int, int, int]:
+        return 0, 1, self.rows if rank == self.owner else 0
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.full_like(rows, self.owner), rows
 
 
-def _block_rows(p: Placement, rank: int) -> torch.Tensor:
-    """The rows ``rank`` holds of ``p``'s rows in W contiguous blocks (``RowDiv``, ``Hashed``)."""
-    sizes = split_sizes(p.rows, p.world)
-    start = sum(sizes[:rank])
-    return torch.arange(start, start + sizes[rank])
+def _block_span(p: Placement, rank: int) -> tuple[int, int, int]:
+    """The rows ``rank`` holds of ``p``'s rows in W contiguous blocks (``RowDiv``, ``Hashed``),
+    the first ``rows % W`` one row longer: ``(first, 1, count)``."""
+    q, rem = divmod(p.rows, p.world)
+    return rank * q + min(rank, rem), 1, q + (1 if rank < rem else 0)
 
 
 def _block_owner(p: Placement, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,11 +133,8 @@ class RowDiv(Placement):
 
     raw_ids = False
 
-    def held_rows(self, rank: int) -> torch.Tensor:
-        return _block_rows(self, rank)
-
-    def held_count(self, rank: int) -> int:
-        return split_sizes(self.rows, self.world)[rank]
+    def span(self, rank: int) -> tuple[int, int, int]:
+        return _block_span(self, rank)
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _block_owner(self, rows)
@@ -136,11 +147,8 @@ class RowMod(Placement):
     replicated = False
     raw_ids = False
 
-    def held_rows(self, rank: int) -> torch.Tensor:
-        return torch.arange(rank, max(rank, self.rows), self.world)  # empty when rank >= rows
-
-    def held_count(self, rank: int) -> int:
-        return max(0, -(-(self.rows - rank) // self.world))
+    def span(self, rank: int) -> tuple[int, int, int]:
+        return rank, self.world, max(0, -(-(self.rows - rank) // self.world))  # 0: rank >= rows
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rows % self.world, torch.div(rows, self.world, rounding_mode="floor")
@@ -179,11 +187,8 @@ class Hashed(Placement):
 
     row_ids = False
 
-    def held_rows(self, rank: int) -> torch.Tensor:
-        return _block_rows(self, rank)
-
-    def held_count(self, rank: int) -> int:
-        return split_sizes(self.rows, self.world)[rank]
+    def span(self, rank: int) -> tuple[int, int, int]:
+        return _block_span(self, rank)
 
     def owner_of(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _block_owner(self, rows)

@@ -193,10 +193,14 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def _table_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
+def _row_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
+    """Parameter + slot bytes of one whole row of a table."""
     slots = opt.slots if opt is not None else ()
-    cols = cfg.dim * cfg.dtype.itemsize + sum(4 if s.rowwise else 4 * cfg.dim for s in slots)
-    return cfg.vocabulary_size * cols
+    return cfg.dim * cfg.dtype.itemsize + sum(4 if s.rowwise else 4 * cfg.dim for s in slots)
+
+
+def _table_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
+    return cfg.vocabulary_size * _row_bytes(cfg, opt)
 
 
 def table_strategies(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
@@ -340,9 +344,10 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
 
 def _local_bytes(placement: Placement, cfg: TableConfig, opt: Optimizer | None, rank: int,
                  rows: int) -> int:
-    """Parameter + slot bytes of a table's ``rows`` rows on ``rank``."""
+    """Parameter + slot bytes of a table's ``rows`` rows on ``rank`` (integers: exact at any
+    size; a column slice's share of a row rounded down)."""
     c0, c1 = placement.columns(rank)
-    return int(rows * _table_bytes(cfg, opt) / cfg.vocabulary_size * (c1 - c0) / cfg.dim)
+    return rows * _row_bytes(cfg, opt) * (c1 - c0) // cfg.dim
 
 
 def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
@@ -357,7 +362,7 @@ def _tiers(tables: Sequence[tuple[str, TableConfig, Optimizer | None]],
     if budget is None:
         return {}
     cfg = {n: c for n, c, _ in tables}
-    local = {n: [len(placed[n].held_rows(r)) for r in range(world_size)] for n in cfg}
+    local = {n: [placed[n].held_count(r) for r in range(world_size)] for n in cfg}  # counted
     per_rank = {name: [_local_bytes(placed[name], c, opt, r, local[name][r])
                        for r in range(world_size)] for name, c, opt in tables}
     # a dynamic table's map stays in fast memory, wherever its rows are

@@ -138,10 +138,10 @@ def profile(batches: Iterable[Any], feature_config: Any,
     """
 
     features = Features(feature_config, None)
-    counts: dict[str, torch.Tensor] = {}  # per row (static), or per id seen (dynamic)
-    seen: dict[str, torch.Tensor] = {}    # a dynamic table's ids seen, ascending
+    # per id seen (a static table's rows too: nothing per row of the table, whatever its size)
+    counts: dict[str, torch.Tensor] = {}
+    seen: dict[str, torch.Tensor] = {}    # a table's ids seen, ascending
     ids_seen: dict[str, int] = {}
-    sizes = {n: t for t, n in features.table_names.items()}
     n_batches = 0
     for batch in batches:
         feats, weights = batch if isinstance(batch, tuple) and len(batch) == 2 and not \
@@ -153,22 +153,16 @@ def profile(batches: Iterable[Any], feature_config: Any,
                 continue
             ids = b.ids
             ids_seen[table] = ids_seen.get(table, 0) + ids.numel()
-            if sizes[table].dynamic is None:
-                c = torch.bincount(ids, minlength=sizes[table].vocabulary_size)
-            else:  # raw ids: merge with the ids seen so far
-                if table in seen:
-                    ids = torch.cat([seen[table], ids])
-                seen[table], inverse = torch.unique(ids, return_inverse=True)
-                c = torch.zeros(seen[table].numel(), dtype=torch.int64)
-                prev = counts.get(table)
-                if prev is not None:  # the old ids came first, once each, with their counts
-                    c.index_add_(0, inverse[:prev.numel()], prev)
-                    inverse = inverse[prev.numel():]
-                c.index_add_(0, inverse, torch.ones_like(inverse))
-                counts[table] = c
-                continue
+            if table in seen:  # merge with the ids seen so far
+                ids = torch.cat([seen[table], ids])
+            seen[table], inverse = torch.unique(ids, return_inverse=True)
+            c = torch.zeros(seen[table].numel(), dtype=torch.int64)
             prev = counts.get(table)
-            counts[table] = c if prev is None else prev + c
+            if prev is not None:  # the old ids came first, once each, with their counts
+                c.index_add_(0, inverse[:prev.numel()], prev)
+                inverse = inverse[prev.numel():]
+            c.index_add_(0, inverse, torch.ones_like(inverse))
+            counts[table] = c
     tables = {}
     for table, c in counts.items():
         freq = torch.sort(c[c > 0].double(), descending=True)[0]

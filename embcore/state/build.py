@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
-from ..config.tables import TableConfig, initial_rows
+from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
 from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
+from . import id_map
 from .cache import (
     CachedRows,
     OffloadDir,
@@ -36,7 +37,19 @@ from .mapped import MappedRows
 from .rows import MemoryRows, OffloadedRows, Rows
 from .vocabulary import DynamicRows, DynamicStack
 
-INIT_ROWS = 1 << 16  # an offloaded table's rows are initialized this many at a time
+
+def init_blocks(first: int, stride: int, count: int) -> Iterator[tuple[int, int]]:
+    """The local row ranges ``[i, j)`` in which a shard holding rows ``first + i * stride``
+    (``Placement.span``) is initialized: at most ``INIT_BLOCK_ROWS`` rows each, no temporary
+    larger, and each block of rows the initializer draws at once (``INIT_BLOCK_ROWS`` logical
+    rows, config/tables.py) in one range only, so none is drawn twice."""
+    logical = INIT_BLOCK_ROWS * max(1, stride)  # logical rows of one range
+    i = 0
+    while i < count:
+        end = ((first + i * stride) // logical + 1) * logical  # the next boundary
+        j = min(count, -(-(end - first) // stride))
+        yield i, j
+        i = j
 
 
 class RowsBuilder:
@@ -71,6 +84,7 @@ class RowsBuilder:
             ValueError: the rows and slots do not fit in the device's memory (naming the
                 tables and what to do).
         """
+        self._check_fits()
         out: list[Rows] = []
         for p in self.plan.physical:
             try:
@@ -86,6 +100,29 @@ class RowsBuilder:
                     f"(their rows then go to a slow tier, hot rows cached), shard them over "
                     f"more processes, or make them smaller") from None
         return out
+
+    def _check_fits(self) -> None:
+        """A ``ValueError`` before anything is allocated when what the plan keeps in fast memory
+        on this process (rows, slots, maps, caches: ``bytes_per_rank(fast=True)``) is more than
+        the device has: the machine's physical memory on the CPU, the GPU's own."""
+        need = self.plan.bytes_per_rank(fast=True)[self.rank]
+        device = self.device
+        if device.type == "cpu":
+            have, where = id_map._physical_memory(), "this machine's"  # (as the maps' check)
+        elif device.type == "cuda":
+            have = torch.cuda.get_device_properties(device).total_memory
+            where = f"{device}'s"
+        else:
+            return
+        if have is None or need <= have:
+            return
+        big = sorted((p for p in self.plan.physical if not p.offloaded and p.row_counts[self.rank]),
+                     key=lambda p: -p.row_counts[self.rank] * p.bytes_per_row)
+        raise ValueError(
+            f"tables {[n for p in big for n in p.tables]}: their rows and slots on this process "
+            f"need {need} bytes of {device} memory, more than {where} {have} bytes. Give the "
+            f"engine a memory_budget (their rows then go to a slow tier, hot rows cached), "
+            f"shard them over more processes, or make them smaller")
 
     def _rows(self, p: PhysicalTable) -> Rows:
         """Physical table ``p``'s rows object: its kind, chosen here once."""
@@ -127,8 +164,10 @@ class RowsBuilder:
         if p.dynamic:
             members = [(p.tables[0], 0, torch.arange(0))]
         else:
+            # (a placement's rows are evenly spaced: its first two give the whole segment)
             members = [(name, self.plan.table(name).local_offsets[rank],
-                        self.plan.table(name).held_rows(rank)) for name in p.tables]
+                        self.plan.table(name).placement.held_block(rank, 0, 2))
+                       for name in p.tables]
         return Rounding(stochastic, shard_segments(members, self.seed, p.row_counts[rank]),
                         col0=p.columns[rank][0])
 
@@ -142,14 +181,15 @@ class RowsBuilder:
             w.zero_()
         for name in (p.tables if not p.dynamic else ()):
             place = plan.table(name)
-            rows = place.held_rows(rank)
             start = place.local_offsets[rank]
-            if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
-                initial_rows(configs[name], name, self.seed, rows,
-                             out=w[start:start + len(rows)])
-            else:
-                values = initial_rows(configs[name], name, self.seed, rows)  # (n, D)
-                w[start:start + len(rows)] = values[:, c0:c1].to(device)
+            for i, j in init_blocks(*place.placement.span(rank)):
+                rows = place.placement.held_block(rank, i, j)
+                at = slice(start + i, start + j)
+                if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
+                    initial_rows(configs[name], name, self.seed, rows, out=w[at])
+                else:
+                    values = initial_rows(configs[name], name, self.seed, rows)  # (n, D)
+                    w[at] = values[:, c0:c1].to(device)
         slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         opt = p.optimizer
         slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
@@ -209,11 +249,10 @@ class RowsBuilder:
                                     allocate=allocate) if opt is not None else {})
         for name in (p.tables if not p.dynamic else ()):
             place = self.plan.table(name)
-            rows = place.held_rows(rank)
             start = place.local_offsets[rank]
-            for i in range(0, len(rows), INIT_ROWS):
-                block = rows[i:i + INIT_ROWS]
-                at = slice(start + i, start + i + len(block))
+            for i, j in init_blocks(*place.placement.span(rank)):
+                block = place.placement.held_block(rank, i, j)
+                at = slice(start + i, start + j)
                 w[at] = initial_rows(self.configs[name], name, self.seed,
                                      block)[:, c0:c1]  # (n, C)
                 if files:  # (the records' slots, in the same pass)
