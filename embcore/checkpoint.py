@@ -24,7 +24,6 @@ import torch
 from .base.comm import CollectiveError, everywhere
 from .base.compat import DCP_NO_PROCESS_GROUP_WARNING
 from .engine import Embedding
-from .numerics.rounding import COMPACT
 from .formats.checkpoint import (
     CHECKSUM_ALGORITHM,
     CHECKSUMS,
@@ -47,6 +46,7 @@ from .formats.checkpoint import (
 from .formats.files import agreed_token, fsync_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
+from .numerics.rounding import COMPACT
 from .online import resume
 
 

@@ -89,11 +89,11 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if rule is not None:
         rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
         flags = _flags(rows, workspace) if guard else None
-        left = native.sparse_update(
+        count = native.sparse_update(
             rule, table, slots.get("accumulators"), rows,
             _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier), grads, starts, uoff,
             order, bags, scales, round_to, flags)
-        return _left(rows, flags, left)
+        return _left(rows, flags, count)
     summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
         apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
