@@ -122,10 +122,12 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
 
 
 def _flags(rows: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
-    """(U,) zeroed uint8 flags for the fused kernel's guard (a workspace buffer when given)."""
+    """(U,) uint8 flags for the fused kernel's guard, which writes every one (a workspace
+    buffer when given; not zeroed here: a torch op on the hot path wakes torch's threads, which
+    then spin beside the kernel's)."""
     if workspace is None:
-        return torch.zeros(rows.numel(), dtype=torch.uint8)
-    return workspace.get("overflow", (rows.numel(),), torch.uint8, rows.device).zero_()
+        return torch.empty(rows.numel(), dtype=torch.uint8)
+    return workspace.get("overflow", (rows.numel(),), torch.uint8, rows.device)
 
 
 def _left(rows: torch.Tensor, flags: torch.Tensor | None, count: int) -> torch.Tensor | None:

@@ -83,6 +83,19 @@ inline bool overflowed(const uint16_t* h, const float* x, i64 d) {
   return bad != 0;
 }
 
+// The largest finite 16-bit value of row type T, as a float32: a row whose float32 values are
+// all within it cannot overflow when rounded (to nearest or stochastically).
+template <int T>
+constexpr float kTop16 = T == kF16 ? 65504.f : 3.3895313892515355e38f;
+
+// max |x[c]| over c < d (a NaN may or may not show: callers test !(m <= top)).
+inline float max_abs(const float* x, i64 d) {
+  float m = 0.f;
+#pragma omp simd reduction(max : m)
+  for (i64 c = 0; c < d; ++c) m = std::max(m, std::fabs(x[c]));
+  return m;
+}
+
 template <int T>
 i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
                 const i64* uoff, const i64* order, const i64* bags, const float* scales,
@@ -128,12 +141,12 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
   parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
     const i64 j_end = uoff ? uoff[hi] : 0;
     thread_local std::vector<float> gbuf, wbuf, wide, acc_before;
-    thread_local std::vector<uint16_t> row_before;
+    thread_local std::vector<uint16_t> row_rounded;
     gbuf.resize(static_cast<size_t>(d));
     if (decayed) wbuf.resize(static_cast<size_t>(d));
     if (T != kF32) wide.resize(static_cast<size_t>(d));
     if (guarded) {
-      row_before.resize(static_cast<size_t>(d));
+      row_rounded.resize(static_cast<size_t>(d));
       acc_before.resize(static_cast<size_t>(d));
     }
     i64 mine = 0;  // rows of this range left alone (overflow)
@@ -181,10 +194,8 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
         widen<T>(stored, wr, d);
       }
       float* a_row = acc ? acc + rows[u] * acc_d : nullptr;
-      if (guarded) {  // what the row and its accumulators hold, kept in case the row overflows
-        std::memcpy(row_before.data(), stored, size_t(d) * 2);
-        if (a_row) std::memcpy(acc_before.data(), a_row, sizeof(float) * acc_d);
-      }
+      if (guarded && a_row)  // the accumulators before, kept in case the row overflows
+        std::memcpy(acc_before.data(), a_row, sizeof(float) * acc_d);
       if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
       // 3. the rule
       if (rule == kSGD) {
@@ -227,13 +238,21 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
           const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
           key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
         }
-        narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
-        if (guarded && overflowed<T>(static_cast<const uint16_t*>(stored), wr, d)) {
-          std::memcpy(stored, row_before.data(), size_t(d) * 2);  // left as it was
-          if (a_row) std::memcpy(a_row, acc_before.data(), sizeof(float) * acc_d);
-          overflow[u] = 1;
-          ++mine;
+        bool over = false;
+        if (guarded && !(max_abs(wr, d) <= kTop16<T>)) {  // (NaN too) it may overflow: the row
+          uint16_t* h = row_rounded.data();              // rounded aside, kept only if not
+          narrow<T>(wr, h, d, rounding.stochastic, key32, rounding.col0);
+          over = overflowed<T>(h, wr, d);
+          if (over) {  // the row left as it was, its accumulators restored
+            if (a_row) std::memcpy(a_row, acc_before.data(), sizeof(float) * acc_d);
+            ++mine;
+          } else {
+            std::memcpy(stored, h, size_t(d) * 2);
+          }
+        } else {
+          narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
         }
+        if (guarded) overflow[u] = uint8_t(over);
       }
     }
     if (mine) __atomic_fetch_add(&overflows, mine, __ATOMIC_RELAXED);
@@ -268,7 +287,7 @@ extern "C" {
 // splitmix64(step); else to nearest.
 // ``overflow`` (U,) (16-bit rows; nullptr: none) guards the rows: a row whose rounded result holds
 // an infinity or NaN where its float32 result is finite (the rounding overflowed the 16-bit type)
-// is left as it was, its accumulators too, and flagged (overflow[u] = 1; other flags untouched).
+// is left as it was, its accumulators too, and flagged (overflow[u] = 1; every other row's 0).
 // Returns how many rows were left so (0 without ``overflow``).
 i64 ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* rows,
                       i64 u_rows, const i64* uoff, const i64* order, const i64* bags,

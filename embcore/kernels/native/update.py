@@ -112,7 +112,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         overflow: (U,) uint8 or bool flags (16-bit tables; None: no guard): a row whose rounded
             result holds an infinity or NaN where its float32 result is finite (the rounding
             overflowed the 16-bit type) is left as it was, its accumulators too, and its flag
-            set (the others are not written: zero them first). Unused for a float32 table.
+            set (the others' set to 0). Unused for a float32 table.
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
