@@ -46,6 +46,7 @@ from .formats.checkpoint import (
 from .formats.files import agreed_token, fsync_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
+from .numerics.rounding import COMPACT
 from .online import resume
 from .state.cache import saving
 
@@ -245,7 +246,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
 # --------------------------------------------------------------------------------- load
 def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
          tables: Sequence[str] | None = None, slots: bool = True,
-         strict: bool = True) -> dict[str, Any]:
+         strict: bool = True, saturate: bool = False) -> dict[str, Any]:
     """Restores tables (and optimizer slots and step) from a checkpoint into ``obj``, in place.
 
     The checkpoint may come from another object with the same tables (another stacking, device,
@@ -269,6 +270,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         strict: with True, a table of ``obj`` missing from the checkpoint (when ``tables`` is
             None), or a slot of ``obj`` missing from it, is a KeyError; False skips them.
             The step is restored only when every table is loaded with all its slots.
+        saturate: a narrowing load (a checkpoint's float32 rows into a float16 or bfloat16
+            table, or bfloat16 rows into a float16 one) rounds to nearest; a finite value that
+            would round to infinity (float16: ``|x| >= 65520``) is refused (ValueError) unless
+            ``saturate`` is True, which stores the dtype's largest finite value of its sign
+            instead (float16: +-65504). Infinities and NaN stay as they are either way.
 
     Returns:
         The checkpoint's manifest: ``{"format", "format_version", "embcore_version", "step",
@@ -282,7 +288,8 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
             truncated checkpoint: bytes that do not match their checksum (naming the file, the
             key and the chunk), an empty or truncated index, a malformed manifest (naming the
-            entry and its type).
+            entry and its type); a narrowing load of a value out of the table dtype's range
+            without ``saturate`` (naming the table, its rows and the largest value).
         KeyError: with ``strict``, a table or slot of ``obj`` that the checkpoint lacks.
         pickle.UnpicklingError: the index refers to anything but DCP's metadata classes.
 
@@ -338,18 +345,60 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     # Read into fresh tensors shaped like the target's entries, then copy in at the end. Plain
     # tensors are views of the target (W = 1, V0 parameters); the sharded entries of a sharded
     # engine's state_dict() are copies already, which DCP fills with this process's rows.
+    # A 16-bit table's rows stored wider are read at their stored dtype, then narrowed here
+    # (``_narrowed``: values beyond the table's range refused or saturated).
+    narrowing = {k: target[k].dtype for k in keys
+                 if k not in variable and type(target[k]) is torch.Tensor
+                 and target[k].dtype in COMPACT
+                 and _wider(index[k].properties.dtype, target[k].dtype)}
     fresh = {k: torch.empty(tuple(index[k].size), dtype=torch.int64) if k in variable else
+             torch.empty(tuple(index[k].size), dtype=index[k].properties.dtype)
+             if k in narrowing else
              torch.empty_like(target[k]) if type(target[k]) is torch.Tensor else target[k]
              for k in keys}
     if fresh:
         with _dcp_call(f"reading {ckpt}", comm.world_size):
             d.dcp.load(fresh, storage_reader=d.Reader(ckpt, checksums), planner=d.Planner(),
                        process_group=_group(comm), no_dist=comm.world_size == 1)
+    for k, dtype in narrowing.items():
+        fresh[k] = _narrowed(fresh[k], dtype, k, ckpt, saturate)
     if v0:
         obj.load_state_dict(fresh, strict=False)
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
+
+
+def _wider(stored: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether values of ``stored`` can lie beyond ``dtype``'s finite range."""
+    if not stored.is_floating_point:
+        return False
+    return torch.finfo(stored).max > torch.finfo(dtype).max
+
+
+def _narrowed(wide: torch.Tensor, dtype: torch.dtype, key: str, ckpt: Path,
+              saturate: bool) -> torch.Tensor:
+    """``wide`` (a checkpoint entry read at its stored dtype) rounded to nearest into
+    ``dtype``: a finite value that would become infinite is refused (ValueError naming the
+    table, its rows and the largest such value), or with ``saturate`` stored as ``dtype``'s
+    largest finite value of its sign."""
+    out = wide.to(dtype)
+    over = torch.isfinite(wide) & ~torch.isfinite(out)  # (N, D)
+    if not bool(over.any()):
+        return out
+    top = torch.finfo(dtype).max
+    if saturate:
+        return torch.where(over, torch.sign(wide).to(dtype) * top, out)
+    rows = over.any(dim=1).nonzero().flatten().tolist() if over.dim() == 2 else []
+    named = rows[:10] + (["..."] if len(rows) > 10 else [])
+    largest = float(wide[over].abs().max())
+    kind = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"{ckpt}: table {key.split('/')[0]!r} is {kind} here but its rows are stored "
+        f"{str(wide.dtype).removeprefix('torch.')} in the checkpoint, and {len(rows)} row(s) "
+        f"({', '.join(map(str, named))}) hold values beyond {kind}'s range (largest |x| "
+        f"{largest:.6g}; {kind} holds +-{top:.6g}), which would load as infinite; nothing was "
+        f"loaded. Load with saturate=True to store +-{top:.6g} instead, or into a wider table")
 
 
 def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],

@@ -302,18 +302,29 @@ class Embedding:
                 enqueue, or apply_gradients already called for it).
             ValueError / TypeError: structure, type or shape mismatch, naming the feature;
                 nothing is changed.
+            OverflowError: the update of a float16 / bfloat16 table overflows its dtype in
+                some rows (their optimizer without ``skip_nonfinite_gradients``), naming the
+                tables and rows: those rows are left as they were, the step is otherwise
+                applied and counted (docs/semantics.md section 14).
         """
         item = self._queue.awaiting()
-        self._apply(item.wait(), item.answers, gradients, warn_on_none)
+        overflow = self._apply(item.wait(), item.answers, gradients, warn_on_none)
         self._queue.applied()
+        if overflow is not None:
+            raise OverflowError(overflow)
 
-    def _apply(self, batch: Batch, answers: Answers, gradients: Any, warn_on_none: bool) -> None:
+    def _apply(self, batch: Batch, answers: Answers, gradients: Any,
+               warn_on_none: bool) -> str | None:
+        """Applies the batch's gradients and counts the step; returns the text of an overflow
+        error to raise once the caller has recorded the batch applied, or None."""
         try:
             flat = self._features.flatten(gradients, "gradients")
         except (ValueError, TypeError) as e:  # (the other processes learn of it at once)
             reject_gradients(batch.prepared, self._plan, self._comm, self.device, e)
-        batch.apply(answers, flat, self._step, warn_on_none, before_write=self._queue.wait_all)
+        overflow = batch.apply(answers, flat, self._step, warn_on_none,
+                               before_write=self._queue.wait_all)
         self._step += 1
+        return overflow
 
     _locked_apply = _serialized(_apply)  # a TrainingStep's (from autograd's backward)
 

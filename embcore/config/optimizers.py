@@ -193,6 +193,9 @@ class Optimizer:
             features, and the call otherwise completes (the batch is consumed, ``step`` counts
             the call, tables of other optimizers are updated). For loss scaling in mixed
             precision, where an overflowed step is dropped (docs/semantics.md section 3).
+            A float16 / bfloat16 row whose update overflows its dtype is left as it was either
+            way; True reports it with a ``RuntimeWarning``, False with an ``OverflowError``
+            once the step is done (docs/semantics.md section 14).
 
     Raises:
         TypeError: a hyper-parameter of the wrong type (a number that is not a real number, a

@@ -51,11 +51,15 @@ _IN_PLACE = ("sgd", "adagrad", "rowwise_adagrad")
 def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
            grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
            workspace: Workspace | None = None, *,
-           gradient_multiplier: float | None = None, round_to: Rounding | None = None) -> None:
+           gradient_multiplier: float | None = None, round_to: Rounding | None = None,
+           guard: bool = False) -> torch.Tensor | None:
     """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
 
     A float16 / bfloat16 table's rows are widened, updated in float32 and rounded back by
-    ``round_to`` (numerics/rounding.py; None: to nearest), on every path.
+    ``round_to`` (numerics/rounding.py; None: to nearest), on every path. With ``guard``, a
+    16-bit row whose rounded result holds an infinity or NaN where its float32 result is finite
+    (the rounding overflowed the row's dtype) is left as it was, its slots too, on every path
+    (the fused kernel checks each row before it keeps it); the rows so left are returned.
 
     Args:
         table: (N, D) parameters held here.
@@ -68,24 +72,32 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
             (the engine evaluates it once per step, before any write), used by every kernel;
             None: evaluated here, once.
         round_to: how a 16-bit table's results are rounded (its ``at(step, ...)`` already).
+        guard: leave the rows whose rounding overflows as they were (16-bit tables).
+
+    Returns:
+        With ``guard``, the rows left as they were (a subset of ``rows``), or None when none
+        was; None without it (and on CUDA, where the Triton kernel does not guard).
     """
     if gradient_multiplier is None and optimizer.gradient_multiplier is not None:
         gradient_multiplier = optimizer.current_gradient_multiplier(step)
     compact = table.dtype in COMPACT
+    guard = guard and compact
     if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
         _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
-        return
+        return None
     rule = native_rule(optimizer, table)
     if rule is not None:
         rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
-        native.sparse_update(rule, table, slots.get("accumulators"), rows,
-                             _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier),
-                             grads, starts, uoff, order, bags, scales, round_to)
-        return
+        flags = _flags(rows, workspace) if guard else None
+        count = native.sparse_update(
+            rule, table, slots.get("accumulators"), rows,
+            _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier), grads, starts, uoff,
+            order, bags, scales, round_to, flags)
+        return _left(rows, flags, count)
     summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
         apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
-        return
+        return None
     if optimizer.updates_every_row:  # every row moves, untouched ones with g = 0
         full = torch.zeros(table.shape, dtype=summed.dtype, device=summed.device)  # (N, D)
         full[rows] = summed
@@ -94,11 +106,35 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     new_w, new_slots = optimizer.update(w.float() if compact else w, summed,
                                         {k: v[rows] for k, v in slots.items()}, lr=lr, step=step,
                                         gradient_multiplier=gradient_multiplier)
+    left = None
     if compact:  # the float32 result rounded to the rows' dtype
-        new_w = (round_to or _NEAREST).round(new_w, rows, table.dtype)
+        wide, new_w = new_w, (round_to or _NEAREST).round(new_w, rows, table.dtype)
+        if guard:
+            over = (torch.isfinite(wide) & ~torch.isfinite(new_w)).any(dim=1)  # (U,)
+            if bool(over.any()):  # those rows and their slots left as they were
+                left, kept = rows[over], ~over
+                rows, new_w = rows[kept], new_w[kept]
+                new_slots = {k: v[kept] for k, v in new_slots.items()}
     table.index_copy_(0, rows, new_w)
     for k, v in new_slots.items():
         slots[k].index_copy_(0, rows, v)
+    return left
+
+
+def _flags(rows: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
+    """(U,) uint8 flags for the fused kernel's guard, which writes every one (a workspace
+    buffer when given; not zeroed here: a torch op on the hot path wakes torch's threads, which
+    then spin beside the kernel's)."""
+    if workspace is None:
+        return torch.empty(rows.numel(), dtype=torch.uint8)
+    return workspace.get("overflow", (rows.numel(),), torch.uint8, rows.device)
+
+
+def _left(rows: torch.Tensor, flags: torch.Tensor | None, count: int) -> torch.Tensor | None:
+    """The rows the fused kernel's guard flagged (``count`` of them), or None."""
+    if flags is None or not count:
+        return None
+    return rows[flags.bool()]
 
 
 class TableUpdate:
@@ -136,16 +172,16 @@ class TableUpdate:
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
                  step: int, workspace: Workspace | None = None, *,
                  gradient_multiplier: float | None = None,
-                 round_to: Rounding | None = None) -> None:
+                 round_to: Rounding | None = None, guard: bool = False) -> torch.Tensor | None:
         """``update(table, slots, rows, grad, optimizer, lr, step, workspace, ...)``."""
         opt = self.optimizer
         if self._switch is not native.enabled():
             self._choose()
         kernel = self._kernel
         if kernel is None:
-            update(self.table, self.slots, rows, grad, opt, lr, step, workspace,
-                   gradient_multiplier=gradient_multiplier, round_to=round_to)
-            return
+            return update(self.table, self.slots, rows, grad, opt, lr, step, workspace,
+                          gradient_multiplier=gradient_multiplier, round_to=round_to,
+                          guard=guard)
         if gradient_multiplier is None and opt.gradient_multiplier is not None:
             gradient_multiplier = opt.current_gradient_multiplier(step)
         hyper = self._hypers.get((lr, gradient_multiplier))
@@ -155,7 +191,9 @@ class TableUpdate:
             hyper = self._hypers[(lr, gradient_multiplier)] = _hyper(
                 opt, lr, gradient_multiplier=gradient_multiplier)
         rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
-        kernel(rows, hyper, grads, starts, uoff, order, bags, scales, round_to)
+        flags = _flags(rows, workspace) if guard and self.table.dtype in COMPACT else None
+        return _left(rows, flags, kernel(rows, hyper, grads, starts, uoff, order, bags, scales,
+                                         round_to, flags))
 
 
 _Opt = torch.Tensor | None

@@ -141,9 +141,10 @@ def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table"
         over = torch.isinf(half) & torch.isfinite(table)
         if bool(over.any()):
             row = int(over.any(dim=1).nonzero()[0])
+            largest = float(table[row][over[row]].abs().max())  # (the row's, not the table's)
             raise ValueError(f"table {name!r}: row {row} holds values beyond fp16's range "
-                             f"(+-65504; largest |x| here {float(table.abs().max()):.4g}); "
-                             f"serve it as 'int8' or unquantized (None)")
+                             f"(+-65504; the largest |x| of that row beyond it "
+                             f"{largest:.6g}); serve it as 'int8' or unquantized (None)")
         return QuantizedTable("fp16", half)
     bad = ~torch.isfinite(table).all(dim=1)  # (N,)
     if bool(bad.any()):

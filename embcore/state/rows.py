@@ -62,6 +62,7 @@ class Rows:
         self.p, self.rounding, self.workspace = p, rounding, workspace
         self.changes: ChangedRows | None = None  # rows written since publishes (``written``)
         self._update: TableUpdate | None = None  # the update of the table last updated
+        self._left: torch.Tensor | None = None  # shard rows the last update left (overflow)
 
     # -- what the kinds implement
     @property
@@ -141,6 +142,13 @@ class Rows:
         flags them written; ``since``: a raw-id table's (mapped.py); ``rounding``: the rounding
         of the updated rows, when another object knows their identities."""
         raise NotImplementedError
+
+    def overflowed(self) -> torch.Tensor | None:
+        """The shard rows the last ``update`` left as they were, with their slots, because
+        their rounding to the table's 16-bit dtype overflowed (None: none; docs/semantics.md
+        section 14). A raw-id table's are its storage's: rows of its map."""
+        inner = getattr(self, "storage", None)  # (MappedRows: the rows its map points into)
+        return inner.overflowed() if isinstance(inner, Rows) else self._left
 
     def rounding_at(self, step: int, rows: torch.Tensor | None = None,
                     at: torch.Tensor | None = None,
@@ -228,9 +236,9 @@ class MemoryRows(Rows):
                rounding: RoundingOf | None = None) -> None:
         round_to = (rounding(rows, None) if rounding is not None else
                     None if self.rounding is None else self.rounding_at(step))
-        self._bound(self._table, self.slots, optimizer)(
+        self._left = self._bound(self._table, self.slots, optimizer)(
             rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
-            round_to=round_to)
+            round_to=round_to, guard=True)
         if self.changes is not None:
             self.written(rows, every=optimizer.updates_every_row)
 
@@ -321,9 +329,11 @@ class OffloadedRows(Rows):
                                    Dedup(at, d.order, d.unique_offsets))
             round_to = (rounding(rows, at) if rounding is not None
                         else self.rounding_at(step, rows, at))
-            self._bound(table, slots, optimizer)(at, grad, lr, step, self.workspace,
-                                                 gradient_multiplier=gradient_multiplier,
-                                                 round_to=round_to)
+            left = self._bound(table, slots, optimizer)(
+                at, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
+                round_to=round_to, guard=True)
+        # (the cache rows left -> their shard rows)
+        self._left = None if left is None else rows[torch.isin(at, left)]
         if self.changes is not None:
             self.written(rows, every=optimizer.updates_every_row)
 

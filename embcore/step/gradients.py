@@ -28,7 +28,10 @@ made only with W > 1 and a callable rate in the batch): every process raises at 
 written (the callables of the processes where it did not raise have been called).
 ``apply_gradients`` skips, as a whole, the tables of an optimizer with
 ``skip_nonfinite_gradients`` whose gradients hold NaN or inf on any process (docs/semantics.md
-section 3).
+section 3). A 16-bit table's rows whose update overflows its dtype are left as they were by the
+update itself; ``apply_gradients`` reports them once every table is written (``overflowed``: a
+warning under ``skip_nonfinite_gradients``, else the text of the error the engine raises once the
+step is counted; docs/semantics.md section 14).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 
 from ..base.comm import CollectiveError, Communicator
 from ..config.optimizers import Optimizer
+from ..numerics.rounding import COMPACT
 from ..ops.combine import OutputGrads, row_gradients
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
@@ -165,14 +169,15 @@ def gradient_multipliers(prepared: Prepared, plan: ShardingPlan,
 
 def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
                names: Sequence[str], store: RowStore, comm: Communicator, step: int,
-               warn_on_none: bool, before_write: Callable[[], None]) -> None:
+               warn_on_none: bool, before_write: Callable[[], None]) -> str | None:
     """The third verb whole: checks a training batch's gradients, evaluates its gradient
     multipliers, finds its non-finite gradients, calls ``before_write()`` (the engine lets
     background lookups of later batches finish, they read the tables) and converts the gradients
     to the update's device and dtype; with several processes, agrees with the others that every
     process passed (``agree_gradients``: one small collective, which also carries the
     non-finite flags); then evaluates the learning rates (last: a counting callable moves only
-    once everything else passed, on every process) and ``apply_gradients``.
+    once everything else passed, on every process) and ``apply_gradients``; returns its result
+    (the text of an overflow error to raise once the step is counted, or None).
 
     Args:
         prepared, answers: the training batch and what its lookup's exchange recorded.
@@ -223,7 +228,8 @@ def apply_step(prepared: Prepared, answers: Answers, grads: Sequence[object],
             failure = e
         agree_gradients(comm, failure, [False] * len(groups), store.device)
     skipped = _skipped(groups, bad, nonfinite, plan) if groups else set()
-    apply_gradients(prepared, answers, row_parts, store, comm, step, lrs, multipliers, skipped)
+    return apply_gradients(prepared, answers, row_parts, store, comm, step, lrs, multipliers,
+                           skipped)
 
 
 # A process's status in ``agree_gradients``: what its checks raised (0: they passed).
@@ -357,9 +363,10 @@ def gradient_rows(prepared: Prepared, grads: Sequence[torch.Tensor | None],
 def apply_gradients(prepared: Prepared, answers: Answers,
                     parts: dict[int, list[torch.Tensor]], store: RowStore, comm: Communicator,
                     step: int, lrs: Mapping[int, float],
-                    multipliers: Mapping[int, float | None], skipped: set[int]) -> None:
+                    multipliers: Mapping[int, float | None], skipped: set[int]) -> str | None:
     """Applies each physical table's optimizer to the rows of ``prepared`` (a collective when a
-    table is sharded): the writes, every check passed (``apply_step``).
+    table is sharded): the writes, every check passed (``apply_step``). Returns ``overflowed``'s
+    result: the text of the error to raise once the step is counted, or None.
 
     Args:
         prepared: the training batch; answers: what its lookup's exchange recorded.
@@ -372,6 +379,7 @@ def apply_gradients(prepared: Prepared, answers: Answers,
     """
     plan = store.plan
     todo = [(tb, got) for tb, got in zip(prepared.tables, answers) if tb.physical not in skipped]
+    left: dict[int, torch.Tensor] = {}  # per 16-bit table, the shard rows its update left
     for tb, got in todo:
         p = plan.physical[tb.physical]
         outputs = OutputGrads(parts.pop(tb.physical),
@@ -384,12 +392,77 @@ def apply_gradients(prepared: Prepared, answers: Answers,
             store[tb.physical].update(tb.dedup.unique if got is None else got.rows[0],
                                       outputs, opt, lr, step, gradient_multiplier=gmul,
                                       since=None if got is None else got.since)
-            continue
-        g_unique = row_gradients(outputs, store.workspace)  # (U, D)
-        rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,
-                                     g_unique)
-        store[tb.physical].update(rows, g, opt, lr, step, gradient_multiplier=gmul,
-                                  since=got.since if got is not None else None)
+        else:
+            g_unique = row_gradients(outputs, store.workspace)  # (U, D)
+            rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,
+                                         g_unique)
+            store[tb.physical].update(rows, g, opt, lr, step, gradient_multiplier=gmul,
+                                      since=got.since if got is not None else None)
+        if p.dtype in COMPACT:
+            overflow = store[tb.physical].overflowed()
+            if overflow is not None:
+                left[tb.physical] = overflow
+    return overflowed(left, plan, comm.rank, step) if left else None
+
+
+# rows named in an overflow's warning or error, at most
+_ROWS_NAMED = 20
+
+
+def overflowed(left: Mapping[int, torch.Tensor], plan: ShardingPlan, rank: int,
+               step: int) -> str | None:
+    """Reports the rows of 16-bit tables that this step's update left as they were, their
+    rounding to the table's dtype having overflowed (``left``: per physical table, its shard
+    rows here): a ``RuntimeWarning`` per table whose optimizer has
+    ``skip_nonfinite_gradients``; for the others, the text of the ``OverflowError`` the engine
+    raises once the step is counted (None: none to raise). Names the tables and rows."""
+    errors = []
+    for physical, rows in left.items():
+        p = plan.physical[physical]
+        opt = _optimizer(plan, physical)
+        what = (f"step {step}'s update of {_rows_named(plan, physical, rows, rank)} overflows "
+                f"{str(p.dtype).removeprefix('torch.')} (its largest finite value is "
+                f"{torch.finfo(p.dtype).max:.6g}): those rows and their slots are left as they "
+                f"were")
+        if opt.skip_nonfinite_gradients:
+            warnings.warn(f"{type(opt).__name__} with skip_nonfinite_gradients=True: {what} "
+                          f"(this step's other rows are updated)", RuntimeWarning, stacklevel=4)
+        else:
+            errors.append(what)
+    if not errors:
+        return None
+    return ("; ".join(errors) + ". The step is otherwise applied and counted (its other rows "
+            "are updated; nothing to retry). Lower the learning rate, clip the gradients "
+            "(clipvalue) or the weights (clip_weight_min / clip_weight_max), use wider rows "
+            "(bfloat16 or float32), or build the optimizer with skip_nonfinite_gradients=True "
+            "to leave such rows with a warning instead of this error")
+
+
+def _rows_named(plan: ShardingPlan, physical: int, rows: torch.Tensor, rank: int) -> str:
+    """Shard rows ``rows`` of a physical table on ``rank`` in the user's terms: each logical
+    table's rows (a dynamic table's: rows of its map on this process)."""
+    p = plan.physical[physical]
+    rows = rows.cpu().sort().values
+    if p.dynamic:
+        return (f"table(s) {list(p.tables)} (dynamic: rows {_few(rows.tolist())} of the map on "
+                f"rank {rank})")
+    parts = []
+    for name in p.tables:
+        t = plan.table(name)
+        off = t.local_offsets[rank] if t.local_offsets else 0
+        count = t.row_counts[rank] if t.row_counts else t.rows
+        mine = rows[(rows >= off) & (rows < off + count)] - off
+        if mine.numel():
+            logical = t.held_rows(rank)[mine]
+            parts.append(f"rows {_few(logical.tolist())} of table {name!r}")
+    return ", ".join(parts)
+
+
+def _few(rows: list[int]) -> str:
+    """A list of rows, cut after ``_ROWS_NAMED``."""
+    if len(rows) <= _ROWS_NAMED:
+        return str(rows)
+    return f"{str(rows[:_ROWS_NAMED])[:-1]}, ... ({len(rows)} rows)]"
 
 
 def _skip_groups(prepared: Prepared, plan: ShardingPlan) -> list[tuple[list[int], Optimizer]]:

@@ -48,11 +48,12 @@ class Batch:
         return lookup(self.prepared, path.store, path.comm)
 
     def apply(self, answers: Answers, grads: Sequence[object], step: int, warn_on_none: bool,
-              before_write: Callable[[], None]) -> None:
+              before_write: Callable[[], None]) -> str | None:
         """Checks the flat gradients and evaluates multipliers and learning rates (raising
-        before any write), calls ``before_write()``, then updates the batch's rows."""
+        before any write), calls ``before_write()``, then updates the batch's rows; returns the
+        text of an overflow error to raise once the step is counted (``apply_step``), or None."""
         path = self.path
-        apply_step(self.prepared, answers, grads, path.features.names, path.store, path.comm,
+        return apply_step(self.prepared, answers, grads, path.features.names, path.store, path.comm,
                    step, warn_on_none, before_write)
 
 

@@ -149,7 +149,7 @@ class TrainingStep:
     """A training batch of ``Embedding.training_step`` (the layer's forward): its activations,
     and ``apply`` its gradients once, whenever they come."""
 
-    def __init__(self, apply: Callable[[Any, bool], None], activations: Any) -> None:
+    def __init__(self, apply: Callable[[Any, bool], str | None], activations: Any) -> None:
         self._apply = apply
         self.activations = activations
         self.applied = False
@@ -158,11 +158,14 @@ class TrainingStep:
         """Applies this batch's gradients (as ``Embedding.apply_gradients``), once.
 
         Raises:
-            RuntimeError: applied already. ValueError / TypeError: as ``apply_gradients``.
+            RuntimeError: applied already. ValueError / TypeError / OverflowError: as
+            ``apply_gradients`` (an OverflowError once the step is applied and counted).
         """
         if self.applied:
             raise RuntimeError("this training step's gradients were applied already (a second "
                                "backward through the same forward?)")
-        self._apply(gradients, warn_on_none)
+        overflow = self._apply(gradients, warn_on_none)
         self.applied = True
         self._apply = _applied  # drop the batch now (the step may outlive it: autograd's ctx)
+        if overflow is not None:
+            raise OverflowError(overflow)

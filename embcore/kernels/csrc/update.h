@@ -70,12 +70,41 @@ struct Rounding {
   uint64_t step_key;    // splitmix64(step)
 };
 
+// Whether a 16-bit row ``h`` (d values, just rounded from ``x``) holds an infinity or NaN where
+// its float32 result ``x`` is finite: the rounding overflowed the row's type.
 template <int T>
-void update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
-                 const i64* uoff, const i64* order, const i64* bags, const float* scales,
-                 const float* const* slices, const i64* starts, const i64* strides,
-                 i64 nslices, const EcHyper* hyper, const Rounding& rounding, int nt) {
+inline bool overflowed(const uint16_t* h, const float* x, i64 d) {
+  constexpr uint32_t e16 = T == kF16 ? 0x7C00U : 0x7F80U;  // the 16-bit exponent, all ones
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (i64 c = 0; c < d; ++c)
+    bad |= uint32_t((uint32_t(h[c]) & e16) == e16) &
+           uint32_t((f32_bits(x[c]) & 0x7F800000U) != 0x7F800000U);
+  return bad != 0;
+}
+
+// The largest finite 16-bit value of row type T, as a float32: a row whose float32 values are
+// all within it cannot overflow when rounded (to nearest or stochastically).
+template <int T>
+constexpr float kTop16 = T == kF16 ? 65504.f : 3.3895313892515355e38f;
+
+// max |x[c]| over c < d (a NaN may or may not show: callers test !(m <= top)).
+inline float max_abs(const float* x, i64 d) {
+  float m = 0.f;
+#pragma omp simd reduction(max : m)
+  for (i64 c = 0; c < d; ++c) m = std::max(m, std::fabs(x[c]));
+  return m;
+}
+
+template <int T>
+i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
+                const i64* uoff, const i64* order, const i64* bags, const float* scales,
+                const float* const* slices, const i64* starts, const i64* strides,
+                i64 nslices, const EcHyper* hyper, const Rounding& rounding,
+                uint8_t* overflow, int nt) {
   constexpr i64 esize = T == kF32 ? 4 : 2;
+  const bool guarded = T != kF32 && overflow != nullptr;
+  i64 overflows = 0;
   char* w = static_cast<char*>(w_);
 
   const float lr = float(hyper->learning_rate), gmul = float(hyper->gradient_multiplier);
@@ -111,10 +140,16 @@ void update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_r
   // chunks of rows of about equal cost
   parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
     const i64 j_end = uoff ? uoff[hi] : 0;
-    thread_local std::vector<float> gbuf, wbuf, wide;
+    thread_local std::vector<float> gbuf, wbuf, wide, acc_before;
+    thread_local std::vector<uint16_t> row_rounded;
     gbuf.resize(static_cast<size_t>(d));
     if (decayed) wbuf.resize(static_cast<size_t>(d));
     if (T != kF32) wide.resize(static_cast<size_t>(d));
+    if (guarded) {
+      row_rounded.resize(static_cast<size_t>(d));
+      acc_before.resize(static_cast<size_t>(d));
+    }
+    i64 mine = 0;  // rows of this range left alone (overflow)
     float* g = gbuf.data();
     for (i64 u = lo; u < hi; ++u) {
       if (u + kPrefetch < hi) {
@@ -158,6 +193,9 @@ void update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_r
         wr = wide.data();
         widen<T>(stored, wr, d);
       }
+      float* a_row = acc ? acc + rows[u] * acc_d : nullptr;
+      if (guarded && a_row)  // the accumulators before, kept in case the row overflows
+        std::memcpy(acc_before.data(), a_row, sizeof(float) * acc_d);
       if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
       // 3. the rule
       if (rule == kSGD) {
@@ -200,10 +238,26 @@ void update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_r
           const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
           key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
         }
-        narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
+        bool over = false;
+        if (guarded && !(max_abs(wr, d) <= kTop16<T>)) {  // (NaN too) it may overflow: the row
+          uint16_t* h = row_rounded.data();              // rounded aside, kept only if not
+          narrow<T>(wr, h, d, rounding.stochastic, key32, rounding.col0);
+          over = overflowed<T>(h, wr, d);
+          if (over) {  // the row left as it was, its accumulators restored
+            if (a_row) std::memcpy(a_row, acc_before.data(), sizeof(float) * acc_d);
+            ++mine;
+          } else {
+            std::memcpy(stored, h, size_t(d) * 2);
+          }
+        } else {
+          narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
+        }
+        if (guarded) overflow[u] = uint8_t(over);
       }
     }
+    if (mine) __atomic_fetch_add(&overflows, mine, __ATOMIC_RELAXED);
   });
+  return overflows;
 }
 
 }  // namespace
@@ -231,25 +285,29 @@ extern "C" {
 // segments (seg_starts
 // (nseg + 1,), seg_bases, seg_muls (nseg,)), columns col0 + c and ``step_key`` =
 // splitmix64(step); else to nearest.
-void ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* rows,
+// ``overflow`` (U,) (16-bit rows; nullptr: none) guards the rows: a row whose rounded result holds
+// an infinity or NaN where its float32 result is finite (the rounding overflowed the 16-bit type)
+// is left as it was, its accumulators too, and flagged (overflow[u] = 1; every other row's 0).
+// Returns how many rows were left so (0 without ``overflow``).
+i64 ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* rows,
                       i64 u_rows, const i64* uoff, const i64* order, const i64* bags,
                       const float* scales, const float* const* slices, const i64* starts,
                       const i64* strides, i64 nslices, const EcHyper* hyper, int stochastic,
                       const i64* key_rows, i64 n_keys, const i64* seg_starts,
                       const i64* seg_bases,
-                      const i64* seg_muls, i64 nseg, i64 col0, i64 step_key, int nt) {
+                      const i64* seg_muls, i64 nseg, i64 col0, i64 step_key,
+                      uint8_t* overflow, int nt) {
   const Rounding rounding{stochastic != 0, key_rows, key_rows ? n_keys : 0,
                           Segments{seg_starts, seg_bases, seg_muls, nseg}, col0,
                           uint64_t(step_key)};
   if (type == kF16)
-    update_rows<kF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
-                      strides, nslices, hyper, rounding, nt);
-  else if (type == kBF16)
-    update_rows<kBF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
-                       strides, nslices, hyper, rounding, nt);
-  else
-    update_rows<kF32>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices, starts,
-                      strides, nslices, hyper, rounding, nt);
+    return update_rows<kF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
+                             starts, strides, nslices, hyper, rounding, overflow, nt);
+  if (type == kBF16)
+    return update_rows<kBF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
+                              starts, strides, nslices, hyper, rounding, overflow, nt);
+  return update_rows<kF32>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
+                           starts, strides, nslices, hyper, rounding, overflow, nt);
 }
 
 }  // extern "C"

@@ -47,8 +47,9 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread"
 # 9: ec_cache_step's threads, 10: ec_will_need, 11: 16-bit rows in ec_lookup and ec_sparse_update,
 # ec_round16, 12: ec_vocab_*'s compact maps: int32 or int64 slots (with fingerprints) and steps,
 # no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
-# ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed.
-ABI_VERSION = 15
+# ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
+# 16: ec_sparse_update's overflow flags and count.
+ABI_VERSION = 16
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
 
 _lock = threading.Lock()

@@ -21,6 +21,7 @@ from ..args import (
     INT,
     INT64,
     ROWS,
+    U8,
     Hyper,
     Kernel,
     array,
@@ -37,7 +38,7 @@ SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
 _GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
 _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
 
-_SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
+_SPARSE_UPDATE = Kernel("ec_sparse_update", INT64, [
     ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
     ("type", INT),                            # ROW_TYPES[w.dtype]
     ("w", written(ROWS, dim=2)),              # (N, d) float32, float16 or bfloat16
@@ -63,6 +64,7 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", None, [
     ("nseg", INT64),
     ("col0", INT64),
     ("step_key", INT64),
+    ("overflow", written(U8, optional=True)),  # (U,) 16-bit rows: flags of rows left alone
     ("nt", INT),
 ])
 
@@ -86,8 +88,10 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
                   starts: Sequence[int] | None = None, unique_offsets: torch.Tensor | None = None,
                   order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
                   scales: torch.Tensor | None = None,
-                  round_to: rounding.Rounding | None = None) -> None:
-    """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once.
+                  round_to: rounding.Rounding | None = None,
+                  overflow: torch.Tensor | None = None) -> int:
+    """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once; returns how many
+    rows ``overflow`` flagged.
 
     Args:
         rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
@@ -105,6 +109,10 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
         round_to: how a 16-bit table's rows are rounded (None: to nearest; numerics/rounding.py).
+        overflow: (U,) uint8 or bool flags (16-bit tables; None: no guard): a row whose rounded
+            result holds an infinity or NaN where its float32 result is finite (the rounding
+            overflowed the 16-bit type) is left as it was, its accumulators too, and its flag
+            set (the others' set to 0). Unused for a float32 table.
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
@@ -113,12 +121,12 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     _check_sources(unique_offsets, order)
     n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
     nnz = order.numel() if order is not None else None
-    _SPARSE_UPDATE.call(
+    return _SPARSE_UPDATE.call(
         rule, ROW_TYPES.get(table.dtype, 0), (table, None),
         (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
         (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
         *_gradient_args(table, d, u, grads, starts, unique_offsets), hyper,
-        *_rounding_args(_NEAREST if round_to is None else round_to), threads())
+        *_rounding_args(_NEAREST if round_to is None else round_to), (overflow, u), threads())
 
 
 def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
@@ -248,7 +256,8 @@ class SparseUpdate:
                  starts: Sequence[int] | None = None,
                  unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
                  bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                 round_to: rounding.Rounding | None = None) -> None:
+                 round_to: rounding.Rounding | None = None,
+                 overflow: torch.Tensor | None = None) -> int:
         """``sparse_update(rule, table, acc, rows, hyper, grads, ...)``."""
         table, acc = self.table, self.acc
         if table.data_ptr() != self._at[0] or (acc is not None and
@@ -260,12 +269,12 @@ class SparseUpdate:
         slices, starts_, strides, n = _gradient_args(table, self.d, u, grads, starts,
                                                      unique_offsets, self._arrays)
         if round_to is None:  # (the arguments written out twice: a tuple a call costs)
-            self._nearest((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
-                          (scales, nnz), slices, starts_, strides, n, hyper, threads())
-        else:
-            self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
-                       (scales, nnz), slices, starts_, strides, n, hyper,
-                       *_rounding_args(round_to), threads())
+            return self._nearest((rows, None), u, (unique_offsets, u + 1), (order, None),
+                                 (bags, nnz), (scales, nnz), slices, starts_, strides, n, hyper,
+                                 (overflow, u), threads())
+        return self._call((rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz),
+                          (scales, nnz), slices, starts_, strides, n, hyper,
+                          *_rounding_args(round_to), (overflow, u), threads())
 
 
 _ROUND16 = Kernel("ec_round16", None, [
