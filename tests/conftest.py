@@ -23,3 +23,16 @@ settings.register_profile("dev", max_examples=CI_EXAMPLES, derandomize=False, de
                           print_blob=True)
 settings.register_profile("thorough", settings.get_profile("dev"), max_examples=10 * CI_EXAMPLES)
 settings.load_profile("ci")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "requires_native: needs the fused CPU kernels: skipped where no C++ compiler "
+        "is found, failed with the build's error where one is found and the build fails "
+        "(tests/native_required.py)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("requires_native") is not None:
+        from native_required import require_native
+        require_native()

@@ -140,10 +140,30 @@ def any_optimizer(draw, dense_adam: bool = True):
     return opt, lr, draw(st.integers(0, 5))
 
 
+def dedup_oracle(ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Plain Python, sharing no code with ``embcore.ops.bags.dedup``: ``(unique, order,
+    unique_offsets)``, the distinct ids ascending, the positions of the occurrences grouped by
+    id (ascending positions within an id) and each id's first place in ``order``."""
+    positions: dict[int, list[int]] = {}
+    for i, v in enumerate(ids):
+        positions.setdefault(v, []).append(i)
+    unique = sorted(positions)
+    order, offsets = [], [0]
+    for v in unique:
+        order += positions[v]
+        offsets.append(len(order))
+    return unique, order, offsets
+
+
 def occurrences(gen, n, d, nnz, unit, scaled=True, device=None):
     """Output gradients of ``nnz`` occurrences of random rows (bags of them, some empty, unless
     ``unit``; per-id scales when ``scaled``) as ``OutputGrads`` in two parts on ``device``, the
-    float64 summed gradient of each distinct row, and those rows (on the CPU)."""
+    float64 summed gradient of each distinct row, and those rows (on the CPU).
+
+    The ``OutputGrads`` carry ``embcore.ops.bags.dedup``'s grouping (what the engine passes);
+    the rows and their sums returned are the plain-Python oracle's (``dedup_oracle`` and a
+    loop over the occurrences), never computed with the code they check, and the dedup must
+    equal the oracle's grouping."""
     from embcore.ops.bags import Bags, dedup
     from embcore.ops.combine import OutputGrads
 
@@ -155,14 +175,28 @@ def occurrences(gen, n, d, nnz, unit, scaled=True, device=None):
         cuts = torch.sort(torch.randint(0, nnz + 1, (r - 1,), generator=gen)).values
         offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
         bags = Bags(ids, offsets, torch.randn(nnz, generator=gen) if scaled else None)
-    rows_out = bags.num_rows
+    rows_out = nnz if unit else r
     grad_out = torch.randn(rows_out, d, generator=gen)
     split = rows_out // 2
-    dd = dedup(ids)
-    scale = (torch.ones(nnz, dtype=torch.float64) if bags.scales is None
-             else bags.scales.double())
-    summed = torch.zeros(n, d, dtype=torch.float64)
-    summed.index_add_(0, ids, scale[:, None] * grad_out.double()[bags.bag_of])
+
+    # the oracle: each occurrence's bag from the offsets, its scale, summed in Python floats
+    id_list = ids.tolist()
+    bag_of = list(range(nnz)) if unit else [
+        b for b in range(r) for _ in range(int(offsets[b + 1]) - int(offsets[b]))]
+    scale = [1.0] * nnz if bags.scales is None else bags.scales.double().tolist()
+    out = grad_out.double().tolist()
+    unique, order, unique_offsets = dedup_oracle(id_list)
+    sums = {v: [0.0] * d for v in unique}
+    for i, v in enumerate(id_list):
+        row = sums[v]
+        for c in range(d):
+            row[c] += scale[i] * out[bag_of[i]][c]
+    want_rows = torch.tensor(unique, dtype=torch.int64)
+    want_sums = torch.tensor([sums[v] for v in unique], dtype=torch.float64).reshape(-1, d)
+
+    dd = dedup(ids)  # the grouping under test: the oracle's
+    assert dd.unique.tolist() == unique and dd.order.tolist() == order \
+        and dd.unique_offsets.tolist() == unique_offsets, "dedup differs from the oracle"
 
     def on(t):
         return None if t is None or device is None else t.to(device)
@@ -175,4 +209,4 @@ def occurrences(gen, n, d, nnz, unit, scaled=True, device=None):
     parts = [grad_out[:split].clone(), grad_out[split:].clone()]
     if device is not None:
         parts = [p.to(device) for p in parts]
-    return OutputGrads(parts, [0, split, rows_out], bags, dd_dev), summed[dd.unique], dd.unique
+    return OutputGrads(parts, [0, split, rows_out], bags, dd_dev), want_sums, want_rows

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 from strategies import any_optimizer, occurrences
 from switches import kernels
@@ -20,8 +21,7 @@ from embcore.ops.bags import Bags
 from embcore.ops.combine import OutputGrads, TableCombine, combine
 from embcore.ops.update import TableUpdate, _hyper, update
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the fused CPU kernels are not "
-                                f"built here: {native.error()}")
+pytestmark = requires_native
 
 
 def _table(gen, n, d, dtype):

@@ -15,6 +15,7 @@ import torch
 from distributed import exited_pid, run_on
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from native_required import require_native
 from profiles import examples
 from strategies import cases
 from switches import kernels
@@ -261,8 +262,7 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
     """Every move timed and judged slow (the disk's case): each asks for its rows' pages first
     (madvise), static tables (one file of records) and dynamic ones (a file per array) alike;
     the runs stay bit-identical to the in-memory run."""
-    if not native.available():
-        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    require_native()
     monkeypatch.setattr(cache_module, "SLOW_ROW_SECONDS", -1.0)
     monkeypatch.setattr(cache_module, "SLOW_ROW_MIN_ROWS", 1)
     advised = []
@@ -280,8 +280,7 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
 
 
 def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
-    if not native.available():
-        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    require_native()
     from embcore.state.cache import slow_tensor
     t = slow_tensor(tmp_path / "t.bin", (1024, 16), torch.float32)  # 64-byte rows, 64 a page
     rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import require_native
 from profiles import examples
 from switches import kernels
 
@@ -143,8 +144,8 @@ def test_the_capacity_is_checked():
 @pytest.mark.parametrize("kernel", [True, False])
 def test_rows_unused_for_thousands_of_steps_are_evicted_oldest_first(kernel):
     """Ages beyond the kernel's histogram (4095 steps) are ordered exactly too."""
-    if kernel and not native.available():
-        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    if kernel:
+        require_native()
     index, model = CacheIndex(20, 8), Model(20, 8, [])
     steps = [[5, 1, 2], [3, 0], [7, 6, 4]] + [[]] * 5000 + [[9], [8, 10, 11]]
     with kernels(kernel):
@@ -162,8 +163,7 @@ def test_the_kernel_splits_over_threads_with_the_same_result(threads):
     """Steps large enough for the kernel's chunks (rows, cache rows, victims) equal the torch
     twin's step for step on any thread count: skewed rows, evictions every few steps, ties in
     age, dirty and fresh rows, and members counted."""
-    if not native.available():
-        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    require_native()
     rows, capacity = 60_000, 12_000
     bounds = [7_000, 20_000, 41_000]
     g = torch.Generator().manual_seed(threads)

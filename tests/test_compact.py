@@ -16,6 +16,7 @@ import torch
 from distributed import run_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 from switches import kernels
 
@@ -30,8 +31,6 @@ from embcore.ops.update import update
 from embcore.planning.plan import where_bytes
 
 COMPACT = [torch.float16, torch.bfloat16]
-requires_native = pytest.mark.skipif(not native.available(),
-                                     reason=f"fused kernels unavailable: {native.error()}")
 
 
 def all_kinds_of_floats(n: int, seed: int) -> torch.Tensor:
@@ -497,8 +496,8 @@ def test_publish_and_follow_compact_rows(tmp_path):
     _same_state(emb.state_dict(), resumed.state_dict())
 
 
-@pytest.mark.skipif(not native.available() or __import__("platform").machine() != "x86_64",
-                    reason="x86-64 with the fused kernels")
+@requires_native
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 builds")
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])
 def test_other_builds_give_the_same_bits(tmp_path, arch):
     """The kernels built for plain x86-64 (no F16C, no AVX: the integer conversions, the portable

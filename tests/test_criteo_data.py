@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import itertools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -376,6 +377,142 @@ def test_the_fast_parser_equals_the_reference_on_generated_data(tmp_path):
         trace = _same_as_reference(tmp_path / "train.txt", batch_size=256, block_bytes=10_000,
                                    **kw)
         assert len(trace) > 5
+
+
+# The fast parser hands the lines its checks cannot vouch for to the reference parser
+# (``parse_line``): on those lines "fast equals reference" holds by construction. The tests below
+# see through that: the fast parser's own conversions (the lines it did not hand over) against the
+# reference and against the format as documented (``_documented``, written apart from both
+# parsers), every bad line's outcome against the documented one, and nothing handed over but bad
+# lines and the rare forms the parser documents.
+_COUNT_FORM = re.compile(r"[+-]?([0-9]+)\Z")
+_CATEGORY_FORM = re.compile(r"[0-9a-fA-F]{1,16}\Z")
+
+
+def _documented(text: str, labeled: bool):
+    """What the format (examples/criteo/data.py's docstring) says of one line, ``text`` without
+    its newline: ``("bad", what the error names)``, or ``("good", (dense, sparse, label),
+    plain)``; ``plain``: in none of the rare forms the fast parser may hand over (a '+' sign, a
+    count of more than 16 digits, more than one '\\r' at the end)."""
+    body, ends = text, 0
+    while body.endswith("\r"):
+        body, ends = body[:-1], ends + 1
+    fields = body.split("\t")
+    if len(fields) != (40 if labeled else 39):
+        return "bad", "tab-separated fields"
+    label = None
+    if labeled:
+        if fields[0] not in ("0", "1"):
+            return "bad", "label"
+        label, fields = float(fields[0]), fields[1:]
+    plain = ends <= 1
+    dense = []
+    for i, x in enumerate(fields[:13]):
+        form = _COUNT_FORM.match(x)
+        if x and form is None:
+            return "bad", f"count I{i + 1}"
+        plain = plain and not x.startswith("+") and (not x or len(form.group(1)) <= 16)
+        v = int(x) if x else 0
+        dense.append(float(np.float32(math.log1p(v))) if v > 0 else 0.0)
+    sparse = []
+    for j, c in enumerate(fields[13:]):
+        if c and (not _CATEGORY_FORM.match(c) or int(c, 16) > MAX_ID):
+            return "bad", f"category C{j + 1}"
+        sparse.append(int(c, 16) if c else MISSING_ID)
+    return "good", (dense, sparse, label), plain
+
+
+def _values(dense, sparse, label) -> tuple:
+    return dense.tolist(), sparse.tolist(), None if math.isnan(label) else float(label)
+
+
+def _fast_parser_alone(path, labeled: bool):
+    """Every line of ``path`` through the fast parser's blocks: ``(own, handed_over, bad)``,
+    the values of the lines it converted itself by line number, the numbers of the lines it
+    handed to the reference parser, and the bad lines' messages by number."""
+    own, handed, bad = {}, set(), {}
+    for block in data._fast_blocks(path, labeled, None, 0, "all", 0):
+        handed.update(block.handed_over.tolist())
+        bad.update(block.bad)
+        mine = np.flatnonzero(~np.isin(block.good, block.handed_over))
+        if len(mine):
+            dense, sparse, label = block.rows(mine)
+            for k, i in enumerate(mine.tolist()):
+                own[int(block.good[i])] = _values(dense[k], sparse[k], label[k])
+    return own, handed, bad
+
+
+def _check_the_fast_parser_alone(path, labeled: bool, block_bytes=None) -> int:
+    """The checks above on every line of ``path``; returns how many lines the fast parser
+    converted itself."""
+    old = data._BLOCK_BYTES
+    data._BLOCK_BYTES = block_bytes or old
+    try:
+        own, handed, bad = _fast_parser_alone(path, labeled)
+    finally:
+        data._BLOCK_BYTES = old
+    raw = Path(path).read_bytes()
+    texts = (gzip.decompress(raw) if str(path).endswith(".gz") else raw).decode("latin-1")
+    texts = texts.split("\n")
+    if texts[-1] == "":  # (the last line's newline, or an empty file)
+        texts.pop()
+    assert not set(own) & handed
+    assert set(own) | handed | set(bad) == set(range(1, len(texts) + 1))
+    for number, text in enumerate(texts, 1):
+        verdict = _documented(text, labeled)
+        if verdict[0] == "bad":  # an error naming the documented field, whoever found it
+            assert number not in own and verdict[1] in bad.get(number, ""), (number, text)
+            continue
+        _, want, plain = verdict
+        dense, sparse = np.zeros(13, np.float32), np.zeros(26, np.int64)
+        reference = _values(dense, sparse, data.parse_line(text, labeled, dense, sparse))
+        assert reference == want, (number, text)  # (the specification agrees with the docs)
+        if plain:  # a common line: the fast parser converts it itself
+            assert number not in handed, f"line {number} handed over: {text!r}"
+        if number in own:
+            assert own[number] == want, (number, text)
+    return len(own)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.data())
+def test_the_fast_parsers_own_conversions_on_random_lines(tmp_path_factory, data_):
+    labeled = data_.draw(st.booleans())
+    text = "".join(data_.draw(st.lists(_lines(labeled), max_size=30)))
+    if text and data_.draw(st.booleans()):
+        text = text.rstrip("\n")  # no newline at the end
+    path = tmp_path_factory.mktemp("o") / "o.txt"
+    path.write_bytes(text.encode("latin-1"))
+    _check_the_fast_parser_alone(path, labeled,
+                                 data_.draw(st.sampled_from([1, 50, 300, 1 << 22])))
+
+
+def test_the_fast_parsers_own_conversions_on_the_files_above(tmp_path):
+    dense = ["", "-3", "0", "1", "12", "65535", "65536", "9999999999999999", "-0", "007"] \
+        + ["-9999999999999999", "123456789", "1234567890123"]
+    cats = ["", "68fd1e64", "FFFFFFFF", "7fffffffffffffff", "0" * 16, "1"] + ["aBc"] * 20
+    good = [line("1", dense, cats), line("0"), line("1", [""] * 13, [""] * 26),
+            line("0", dense, cats).replace("\n", "\r\n")]
+    rare = [line("0", ["+5"] + ["0"] * 12), line("0", ["9" * 17] + ["0"] * 12),
+            line("1").replace("\n", "\r\r\n")]
+    bads = [line("2"), line("0", ["1.5"] + ["0"] * 12), line("0", None, ["zz"] + ["0"] * 25),
+            line("0", None, ["0"] * 25 + ["12345678901234567"]), "0\t1\t2\n", "\n",
+            line("0", None, ["8000000000000000"] + ["0"] * 25), line("0", [" 5"] + ["0"] * 12),
+            line("0", ["-"] + ["0"] * 12), line("0", ["1-2"] + ["0"] * 12), line(None)]
+    path = write(tmp_path, *good, *rare, *bads, *good)
+    assert _check_the_fast_parser_alone(path, True) == 2 * len(good)
+    unlabeled = write(tmp_path, line(None, ["-3"] * 13), line(None, ["3-"] + ["4"] * 12),
+                      line(None, None, ["-2"] * 26), line(None, ["-3"] * 13, [""] * 26),
+                      name="u.txt")
+    assert _check_the_fast_parser_alone(unlabeled, False) == 2
+
+
+def test_the_fast_parser_converts_all_of_generated_data_itself(tmp_path):
+    generate(tmp_path, train_lines=2000, test_lines=10, scale=1e-3, seed=5)
+    for name, lines in (("train.txt", 2000), ("test.txt", 10)):
+        own, handed, bad = _fast_parser_alone(tmp_path / name, True)
+        assert not handed and not bad and len(own) == lines
+    assert _check_the_fast_parser_alone(tmp_path / "train.txt", True, block_bytes=10_000) == 2000
 
 
 def test_shares_are_the_slices_of_the_whole_batches(tmp_path):

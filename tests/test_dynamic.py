@@ -12,10 +12,10 @@ import torch
 from distributed import run_on
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 
 import embcore as ec
-from embcore.kernels import native
 from embcore.numerics.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.state.id_map import vocab_map
 from embcore.state.id_map_reference import ReferenceVocabulary
@@ -61,7 +61,7 @@ def test_uniform_and_initial_values_depend_on_the_id_and_seed_only():
     assert v.abs().max() <= 2 * std and abs(v.std().item() - 0.88 * std) < 0.05 * std
 
 
-@pytest.mark.skipif(not native.available(), reason="the fused kernels are not built")
+@requires_native
 def test_initial_values_are_the_same_with_the_kernels_and_without():
     t = ec.TableConfig(vocabulary_size=4, dim=33, dynamic=ec.DynamicVocabulary())
     ids = torch.cat([torch.tensor(BIG), torch.randint(-(2**63), 2**63 - 1, (3000,),

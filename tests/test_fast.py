@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 from strategies import any_optimizer
 from switches import fast_path
@@ -22,9 +23,6 @@ from embcore.config.tables import INDEX_BYTES_PER_ROW
 from embcore.kernels import native
 from embcore.planning.plan import where_bytes
 from embcore.step import native_prepare as fast
-
-requires_native = pytest.mark.skipif(not native.available(),
-                                     reason=f"fused kernels unavailable: {native.error()}")
 
 
 def engine(tables, features, optimizer, enabled, **kw):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from native_required import requires_native
 from switches import kernels, private_paths
 
 import embcore as ec
@@ -568,7 +569,7 @@ def test_weights_with_validation_off_still_skip_only_the_finiteness_check():
 
 
 # ------------------------------------------------------------------------ the checks themselves
-@pytest.mark.skipif(not native.available(), reason="the fused kernels are unavailable")
+@requires_native
 def test_kernel_checks_equal_their_torch_twins():
     from embcore.inputs.canonical import check_offsets, strictly_increasing
     rng = random.Random(1)
@@ -593,7 +594,7 @@ def test_kernel_checks_equal_their_torch_twins():
                     assert strictly_increasing(t, shape) == want, (idx, on)
 
 
-@pytest.mark.skipif(not native.available(), reason="the fused kernels are unavailable")
+@requires_native
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_first_unordered_finds_the_first_break_across_blocks(k):
     """The kernel counts a block (1024 columns) at a time before searching it: a break on either

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from checks import check_rows_updated
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 from strategies import common_options, jagged, rounded
 from switches import kernels
@@ -37,10 +38,6 @@ from embcore.kernels import args as kernel_args
 from embcore.kernels import native
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.update import _hyper
-
-requires_native = pytest.mark.skipif(
-    not native.available(),
-    reason=f"embcore's fused CPU kernels are unavailable: {native.error() or 'disabled'}")
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
 RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}

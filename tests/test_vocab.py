@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from native_required import requires_native
 from profiles import examples
 
 from embcore.kernels import native
@@ -28,8 +29,7 @@ class HeldNativeVocabMap(NativeVocabMap):
     min_rows = 5
 
 
-_NO_KERNELS = pytest.mark.skipif(not native.available(),
-                                 reason=f"the fused kernels are not built: {native.error()}")
+_NO_KERNELS = requires_native
 # Both forms of the map: torch ops (sorted keys) and the fused kernels (a hash index over the rows
 # held, which grow from one row, or from five).
 MAPS = [VocabMap, pytest.param(NativeVocabMap, marks=_NO_KERNELS),
@@ -431,7 +431,7 @@ def test_random_streams_on_cuda_equal_the_oracle(case):
         run_step(maps, v, ids, training)
 
 
-@pytest.mark.skipif(not native.available(), reason="the fused kernels are not built")
+@requires_native
 @settings(max_examples=examples(150), deadline=None)
 @given(streams(), st.lists(st.booleans(), min_size=24, max_size=24))
 def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, kernels_on):

@@ -43,7 +43,8 @@ are fine; ``.gz`` files are read through gzip. Only numpy and the standard libra
 give the same batches, errors and counts: ``parser="reference"``, one line at a time in plain
 Python (``parse_line``: the specification, about 45k lines/s), and the default ``"fast"``, numpy
 over whole blocks (about 8 times faster; examples/criteo/README.md has the measurements;
-tests/test_criteo_data.py checks it against the reference on random lines, bad ones included).
+tests/test_criteo_data.py checks it against the reference on random lines, bad ones included,
+and the lines it converts itself apart from those it hands to the reference).
 
     from criteo.data import read_batches
     for batch in read_batches("train.txt", batch_size=4096):
@@ -356,7 +357,9 @@ def _reference_batches(path: str | Path, batch_size: int, buckets: np.ndarray | 
 #    digits, both by pairing neighbouring bytes of the words (a word: 8 characters -> 1 value).
 # A line the checks cannot vouch for (a bad one, or a rare form such as a '+' sign, a count of
 # more than 16 digits or a line ending in two '\r') goes through ``parse_line``: its values and
-# its error message are the reference's by construction.
+# its error message are the reference's by construction. Each block lists those lines
+# (``_Block.handed_over``), so that tests check the fast parser's own conversions apart from
+# them, and that nothing but bad lines and these rare forms is handed over.
 _BLOCK_BYTES = 1 << 22  # about 17k lines of Criteo's
 _PAD = 16  # bytes before a block, so that every field's two words start in the buffer
 _ALLOWED = b"0123456789abcdefABCDEF-\t\n"
@@ -367,12 +370,16 @@ _LOG1P_TABLE = 1 << 16  # counts below this take log(1 + x) from a table
 class _Block:
     """The selected lines of a stretch of the file: which parse (``good``, ascending line
     numbers) and which do not (``bad``: (number, message), ascending); ``rows(i)`` returns the
-    values of ``good[i]`` (raw ids) and is only asked for the lines this process keeps."""
+    values of ``good[i]`` (raw ids) and is only asked for the lines this process keeps.
+    ``handed_over``: the lines the checks could not vouch for, which ``parse_line`` parsed (good
+    or bad); the others' values are the fast parser's own (tests/test_criteo_data.py checks
+    those against the reference, and that only bad lines and rare forms are handed over)."""
 
     last_line: int  # the number of the stretch's last line, selected or not
     good: np.ndarray  # (k,) int64
     bad: list[tuple[int, str]]
     rows: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    handed_over: np.ndarray  # (h,) int64 line numbers, ascending
 
 
 def _empty_rows(n: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -537,7 +544,7 @@ def _parse_block(buf: bytes, a: np.ndarray, starts: np.ndarray, ends: np.ndarray
             dense[~here], sparse[~here], label[~here] = (r[other] for r in slow_rows)
         return dense, sparse, label
 
-    return _Block(last_line, numbers[good[order]], bad, rows)
+    return _Block(last_line, numbers[good[order]], bad, rows, numbers[slow])
 
 
 def _decimal(w: np.ndarray) -> np.ndarray:
