@@ -546,3 +546,21 @@ def test_resume_into_another_optimizer_follows_the_checkpoint_rules(tmp_path):
     ec.publish(tmp_path / "ada", ada, slots=True)
     ec.load(tmp_path / "ada", into_sgd)
     assert torch.equal(table(into_sgd), table(ada)) and into_sgd.step == 1
+
+
+def test_an_int8_followers_refusal_names_the_table_row_not_the_deltas_position(tmp_path):
+    """A delta row that int8 codes cannot hold (NaN): the follower's error names the table and
+    the table's row (the delta carries a few rows, so a position in it is another number)."""
+    torch.manual_seed(0)
+    t = ec.TableConfig(vocabulary_size=50, dim=4, name="t")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    ec.publish(tmp_path, emb)
+    served = ec.load_published(tmp_path, quantize="int8")
+    with torch.no_grad():
+        emb.embedding_tables[t][37] = float("nan")  # (as a diverged run would leave it)
+    emb.enqueue({"f": torch.tensor([3, 37])})
+    act = emb.dequeue()
+    emb.apply_gradients({"f": torch.ones_like(act["f"])})
+    assert ec.publish(tmp_path, emb, snapshot=False)["rows"] == {"t": 2}
+    with pytest.raises(ValueError, match=r"table 't': row 37 holds NaN or inf"):
+        served.refresh()

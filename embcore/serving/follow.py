@@ -314,7 +314,7 @@ class PublishedModule(ServingModule):
                 writes.append((name, buffer, rows, values.to(buffer.dtype)))
                 overlays[name] = (rows, writes[-1][3])
             else:
-                q = quantize_table(values, precision, name=name)
+                q = quantize_table(values, precision, name=name, rows=rows)
                 writes.append((name, getattr(self, self.buffer_name(name)), rows, q.data))
                 if q.scale is not None and q.bias is not None:  # (int8: both)
                     writes.append((name, getattr(self, self.buffer_name(name, "__scale")), rows,

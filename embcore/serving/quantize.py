@@ -106,8 +106,8 @@ def dequantize_int8_rowwise(q: torch.Tensor, scale: torch.Tensor,
     return q.float() * scale[:, None] + bias[:, None]  # (n, D)
 
 
-def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table"
-                   ) -> QuantizedTable:
+def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table",
+                   rows: torch.Tensor | None = None) -> QuantizedTable:
     """A table's rows at ``precision``: ``"int8"`` (row-wise, a scale and bias per row) or
     ``"fp16"``.
 
@@ -115,6 +115,8 @@ def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table"
         table: (N, D) floating-point rows.
         precision: ``"int8"`` or ``"fp16"``.
         name: the table's name, for error messages.
+        rows: (N,) the table's row numbers of ``table``'s rows, when they are some rows of a
+            table (a follower's delta): error messages name those; None: ``0 .. N-1``.
 
     Returns:
         A ``QuantizedTable``; ``rows(index)`` gathers and dequantizes, ``nbytes`` is its size.
@@ -136,25 +138,30 @@ def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table"
         raise ValueError(f"table {name!r}: expected (N, D) floating-point rows, got "
                          f"{tuple(table.shape)} {table.dtype}")
     table = table.detach()
+
+    def row_of(i: int) -> int:  # (the table's row, for messages)
+        return i if rows is None else int(rows[i])
+
     if precision == "fp16":
         half = table.to(torch.float16)
         over = torch.isinf(half) & torch.isfinite(table)
         if bool(over.any()):
             row = int(over.any(dim=1).nonzero()[0])
             largest = float(table[row][over[row]].abs().max())  # (the row's, not the table's)
-            raise ValueError(f"table {name!r}: row {row} holds values beyond fp16's range "
+            raise ValueError(f"table {name!r}: row {row_of(row)} holds values beyond fp16's range "
                              f"(+-65504; the largest |x| of that row beyond it "
                              f"{largest:.6g}); serve it as 'int8' or unquantized (None)")
         return QuantizedTable("fp16", half)
     bad = ~torch.isfinite(table).all(dim=1)  # (N,)
     if bool(bad.any()):
-        raise ValueError(f"table {name!r}: row {int(bad.nonzero()[0])} holds NaN or inf, which "
-                         f"int8 codes cannot hold; serve it unquantized (None) or fix the row")
+        raise ValueError(f"table {name!r}: row {row_of(int(bad.nonzero()[0]))} holds NaN or inf, "
+                         f"which int8 codes cannot hold; serve it unquantized (None) or fix the "
+                         f"row")
     q, scale, bias = quantize_int8_rowwise(table)
     wide = ~torch.isfinite(scale * LEVELS)  # (N,) the dequantized maximum would overflow
     if bool(wide.any()):
         row = int(wide.nonzero()[0])
-        raise ValueError(f"table {name!r}: row {row} spans [{float(table[row].min()):.4g}, "
+        raise ValueError(f"table {name!r}: row {row_of(row)} spans [{float(table[row].min()):.4g}, "
                          f"{float(table[row].max()):.4g}], a range float32 cannot hold; "
                          f"serve it unquantized (None)")
     return QuantizedTable("int8", q, scale, bias)
