@@ -125,6 +125,11 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
         assert plan.bytes_per_rank(fast=True)[0] > budget - (row + INDEX_BYTES_PER_ROW) * 8  # full
         text = str(plan)
         assert "[slow tier, cached]" in text and "MiB per rank in fast memory" in text
+        # the fixed part (the index, whatever the cache) is said apart: 15 bytes a static row
+        huge = next(p for p in plan.physical if "huge" in p.tables)
+        fixed = huge.row_counts[0] * where_bytes(False) / 2**20
+        assert where_bytes(False) == 15
+        assert f"of which fixed, whatever the cache: {fixed:.2f} MiB (the index: 15 bytes" in text
     # more budget, more cache
     caches = [sum(p.cache_rows[0] for p in make_plan(specs, 1, None, None, b).physical
                   if p.offloaded) for b in (80_000, 120_000)]

@@ -177,15 +177,21 @@ class ShardingPlan:
         lines.append(f"  MiB per rank (parameters + slots): {total}")
         for p in self.physical:
             if p.offloaded:
-                per_rank = []
+                per_rank, fixed = [], []
                 for r in range(w):
                     c0, c1 = p.columns[r]
                     row = int(p.bytes_per_row * (c1 - c0) / max(p.dim, 1)) + INDEX_BYTES_PER_ROW
                     mb = (p.cache_rows[r] * row
                           + p.row_counts[r] * where_bytes(p.dynamic)) / 2**20
                     per_rank.append(f"{p.cache_rows[r]}/{mb:.2f}")
+                    fixed.append(f"{p.row_counts[r] * where_bytes(p.dynamic) / 2**20:.2f}")
                 lines.append(f"  physical {p.index} {list(p.tables)}: slow tier, cache rows / MiB "
-                             f"per rank: {' '.join(per_rank)}")
+                             f"per rank: {' '.join(per_rank)}; of which fixed, whatever the "
+                             f"cache: {' '.join(fixed)} MiB (the index: "
+                             f"{where_bytes(p.dynamic)} bytes a row of the table"
+                             + ("" if p.dynamic else
+                                f", {WHERE_BYTES_PER_ROW} where cached + {LOG_BYTES_PER_ROW} "
+                                f"where logged") + ")")
         if any(p.offloaded for p in self.physical):
             fast = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank(fast=True))
             lines.append(f"  MiB per rank in fast memory (tables + caches"
