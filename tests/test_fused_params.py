@@ -63,7 +63,8 @@ def test_what_embcore_cannot_reproduce_is_refused_saying_why(params, error, mess
 
 
 def test_without_torchrec_the_import_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchrec", None)  # as if not installed
+    for name in ["torchrec"] + [m for m in sys.modules if m.startswith("torchrec.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.delitem(sys.modules, "embcore.torchrec", raising=False)
     with pytest.raises(ImportError, match=r"pip install embcore\[torchrec\]"):
         importlib.import_module("embcore.torchrec")
