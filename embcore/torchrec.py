@@ -207,11 +207,11 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         """Each feature's embeddings, one row per id, as a ``JaggedTensor`` with the input's
         lengths."""
-        jagged = _jagged(features, self._features)
-        ids = {name: jagged[key].values() for name, (_, key) in self._features.items()}
-        out = self.embeddings(ids)
-        return {name: JaggedTensor(values=out[name], lengths=jagged[key].lengths(),
-                                   weights=jagged[key].values() if self._need_indices else None)
+        per_key = _sequences(features, self._features)
+        out = self.embeddings({name: per_key[key][0]
+                               for name, (_, key) in self._features.items()})
+        return {name: JaggedTensor(values=out[name], lengths=per_key[key][1],
+                                   weights=per_key[key][0] if self._need_indices else None)
                 for name, (_, key) in self._features.items()}
 
     def need_indices(self) -> bool:
@@ -277,35 +277,57 @@ def _features(tables: list[Any], what: str, device: torch.device | str | None,
     return features, list(features), device
 
 
-def _jagged(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]) -> dict[str, Any]:
-    """The input's ``JaggedTensor`` per key the modules read."""
+def _keys(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]) -> dict[str, int]:
+    """Each key's position in the input ``KeyedJaggedTensor`` (checked: a KJT, one batch size,
+    every key the modules read)."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(features).__name__}")
     if features.variable_stride_per_key():
         raise ValueError("a KeyedJaggedTensor with a batch size per key (variable stride) is not "
                          "supported; give every key the same batch size")
-    keys = set(features.keys())
-    missing = sorted({key for _, key in wanted.values()} - keys)
+    position = {key: i for i, key in enumerate(features.keys())}
+    missing = sorted({key for _, key in wanted.values()} - set(position))
     if missing:
         raise ValueError(f"the KeyedJaggedTensor lacks features {missing} (it has "
-                         f"{sorted(keys)})")
-    return features.to_dict()
+                         f"{sorted(position)})")
+    return position
 
 
 def _inputs(features: Any, wanted: dict[str, tuple[FeatureConfig, str]], weighted: bool
             ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``({name: (values, offsets)}, {name: (weights, offsets)} or None)``: embcore's jagged
-    pairs (docs/semantics.md section 1)."""
-    jagged = _jagged(features, wanted)
+    """``({name: ids}, {name: weights} or None)`` in embcore's forms (docs/semantics.md section
+    1): each key's bags as a jagged ``(values, offsets)`` pair (its weights likewise); or, when
+    every bag of the batch holds one id and no weights apply, each key's ids as dense ids
+    ``(B,)``: a bag of one id is that id's row whatever the pooling, and dense one-id batches
+    take the engine's native preprocess."""
+    position = _keys(features, wanted)
+    values, b = features.values(), features.stride()
+    lengths = features.lengths()
+    if not weighted and lengths.numel() == values.numel() and bool((lengths == 1).all()):
+        return {name: values[position[key] * b:(position[key] + 1) * b]
+                for name, (_, key) in wanted.items()}, None
+    offsets = features.offsets()
+    bounds = offsets[::b].tolist() if b else [0] * (len(position) + 1)  # each key's first value
+    w = features.weights_or_none() if weighted else None
+    if weighted and w is None:
+        raise ValueError(f"the module is weighted (is_weighted=True) but the KeyedJaggedTensor "
+                         f"has no weights (features {sorted(position)})")
     ids, weights = {}, {}
     for name, (_, key) in wanted.items():
-        jt = jagged[key]
-        offsets = jt.offsets()
-        ids[name] = (jt.values(), offsets)
-        if weighted:
-            w = jt.weights_or_none()
-            if w is None:
-                raise ValueError(f"the module is weighted (is_weighted=True) but the "
-                                 f"KeyedJaggedTensor's feature {key!r} has no weights")
-            weights[name] = (w, offsets)
+        i = position[key]
+        lo, hi = bounds[i], bounds[i + 1]
+        local = offsets[i * b:(i + 1) * b + 1] - lo
+        ids[name] = (values[lo:hi], local)
+        if w is not None:
+            weights[name] = (w[lo:hi], local)
     return ids, (weights if weighted else None)
+
+
+def _sequences(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each key's ``(ids, lengths)``: its values (looked up one by one) and bag lengths."""
+    position = _keys(features, wanted)
+    values, lengths, b = features.values(), features.lengths(), features.stride()
+    bounds = features.offsets()[::b].tolist() if b else [0] * (len(position) + 1)
+    return {key: (values[bounds[i]:bounds[i + 1]], lengths[i * b:(i + 1) * b])
+            for key, i in position.items()}
