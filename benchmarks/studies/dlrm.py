@@ -113,8 +113,9 @@ def build_torchrec_model(system: str, size: str, optimizer: str, rows: list[int]
                                  feature_names=[k]) for k, n in zip(keys, rows)]
     torch.manual_seed(0)
     if system == "trec-embcore":
-        import embcore.torchrec
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        import embcore.torchrec
         kind = (EmbOptimType.EXACT_ADAGRAD if optimizer == "adagrad"
                 else EmbOptimType.EXACT_ROWWISE_ADAGRAD)
         ebc = embcore.torchrec.EmbeddingBagCollection(
