@@ -68,3 +68,21 @@ def test_without_torchrec_the_import_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "embcore.torchrec", raising=False)
     with pytest.raises(ImportError, match=r"pip install embcore\[torchrec\]"):
         importlib.import_module("embcore.torchrec")
+
+
+class _BrokenFbgemm:
+    """A meta path finder as torchrec's import fails with fbgemm-gpu's CUDA build and no CUDA."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchrec" or name.startswith("torchrec."):
+            raise OSError("Could not load this library: .../fbgemm_gpu/fbgemm_gpu_config.so")
+        return None
+
+
+def test_a_torchrec_whose_fbgemm_does_not_load_names_the_cpu_build(monkeypatch):
+    for name in [m for m in sys.modules if m == "torchrec" or m.startswith("torchrec.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "embcore.torchrec", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenFbgemm(), *sys.meta_path])
+    with pytest.raises(ImportError, match=r"fbgemm_gpu_config\.so.*fbgemm-gpu-cpu"):
+        importlib.import_module("embcore.torchrec")
