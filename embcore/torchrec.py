@@ -75,7 +75,7 @@ class TorchRecTables(EmbeddingLayer):
         wanted = {f"{prefix}{name}.weight": name for name in self.table_names}
         unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in wanted]
         missing_keys += [k for k in wanted if k not in state_dict]
-        values = {}
+        values, errors_before = {}, len(error_msgs)
         for key, name in wanted.items():
             if key not in state_dict:
                 continue
@@ -89,8 +89,8 @@ class TorchRecTables(EmbeddingLayer):
                                   f"model is {shape} (table {name!r})")
             else:
                 values[f"{name}/parameters"] = value
-        if error_msgs:
-            return  # nothing loaded: torch raises with every message
+        if len(error_msgs) > errors_before:
+            return  # none of the tables loaded: torch raises with every message
         try:
             self.engine.load_state_dict(values, strict=False)
         except (KeyError, ValueError) as e:
