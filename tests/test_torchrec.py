@@ -126,6 +126,14 @@ def test_state_dict_has_torchrecs_names_and_a_torchrec_checkpoint_loads(tmp_path
     assert result.missing_keys == ["embedding_bags.ads.weight"]
     assert result.unexpected_keys == ["embedding_bags.other.weight"]
     assert torch.equal(ours.embedding_bags.embedding_tables["users"], torch.zeros(10, 4))
+    # another module's error does not stop the tables' load (torch loads what fits, then raises)
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(2, 2), "ebc": ours})
+    state = model.state_dict()
+    state["dense.weight"], state["ebc.embedding_bags.users.weight"] = torch.zeros(3, 3), \
+        torch.ones(10, 4)
+    with pytest.raises(RuntimeError, match=r"size mismatch for dense\.weight"):
+        model.load_state_dict(state)
+    assert torch.equal(ours.embedding_bags.embedding_tables["users"], torch.ones(10, 4))
 
 
 def _step_both(theirs, ours, kjt, lr):
