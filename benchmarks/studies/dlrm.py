@@ -12,6 +12,14 @@ built from the same seed; only the tables differ:
 - TorchRec: ``FusedEmbeddingBagCollection`` (FBGEMM's CPU TBE underneath, the update fused
   into backward) fed a ``KeyedJaggedTensor``; runs with ``--peers-python``.
 
+The "TorchRec model on embcore" rows run TorchRec's own ``torchrec.models.dlrm.DLRM_DCN`` (its
+dense arch, low-rank cross net and over arch at the same sizes) twice, both with
+``--peers-python``: ``trec-embcore`` with ``embcore.torchrec.EmbeddingBagCollection`` (the one
+line a TorchRec user changes; ``fused_params`` EXACT_ADAGRAD or EXACT_ROWWISE_ADAGRAD, lr 0.005,
+eps 1e-10), ``trec-torchrec`` with TorchRec's ``FusedEmbeddingBagCollection`` as above; the same
+configs, batches (as ``KeyedJaggedTensor``s) and dense optimizer. Their "vs TorchRec" compares
+the two; the dense-part columns do not apply (another dense model).
+
 A step: forward, mean binary cross-entropy, backward (the tables update themselves), then
 ``torch.optim.Adagrad`` (lr 0.005, MLPerf's) on the dense part. Tables: exact Adagrad (lr 0.005,
 accumulators from 0) by default, ``--optimizer rowwise`` for row-wise Adagrad (MLPerf's choice).
@@ -58,6 +66,10 @@ SIZES = {
     "small": dict(dim=16, bottom=(64, 16), cross_layers=3, cross_rank=64, top=(256, 128)),
 }
 LR = 0.005
+SYSTEMS = ["none", "embcore", "torchrec", "trec-embcore", "trec-torchrec"]
+# for each system, the one its "vs TorchRec" column compares with
+PEER = {"embcore": "torchrec", "torchrec": "torchrec", "trec-embcore": "trec-torchrec",
+        "trec-torchrec": "trec-torchrec"}
 BATCH = 4096
 NUM_BATCHES = 4
 
@@ -88,8 +100,61 @@ class Readout(torch.nn.Module):
         return self.w(torch.cat(embeddings, dim=1)).squeeze(-1)
 
 
+def build_torchrec_model(system: str, size: str, optimizer: str, rows: list[int],
+                         tables_only: bool):
+    """TorchRec's DLRM_DCN on embcore's EmbeddingBagCollection (``trec-embcore``) or TorchRec's
+    fused one (``trec-torchrec``): (forward(dense, sparse) -> logits, dense parameters)."""
+    from criteo.model import NUM_DENSE, NUM_SPARSE
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.models.dlrm import DLRM_DCN
+    sz = SIZES[size]
+    keys = [f"C{j + 1}" for j in range(NUM_SPARSE)]
+    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=sz["dim"], num_embeddings=n,
+                                 feature_names=[k]) for k, n in zip(keys, rows)]
+    torch.manual_seed(0)
+    if system == "trec-embcore":
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+        import embcore.torchrec
+        kind = (EmbOptimType.EXACT_ADAGRAD if optimizer == "adagrad"
+                else EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+        ebc = embcore.torchrec.EmbeddingBagCollection(
+            tables, fused_params={"optimizer": kind, "learning_rate": LR, "eps": 1e-10})
+    else:
+        from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+        from torchrec.optim import RowWiseAdagrad
+        ebc = FusedEmbeddingBagCollection(
+            tables=tables, device=torch.device("cpu"), optimizer_kwargs={"lr": LR, "eps": 1e-10},
+            optimizer_type=torch.optim.Adagrad if optimizer == "adagrad" else RowWiseAdagrad)
+    lengths = torch.ones(NUM_SPARSE * BATCH, dtype=torch.int64)
+
+    def kjt(sparse: torch.Tensor) -> KeyedJaggedTensor:
+        return KeyedJaggedTensor(keys=keys, values=sparse.t().reshape(-1), lengths=lengths)
+
+    if tables_only:
+        readout = Readout(NUM_SPARSE * sz["dim"])
+
+        def forward_tables(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+            return readout(dense, [ebc(kjt(sparse)).values()])
+
+        return forward_tables, list(readout.parameters())
+    model = DLRM_DCN(ebc, dense_in_features=NUM_DENSE, dense_arch_layer_sizes=list(sz["bottom"]),
+                     over_arch_layer_sizes=list(sz["top"]) + [1],
+                     dcn_num_layers=sz["cross_layers"], dcn_low_rank_dim=sz["cross_rank"])
+
+    def forward(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return model(dense, kjt(sparse)).squeeze(-1)
+
+    # the dense part only: the tables update themselves in backward (TorchRec's fused module
+    # has its weights as parameters too)
+    return forward, [p for n, p in model.named_parameters()
+                     if ".embedding_bag_collection." not in n]
+
+
 def build(system: str, size: str, optimizer: str, rows: list[int], tables_only: bool):
     """(forward(dense, sparse) -> logits, dense parameters) for one system."""
+    if system.startswith("trec-"):
+        return build_torchrec_model(system, size, optimizer, rows, tables_only)
     from criteo.model import NUM_SPARSE, DenseArch, ModelConfig
     cfg = ModelConfig(capacities=tuple(rows), raw_ids=False, **SIZES[size])
     torch.manual_seed(0)
@@ -163,7 +228,7 @@ def one(args: argparse.Namespace) -> None:
                           "readout_ms_per_step": 1e3 * tables}))
         return
     versions = {"torch": torch.__version__}
-    if args.system == "torchrec":
+    if args.system in ("torchrec", "trec-embcore", "trec-torchrec"):
         import fbgemm_gpu
         import torchrec
         versions.update(torchrec=torchrec.__version__, fbgemm_gpu=fbgemm_gpu.__version__)
@@ -175,9 +240,12 @@ def one(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--system", choices=["embcore", "torchrec", "none"], default=None,
+    p.add_argument("--system", choices=SYSTEMS, default=None,
                    help="run one system in this process (default: all, each in a subprocess); "
-                        "none: the dense part alone, fed fixed embeddings")
+                        "none: the dense part alone, fed fixed embeddings; trec-*: TorchRec's "
+                        "DLRM_DCN on embcore's or TorchRec's EmbeddingBagCollection")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
+                   help="the systems a full run compares (default: all)")
     p.add_argument("--size", choices=sorted(SIZES), default=None)
     p.add_argument("--optimizer", choices=["adagrad", "rowwise"], default="adagrad")
     p.add_argument("--max-rows", type=int, default=100_000)
@@ -200,8 +268,8 @@ def main() -> None:
     for size in [args.size] if args.size else ["small", "mlperf"]:
         runs: dict[str, list[dict]] = {}
         for _ in range(args.repeats):  # the systems interleaved: a slow spell hits all of them
-            for system in ("none", "embcore", "torchrec"):
-                py = args.peers_python if system == "torchrec" else sys.executable
+            for system in args.systems:
+                py = sys.executable if system in ("none", "embcore") else args.peers_python
                 cmd = [py, __file__, "--system", system, "--size", size, "--optimizer",
                        args.optimizer, "--max-rows", str(args.max_rows), "--threads",
                        str(args.threads)] + (["--steps", str(args.steps)] if args.steps else [])
@@ -242,15 +310,18 @@ def table(results: list[dict]) -> str:
             out.append(f"| {r['size']} | {r['system']} | failed: {r['error'][-80:]} | | | | | | |")
             continue
         same = [q for q in results if q["size"] == r["size"] and "error" not in q]
-        peer = next((q for q in same if q["system"] == "torchrec"), None)
-        dense = next((q["dense_ms_per_step"] for q in same if q["system"] == "none"), None)
+        peer = next((q for q in same if q["system"] == PEER[r["system"]]), None)
+        dense = next((q["dense_ms_per_step"] for q in same if q["system"] == "none"
+                      and not r["system"].startswith("trec-")), None)  # (another dense model)
         vs = f"{r['examples_per_s'] / peer['examples_per_s']:.2f}x" if peer else "-"
         extra = f"{r['ms_per_step'] - dense:.1f}" if dense else "-"
         ceiling = (f"{peer['ms_per_step'] / dense:.2f}x"
                    if dense and peer and r["system"] == "embcore" else "")
+        system = ("TorchRec model on embcore" if r["system"] == "trec-embcore" else
+                  "TorchRec model on TorchRec" if r["system"] == "trec-torchrec" else r["system"])
         if dense and min(r["ms_per_step"], peer["ms_per_step"] if peer else dense) <= dense:
             extra, ceiling = "below the noise", ""  # the dense part's run-to-run spread
-        out.append(f"| {r['size']} | {r['system']} | {r['examples_per_s']:,.0f} | "
+        out.append(f"| {r['size']} | {system} | {r['examples_per_s']:,.0f} | "
                    f"{r['ms_per_step']:.1f} | {extra} | {r['tables_ms_per_step']:.1f} | "
                    f"{100 * r['embedding_share']:.0f}% | {vs} | {ceiling} |")
     return "\n".join(out)

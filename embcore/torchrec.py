@@ -1,0 +1,338 @@
+"""TorchRec's ``EmbeddingBagCollection`` and ``EmbeddingCollection`` on embcore's engine.
+
+Drop-in modules for a TorchRec model (docs/semantics.md section 15): built from TorchRec's own
+``EmbeddingBagConfig`` / ``EmbeddingConfig``, a ``KeyedJaggedTensor`` in, a ``KeyedTensor`` out
+(``EmbeddingCollection``: a dict of ``JaggedTensor``), and a ``state_dict`` in TorchRec's names
+(``embedding_bags.<table>.weight``, ``embeddings.<table>.weight``), so that a TorchRec checkpoint
+of an unsharded model loads. The tables are an ``ec.EmbeddingLayer``'s: the optimizer given as
+TorchRec's ``fused_params`` (config/fused_params.py) or as an embcore optimizer updates the touched
+rows inside ``loss.backward()``, as TorchRec's fused modules do; the model's torch optimizer
+trains the dense part only.
+
+Needs the ``torchrec`` extra: ``pip install embcore[torchrec]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    from torchrec.modules.embedding_configs import DataType, PoolingType
+    from torchrec.modules.embedding_modules import (
+        EmbeddingBagCollectionInterface,
+        EmbeddingCollectionInterface,
+        get_embedding_names_by_table,
+    )
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+except ImportError as e:  # torchrec (with fbgemm_gpu) is an optional dependency
+    raise ImportError(f"embcore.torchrec needs TorchRec, which is not installed ({e}): "
+                      f"pip install embcore[torchrec]") from e
+except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
+    raise ImportError(f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not "
+                      f"load ({e}); on a machine without CUDA use FBGEMM's CPU build: pip "
+                      f"uninstall -y fbgemm-gpu && pip install --force-reinstall --no-deps "
+                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (README, 'From TorchRec')") from e
+
+from .config.fused_params import from_fused_params
+from .config.tables import FeatureConfig, TableConfig
+from .layer import EmbeddingLayer
+
+_DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16,
+           DataType.BF16: torch.bfloat16}
+_COMBINERS = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
+
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TorchRecTables"]
+
+
+class TorchRecTables(EmbeddingLayer):
+    """The ``ec.EmbeddingLayer`` under a TorchRec module, its state in TorchRec's names.
+
+    Registered as the module's ``embedding_bags`` (``embeddings``), its ``state_dict`` holds
+    ``<table>.weight`` per table, in the configs' order: TorchRec's keys. Optimizer slots are not
+    in it (neither are they in TorchRec's module): ``ec.save(path, module.embedding_bags)`` saves
+    them with the tables.
+    """
+
+    def __init__(self, feature_config: dict[str, FeatureConfig], optimizer: Any,
+                 table_names: list[str], **kwargs: Any) -> None:
+        super().__init__(feature_config, optimizer, **kwargs)
+        self.table_names = list(table_names)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        state = self.engine.state_dict()
+        for name in self.table_names:
+            value = state[f"{name}/parameters"]
+            destination[f"{prefix}{name}.weight"] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
+                              local_metadata: Any, strict: bool, missing_keys: list[str],
+                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        own = self.engine.state_dict()
+        wanted = {f"{prefix}{name}.weight": name for name in self.table_names}
+        unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in wanted]
+        missing_keys += [k for k in wanted if k not in state_dict]
+        values, errors_before = {}, len(error_msgs)
+        for key, name in wanted.items():
+            if key not in state_dict:
+                continue
+            value, shape = state_dict[key], tuple(own[f"{name}/parameters"].shape)
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected a '
+                                  f"tensor, got {type(value).__name__}")
+            elif tuple(value.shape) != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(value.shape)} from checkpoint, the shape in current "
+                                  f"model is {shape} (table {name!r})")
+            else:
+                values[f"{name}/parameters"] = value
+        if len(error_msgs) > errors_before:
+            return  # none of the tables loaded: torch raises with every message
+        try:
+            self.engine.load_state_dict(values, strict=False)
+        except (KeyError, ValueError) as e:
+            error_msgs.append(str(e))
+
+
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """TorchRec's ``EmbeddingBagCollection`` whose tables embcore holds and trains.
+
+    Args:
+        tables: TorchRec ``EmbeddingBagConfig``s: ``name``, ``num_embeddings``,
+            ``embedding_dim``, ``feature_names`` (default ``[name]``), ``pooling`` (SUM or
+            MEAN), ``data_type`` (FP32, FP16 or BF16), ``init_fn`` (TorchRec's default: uniform
+            in ``+-sqrt(1 / num_embeddings)``).
+        is_weighted: whether the input ``KeyedJaggedTensor``'s weights scale the ids (SUM
+            pooling only, as TorchRec's own module).
+        device: where the tables live (default the CPU).
+        fused_params: the optimizer as TorchRec / FBGEMM users give it, e.g.
+            ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}``
+            (config/fused_params.py ``from_fused_params``); ``stochastic_rounding`` applies to
+            FP16 / BF16 tables.
+        optimizer: instead of ``fused_params``: anything ``ec.EmbeddingLayer`` takes
+            (``ec.Adagrad(learning_rate=0.1)``, ``"adagrad"``, ``torch.optim.SGD``, ...).
+        **layer_kwargs: further arguments of ``ec.EmbeddingLayer`` (``memory_budget``,
+            ``pipeline_execution``, ...).
+
+    The output ``KeyedTensor``'s keys are TorchRec's: each feature's name, or
+    ``feature@table`` for a feature several tables read; its values ``(B, sum of dims)``.
+
+    Raises:
+        ValueError: a config embcore cannot hold (duplicate table names, NONE pooling,
+            weighted MEAN pooling, another data type, the meta device), or no optimizer.
+        ImportError: (on import) torchrec is not installed.
+    """
+
+    def __init__(self, tables: list[Any], is_weighted: bool = False,
+                 device: torch.device | str | None = None, *,
+                 fused_params: Mapping[str, Any] | None = None, optimizer: Any = None,
+                 **layer_kwargs: Any) -> None:
+        super().__init__()
+        self._is_weighted = bool(is_weighted)
+        self._embedding_bag_configs = tables
+        for config in tables:
+            if config.pooling not in _COMBINERS:
+                raise ValueError(f"table {config.name!r}: pooling {config.pooling} is not "
+                                 f"supported by an EmbeddingBagCollection; use SUM or MEAN (or "
+                                 f"EmbeddingCollection for unpooled embeddings)")
+            if self._is_weighted and config.pooling != PoolingType.SUM:
+                raise ValueError(f"table {config.name!r}: weighted {config.pooling} pooling is "
+                                 f"not supported (TorchRec's EmbeddingBagCollection refuses "
+                                 f"it too: torch.nn.EmbeddingBag takes per_sample_weights with "
+                                 f"mode='sum' only); use PoolingType.SUM")
+        self._features, self._names, self._device = _features(
+            tables, "EmbeddingBagCollection", device, fused_params,
+            lambda c: _COMBINERS[c.pooling])
+        self._lengths_per_embedding = [c.embedding_dim for c in tables
+                                       for _ in c.feature_names]
+        self.embedding_bags = TorchRecTables(
+            {name: feature for name, (feature, _) in self._features.items()},
+            _optimizer(fused_params, optimizer), [c.name for c in tables],
+            device=self._device, **layer_kwargs)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """The pooled embeddings of ``features`` (a ``KeyedJaggedTensor``): ``(B, sum of
+        dims)``, a ``KeyedTensor`` keyed as TorchRec's module keys it."""
+        ids, weights = _inputs(features, self._features, self._is_weighted)
+        out = self.embedding_bags(ids, weights)
+        return KeyedTensor(keys=self._names, length_per_key=self._lengths_per_embedding,
+                           values=torch.cat([out[name] for name in self._names], dim=1))
+
+    def is_weighted(self) -> bool:
+        """Whether the input's weights scale the ids."""
+        return self._is_weighted
+
+    def embedding_bag_configs(self) -> list[Any]:
+        """The ``EmbeddingBagConfig``s this module was built from."""
+        return self._embedding_bag_configs
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live."""
+        return self._device
+
+
+class EmbeddingCollection(EmbeddingCollectionInterface):
+    """TorchRec's ``EmbeddingCollection`` (unpooled, sequence embeddings) on embcore's tables.
+
+    Args:
+        tables: TorchRec ``EmbeddingConfig``s, all of one ``embedding_dim`` (as TorchRec
+            requires).
+        device: where the tables live (default the CPU).
+        need_indices: also return each feature's ids as its ``JaggedTensor``'s weights.
+        fused_params, optimizer, **layer_kwargs: as for ``EmbeddingBagCollection``.
+
+    The output maps each feature's name (``feature@table`` for a feature several tables read)
+    to a ``JaggedTensor``: one ``(D,)`` row per id, ``(number of ids, D)``, with the input's
+    lengths. The input's weights are not used (neither does TorchRec's module use them).
+    """
+
+    def __init__(self, tables: list[Any], device: torch.device | str | None = None,
+                 need_indices: bool = False, *, fused_params: Mapping[str, Any] | None = None,
+                 optimizer: Any = None, **layer_kwargs: Any) -> None:
+        super().__init__()
+        dims = sorted({c.embedding_dim for c in tables})
+        if len(dims) > 1:
+            raise ValueError(f"EmbeddingCollection: all tables must have one embedding_dim (as "
+                             f"TorchRec's), got {dims}")
+        self._embedding_configs = tables
+        self._need_indices = bool(need_indices)
+        self._embedding_dim = dims[0] if dims else -1
+        self._features, self._names, self._device = _features(
+            tables, "EmbeddingCollection", device, fused_params, lambda c: "sum")
+        self._names_by_table = get_embedding_names_by_table(tables)
+        self.embeddings = TorchRecTables(
+            {name: feature for name, (feature, _) in self._features.items()},
+            _optimizer(fused_params, optimizer), [c.name for c in tables],
+            device=self._device, **layer_kwargs)
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """Each feature's embeddings, one row per id, as a ``JaggedTensor`` with the input's
+        lengths."""
+        per_key = _sequences(features, self._features)
+        out = self.embeddings({name: per_key[key][0]
+                               for name, (_, key) in self._features.items()})
+        return {name: JaggedTensor(values=out[name], lengths=per_key[key][1],
+                                   weights=per_key[key][0] if self._need_indices else None)
+                for name, (_, key) in self._features.items()}
+
+    def need_indices(self) -> bool:
+        """Whether the output carries the ids as its weights."""
+        return self._need_indices
+
+    def embedding_dim(self) -> int:
+        """The tables' common embedding dim."""
+        return self._embedding_dim
+
+    def embedding_configs(self) -> list[Any]:
+        """The ``EmbeddingConfig``s this module was built from."""
+        return self._embedding_configs
+
+    def embedding_names_by_table(self) -> list[list[str]]:
+        """Per table, the output names of its features."""
+        return self._names_by_table
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live."""
+        return self._device
+
+
+def _optimizer(fused_params: Mapping[str, Any] | None, optimizer: Any) -> Any:
+    if fused_params is not None and optimizer is not None:
+        raise ValueError("give fused_params or optimizer, not both")
+    if fused_params is None and optimizer is None:
+        raise ValueError("embcore trains the tables inside backward with their own optimizer: "
+                         "give fused_params (e.g. {'optimizer': EmbOptimType.EXACT_ADAGRAD, "
+                         "'learning_rate': 0.01}) or optimizer= (e.g. ec.Adagrad(0.01)); the "
+                         "model's torch optimizer then trains the dense part only")
+    return from_fused_params(fused_params) if fused_params is not None else optimizer
+
+
+def _features(tables: list[Any], what: str, device: torch.device | str | None,
+              fused_params: Mapping[str, Any] | None, combiner: Any
+              ) -> tuple[dict[str, tuple[FeatureConfig, str]], list[str], torch.device]:
+    """``({output name: (FeatureConfig, input key)}, output names in order, device)``."""
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "meta":
+        raise ValueError(f"{what}: embcore builds its tables at construction; the meta device "
+                         f"(TorchRec's sharding planner's) is not supported")
+    seen: set[str] = set()
+    for config in tables:
+        if config.name in seen:
+            raise ValueError(f"{what}: duplicate table name {config.name!r}")
+        seen.add(config.name)
+        if config.data_type not in _DTYPES:
+            raise ValueError(f"table {config.name!r}: data_type {config.data_type} is not "
+                             f"supported; use FP32, FP16 or BF16")
+        if not config.feature_names:
+            config.feature_names = [config.name]  # (what TorchRec's modules do)
+    rounding = bool((fused_params or {}).get("stochastic_rounding", True))
+    features: dict[str, tuple[FeatureConfig, str]] = {}
+    for config, names in zip(tables, get_embedding_names_by_table(tables)):
+        table = TableConfig(vocabulary_size=config.num_embeddings, dim=config.embedding_dim,
+                            name=config.name, combiner=combiner(config),
+                            initializer=config.init_fn, dtype=_DTYPES[config.data_type],
+                            stochastic_rounding=rounding)
+        for key, name in zip(config.feature_names, names):
+            features[name] = (FeatureConfig(table=table, name=name), key)
+    return features, list(features), device
+
+
+def _keys(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]) -> dict[str, int]:
+    """Each key's position in the input ``KeyedJaggedTensor`` (checked: a KJT, one batch size,
+    every key the modules read)."""
+    if not isinstance(features, KeyedJaggedTensor):
+        raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(features).__name__}")
+    if features.variable_stride_per_key():
+        raise ValueError("a KeyedJaggedTensor with a batch size per key (variable stride) is not "
+                         "supported; give every key the same batch size")
+    position = {key: i for i, key in enumerate(features.keys())}
+    missing = sorted({key for _, key in wanted.values()} - set(position))
+    if missing:
+        raise ValueError(f"the KeyedJaggedTensor lacks features {missing} (it has "
+                         f"{sorted(position)})")
+    return position
+
+
+def _inputs(features: Any, wanted: dict[str, tuple[FeatureConfig, str]], weighted: bool
+            ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``({name: ids}, {name: weights} or None)`` in embcore's forms (docs/semantics.md section
+    1): each key's bags as a jagged ``(values, offsets)`` pair (its weights likewise); or, when
+    every bag of the batch holds one id and no weights apply, each key's ids as dense ids
+    ``(B,)``: a bag of one id is that id's row whatever the pooling, and dense one-id batches
+    take the engine's native preprocess."""
+    position = _keys(features, wanted)
+    values, b = features.values(), features.stride()
+    lengths = features.lengths()
+    if not weighted and lengths.numel() == values.numel() and bool((lengths == 1).all()):
+        return {name: values[position[key] * b:(position[key] + 1) * b]
+                for name, (_, key) in wanted.items()}, None
+    offsets = features.offsets()
+    bounds = offsets[::b].tolist() if b else [0] * (len(position) + 1)  # each key's first value
+    w = features.weights_or_none() if weighted else None
+    if weighted and w is None:
+        raise ValueError(f"the module is weighted (is_weighted=True) but the KeyedJaggedTensor "
+                         f"has no weights (features {sorted(position)})")
+    ids, weights = {}, {}
+    for name, (_, key) in wanted.items():
+        i = position[key]
+        lo, hi = bounds[i], bounds[i + 1]
+        local = offsets[i * b:(i + 1) * b + 1] - lo
+        ids[name] = (values[lo:hi], local)
+        if w is not None:
+            weights[name] = (w[lo:hi], local)
+    return ids, (weights if weighted else None)
+
+
+def _sequences(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]
+               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each key's ``(ids, lengths)``: its values (looked up one by one) and bag lengths."""
+    position = _keys(features, wanted)
+    values, lengths, b = features.values(), features.lengths(), features.stride()
+    bounds = features.offsets()[::b].tolist() if b else [0] * (len(position) + 1)
+    return {key: (values[bounds[i]:bounds[i + 1]], lengths[i * b:(i + 1) * b])
+            for key, i in position.items()}

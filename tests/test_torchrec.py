@@ -1,0 +1,309 @@
+"""embcore.torchrec: TorchRec's module interfaces on embcore's tables, against TorchRec's own
+unsharded modules (and FBGEMM's fused kernels) on the CPU.
+
+The equality of training runs: TorchRec's ``EmbeddingBagCollection`` holds its tables as
+``nn.Parameter``s, so its model's ``torch.optim.SGD`` updates them in ``opt.step()``; embcore's
+module applies its own SGD (from ``fused_params``) to the touched rows during ``loss.backward()``,
+and the same ``torch.optim.SGD`` steps the dense part only. Both start from the same weights (the
+TorchRec model's ``state_dict`` loaded into the embcore one), so each step's loss, and the tables
+after the run, are equal up to float summation order.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torchrec = pytest.importorskip(
+    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] (README, "
+                       "'From TorchRec')")
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
+from torchrec import (  # noqa: E402
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    PoolingType,
+)
+from torchrec.models.dlrm import DLRM_DCN  # noqa: E402
+from torchrec.modules.embedding_configs import DataType  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface  # noqa: E402
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection  # noqa: E402
+from torchrec.optim import RowWiseAdagrad  # noqa: E402
+
+import embcore as ec  # noqa: E402
+import embcore.torchrec as et  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the criteo package
+from criteo.data import read_batches  # noqa: E402
+from criteo.generate import generate  # noqa: E402
+
+SGD = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}
+NUM_SPARSE, NUM_DENSE = 26, 13
+
+
+def _kjt(sparse: torch.Tensor) -> KeyedJaggedTensor:
+    """(B, 26) ids of one id per feature as a KJT keyed C1..C26 (feature-major values)."""
+    b = sparse.shape[0]
+    return KeyedJaggedTensor(keys=[f"C{j + 1}" for j in range(NUM_SPARSE)],
+                             values=sparse.t().reshape(-1),
+                             lengths=torch.ones(NUM_SPARSE * b, dtype=torch.int64))
+
+
+def _dlrm(ebc: torch.nn.Module) -> DLRM_DCN:
+    return DLRM_DCN(ebc, dense_in_features=NUM_DENSE, dense_arch_layer_sizes=[16, 8],
+                    over_arch_layer_sizes=[16, 1], dcn_num_layers=2, dcn_low_rank_dim=4)
+
+
+def test_dlrm_dcn_on_criteo_trains_as_with_torchrecs_own_tables(tmp_path):
+    info = generate(tmp_path, train_lines=6 * 256, test_lines=10, scale=0.0005, seed=3)
+    cards = info["cardinalities"]
+    batches = list(read_batches(tmp_path / "train.txt", 256, hash_buckets=cards))
+    tables = [EmbeddingBagConfig(name=f"t_C{j + 1}", embedding_dim=8, num_embeddings=n,
+                                 feature_names=[f"C{j + 1}"]) for j, n in enumerate(cards)]
+    torch.manual_seed(0)
+    theirs = _dlrm(torchrec.EmbeddingBagCollection(tables=tables))
+    ours = _dlrm(et.EmbeddingBagCollection(tables, fused_params=SGD))
+    ours.load_state_dict(theirs.state_dict())  # the same initial weights, tables included
+    start = {k: v.clone() for k, v in theirs.state_dict().items()}
+    # TorchRec's tables are parameters of its model; ours are not (embcore trains them)
+    assert sum(p.numel() for p in theirs.parameters()) == (
+        sum(p.numel() for p in ours.parameters()) + sum(cards) * 8)
+    opts = [torch.optim.SGD(m.parameters(), lr=SGD["learning_rate"]) for m in (theirs, ours)]
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    losses: dict[str, list[float]] = {"torchrec": [], "embcore": []}
+    for batch in batches:
+        dense, kjt = torch.from_numpy(batch.dense), _kjt(torch.from_numpy(batch.sparse))
+        for name, model, opt in (("torchrec", theirs, opts[0]), ("embcore", ours, opts[1])):
+            loss = loss_fn(model(dense, kjt).squeeze(1), torch.from_numpy(batch.label))
+            opt.zero_grad()
+            loss.backward()  # embcore: the SGD update of the touched rows happens here
+            opt.step()       # torchrec: the tables' update (and for both: the dense part)
+            losses[name].append(loss.item())
+    assert len(losses["embcore"]) == 6
+    torch.testing.assert_close(losses["embcore"], losses["torchrec"], rtol=1e-5, atol=1e-6)
+    after, moved = ours.state_dict(), 0
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(after[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        moved += int(not torch.equal(value, start[key]))
+    assert moved == len(start)  # every table and dense tensor was trained
+
+
+def test_state_dict_has_torchrecs_names_and_a_torchrec_checkpoint_loads(tmp_path):
+    tables = [EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["user"]),
+              EmbeddingBagConfig(name="ads", embedding_dim=8, num_embeddings=20,
+                                 feature_names=["item", "seen"])]
+    theirs = torchrec.EmbeddingBagCollection(tables=tables)
+    ours = et.EmbeddingBagCollection(tables, fused_params=SGD)
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == [
+        "embedding_bags.users.weight", "embedding_bags.ads.weight"]
+    torch.save(theirs.state_dict(), tmp_path / "ckpt.pt")
+    assert not torch.equal(ours.state_dict()["embedding_bags.ads.weight"],
+                           theirs.state_dict()["embedding_bags.ads.weight"])
+    ours.load_state_dict(torch.load(tmp_path / "ckpt.pt"))  # strict
+    for key, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value)
+        assert torch.equal(ours.embedding_bags.embedding_tables[key.split(".")[1]], value)
+    theirs.load_state_dict(ours.state_dict())  # and back
+    # errors in torch's words, naming TorchRec's keys
+    with pytest.raises(RuntimeError, match=r"size mismatch for embedding_bags\.users\.weight"):
+        ours.load_state_dict({"embedding_bags.users.weight": torch.zeros(11, 4),
+                              "embedding_bags.ads.weight": torch.zeros(20, 8)})
+    assert torch.equal(ours.state_dict()["embedding_bags.ads.weight"],
+                       theirs.state_dict()["embedding_bags.ads.weight"])  # nothing loaded
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*embedding_bags\.ads\.weight"):
+        ours.load_state_dict({"embedding_bags.users.weight": torch.zeros(10, 4)})
+    result = ours.load_state_dict({"embedding_bags.users.weight": torch.zeros(10, 4),
+                                   "embedding_bags.other.weight": torch.zeros(1)}, strict=False)
+    assert result.missing_keys == ["embedding_bags.ads.weight"]
+    assert result.unexpected_keys == ["embedding_bags.other.weight"]
+    assert torch.equal(ours.embedding_bags.embedding_tables["users"], torch.zeros(10, 4))
+    # another module's error does not stop the tables' load (torch loads what fits, then raises)
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(2, 2), "ebc": ours})
+    state = model.state_dict()
+    state["dense.weight"], state["ebc.embedding_bags.users.weight"] = torch.zeros(3, 3), \
+        torch.ones(10, 4)
+    with pytest.raises(RuntimeError, match=r"size mismatch for dense\.weight"):
+        model.load_state_dict(state)
+    assert torch.equal(ours.embedding_bags.embedding_tables["users"], torch.ones(10, 4))
+
+
+def _step_both(theirs, ours, kjt, lr):
+    """One forward, backward and SGD step of both modules on ``kjt`` (loss: a fixed projection
+    of the outputs); returns both outputs' values."""
+    outs = []
+    for module in (theirs, ours):
+        out = module(kjt)
+        values = out.values() if isinstance(out, KeyedTensor) else torch.cat(
+            [out[k].values() for k in sorted(out)])
+        torch.manual_seed(1)
+        (values * torch.randn_like(values)).sum().backward()
+        outs.append(values.detach())
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p -= lr * p.grad
+    return outs
+
+
+def test_weighted_mean_and_shared_features_match_torchrec():
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["f1", "f3"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=10,
+                                 feature_names=["f2", "f3"])]
+    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 1]),
+                            lengths=torch.tensor([2, 0, 1, 1, 3, 1]),
+                            weights=torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.25, 1.0, 2.0]))
+    # one id per bag (unweighted: embcore is fed dense ids), the keys in another order
+    single = KeyedJaggedTensor(keys=["f3", "f2", "f1"], values=torch.tensor([1, 9, 2, 0, 5, 5]),
+                               lengths=torch.ones(6, dtype=torch.int64),
+                               weights=torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.25]))
+    for weighted, pooling, batch in ((True, PoolingType.SUM, kjt), (False, PoolingType.MEAN, kjt),
+                                     (True, PoolingType.SUM, single),
+                                     (False, PoolingType.MEAN, single)):
+        for t in tables:
+            t.pooling = pooling
+        theirs = torchrec.EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+        ours = et.EmbeddingBagCollection(tables, is_weighted=weighted, fused_params=SGD)
+        ours.load_state_dict(theirs.state_dict())
+        a, b = _step_both(theirs, ours, batch, SGD["learning_rate"])
+        assert ours(batch).keys() == theirs(batch).keys() == ["f1", "f3@t1", "f2", "f3@t2"]
+        assert ours(batch).length_per_key() == [4, 4, 8, 8]
+        torch.testing.assert_close(b, a)
+        for key, value in theirs.state_dict().items():
+            torch.testing.assert_close(ours.state_dict()[key], value, msg=key)
+
+
+def test_embedding_collection_matches_torchrec():
+    tables = [EmbeddingConfig(name="e1", embedding_dim=4, num_embeddings=10,
+                              feature_names=["f1", "f2"]),
+              EmbeddingConfig(name="e2", embedding_dim=4, num_embeddings=5, feature_names=["f2"])]
+    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 0, 4, 2]),
+                            lengths=torch.tensor([2, 0, 1, 0, 3, 1]))
+    theirs = torchrec.EmbeddingCollection(tables=tables, need_indices=True)
+    ours = et.EmbeddingCollection(tables, need_indices=True, fused_params=SGD)
+    assert list(ours.state_dict()) == ["embeddings.e1.weight", "embeddings.e2.weight"]
+    ours.load_state_dict(theirs.state_dict())
+    out = ours(kjt)
+    assert sorted(out) == ["f1", "f2@e1", "f2@e2"] and isinstance(out["f1"], JaggedTensor)
+    assert out["f2@e2"].values().shape == (4, 4)
+    assert out["f2@e2"].lengths().tolist() == [0, 3, 1]
+    assert out["f2@e2"].weights().tolist() == [4, 0, 4, 2]  # need_indices: the ids
+    assert torch.equal(out["f2@e2"].weights(), theirs(kjt)["f2@e2"].weights())
+    assert ours.embedding_names_by_table() == theirs.embedding_names_by_table()
+    assert ours.embedding_dim() == 4
+    a, b = _step_both(theirs, ours, kjt, SGD["learning_rate"])
+    torch.testing.assert_close(b, a)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, msg=key)
+    empty = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([], dtype=torch.int64),
+                              lengths=torch.zeros(4, dtype=torch.int64))
+    assert ours(empty)["f1"].values().shape == (0, 4)
+
+
+@pytest.mark.parametrize("fbgemm, torch_optim", [
+    (EmbOptimType.EXACT_ADAGRAD, torch.optim.Adagrad),
+    (EmbOptimType.EXACT_ROWWISE_ADAGRAD, RowWiseAdagrad),
+])
+def test_fused_params_give_fbgemms_updates(fbgemm, torch_optim):
+    """TorchRec's fused module (FBGEMM's kernels) and embcore given the same optimizer as
+    fused_params: equal tables after three steps with duplicate ids."""
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=50,
+                                 feature_names=[f"f{i}"]) for i in range(2)]
+    torch.manual_seed(0)
+    theirs = FusedEmbeddingBagCollection(tables=tables, optimizer_type=torch_optim,
+                                         optimizer_kwargs={"lr": 0.1, "eps": 1e-10},
+                                         device=torch.device("cpu"))
+    ours = et.EmbeddingBagCollection(
+        tables, fused_params={"optimizer": fbgemm, "learning_rate": 0.1, "eps": 1e-10})
+    ours.load_state_dict(theirs.state_dict())
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.randint(0, 50, (40,), generator=g),
+                                lengths=torch.tensor([2] * 8 + [3] * 8) if step else
+                                torch.tensor([5, 0] + [2] * 13 + [9]))
+        for module in (theirs, ours):
+            out = module(kjt).values()
+            (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(9))).sum() \
+                .backward()
+    moved = 0
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, msg=key)
+        moved += 1
+    assert moved == 2
+
+
+def test_refusals_name_the_table_feature_or_key():
+    t = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
+    with pytest.raises(ValueError, match=r"give fused_params .* or optimizer="):
+        et.EmbeddingBagCollection([t])
+    with pytest.raises(ValueError, match="not both"):
+        et.EmbeddingBagCollection([t], fused_params=SGD, optimizer="sgd")
+    with pytest.raises(ValueError, match=r"optimizer 'adam' is not supported.*ec.Adam"):
+        et.EmbeddingBagCollection([t], fused_params={"optimizer": EmbOptimType.ADAM})
+    with pytest.raises(ValueError, match="optimizer 'lamb' is not supported"):
+        et.EmbeddingBagCollection([t], fused_params={"optimizer": EmbOptimType.LAMB})
+    with pytest.raises(ValueError, match=r"unknown or unsupported keys \['lr'\]"):
+        et.EmbeddingBagCollection([t], fused_params={"optimizer": "exact_sgd", "lr": 0.1})
+    for bad, message in (
+            ({"pooling": PoolingType.NONE}, "table 't': pooling .* use SUM or MEAN"),
+            ({"data_type": DataType.INT8}, "table 't': data_type .* FP32, FP16 or BF16")):
+        config = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, **bad)
+        with pytest.raises(ValueError, match=message):
+            et.EmbeddingBagCollection([config], fused_params=SGD)
+    mean = EmbeddingBagConfig(name="m", embedding_dim=4, num_embeddings=10,
+                              pooling=PoolingType.MEAN)
+    with pytest.raises(ValueError, match=r"table 'm': weighted .* mode='sum'"):
+        et.EmbeddingBagCollection([mean], is_weighted=True, fused_params=SGD)
+    with pytest.raises(ValueError, match="duplicate table name 't'"):
+        et.EmbeddingBagCollection([t, t], fused_params=SGD)
+    with pytest.raises(ValueError, match="meta device"):
+        et.EmbeddingBagCollection([t], device="meta", fused_params=SGD)
+    with pytest.raises(ValueError, match="one embedding_dim"):
+        et.EmbeddingCollection([EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=3),
+                                EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=3)],
+                               fused_params=SGD)
+    ebc = et.EmbeddingBagCollection([t], is_weighted=True, fused_params=SGD)
+    assert isinstance(ebc, EmbeddingBagCollectionInterface) and ebc.is_weighted()
+    plain = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    with pytest.raises(ValueError, match="has no weights"):
+        ebc(plain)
+    other = KeyedJaggedTensor(keys=["g"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"lacks features \['f'\]"):
+        ebc(other)
+    with pytest.raises(TypeError, match="expected a torchrec KeyedJaggedTensor"):
+        ebc({"f": torch.tensor([1])})
+    outside = KeyedJaggedTensor(keys=["f"], values=torch.tensor([10]), lengths=torch.tensor([1]),
+                                weights=torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"feature 'f'.*10"):
+        ebc(outside)
+
+
+def test_fp16_tables_and_an_embcore_optimizer():
+    t = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"],
+                           data_type=DataType.FP16)
+    ebc = et.EmbeddingBagCollection([t], optimizer=ec.Adagrad(learning_rate=0.1))
+    assert ebc.state_dict()["embedding_bags.t.weight"].dtype == torch.float16
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.tensor([1, 2]), lengths=torch.tensor([2]))
+    before = ebc.state_dict()["embedding_bags.t.weight"].clone()
+    out = ebc(kjt).values()
+    assert out.dtype == torch.float32 and out.shape == (1, 4)
+    out.sum().backward()
+    after = ebc.state_dict()["embedding_bags.t.weight"]
+    assert not torch.equal(after[1:3], before[1:3]) and torch.equal(after[3:], before[3:])
+
+
+def test_readme_from_torchrec_example_runs(capsys):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## From TorchRec", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
+    exec(compile(code, "README.md (From TorchRec)", "exec"), {"__name__": "readme"})
+    printed = capsys.readouterr().out
+    assert "sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in printed
