@@ -193,7 +193,8 @@ inline __m512i hash_inputs_x16(uint32_t key32, uint32_t c0) {
 }
 
 inline i64 f16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t key32,
-                              uint32_t c0) {
+                              uint32_t c0, bool* over) {
+  __mmask16 overflow = 0;
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i input = hash_inputs_x16(key32, c0);
   const __m512i step = _mm512_set1_epi32(int32_t(16U * kGolden32));
@@ -214,16 +215,18 @@ inline i64 f16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t k
     }
     // |x| above 65504 (infinities and NaN too): 65536 and up infinite, NaN a quiet NaN
     if (_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FE000))) {
-      y = _mm512_mask_mov_epi32(y, _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(0x477FFFFF)),
-                                _mm512_set1_epi32(0x7F800000));
-      y = _mm512_mask_mov_epi32(y, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)),
-                                _mm512_set1_epi32(0x7FC00000));
+      const __mmask16 inf = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(0x477FFFFF));
+      const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+      overflow |= inf & _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));  // (finite)
+      y = _mm512_mask_mov_epi32(y, inf, _mm512_set1_epi32(0x7F800000));
+      y = _mm512_mask_mov_epi32(y, nan, _mm512_set1_epi32(0x7FC00000));
     }
     y = _mm512_ternarylogic_epi32(b, y, abs_mask, 0xD8);  // y's magnitude, b's sign
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
                         _mm512_cvtps_ph(_mm512_castsi512_ps(y),
                                         _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
   }
+  *over = overflow != 0;
   return c;
 }
 
@@ -259,13 +262,19 @@ inline i64 bf16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t 
   return c;
 }
 
-inline i64 f16_nearest_x16(const float* src, uint16_t* dst, i64 d) {
+inline i64 f16_nearest_x16(const float* src, uint16_t* dst, i64 d, bool* over) {
+  __mmask16 overflow = 0;
   i64 c = 0;
   for (; c + 16 <= d; c += 16) {
-    __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT);
+    const __m512 x = _mm512_loadu_ps(src + c);
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+    overflow |= _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FEFFF)) &  // 65520 and up,
+                _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));   // finite
+    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     __asm__("" : "+v"(h));  // kept in a register: no conversion stored straight to memory
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), h);
   }
+  *over = overflow != 0;
   return c;
 }
 #elif defined(__AVX2__) && defined(__F16C__)
@@ -285,7 +294,8 @@ inline __m256i hash_inputs_x8(uint32_t key32, uint32_t c0) {
 
 // (signed compares: a <= 0x7FFFFFFF; a NaN's t may wrap negative, and its lane is set last)
 inline i64 f16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t key32,
-                             uint32_t c0) {
+                             uint32_t c0, bool* over) {
+  __m256i overflow = _mm256_setzero_si256();
   const __m256i abs_mask = _mm256_set1_epi32(0x7FFFFFFF);
   __m256i input = hash_inputs_x8(key32, c0);
   const __m256i step = _mm256_set1_epi32(int32_t(8U * kGolden32));
@@ -307,8 +317,10 @@ inline i64 f16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t ke
     }
     const __m256i big = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x477FE000));
     if (!_mm256_testz_si256(big, big)) {
-      y = _mm256_blendv_epi8(y, _mm256_set1_epi32(0x7F800000),
-                             _mm256_cmpgt_epi32(t, _mm256_set1_epi32(0x477FFFFF)));
+      const __m256i inf = _mm256_cmpgt_epi32(t, _mm256_set1_epi32(0x477FFFFF));
+      const __m256i finite = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a);
+      overflow = _mm256_or_si256(overflow, _mm256_and_si256(inf, finite));
+      y = _mm256_blendv_epi8(y, _mm256_set1_epi32(0x7F800000), inf);
       y = _mm256_blendv_epi8(y, _mm256_set1_epi32(0x7FC00000),
                              _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
     }
@@ -317,6 +329,7 @@ inline i64 f16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t ke
     __asm__("" : "+x"(h));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), h);
   }
+  *over = !_mm256_testz_si256(overflow, overflow);
   return c;
 }
 
@@ -343,35 +356,62 @@ inline i64 bf16_stochastic_x8(const float* src, uint16_t* dst, i64 d, uint32_t k
   return c;
 }
 
-inline i64 f16_nearest_x8(const float* src, uint16_t* dst, i64 d) {
+inline i64 f16_nearest_x8(const float* src, uint16_t* dst, i64 d, bool* over) {
+  __m256i overflow = _mm256_setzero_si256();
   i64 c = 0;
   for (; c + 8 <= d; c += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + c), _MM_FROUND_TO_NEAREST_INT);
+    const __m256 x = _mm256_loadu_ps(src + c);
+    const __m256i a = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7FFFFFFF));
+    overflow = _mm256_or_si256(overflow, _mm256_and_si256(  // 65520 and up, finite
+        _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x477FEFFF)),
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800000), a)));
+    __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     __asm__("" : "+x"(h));  // kept in a register: no conversion stored straight to memory
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + c), h);
   }
+  *over = !_mm256_testz_si256(overflow, overflow);
   return c;
 }
 #endif
 
-// The widest SIMD path of this build for each rounding: the columns [0, returned) done.
+// The widest SIMD path of this build for each rounding: the columns [0, returned) done. *over:
+// whether one of them overflowed (a float16 value rounded to an infinity where it was finite);
+// the bfloat16 paths leave it false (they do not check).
 template <int T>
 inline i64 narrow_simd(const float* src, uint16_t* dst, i64 d, bool stochastic, uint32_t key32,
-                       uint32_t c0) {
+                       uint32_t c0, bool* over) {
+  *over = false;
 #if defined(__AVX512F__)
   if (stochastic)
-    return T == kF16 ? f16_stochastic_x16(src, dst, d, key32, c0)
+    return T == kF16 ? f16_stochastic_x16(src, dst, d, key32, c0, over)
                      : bf16_stochastic_x16(src, dst, d, key32, c0);
-  return T == kF16 ? f16_nearest_x16(src, dst, d) : 0;
+  return T == kF16 ? f16_nearest_x16(src, dst, d, over) : 0;
 #elif defined(__AVX2__) && defined(__F16C__)
   if (stochastic)
-    return T == kF16 ? f16_stochastic_x8(src, dst, d, key32, c0)
+    return T == kF16 ? f16_stochastic_x8(src, dst, d, key32, c0, over)
                      : bf16_stochastic_x8(src, dst, d, key32, c0);
-  return T == kF16 ? f16_nearest_x8(src, dst, d) : 0;
+  return T == kF16 ? f16_nearest_x8(src, dst, d, over) : 0;
 #else
   (void)src, (void)dst, (void)d, (void)stochastic, (void)key32, (void)c0;
   return 0;
 #endif
+}
+
+// dst[c] = round(src[c]) for c in [from, d) by the scalar rules (vectorized by the compiler).
+template <int T>
+inline void narrow_scalar(const float* src, uint16_t* dst, i64 from, i64 d, bool stochastic,
+                          uint32_t key32, uint32_t c0) {
+  if (stochastic) {
+#pragma omp simd
+    for (i64 k = from; k < d; ++k) {
+      const uint32_t u = column_bits(key32, c0 + uint32_t(k));
+      dst[k] = T == kF16 ? f16_stochastic(src[k], u) : bf16_stochastic(src[k], u);
+    }
+    return;
+  }
+#pragma omp simd
+  for (i64 k = from; k < d; ++k)
+    dst[k] = T == kF16 ? f16_nearest_int(src[k]) : bf16_nearest(src[k]);
 }
 
 // dst[c] = round(src[c]) for c < d: to nearest, or stochastically with the bits of row key
@@ -383,20 +423,50 @@ inline void narrow(const float* src, void* dst_, i64 d, bool stochastic, uint32_
     std::memcpy(dst_, src, sizeof(float) * d);
   } else {
     uint16_t* dst = static_cast<uint16_t*>(dst_);
-    const uint32_t c0 = uint32_t(col0);
-    const i64 c = narrow_simd<T>(src, dst, d, stochastic, key32, c0);
-    if (stochastic) {
-#pragma omp simd
-      for (i64 k = c; k < d; ++k) {
-        const uint32_t u = column_bits(key32, c0 + uint32_t(k));
-        dst[k] = T == kF16 ? f16_stochastic(src[k], u) : bf16_stochastic(src[k], u);
-      }
-      return;
-    }
-#pragma omp simd
-    for (i64 k = c; k < d; ++k)
-      dst[k] = T == kF16 ? f16_nearest_int(src[k]) : bf16_nearest(src[k]);
+    bool over;
+    const i64 c = narrow_simd<T>(src, dst, d, stochastic, key32, uint32_t(col0), &over);
+    narrow_scalar<T>(src, dst, c, d, stochastic, key32, uint32_t(col0));
   }
+}
+
+// Whether a 16-bit row ``h`` (d values, just rounded from ``x``) holds an infinity or NaN where
+// its float32 value ``x`` is finite: the rounding overflowed the row's type.
+template <int T>
+inline bool overflowed(const uint16_t* h, const float* x, i64 d) {
+  constexpr uint32_t e16 = T == kF16 ? 0x7C00U : 0x7F80U;  // the 16-bit exponent, all ones
+  uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+  for (i64 c = 0; c < d; ++c)
+    bad |= uint32_t((uint32_t(h[c]) & e16) == e16) &
+           uint32_t((f32_bits(x[c]) & 0x7F800000U) != 0x7F800000U);
+  return bad != 0;
+}
+
+// The largest finite 16-bit value of row type T, as a float32: values all within it cannot
+// overflow when rounded (to nearest or stochastically).
+template <int T>
+constexpr float kTop16 = T == kF16 ? 65504.f : 3.3895313892515355e38f;
+
+// max |x[c]| over c < d (a NaN may or may not show: callers test !(m <= top)).
+inline float max_abs(const float* x, i64 d) {
+  float m = 0.f;
+#pragma omp simd reduction(max : m)
+  for (i64 c = 0; c < d; ++c) m = std::max(m, std::fabs(x[c]));
+  return m;
+}
+
+// narrow() into ``dst`` (a row aside), and whether the rounding overflowed (overflowed()): the
+// float16 SIMD paths find it as they round; other columns are checked when their largest
+// magnitude is beyond the type's largest finite value (or NaN).
+template <int T>
+inline bool narrow_overflowed(const float* src, uint16_t* dst, i64 d, bool stochastic,
+                              uint32_t key32, i64 col0) {
+  bool over;
+  const i64 c = narrow_simd<T>(src, dst, d, stochastic, key32, uint32_t(col0), &over);
+  narrow_scalar<T>(src, dst, c, d, stochastic, key32, uint32_t(col0));
+  const i64 from = T == kF16 ? c : 0;  // (the bfloat16 paths do not check)
+  return over || (!(max_abs(src + from, d - from) <= kTop16<T>) &&
+                  overflowed<T>(dst + from, src + from, d - from));
 }
 
 // The identities of the rows of a table's shard: segment t covers shard rows
