@@ -18,9 +18,16 @@
 //     a function of the table, the step, the row and the column only: the same whatever the
 //     threads, sharding, stacking, budget or pipelining.
 // Loads widen with F16C's vcvtph2ps where the build has it (-march=native on x86-64), else with
-// integer steps; bfloat16 is a shift. float16 stores to nearest use F16C's vcvtps2ph where present;
-// stochastic ones AVX-512F's conversion toward zero after the random bits are added where present;
-// integer steps (vectorized) otherwise, and for bfloat16. Every build gives the same bits.
+// integer steps; bfloat16 is a shift. Stores round 16 columns at a time with AVX-512F, 8 with
+// AVX2 + F16C (the random bits of every column computed in SIMD too): float16 to nearest with the
+// conversion to nearest, stochastically with the conversion toward zero after the random bits are
+// added; bfloat16 with integer steps. The rare lanes (a float16 subnormal result, |x| above
+// 65504, infinities, NaN) are fixed behind a branch taken only by a block that holds one. Other
+// builds and the columns past the last full block use the scalar rules, written without
+// branches so that the compiler vectorizes them. Every build gives the same bits (tests: the
+// native, an AVX2 + F16C and a plain x86-64 build). 128 columns stochastically, one thread, on
+// the AMD EPYC (Zen 5) machine: float16 11 ns with AVX-512, 23 with AVX2 (258 before its SIMD
+// path), 190 plain x86-64; bfloat16 8, 19 and 113.
 // AVX-512 BF16's conversion is not used: it flushes subnormals to zero, which torch's rounding
 // does not.
 
