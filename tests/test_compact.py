@@ -82,6 +82,54 @@ def test_the_update_kernel_rounds_every_kind_of_float_as_the_reference(dtype, st
     assert same_bits(table, r.round(torch.zeros(n, d) - 1.0 * -x, rows, dtype))  # (-0.0: +0)
 
 
+# Values where a rounding path can go wrong: zeros of both signs, float32 subnormals, float16's
+# subnormal range and its ties, ties to even at 1.0 (float16, bfloat16), the edges around
+# float16's largest finite value and bfloat16's, infinities and NaN.
+_EDGES = [0.0, -0.0, 1e-40, -1e-40, 2**-149, 2**-24, 2**-25, 3 * 2**-25, 5 * 2**-25, 2**-14,
+          2**-14 * (1 - 2**-11), -(2**-14), 2**-15 + 2**-25, 1 + 2**-11, 1 + 3 * 2**-11,
+          -(1 + 2**-11), 1 + 2**-8, 1 + 3 * 2**-8, 65504.0, -65504.0, 65505.0, 65519.99, 65520.0,
+          -65520.0, 65535.99, 65536.0, 3.3895313892515355e38, 3.4e38, -3.4e38, float("inf"),
+          -float("inf"), float("nan")]
+_VALUES = st.one_of(st.sampled_from(_EDGES), st.floats(width=32),
+                    st.floats(-2.0**-13, 2.0**-13, width=32),
+                    st.floats(6e4, 7e4, width=32).map(lambda v: -v))
+
+
+@requires_native
+@settings(max_examples=examples(80), deadline=None)
+@given(st.sampled_from(COMPACT), st.booleans(), st.booleans(), st.integers(1, 4),
+       st.integers(1, 72), st.integers(0, 2**20), st.integers(0, 2**40), st.data())
+def test_the_simd_rounding_of_whole_rows_is_the_reference(dtype, stochastic, guard, n, d, col0,
+                                                          step, data):
+    """Rows of any width (SIMD blocks of 8 or 16 columns and a scalar tail) of edge values
+    (negative zero, subnormals, ties, around 65504, infinities, NaN), any first column and step:
+    the update kernel writes the reference's rounding of each float32 result; with the overflow
+    guard, exactly the rows whose rounding overflows are left as they were."""
+    x = torch.tensor(data.draw(st.lists(_VALUES, min_size=n * d, max_size=n * d)),
+                     dtype=torch.float32).reshape(n, d)
+    negative_zero = (x == 0) & torch.signbit(x)
+    init = torch.where(negative_zero, -0.0, 0.0).to(dtype)  # (-0.0 - +0.0 keeps the -0.0)
+    grad = init.float() - x  # the SGD step at rate 1 from init: init - grad, x's float32 bits
+    wr = init.float() - grad
+    rows = torch.arange(n)
+    r = rounding.Rounding(stochastic, rounding.shard_segments([("t", 0, rows)], 9, n),
+                          col0=col0).at(step)
+    want = r.round(wr, rows, dtype)
+    table = init.clone()
+    left = update(table, {}, rows, grad, ec.SGD(learning_rate=1.0), 1.0, step, round_to=r,
+                  guard=guard)
+    if not guard:
+        assert left is None and same_bits(table, want)
+        return
+    wide = want.float()
+    over = ((torch.isinf(wide) | torch.isnan(wide)) & torch.isfinite(wr)).any(dim=1)
+    got = torch.zeros(n, dtype=torch.bool)
+    if left is not None:
+        got[left] = True
+    assert torch.equal(got, over)
+    assert same_bits(table[over], init[over]) and same_bits(table[~over], want[~over])
+
+
 @pytest.mark.parametrize("dtype", COMPACT)
 def test_stochastic_rounding_picks_a_neighbour_and_keeps_exact_values(dtype):
     x = all_kinds_of_floats(50_000, 3)
@@ -507,11 +555,15 @@ def test_other_builds_give_the_same_bits(tmp_path, arch):
     import os
     import subprocess
     import sys
-    env = {**os.environ, "EMBCORE_NATIVE_ARCH": arch, "XDG_CACHE_HOME": str(tmp_path)}
+    # the embcore this process tests (a worktree's, not the one installed), found from tests/
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ec.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "EMBCORE_NATIVE_ARCH": arch, "XDG_CACHE_HOME": str(tmp_path),
+           "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
          "-o", "addopts=", __file__, "-k",
-         "round_as_the_reference or every_kind or fused_sgd or threads or agree"],
+         "round_as_the_reference or every_kind or fused_sgd or threads or agree or simd"],
         env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, tail

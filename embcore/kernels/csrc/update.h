@@ -70,30 +70,12 @@ struct Rounding {
   uint64_t step_key;    // splitmix64(step)
 };
 
-// Whether a 16-bit row ``h`` (d values, just rounded from ``x``) holds an infinity or NaN where
-// its float32 result ``x`` is finite: the rounding overflowed the row's type.
-template <int T>
-inline bool overflowed(const uint16_t* h, const float* x, i64 d) {
-  constexpr uint32_t e16 = T == kF16 ? 0x7C00U : 0x7F80U;  // the 16-bit exponent, all ones
-  uint32_t bad = 0;
-#pragma omp simd reduction(| : bad)
-  for (i64 c = 0; c < d; ++c)
-    bad |= uint32_t((uint32_t(h[c]) & e16) == e16) &
-           uint32_t((f32_bits(x[c]) & 0x7F800000U) != 0x7F800000U);
-  return bad != 0;
-}
-
-// The largest finite 16-bit value of row type T, as a float32: a row whose float32 values are
-// all within it cannot overflow when rounded (to nearest or stochastically).
-template <int T>
-constexpr float kTop16 = T == kF16 ? 65504.f : 3.3895313892515355e38f;
-
-// max |x[c]| over c < d (a NaN may or may not show: callers test !(m <= top)).
-inline float max_abs(const float* x, i64 d) {
-  float m = 0.f;
-#pragma omp simd reduction(max : m)
-  for (i64 c = 0; c < d; ++c) m = std::max(m, std::fabs(x[c]));
-  return m;
+// dst[c] = src[c] for c < n (a row-wise accumulator: one float, no call to memcpy).
+inline void copy_floats(float* dst, const float* src, i64 n) {
+  if (n == 1)
+    dst[0] = src[0];
+  else
+    std::memcpy(dst, src, sizeof(float) * size_t(n));
 }
 
 template <int T>
@@ -195,7 +177,7 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
       }
       float* a_row = acc ? acc + rows[u] * acc_d : nullptr;
       if (guarded && a_row)  // the accumulators before, kept in case the row overflows
-        std::memcpy(acc_before.data(), a_row, sizeof(float) * acc_d);
+        copy_floats(acc_before.data(), a_row, acc_d);
       if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
       // 3. the rule
       if (rule == kSGD) {
@@ -239,15 +221,17 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
           key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
         }
         bool over = false;
-        if (guarded && !(max_abs(wr, d) <= kTop16<T>)) {  // (NaN too) it may overflow: the row
-          uint16_t* h = row_rounded.data();              // rounded aside, kept only if not
-          narrow<T>(wr, h, d, rounding.stochastic, key32, rounding.col0);
-          over = overflowed<T>(h, wr, d);
+        if (guarded) {  // rounded aside, kept only if it did not overflow
+          const uint16_t* h = row_rounded.data();
+          over = narrow_overflowed<T>(wr, row_rounded.data(), d, rounding.stochastic, key32,
+                                      rounding.col0);
           if (over) {  // the row left as it was, its accumulators restored
-            if (a_row) std::memcpy(a_row, acc_before.data(), sizeof(float) * acc_d);
+            if (a_row) copy_floats(a_row, acc_before.data(), acc_d);
             ++mine;
           } else {
-            std::memcpy(stored, h, size_t(d) * 2);
+            uint16_t* row = static_cast<uint16_t*>(stored);
+#pragma omp simd
+            for (i64 c = 0; c < d; ++c) row[c] = h[c];
           }
         } else {
           narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
