@@ -34,6 +34,12 @@ namespace {
 // the core every 64 turns, then sleeps, so that a descheduled helper holding a chunk gets the
 // core back soon. Chunk boundaries do not change results: every kernel computes each output
 // from one chunk in a fixed order (tested: 1 to 4 threads, same bits).
+//
+// The other backend (EMBCORE_NATIVE_POOL=omp, below) runs the same chunk claims in OpenMP
+// regions on torch's own runtime and threads, so that no helper of ours competes with torch's
+// workers spinning after its ops. Measured on 2 cores (benchmarks/RESULTS.md, 2026-11-28) it
+// did not beat this pool inside a training step (layer + loss, W1 + MLP) nor beside a busy
+// process: this pool stays the default.
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
