@@ -491,6 +491,39 @@ def test_a_forked_child_runs_threaded_kernels():
     assert status == 0 and pickle.loads(data) is True
 
 
+@requires_native
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_the_openmp_build_gives_the_same_bits(tmp_path):
+    """Built with EMBCORE_NATIVE_POOL=omp, the parallel loops are OpenMP regions on torch's own
+    runtime: the library links it, and the thread-count, several-callers and fork tests above
+    pass on that build too."""
+    import subprocess
+    import sys
+    env = {**os.environ, "EMBCORE_NATIVE_POOL": "omp", "XDG_CACHE_HOME": str(tmp_path)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import embcore.kernels.native.library as L; assert L.available(); "
+         "print(sorted({ln.split()[-1].rsplit('/', 1)[-1] for ln in open('/proc/self/maps') "
+         "if 'gomp' in ln}), '-DEC_POOL_OMP' in L.DEFINES)"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0 and probe.stdout.split()[-1] == "True", probe.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+         "-o", "addopts=", __file__, "-k",
+         "depend_on_the_thread_count or several_threads_at_once or forked_child"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(__file__))
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, tail
+
+
+def test_an_unknown_pool_is_refused():
+    import subprocess
+    import sys
+    env = {**os.environ, "EMBCORE_NATIVE_POOL": "tbb"}
+    proc = subprocess.run([sys.executable, "-c", "import embcore.kernels.native.library"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "EMBCORE_NATIVE_POOL='tbb'" in proc.stderr
+
+
 # ------------------------------------------------------------------ Hyper (the kernels' EcHyper)
 HYPER_FIELDS = ["learning_rate", "gradient_multiplier", "clip_min", "clip_max", "weight_decay",
                 "weight_min", "weight_max"]

@@ -13,6 +13,10 @@
 
 #include "common.h"
 
+#ifdef EC_POOL_OMP
+#include <omp.h>
+#endif
+
 namespace {
 
 // ---- the thread pool -----------------------------------------------------------------------
@@ -30,6 +34,12 @@ namespace {
 // the core every 64 turns, then sleeps, so that a descheduled helper holding a chunk gets the
 // core back soon. Chunk boundaries do not change results: every kernel computes each output
 // from one chunk in a fixed order (tested: 1 to 4 threads, same bits).
+//
+// The other backend (EMBCORE_NATIVE_POOL=omp, below) runs the same chunk claims in OpenMP
+// regions on torch's own runtime and threads, so that no helper of ours competes with torch's
+// workers spinning after its ops. Measured on 2 cores (benchmarks/RESULTS.md, 2026-11-28) it
+// did not beat this pool inside a training step (layer + loss, W1 + MLP) nor beside a busy
+// process: this pool stays the default.
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -217,16 +227,61 @@ Pool* pool() {
   return current.load();
 }
 
+#ifdef EC_POOL_OMP
+// ---- the OpenMP backend (built with -fopenmp -DEC_POOL_OMP) ----------------------------------
+// The library then binds to the OpenMP runtime already loaded by torch (libgomp.so.1): a job is
+// a parallel region on the calling thread's team, the same threads torch's parallel ops use, so
+// that a worker still spinning after torch's last op takes the kernel's chunks instead of
+// holding the core a helper of our own would need. The chunks are claimed as above; the region's
+// end still waits for every team thread, so the caller measures how long it waited after its
+// own last chunk and, when a thread was off its core, runs the following jobs alone (kLateNs).
+struct OmpSolo {
+  int64_t until = 0, next = kSoloFirstNs;  // as Pool's solo_until_ and solo_ns_, per thread
+};
+thread_local OmpSolo omp_solo;
+// The process that loaded the library. A forked child's libgomp still holds the parent's
+// teams, whose threads did not survive the fork: there every job runs on the caller alone.
+const pid_t omp_process = getpid();
+
+template <class F>
+void omp_chunks(i64 chunks, int nt, F& f) {
+  OmpSolo& solo = omp_solo;
+  const int64_t start = getpid() == omp_process && !omp_in_parallel() ? now_ns() : 0;
+  if (start == 0 || start < solo.until) {
+    for (i64 c = 0; c < chunks; ++c) f(c);
+    return;
+  }
+  std::atomic<i64> next{0};
+  int64_t own = 0;
+#pragma omp parallel num_threads(nt)
+  {
+    for (i64 c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) f(c);
+    if (omp_get_thread_num() == 0) own = now_ns();
+  }
+  const int64_t end = now_ns(), waited = end - own;
+  if (waited > kLateNs && 4 * waited > own - start) {
+    solo.until = end + solo.next;
+    solo.next = std::min(2 * solo.next, kSoloMostNs);
+  } else {
+    solo.next = kSoloFirstNs;
+  }
+}
+#endif
+
 // Runs f(c) for c in [0, chunks) on up to nt threads (see Pool).
 template <class F>
 void parallel_chunks(i64 chunks, int nt, F&& f) {
-  using Fn = std::remove_reference_t<F>;
   if (nt <= 1 || chunks <= 1) {
     for (i64 c = 0; c < chunks; ++c) f(c);
     return;
   }
+#ifdef EC_POOL_OMP
+  omp_chunks(chunks, nt, f);
+#else
+  using Fn = std::remove_reference_t<F>;
   pool()->run(chunks, nt, [](void* ctx, i64 c) { (*static_cast<Fn*>(ctx))(c); },
               const_cast<void*>(static_cast<const void*>(&f)));
+#endif
 }
 
 // Runs f(c, lo, hi) for each chunk c of [0, n), [lo, hi) cut by split_point(cumulative, n,

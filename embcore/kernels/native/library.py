@@ -37,7 +37,13 @@ SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header 
 # The instruction set is this CPU's (-march=native: F16C's conversions, AVX-512, ...), or the one
 # EMBCORE_NATIVE_ARCH names (e.g. x86-64: the portable paths, which tests check give the same bits).
 ARCH = os.environ.get("EMBCORE_NATIVE_ARCH", "native")
-FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread", "-std=c++17",
+# The kernels' parallel loops (csrc/pool.h): "own" (the library's own pool), or "omp" (OpenMP
+# regions on the runtime torch loaded, libgomp.so.1, and so on torch's own worker threads).
+POOL = os.environ.get("EMBCORE_NATIVE_POOL", "own")
+if POOL not in ("own", "omp"):
+    raise ValueError(f"EMBCORE_NATIVE_POOL={POOL!r}: expected 'own' or 'omp'")
+FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno",
+         *(("-fopenmp",) if POOL == "omp" else ("-fopenmp-simd",)), "-pthread", "-std=c++17",
          "-shared", "-fPIC")
 # The kernels' ABI version, its one source: the build passes it as -DEC_ABI_VERSION (the
 # library's ec_abi_version() returns it) and _load refuses a library reporting another. Bumped
@@ -50,7 +56,7 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno", "-fopenmp-simd", "-pthread"
 # ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
 # 16: ec_sparse_update's overflow flags and count.
 ABI_VERSION = 16
-DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}",)
+DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
