@@ -299,26 +299,28 @@ def _serve(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.export is not None:
         args.export.parent.mkdir(parents=True, exist_ok=True)
         exported = export(model, dataset, args.export, min(args.batch_size, 4096))
-        print(f"exported the whole model (dense part + {label} tables + id maps) to "
-              f"{args.export} ({exported['bytes']:,} bytes); loaded back, its logits on "
-              f"{exported['examples_checked']:,} test examples are "
-              + ("bitwise the eager model's" if exported["bitwise_equal"] else
-                 f"NOT the eager model's (max |diff| {exported['max_abs_diff']:.3g})"))
-        if not exported["bitwise_equal"]:
-            raise RuntimeError("the exported model disagrees with the eager one")
+        _say_checked(exported, f"exported the whole model (dense part + {label} tables + id maps) "
+                               f"to {args.export} ({exported['bytes']:,} bytes); loaded back",
+                     "the exported model")
     if args.aoti is not None:
         args.aoti.parent.mkdir(parents=True, exist_ok=True)
         packaged = package(model, dataset, args.aoti, min(args.batch_size, 4096))
-        print(f"compiled the whole model ({label} tables) into the AOTInductor package "
-              f"{args.aoti} ({packaged['bytes']:,} bytes, {packaged['compile_seconds']:.0f} s); "
-              f"served by torch alone (torch._inductor.aoti_load_package), its logits on "
-              f"{packaged['examples_checked']:,} test examples are "
-              + ("bitwise the eager model's" if packaged["bitwise_equal"] else
-                 f"NOT the eager model's (max |diff| {packaged['max_abs_diff']:.3g})"))
-        if not packaged["bitwise_equal"]:
-            raise RuntimeError("the AOTInductor package disagrees with the eager model")
+        _say_checked(packaged, f"compiled the whole model ({label} tables) into the AOTInductor "
+                               f"package {args.aoti} ({packaged['bytes']:,} bytes, "
+                               f"{packaged['compile_seconds']:.0f} s); served by torch alone "
+                               f"(torch._inductor.aoti_load_package)", "the AOTInductor package")
     return {"checkpoint": str(ckpt), "results": results, "export": exported, "aoti": packaged,
             "synthetic": info is not None, "trained_eval": trained[-1] if trained else None}
+
+
+def _say_checked(result: dict[str, Any], what: str, name: str) -> None:
+    """Prints ``what`` and how ``result`` (``compare``'s) met the eager model; an error if not
+    bitwise."""
+    print(f"{what}, its logits on {result['examples_checked']:,} test examples are "
+          + ("bitwise the eager model's" if result["bitwise_equal"] else
+             f"NOT the eager model's (max |diff| {result['max_abs_diff']:.3g})"))
+    if not result["bitwise_equal"]:
+        raise RuntimeError(f"{name} disagrees with the eager model")
 
 
 def cli(argv: list[str] | None = None) -> int:
