@@ -46,7 +46,7 @@ from .formats.checkpoint import (
 from .formats.files import agreed_token, fsync_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
-from .numerics.rounding import COMPACT
+from .numerics.rounding import COMPACT, narrowed, wider
 from .online import resume
 from .state.cache import saving
 
@@ -270,8 +270,9 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         strict: with True, a table of ``obj`` missing from the checkpoint (when ``tables`` is
             None), or a slot of ``obj`` missing from it, is a KeyError; False skips them.
             The step is restored only when every table is loaded with all its slots.
-        saturate: a narrowing load (a checkpoint's float32 rows into a float16 or bfloat16
-            table, or bfloat16 rows into a float16 one) rounds to nearest; a finite value that
+        saturate: a narrowing load (a checkpoint's or a publish directory's float32 rows
+            into a float16 or bfloat16 table, or bfloat16 rows into a float16 one) rounds to
+            nearest; a finite value that
             would round to infinity (float16: ``|x| >= 65520``) is refused (ValueError) unless
             ``saturate`` is True, which stores the dtype's largest finite value of its sign
             instead (float16: +-65504). Infinities and NaN stay as they are either way.
@@ -306,7 +307,8 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         if tables is not None:
             raise ValueError("tables= is not supported when loading a publish directory; it "
                              "restores every table")
-        return resume(Path(os.fspath(path)), obj, slots=slots, strict=strict)
+        return resume(Path(os.fspath(path)), obj, slots=slots, strict=strict,
+                      saturate=saturate)
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
     ckpt = resolve_dir(Path(os.fspath(path)))
@@ -346,11 +348,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     # tensors are views of the target (W = 1, V0 parameters); the sharded entries of a sharded
     # engine's state_dict() are copies already, which DCP fills with this process's rows.
     # A 16-bit table's rows stored wider are read at their stored dtype, then narrowed here
-    # (``_narrowed``: values beyond the table's range refused or saturated).
+    # (``narrowed``: values beyond the table's range refused or saturated).
     narrowing = {k: target[k].dtype for k in keys
                  if k not in variable and type(target[k]) is torch.Tensor
                  and target[k].dtype in COMPACT
-                 and _wider(index[k].properties.dtype, target[k].dtype)}
+                 and wider(index[k].properties.dtype, target[k].dtype)}
     fresh = {k: torch.empty(tuple(index[k].size), dtype=torch.int64) if k in variable else
              torch.empty(tuple(index[k].size), dtype=index[k].properties.dtype)
              if k in narrowing else
@@ -361,44 +363,12 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             d.dcp.load(fresh, storage_reader=d.Reader(ckpt, checksums), planner=d.Planner(),
                        process_group=_group(comm), no_dist=comm.world_size == 1)
     for k, dtype in narrowing.items():
-        fresh[k] = _narrowed(fresh[k], dtype, k, ckpt, saturate)
+        fresh[k] = narrowed(fresh[k], dtype, k, f"{ckpt}", "the checkpoint", saturate)
     if v0:
         obj.load_state_dict(fresh, strict=False)
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
-
-
-def _wider(stored: torch.dtype, dtype: torch.dtype) -> bool:
-    """Whether values of ``stored`` can lie beyond ``dtype``'s finite range."""
-    if not stored.is_floating_point:
-        return False
-    return torch.finfo(stored).max > torch.finfo(dtype).max
-
-
-def _narrowed(wide: torch.Tensor, dtype: torch.dtype, key: str, ckpt: Path,
-              saturate: bool) -> torch.Tensor:
-    """``wide`` (a checkpoint entry read at its stored dtype) rounded to nearest into
-    ``dtype``: a finite value that would become infinite is refused (ValueError naming the
-    table, its rows and the largest such value), or with ``saturate`` stored as ``dtype``'s
-    largest finite value of its sign."""
-    out = wide.to(dtype)
-    over = torch.isfinite(wide) & ~torch.isfinite(out)  # (N, D)
-    if not bool(over.any()):
-        return out
-    top = torch.finfo(dtype).max
-    if saturate:
-        return torch.where(over, torch.sign(wide).to(dtype) * top, out)
-    rows = over.any(dim=1).nonzero().flatten().tolist() if over.dim() == 2 else []
-    named = rows[:10] + (["..."] if len(rows) > 10 else [])
-    largest = float(wide[over].abs().max())
-    kind = str(dtype).removeprefix("torch.")
-    raise ValueError(
-        f"{ckpt}: table {key.split('/')[0]!r} is {kind} here but its rows are stored "
-        f"{str(wide.dtype).removeprefix('torch.')} in the checkpoint, and {len(rows)} row(s) "
-        f"({', '.join(map(str, named))}) hold values beyond {kind}'s range (largest |x| "
-        f"{largest:.6g}; {kind} holds +-{top:.6g}), which would load as infinite; nothing was "
-        f"loaded. Load with saturate=True to store +-{top:.6g} instead, or into a wider table")
 
 
 def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],

@@ -35,6 +35,7 @@ from .engine import Embedding
 from .formats import published as fmt
 from .formats.files import agreed_token
 from .layer import EmbeddingLayer
+from .numerics.rounding import COMPACT, narrowed, wider
 from .serving.follow import PublishedModule
 from .state.store import RowStore
 from .state.vocabulary import PENDING, VOCAB
@@ -432,14 +433,15 @@ def load_published(directory: str | os.PathLike[str], *, quantize: Any = None
 
 
 def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = True,
-           strict: bool = True) -> dict[str, Any]:
+           strict: bool = True, saturate: bool = False) -> dict[str, Any]:
     """``ec.load`` of a publish directory: the newest published state into ``obj`` (its
     tables, slots, maps and step), checked whole before anything is written; later publishes
     of ``obj`` to ``directory`` continue its chain with deltas. Tables and slots follow a
     checkpoint's rules (docs/semantics.md section 7): ``strict=False`` skips a table or slot of
     ``obj`` the directory lacks (another optimizer), and the step is restored only when every
     table is loaded with all its slots. Read again from the newest snapshot when the trainer's
-    retention removes an entry meanwhile.
+    retention removes an entry meanwhile. A 16-bit table of ``obj`` whose rows were published
+    wider follows a checkpoint's narrowing rule (``saturate``; docs/semantics.md section 14).
 
     Raises:
         ValueError: with ``strict`` and ``slots``, the entries were published without slots;
@@ -448,6 +450,8 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
         KeyError: with ``strict``, a table or slot of ``obj`` the directory lacks.
     """
     engine = _engine(obj)
+    narrow = {n: getattr(torch, t["dtype"]) for n, t in engine.manifest()["tables"].items()
+              if getattr(torch, t["dtype"]) in COMPACT}
     with engine.quiescent() as store:
         shapes = store.state_shapes()
     own = engine.manifest()["tables"]
@@ -497,6 +501,12 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
             keys.update({f"{n}/{VOCAB}{PENDING}": fmt.VARIABLE for n in names
                          if own[n].get("dynamic") is not None})
         state = fmt.replay(run, manifests, keys)
+        for n, dtype in narrow.items():  # rows published wider than this table holds them
+            k = f"{n}/parameters"
+            got = state.get(k)
+            if type(got) is torch.Tensor and wider(got.dtype, dtype):
+                state[k] = narrowed(got, dtype, k, f"{directory}", "the published entries",
+                                    saturate)
         if complete:
             state["step"] = torch.tensor(last["step"], dtype=torch.int64)
         return last, state

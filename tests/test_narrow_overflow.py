@@ -187,6 +187,29 @@ def test_a_narrowing_load_saturates_when_asked(tmp_path):
                                         [65504.0, float("inf")]]))  # inf stays inf
 
 
+def _published(tmp_path, values):
+    """A float32 engine's rows published (with slots), and a float16 twin to resume into."""
+    t = ec.TableConfig(vocabulary_size=3, dim=2, name="t")
+    emb = ec.Embedding(ec.FeatureConfig(table=t), ec.Adagrad(learning_rate=0.1))
+    emb.embedding_tables[t].copy_(values)
+    ec.publish(tmp_path / "pub", emb, slots=True)
+    narrow = ec.TableConfig(vocabulary_size=3, dim=2, name="t", dtype=torch.float16)
+    return narrow, ec.Embedding(ec.FeatureConfig(table=narrow), ec.Adagrad(learning_rate=0.1))
+
+
+def test_resuming_a_publish_directory_narrows_by_the_same_rule(tmp_path):
+    values = torch.tensor([[1.0, 2.0], [1e5, -7e4], [65519.0, float("inf")]])
+    narrow, emb = _published(tmp_path, values)
+    before = emb.embedding_tables[narrow].clone()
+    with pytest.raises(ValueError, match=r"table 't' is float16 .* published entries, and 1 "
+                                         r"row\(s\) \(1\) hold values beyond float16's range"):
+        ec.load(tmp_path / "pub", emb)
+    assert torch.equal(emb.embedding_tables[narrow], before) and emb.step == 0
+    ec.load(tmp_path / "pub", emb, saturate=True)
+    assert torch.equal(emb.embedding_tables[narrow].float(), torch.tensor(
+        [[1.0, 2.0], [65504.0, -65504.0], [65504.0, float("inf")]]))
+
+
 def test_fp16_serving_names_the_refused_rows_value():
     table = torch.tensor([[1.0, 2.0], [7e4, 1.0], [1e30, float("nan")]])
     with pytest.raises(ValueError, match=r"row 1 .* 70000\)") as e:

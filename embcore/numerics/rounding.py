@@ -201,3 +201,37 @@ def nearest() -> Rounding:
     """Rounding to nearest (for tables without stochastic rounding, and tests)."""
     z = torch.zeros(1, dtype=torch.int64)
     return Rounding(False, Segments(torch.zeros(2, dtype=torch.int64), z, z + 1))
+
+
+def wider(stored: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether values of ``stored`` can lie beyond ``dtype``'s finite range."""
+    if not stored.is_floating_point:
+        return False
+    return torch.finfo(stored).max > torch.finfo(dtype).max
+
+
+def narrowed(wide: torch.Tensor, dtype: torch.dtype, key: str, source: str, stored_in: str,
+             saturate: bool) -> torch.Tensor:
+    """``wide`` (a saved entry ``key``, ``"<table>/..."``, read at its stored dtype) rounded to
+    nearest into ``dtype``, for a load from ``source`` (a path; ``stored_in``: "the
+    checkpoint", "the published entries"): a finite value that would become infinite is
+    refused (ValueError naming the table, its rows and the largest such value), or with
+    ``saturate`` stored as ``dtype``'s largest finite value of its sign (docs/semantics.md
+    section 14)."""
+    out = wide.to(dtype)
+    over = torch.isfinite(wide) & ~torch.isfinite(out)  # (N, D)
+    if not bool(over.any()):
+        return out
+    top = torch.finfo(dtype).max
+    if saturate:
+        return torch.where(over, torch.sign(wide).to(dtype) * top, out)
+    rows = over.any(dim=1).nonzero().flatten().tolist() if over.dim() == 2 else []
+    named = rows[:10] + (["..."] if len(rows) > 10 else [])
+    largest = float(wide[over].abs().max())
+    kind = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"{source}: table {key.split('/')[0]!r} is {kind} here but its rows are stored "
+        f"{str(wide.dtype).removeprefix('torch.')} in {stored_in}, and {len(rows)} row(s) "
+        f"({', '.join(map(str, named))}) hold values beyond {kind}'s range (largest |x| "
+        f"{largest:.6g}; {kind} holds +-{top:.6g}), which would load as infinite; nothing was "
+        f"loaded. Load with saturate=True to store +-{top:.6g} instead, or into a wider table")
