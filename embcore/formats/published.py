@@ -127,12 +127,7 @@ class Entry:
     def manifest(self) -> dict[str, Any]:
         """The entry's manifest, checked for format. Raises PublishError."""
         path = self.path / MANIFEST
-        try:
-            fd = open_regular(path)
-        except FileNotFoundError:
-            if not os.path.lexists(self.path):
-                raise EntryGone(f"{self.path} was removed while it was read") from None
-            raise PublishError(f"{path} is missing: the entry is incomplete") from None
+        fd = open_in_entry(path)
         try:
             size = os.fstat(fd).st_size
             if size > MANIFEST_BYTES:
@@ -407,6 +402,22 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+def open_in_entry(path: Path) -> int:
+    """``open_regular`` of a file of an entry (``path.parent``).
+
+    Raises:
+        EntryGone: the entry itself is gone (the writer's retention removed it meanwhile).
+        PublishError: the file is missing from an entry still there (the entry is
+            incomplete), or is not a regular file.
+    """
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        if not os.path.lexists(path.parent):
+            raise EntryGone(f"{path.parent} was removed while it was read") from None
+        raise PublishError(f"{path} is missing: the entry is incomplete") from None
+
+
 def read_exactly(fd: int, size: int, path: Path) -> bytes:
     """``size`` bytes from the start of ``fd``. Raises PublishError: the file ended first (it
     was truncated)."""
@@ -498,12 +509,7 @@ def read_part(path: Path, sums: Mapping[str, int], size: int | None = None
             checksum (naming file and key).
         EntryGone: its entry was removed while it was read.
     """
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        if not os.path.lexists(path.parent):
-            raise EntryGone(f"{path.parent} was removed while it was read") from None
-        raise PublishError(f"{path} is missing") from None
+    fd = open_in_entry(path)
     with os.fdopen(fd, "rb") as f:
         have = os.fstat(fd).st_size
         if size is not None and have != size:
