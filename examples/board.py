@@ -39,6 +39,11 @@ class Board:
                 raise SystemExit(f"--tensorboard {directory}: the tensorboard package is not "
                                  f"installed ({e}); {INSTALL}") from None
             self._writer_type = SummaryWriter
+            try:  # (a directory that cannot be one fails here, not at the first record)
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SystemExit(f"--tensorboard {directory}: cannot be a directory "
+                                 f"({e.strerror})") from None
 
     def together(self, title: str, tags: list[str]) -> None:
         """Draws ``tags`` on one chart, ``title``, in TensorBoard's custom scalars tab."""

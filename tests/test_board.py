@@ -62,6 +62,10 @@ def test_without_a_directory_nothing_is_written_and_without_the_package_it_says_
     with pytest.raises(SystemExit, match=r"tensorboard package is not installed.*pip install"):
         board.Board(tmp_path / "tb")
     assert not (tmp_path / "tb").exists()
+    monkeypatch.undo()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="cannot be a directory"):  # at the start, not later
+        board.Board(tmp_path / "file")
 
 
 def test_the_stream_job_logs_online_against_frozen(tmp_path, capsys):

@@ -223,6 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
+    if args.aoti is not None and args.aoti.suffix != ".pt2":
+        p.error(f"--aoti {args.aoti}: an AOTInductor package's name ends in .pt2")
     return args
 
 
