@@ -34,6 +34,7 @@ from ..numerics.rounding import ROW_TYPES, Rounding
 from .args import Hyper
 
 _kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
+_hash: Any = None      # kernels/triton_hash.py, likewise
 _error: str | None = None
 _forced = False
 
@@ -52,6 +53,17 @@ def _load() -> Any:
             else:  # triton is not installed
                 _kernels, _error = False, triton_kernels.MISSING
     return _kernels or None
+
+
+def _load_hash() -> Any:
+    """kernels/triton_hash.py, imported on first use (after ``_load``: None without triton)."""
+    global _hash
+    if _hash is None:
+        if _load() is None:
+            return None
+        from . import triton_hash
+        _hash = triton_hash
+    return _hash
 
 
 def available() -> bool:
@@ -253,3 +265,37 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
         ROWS=ROW_TYPES[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
         KEYED=key_rows is not None, BLOCK_U=block_u, BLOCK_D=block_d)
+
+
+# -- the hash index (state/device_hash.py) ---------------------------------------------------
+
+_HASH_BLOCK = 128
+
+
+def hash_find(keys: torch.Tensor, slot_key: torch.Tensor, slot_val: torch.Tensor) -> torch.Tensor:
+    """(n,) int64: the value of each of the (n,) int64 ``keys`` in the index (``slot_key``,
+    ``slot_val``: (S + 1,) int64, S a power of two; kernels/triton_hash.py), -1 where absent."""
+    k = _load_hash()
+    n = keys.numel()
+    out = torch.empty(n, dtype=torch.int64, device=keys.device)
+    if n:
+        k.hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](
+            keys.contiguous(), n, slot_key, slot_val, out, slot_val.numel() - 2,
+            BLOCK=_HASH_BLOCK)
+    return out
+
+
+def hash_insert(keys: torch.Tensor, vals: torch.Tensor, take: torch.Tensor,
+                slot_key: torch.Tensor, slot_val: torch.Tensor) -> torch.Tensor:
+    """Inserts ``keys[i] -> vals[i]`` (int64, ``vals >= 0``) where the (n,) bool ``take`` is set;
+    those keys must be absent from the index and distinct. Returns (n,) int64: the slot each
+    took, the spare slot S where not taken."""
+    k = _load_hash()
+    n = keys.numel()
+    spare = slot_val.numel() - 1
+    out = torch.empty(n, dtype=torch.int64, device=keys.device)
+    if n:
+        k.hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](
+            keys.contiguous(), vals.contiguous(), take.to(torch.int8).contiguous(), n, slot_key,
+            slot_val, out, spare - 1, spare, BLOCK=_HASH_BLOCK)
+    return out

@@ -69,7 +69,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from ..config.tables import MAP_BYTES_PER_ROW
-from ..kernels import native
+from ..kernels import gpu, native
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
@@ -233,6 +233,10 @@ class VocabMap:
         dev = self.device
         with _allocating(name, self.capacity, dev):
             self._allocate_rows()
+        self._allocate_pending()
+
+    def _allocate_pending(self) -> None:
+        dev = self.device
         self.pending_ids = torch.empty(0, dtype=_I64, device=dev)      # (P,) counted ids, sorted
         self.pending_counts = torch.empty(0, dtype=_I64, device=dev)   # (P,) steps seen
         self.pending_seen = torch.empty(0, dtype=_I64, device=dev)     # (P,) last step seen
@@ -1034,9 +1038,13 @@ class NativeVocabMap(VocabMap):
 
 
 def vocab_map(capacity: int, **kwargs) -> VocabMap:
-    """A shard's map: ``NativeVocabMap`` on the CPU where the kernels are built, else
+    """A shard's map: ``DeviceVocabMap`` (state/device_map.py) where the GPU kernels apply (a
+    CUDA device with Triton), ``NativeVocabMap`` on the CPU where the kernels are built, else
     ``VocabMap`` (same rules, state and results). Arguments as ``VocabMap``'s."""
     device = torch.device(kwargs.get("device", "cpu"))
+    if gpu.usable(torch.empty(0, device=device)):
+        from .device_map import DeviceVocabMap
+        return DeviceVocabMap(capacity, **kwargs)
     if device.type == "cpu" and native.available():
         return NativeVocabMap(capacity, **kwargs)
     return VocabMap(capacity, **kwargs)

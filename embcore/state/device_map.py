@@ -1,0 +1,426 @@
+"""A dynamic vocabulary's id map on the GPU: the same rules as ``VocabMap``, stepped on the device.
+
+``DeviceVocabMap`` is the map of a raw-id table on a CUDA engine (``id_map.vocab_map``). It
+follows ``ReferenceVocabulary``'s rules exactly, as ``VocabMap`` does (the same resident ids,
+rows, evictions, counts and state), but holds its ids in a hash index on the device
+(state/device_hash.py, Triton kernels) instead of a sorted array, and computes a training step in
+tensors whose sizes the host knows: no value is read back to the host inside the step.
+
+State, with ``C`` rows (each per-row tensor is a view of a buffer one longer: index ``C`` takes
+the writes of lanes that change nothing):
+
+- per row, as ``VocabMap``'s: ``row_key``, ``row_used``, ``last_use``, ``frequency``, ``born``;
+  and ``row_slot``, the index slot of the id it holds;
+- ``index``: id -> row, for the resident ids;
+- with ``admit_after > 1``, the counted ids in ``L = pending_limit + B`` entries (``B`` at least
+  a step's distinct ids: a step adds at most that many before the bound is applied):
+  ``p_id``, ``p_count``, ``p_seen``, ``p_used``, ``p_slot``, and ``pindex``: id -> entry.
+
+A step over ``U`` sorted distinct ids (``_plan``, then ``_apply``):
+
+1. TTL: the rows last used before ``t - ttl_steps`` are not live;
+2. the ids are found in the index (a hit: a live row); the others are counted (their entries
+   found in ``pindex``) and those seen in ``admit_after`` steps are admitted, ranked in id order;
+3. the j-th admitted id takes the j-th free row (ascending, a prefix sum over the rows) or, past
+   the free rows, the (j - free)-th victim: ``ops/selection.py``'s ``smallest_ordered`` of the
+   evictable rows (live, not hit) by (score, id), with ``k`` on the device;
+4. overflow (more admitted than free plus evictable rows) is a device flag: the step's changes
+   are all masked by it, so an overflowing step changes nothing.
+
+``train_step`` (the ``VocabMap`` interface, what the engine calls) reads the step's three counts
+back once, between the two halves, to raise the ``ValueError`` before anything changes and to
+return the admitted ids as tensors of their own length. ``train_step_async`` reads nothing: it
+returns tensors of the step's length and the overflow flag, and an overflow is raised later by
+``confirm`` (or the next ``train_step``), which rewinds the step counter to before the step that
+overflowed (that step and any after it changed nothing).
+
+The work of a step is ``O(U)`` for the index, ``O(C)`` elementwise for the TTL, free rows and
+victims (only where it admits; two ``topk`` over the rows), and ``O(L)`` for the counted ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from ..ops.selection import smallest_ordered
+from .device_hash import DeviceHash
+from .id_map import _I64, VocabMap
+
+_MIN_BATCH = 1024  # B: room for the fresh counted ids of a step, grown to a step's distinct ids
+
+
+class _Plan(NamedTuple):
+    """A step's decisions, computed before anything changes."""
+
+    t: int
+    ids: torch.Tensor        # (U,) sorted distinct
+    live: torch.Tensor       # (C,) rows resident after the TTL
+    expire: bool             # whether the TTL frees rows this step (some may be)
+    hit: torch.Tensor        # (U,) resident and live
+    row: torch.Tensor        # (U,) its row where hit, else clamped garbage
+    admit: torch.Tensor      # (U,) admitted (before the overflow mask)
+    new_row: torch.Tensor    # (U,) the row it takes where admitted
+    from_free: torch.Tensor  # (U,) that row was free (else a victim's)
+    entry: torch.Tensor | None   # (U,) its counted entry, -1 where none (admit_after > 1)
+    count: torch.Tensor | None   # (U,) its count with this step
+    ok: torch.Tensor         # 0-d bool: no overflow (and no earlier unconfirmed one)
+    counts: torch.Tensor     # (3,) admitted, free, evictable
+
+
+def _buffer(n: int, fill: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((n + 1,), fill, dtype=dtype, device=device)
+
+
+def _first_free(free: torch.Tensor, n: int) -> torch.Tensor:
+    """(n + 1,) int64: the first n indices where ``free`` (m,) bool is set, ascending (the
+    entries past how many there are: unspecified)."""
+    cum = free.cumsum(0)  # (m,)
+    out = torch.zeros(n + 1, dtype=_I64, device=free.device)
+    at = torch.where(free & (cum <= n), cum - 1, n)
+    return out.scatter_(0, at, torch.arange(free.numel(), dtype=_I64, device=free.device))
+
+
+class DeviceVocabMap(VocabMap):
+    """``VocabMap`` stepped on the device (module docstring). Arguments as ``VocabMap``'s; the
+    device is a CUDA device, or the CPU under Triton's interpreter (tests,
+    ``kernels.gpu.force_on_cpu``)."""
+
+    # ---------------------------------------------------------------------------- the state
+    def _allocate_rows(self) -> None:
+        c, dev = self.capacity, self.device
+        self._key_buf = _buffer(c, 0, _I64, dev)
+        self._used_buf = _buffer(c, False, torch.bool, dev)
+        self._last_buf = _buffer(c, 0, _I64, dev)
+        self._freq_buf = _buffer(c, 0, _I64, dev)
+        self._born_buf = _buffer(c, -1, _I64, dev)
+        self._slot_buf = _buffer(c, 0, _I64, dev)
+        self._views()
+        self.index = DeviceHash(c, dev)
+        self._bad = torch.zeros((), dtype=torch.bool, device=dev)  # an unconfirmed overflow
+        self._bad_info = torch.zeros(4, dtype=_I64, device=dev)    # its step and counts
+        self._unconfirmed = False
+
+    def _views(self) -> None:
+        c = self.capacity
+        self.row_key, self.row_used = self._key_buf[:c], self._used_buf[:c]
+        self.last_use, self.frequency = self._last_buf[:c], self._freq_buf[:c]
+        self.born, self.row_slot = self._born_buf[:c], self._slot_buf[:c]
+
+    def _allocate_pending(self, batch: int = _MIN_BATCH) -> None:
+        self._batch = batch
+        if self.admit_after == 1:
+            self._plen = 0
+            return
+        n, dev = self.pending_limit + batch, self.device
+        self._plen = n
+        self.p_id = _buffer(n, 0, _I64, dev)
+        self.p_count = _buffer(n, 0, _I64, dev)
+        self.p_seen = _buffer(n, 0, _I64, dev)
+        self.p_used = _buffer(n, False, torch.bool, dev)
+        self.p_slot = _buffer(n, 0, _I64, dev)
+        self.pindex = DeviceHash(n, dev)
+
+    def _room_for(self, u: int) -> None:
+        """Grows the counted ids' entries to take a step of ``u`` distinct ids."""
+        if self.admit_after == 1 or u <= self._batch:
+            return
+        used = self.p_used[:self._plen]
+        ids, counts, seen = self.p_id[:self._plen], self.p_count[:self._plen], \
+            self.p_seen[:self._plen]
+        self._allocate_pending(max(u, 2 * self._batch))
+        m = used.numel()
+        self.p_id[:m], self.p_count[:m], self.p_seen[:m] = ids, counts, seen
+        self.p_used[:m] = used
+        self._reindex_pending()
+
+    def _reindex_pending(self) -> None:
+        n = self._plen
+        self.p_slot[:n] = self.pindex.rebuild(
+            self.p_id[:n], torch.arange(n, dtype=_I64, device=self.device), self.p_used[:n])
+
+    def _reindex_rows(self) -> None:
+        c = self.capacity
+        self.row_slot.copy_(self.index.rebuild(
+            self.row_key, torch.arange(c, dtype=_I64, device=self.device), self.row_used))
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        """(R,) the resident ids, ascending (computed: not for a steady step)."""
+        return self._sorted()[0]
+
+    @property  # type: ignore[override]
+    def key_rows(self) -> torch.Tensor:
+        """(R,) their rows."""
+        return self._sorted()[1]
+
+    def _sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.row_used.nonzero().squeeze(1)
+        ids, order = torch.sort(self.row_key[rows])
+        return ids, rows[order]
+
+    def _pending_sorted(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.admit_after == 1:
+            empty = torch.empty(0, dtype=_I64, device=self.device)
+            return empty, empty, empty
+        n = self._plen
+        at = self.p_used[:n].nonzero().squeeze(1)
+        ids, order = torch.sort(self.p_id[at])
+        at = at[order]
+        return ids, self.p_count[at], self.p_seen[at]
+
+    @property  # type: ignore[override]
+    def pending_ids(self) -> torch.Tensor:
+        return self._pending_sorted()[0]
+
+    @property  # type: ignore[override]
+    def pending_counts(self) -> torch.Tensor:
+        return self._pending_sorted()[1]
+
+    @property  # type: ignore[override]
+    def pending_seen(self) -> torch.Tensor:
+        return self._pending_sorted()[2]
+
+    @property
+    def n_resident(self) -> int:
+        return int(self.row_used.sum())
+
+    def nbytes(self, pending: bool = True) -> int:
+        n = sum(t.nbytes for t in (self._key_buf, self._used_buf, self._last_buf, self._freq_buf,
+                                   self._born_buf, self._slot_buf)) + self.index.nbytes()
+        if pending and self._plen:
+            n += sum(t.nbytes for t in (self.p_id, self.p_count, self.p_seen, self.p_used,
+                                        self.p_slot)) + self.pindex.nbytes()
+        return n
+
+    def __repr__(self) -> str:
+        return "Device" + super().__repr__()
+
+    # ------------------------------------------------------------------------------ lookups
+    def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
+        """The rows of ids (evaluation): changes nothing (``VocabMap.find``)."""
+        from .id_map import _as_ids
+        ids = _as_ids(ids, f"{self.name}: ids").to(self.device).contiguous()
+        rows = self.index.find(ids.reshape(-1))
+        return torch.where(rows >= 0, rows, fill).reshape(ids.shape)
+
+    # ------------------------------------------------------------------------------- a step
+    def _plan(self, u: torch.Tensor) -> _Plan:
+        """The decisions of training step ``step + 1`` over (U,) sorted distinct ids."""
+        t, c, n, dev = self.step + 1, self.capacity, u.numel(), self.device
+        live = self.row_used
+        expire = self.ttl_steps is not None and t - self.ttl_steps > 0
+        if expire:
+            live = live & (self.last_use >= t - self.ttl_steps)
+        row = self.index.find(u).clamp_(min=-1)  # (U,)
+        hit = (row >= 0) & live[row.clamp(min=0)]
+        row = row.clamp(min=0)
+        miss = ~hit
+        entry = count = None
+        if self.admit_after == 1:
+            admit = miss
+        else:
+            entry = self.pindex.find(u)  # (U,) -1: not counted
+            count = 1 + torch.where(miss & (entry >= 0), self.p_count[entry.clamp(min=0)], 0)
+            admit = miss & (count >= self.admit_after)
+        n_admit = admit.sum()
+        rank = admit.cumsum(0) - 1  # (U,) the admitted ids' ranks, in id order
+        free = ~live
+        n_free = free.sum()
+        free_rows = _first_free(free, n)  # (U + 1,)
+        used = torch.zeros(c + 1, dtype=torch.bool, device=dev)
+        used.index_fill_(0, torch.where(hit, row, c), True)
+        evictable = live & ~used[:c]
+        n_evictable = evictable.sum()
+        overflow = n_admit > n_free + n_evictable
+        kmax = min(n, c)
+        k = (n_admit - n_free).clamp(0, kmax)
+        score = self.last_use if self.eviction == "lru" else self.frequency
+        victims = smallest_ordered(score, self.row_key, evictable, k, kmax)  # (kmax,)
+        from_free = rank < n_free
+        new_row = torch.where(from_free, free_rows[rank.clamp(0, n)],
+                              victims[(rank - n_free).clamp(0, max(kmax - 1, 0))]
+                              if kmax else rank)
+        ok = ~overflow & ~self._bad
+        counts = torch.stack([n_admit, n_free, n_evictable])
+        return _Plan(t, u, live, expire, hit, row, admit, new_row, from_free, entry, count, ok,
+                     counts)
+
+    def _apply(self, p: _Plan) -> None:
+        """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing)."""
+        c, t, ok, u = self.capacity, p.t, p.ok, p.ids
+        if p.expire:  # the TTL's rows are freed
+            gone = self.row_used & ~p.live & ok  # (C,)
+            self.index.delete(self.row_slot, gone)
+            self.row_key.masked_fill_(gone, 0)
+            self.last_use.masked_fill_(gone, 0)
+            self.frequency.masked_fill_(gone, 0)
+            self.born.masked_fill_(gone, -1)
+            self.row_used.masked_fill_(gone, False)
+        hits = torch.where(p.hit & ok, p.row, c)  # (U,) the rows used (c: none)
+        self._last_buf.index_fill_(0, hits, t)
+        self._freq_buf.index_put_((hits,), self._freq_buf[hits] + 1)
+        adm = p.admit & ok
+        new = torch.where(adm, p.new_row, c)  # (U,) the rows taken (c: none)
+        self.index.delete(self._slot_buf[new], adm & ~p.from_free)  # the victims' ids leave
+        self._key_buf.index_put_((new,), u)
+        self._used_buf.index_fill_(0, new, True)
+        self._born_buf.index_fill_(0, new, t)
+        self._last_buf.index_fill_(0, new, t)
+        self._freq_buf.index_fill_(0, new, 1)
+        if self.index.due(u.numel()):
+            self._reindex_rows()
+        else:
+            self._slot_buf.index_put_((new,), self.index.insert(u, p.new_row, adm))
+        if p.entry is not None:
+            self._count_step(p, adm)
+        self.step = t
+
+    def _count_step(self, p: _Plan, adm: torch.Tensor) -> None:
+        """The counted ids after the plan's step (admit_after > 1), masked by ``p.ok``."""
+        assert p.entry is not None and p.count is not None
+        n, ok, u, t = self._plen, p.ok, p.ids, p.t
+        counted = ~p.hit & (p.entry >= 0)  # (U,) counted before this step
+        entry = p.entry.clamp(min=0)
+        known = torch.where(counted & ~p.admit & ok, entry, n)  # still counted
+        self.p_count.index_put_((known,), p.count)
+        self.p_seen.index_fill_(0, known, t)
+        leave = counted & adm  # admitted: no longer counted
+        left = torch.where(leave, entry, n)
+        self.pindex.delete(self.p_slot[left], leave)
+        self.p_used.index_fill_(0, left, False)
+        fresh = ~p.hit & (p.entry < 0) & ~p.admit & ok  # (U,) first counted now
+        spot = _first_free(~self.p_used[:n], u.numel())  # (U + 1,)
+        at = torch.where(fresh, spot[(fresh.cumsum(0) - 1).clamp(min=0)], n)  # (U,)
+        self.p_id.index_put_((at,), u)
+        self.p_count.index_put_((at,), p.count)
+        self.p_seen.index_fill_(0, at, t)
+        self.p_used.index_fill_(0, at, True)
+        if self.pindex.due(u.numel()):
+            self._reindex_pending()
+        else:
+            self.p_slot.index_put_((at,), self.pindex.insert(u, at, fresh))
+        # the bound: those seen longest ago (ties: the smaller id) are forgotten
+        used = self.p_used[:n]
+        excess = (used.sum() - self.pending_limit).clamp(min=0)
+        kmax = min(u.numel(), n)
+        drop = smallest_ordered(self.p_seen[:n], self.p_id[:n], used, excess, kmax)
+        out = torch.arange(kmax, device=self.device) < excess
+        drop = torch.where(out, drop, n)
+        self.pindex.delete(self.p_slot[drop], out)
+        self.p_used.index_fill_(0, drop, False)
+
+    def _overflow_error(self, t: int, counts: list[int]) -> ValueError:
+        n_admit, n_free, n_evictable = counts
+        return ValueError(
+            f"{self.name}: this step admits {n_admit} new ids but the shard holds "
+            f"{self.capacity} rows, {n_free} free and {n_evictable} evictable (the others are "
+            f"used by this step)")
+
+    def _sorted_step(self, distinct: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``VocabMap.train_step`` of sorted distinct ids: the plan, one read of its counts
+        (the overflow's error before any change), the changes."""
+        self.confirm()
+        self._room_for(distinct.numel())
+        p = self._plan(distinct)
+        counts = p.counts.tolist()
+        if counts[0] > counts[1] + counts[2]:
+            raise self._overflow_error(p.t, counts)
+        self._apply(p)
+        rows = torch.where(p.hit, p.row, torch.where(p.admit, p.new_row, -1))
+        return rows, distinct[p.admit], p.new_row[p.admit]
+
+    def train_step_async(self, distinct: torch.Tensor, *, fill: int = -1
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A training step that reads nothing back to the host.
+
+        Args:
+            distinct: (U,) int64 distinct ids on the map's device, any order (not checked).
+            fill: the row of ids not resident after the step.
+
+        Returns:
+            ``(rows (U,), admitted (U,) bool, new_rows (U,), overflow 0-d bool)``: each id's row
+            after the step (``fill`` where not resident), whether this step admitted it and
+            its row where it did (``fill`` elsewhere), and whether the step overflowed: then it
+            and every step after it change nothing until ``confirm`` raises.
+        """
+        self._room_for(distinct.numel())
+        ordered, perm = torch.sort(distinct.to(self.device, _I64))
+        p = self._plan(ordered)
+        overflow = ~p.ok & ~self._bad
+        step = torch.full((1,), p.t, dtype=_I64, device=self.device)
+        self._bad_info.copy_(torch.where(overflow, torch.cat([step, p.counts]), self._bad_info))
+        self._bad |= overflow
+        self._unconfirmed = True
+        self._apply(p)
+        adm = p.admit & p.ok
+        rows = torch.where(p.hit & p.ok, p.row, torch.where(adm, p.new_row, fill))
+        out = torch.empty_like(rows)
+        out[perm] = rows
+        admitted = torch.empty_like(adm)
+        admitted[perm] = adm
+        new_rows = torch.where(admitted, out, fill)
+        return out, admitted, new_rows, overflow
+
+    def confirm(self) -> None:
+        """Reads the flag of the steps made by ``train_step_async`` since the last call: raises
+        the ``ValueError`` of the first that overflowed, the step counter rewound to before it
+        (it and the steps after it changed nothing)."""
+        if not self._unconfirmed:
+            return
+        self._unconfirmed = False
+        if not bool(self._bad):
+            return
+        t, *counts = self._bad_info.tolist()
+        self._bad.fill_(False)
+        self.step = t - 1
+        raise self._overflow_error(t, counts)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self.confirm()
+        return super().state_dict()
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """``VocabMap.load_state_dict``: checked and normalized by a ``VocabMap``, then held
+        here."""
+        plain = VocabMap(self.capacity, eviction=self.eviction, admit_after=self.admit_after,
+                         ttl_steps=self.ttl_steps, name=self.name, device=self.device)
+        plain.load_state_dict(state)
+        self._adopt(plain)
+
+    def _adopt(self, plain: VocabMap) -> None:
+        """Takes ``plain``'s state (resident ids, rows, scores, counts, step)."""
+        self._unconfirmed = False
+        self._bad.fill_(False)
+        for buf, value, fill in ((self._key_buf, plain.row_key, 0),
+                                 (self._used_buf, plain.row_used, False),
+                                 (self._last_buf, plain.last_use, 0),
+                                 (self._freq_buf, plain.frequency, 0),
+                                 (self._born_buf, plain.born, -1)):
+            buf.fill_(fill)
+            buf[:self.capacity] = value
+        self._reindex_rows()
+        self.step = plain.step
+        if self.admit_after > 1:
+            pids, counts, seen = plain.pending_ids, plain.pending_counts, plain.pending_seen
+            self._allocate_pending(max(self._batch, _MIN_BATCH))
+            m = pids.numel()
+            self.p_id[:m], self.p_count[:m], self.p_seen[:m] = pids, counts, seen
+            self.p_used[:m] = True
+            self._reindex_pending()
+
+    def to(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        for key in ("_key_buf", "_used_buf", "_last_buf", "_freq_buf", "_born_buf",
+                    "_slot_buf", "_bad", "_bad_info", *(("p_id", "p_count", "p_seen", "p_used",
+                                                         "p_slot") if self._plen else ())):
+            setattr(self, key, getattr(self, key).to(device))
+        self.index.to(device)
+        if self._plen:
+            self.pindex.to(device)
+        self.device = device
+        self._views()
