@@ -45,7 +45,8 @@ def smallest_ordered(score: torch.Tensor, key: torch.Tensor, valid: torch.Tensor
         return torch.empty(0, dtype=torch.int64, device=score.device)
     s = torch.where(valid, score, _BIG)  # (n,)
     vals, idx = torch.topk(s, kmax, largest=False, sorted=True)  # (kmax,)
-    s_k = vals[(k - 1).clamp(0, kmax - 1)]  # 0-d: the k-th smallest score (when k >= 1)
+    # (1,): the k-th smallest score, when k >= 1 (gathered: indexing by a 0-d tensor reads it)
+    s_k = vals.index_select(0, (k - 1).clamp(0, kmax - 1).reshape(1))
     below = vals < s_k  # (kmax,) the entries certainly taken: a prefix of fewer than k
     c_below = below.sum()  # 0-d
     b_key = torch.where(below, key[idx], _BIG)

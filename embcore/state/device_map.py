@@ -65,7 +65,7 @@ class _Plan(NamedTuple):
     new_row: torch.Tensor    # (U,) the row it takes where admitted
     from_free: torch.Tensor  # (U,) that row was free (else a victim's)
     entry: torch.Tensor | None   # (U,) its counted entry, -1 where none (admit_after > 1)
-    count: torch.Tensor | None   # (U,) its count with this step
+    counted: torch.Tensor | None  # (U,) its count with this step
     ok: torch.Tensor         # 0-d bool: no overflow (and no earlier unconfirmed one)
     counts: torch.Tensor     # (3,) admitted, free, evictable
 
@@ -81,6 +81,16 @@ def _first_free(free: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(n + 1, dtype=_I64, device=free.device)
     at = torch.where(free & (cum <= n), cum - 1, n)
     return out.scatter_(0, at, torch.arange(free.numel(), dtype=_I64, device=free.device))
+
+
+def _computed(method: str, index: int, doc: str) -> property:
+    """A ``VocabMap`` tensor that this map computes from its state (read-only; reading it reads
+    the state back: not for a steady step)."""
+
+    def get(self: DeviceVocabMap) -> torch.Tensor:
+        return getattr(self, method)()[index]
+
+    return property(get, doc=f"{doc} (computed from the map's state)")
 
 
 class DeviceVocabMap(VocabMap):
@@ -146,15 +156,8 @@ class DeviceVocabMap(VocabMap):
         self.row_slot.copy_(self.index.rebuild(
             self.row_key, torch.arange(c, dtype=_I64, device=self.device), self.row_used))
 
-    @property  # type: ignore[override]
-    def keys(self) -> torch.Tensor:
-        """(R,) the resident ids, ascending (computed: not for a steady step)."""
-        return self._sorted()[0]
-
-    @property  # type: ignore[override]
-    def key_rows(self) -> torch.Tensor:
-        """(R,) their rows."""
-        return self._sorted()[1]
+    keys = _computed("_sorted", 0, "(R,) the resident ids, ascending")
+    key_rows = _computed("_sorted", 1, "(R,) their rows")
 
     def _sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.row_used.nonzero().squeeze(1)
@@ -171,17 +174,9 @@ class DeviceVocabMap(VocabMap):
         at = at[order]
         return ids, self.p_count[at], self.p_seen[at]
 
-    @property  # type: ignore[override]
-    def pending_ids(self) -> torch.Tensor:
-        return self._pending_sorted()[0]
-
-    @property  # type: ignore[override]
-    def pending_counts(self) -> torch.Tensor:
-        return self._pending_sorted()[1]
-
-    @property  # type: ignore[override]
-    def pending_seen(self) -> torch.Tensor:
-        return self._pending_sorted()[2]
+    pending_ids = _computed("_pending_sorted", 0, "(P,) the counted ids, ascending")
+    pending_counts = _computed("_pending_sorted", 1, "(P,) their counts")
+    pending_seen = _computed("_pending_sorted", 2, "(P,) the last step each was seen in")
 
     @property
     def n_resident(self) -> int:
@@ -211,20 +206,21 @@ class DeviceVocabMap(VocabMap):
         """The decisions of training step ``step + 1`` over (U,) sorted distinct ids."""
         t, c, n, dev = self.step + 1, self.capacity, u.numel(), self.device
         live = self.row_used
-        expire = self.ttl_steps is not None and t - self.ttl_steps > 0
-        if expire:
-            live = live & (self.last_use >= t - self.ttl_steps)
+        cut = None if self.ttl_steps is None else t - self.ttl_steps  # last uses below expire
+        expire = cut is not None and cut > 0
+        if cut is not None and cut > 0:
+            live = live & (self.last_use >= cut)
         row = self.index.find(u).clamp_(min=-1)  # (U,)
         hit = (row >= 0) & live[row.clamp(min=0)]
         row = row.clamp(min=0)
         miss = ~hit
-        entry = count = None
+        entry = counted = None
         if self.admit_after == 1:
             admit = miss
         else:
             entry = self.pindex.find(u)  # (U,) -1: not counted
-            count = 1 + torch.where(miss & (entry >= 0), self.p_count[entry.clamp(min=0)], 0)
-            admit = miss & (count >= self.admit_after)
+            counted = 1 + torch.where(miss & (entry >= 0), self.p_count[entry.clamp(min=0)], 0)
+            admit = miss & (counted >= self.admit_after)
         n_admit = admit.sum()
         rank = admit.cumsum(0) - 1  # (U,) the admitted ids' ranks, in id order
         free = ~live
@@ -245,7 +241,7 @@ class DeviceVocabMap(VocabMap):
                               if kmax else rank)
         ok = ~overflow & ~self._bad
         counts = torch.stack([n_admit, n_free, n_evictable])
-        return _Plan(t, u, live, expire, hit, row, admit, new_row, from_free, entry, count, ok,
+        return _Plan(t, u, live, expire, hit, row, admit, new_row, from_free, entry, counted, ok,
                      counts)
 
     def _apply(self, p: _Plan) -> None:
@@ -280,12 +276,12 @@ class DeviceVocabMap(VocabMap):
 
     def _count_step(self, p: _Plan, adm: torch.Tensor) -> None:
         """The counted ids after the plan's step (admit_after > 1), masked by ``p.ok``."""
-        assert p.entry is not None and p.count is not None
+        assert p.entry is not None and p.counted is not None
         n, ok, u, t = self._plen, p.ok, p.ids, p.t
         counted = ~p.hit & (p.entry >= 0)  # (U,) counted before this step
         entry = p.entry.clamp(min=0)
         known = torch.where(counted & ~p.admit & ok, entry, n)  # still counted
-        self.p_count.index_put_((known,), p.count)
+        self.p_count.index_put_((known,), p.counted)
         self.p_seen.index_fill_(0, known, t)
         leave = counted & adm  # admitted: no longer counted
         left = torch.where(leave, entry, n)
@@ -295,7 +291,7 @@ class DeviceVocabMap(VocabMap):
         spot = _first_free(~self.p_used[:n], u.numel())  # (U + 1,)
         at = torch.where(fresh, spot[(fresh.cumsum(0) - 1).clamp(min=0)], n)  # (U,)
         self.p_id.index_put_((at,), u)
-        self.p_count.index_put_((at,), p.count)
+        self.p_count.index_put_((at,), p.counted)
         self.p_seen.index_fill_(0, at, t)
         self.p_used.index_fill_(0, at, True)
         if self.pindex.due(u.numel()):

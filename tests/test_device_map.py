@@ -1,0 +1,75 @@
+"""The raw-id map on the device, from the CPU side.
+
+- ``ops/selection.py``'s ``smallest_ordered`` (torch ops only) against sorting, with hypothesis;
+- the raw-id suites (tests/test_dynamic.py, tests/test_dynamic_stack.py) passing with every map a
+  ``DeviceVocabMap`` (tests/device_map_everywhere.py), its kernels in Triton's interpreter.
+
+The map's own cases (against the oracle, the hash index, the steps that read nothing back) are
+tests/triton_map_cases.py, which tests/test_triton.py runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles import examples
+
+from embcore.ops.selection import smallest_ordered
+
+BIG = 2**63 - 1
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), min_size=1, max_size=30),
+       st.data())
+def test_smallest_ordered_is_the_head_of_the_sorted_valid_entries(entries, data):
+    """Scores with many ties, keys anywhere in int64 (2**63 - 1, the masking value, among
+    them): the first k are the k smallest valid (score, key), in order."""
+    n = len(entries)
+    keys = data.draw(st.lists(st.one_of(st.integers(-2**63, BIG), st.just(BIG), st.just(-2**63)),
+                              min_size=n, max_size=n, unique=True))
+    score = torch.tensor([s for s, _ in entries])
+    valid = torch.tensor([v for _, v in entries])
+    key = torch.tensor(keys, dtype=torch.int64)
+    want = sorted((i for i in range(n) if valid[i]), key=lambda i: (int(score[i]), keys[i]))
+    kmax = data.draw(st.sampled_from(sorted({n, max(len(want), 1), max(len(want) - 1, 1),
+                                             max(len(want) // 2, 1)})))
+    k = max(min(kmax, len(want)) - data.draw(st.integers(0, 2)), 0)
+    got = smallest_ordered(score, key, valid, torch.tensor(k), kmax)
+    assert got.shape == (kmax,)
+    assert got[:k].tolist() == want[:k]
+
+
+def test_smallest_ordered_of_nothing():
+    empty = torch.empty(0, dtype=torch.int64)
+    assert smallest_ordered(empty, empty, empty.bool(), torch.tensor(0), 0).numel() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (pip install -e '.[gpu-test]')")
+def test_the_raw_id_suites_pass_with_the_device_map(pytestconfig):
+    here = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
+    profile = pytestconfig.getoption("--hypothesis-profile")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+         "-p", "no:warnings", "-p", "device_map_everywhere",
+         *(["--hypothesis-profile", profile] if profile else []),
+         "tests/test_dynamic.py", "tests/test_dynamic_stack.py"],
+        capture_output=True, text=True, env=env, cwd=here.parent, timeout=1200)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    made = re.search(r"device maps made: (\d+)", proc.stdout)
+    assert made is not None and int(made.group(1)) > 100, tail
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail

@@ -1,0 +1,226 @@
+"""The raw-id map on the device (state/device_map.py, state/device_hash.py, kernels/triton_hash.py)
+against the oracle (``ReferenceVocabulary``) and the torch-ops ``VocabMap``, bit for bit.
+
+Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on
+CPU tensors (this file sets ``TRITON_INTERPRET=1`` before triton is imported; tests/test_triton.py
+runs it in a fresh interpreter). Small maps, few examples: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from profiles import examples  # noqa: E402
+from sync_guard import no_sync  # noqa: E402
+
+from embcore.kernels import gpu  # noqa: E402
+from embcore.state.device_hash import DeviceHash  # noqa: E402
+from embcore.state.device_map import DeviceVocabMap  # noqa: E402
+from embcore.state.id_map import VocabMap, vocab_map  # noqa: E402
+from embcore.state.id_map_reference import ReferenceVocabulary  # noqa: E402
+
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+if not gpu.available():
+    pytest.skip(f"triton does not load: {gpu.error()}", allow_module_level=True)
+if not CUDA and not gpu.interpreted():
+    pytest.skip("no CUDA GPU, and the kernels were loaded before TRITON_INTERPRET=1 was set: "
+                "run this file alone", allow_module_level=True)
+
+EXTREMES = [-2**63, -1, 0, 2**63 - 1]
+
+
+def _ids(values) -> torch.Tensor:
+    return torch.tensor(sorted(set(values)), dtype=torch.int64, device=DEVICE)
+
+
+def _same_state(a: VocabMap, b: VocabMap, where: str) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k].cpu(), sb[k].cpu()), (where, k, sa[k], sb[k])
+
+
+maps = st.fixed_dictionaries({
+    "capacity": st.integers(1, 8),
+    "eviction": st.sampled_from(["lru", "lfu"]),
+    "admit_after": st.sampled_from([1, 1, 2, 3]),
+    "ttl_steps": st.sampled_from([None, None, 1, 2, 3]),
+})
+pool = st.one_of(st.integers(-4, 20), st.sampled_from(EXTREMES))
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(maps, st.lists(st.lists(pool, max_size=12), min_size=1, max_size=14))
+def test_steps_equal_the_oracle_and_the_torch_map(kw, steps):
+    """Every step's rows, admitted ids, errors and state: the oracle's and VocabMap's."""
+    oracle = ReferenceVocabulary(**kw)
+    plain = VocabMap(**kw, device=DEVICE)
+    dev = DeviceVocabMap(**kw, device=DEVICE)
+    for s, values in enumerate(steps):
+        ids = _ids(values)
+        try:
+            want = oracle.lookup(ids.tolist(), training=True)
+        except ValueError:
+            with pytest.raises(ValueError) as got:
+                dev.train_step(ids)
+            with pytest.raises(ValueError) as plain_got:
+                plain.train_step(ids)
+            assert str(got.value) == str(plain_got.value)
+            _same_state(plain, dev, f"step {s} (overflow)")
+            continue
+        rows, new_ids, new_rows = dev.train_step(ids)
+        p_rows, p_new, p_new_rows = plain.train_step(ids)
+        assert [r if r >= 0 else None for r in rows.tolist()] == want, s
+        assert torch.equal(rows, p_rows) and torch.equal(new_ids, p_new) \
+            and torch.equal(new_rows, p_new_rows), s
+        _same_state(plain, dev, f"step {s}")
+        probe = _ids([*values, 7, -3, 2**63 - 1])
+        assert torch.equal(dev.find(probe), plain.find(probe))
+        assert dev.step == plain.step == oracle.step
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_eviction_takes_the_lowest_score_then_the_smaller_id(eviction):
+    """Ids 1..4 at rows 0..3, then used so that (last use, frequency) are 1: (4, 4), 2: (1, 1),
+    3: (3, 3), 4: (4, 2). Two new ids: LRU evicts 2 then 3, LFU 2 then 4; then LFU's ties at one
+    use go to the smaller id."""
+    m = DeviceVocabMap(4, eviction=eviction, device=DEVICE)
+    for ids in ([1, 2, 3, 4], [1, 3], [1, 3], [1, 4]):
+        m.train_step(_ids(ids))
+    _, new_ids, new_rows = m.train_step(_ids([7, 8]))
+    assert new_ids.tolist() == [7, 8]
+    assert new_rows.tolist() == ([1, 2] if eviction == "lru" else [1, 3])
+    if eviction == "lfu":
+        # 4 comes back: 7 (row 1) and 8 (row 3) tie at one use, the smaller id leaves
+        assert m.train_step(_ids([1, 3, 4]))[2].tolist() == [1]
+        # 9: 4 (row 1) and 8 (row 3) tie at one use, the smaller id leaves
+        assert m.train_step(_ids([1, 3, 9]))[2].tolist() == [1]
+
+
+def test_counts_beyond_the_bound_are_forgotten_as_the_torch_map_does():
+    """More counted ids than ``pending_limit`` (1024 here): the same ids are forgotten."""
+    rng = random.Random(0)
+    plain, dev = VocabMap(4, admit_after=6), DeviceVocabMap(4, admit_after=6, device=DEVICE)
+    for s in range(6):
+        ids = _ids(rng.randrange(0, 3000) for _ in range(700))
+        for x, y in zip(plain.train_step(ids), dev.train_step(ids)):
+            assert torch.equal(x, y.cpu()), s
+        _same_state(plain, dev, f"step {s}")
+    assert plain.pending_ids.numel() == plain.pending_limit
+
+
+def test_async_steps_read_nothing_back_and_overflow_is_raised_by_confirm():
+    """``train_step_async`` issues no op that would synchronise on CUDA; it gives
+    ``train_step``'s rows; an overflow changes nothing (nor do the steps after it) until
+    ``confirm`` raises ``train_step``'s error and rewinds the step counter."""
+    plain = VocabMap(3, eviction="lfu", admit_after=2, ttl_steps=2)
+    dev = DeviceVocabMap(3, eviction="lfu", admit_after=2, ttl_steps=2, device=DEVICE)
+    seq = [[5, 1, 2], [2, 1], [9, 1, 2, 3], [3, 9], [4, 9, 8, 7, 3], [7, 8, 4, 6]]
+    for s, values in enumerate(seq):
+        ids = torch.tensor(values, dtype=torch.int64, device=DEVICE)  # unsorted: the async
+        with no_sync():  # step sorts them itself
+            rows, admitted, new_rows, overflow = dev.train_step_async(ids, fill=-1)
+        try:
+            want, new_ids, _ = plain.train_step(ids)
+        except ValueError as e:
+            with pytest.raises(ValueError) as got:
+                dev.confirm()
+            assert str(got.value) == str(e)
+            assert bool(overflow)
+            _same_state(plain, dev, f"step {s} (overflow)")
+            continue
+        assert not bool(overflow)
+        assert torch.equal(rows.cpu(), want)
+        assert sorted(ids[admitted].tolist()) == new_ids.tolist()
+        assert torch.equal(new_rows[admitted].cpu(), want[admitted.cpu()])
+        dev.confirm()
+        _same_state(plain, dev, f"step {s}")
+    # an overflow followed by more unconfirmed steps: none of them changes anything
+    dev = DeviceVocabMap(3, device=DEVICE)
+    dev.train_step(torch.tensor([1], device=DEVICE))
+    before = dev.state_dict()
+    dev.train_step_async(torch.arange(10, 20, device=DEVICE))  # 10 ids for 3 rows
+    dev.train_step_async(torch.tensor([5], device=DEVICE))
+    assert dev.step == 3
+    with pytest.raises(ValueError, match="admits 10 new ids but the shard holds 3 rows"):
+        dev.confirm()
+    assert dev.step == 1
+    after = dev.state_dict()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    dev.confirm()  # read once: nothing more to raise
+    assert dev.train_step(torch.tensor([5], device=DEVICE))[0].tolist() == [1]
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "delete", "rebuild"]),
+                          st.lists(st.one_of(st.integers(-40, 40), st.sampled_from(EXTREMES)),
+                                   max_size=10)), max_size=12))
+def test_hash_index_finds_what_a_dict_holds(ops):
+    """Inserts (keys racing for the same slots of a 16-slot index), deletions and rebuilds:
+    ``find`` answers as a dict does."""
+    index = DeviceHash(6, DEVICE)  # 16 slots
+    assert index.slots == 16
+    held: dict[int, int] = {}
+    slot_of: dict[int, int] = {}
+    next_val = 0
+    for op, keys in ops:
+        keys = list(dict.fromkeys(keys))
+        if op == "insert":
+            new = [k for k in keys if k not in held][:6 - len(held)]
+            if not new:
+                continue
+            if index.due(len(new)):
+                slots = index.rebuild(_ids(held), torch.tensor([held[k] for k in sorted(held)],
+                                                               device=DEVICE),
+                                      torch.ones(len(held), dtype=torch.bool, device=DEVICE))
+                slot_of = dict(zip(sorted(held), slots.tolist()))
+            vals = list(range(next_val, next_val + len(new)))
+            next_val += len(new)
+            take = torch.tensor([i % 3 != 2 for i in range(len(new))], device=DEVICE)
+            slots = index.insert(torch.tensor(new, device=DEVICE), torch.tensor(vals,
+                                                                               device=DEVICE),
+                                 take)
+            for k, v, s, t in zip(new, vals, slots.tolist(), take.tolist()):
+                if t:
+                    held[k], slot_of[k] = v, s
+                else:
+                    assert s == index.spare
+        elif op == "delete":
+            gone = [k for k in keys if k in held]
+            if gone:
+                index.delete(torch.tensor([slot_of[k] for k in gone], device=DEVICE),
+                             torch.ones(len(gone), dtype=torch.bool, device=DEVICE))
+                for k in gone:
+                    del held[k], slot_of[k]
+        else:
+            slots = index.rebuild(_ids(held), torch.tensor([held[k] for k in sorted(held)],
+                                                           dtype=torch.int64, device=DEVICE),
+                                  torch.ones(len(held), dtype=torch.bool, device=DEVICE))
+            slot_of = dict(zip(sorted(held), slots.tolist()))
+        probe = list(held) + keys + EXTREMES
+        got = index.find(torch.tensor(probe, dtype=torch.int64, device=DEVICE)).tolist()
+        assert got == [held.get(k, -1) for k in probe]
+
+
+def test_vocab_map_picks_the_device_map_where_the_kernels_apply():
+    if CUDA:
+        assert type(vocab_map(4, device=DEVICE)) is DeviceVocabMap
+        return
+    previous = gpu.force_on_cpu(True)
+    try:
+        assert type(vocab_map(4, eviction="lfu")) is DeviceVocabMap
+    finally:
+        gpu.force_on_cpu(previous)
+    assert type(vocab_map(4, eviction="lfu")) is not DeviceVocabMap
