@@ -168,50 +168,59 @@ def test_async_steps_read_nothing_back_and_overflow_is_raised_by_confirm():
                           st.lists(st.one_of(st.integers(-40, 40), st.sampled_from(EXTREMES)),
                                    max_size=10)), max_size=12))
 def test_hash_index_finds_what_a_dict_holds(ops):
-    """Inserts (keys racing for the same slots of a 16-slot index), deletions and rebuilds:
-    ``find`` answers as a dict does."""
-    index = DeviceHash(6, DEVICE)  # 16 slots
-    assert index.slots == 16
-    held: dict[int, int] = {}
-    slot_of: dict[int, int] = {}
-    next_val = 0
+    """An owner of 6 places (keys racing for the same slots of a 16-slot index): inserts, some
+    lanes masked out, deletions and rebuilds; ``find`` answers as a dict does."""
+    index = DeviceHash(6, DEVICE)
+    assert index.slots == 16 and index.slot.dtype == torch.int32
+    owner = torch.zeros(6, dtype=torch.int64, device=DEVICE)  # the key at each place
+    held: dict[int, int] = {}  # key -> place
     for op, keys in ops:
         keys = list(dict.fromkeys(keys))
         if op == "insert":
-            new = [k for k in keys if k not in held][:6 - len(held)]
+            free = [v for v in range(6) if v not in held.values()]
+            new = [k for k in keys if k not in held][:len(free)]
             if not new:
                 continue
-            if index.due(len(new)):
-                slots = index.rebuild(_ids(held), torch.tensor([held[k] for k in sorted(held)],
-                                                               device=DEVICE),
-                                      torch.ones(len(held), dtype=torch.bool, device=DEVICE))
-                slot_of = dict(zip(sorted(held), slots.tolist()))
-            vals = list(range(next_val, next_val + len(new)))
-            next_val += len(new)
-            take = torch.tensor([i % 3 != 2 for i in range(len(new))], device=DEVICE)
-            slots = index.insert(torch.tensor(new, device=DEVICE), torch.tensor(vals,
-                                                                               device=DEVICE),
-                                 take)
-            for k, v, s, t in zip(new, vals, slots.tolist(), take.tolist()):
+            take = [i % 3 != 2 for i in range(len(new))]
+            for k, v, t in zip(new, free, take):
                 if t:
-                    held[k], slot_of[k] = v, s
-                else:
-                    assert s == index.spare
+                    owner[v] = k
+            if index.due(len(new)):
+                held_mask = torch.zeros(6, dtype=torch.bool, device=DEVICE)
+                held_mask[list(held.values())] = True
+                index.rebuild(owner, held_mask)
+            index.insert(torch.tensor(new, device=DEVICE), torch.tensor(free[:len(new)],
+                                                                        device=DEVICE),
+                         torch.tensor(take, device=DEVICE))
+            held.update({k: v for k, v, t in zip(new, free, take) if t})
         elif op == "delete":
             gone = [k for k in keys if k in held]
             if gone:
-                index.delete(torch.tensor([slot_of[k] for k in gone], device=DEVICE),
+                index.delete(torch.tensor(gone, device=DEVICE),
+                             torch.tensor([held[k] for k in gone], device=DEVICE),
                              torch.ones(len(gone), dtype=torch.bool, device=DEVICE))
                 for k in gone:
-                    del held[k], slot_of[k]
+                    del held[k]
         else:
-            slots = index.rebuild(_ids(held), torch.tensor([held[k] for k in sorted(held)],
-                                                           dtype=torch.int64, device=DEVICE),
-                                  torch.ones(len(held), dtype=torch.bool, device=DEVICE))
-            slot_of = dict(zip(sorted(held), slots.tolist()))
+            held_mask = torch.zeros(6, dtype=torch.bool, device=DEVICE)
+            held_mask[list(held.values())] = True
+            index.rebuild(owner, held_mask)
         probe = list(held) + keys + EXTREMES
-        got = index.find(torch.tensor(probe, dtype=torch.int64, device=DEVICE)).tolist()
+        got = index.find(torch.tensor(probe, dtype=torch.int64, device=DEVICE), owner).tolist()
         assert got == [held.get(k, -1) for k in probe]
+        assert int((index.slot[:index.slots] == 0).sum()) >= index.slots // 4  # probes end
+
+
+def test_a_map_churning_for_many_steps_keeps_a_quarter_of_its_slots_empty():
+    """Every step evicts every id (fresh ids, 4 rows): deleted slots pile up until the index
+    is rebuilt; it always keeps a quarter of its slots empty, and finds what the map holds."""
+    m = DeviceVocabMap(4, device=DEVICE)
+    for s in range(40):
+        ids = torch.arange(4 * s, 4 * s + 4, device=DEVICE) * 7919 - 50
+        rows, _, _ = m.train_step(ids)
+        slots = m.index.slot[:m.index.slots]
+        assert int((slots == 0).sum()) >= m.index.slots // 4, s
+        assert torch.equal(m.find(ids), rows)
 
 
 def test_vocab_map_picks_the_device_map_where_the_kernels_apply():

@@ -272,30 +272,37 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
 _HASH_BLOCK = 128
 
 
-def hash_find(keys: torch.Tensor, slot_key: torch.Tensor, slot_val: torch.Tensor) -> torch.Tensor:
-    """(n,) int64: the value of each of the (n,) int64 ``keys`` in the index (``slot_key``,
-    ``slot_val``: (S + 1,) int64, S a power of two; kernels/triton_hash.py), -1 where absent."""
+def hash_find(keys: torch.Tensor, slot: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """(n,) int64: the place of each of the (n,) int64 ``keys`` in the index (``slot``: (S + 1,)
+    int32 or int64, S a power of two, over ``owner``'s int64 keys; kernels/triton_hash.py), -1
+    where absent."""
     k = _load_hash()
     n = keys.numel()
     out = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n:
         k.hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), n, slot_key, slot_val, out, slot_val.numel() - 2,
-            BLOCK=_HASH_BLOCK)
+            keys.contiguous(), n, slot, owner, out, slot.numel() - 2, BLOCK=_HASH_BLOCK)
     return out
 
 
-def hash_insert(keys: torch.Tensor, vals: torch.Tensor, take: torch.Tensor,
-                slot_key: torch.Tensor, slot_val: torch.Tensor) -> torch.Tensor:
-    """Inserts ``keys[i] -> vals[i]`` (int64, ``vals >= 0``) where the (n,) bool ``take`` is set;
-    those keys must be absent from the index and distinct. Returns (n,) int64: the slot each
-    took, the spare slot S where not taken."""
+def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
+                slot: torch.Tensor) -> None:
+    """Inserts ``keys[i]`` at place ``places[i]`` (int64 >= 0) where the (n,) bool ``take`` is
+    set; those keys must be absent from the index and distinct."""
     k = _load_hash()
     n = keys.numel()
-    spare = slot_val.numel() - 1
-    out = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n:
         k.hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), vals.contiguous(), take.to(torch.int8).contiguous(), n, slot_key,
-            slot_val, out, spare - 1, spare, BLOCK=_HASH_BLOCK)
-    return out
+            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, slot,
+            slot.numel() - 2, slot.numel() - 1, BLOCK=_HASH_BLOCK)
+
+
+def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
+                slot: torch.Tensor) -> None:
+    """Deletes ``keys[i]``, held at place ``places[i]``, where the (n,) bool ``take`` is set."""
+    k = _load_hash()
+    n = keys.numel()
+    if n:
+        k.hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](
+            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, slot,
+            slot.numel() - 2, BLOCK=_HASH_BLOCK)

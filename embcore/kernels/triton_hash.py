@@ -1,23 +1,25 @@
-"""The GPU kernels of a hash index (int64 key -> int64 value), in Triton: find and insert.
+"""The GPU kernels of a hash index over its owner's keys, in Triton: find, insert and delete.
 
 Imported only by ``kernels/gpu.py``, on first use, like ``triton_kernels.py`` (without triton it
-still imports, with ``MISSING`` saying why). The index (``state/device_hash.py``) is open
+still imports, with ``MISSING`` saying why). The index (``state/device_hash.py``) maps a key to
+the place ``v`` where its owner holds it (a row of a map: ``owner_keys[v]`` is the key), by open
 addressing with linear probing over ``S`` slots (a power of two) plus one spare slot at index
-``S`` that no probe reaches:
+``S`` that no probe reaches. A slot holds only a place, int32 (or int64 for owners of 2**31 - 2
+places or more):
 
-- ``slot_val[s]``: 0 empty, -1 deleted (a tombstone: probes go on past it), ``v + 1`` holding
-  value ``v >= 0``; ``slot_key[s]``: the key it holds (read only where ``slot_val > 0``);
+- ``slot[s]``: 0 empty, -1 deleted (a tombstone: probes go on past it), ``v + 1`` for place ``v``,
+  whose key is ``owner_keys[v]`` (read only there);
 - a key's probe starts at ``mix(key) & (S - 1)`` and walks ``+1`` (modulo ``S``) until it finds
-  the key or an empty slot. ``mix`` is SplitMix64's finaliser of the key xor a salt (the
-  owner of a raw id is ``splitmix64(id) % W``: the salt keeps a shard's keys from sharing their
-  low bits).
+  the key or an empty slot. ``mix`` is SplitMix64's finaliser of the key xor a salt (the owner of
+  a raw id is ``splitmix64(id) % W``: the salt keeps a shard's keys from sharing their low bits).
 
-``hash_insert_kernel`` takes keys known to be absent and distinct: each claims the first empty
-or deleted slot of its probe with an atomic compare-and-swap of ``slot_val`` (lanes racing for a
-slot: one wins, the others probe on), so which slot a key lands in may depend on the schedule;
-what ``find`` answers does not. Lanes that insert nothing aim their compare-and-swap at the
-spare slot. Both kernels loop until every lane of their block is done; the index keeps at least
-a quarter of its slots empty (``DeviceHash``), so every probe ends.
+``hash_insert_kernel`` takes keys known to be absent and distinct: each claims the first empty or
+deleted slot of its probe with an atomic compare-and-swap (lanes racing for a slot: one wins, the
+others probe on), so which slot a key lands in may depend on the schedule; what ``find`` answers
+does not. ``hash_delete_kernel`` finds the slot holding a given place along its key's probe and
+marks it deleted. Lanes that do nothing aim their compare-and-swap at the spare slot. Every
+kernel loops until each lane of its block is done; the index keeps at least a quarter of its
+slots empty (``DeviceHash``), so every probe ends.
 """
 
 from __future__ import annotations
@@ -33,12 +35,10 @@ else:
 
 jit = triton.jit if triton is not None else (lambda fn: fn)
 
-SALT = 0x5851F42D4C957F2D  # xor-ed into a key before it is mixed (state/device_hash.py's twin)
-
 
 @jit
 def _slot_of(key, mask):
-    """(BLOCK,) int64 keys -> their first slot: SplitMix64's finaliser of ``key ^ SALT``, the
+    """(BLOCK,) int64 keys -> their first slot: SplitMix64's finaliser of ``key ^ salt``, the
     low bits (``mask`` = S - 1)."""
     z = (key ^ 0x5851F42D4C957F2D).to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
@@ -48,9 +48,8 @@ def _slot_of(key, mask):
 
 
 @jit
-def hash_find_kernel(keys_ptr, n, slot_key_ptr, slot_val_ptr, out_ptr, mask,
-                     BLOCK: tl.constexpr):
-    """``out[i]`` = the value of ``keys[i]``, -1 where absent, for ``i < n``."""
+def hash_find_kernel(keys_ptr, n, slot_ptr, owner_ptr, out_ptr, mask, BLOCK: tl.constexpr):
+    """``out[i]`` = the place of ``keys[i]``, -1 where absent, for ``i < n``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     key = tl.load(keys_ptr + offs, mask=live, other=0)
@@ -58,9 +57,9 @@ def hash_find_kernel(keys_ptr, n, slot_key_ptr, slot_val_ptr, out_ptr, mask,
     out = tl.full((BLOCK,), -1, tl.int64)
     active = live
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        v = tl.load(slot_val_ptr + s, mask=active, other=0)
+        v = tl.load(slot_ptr + s, mask=active, other=0).to(tl.int64)
         held = active & (v > 0)
-        k = tl.load(slot_key_ptr + s, mask=held, other=0)
+        k = tl.load(owner_ptr + (v - 1), mask=held, other=0)
         found = held & (k == key)
         out = tl.where(found, v - 1, out)
         active = active & (v != 0) & ~found
@@ -69,25 +68,39 @@ def hash_find_kernel(keys_ptr, n, slot_key_ptr, slot_val_ptr, out_ptr, mask,
 
 
 @jit
-def hash_insert_kernel(keys_ptr, vals_ptr, take_ptr, n, slot_key_ptr, slot_val_ptr, slot_ptr,
-                       mask, spare, BLOCK: tl.constexpr):
-    """Inserts ``keys[i] -> vals[i]`` where ``take[i]`` (i < n; the keys absent and distinct)
-    and writes the slot it took to ``slot[i]`` (``spare`` where not taken)."""
+def hash_insert_kernel(keys_ptr, places_ptr, take_ptr, n, slot_ptr, mask, spare,
+                       BLOCK: tl.constexpr):
+    """Inserts ``keys[i]`` at place ``places[i]`` where ``take[i]`` (i < n; the keys absent and
+    distinct)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
     active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
     key = tl.load(keys_ptr + offs, mask=active, other=0)
-    val = tl.load(vals_ptr + offs, mask=active, other=0) + 1
+    val = (tl.load(places_ptr + offs, mask=active, other=0) + 1).to(slot_ptr.dtype.element_ty)
     s = _slot_of(key, mask)
-    got = tl.zeros((BLOCK,), tl.int64) + spare
     while tl.max(active.to(tl.int32), axis=0) > 0:
-        cur = tl.load(slot_val_ptr + s, mask=active, other=1)
+        cur = tl.load(slot_ptr + s, mask=active, other=1)
         open_ = active & (cur <= 0)
         at = tl.where(open_, s, spare)  # (the others' compare-and-swap lands in the spare slot)
-        old = tl.atomic_cas(slot_val_ptr + at, cur, val)
+        old = tl.atomic_cas(slot_ptr + at, cur, val)
         won = open_ & (old == cur)
-        tl.store(slot_key_ptr + at, key, mask=won)
-        got = tl.where(won, s, got)
         active = active & ~won
         s = tl.where(active & ~open_, (s + 1) & mask, s)  # a lost race retries the same slot
-    tl.store(slot_ptr + offs, got, mask=live)
+
+
+@jit
+def hash_delete_kernel(keys_ptr, places_ptr, take_ptr, n, slot_ptr, mask, BLOCK: tl.constexpr):
+    """Deletes ``keys[i]``, held at place ``places[i]``, where ``take[i]`` (i < n)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
+    key = tl.load(keys_ptr + offs, mask=active, other=0)
+    val = tl.load(places_ptr + offs, mask=active, other=0) + 1
+    s = _slot_of(key, mask)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        v = tl.load(slot_ptr + s, mask=active, other=0).to(tl.int64)
+        found = active & (v == val)
+        tl.store(slot_ptr + s, tl.full((BLOCK,), -1, tl.int64).to(slot_ptr.dtype.element_ty),
+                 mask=found)
+        active = active & ~found & (v != 0)
+        s = tl.where(active, (s + 1) & mask, s)

@@ -10,11 +10,14 @@ State, with ``C`` rows (each per-row tensor is a view of a buffer one longer: in
 the writes of lanes that change nothing):
 
 - per row, as ``VocabMap``'s: ``row_key``, ``row_used``, ``last_use``, ``frequency``, ``born``;
-  and ``row_slot``, the index slot of the id it holds;
-- ``index``: id -> row, for the resident ids;
-- with ``admit_after > 1``, the counted ids in ``L = pending_limit + B`` entries (``B`` at least
-  a step's distinct ids: a step adds at most that many before the bound is applied):
-  ``p_id``, ``p_count``, ``p_seen``, ``p_used``, ``p_slot``, and ``pindex``: id -> entry.
+- ``index``: id -> row, over ``row_key`` (4 bytes a slot, at least two slots a row);
+- with ``admit_after > 1``, the counted ids in ``L`` entries: ``p_id``, ``p_count``, ``p_seen``,
+  ``p_used``, and ``pindex``: id -> entry over ``p_id``. ``L`` starts at 1024 and grows (at least
+  doubling) when a host-side bound on the entries in use, plus a step's distinct ids, passes it;
+  only then is their number read back. After a step at most ``pending_limit`` are in use.
+
+That is 33 bytes a row plus 8 to 16 for the index: at most ``MAP_BYTES_PER_ROW`` (49), as
+``VocabMap``; and 33 to 41 a counted id (``VocabMap``: 24).
 
 A step over ``U`` sorted distinct ids (``_plan``, then ``_apply``):
 
@@ -49,7 +52,7 @@ from ..ops.selection import smallest_ordered
 from .device_hash import DeviceHash
 from .id_map import _I64, VocabMap
 
-_MIN_BATCH = 1024  # B: room for the fresh counted ids of a step, grown to a step's distinct ids
+_FIRST_ENTRIES = 1024  # entries for counted ids at first (grown as they are needed)
 
 
 class _Plan(NamedTuple):
@@ -106,7 +109,6 @@ class DeviceVocabMap(VocabMap):
         self._last_buf = _buffer(c, 0, _I64, dev)
         self._freq_buf = _buffer(c, 0, _I64, dev)
         self._born_buf = _buffer(c, -1, _I64, dev)
-        self._slot_buf = _buffer(c, 0, _I64, dev)
         self._views()
         self.index = DeviceHash(c, dev)
         self._bad = torch.zeros((), dtype=torch.bool, device=dev)  # an unconfirmed overflow
@@ -117,44 +119,41 @@ class DeviceVocabMap(VocabMap):
         c = self.capacity
         self.row_key, self.row_used = self._key_buf[:c], self._used_buf[:c]
         self.last_use, self.frequency = self._last_buf[:c], self._freq_buf[:c]
-        self.born, self.row_slot = self._born_buf[:c], self._slot_buf[:c]
+        self.born = self._born_buf[:c]
 
-    def _allocate_pending(self, batch: int = _MIN_BATCH) -> None:
-        self._batch = batch
+    def _allocate_pending(self, entries: int = _FIRST_ENTRIES) -> None:
+        """``entries`` empty entries for counted ids (none with ``admit_after == 1``)."""
+        self._p_bound = 0  # a bound on the entries in use
         if self.admit_after == 1:
             self._plen = 0
             return
-        n, dev = self.pending_limit + batch, self.device
+        n, dev = entries, self.device
         self._plen = n
         self.p_id = _buffer(n, 0, _I64, dev)
         self.p_count = _buffer(n, 0, _I64, dev)
         self.p_seen = _buffer(n, 0, _I64, dev)
         self.p_used = _buffer(n, False, torch.bool, dev)
-        self.p_slot = _buffer(n, 0, _I64, dev)
         self.pindex = DeviceHash(n, dev)
 
     def _room_for(self, u: int) -> None:
-        """Grows the counted ids' entries to take a step of ``u`` distinct ids."""
-        if self.admit_after == 1 or u <= self._batch:
+        """Enough free entries for the counted ids of a step of ``u`` distinct ids (it adds at
+        most ``u``). The entries in use are bounded on the host (``_p_bound``: at most
+        ``pending_limit`` after a step); only when that bound says they might not fit is their
+        number read back, and the entries grown (at least doubled) if they do not."""
+        if self.admit_after == 1 or self._p_bound + u <= self._plen:
             return
-        used = self.p_used[:self._plen]
-        ids, counts, seen = self.p_id[:self._plen], self.p_count[:self._plen], \
-            self.p_seen[:self._plen]
-        self._allocate_pending(max(u, 2 * self._batch))
-        m = used.numel()
-        self.p_id[:m], self.p_count[:m], self.p_seen[:m] = ids, counts, seen
-        self.p_used[:m] = used
-        self._reindex_pending()
-
-    def _reindex_pending(self) -> None:
         n = self._plen
-        self.p_slot[:n] = self.pindex.rebuild(
-            self.p_id[:n], torch.arange(n, dtype=_I64, device=self.device), self.p_used[:n])
-
-    def _reindex_rows(self) -> None:
-        c = self.capacity
-        self.row_slot.copy_(self.index.rebuild(
-            self.row_key, torch.arange(c, dtype=_I64, device=self.device), self.row_used))
+        used = int(self.p_used[:n].sum())  # (the one read, while the counted ids grow)
+        self._p_bound = used
+        if used + u <= n:
+            return
+        ids, counts, seen, held = (self.p_id[:n], self.p_count[:n], self.p_seen[:n],
+                                   self.p_used[:n])
+        self._allocate_pending(min(max(2 * n, used + u), self.pending_limit + u))
+        self.p_id[:n], self.p_count[:n], self.p_seen[:n], self.p_used[:n] = (ids, counts, seen,
+                                                                             held)
+        self._p_bound = used
+        self.pindex.rebuild(self.p_id[:self._plen], self.p_used[:self._plen])
 
     keys = _computed("_sorted", 0, "(R,) the resident ids, ascending")
     key_rows = _computed("_sorted", 1, "(R,) their rows")
@@ -184,10 +183,10 @@ class DeviceVocabMap(VocabMap):
 
     def nbytes(self, pending: bool = True) -> int:
         n = sum(t.nbytes for t in (self._key_buf, self._used_buf, self._last_buf, self._freq_buf,
-                                   self._born_buf, self._slot_buf)) + self.index.nbytes()
+                                   self._born_buf)) + self.index.nbytes()
         if pending and self._plen:
-            n += sum(t.nbytes for t in (self.p_id, self.p_count, self.p_seen, self.p_used,
-                                        self.p_slot)) + self.pindex.nbytes()
+            n += sum(t.nbytes for t in (self.p_id, self.p_count, self.p_seen, self.p_used)) \
+                + self.pindex.nbytes()
         return n
 
     def __repr__(self) -> str:
@@ -198,7 +197,7 @@ class DeviceVocabMap(VocabMap):
         """The rows of ids (evaluation): changes nothing (``VocabMap.find``)."""
         from .id_map import _as_ids
         ids = _as_ids(ids, f"{self.name}: ids").to(self.device).contiguous()
-        rows = self.index.find(ids.reshape(-1))
+        rows = self.index.find(ids.reshape(-1), self.row_key)
         return torch.where(rows >= 0, rows, fill).reshape(ids.shape)
 
     # ------------------------------------------------------------------------------- a step
@@ -210,7 +209,7 @@ class DeviceVocabMap(VocabMap):
         expire = cut is not None and cut > 0
         if cut is not None and cut > 0:
             live = live & (self.last_use >= cut)
-        row = self.index.find(u).clamp_(min=-1)  # (U,)
+        row = self.index.find(u, self.row_key)  # (U,)
         hit = (row >= 0) & live[row.clamp(min=0)]
         row = row.clamp(min=0)
         miss = ~hit
@@ -218,7 +217,7 @@ class DeviceVocabMap(VocabMap):
         if self.admit_after == 1:
             admit = miss
         else:
-            entry = self.pindex.find(u)  # (U,) -1: not counted
+            entry = self.pindex.find(u, self.p_id[:self._plen])  # (U,) -1: not counted
             counted = 1 + torch.where(miss & (entry >= 0), self.p_count[entry.clamp(min=0)], 0)
             admit = miss & (counted >= self.admit_after)
         n_admit = admit.sum()
@@ -249,7 +248,7 @@ class DeviceVocabMap(VocabMap):
         c, t, ok, u = self.capacity, p.t, p.ok, p.ids
         if p.expire:  # the TTL's rows are freed
             gone = self.row_used & ~p.live & ok  # (C,)
-            self.index.delete(self.row_slot, gone)
+            self.index.delete(self.row_key, torch.arange(c, device=self.device), gone)
             self.row_key.masked_fill_(gone, 0)
             self.last_use.masked_fill_(gone, 0)
             self.frequency.masked_fill_(gone, 0)
@@ -260,16 +259,16 @@ class DeviceVocabMap(VocabMap):
         self._freq_buf.index_put_((hits,), self._freq_buf[hits] + 1)
         adm = p.admit & ok
         new = torch.where(adm, p.new_row, c)  # (U,) the rows taken (c: none)
-        self.index.delete(self._slot_buf[new], adm & ~p.from_free)  # the victims' ids leave
+        self.index.delete(self._key_buf[new], new, adm & ~p.from_free)  # the victims leave
         self._key_buf.index_put_((new,), u)
         self._used_buf.index_fill_(0, new, True)
         self._born_buf.index_fill_(0, new, t)
         self._last_buf.index_fill_(0, new, t)
         self._freq_buf.index_fill_(0, new, 1)
         if self.index.due(u.numel()):
-            self._reindex_rows()
+            self.index.rebuild(self.row_key, self.row_used)
         else:
-            self._slot_buf.index_put_((new,), self.index.insert(u, p.new_row, adm))
+            self.index.insert(u, p.new_row, adm)
         if p.entry is not None:
             self._count_step(p, adm)
         self.step = t
@@ -285,7 +284,7 @@ class DeviceVocabMap(VocabMap):
         self.p_seen.index_fill_(0, known, t)
         leave = counted & adm  # admitted: no longer counted
         left = torch.where(leave, entry, n)
-        self.pindex.delete(self.p_slot[left], leave)
+        self.pindex.delete(u, left, leave)
         self.p_used.index_fill_(0, left, False)
         fresh = ~p.hit & (p.entry < 0) & ~p.admit & ok  # (U,) first counted now
         spot = _first_free(~self.p_used[:n], u.numel())  # (U + 1,)
@@ -295,9 +294,9 @@ class DeviceVocabMap(VocabMap):
         self.p_seen.index_fill_(0, at, t)
         self.p_used.index_fill_(0, at, True)
         if self.pindex.due(u.numel()):
-            self._reindex_pending()
+            self.pindex.rebuild(self.p_id[:n], self.p_used[:n])
         else:
-            self.p_slot.index_put_((at,), self.pindex.insert(u, at, fresh))
+            self.pindex.insert(u, at, fresh)
         # the bound: those seen longest ago (ties: the smaller id) are forgotten
         used = self.p_used[:n]
         excess = (used.sum() - self.pending_limit).clamp(min=0)
@@ -305,8 +304,9 @@ class DeviceVocabMap(VocabMap):
         drop = smallest_ordered(self.p_seen[:n], self.p_id[:n], used, excess, kmax)
         out = torch.arange(kmax, device=self.device) < excess
         drop = torch.where(out, drop, n)
-        self.pindex.delete(self.p_slot[drop], out)
+        self.pindex.delete(self.p_id[drop], drop, out)
         self.p_used.index_fill_(0, drop, False)
+        self._p_bound = min(self._p_bound + u.numel(), self.pending_limit)
 
     def _overflow_error(self, t: int, counts: list[int]) -> ValueError:
         n_admit, n_free, n_evictable = counts
@@ -399,21 +399,22 @@ class DeviceVocabMap(VocabMap):
                                  (self._born_buf, plain.born, -1)):
             buf.fill_(fill)
             buf[:self.capacity] = value
-        self._reindex_rows()
+        self.index.rebuild(self.row_key, self.row_used)
         self.step = plain.step
         if self.admit_after > 1:
             pids, counts, seen = plain.pending_ids, plain.pending_counts, plain.pending_seen
-            self._allocate_pending(max(self._batch, _MIN_BATCH))
             m = pids.numel()
+            self._allocate_pending(max(_FIRST_ENTRIES, 2 * m))
             self.p_id[:m], self.p_count[:m], self.p_seen[:m] = pids, counts, seen
             self.p_used[:m] = True
-            self._reindex_pending()
+            self._p_bound = m
+            self.pindex.rebuild(self.p_id[:self._plen], self.p_used[:self._plen])
 
     def to(self, device: torch.device | str) -> None:
         device = torch.device(device)
-        for key in ("_key_buf", "_used_buf", "_last_buf", "_freq_buf", "_born_buf",
-                    "_slot_buf", "_bad", "_bad_info", *(("p_id", "p_count", "p_seen", "p_used",
-                                                         "p_slot") if self._plen else ())):
+        for key in ("_key_buf", "_used_buf", "_last_buf", "_freq_buf", "_born_buf", "_bad",
+                    "_bad_info", *(("p_id", "p_count", "p_seen", "p_used") if self._plen
+                                   else ())):
             setattr(self, key, getattr(self, key).to(device))
         self.index.to(device)
         if self._plen:
