@@ -73,3 +73,18 @@ def test_the_raw_id_suites_pass_with_the_device_map(pytestconfig):
     made = re.search(r"device maps made: (\d+)", proc.stdout)
     assert made is not None and int(made.group(1)) > 100, tail
     assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (pip install -e '.[gpu-test]')")
+def test_the_gpu_maps_study_runs():
+    """benchmarks/studies/gpu_maps.py (what a lent GPU measures) runs: tiny sizes on the CPU,
+    the kernels in Triton's interpreter."""
+    root = Path(__file__).parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/studies/gpu_maps.py", "--smoke"],
+                          capture_output=True, text=True, cwd=root, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for line in ("find, load 0.5", "training step of", "raw ids (LRU", "budget"):
+        assert line in proc.stdout, proc.stdout
