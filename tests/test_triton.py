@@ -4,8 +4,9 @@ With a CUDA GPU they run here, compiled. Without one they run in Triton's interp
 be chosen before triton is first imported and never switched; other tests of the suite import
 triton indirectly (torch.compile, torch.export), so the cases run in a fresh interpreter with
 ``TRITON_INTERPRET=1`` (``python -m pytest tests/triton_cases.py``), and this test reports its
-result; likewise tests/triton_map_cases.py (the raw-id map on the device). Skipped when triton
-is not installed.
+result; likewise tests/triton_map_cases.py (the raw-id map on the device) and
+tests/triton_cache_cases.py (the cache of tables beyond device memory). Skipped when triton is not
+installed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 CASES = Path(__file__).with_name("triton_cases.py")
 MAP_CASES = Path(__file__).with_name("triton_map_cases.py")  # the raw-id map on the device
+CACHE_CASES = Path(__file__).with_name("triton_cache_cases.py")  # the cache on the device
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install -e '.[gpu-test]')", allow_module_level=True)
@@ -36,7 +38,8 @@ else:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p",
                                "no:cacheprovider", "-p", "no:warnings",
                                *(["--hypothesis-profile", profile] if profile else []),
-                               str(CASES), str(MAP_CASES)], capture_output=True, text=True,
+                               str(CASES), str(MAP_CASES),
+                               str(CACHE_CASES)], capture_output=True, text=True,
                               env=env, cwd=CASES.parents[1], timeout=900)
         tail = (proc.stdout + proc.stderr)[-4000:]
         assert proc.returncode == 0, tail

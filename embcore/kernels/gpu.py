@@ -35,6 +35,7 @@ from .args import Hyper
 
 _kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
 _hash: Any = None      # kernels/triton_hash.py, likewise
+_move: Any = None      # kernels/triton_move.py, likewise
 _error: str | None = None
 _forced = False
 
@@ -64,6 +65,17 @@ def _load_hash() -> Any:
         from . import triton_hash
         _hash = triton_hash
     return _hash
+
+
+def _load_move() -> Any:
+    """kernels/triton_move.py, imported on first use (after ``_load``: None without triton)."""
+    global _move
+    if _move is None:
+        if _load() is None:
+            return None
+        from . import triton_move
+        _move = triton_move
+    return _move
 
 
 def available() -> bool:
@@ -306,3 +318,25 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
         k.hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](
             keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, slot,
             slot.numel() - 2, BLOCK=_HASH_BLOCK)
+
+
+# -- rows between a cache and its slow tier (state/cache.py) ----------------------------------
+
+def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+              take: torch.Tensor) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` where the (n,) bool ``take[i]`` (``src``, ``dst``:
+    (R, ...) contiguous, one dtype; either may be pinned host memory; kernels/triton_move.py)."""
+    k = _load_move()
+    n = src_idx.numel()
+    width = src[0].numel() if src.shape[0] else dst[0].numel()
+    if n == 0 or width == 0:
+        return
+    assert src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
+    # bit copies: any dtype moves as integers of its size
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
+    block_d = min(_next_pow2(width), 256)
+    block_r = _grid_rows(width, block_d)
+    grid = (_cdiv(n, block_r), _cdiv(width, block_d))
+    k.move_rows_kernel[grid](src.view(view), src_idx.contiguous(), dst.view(view),
+                             dst_idx.contiguous(), take.to(torch.int8).contiguous(), n, width,
+                             BLOCK_R=block_r, BLOCK_D=block_d)

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
+from ..kernels import gpu
 from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
@@ -219,7 +220,9 @@ class RowsBuilder:
         offload = self.offload
         assert offload is not None
         pin = device.type == "cuda"
-        files = device.type == "cpu"
+        # files on the CPU; host memory where the GPU kernels apply (a CUDA device, or CPU
+        # tensors under Triton's interpreter in tests): the cache's index and moves on the device
+        files = device.type == "cpu" and not gpu.usable(torch.empty(0, device=device))
         slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         opt = p.optimizer
         specs = list(opt.slots) if opt is not None else []

@@ -53,10 +53,11 @@ from pathlib import Path
 import torch
 
 from ..formats.files import pid_alive
-from ..kernels import native
+from ..kernels import gpu, native
 from ..ops.checksum import move_summed
 from ..ops.memory import advise_random, empty_table
 from .cache_index import MAX_CAPACITY, CacheIndex
+from .device_cache_index import DeviceCacheIndex
 from .slow_log import RecordLog, places_for
 
 fcntl: types.ModuleType | None
@@ -627,15 +628,21 @@ class CachedRows:
             self._field_at = dict(zip(slow, records(list(slow.values()))[1]))
         self.members = list(members)
         self._bounds = list(bounds)[1:-1]  # the first row of members 1..T-1
-        self.read_rows = 0     # rows read from the slow tier
-        self.written_rows = 0  # rows written back
-        self.evictions = 0     # steps that evicted rows
+        self._read = 0      # rows read from the slow tier
+        self._written = 0   # rows written back
+        self._evictions = 0  # steps that evicted rows
+        # the same three counted on the device (``on_device``: the host does not know them)
+        self._moves = torch.zeros(3, dtype=torch.int64, device=device)
         self._grew = False
         self.mapped = mapped
         self.read_ahead = False  # moves ask for their pages first (SLOW_ROW_SECONDS)
         self.lock = threading.RLock()  # held by the store across a resolve and its use
         files = {id(f): f for f in map(slow_file, slow.values()) if f is not None}
         self.files: list[SlowFile] = list(files.values())
+        # the index on the device, the rows moved by the GPU (a tier in host memory: no files,
+        # no log, no checksums), where the GPU kernels apply
+        self.on_device = (not self.files and log is None and self.sums is None
+                          and gpu.usable(torch.empty(0, device=device)))
         self._path_checked = time.monotonic()
         self._allocate(max(1, min(int(capacity), self.rows, MAX_CAPACITY)))
 
@@ -649,9 +656,26 @@ class CachedRows:
         self.slots = {k: empty_table((capacity,) + tuple(v.shape[1:]), v.dtype, self.device)
                       for k, v in self.slow.items() if k != "parameters"}
         old = getattr(self, "index", None)
-        self.index = CacheIndex(self.rows, capacity, self._bounds)
+        self.index: CacheIndex | DeviceCacheIndex = (
+            DeviceCacheIndex(self.rows, capacity, self._bounds, self.device) if self.on_device
+            else CacheIndex(self.rows, capacity, self._bounds))
         if old is not None:
             self.index.counts.copy_(old.counts)
+
+    @property
+    def read_rows(self) -> int:
+        """Rows read from the slow tier so far."""
+        return self._read + (int(self._moves[0]) if self.on_device else 0)
+
+    @property
+    def written_rows(self) -> int:
+        """Rows written back to the slow tier so far."""
+        return self._written + (int(self._moves[1]) if self.on_device else 0)
+
+    @property
+    def evictions(self) -> int:
+        """Steps that evicted rows so far."""
+        return self._evictions + (int(self._moves[2]) if self.on_device else 0)
 
     @property
     def hits(self) -> torch.Tensor:
@@ -679,6 +703,8 @@ class CachedRows:
         no cached row has left since (the cache's generation), or while its rows are all still
         in the cache rows it gave (one comparison: with pipelining the next batch's lookup
         comes between, and evicts other rows)."""
+        if self.on_device:
+            return self._resolve_on_device(rows, count, read)
         asked = rows
         for r, s, g in self._recent:  # the update of a lookup's rows, still where they were
             if r is asked and (g == self.generation or torch.equal(
@@ -695,19 +721,63 @@ class CachedRows:
         spare = min(self.capacity // SPARE_SHARE, SPARE_STEPS * cpu_rows.numel())
         self.check_files(moving=True)  # (before the index changes: an error leaves it as it was)
         self._checked_whole = False
-        step = self.index.step(cpu_rows, count, spare=spare)
+        index = self.index
+        assert isinstance(index, CacheIndex)
+        step = index.step(cpu_rows, count, spare=spare)
         assert step is not None  # (the cache holds the step's rows)
         if step.evicted:  # rows left: older answers may be stale
             self.generation += 1
-            self.evictions += 1
+            self._evictions += 1
         if step.out_rows.numel():  # evicted updates, written back before any reads
             self._copy_out(step.out_slots, step.out_rows)
         if step.miss_rows.numel() and read:
             self._move(True, step.miss_rows, step.miss_slots)
-            self.read_rows += step.miss_rows.numel()
+            self._read += step.miss_rows.numel()
         out = step.slots.to(self.device) if self.device.type != "cpu" else step.slots
         self._recent = [(asked, out, self.generation)] + self._recent[:1]
         return out
+
+    def _resolve_on_device(self, rows: torch.Tensor, count: bool, read: bool) -> torch.Tensor:
+        """``resolve`` by the index on the device, the rows moved by the GPU: nothing is read
+        back to the host. Every step may have evicted (the host does not know), so the last
+        answer is kept only until the next step."""
+        index = self.index
+        assert isinstance(index, DeviceCacheIndex)
+        for r, s, g in self._recent:
+            if r is rows and g == self.generation:
+                if count:
+                    index.count_held(r.to(torch.int64), s)
+                return s
+        asked = rows
+        rows = rows.to(device=self.device, dtype=torch.int64)
+        self._ready()
+        if rows.numel() > self.capacity:
+            self._grow(rows.numel())
+            index = self.index
+            assert isinstance(index, DeviceCacheIndex)
+        spare = min(self.capacity // SPARE_SHARE, SPARE_STEPS * rows.numel())
+        step = index.step(rows, count, spare=spare)
+        self.generation += 1
+        self._move_on_device(False, step.out_rows, step.out_slots, step.out)  # before reads
+        moved = [step.miss.sum() if read else torch.zeros_like(self._moves[0]), step.out.sum(),
+                 step.evicted]
+        self._moves += torch.stack(moved)
+        if read:
+            self._move_on_device(True, rows, step.slots, step.miss)
+        self._recent = [(asked, step.slots, self.generation)]
+        return step.slots
+
+    def _move_on_device(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
+                        take: torch.Tensor) -> None:
+        """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``),
+        or back, where ``take``: the parameters and every slot, by the GPU (the tier in pinned
+        host memory: read and written over the bus)."""
+        for key, slow in self.slow.items():
+            cache = self.table if key == "parameters" else self.slots[key]
+            if to_cache:
+                gpu.move_rows(slow, rows, cache, slots, take)
+            else:
+                gpu.move_rows(cache, slots, slow, rows, take)
 
     def renew(self, rows: torch.Tensor,
               write: Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], None]
@@ -718,13 +788,14 @@ class CachedRows:
         they leave the cache."""
         at = self.resolve(rows, count=False, read=False)
         write(self.table, self.slots, at)
-        cpu_at = at.cpu() if at.device.type != "cpu" else at
+        cpu_at = at.cpu() if at.device.type != "cpu" and not self.on_device else at
         self.index.mark(self.index.dirty, cpu_at)
         self.index.mark(self.index.fresh, cpu_at)  # (counted as new by the next lookup)
 
     def touched(self, slots: torch.Tensor) -> None:
         """Marks cache rows ``slots`` as updated (written back before their eviction)."""
-        self.index.mark(self.index.dirty, slots.cpu() if slots.device.type != "cpu" else slots)
+        self.index.mark(self.index.dirty, slots.cpu() if slots.device.type != "cpu"
+                        and not self.on_device else slots)
 
     def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or
@@ -859,7 +930,7 @@ class CachedRows:
 
     def _copy_out(self, slots: torch.Tensor, owners: torch.Tensor) -> None:
         self._move(False, owners, slots)
-        self.written_rows += owners.numel()
+        self._written += owners.numel()
 
     def _grow(self, needed: int) -> None:
         """Makes room for a step of ``needed`` distinct rows: flush, then a larger cache."""
@@ -881,7 +952,12 @@ class CachedRows:
             self._ready()
             self.check_files(moving=True)
             self._checked_whole = False
-            self._copy_out(slots, self.index.owner[slots])
+            if self.on_device:
+                self._move_on_device(False, self.index.owner[slots], slots,
+                                     torch.ones_like(slots, dtype=torch.bool))
+                self._written += slots.numel()
+            else:
+                self._copy_out(slots, self.index.owner[slots])
             self.index.dirty[slots] = False
 
     def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
@@ -893,7 +969,8 @@ class CachedRows:
         self.check_files()
         slow = self.slow[key]
         cache = self.table if key == "parameters" else self.slots[key]
-        at = self.index.where[rows].to(torch.int64)  # (n,) cache rows, -1 when not cached
+        where = self.index.where
+        at = where[rows.to(where.device)].to(torch.int64).cpu()  # (n,) cache rows, -1: none
         cached = at >= 0
         out = torch.empty((rows.numel(),) + tuple(slow.shape[1:]), dtype=slow.dtype)
         away = rows[~cached]
@@ -945,6 +1022,17 @@ class CachedRows:
     def to(self, device: torch.device) -> None:
         """Moves the cache (the slow tier stays where it is)."""
         self.flush()
+        on_device = (not self.files and self.log is None and self.sums is None
+                     and gpu.usable(torch.empty(0, device=device)))
+        if on_device or self.on_device:  # an index of another kind, or on another device:
+            self._read, self._written, self._evictions = (  # a new cache (the rows are all
+                self.read_rows, self.written_rows, self.evictions)  # in the tier, flushed)
+            self.on_device, self.device = on_device, device
+            self._moves = torch.zeros(3, dtype=torch.int64, device=device)
+            counts = self.index.counts.to(device)
+            self._allocate(self.capacity)
+            self.index.counts.copy_(counts)
+            return
         self.device = device
         self.table = self.table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
