@@ -421,3 +421,29 @@ class DeviceVocabMap(VocabMap):
             self.pindex.to(device)
         self.device = device
         self._views()
+
+
+def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``train_step`` of each map over its run of distinct ids (the members of stacked dynamic
+    tables in a batch), with one read back for them all: every step is planned first, their
+    counts read at once, and the first overflow's ``ValueError`` raised before any map changes;
+    else every step is applied. Returns each map's ``(rows, new_ids, new_rows)`` as
+    ``train_step``'s (``-1`` where not resident)."""
+    plans = []
+    for m, ids in zip(maps, runs):
+        m.confirm()
+        m._room_for(ids.numel())
+        ordered, perm = torch.sort(m._step_ids(ids))
+        plans.append((ordered, perm, m._plan(ordered)))
+    counts = torch.stack([p.counts for _, _, p in plans]).tolist() if plans else []
+    for m, (_, _, p), c in zip(maps, plans, counts):
+        if c[0] > c[1] + c[2]:
+            raise m._overflow_error(p.t, c)
+    out = []
+    for m, (ordered, perm, p) in zip(maps, plans):
+        m._apply(p)
+        rows = torch.empty_like(p.row)
+        rows[perm] = torch.where(p.hit, p.row, torch.where(p.admit, p.new_row, -1))
+        out.append((rows, ordered[p.admit], p.new_row[p.admit]))
+    return out

@@ -492,6 +492,9 @@ class DynamicStack:
             fused = self._train_together(ids, parts, init)
             if fused is not None:
                 return (*fused, self.since(segments, resident=True), init is not None)
+            on_device = self._train_on_device(parts)
+            if on_device is not None:
+                return (*on_device, self.since(segments), False)
             for m, t in parts:
                 self.members[m].check_step(t)
         elif len(parts) > 1:
@@ -561,6 +564,31 @@ class DynamicStack:
         new = [(m, i, r) for (m, _), i, r in zip(parts, new_ids.split(admitted),
                                                 new_rows.split(admitted))]
         return rows, new
+
+    def _train_on_device(self, parts: list[tuple[int, torch.Tensor]]
+                         ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
+                                                           torch.Tensor]]] | None:
+        """The training steps of the members of ``parts`` whose maps are all on the device
+        (``device_map.train_together``: planned together, one read back, an overflow raised
+        before any map changes): ``(rows, new)`` as ``resolve``'s; None where they are not."""
+        from .device_map import DeviceVocabMap, train_together
+        with self._holding(parts) as got:
+            if got is None:
+                return None
+            members = got[0]
+            maps = [d.map for d in members]
+            if not all(isinstance(m, DeviceVocabMap) for m in maps):
+                return None
+            stepped = train_together([m for m in maps if isinstance(m, DeviceVocabMap)],
+                                     [t for _, t in parts])
+            for d in members:
+                d.steps += 1
+        out, new = [], []
+        for (m, _), (rows, new_ids, new_rows) in zip(parts, stepped):
+            dyn = self.members[m]
+            out.append(self._to_shard(m, torch.where(rows < 0, dyn.zero_row, rows)))
+            new.append((m, new_ids, new_rows + self.starts[m]))
+        return torch.cat(out), new
 
     def since(self, segments: tuple[tuple[int, int], ...] | None,
               resident: bool = False) -> Any:
