@@ -1,0 +1,60 @@
+"""The device map's and the device cache's Triton kernels compile for an H100 (sm_90), no GPU
+needed: Triton's interpreter runs a kernel's Python, not its compilation, and has let through
+errors that only the compiler sees (benchmarks/RESULTS.md, GPU). Each kernel is compiled to a
+cubin (Triton's bundled ptxas) with the argument types its wrapper in kernels/gpu.py passes.
+
+Skipped when triton is not installed, or where this Triton cannot compile for CUDA here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install -e '.[gpu-test]')", allow_module_level=True)
+
+import triton  # noqa: E402
+
+from embcore.kernels import triton_hash, triton_move  # noqa: E402
+
+HASH = {"keys_ptr": "*i64", "places_ptr": "*i64", "take_ptr": "*i8", "n": "i32"}
+CASES = [
+    (triton_hash.hash_find_kernel, {"keys_ptr": "*i64", "n": "i32", "slot_ptr": "*{s}",
+                                    "owner_ptr": "*i64", "out_ptr": "*i64", "mask": "{s}",
+                                    "BLOCK": "constexpr"}, {"BLOCK": 128}),
+    (triton_hash.hash_insert_kernel, {**HASH, "slot_ptr": "*{s}", "mask": "{s}", "spare": "{s}",
+                                      "BLOCK": "constexpr"}, {"BLOCK": 128}),
+    (triton_hash.hash_delete_kernel, {**HASH, "slot_ptr": "*{s}", "mask": "{s}",
+                                      "BLOCK": "constexpr"}, {"BLOCK": 128}),
+]
+
+
+def _compile(fn, signature, constexprs):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    except (ImportError, FileNotFoundError, RuntimeError) as e:
+        if "ptxas" in str(e) or isinstance(e, (ImportError, FileNotFoundError)):
+            pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("slots", ["i32", "i64"])
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0].__name__ for c in CASES])
+def test_the_hash_kernels_compile_for_sm90(case, slots):
+    fn, signature, constexprs = CASES[case]
+    compiled = _compile(fn, {k: v.format(s=slots) for k, v in signature.items()}, constexprs)
+    assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", ["i16", "i32", "i64"])
+def test_the_row_mover_compiles_for_sm90(dtype):
+    signature = {"src_ptr": f"*{dtype}", "src_idx_ptr": "*i64", "dst_ptr": f"*{dtype}",
+                 "dst_idx_ptr": "*i64", "take_ptr": "*i8", "n": "i32", "D": "i32",
+                 "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
+    compiled = _compile(triton_move.move_rows_kernel, signature, {"BLOCK_R": 16, "BLOCK_D": 128})
+    assert compiled.asm["cubin"]
