@@ -25,8 +25,8 @@ from profiles import examples  # noqa: E402
 from sync_guard import no_sync  # noqa: E402
 
 from embcore.kernels import gpu  # noqa: E402
-from embcore.state.device_hash import DeviceHash  # noqa: E402
-from embcore.state.device_map import DeviceVocabMap  # noqa: E402
+from embcore.state.device_hash import DeviceHash, stack  # noqa: E402
+from embcore.state.device_map import DeviceVocabMap, train_together  # noqa: E402
 from embcore.state.id_map import VocabMap, vocab_map  # noqa: E402
 from embcore.state.id_map_reference import ReferenceVocabulary  # noqa: E402
 
@@ -170,9 +170,9 @@ def test_async_steps_read_nothing_back_and_overflow_is_raised_by_confirm():
 def test_hash_index_finds_what_a_dict_holds(ops):
     """An owner of 6 places (keys racing for the same slots of a 16-slot index): inserts, some
     lanes masked out, deletions and rebuilds; ``find`` answers as a dict does."""
-    index = DeviceHash(6, DEVICE)
-    assert index.slots == 16 and index.slot.dtype == torch.int32
     owner = torch.zeros(6, dtype=torch.int64, device=DEVICE)  # the key at each place
+    index = DeviceHash(6, owner)
+    assert index.slots == 16 and index.slot.dtype == torch.int32
     held: dict[int, int] = {}  # key -> place
     for op, keys in ops:
         keys = list(dict.fromkeys(keys))
@@ -188,7 +188,7 @@ def test_hash_index_finds_what_a_dict_holds(ops):
             if index.due(len(new)):
                 held_mask = torch.zeros(6, dtype=torch.bool, device=DEVICE)
                 held_mask[list(held.values())] = True
-                index.rebuild(owner, held_mask)
+                index.rebuild(held_mask)
             index.insert(torch.tensor(new, device=DEVICE), torch.tensor(free[:len(new)],
                                                                         device=DEVICE),
                          torch.tensor(take, device=DEVICE))
@@ -204,9 +204,9 @@ def test_hash_index_finds_what_a_dict_holds(ops):
         else:
             held_mask = torch.zeros(6, dtype=torch.bool, device=DEVICE)
             held_mask[list(held.values())] = True
-            index.rebuild(owner, held_mask)
+            index.rebuild(held_mask)
         probe = list(held) + keys + EXTREMES
-        got = index.find(torch.tensor(probe, dtype=torch.int64, device=DEVICE), owner).tolist()
+        got = index.find(torch.tensor(probe, dtype=torch.int64, device=DEVICE)).tolist()
         assert got == [held.get(k, -1) for k in probe]
         assert int((index.slot[:index.slots] == 0).sum()) >= index.slots // 4  # probes end
 
@@ -233,3 +233,60 @@ def test_vocab_map_picks_the_device_map_where_the_kernels_apply():
     finally:
         gpu.force_on_cpu(previous)
     assert type(vocab_map(4, eviction="lfu")) is not DeviceVocabMap
+
+
+def test_one_launch_over_several_indexes_answers_as_each_alone():
+    """Three indexes over their own owners (the same keys in two of them, at other places):
+    ``stack``'s find, delete and insert of runs act on each index as its own calls would."""
+    owners = [torch.tensor(k, dtype=torch.int64, device=DEVICE)
+              for k in ([5, 6, 7, 8], [7, 5, 2**63 - 1, -9, 40], [1])]
+    indexes = [DeviceHash(o.numel(), o) for o in owners]
+    for h, o in zip(indexes, owners):
+        h.rebuild(torch.ones(o.numel(), dtype=torch.bool, device=DEVICE))
+    runs = [[5, 7, 9], [7, 2**63 - 1, 1, 5], [1, 5]]
+    many = stack(indexes, [len(r) for r in runs])
+    assert many is not None
+    keys = torch.tensor([k for r in runs for k in r], device=DEVICE)
+    assert many.find(keys).tolist() == [0, 2, -1, 0, 2, -1, 1, 0, -1]
+    # delete 7 from the first and 5 from the second; insert 9 at place 2 of the first
+    many.delete(keys, torch.tensor([0, 2, 0, 0, 0, 0, 1, 0, 0], device=DEVICE),
+                torch.tensor([0, 1, 0, 0, 0, 0, 1, 0, 0], dtype=torch.bool, device=DEVICE))
+    owners[0][2] = 9
+    many.insert(keys, torch.tensor([0, 0, 2, 0, 0, 0, 0, 0, 0], device=DEVICE),
+                torch.tensor([0, 0, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bool, device=DEVICE))
+    assert many.find(keys).tolist() == [0, -1, 2, 0, 2, -1, -1, 0, -1]
+    assert indexes[1].find(torch.tensor([5, 7], device=DEVICE)).tolist() == [-1, 0]
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(st.lists(maps, min_size=2, max_size=3),
+       st.lists(st.lists(st.lists(pool, max_size=8), min_size=3, max_size=3), min_size=1,
+                max_size=8))
+def test_maps_stepped_together_equal_each_stepped_alone(kws, steps):
+    """``train_together`` (one read back, the indexes' kernels launched once over all the
+    maps) gives each map's ``train_step``; an overflow in one changes none."""
+    alone = [VocabMap(**kw, device=DEVICE) for kw in kws]
+    together = [DeviceVocabMap(**kw, device=DEVICE) for kw in kws]
+    for s, runs in enumerate(steps):
+        runs = [_ids(r) for r in runs[:len(kws)]]
+        try:
+            got = train_together(together, runs)
+        except ValueError as e:
+            assert any(_overflows(m, r) for m, r in zip(alone, runs)), e
+            for a, b in zip(alone, together):
+                _same_state(a, b, f"step {s} (overflow)")
+            continue
+        for a, b, r, g in zip(alone, together, runs, got):
+            want = a.train_step(r)
+            for x, y in zip(want, g):
+                assert torch.equal(x, y), s
+            _same_state(a, b, f"step {s}")
+
+
+def _overflows(m: VocabMap, ids: torch.Tensor) -> bool:
+    import copy
+    try:
+        copy.deepcopy(m).train_step(ids)
+    except ValueError:
+        return True
+    return False

@@ -284,40 +284,48 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
 _HASH_BLOCK = 128
 
 
-def hash_find(keys: torch.Tensor, slot: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """(n,) int64: the place of each of the (n,) int64 ``keys`` in the index (``slot``: (S + 1,)
-    int32 or int64, S a power of two, over ``owner``'s int64 keys; kernels/triton_hash.py), -1
-    where absent."""
+def _hash_args(maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> dict[str, Any]:
+    return {"BLOCK": _HASH_BLOCK, "ONE": which is None, "SLOT64": slot64}
+
+
+def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None,
+              slot64: bool) -> torch.Tensor:
+    """(n,) int64: the place of each of the (n,) int64 ``keys`` in its index, -1 where absent.
+    ``maps``: (M, 3) int64 on the device, per index its slots' address (int64 slots with
+    ``slot64``, else int32), its owner's keys' address and its slots less one (a power of two
+    less one); ``which``: (n,) int32 each key's index, None for one (kernels/triton_hash.py)."""
     k = _load_hash()
     n = keys.numel()
     out = torch.empty(n, dtype=torch.int64, device=keys.device)
     if n:
         k.hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), n, slot, owner, out, slot.numel() - 2, BLOCK=_HASH_BLOCK)
+            keys.contiguous(), n, maps, keys if which is None else which, out,
+            **_hash_args(maps, which, slot64))
     return out
 
 
 def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
-                slot: torch.Tensor) -> None:
-    """Inserts ``keys[i]`` at place ``places[i]`` (int64 >= 0) where the (n,) bool ``take`` is
-    set; those keys must be absent from the index and distinct."""
+                maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> None:
+    """Inserts ``keys[i]`` at place ``places[i]`` (int64 >= 0) of its index where the (n,) bool
+    ``take`` is set; those keys must be absent from it and distinct (``hash_find``'s maps)."""
     k = _load_hash()
     n = keys.numel()
     if n:
         k.hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, slot,
-            slot.numel() - 2, slot.numel() - 1, BLOCK=_HASH_BLOCK)
+            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
+            keys if which is None else which, **_hash_args(maps, which, slot64))
 
 
 def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
-                slot: torch.Tensor) -> None:
-    """Deletes ``keys[i]``, held at place ``places[i]``, where the (n,) bool ``take`` is set."""
+                maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> None:
+    """Deletes ``keys[i]``, held at place ``places[i]`` of its index, where the (n,) bool
+    ``take`` is set (``hash_find``'s maps)."""
     k = _load_hash()
     n = keys.numel()
     if n:
         k.hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, slot,
-            slot.numel() - 2, BLOCK=_HASH_BLOCK)
+            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
+            keys if which is None else which, **_hash_args(maps, which, slot64))
 
 
 # -- rows between a cache and its slow tier (state/cache.py) ----------------------------------

@@ -36,32 +36,43 @@ def slots_for(capacity: int) -> int:
 
 
 class DeviceHash:
-    """An index of up to ``capacity`` keys at once, on ``device`` (CUDA, or CPU tensors under
-    Triton's interpreter).
+    """An index of up to ``capacity`` keys at once over ``owner``'s keys (place ``v`` holds key
+    ``owner[v]``), on its device (CUDA, or CPU tensors under Triton's interpreter).
 
     Args:
         capacity: the owner's places (the most keys held at once).
-        device: where its slots live.
+        owner: (capacity,) int64, contiguous: the owner's keys (read, never written here).
+
+    ``maps`` is the (1, 3) row of addresses the kernels read (its slots, its owner's keys, its
+    slots less one), made once on the device; ``stacked`` concatenates several indexes' rows
+    for one launch over them all. Moving the slots or the owner makes it again (``to``).
     """
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, owner: torch.Tensor) -> None:
         self.capacity = int(capacity)
         self.slots = slots_for(self.capacity)
-        dtype = torch.int32 if self.capacity < _INT32_PLACES else _I64
-        self.slot = torch.zeros(self.slots + 1, dtype=dtype, device=device)  # (S + 1,)
+        self.slot64 = self.capacity >= _INT32_PLACES
+        dtype = _I64 if self.slot64 else torch.int32
+        self.slot = torch.zeros(self.slots + 1, dtype=dtype, device=owner.device)  # (S + 1,)
         self.filled = 0  # a bound on the slots not empty (held or deleted)
+        self._address(owner)
+
+    def _address(self, owner: torch.Tensor) -> None:
+        assert owner.dtype == _I64 and owner.is_contiguous() and owner.device == self.device
+        self.owner = owner
+        self.maps = torch.tensor([[self.slot.data_ptr(), owner.data_ptr(), self.slots - 1]],
+                                 dtype=_I64, device=owner.device)  # (1, 3)
 
     @property
     def device(self) -> torch.device:
         return self.slot.device
 
     def nbytes(self) -> int:
-        return self.slot.nbytes
+        return self.slot.nbytes + self.maps.nbytes
 
-    def find(self, keys: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-        """(n,) int64: the place of each of the (n,) int64 ``keys`` (``owner[place]`` is the
-        key), -1 where absent."""
-        return gpu.hash_find(keys, self.slot, owner)
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """(n,) int64: the place of each of the (n,) int64 ``keys``, -1 where absent."""
+        return gpu.hash_find(keys, self.maps, None, self.slot64)
 
     def due(self, n: int) -> bool:
         """Whether inserting ``n`` more keys could fill more than 3/4 of the slots: rebuild
@@ -72,17 +83,56 @@ class DeviceHash:
         """Indexes ``keys[i]`` at ``places[i]`` where ``take[i]``: keys absent and distinct. The
         caller checks ``due(n)`` first (and rebuilds instead)."""
         self.filled += keys.numel()
-        gpu.hash_insert(keys, places, take, self.slot)
+        gpu.hash_insert(keys, places, take, self.maps, None, self.slot64)
 
     def delete(self, keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor) -> None:
         """Forgets ``keys[i]``, indexed at ``places[i]``, where ``take[i]``."""
-        gpu.hash_delete(keys, places, take, self.slot)
+        gpu.hash_delete(keys, places, take, self.maps, None, self.slot64)
 
-    def rebuild(self, owner: torch.Tensor, held: torch.Tensor) -> None:
-        """Empties the index and indexes every place ``v`` of ``owner`` where ``held[v]``."""
+    def rebuild(self, held: torch.Tensor) -> None:
+        """Empties the index and indexes every place ``v`` of its owner where ``held[v]``."""
         self.slot.zero_()
         self.filled = 0
-        self.insert(owner, torch.arange(owner.numel(), dtype=_I64, device=owner.device), held)
+        self.insert(self.owner, torch.arange(self.owner.numel(), dtype=_I64,
+                                             device=self.device), held)
 
-    def to(self, device: torch.device) -> None:
-        self.slot = self.slot.to(device)
+    def to(self, owner: torch.Tensor) -> None:
+        """Moves the slots to ``owner``'s device, ``owner`` its owner's keys there."""
+        self.slot = self.slot.to(owner.device)
+        self._address(owner)
+
+
+class Stacked:
+    """Several indexes, one launch over them all: ``find``, ``insert`` and ``delete`` of keys
+    in runs (``counts[m]`` keys for index ``m``, in turn). Every index's slots must be of one
+    width (``slot64``); see ``stack``."""
+
+    def __init__(self, indexes: list[DeviceHash], counts: list[int]) -> None:
+        self.indexes = indexes
+        self.slot64 = indexes[0].slot64
+        dev = indexes[0].device
+        self.maps = torch.cat([h.maps for h in indexes])  # (M, 3)
+        self.which = torch.empty(sum(counts), dtype=torch.int32, device=dev)  # (n,)
+        at = 0
+        for m, c in enumerate(counts):  # (fills on the device: nothing copied to it)
+            self.which[at:at + c].fill_(m)
+            at += c
+        self.counts = counts
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        return gpu.hash_find(keys, self.maps, self.which, self.slot64)
+
+    def insert(self, keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor) -> None:
+        for h, c in zip(self.indexes, self.counts):
+            h.filled += c
+        gpu.hash_insert(keys, places, take, self.maps, self.which, self.slot64)
+
+    def delete(self, keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor) -> None:
+        gpu.hash_delete(keys, places, take, self.maps, self.which, self.slot64)
+
+
+def stack(indexes: list[DeviceHash], counts: list[int]) -> Stacked | None:
+    """``Stacked`` over ``indexes``, or None where their slots differ in width."""
+    if not indexes or len({h.slot64 for h in indexes}) > 1:
+        return None
+    return Stacked(indexes, counts)

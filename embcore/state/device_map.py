@@ -49,7 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..ops.selection import smallest_ordered
-from .device_hash import DeviceHash
+from .device_hash import DeviceHash, stack
 from .id_map import _I64, VocabMap
 
 _FIRST_ENTRIES = 1024  # entries for counted ids at first (grown as they are needed)
@@ -110,7 +110,7 @@ class DeviceVocabMap(VocabMap):
         self._freq_buf = _buffer(c, 0, _I64, dev)
         self._born_buf = _buffer(c, -1, _I64, dev)
         self._views()
-        self.index = DeviceHash(c, dev)
+        self.index = DeviceHash(c, self.row_key)
         self._bad = torch.zeros((), dtype=torch.bool, device=dev)  # an unconfirmed overflow
         self._bad_info = torch.zeros(4, dtype=_I64, device=dev)    # its step and counts
         self._unconfirmed = False
@@ -133,7 +133,7 @@ class DeviceVocabMap(VocabMap):
         self.p_count = _buffer(n, 0, _I64, dev)
         self.p_seen = _buffer(n, 0, _I64, dev)
         self.p_used = _buffer(n, False, torch.bool, dev)
-        self.pindex = DeviceHash(n, dev)
+        self.pindex = DeviceHash(n, self.p_id[:n])
 
     def _room_for(self, u: int) -> None:
         """Enough free entries for the counted ids of a step of ``u`` distinct ids (it adds at
@@ -153,7 +153,7 @@ class DeviceVocabMap(VocabMap):
         self.p_id[:n], self.p_count[:n], self.p_seen[:n], self.p_used[:n] = (ids, counts, seen,
                                                                              held)
         self._p_bound = used
-        self.pindex.rebuild(self.p_id[:self._plen], self.p_used[:self._plen])
+        self.pindex.rebuild(self.p_used[:self._plen])
 
     keys = _computed("_sorted", 0, "(R,) the resident ids, ascending")
     key_rows = _computed("_sorted", 1, "(R,) their rows")
@@ -197,19 +197,21 @@ class DeviceVocabMap(VocabMap):
         """The rows of ids (evaluation): changes nothing (``VocabMap.find``)."""
         from .id_map import _as_ids
         ids = _as_ids(ids, f"{self.name}: ids").to(self.device).contiguous()
-        rows = self.index.find(ids.reshape(-1), self.row_key)
+        rows = self.index.find(ids.reshape(-1))
         return torch.where(rows >= 0, rows, fill).reshape(ids.shape)
 
     # ------------------------------------------------------------------------------- a step
-    def _plan(self, u: torch.Tensor) -> _Plan:
-        """The decisions of training step ``step + 1`` over (U,) sorted distinct ids."""
+    def _plan(self, u: torch.Tensor, found: torch.Tensor | None = None,
+              counted: torch.Tensor | None = None) -> _Plan:
+        """The decisions of training step ``step + 1`` over (U,) sorted distinct ids (their
+        rows and counted entries found already where given: ``train_together``)."""
         t, c, n, dev = self.step + 1, self.capacity, u.numel(), self.device
         live = self.row_used
         cut = None if self.ttl_steps is None else t - self.ttl_steps  # last uses below expire
         expire = cut is not None and cut > 0
         if cut is not None and cut > 0:
             live = live & (self.last_use >= cut)
-        row = self.index.find(u, self.row_key)  # (U,)
+        row = self.index.find(u) if found is None else found  # (U,)
         hit = (row >= 0) & live[row.clamp(min=0)]
         row = row.clamp(min=0)
         miss = ~hit
@@ -217,7 +219,7 @@ class DeviceVocabMap(VocabMap):
         if self.admit_after == 1:
             admit = miss
         else:
-            entry = self.pindex.find(u, self.p_id[:self._plen])  # (U,) -1: not counted
+            entry = self.pindex.find(u) if counted is None else counted  # (U,) -1: none
             counted = 1 + torch.where(miss & (entry >= 0), self.p_count[entry.clamp(min=0)], 0)
             admit = miss & (counted >= self.admit_after)
         n_admit = admit.sum()
@@ -243,8 +245,10 @@ class DeviceVocabMap(VocabMap):
         return _Plan(t, u, live, expire, hit, row, admit, new_row, from_free, entry, counted, ok,
                      counts)
 
-    def _apply(self, p: _Plan) -> None:
-        """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing)."""
+    def _apply(self, p: _Plan, later: list[tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing). With
+        ``later``, the index's deletions and insertions are appended to it instead (``(keys,
+        places, take)`` of each), for one launch over several maps: the deletions first."""
         c, t, ok, u = self.capacity, p.t, p.ok, p.ids
         if p.expire:  # the TTL's rows are freed
             gone = self.row_used & ~p.live & ok  # (C,)
@@ -259,16 +263,23 @@ class DeviceVocabMap(VocabMap):
         self._freq_buf.index_put_((hits,), self._freq_buf[hits] + 1)
         adm = p.admit & ok
         new = torch.where(adm, p.new_row, c)  # (U,) the rows taken (c: none)
-        self.index.delete(self._key_buf[new], new, adm & ~p.from_free)  # the victims leave
+        old, out = self._key_buf[new], adm & ~p.from_free  # the victims' ids leave
+        if later is None:
+            self.index.delete(old, new, out)
         self._key_buf.index_put_((new,), u)
         self._used_buf.index_fill_(0, new, True)
         self._born_buf.index_fill_(0, new, t)
         self._last_buf.index_fill_(0, new, t)
         self._freq_buf.index_fill_(0, new, 1)
         if self.index.due(u.numel()):
-            self.index.rebuild(self.row_key, self.row_used)
-        else:
+            self.index.rebuild(self.row_used)  # (from the rows as they are now)
+            if later is not None:
+                none = torch.zeros_like(adm)
+                later.append((old, new, none, u, p.new_row, none))
+        elif later is None:
             self.index.insert(u, p.new_row, adm)
+        else:
+            later.append((old, new, out, u, p.new_row, adm))
         if p.entry is not None:
             self._count_step(p, adm)
         self.step = t
@@ -294,7 +305,7 @@ class DeviceVocabMap(VocabMap):
         self.p_seen.index_fill_(0, at, t)
         self.p_used.index_fill_(0, at, True)
         if self.pindex.due(u.numel()):
-            self.pindex.rebuild(self.p_id[:n], self.p_used[:n])
+            self.pindex.rebuild(self.p_used[:n])
         else:
             self.pindex.insert(u, at, fresh)
         # the bound: those seen longest ago (ties: the smaller id) are forgotten
@@ -399,7 +410,7 @@ class DeviceVocabMap(VocabMap):
                                  (self._born_buf, plain.born, -1)):
             buf.fill_(fill)
             buf[:self.capacity] = value
-        self.index.rebuild(self.row_key, self.row_used)
+        self.index.rebuild(self.row_used)
         self.step = plain.step
         if self.admit_after > 1:
             pids, counts, seen = plain.pending_ids, plain.pending_counts, plain.pending_seen
@@ -408,7 +419,7 @@ class DeviceVocabMap(VocabMap):
             self.p_id[:m], self.p_count[:m], self.p_seen[:m] = pids, counts, seen
             self.p_used[:m] = True
             self._p_bound = m
-            self.pindex.rebuild(self.p_id[:self._plen], self.p_used[:self._plen])
+            self.pindex.rebuild(self.p_used[:self._plen])
 
     def to(self, device: torch.device | str) -> None:
         device = torch.device(device)
@@ -416,11 +427,11 @@ class DeviceVocabMap(VocabMap):
                     "_bad_info", *(("p_id", "p_count", "p_seen", "p_used") if self._plen
                                    else ())):
             setattr(self, key, getattr(self, key).to(device))
-        self.index.to(device)
-        if self._plen:
-            self.pindex.to(device)
         self.device = device
         self._views()
+        self.index.to(self.row_key)
+        if self._plen:
+            self.pindex.to(self.p_id[:self._plen])
 
 
 def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
@@ -428,22 +439,44 @@ def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
     """``train_step`` of each map over its run of distinct ids (the members of stacked dynamic
     tables in a batch), with one read back for them all: every step is planned first, their
     counts read at once, and the first overflow's ``ValueError`` raised before any map changes;
-    else every step is applied. Returns each map's ``(rows, new_ids, new_rows)`` as
+    else every step is applied. The indexes' kernels launch once over all the maps: the ids
+    found (and their counted entries), then the evicted ids deleted and the admitted inserted
+    (state/device_hash.py's ``stack``). Returns each map's ``(rows, new_ids, new_rows)`` as
     ``train_step``'s (``-1`` where not resident)."""
-    plans = []
+    ordered, perms = [], []
     for m, ids in zip(maps, runs):
         m.confirm()
         m._room_for(ids.numel())
-        ordered, perm = torch.sort(m._step_ids(ids))
-        plans.append((ordered, perm, m._plan(ordered)))
-    counts = torch.stack([p.counts for _, _, p in plans]).tolist() if plans else []
-    for m, (_, _, p), c in zip(maps, plans, counts):
+        o, perm = torch.sort(m._step_ids(ids))
+        ordered.append(o)
+        perms.append(perm)
+    counts = [o.numel() for o in ordered]
+    every = torch.cat(ordered) if ordered else torch.empty(0, dtype=_I64)
+    rows_index = stack([m.index for m in maps], counts)
+    found = list(rows_index.find(every).split(counts)) if rows_index is not None else \
+        [None] * len(maps)
+    counting = [k for k, m in enumerate(maps) if m.admit_after > 1]
+    entries: list[torch.Tensor | None] = [None] * len(maps)
+    counted_index = stack([maps[k].pindex for k in counting], [counts[k] for k in counting])
+    if counted_index is not None:
+        got = counted_index.find(torch.cat([ordered[k] for k in counting]))
+        for k, e in zip(counting, got.split([counts[k] for k in counting])):
+            entries[k] = e
+    plans = [m._plan(o, f, e) for m, o, f, e in zip(maps, ordered, found, entries)]
+    read = torch.stack([p.counts for p in plans]).tolist() if plans else []
+    for m, p, c in zip(maps, plans, read):
         if c[0] > c[1] + c[2]:
             raise m._overflow_error(p.t, c)
+    later: list[tuple[torch.Tensor, ...]] | None = [] if rows_index is not None else None
+    for m, p in zip(maps, plans):
+        m._apply(p, later)
+    if rows_index is not None and later:
+        parts = list(zip(*later))  # old ids, their rows, taken; new ids, their rows, taken
+        rows_index.delete(*(torch.cat(x) for x in parts[:3]))  # (before any insert)
+        rows_index.insert(*(torch.cat(x) for x in parts[3:]))
     out = []
-    for m, (ordered, perm, p) in zip(maps, plans):
-        m._apply(p)
+    for o, perm, p in zip(ordered, perms, plans):
         rows = torch.empty_like(p.row)
         rows[perm] = torch.where(p.hit, p.row, torch.where(p.admit, p.new_row, -1))
-        out.append((rows, ordered[p.admit], p.new_row[p.admit]))
+        out.append((rows, o[p.admit], p.new_row[p.admit]))
     return out
