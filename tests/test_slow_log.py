@@ -108,6 +108,50 @@ def test_log_writes_whole_segments_and_cleans(tmp_path: Path) -> None:
     d.remove()
 
 
+def test_the_logs_step_never_indexes_with_a_tensor(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Appends (through the cleaner) and reads of places do their index work with
+    ``index_select`` / ``index_copy_`` / ``index_fill_``: a tensor used as an index costs
+    milliseconds on 2 busy cores (torch's parallel indexing), whatever its length. Rows given
+    as int32 are taken too."""
+    rows = 64
+    views, log, d = _log(tmp_path, rows)
+    truth = torch.arange(rows, dtype=torch.float32)
+    indexed: list[str] = []
+    get, put = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def tensor_in(index: object) -> bool:
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) for p in parts)
+
+    def getitem(self: torch.Tensor, index: object) -> torch.Tensor:
+        if tensor_in(index):
+            indexed.append("get")
+        return get(self, index)
+
+    def setitem(self: torch.Tensor, index: object, value: object) -> None:
+        if tensor_in(index):
+            indexed.append("set")
+        put(self, index, value)
+
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", setitem)
+    for rnd in range(20):
+        picked = torch.randperm(rows, generator=g)[:16]
+        v = truth.index_select(0, picked) + 1000
+        src = torch.stack([v, v, v, -v], 1)
+        at = torch.arange(picked.numel())
+        log.append(picked.to(torch.int32) if rnd % 2 else picked,
+                   {0: (src[:, :3].contiguous(), at), 12: (src[:, 3:].contiguous(), at)})
+        truth.index_copy_(0, picked, v)
+        log.at(picked)
+    monkeypatch.undo()
+    assert indexed == [] and log.moved > 0  # (the cleaner ran)
+    _check(views, log, truth)
+    d.remove()
+
+
 def test_a_write_that_takes_nothing_is_an_error_not_a_hang(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:

@@ -2,6 +2,13 @@
 
     python benchmarks/studies/cache.py [--workload W1|W2] [--alphas 1.05,1.2] [--raw]
                                [--fractions 0.01,0.05,0.1,0.25,0.5] [--steps 30] [--warmup 200]
+                               [--shape T,N,D,B] [--optimizer adagrad|rowwise] [--budget 1GiB]
+
+``--shape T,N,D,B``: T tables of N rows, D wide, batch B (one id per example, sum) instead of a
+standard workload (e.g. ``4,10000000,32,4096``: 4 x 10M x 32). ``--optimizer rowwise``:
+``RowwiseAdagrad`` (one accumulator a row) instead of exact Adagrad. ``--budget``: one
+``memory_budget`` (``"1GiB"``) instead of ``--fractions`` (the fraction of rows it caches is
+printed).
 
 ``--raw``: every table dynamic (raw 63-bit ids, ``workloads.raw_ids``; capacity the workload's
 rows), its map in fast memory and its rows behind the cache; the budget adds the maps' bytes.
@@ -37,9 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))  # workloads.py
 from cache_workloads import batches_for  # noqa: E402
-from workloads import get_workload, raw_ids  # noqa: E402
+from workloads import Workload, get_workload, raw_ids  # noqa: E402
 
 import embcore as ec  # noqa: E402
+from embcore.config.budget import parse_budget  # noqa: E402
 from embcore.config.tables import (
     INDEX_BYTES_PER_ROW,  # noqa: E402
     MAP_BYTES_PER_ROW,  # noqa: E402
@@ -61,8 +69,23 @@ def rss() -> dict[str, float]:
     return out
 
 
+def optimizer(name: str) -> ec.Adagrad:
+    """The study's optimizer: exact Adagrad, or ``RowwiseAdagrad`` (``"rowwise"``)."""
+    kind = ec.RowwiseAdagrad if name == "rowwise" else ec.Adagrad
+    return kind(learning_rate=LR, initial_accumulator_value=ACC0)
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    """``--workload`` (``--quick``), or the ``--shape T,N,D,B`` given."""
+    if args.shape is None:
+        return get_workload(args.workload, quick=args.quick)
+    t, n, d, b = (int(x) for x in args.shape.split(","))
+    return Workload(f"{t}x{n}xD{d}", t, n, d, b, 1, "sum", args.steps)
+
+
 def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
-        offload_dir: str | None, repeats: int = 3, raw: bool = False) -> dict:
+        offload_dir: str | None, repeats: int = 3, raw: bool = False,
+        opt: str = "adagrad") -> dict:
     dyn = ec.DynamicVocabulary() if raw else None
     tables = [ec.TableConfig(vocabulary_size=w.rows, dim=w.dim, combiner=w.combiner,
                              name=f"t{t}", dynamic=dyn) for t in range(w.tables)]
@@ -77,8 +100,7 @@ def run(w, alpha: float, budget: int | None, warmup: int, steps: int,
 
     fc = {f"f{t}": ec.FeatureConfig(table=tables[t]) for t in range(w.tables)}
     torch.manual_seed(0)
-    emb = ec.Embedding(fc, ec.Adagrad(learning_rate=LR, initial_accumulator_value=ACC0),
-                       memory_budget=budget, offload_dir=offload_dir)
+    emb = ec.Embedding(fc, optimizer(opt), memory_budget=budget, offload_dir=offload_dir)
     t0 = time.perf_counter()
     emb.build(per_replica_batch_size=w.batch)
     emb.state_dict() if budget is None else emb.cache_stats()  # tables made now
@@ -135,6 +157,8 @@ def spawn(args: argparse.Namespace, alpha: float, budget: int | None,
            "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--repeats", str(args.repeats)]
     cmd += ["--quick"] if args.quick else []
+    cmd += ["--shape", args.shape] if args.shape else []
+    cmd += ["--optimizer", args.optimizer]
     cmd += ["--raw"] if args.raw else []
     cmd += ["--offload-dir", args.offload_dir] if args.offload_dir else []
     proc = subprocess.run(cmd, capture_output=True, text=True,
@@ -160,18 +184,22 @@ def main() -> None:
     ap.add_argument("--writes", default="log",
                     help="how static tables' slow tiers write rows back: log, in-place, or both "
                          "(log,in-place: each fraction run with each)")
+    ap.add_argument("--shape", default=None, help="T,N,D,B: T tables of N x D, batch B")
+    ap.add_argument("--optimizer", default="adagrad", choices=["adagrad", "rowwise"])
+    ap.add_argument("--budget", default=None, help="one memory_budget instead of --fractions")
     ap.add_argument("--single", default=None, help=argparse.SUPPRESS)  # alpha,budget: one run
     args = ap.parse_args()
-    w = get_workload(args.workload, quick=args.quick)
+    w = workload(args)
     if args.single is not None:
         alpha, budget = args.single.split(",")
         print(json.dumps(run(w, float(alpha), None if budget == "None" else int(budget),
                              args.warmup, args.steps, args.offload_dir, args.repeats,
-                             args.raw)))
+                             args.raw, args.optimizer)))
         return
-    row_bytes = w.dim * 4 * 2  # parameters + Adagrad accumulators
+    slot = 1 if args.optimizer == "rowwise" else w.dim
+    row_bytes = (w.dim + slot) * 4  # parameters + Adagrad accumulators
     print(f"# {w.name}{'-raw' if args.raw else ''}: {w.tables} x {w.rows} x D{w.dim}, B{w.batch}, "
-          f"L{w.bag}; exact Adagrad; "
+          f"L{w.bag}; {'row-wise' if slot == 1 else 'exact'} Adagrad; "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads", flush=True)
     print(f"{'alpha':>5} {'cache':>6} {'writes':>8} {'ex/s':>9} {'vs mem':>6} {'hit':>6} {'new/st':>7} "
@@ -185,11 +213,13 @@ def main() -> None:
               f"{'':>8} "
               f"{'':>8} {base['RssAnon']:>8.0f} {base['RssFile']:>8.0f} "
               f"{base['setup_s']:>7.1f}", flush=True)
-        for f, writes in [(float(x), wr) for x in args.fractions.split(",")
-                          for wr in args.writes.split(",")]:
-            budget = int(f * w.tables * w.rows * (row_bytes + INDEX_BYTES_PER_ROW)
-                         + w.tables * w.rows * where_bytes(args.raw)
-                         + (w.tables * w.rows * MAP_BYTES_PER_ROW if args.raw else 0))
+        fixed = (w.tables * w.rows * where_bytes(args.raw)
+                 + (w.tables * w.rows * MAP_BYTES_PER_ROW if args.raw else 0))
+        per_row = w.tables * w.rows * (row_bytes + INDEX_BYTES_PER_ROW)
+        fractions = ([(parse_budget(args.budget) - fixed) / per_row] if args.budget else
+                     [float(x) for x in args.fractions.split(",")])
+        for f, writes in [(f, wr) for f in fractions for wr in args.writes.split(",")]:
+            budget = (parse_budget(args.budget) if args.budget else int(f * per_row + fixed))
             res = spawn(args, alpha, budget, writes)
             same = res["sha256"] == base["sha256"]
             res.update(fraction=f, writes=writes, vs_memory=res["ex_per_s"] / base["ex_per_s"],

@@ -25,6 +25,11 @@ place, for 1.75x the records written (the cleaner's moves; 1.32x with ``SPARE`` 
 disk, for 7% less time). The values never change: a record moves whole, so a run behind a log
 computes exactly what a run in memory computes.
 
+The step's index work uses ``index_select`` / ``index_copy_`` / ``index_fill_``, not indexing
+with a tensor (``where[rows] = ...``): on 2 busy cores a tensor index costs milliseconds whatever
+its length (torch's parallel indexing waits for its threads), the ``index_*`` methods microseconds
+on a segment's rows (benchmarks/RESULTS.md, the log's writes on 4 x 10M x 32).
+
 Fast memory: ``where`` (4 bytes a row) and ``owner`` (4 bytes a place: 6 a row at ``SPARE``
 0.5), int32 while the places fit (int64 beyond 2**31 places); the disk: ``1 + SPARE`` times the
 records.
@@ -103,7 +108,7 @@ class RecordLog:
         """(n,) int64: the places of rows ``rows`` (n,) int64."""
         if self.compacted:
             return rows
-        return self.where[rows].to(torch.int64)
+        return self.where.index_select(0, rows).to(torch.int64)
 
     # ---------------------------------------------------------------- writes
     def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
@@ -118,8 +123,9 @@ class RecordLog:
         if k == 0:
             return
         self.compacted = False
-        old = self.where[rows].to(torch.int64)
-        self.owner[old] = -1  # (their values are in ``sources``)
+        rows = rows.to(torch.int64)
+        old = self.where.index_select(0, rows).to(torch.int64)
+        self.owner.index_fill_(0, old, -1)  # (their values are in ``sources``)
         self.live.index_add_(0, old // self.segment, torch.full_like(old, -1))
         data = self._staging(k)
         dst = torch.arange(k)
@@ -160,7 +166,8 @@ class RecordLog:
             k = min(n - at, self.segment - self.head % self.segment)
             self._write(self.head, data[at:at + k])
             chunk = rows[at:at + k]
-            self.where[chunk] = torch.arange(self.head, self.head + k, dtype=self.index_dtype)
+            self.where.index_copy_(0, chunk, torch.arange(self.head, self.head + k,
+                                                          dtype=self.index_dtype))
             self.owner[self.head:self.head + k] = chunk.to(self.index_dtype)
             self.live[self.head // self.segment] += k
             self.head = (self.head + k) % self.places
@@ -182,9 +189,9 @@ class RecordLog:
         if live.numel() == 0:
             return
         places = live + a
-        rows = self.owner[places].to(torch.int64)
+        rows = self.owner.index_select(0, places).to(torch.int64)
         data = self._read(a).index_select(0, live)  # (copied before the writes over them)
-        self.owner[places] = -1
+        self.owner.index_fill_(0, places, -1)
         self.live[seg] -= live.numel()
         self._place(rows, data, cleaning=True)
         self.moved += rows.numel()
