@@ -19,15 +19,14 @@ import triton  # noqa: E402
 
 from embcore.kernels import triton_hash, triton_move  # noqa: E402
 
-HASH = {"keys_ptr": "*i64", "places_ptr": "*i64", "take_ptr": "*i8", "n": "i32"}
+HASH = {"keys_ptr": "*i64", "places_ptr": "*i64", "take_ptr": "*i8", "n": "i32",
+        "maps_ptr": "*i64", "which_ptr": "*i32"}
+CONSTS = ("BLOCK", "ONE", "SLOT64")
 CASES = [
-    (triton_hash.hash_find_kernel, {"keys_ptr": "*i64", "n": "i32", "slot_ptr": "*{s}",
-                                    "owner_ptr": "*i64", "out_ptr": "*i64", "mask": "{s}",
-                                    "BLOCK": "constexpr"}, {"BLOCK": 128}),
-    (triton_hash.hash_insert_kernel, {**HASH, "slot_ptr": "*{s}", "mask": "{s}", "spare": "{s}",
-                                      "BLOCK": "constexpr"}, {"BLOCK": 128}),
-    (triton_hash.hash_delete_kernel, {**HASH, "slot_ptr": "*{s}", "mask": "{s}",
-                                      "BLOCK": "constexpr"}, {"BLOCK": 128}),
+    (triton_hash.hash_find_kernel, {"keys_ptr": "*i64", "n": "i32", "maps_ptr": "*i64",
+                                    "which_ptr": "*i32", "out_ptr": "*i64"}),
+    (triton_hash.hash_insert_kernel, HASH),
+    (triton_hash.hash_delete_kernel, HASH),
 ]
 
 
@@ -43,11 +42,13 @@ def _compile(fn, signature, constexprs):
         raise
 
 
-@pytest.mark.parametrize("slots", ["i32", "i64"])
+@pytest.mark.parametrize("one", [True, False], ids=["one index", "several"])
+@pytest.mark.parametrize("slot64", [False, True], ids=["int32 slots", "int64 slots"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0].__name__ for c in CASES])
-def test_the_hash_kernels_compile_for_sm90(case, slots):
-    fn, signature, constexprs = CASES[case]
-    compiled = _compile(fn, {k: v.format(s=slots) for k, v in signature.items()}, constexprs)
+def test_the_hash_kernels_compile_for_sm90(case, slot64, one):
+    fn, signature = CASES[case]
+    consts = {"BLOCK": 128, "ONE": one, "SLOT64": slot64}
+    compiled = _compile(fn, {**signature, **dict.fromkeys(CONSTS, "constexpr")}, consts)
     assert compiled.asm["cubin"]
 
 

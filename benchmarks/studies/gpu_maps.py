@@ -91,17 +91,17 @@ def rates(args, device: torch.device) -> None:
     print(f"\n[rates] {n:,} ids a call")
     for load in (0.25, 0.5):
         cap = int(n / load / 2)  # slots = 2 x capacity (a power of two at least)
-        index = DeviceHash(cap, device)
-        held = int(index.slots * load)
         owner = torch.randint(-2**62, 2**62, (cap,), generator=gen).to(device)
+        index = DeviceHash(cap, owner)
+        held = int(index.slots * load)
         take = torch.zeros(cap, dtype=torch.bool, device=device)
         take[:held] = True
-        index.rebuild(owner, take)
+        index.rebuild(take)
         queries = owner[torch.randint(0, held, (n,), generator=gen).to(device)]
-        s = _timed(lambda: index.find(queries, owner), device, args.steps, args.warmup)
+        s = _timed(lambda: index.find(queries), device, args.steps, args.warmup)
         print(f"  find, load {load}: {n / s / 1e9:.3f} B ids/s ({s * 1e3:.3f} ms)")
-    index = DeviceHash(n, device)
     keys = torch.randint(-2**62, 2**62, (n,), generator=gen).unique().to(device)
+    index = DeviceHash(keys.numel(), keys)
     places = torch.arange(keys.numel(), device=device)
     every = torch.ones(keys.numel(), dtype=torch.bool, device=device)
 

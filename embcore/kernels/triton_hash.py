@@ -98,7 +98,7 @@ def hash_insert_kernel(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr,
     keys absent from it and distinct)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    slots, owner, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
+    slots, _, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
     active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
     key = tl.load(keys_ptr + offs, mask=active, other=0)
     val = tl.load(places_ptr + offs, mask=active, other=0) + 1
@@ -124,7 +124,7 @@ def hash_delete_kernel(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr,
     """Deletes ``keys[i]``, held at place ``places[i]`` of its index, where ``take[i]``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < n
-    slots, owner, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
+    slots, _, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
     active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
     key = tl.load(keys_ptr + offs, mask=active, other=0)
     val = tl.load(places_ptr + offs, mask=active, other=0) + 1

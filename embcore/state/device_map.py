@@ -37,8 +37,9 @@ returns tensors of the step's length and the overflow flag, and an overflow is r
 ``confirm`` (or the next ``train_step``), which rewinds the step counter to before the step that
 overflowed (that step and any after it changed nothing).
 
-The work of a step is ``O(U)`` for the index, ``O(C)`` elementwise for the TTL, free rows and
-victims (only where it admits; two ``topk`` over the rows), and ``O(L)`` for the counted ids.
+The work of a step is ``O(U)`` for the index, and ``O(C)`` elementwise for the TTL, the free
+rows and the victims (two ``topk`` over the rows), every step: the host does not know whether a
+step admits; plus ``O(L)`` for the counted ids.
 """
 
 from __future__ import annotations
