@@ -30,6 +30,5 @@ def _device_map(capacity: int, **kwargs) -> id_map.VocabMap:
     return DeviceVocabMap(capacity, **kwargs)
 
 
-id_map.vocab_map = _device_map
-vocabulary.vocab_map = _device_map
+vocabulary.shard_map = _device_map  # (where the engine makes its maps)
 atexit.register(lambda: print(f"\ndevice maps made: {MADE[0]}"))

@@ -5,8 +5,9 @@ be chosen before triton is first imported and never switched; other tests of the
 triton indirectly (torch.compile, torch.export), so the cases run in a fresh interpreter with
 ``TRITON_INTERPRET=1`` (``python -m pytest tests/triton_cases.py``), and this test reports its
 result; likewise tests/triton_map_cases.py (the raw-id map on the device) and
-tests/triton_cache_cases.py (the cache of tables beyond device memory). Skipped when triton is not
-installed.
+tests/triton_cache_cases.py (the cache of tables beyond device memory); and
+tests/triton_compile_cases.py compiles kernels for sm_90 without the interpreter. Skipped when
+triton is not installed.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import torch
 CASES = Path(__file__).with_name("triton_cases.py")
 MAP_CASES = Path(__file__).with_name("triton_map_cases.py")  # the raw-id map on the device
 CACHE_CASES = Path(__file__).with_name("triton_cache_cases.py")  # the cache on the device
+COMPILE_CASES = Path(__file__).with_name("triton_compile_cases.py")  # compiled for sm_90
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install -e '.[gpu-test]')", allow_module_level=True)
 
 if torch.cuda.is_available():
     from triton_cases import *  # noqa: F401,F403  (compiled, on the GPU)
+    from triton_cache_cases import *  # noqa: F401,F403
     from triton_map_cases import *  # noqa: F401,F403
 else:
     @pytest.mark.slow
@@ -44,3 +47,16 @@ else:
         tail = (proc.stdout + proc.stderr)[-4000:]
         assert proc.returncode == 0, tail
         assert " passed" in proc.stdout and " skipped" not in proc.stdout, tail
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_a_gpu_without_one():
+    """tests/triton_compile_cases.py, in a fresh interpreter without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p",
+                           "no:cacheprovider", "-p", "no:warnings", str(COMPILE_CASES)],
+                          capture_output=True, text=True, env=env, cwd=CASES.parents[1],
+                          timeout=900)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout or "skipped" in proc.stdout, tail

@@ -49,9 +49,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import gpu
 from ..ops.selection import smallest_ordered
 from .device_hash import DeviceHash, stack
-from .id_map import _I64, VocabMap
+from .id_map import _I64, VocabMap, vocab_map
 
 _FIRST_ENTRIES = 1024  # entries for counted ids at first (grown as they are needed)
 
@@ -433,6 +434,16 @@ class DeviceVocabMap(VocabMap):
         self.index.to(self.row_key)
         if self._plen:
             self.pindex.to(self.p_id[:self._plen])
+
+
+def shard_map(capacity: int, **kwargs) -> VocabMap:
+    """A shard's map: ``DeviceVocabMap`` where the GPU kernels apply (a CUDA device with Triton),
+    else ``id_map.vocab_map``'s (``NativeVocabMap`` on the CPU where the kernels are built, else
+    ``VocabMap``). Arguments as ``VocabMap``'s."""
+    device = torch.device(kwargs.get("device", "cpu"))
+    if gpu.usable(torch.empty(0, device=device)):
+        return DeviceVocabMap(capacity, **kwargs)
+    return vocab_map(capacity, **kwargs)
 
 
 def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]

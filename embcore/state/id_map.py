@@ -69,7 +69,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from ..config.tables import MAP_BYTES_PER_ROW
-from ..kernels import gpu, native
+from ..kernels import native
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
@@ -1038,13 +1038,10 @@ class NativeVocabMap(VocabMap):
 
 
 def vocab_map(capacity: int, **kwargs) -> VocabMap:
-    """A shard's map: ``DeviceVocabMap`` (state/device_map.py) where the GPU kernels apply (a
-    CUDA device with Triton), ``NativeVocabMap`` on the CPU where the kernels are built, else
-    ``VocabMap`` (same rules, state and results). Arguments as ``VocabMap``'s."""
+    """A shard's map: ``NativeVocabMap`` on the CPU where the kernels are built, else
+    ``VocabMap`` (same rules, state and results; ``device_map.shard_map`` picks the GPU's
+    ``DeviceVocabMap`` first). Arguments as ``VocabMap``'s."""
     device = torch.device(kwargs.get("device", "cpu"))
-    if gpu.usable(torch.empty(0, device=device)):
-        from .device_map import DeviceVocabMap
-        return DeviceVocabMap(capacity, **kwargs)
     if device.type == "cpu" and native.available():
         return NativeVocabMap(capacity, **kwargs)
     return VocabMap(capacity, **kwargs)

@@ -30,7 +30,8 @@ from ..kernels import native
 from ..numerics import hashing
 from ..numerics.rounding import COMPACT
 from ..planning.placement import Placement
-from .id_map import VocabMap, find_many, train_steps, vocab_map
+from .device_map import DeviceVocabMap, shard_map, train_together
+from .id_map import VocabMap, find_many, train_steps
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -213,7 +214,7 @@ class DynamicRows:
         self.seed = table_seed(base_seed, name)
         self.zero_row = rows
         dyn = table.dynamic
-        self.map = vocab_map(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
+        self.map = shard_map(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
                             ttl_steps=dyn.ttl_steps, name=f"table {name!r}", device=device)
         self.capacity = rows
         self.steps = 0  # training steps seen (the map's, also where the shard holds no rows)
@@ -368,7 +369,7 @@ class DynamicRows:
         movers = movers[torch.argsort(ints[movers, 0], stable=True)]
         rows[movers] = free[:movers.numel()]
         by_id = torch.argsort(ints[:, 0], stable=True)
-        vmap = vocab_map(max(n, 1), eviction=self.map.eviction,
+        vmap = shard_map(max(n, 1), eviction=self.map.eviction,
                         admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
                         name=self.map.name, device=self.map.device)
         if pending is None:
@@ -571,7 +572,6 @@ class DynamicStack:
         """The training steps of the members of ``parts`` whose maps are all on the device
         (``device_map.train_together``: planned together, one read back, an overflow raised
         before any map changes): ``(rows, new)`` as ``resolve``'s; None where they are not."""
-        from .device_map import DeviceVocabMap, train_together
         with self._holding(parts) as got:
             if got is None:
                 return None

@@ -3,7 +3,9 @@ needed: Triton's interpreter runs a kernel's Python, not its compilation, and ha
 errors that only the compiler sees (benchmarks/RESULTS.md, GPU). Each kernel is compiled to a
 cubin (Triton's bundled ptxas) with the argument types its wrapper in kernels/gpu.py passes.
 
-Skipped when triton is not installed, or where this Triton cannot compile for CUDA here.
+tests/test_triton.py runs this file in a fresh interpreter without ``TRITON_INTERPRET`` (the
+kernels must be decorated for compiling). Skipped when triton is not installed, or where this
+Triton cannot compile for CUDA here.
 """
 
 from __future__ import annotations
@@ -15,9 +17,15 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install -e '.[gpu-test]')", allow_module_level=True)
 
+import os  # noqa: E402
+
 import triton  # noqa: E402
 
 from embcore.kernels import triton_hash, triton_move  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: the kernels are decorated for the interpreter (run this "
+                "file in a fresh interpreter without it)", allow_module_level=True)
 
 HASH = {"keys_ptr": "*i64", "places_ptr": "*i64", "take_ptr": "*i8", "n": "i32",
         "maps_ptr": "*i64", "which_ptr": "*i32"}
