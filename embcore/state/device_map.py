@@ -1,6 +1,6 @@
 """A dynamic vocabulary's id map on the GPU: the same rules as ``VocabMap``, stepped on the device.
 
-``DeviceVocabMap`` is the map of a raw-id table on a CUDA engine (``id_map.vocab_map``). It
+``DeviceVocabMap`` is the map of a raw-id table on a CUDA engine (``shard_map``, below). It
 follows ``ReferenceVocabulary``'s rules exactly, as ``VocabMap`` does (the same resident ids,
 rows, evictions, counts and state), but holds its ids in a hash index on the device
 (state/device_hash.py, Triton kernels) instead of a sorted array, and computes a training step in
