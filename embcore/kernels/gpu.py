@@ -25,6 +25,7 @@ the kernels are first loaded): ``force_on_cpu(True)`` makes ``usable`` accept CP
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -34,8 +35,7 @@ from ..numerics.rounding import ROW_TYPES, Rounding
 from .args import Hyper
 
 _kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
-_hash: Any = None      # kernels/triton_hash.py, likewise
-_move: Any = None      # kernels/triton_move.py, likewise
+_more: dict[str, Any] = {}  # the other kernel modules (kernels/triton_hash.py, ...) imported
 _error: str | None = None
 _forced = False
 
@@ -56,26 +56,22 @@ def _load() -> Any:
     return _kernels or None
 
 
-def _load_hash() -> Any:
-    """kernels/triton_hash.py, imported on first use (after ``_load``: None without triton)."""
-    global _hash
-    if _hash is None:
+def _load_more(name: str) -> Any:
+    """Another module of Triton kernels (``triton_hash``, ``triton_move``), imported on first use
+    once ``_load`` succeeded (None without triton)."""
+    if name not in _more:
         if _load() is None:
             return None
-        from . import triton_hash
-        _hash = triton_hash
-    return _hash
+        _more[name] = importlib.import_module(f"{__package__}.{name}")
+    return _more[name]
+
+
+def _load_hash() -> Any:
+    return _load_more("triton_hash")
 
 
 def _load_move() -> Any:
-    """kernels/triton_move.py, imported on first use (after ``_load``: None without triton)."""
-    global _move
-    if _move is None:
-        if _load() is None:
-            return None
-        from . import triton_move
-        _move = triton_move
-    return _move
+    return _load_more("triton_move")
 
 
 def available() -> bool:
