@@ -55,7 +55,7 @@ import torch
 from ..formats.files import pid_alive
 from ..kernels import gpu, native
 from ..ops.checksum import move_summed
-from ..ops.memory import advise_random, empty_table
+from ..ops.memory import advise_random, empty_table, populate
 from .cache_index import MAX_CAPACITY, CacheIndex
 from .device_cache_index import DeviceCacheIndex
 from .slow_log import RecordLog, places_for
@@ -655,6 +655,8 @@ class CachedRows:
                                  self.slow["parameters"].dtype, self.device)
         self.slots = {k: empty_table((capacity,) + tuple(v.shape[1:]), v.dtype, self.device)
                       for k, v in self.slow.items() if k != "parameters"}
+        for t in (self.table, *self.slots.values()):  # (its pages now, not while it fills)
+            populate(t)
         old = getattr(self, "index", None)
         self.index: CacheIndex | DeviceCacheIndex = (
             DeviceCacheIndex(self.rows, capacity, self._bounds, self.device) if self.on_device
