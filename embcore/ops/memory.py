@@ -6,6 +6,9 @@ touched row is a TLB miss and a page walk. Asking Linux for 2 MiB pages (``madvi
 before the table is first written covers 512 times more memory per TLB entry; on W1 that made the
 fused update about a third faster (benchmarks/RESULTS.md). It is advice: where the kernel has
 transparent huge pages off, or on other systems, nothing changes.
+
+A cache of the slow tier is faulted in when it is made (``populate``), so that the steps that fill
+it do not pay the kernel's zeroing of its pages one page fault at a time.
 """
 
 from __future__ import annotations

@@ -21,7 +21,9 @@ with a cache computes exactly what a run without one computes: the cache decides
 is, never what it holds.
 
 A step whose distinct rows outnumber the cache grows the cache to hold them (with a warning):
-the step's working set must be in fast memory.
+the step's working set must be in fast memory. A cache on the CPU is faulted in when it is made
+(``populate``: all of its pages resident from then on, within the budget), not page by page by
+the steps that fill it.
 
 The slow tier's files are private, and their faults become errors: each is created mode 0600
 and locked, its disk reserved (``reserve``: a disk too small is an OSError ``ENOSPC`` when the
