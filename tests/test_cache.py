@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import warnings
 
 import pytest
@@ -291,6 +292,54 @@ def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
     rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)
     assert native.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
     assert native.will_need(t, rows[:0]) == 0
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, all): the pages under ``t`` in memory now (``mincore``)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = 4096
+    start = t.data_ptr() & ~(page - 1)
+    length = t.data_ptr() + t.nbytes - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0
+    return sum(v & 1 for v in vec), len(vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore: Linux")
+def test_a_cpu_cache_holds_its_pages_from_the_start(tmp_path):
+    """A cache's rows and slots are faulted in when it is made (docs/semantics.md section 10):
+    the steps that fill it do not fault (and zero) its pages one by one. Values unchanged."""
+    from embcore.state.cache import CachedRows, slow_tensor
+    n, dim, capacity = 1 << 16, 32, 1 << 16  # 8 MiB of rows (beyond malloc's reuse of pages)
+    slow = {"parameters": slow_tensor(tmp_path / "p.bin", (n, dim), torch.float32),
+            "accumulators": slow_tensor(tmp_path / "a.bin", (n, 1), torch.float32)}
+    slow["parameters"].copy_(torch.arange(n * dim, dtype=torch.float32).view(n, dim))
+    slow["accumulators"].fill_(0.5)
+    cache = CachedRows("t", slow, capacity, torch.device("cpu"), [0, n], ["t"], mapped=True)
+    for t in (cache.table, cache.slots["accumulators"]):
+        resident, pages = _resident_pages(t)
+        assert resident == pages, f"{resident} of {pages} pages resident"
+    rows = torch.tensor([5, 4, 3])
+    at = cache.resolve(rows)
+    assert torch.equal(cache.table[at], slow["parameters"][rows])
+    assert torch.equal(cache.slots["accumulators"][at], slow["accumulators"][rows])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore: Linux")
+def test_populate_without_madvise_writes_each_page_its_own_bytes(monkeypatch):
+    """Where ``MADV_POPULATE_WRITE`` is not there, ``populate`` faults the pages in by writing
+    each page's first byte back: every page resident, every value unchanged."""
+    from embcore.ops import memory
+    monkeypatch.setattr(memory, "_madvise", False)
+    t = torch.empty(1 << 21, dtype=torch.float32)[3:]  # (8 MiB, not starting on a page)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+    before = t.clone()
+    t2 = torch.empty(1 << 21, dtype=torch.float32)  # never touched
+    assert memory.populate(t) and memory.populate(t2)
+    assert torch.equal(t, before)
+    resident, pages = _resident_pages(t2)
+    assert resident == pages, f"{resident} of {pages} pages resident"
 
 
 def _evictions_every_step(opt):

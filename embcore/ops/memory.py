@@ -6,6 +6,9 @@ touched row is a TLB miss and a page walk. Asking Linux for 2 MiB pages (``madvi
 before the table is first written covers 512 times more memory per TLB entry; on W1 that made the
 fused update about a third faster (benchmarks/RESULTS.md). It is advice: where the kernel has
 transparent huge pages off, or on other systems, nothing changes.
+
+A cache of the slow tier is faulted in when it is made (``populate``), so that the steps that fill
+it do not pay the kernel's zeroing of its pages one page fault at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 HUGE_PAGE = 1 << 21
 MADV_RANDOM = 1
 MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
 MIN_BYTES = 8 * HUGE_PAGE  # smaller tensors gain little
 
 _madvise: Callable[..., int] | Literal[False] | None = None  # False: libc has none
@@ -69,6 +73,31 @@ def advise_random(t: torch.Tensor) -> bool:
     page = 4096
     start = t.data_ptr() & ~(page - 1)
     return fn(start, t.data_ptr() + t.nbytes - start, MADV_RANDOM) == 0
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Faults in every page under ``t`` (a CPU tensor) now, writable, its values unchanged:
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), else a write of each page's first byte with
+    its own value. Memory never touched is otherwise zeroed by the kernel page by page at its
+    first write, inside whatever step writes it first (a cache's rows while it fills; on a VM
+    the host may be backing those pages for the first time too: 1 ms a step of 4 x 10M x 32,
+    benchmarks/RESULTS.md). True if pages were faulted in."""
+    if t.device.type != "cpu" or t.nbytes == 0:
+        return False
+    page = 4096
+    start = t.data_ptr() & ~(page - 1)
+    fn = _libc_madvise() if sys.platform.startswith("linux") else None
+    if fn and fn(start, t.data_ptr() + t.nbytes - start, MADV_POPULATE_WRITE) == 0:
+        return True
+    b = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+    if b is None:
+        return False
+    first = (-t.data_ptr()) % page  # the first byte on a page boundary, then every page's
+    head = b[:1]
+    head.copy_(head.clone())  # (the first page, which may start before the boundary)
+    pages = b[first::page]
+    pages.copy_(pages.clone())
+    return True
 
 
 def empty_table(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

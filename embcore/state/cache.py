@@ -21,7 +21,9 @@ with a cache computes exactly what a run without one computes: the cache decides
 is, never what it holds.
 
 A step whose distinct rows outnumber the cache grows the cache to hold them (with a warning):
-the step's working set must be in fast memory.
+the step's working set must be in fast memory. A cache on the CPU is faulted in when it is made
+(``populate``: all of its pages resident from then on, within the budget), not page by page by
+the steps that fill it.
 
 The slow tier's files are private, and their faults become errors: each is created mode 0600
 and locked, its disk reserved (``reserve``: a disk too small is an OSError ``ENOSPC`` when the
@@ -55,7 +57,7 @@ import torch
 from ..formats.files import pid_alive
 from ..kernels import gpu, native
 from ..ops.checksum import move_summed
-from ..ops.memory import advise_random, empty_table
+from ..ops.memory import advise_random, empty_table, populate
 from .cache_index import MAX_CAPACITY, CacheIndex
 from .device_cache_index import DeviceCacheIndex
 from .slow_log import RecordLog, places_for
@@ -655,6 +657,8 @@ class CachedRows:
                                  self.slow["parameters"].dtype, self.device)
         self.slots = {k: empty_table((capacity,) + tuple(v.shape[1:]), v.dtype, self.device)
                       for k, v in self.slow.items() if k != "parameters"}
+        for t in (self.table, *self.slots.values()):  # (its pages now, not while it fills)
+            populate(t)
         old = getattr(self, "index", None)
         self.index: CacheIndex | DeviceCacheIndex = (
             DeviceCacheIndex(self.rows, capacity, self._bounds, self.device) if self.on_device

@@ -96,7 +96,9 @@ extern "C" {
 // and the row's bytes are folded into its checksum acc[i] (first: started from keys[i], else
 // going on from acc[i]). The last array's call passes sums (indexed by keys): verify, each
 // sums[keys[i]] must equal acc[i]; else it is set to acc[i]. Returns the lowest i whose checksum
-// differs (verify), else -1.
+// differs (verify), else -1. The rows ahead are prefetched, and so are their checksums in sums
+// (a random 4-byte read each, in a file as large as the rows': otherwise a cache miss and a page
+// walk a row that nothing overlaps).
 i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, char* dst,
                         i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int copy,
                         const i64* keys, int32_t* acc, int first, int32_t* sums, int verify,
@@ -112,6 +114,7 @@ i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, ch
         if (copy)
           prefetch_write(reinterpret_cast<const float*>(dst + dst_rows[i + kPrefetch] * dst_stride),
                          row_bytes / 4);
+        if (sums != nullptr) __builtin_prefetch(sums + keys[i + kPrefetch], 0, 1);
       }
       const char* row = src + src_rows[i] * src_stride;
       if (copy) {  // (summed where it was written: in this core's cache)
