@@ -45,14 +45,14 @@ def _load() -> Any:
     global _kernels, _error
     if _kernels is None:
         try:
-            from . import triton_kernels
+            from . import triton_kernels, triton_lang
         except Exception as e:  # a triton that does not load here
             _kernels, _error = False, f"{type(e).__name__}: {e}"
         else:
-            if triton_kernels.MISSING is None:
+            if triton_lang.MISSING is None:
                 _kernels = triton_kernels
             else:  # triton is not installed
-                _kernels, _error = False, triton_kernels.MISSING
+                _kernels, _error = False, triton_lang.MISSING
     return _kernels or None
 
 
@@ -280,7 +280,7 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
 _HASH_BLOCK = 128
 
 
-def _hash_args(maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> dict[str, Any]:
+def _hash_args(which: torch.Tensor | None, slot64: bool) -> dict[str, Any]:
     return {"BLOCK": _HASH_BLOCK, "ONE": which is None, "SLOT64": slot64}
 
 
@@ -296,7 +296,7 @@ def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None
     if n:
         k.hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](
             keys.contiguous(), n, maps, keys if which is None else which, out,
-            **_hash_args(maps, which, slot64))
+            **_hash_args(which, slot64))
     return out
 
 
@@ -309,7 +309,7 @@ def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
     if n:
         k.hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](
             keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
-            keys if which is None else which, **_hash_args(maps, which, slot64))
+            keys if which is None else which, **_hash_args(which, slot64))
 
 
 def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
@@ -321,7 +321,7 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
     if n:
         k.hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](
             keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
-            keys if which is None else which, **_hash_args(maps, which, slot64))
+            keys if which is None else which, **_hash_args(which, slot64))
 
 
 # -- rows between a cache and its slow tier (state/cache.py) ----------------------------------

@@ -1,7 +1,7 @@
 """The GPU kernels of a hash index over its owner's keys, in Triton: find, insert and delete.
 
 Imported only by ``kernels/gpu.py``, on first use, like ``triton_kernels.py`` (without triton it
-still imports, with ``MISSING`` saying why). An index (``state/device_hash.py``) maps a key to
+still imports: kernels/triton_lang.py). An index (``state/device_hash.py``) maps a key to
 the place ``v`` where its owner holds it (a row of a map: ``owner_keys[v]`` is the key), by open
 addressing with linear probing over ``S`` slots (a power of two) plus one spare slot at index
 ``S`` that no probe reaches. A slot holds only a place, int32 (or int64 for owners of 2**31 - 2
@@ -28,16 +28,7 @@ slots empty (``DeviceHash``), so every probe ends.
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError as e:  # triton is optional (see triton_kernels.py)
-    triton = tl = None
-    MISSING: str | None = f"{type(e).__name__}: {e}"
-else:
-    MISSING = None
-
-jit = triton.jit if triton is not None else (lambda fn: fn)
+from .triton_lang import jit, tl  # (None where triton is missing)
 
 
 @jit
@@ -70,6 +61,20 @@ def _maps(maps_ptr, which_ptr, offs, live, ONE: tl.constexpr, SLOT64: tl.constex
 
 
 @jit
+def _taken(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr, BLOCK: tl.constexpr,
+           ONE: tl.constexpr, SLOT64: tl.constexpr):
+    """A block's lanes of an insert or a delete: ``(slots, mask, active, key, place + 1)``,
+    ``active`` where the lane is in range and taken."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n
+    slots, _, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
+    active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
+    key = tl.load(keys_ptr + offs, mask=active, other=0)
+    val = tl.load(places_ptr + offs, mask=active, other=0) + 1
+    return slots, mask, active, key, val
+
+
+@jit
 def hash_find_kernel(keys_ptr, n, maps_ptr, which_ptr, out_ptr, BLOCK: tl.constexpr,
                      ONE: tl.constexpr, SLOT64: tl.constexpr):
     """``out[i]`` = the place of ``keys[i]`` in its index, -1 where absent, for ``i < n``."""
@@ -96,12 +101,8 @@ def hash_insert_kernel(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr,
                        BLOCK: tl.constexpr, ONE: tl.constexpr, SLOT64: tl.constexpr):
     """Inserts ``keys[i]`` at place ``places[i]`` of its index where ``take[i]`` (i < n; the
     keys absent from it and distinct)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    slots, _, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
-    active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
-    key = tl.load(keys_ptr + offs, mask=active, other=0)
-    val = tl.load(places_ptr + offs, mask=active, other=0) + 1
+    slots, mask, active, key, val = _taken(keys_ptr, places_ptr, take_ptr, n, maps_ptr,
+                                           which_ptr, BLOCK, ONE, SLOT64)
     if SLOT64:
         val = val.to(tl.int64)
     else:
@@ -122,12 +123,8 @@ def hash_insert_kernel(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr,
 def hash_delete_kernel(keys_ptr, places_ptr, take_ptr, n, maps_ptr, which_ptr,
                        BLOCK: tl.constexpr, ONE: tl.constexpr, SLOT64: tl.constexpr):
     """Deletes ``keys[i]``, held at place ``places[i]`` of its index, where ``take[i]``."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = offs < n
-    slots, _, mask = _maps(maps_ptr, which_ptr, offs, live, ONE, SLOT64)
-    active = live & (tl.load(take_ptr + offs, mask=live, other=0) != 0)
-    key = tl.load(keys_ptr + offs, mask=active, other=0)
-    val = tl.load(places_ptr + offs, mask=active, other=0) + 1
+    slots, mask, active, key, val = _taken(keys_ptr, places_ptr, take_ptr, n, maps_ptr,
+                                           which_ptr, BLOCK, ONE, SLOT64)
     s = _slot_of(key, mask)
     while tl.max(active.to(tl.int32), axis=0) > 0:
         v = tl.load(slots + s, mask=active, other=0).to(tl.int64)

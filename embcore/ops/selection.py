@@ -1,4 +1,6 @@
-"""The k smallest entries by (score, key), in order, with k on the device: no host synchronisation.
+"""Selections on the device whose sizes the host need not know: the k smallest by (score, key),
+in order, with k on the device (``smallest_ordered``), and the first n set entries of a mask
+(``first_set``). Neither synchronises with the device.
 
 A raw-id map evicts the resident ids of lowest (score, id) (docs/semantics.md section 9) and
 forgets the counted ids of lowest (last seen, id); how many is known only on the device.
@@ -65,3 +67,17 @@ def smallest_ordered(score: torch.Tensor, key: torch.Tensor, valid: torch.Tensor
     tied = torch.where(at < c_tie, t_idx, top_at)  # (kmax,) the tied entries by key
 
     return torch.where(at < c_below, below_ordered, tied[(at - c_below).clamp(0, kmax - 1)])
+
+
+def first_set(mask: torch.Tensor, n: int) -> torch.Tensor:
+    """(n + 1,) int64: the indices of the first ``n`` entries of the (m,) bool ``mask`` that are
+    set, ascending, by a prefix sum (no host synchronisation); the entries past how many there
+    are, and the last, unspecified.
+
+    >>> first_set(torch.tensor([False, True, True, False, True]), 2)[:2].tolist()
+    [1, 2]
+    """
+    cum = mask.cumsum(0)  # (m,)
+    out = torch.zeros(n + 1, dtype=torch.int64, device=mask.device)
+    at = torch.where(mask & (cum <= n), cum - 1, n)
+    return out.scatter_(0, at, torch.arange(mask.numel(), dtype=torch.int64, device=mask.device))

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.selection import smallest_ordered
+from ..ops.selection import first_set, smallest_ordered
 from .cache_index import FREE_STAMP, MAX_CAPACITY
 
 _I64 = torch.int64
@@ -42,14 +42,6 @@ class DeviceStep(NamedTuple):
     out_rows: torch.Tensor   # (K,) ... and the shard rows they held
     out: torch.Tensor        # (K,) bool: write that one back (evicted and dirty)
     evicted: torch.Tensor    # 0-d int64: 1 when the step evicted, else 0
-
-
-def _first_free(free: torch.Tensor, n: int) -> torch.Tensor:
-    """(n + 1,) int64: the first n indices where ``free`` is set, ascending (then unspecified)."""
-    cum = free.cumsum(0)
-    out = torch.zeros(n + 1, dtype=_I64, device=free.device)
-    at = torch.where(free & (cum <= n), cum - 1, n)
-    return out.scatter_(0, at, torch.arange(free.numel(), dtype=_I64, device=free.device))
 
 
 class DeviceCacheIndex:
@@ -107,7 +99,7 @@ class DeviceCacheIndex:
         self._stamp.index_fill_(0, at, FREE_STAMP)
         self._dirty.index_fill_(0, at, False)
         self._fresh.index_fill_(0, at, False)
-        spots = _first_free(self.owner < 0, u)  # (U + 1,) the lowest free cache rows
+        spots = first_set(self.owner < 0, u)  # (U + 1,) the lowest free cache rows
         taken = spots[(miss.cumsum(0) - 1).clamp(min=0)]  # (U,)
         slots = torch.where(hit, slots, taken)
         put = torch.where(miss, taken, c)  # (U,) c: none

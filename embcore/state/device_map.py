@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 
 from ..kernels import gpu
-from ..ops.selection import smallest_ordered
+from ..ops.selection import first_set, smallest_ordered
 from .device_hash import DeviceHash, stack
 from .id_map import _I64, VocabMap, vocab_map
 
@@ -77,15 +77,6 @@ class _Plan(NamedTuple):
 
 def _buffer(n: int, fill: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.full((n + 1,), fill, dtype=dtype, device=device)
-
-
-def _first_free(free: torch.Tensor, n: int) -> torch.Tensor:
-    """(n + 1,) int64: the first n indices where ``free`` (m,) bool is set, ascending (the
-    entries past how many there are: unspecified)."""
-    cum = free.cumsum(0)  # (m,)
-    out = torch.zeros(n + 1, dtype=_I64, device=free.device)
-    at = torch.where(free & (cum <= n), cum - 1, n)
-    return out.scatter_(0, at, torch.arange(free.numel(), dtype=_I64, device=free.device))
 
 
 def _computed(method: str, index: int, doc: str) -> property:
@@ -228,7 +219,7 @@ class DeviceVocabMap(VocabMap):
         rank = admit.cumsum(0) - 1  # (U,) the admitted ids' ranks, in id order
         free = ~live
         n_free = free.sum()
-        free_rows = _first_free(free, n)  # (U + 1,)
+        free_rows = first_set(free, n)  # (U + 1,)
         used = torch.zeros(c + 1, dtype=torch.bool, device=dev)
         used.index_fill_(0, torch.where(hit, row, c), True)
         evictable = live & ~used[:c]
@@ -300,7 +291,7 @@ class DeviceVocabMap(VocabMap):
         self.pindex.delete(u, left, leave)
         self.p_used.index_fill_(0, left, False)
         fresh = ~p.hit & (p.entry < 0) & ~p.admit & ok  # (U,) first counted now
-        spot = _first_free(~self.p_used[:n], u.numel())  # (U + 1,)
+        spot = first_set(~self.p_used[:n], u.numel())  # (U + 1,)
         at = torch.where(fresh, spot[(fresh.cumsum(0) - 1).clamp(min=0)], n)  # (U,)
         self.p_id.index_put_((at,), u)
         self.p_count.index_put_((at,), p.counted)

@@ -493,7 +493,8 @@ class DynamicStack:
             fused = self._train_together(ids, parts, init)
             if fused is not None:
                 return (*fused, self.since(segments, resident=True), init is not None)
-            on_device = self._train_on_device(parts)
+            on_device = (self._train_on_device(parts) if all(
+                isinstance(self.members[m].map, DeviceVocabMap) for m, _ in parts) else None)
             if on_device is not None:
                 return (*on_device, self.since(segments), False)
             for m, t in parts:
@@ -569,16 +570,15 @@ class DynamicStack:
     def _train_on_device(self, parts: list[tuple[int, torch.Tensor]]
                          ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
                                                            torch.Tensor]]] | None:
-        """The training steps of the members of ``parts`` whose maps are all on the device
+        """The training steps of the members of ``parts``, whose maps are all on the device
         (``device_map.train_together``: planned together, one read back, an overflow raised
-        before any map changes): ``(rows, new)`` as ``resolve``'s; None where they are not."""
+        before any map changes): ``(rows, new)`` as ``resolve``'s; None where a member holds no
+        rows on this process."""
         with self._holding(parts) as got:
             if got is None:
                 return None
             members = got[0]
             maps = [d.map for d in members]
-            if not all(isinstance(m, DeviceVocabMap) for m in maps):
-                return None
             stepped = train_together([m for m in maps if isinstance(m, DeviceVocabMap)],
                                      [t for _, t in parts])
             for d in members:
