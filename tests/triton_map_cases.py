@@ -290,3 +290,12 @@ def _overflows(m: VocabMap, ids: torch.Tensor) -> bool:
     except ValueError:
         return True
     return False
+
+
+def test_an_async_step_of_ids_that_are_not_integers_is_refused():
+    m = DeviceVocabMap(3, device=DEVICE)
+    with pytest.raises(ValueError, match="integer tensor of ids"):
+        m.train_step_async(torch.tensor([1.0, 2.0], device=DEVICE))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        m.train_step_async(torch.tensor([[1, 2]], device=DEVICE))
+    assert m.step == 0 and m.n_resident == 0

@@ -338,7 +338,8 @@ class DeviceVocabMap(VocabMap):
         """A training step that reads nothing back to the host.
 
         Args:
-            distinct: (U,) int64 distinct ids on the map's device, any order (not checked).
+            distinct: (U,) integer distinct ids, any order (not checked for being distinct:
+                a float or 2-D tensor is a ``ValueError``).
             fill: the row of ids not resident after the step.
 
         Returns:
@@ -348,7 +349,7 @@ class DeviceVocabMap(VocabMap):
             and every step after it change nothing until ``confirm`` raises.
         """
         self._room_for(distinct.numel())
-        ordered, perm = torch.sort(distinct.to(self.device, _I64))
+        ordered, perm = torch.sort(self._step_ids(distinct))  # (an integer 1-D tensor)
         p = self._plan(ordered)
         overflow = ~p.ok & ~self._bad
         step = torch.full((1,), p.t, dtype=_I64, device=self.device)
