@@ -36,6 +36,8 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor
 
+from .dtypes import working_dtype
+
 LearningRate = float | Callable[[], float]
 ClipValue = float | tuple[float | None, float | None] | None
 Slots = dict[str, Tensor]
@@ -426,7 +428,7 @@ class Optimizer:
         if params.dim() != 2 or grads.shape != params.shape or got != shapes:
             raise ValueError(f"{self._name}.update: expected params and grads (U, D) and slots "
                              f"{shapes}; got {tuple(params.shape)}, {tuple(grads.shape)}, {got}")
-        dtype = torch.float64 if params.dtype == torch.float64 else torch.float32
+        dtype = working_dtype(params.dtype)
         w = params.to(dtype)                                          # (U, D)
         g = grads.to(dtype)                                           # (U, D)
         if gradient_multiplier is None:

@@ -29,9 +29,10 @@ from typing import Any, Literal
 
 import torch
 
+from .dtypes import ROW_DTYPES
+
 Combiner = Literal["sum", "mean", "sqrtn"]
 COMBINERS = ("sum", "mean", "sqrtn")
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # Rows are initialized in blocks of this many rows, each block from its own seeded generator, so a
 # process holding any subset of a table's rows can create exactly those rows without creating the
@@ -202,8 +203,8 @@ class TableConfig:
             raise ValueError(f"{where}: combiner must be one of {COMBINERS}, got {self.combiner!r}")
         if self.name is not None:
             _check_name(self.name, where, allow_slash=False)
-        if self.dtype not in FLOAT_DTYPES:  # the element type: a non-float one is a TypeError
-            raise TypeError(f"{where}: dtype must be one of {FLOAT_DTYPES}, got {self.dtype}")
+        if self.dtype not in ROW_DTYPES:  # the element type: a non-float one is a TypeError
+            raise TypeError(f"{where}: dtype must be one of {ROW_DTYPES}, got {self.dtype}")
         _check_bytes(self, where)
         init = self.initializer
         if isinstance(init, torch.Tensor):

@@ -21,14 +21,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..config.dtypes import is_working
 from ..kernels import gpu, native
 from ..numerics.rounding import ROW_TYPES
 from .bags import Bags, Dedup
 from .workspace import Workspace
-
-
-def _work(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _differentiable(table: torch.Tensor) -> bool:
@@ -61,7 +58,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
     if _native(table) and index.is_cpu and not _differentiable(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
-    work = _work(table)
+    work = table if is_working(table) else table.float()
     if bags.offsets is None or bags.scales is None:
         out = F.embedding(index, work)  # (R, D)
     else:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config.dtypes import is_working
 from ..config.optimizers import Optimizer, record_of
 from ..kernels import gpu, native
 from ..numerics import rounding
@@ -264,7 +265,7 @@ def in_place_supported(opt: Optimizer, params: torch.Tensor) -> bool:
     record = record_of(opt)
     if record is None or record.in_place not in _IN_PLACE or opt.updates_every_row:
         return False
-    if params.dtype not in (torch.float32, torch.float64):
+    if not is_working(params):
         return False
     plain = (opt.gradient_multiplier is None and opt.clipvalue is None
              and not opt.weight_decay_factor and opt.clip_weight_min is None

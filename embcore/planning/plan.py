@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..config.dtypes import row_bytes
 from ..config.optimizers import Optimizer
 from ..config.tables import (
     INDEX_BYTES_PER_ROW,
@@ -112,8 +113,7 @@ class PhysicalTable:
     @property
     def bytes_per_row(self) -> int:
         slots = self.optimizer.slots if self.optimizer is not None else ()
-        slot_cols = sum(1 if s.rowwise else self.dim for s in slots)
-        return self.dim * self.dtype.itemsize + slot_cols * 4
+        return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class ShardingPlan:
 def _row_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
     """Parameter + slot bytes of one whole row of a table."""
     slots = opt.slots if opt is not None else ()
-    return cfg.dim * cfg.dtype.itemsize + sum(4 if s.rowwise else 4 * cfg.dim for s in slots)
+    return row_bytes(cfg.dim, cfg.dtype, [s.rowwise for s in slots])
 
 
 def _table_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:

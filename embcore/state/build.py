@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from ..config.dtypes import slot_dtype
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
 from ..kernels import gpu
 from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
@@ -191,9 +192,9 @@ class RowsBuilder:
                 else:
                     values = initial_rows(configs[name], name, self.seed, rows)  # (n, D)
                     w[at] = values[:, c0:c1].to(device)
-        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        slots_in = slot_dtype(p.dtype)
         opt = p.optimizer
-        slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device=device,
+        slots = (opt.init_slots(n_local, c1 - c0, dtype=slots_in, device=device,
                                 allocate=lambda shape, dtype, _: empty_table(shape, dtype, device))
                  if opt is not None else {})
         return w, slots
@@ -202,9 +203,9 @@ class RowsBuilder:
         """``(dtype, width)`` of physical table ``p``'s parameters and slots on this process:
         the fields of its slow tier's records (``slow_records``)."""
         c0, c1 = p.columns[self.rank]
-        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        slots_in = slot_dtype(p.dtype)
         specs = list(p.optimizer.slots) if p.optimizer is not None else []
-        return [(p.dtype, c1 - c0)] + [(slot_dtype, 1 if s.rowwise else c1 - c0) for s in specs]
+        return [(p.dtype, c1 - c0)] + [(slots_in, 1 if s.rowwise else c1 - c0) for s in specs]
 
     def _offloaded(self, p: PhysicalTable) -> CachedRows:
         """Physical table ``p``'s shard in the slow tier and its empty cache.
@@ -223,7 +224,7 @@ class RowsBuilder:
         # files on the CPU; host memory where the GPU kernels apply (a CUDA device, or CPU
         # tensors under Triton's interpreter in tests): the cache's index and moves on the device
         files = device.type == "cpu" and not gpu.usable(torch.empty(0, device=device))
-        slot_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        slots_in = slot_dtype(p.dtype)
         opt = p.optimizer
         specs = list(opt.slots) if opt is not None else []
         slots: dict[str, torch.Tensor]
@@ -248,7 +249,7 @@ class RowsBuilder:
             # after the parameters, in their file)
             if p.dynamic and not files:  # (a new file reads as zeros)
                 w.zero_()
-            slots = (opt.init_slots(n_local, c1 - c0, dtype=slot_dtype, device="cpu",
+            slots = (opt.init_slots(n_local, c1 - c0, dtype=slots_in, device="cpu",
                                     allocate=allocate) if opt is not None else {})
         for name in (p.tables if not p.dynamic else ()):
             place = self.plan.table(name)

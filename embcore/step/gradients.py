@@ -43,6 +43,7 @@ from typing import NoReturn, cast
 import torch
 
 from ..base.comm import CollectiveError, Communicator
+from ..config.dtypes import working_dtype
 from ..config.optimizers import Optimizer
 from ..numerics.rounding import COMPACT
 from ..ops.combine import OutputGrads, row_gradients
@@ -122,7 +123,7 @@ def nonfinite_gradients(prepared: Prepared, grads: Sequence[torch.Tensor | None]
         p = plan.physical[tb.physical]
         if not _optimizer(plan, tb.physical).skip_nonfinite_gradients:
             continue
-        work = _work_dtype(p.dtype)
+        work = working_dtype(p.dtype)
         for s in tb.slices:
             g = grads[s.feature]
             if g is None:
@@ -328,7 +329,7 @@ def exact_rows(prepared: Prepared, grads: Sequence[object], plan: ShardingPlan,
     out = {}
     for tb in prepared.tables:
         p = plan.physical[tb.physical]
-        work, dim = _work_dtype(p.dtype), p.dim
+        work, dim = working_dtype(p.dtype), p.dim
         parts = []
         for s in tb.slices:
             g = grads[s.feature]
@@ -355,7 +356,7 @@ def gradient_rows(prepared: Prepared, grads: Sequence[torch.Tensor | None],
     parts = {}
     for tb in prepared.tables:
         p = plan.physical[tb.physical]
-        parts[tb.physical] = [_rows(grads[s.feature], s.rows, p.dim, _work_dtype(p.dtype),
+        parts[tb.physical] = [_rows(grads[s.feature], s.rows, p.dim, working_dtype(p.dtype),
                                     store.device) for s in tb.slices]
     return parts
 
@@ -494,11 +495,6 @@ def _skipped(groups: Sequence[tuple[list[int], Optimizer]], bad: Sequence[bool],
                       f"NaN or inf, so this step's update of tables {tables} is skipped (their "
                       f"rows and slots are unchanged)", RuntimeWarning, stacklevel=3)
     return out
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the update computes in for a table of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rows(g: torch.Tensor | None, rows: int, dim: int, dtype: torch.dtype,
