@@ -1031,7 +1031,7 @@ def boundary_cases():
         "sparse_update acc missing": (
             lambda: native.sparse_update(native.ADAGRAD, table, None, rows, hyper,
                                          [torch.ones(2, 4)]),
-            ValueError, r"ec_sparse_update: rule 1 needs the accumulators 'acc'"),
+            ValueError, r"ec_sparse_update: rule 2 \(ADAGRAD\) needs the accumulators 'acc'"),
         "sparse_update unknown rule": (
             lambda: native.sparse_update(7, table, acc, rows, hyper, [torch.ones(2, 4)]),
             ValueError, r"rule 7 is none of SGD, ADAGRAD, ROWWISE_ADAGRAD"),
@@ -1282,7 +1282,8 @@ def test_the_abi_version_has_one_source():
     library reports it, and no source file spells a version of its own."""
     lib = native.library._load()
     assert lib.ec_abi_version() == native.ABI_VERSION
-    assert native.DEFINES == (f"-DEC_ABI_VERSION={native.ABI_VERSION}",)
+    assert native.DEFINES[0] == f"-DEC_ABI_VERSION={native.ABI_VERSION}"
+    assert not [d for d in native.DEFINES[1:] if not d.startswith("-DEC_RULE_")]  # (rules.py's)
     text = "\n".join(p.read_text() for p in native.library._sources())
     assert "return EC_ABI_VERSION;" in text
     assert "#define EC_ABI_VERSION" not in text

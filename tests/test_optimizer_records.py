@@ -19,13 +19,14 @@ from embcore.config import optimizers as eo
 from embcore.config.optimizers import Optimizer, record_of, records
 from embcore.config.spec import OPTIMIZERS
 from embcore.config.torch_optim import resolve_optimizer
-from embcore.kernels import gpu, native, triton_kernels
+from embcore.kernels import gpu, native, rules, triton_kernels
+from embcore.kernels.rules import Rule
 from embcore.ops import update
 
 CSRC = native.CSRC / "update.h"
 EXPORTED = {getattr(ec, name) for name in ec.__all__
             if inspect.isclass(getattr(ec, name)) and issubclass(getattr(ec, name), Optimizer)}
-# The Triton kernel's name of each rule (kernels/triton_kernels.py), by optimizer.
+# The rule of each optimizer that has one (kernels/rules.py).
 TRITON_NAMES = {"SGD": "SGD", "Adagrad": "ADAGRAD", "RowwiseAdagrad": "ROWWISE_ADAGRAD",
                 "AdagradMomentum": "MOMENTUM", "Adam": "ADAM", "FTRL": "FTRL"}
 
@@ -55,7 +56,7 @@ def test_records_name_real_hyper_parameters_and_slots():
         assert isinstance(f1, bool) and isinstance(f2, bool)
         assert r.in_place is None or r.in_place in update._IN_PLACE
         # the fused CPU kernel and the in-place rules read one slot (the accumulators) or none
-        assert r.native_rule is None or [s.name for s in r.slots] in ([], ["accumulators"])
+        assert rules.of(r.rule, rules.NATIVE) is None or [s.name for s in r.slots] in ([], ["accumulators"])
         assert r.in_place is None or [s.name for s in r.slots] in ([], ["accumulators"])
 
 
@@ -78,28 +79,30 @@ def test_a_subclass_has_no_record_of_its_own():
 
 # -- the rule ids are the kernels' constants ----------------------------------------------------
 
-def test_native_rules_agree_with_the_cpp_enum_and_native_py():
+def test_rules_are_numbered_once_in_kernels_rules():
+    # every record names a rule of kernels/rules.py, or none
+    assert {r.name: r.rule for r in records() if r.rule is not None} == TRITON_NAMES
+    assert all(r.rule is None or r.rule in Rule.__members__ for r in records())
+    # the C enum takes its values from the build's definitions, which rules.py writes
     enum = re.search(r"enum Rule : int \{([^}]*)\}", CSRC.read_text())
     assert enum, f"no 'enum Rule : int {{...}}' in {CSRC}"
-    cpp = {name: int(value) for name, value in re.findall(r"(k\w+)\s*=\s*(\d+)", enum.group(1))}
-    declared = {f"k{r.name}": r.native_rule for r in records() if r.native_rule is not None}
-    assert declared == cpp
-    assert {r.name: r.native_rule for r in records() if r.native_rule is not None} == {
-        "SGD": native.SGD, "Adagrad": native.ADAGRAD, "RowwiseAdagrad": native.ROWWISE_ADAGRAD}
-    assert native.update._RULES == {native.SGD: "SGD", native.ADAGRAD: "ADAGRAD",
-                             native.ROWWISE_ADAGRAD: "ROWWISE_ADAGRAD"}
+    cpp = dict(re.findall(r"(k\w+)\s*=\s*(\w+)", enum.group(1)))
+    assert cpp == {"kSGD": "EC_RULE_SGD", "kAdagrad": "EC_RULE_ADAGRAD",
+                   "kRowwiseAdagrad": "EC_RULE_ROWWISE_ADAGRAD"}
+    assert {f"-DEC_RULE_{r.name}={int(r)}" for r in Rule} <= set(native.DEFINES)
+    assert native.update._RULES == {int(r): r.name for r in rules.NATIVE}
+    assert (native.SGD, native.ADAGRAD, native.ROWWISE_ADAGRAD) == (
+        Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD)
 
 
-def test_triton_rules_agree_with_the_kernel_module():
+def test_triton_rules_are_the_enum():
     def value(c):
         return getattr(c, "value", c)  # tl.constexpr where triton is installed, else an int
 
-    declared = {r.name: r.triton_rule for r in records() if r.triton_rule is not None}
-    assert set(declared) == set(TRITON_NAMES)
-    assert declared == {name: value(getattr(triton_kernels, TRITON_NAMES[name]))
-                        for name in declared}
-    assert value(triton_kernels.NONE) not in declared.values()  # the combine backward's
-    assert len(set(declared.values())) == len(declared)
+    assert {r.name: value(getattr(triton_kernels, r.name)) for r in Rule} == {
+        r.name: int(r) for r in Rule}
+    assert {Rule[r.rule] for r in records() if r.rule is not None} == set(rules.TRITON)
+    assert rules.NATIVE < rules.TRITON and Rule.NONE not in rules.TRITON
 
 
 # -- dispatch: the answers of the per-class lists the records replaced ---------------------------
@@ -108,20 +111,21 @@ TABLES = {"f32": torch.zeros(4, 3), "f16": torch.zeros(4, 3, dtype=torch.float16
           "bf16": torch.zeros(4, 3, dtype=torch.bfloat16),
           "f64": torch.zeros(4, 3, dtype=torch.float64), "noncontig": torch.zeros(3, 4).t()}
 _ = None
+S, A, R = Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD  # the fused CPU kernel's rules
 # optimizer: (native_rule on TABLES, in_place_supported on TABLES, gpu._rule), as the code gave
 # them before the records (ops/update.py _RULES and its type lists, kernels/gpu.py's if-chain).
 DISPATCH = [
-    (ec.SGD(), (0, 0, 0, _, _), (1, 0, 0, 1, 1), (1, (), False, False)),
-    (ec.SGD(clipvalue=1.0), (0, 0, 0, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),
-    (ec.SGD(gradient_multiplier=abs), (0, 0, 0, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),
-    (ec.Adagrad(), (1, 1, 1, _, _), (1, 0, 0, 1, 1), (2, (), False, False)),
-    (ec.Adagrad(initial_accumulator_value=0.0), (1, 1, 1, _, _), (0, 0, 0, 0, 0),
+    (ec.SGD(), (S, S, S, _, _), (1, 0, 0, 1, 1), (1, (), False, False)),
+    (ec.SGD(clipvalue=1.0), (S, S, S, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),
+    (ec.SGD(gradient_multiplier=abs), (S, S, S, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),
+    (ec.Adagrad(), (A, A, A, _, _), (1, 0, 0, 1, 1), (2, (), False, False)),
+    (ec.Adagrad(initial_accumulator_value=0.0), (A, A, A, _, _), (0, 0, 0, 0, 0),
      (2, (), False, False)),
-    (ec.Adagrad(weight_decay_factor=0.1), (1, 1, 1, _, _), (0, 0, 0, 0, 0), (2, (), False, False)),
-    (ec.RowwiseAdagrad(), (2, 2, 2, _, _), (1, 0, 0, 1, 1), (3, (), False, False)),
-    (ec.RowwiseAdagrad(initial_accumulator_value=0.0), (2, 2, 2, _, _), (0, 0, 0, 0, 0),
+    (ec.Adagrad(weight_decay_factor=0.1), (A, A, A, _, _), (0, 0, 0, 0, 0), (2, (), False, False)),
+    (ec.RowwiseAdagrad(), (R, R, R, _, _), (1, 0, 0, 1, 1), (3, (), False, False)),
+    (ec.RowwiseAdagrad(initial_accumulator_value=0.0), (R, R, R, _, _), (0, 0, 0, 0, 0),
      (3, (), False, False)),
-    (ec.RowwiseAdagrad(clip_weight_min=-1.0), (2, 2, 2, _, _), (0, 0, 0, 0, 0),
+    (ec.RowwiseAdagrad(clip_weight_min=-1.0), (R, R, R, _, _), (0, 0, 0, 0, 0),
      (3, (), False, False)),
     (ec.AdagradMomentum(), (_,) * 5, (0,) * 5, (4, (0.0, 1, 1e-10, -0.5), False, True)),
     (ec.AdagradMomentum(momentum=0.9, use_nesterov=True, exponent=4, beta2=0.5, epsilon=1e-3),

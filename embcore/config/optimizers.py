@@ -126,9 +126,10 @@ class OptimizerRecord:
         ranges: its own hyper-parameters' ranges, checked at construction in this order (a check
             that depends on another hyper-parameter stays in the class's ``_check``).
         slots: its slots, in order (``Optimizer.slots``).
-        native_rule: the fused CPU kernel's rule (``enum Rule`` of kernels/csrc/update.h,
-            ``native.sparse_update``), or None: every option, float32 / float16 / bfloat16 rows.
-        triton_rule: the Triton kernel's ``RULE`` (kernels/triton_kernels.py), or None.
+        rule: the name of its fused kernels' rule (``Rule`` of kernels/rules.py, where the
+            numbers and the kernels implementing each are written), or None. The fused CPU
+            kernel (``rules.NATIVE``) takes every option, float32 / float16 / bfloat16 rows; the
+            Triton kernel (``rules.TRITON``) takes ``triton_args`` too.
         triton_args: ``opt -> ((h1..h5), F1, F2)``, the Triton kernel's own hyper-parameters of
             this rule (the common ones reach every kernel as ``native.Hyper``).
         in_place: the torch-ops in-place rule (``ops/update.py apply_in_place``: ``"sgd"``,
@@ -140,8 +141,7 @@ class OptimizerRecord:
     alias: str | None = None
     ranges: tuple[Range, ...] = ()
     slots: tuple[Slot, ...] = ()
-    native_rule: int | None = None
-    triton_rule: int | None = None
+    rule: str | None = None
     triton_args: Callable[[Any], KernelArgs] = _no_args
     in_place: str | None = None
 
@@ -505,8 +505,8 @@ OptimizerClass = TypeVar("OptimizerClass", bound=type[Optimizer])
 
 
 def _declare(*, alias: str | None = None, ranges: tuple[Range, ...] = (),
-             slots: tuple[Slot, ...] = (), native_rule: int | None = None,
-             triton_rule: int | None = None, triton_args: Callable[[Any], KernelArgs] = _no_args,
+             slots: tuple[Slot, ...] = (), rule: str | None = None,
+             triton_args: Callable[[Any], KernelArgs] = _no_args,
              in_place: str | None = None) -> Callable[[OptimizerClass], OptimizerClass]:
     """Registers the optimizer class's record (the arguments, see ``OptimizerRecord``); the
     class is a frozen dataclass of its hyper-parameters (``@dataclass(frozen=True, eq=False,
@@ -517,8 +517,8 @@ def _declare(*, alias: str | None = None, ranges: tuple[Range, ...] = (),
         if "__dataclass_fields__" not in vars(cls):
             raise TypeError(f"optimizer {cls.__name__}: declare it a dataclass "
                             f"(@dataclass(frozen=True, eq=False, repr=False)) under @_declare")
-        record = OptimizerRecord(cls, cls.__name__, alias, ranges, slots, native_rule,
-                                 triton_rule, triton_args, in_place)
+        record = OptimizerRecord(cls, cls.__name__, alias, ranges, slots, rule, triton_args,
+                                 in_place)
         cls._record = record
         _RECORDS[cls] = record
         return cls
@@ -537,7 +537,7 @@ def _decay(x: float) -> bool:
     return 0 <= x < 1
 
 
-@_declare(alias="sgd", native_rule=0, triton_rule=1, in_place="sgd")
+@_declare(alias="sgd", rule="SGD", in_place="sgd")
 @dataclass(frozen=True, eq=False, repr=False)
 class SGD(Optimizer):
     """Stochastic gradient descent on the touched rows; no slots.
@@ -566,7 +566,7 @@ _ACCUMULATOR_RANGE = Range("initial_accumulator_value", ">= 0", _nonnegative)
 
 @_declare(alias="adagrad", ranges=(_ACCUMULATOR_RANGE,),
           slots=(Slot("accumulators", "initial_accumulator_value"),),
-          native_rule=1, triton_rule=2, in_place="adagrad")
+          rule="ADAGRAD", in_place="adagrad")
 @dataclass(frozen=True, eq=False, repr=False)
 class Adagrad(Optimizer):
     """Adagrad: a per-entry sum of squared gradients scales the step.
@@ -596,7 +596,7 @@ class Adagrad(Optimizer):
 
 @_declare(ranges=(_ACCUMULATOR_RANGE,),
           slots=(Slot("accumulators", "initial_accumulator_value", rowwise=True),),
-          native_rule=2, triton_rule=3, in_place="rowwise_adagrad")
+          rule="ROWWISE_ADAGRAD", in_place="rowwise_adagrad")
 @dataclass(frozen=True, eq=False, repr=False)
 class RowwiseAdagrad(Adagrad):
     """Adagrad with one accumulator per row, shape (N, 1): D times less slot memory.
@@ -625,7 +625,7 @@ class RowwiseAdagrad(Adagrad):
 @_declare(ranges=(Range("momentum", ">= 0", _nonnegative), Range("exponent", "> 0", _positive),
                   Range("beta2", "in (0, 1]", lambda x: 0 < x <= 1),
                   Range("epsilon", "> 0", _positive)),
-          slots=(Slot("accumulators"), Slot("momenta")), triton_rule=4,
+          slots=(Slot("accumulators"), Slot("momenta")), rule="MOMENTUM",
           triton_args=lambda o: ((o.momentum, o.beta2, o.epsilon, -1.0 / o.exponent),
                                  bool(o.use_nesterov), o.beta2 == 1))
 @dataclass(frozen=True, eq=False, repr=False)
@@ -675,7 +675,7 @@ class AdagradMomentum(Optimizer):
 @_declare(alias="adam", ranges=(Range("beta_1", "in [0, 1)", _decay),
                                Range("beta_2", "in [0, 1)", _decay),
                                Range("epsilon", "> 0", _positive)),
-          slots=(Slot("momenta"), Slot("velocities")), triton_rule=5,
+          slots=(Slot("momenta"), Slot("velocities")), rule="ADAM",
           triton_args=lambda o: ((o.beta_1, 1 - o.beta_1, o.beta_2, 1 - o.beta_2, o.epsilon),
                                  bool(o.sum_inside_sqrt), False))
 @dataclass(frozen=True, eq=False, repr=False)
@@ -739,7 +739,7 @@ class Adam(Optimizer):
                                Range("l2_regularization_strength", ">= 0", _nonnegative),
                                Range("beta", ">= 0", _nonnegative)),
           slots=(Slot("accumulators", "initial_accumulator_value"), Slot("linears")),
-          triton_rule=6,
+          rule="FTRL",
           triton_args=lambda o: ((-o.learning_rate_power, o.l1_regularization_strength,
                                   o.l2_regularization_strength, o.beta),
                                  bool(o.multiply_linear_by_learning_rate), False))

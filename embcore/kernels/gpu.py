@@ -32,6 +32,7 @@ import torch
 
 from ..config.optimizers import Optimizer, record_of
 from ..numerics.rounding import ROW_TYPES, Rounding
+from . import rules
 from .args import Hyper
 
 _kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
@@ -172,12 +173,15 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
 
 def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
     """(rule, its hyper-parameters h1..h5, flag 1, flag 2) for the kernel, or None: the optimizer's
-    record's ``triton_rule`` and ``triton_args`` (the kernel updates the touched rows only)."""
+    record's ``rule`` and ``triton_args`` (the kernel updates the touched rows only)."""
     record = record_of(opt)
-    if record is None or record.triton_rule is None or opt.updates_every_row:
+    if record is None or opt.updates_every_row:
+        return None
+    rule = rules.of(record.rule, rules.TRITON)
+    if rule is None:
         return None
     h, f1, f2 = record.triton_args(opt)
-    return record.triton_rule, tuple(h), f1, f2
+    return int(rule), tuple(h), f1, f2
 
 
 def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:

@@ -28,14 +28,15 @@ Powers (AdagradMomentum, FTRL) are ``exp2(y * log2(x))``, to a few float32 ulps.
 
 from __future__ import annotations
 
+from .rules import Rule
 from .triton_lang import jit, tl, triton  # (None where triton is missing)
 
-# Rules of ``sparse_update_kernel`` (``RULE``); NONE only sums the gradients (combine backward).
-# An optimizer's record (config/optimizers.py) names its rule here (``triton_rule``) and gives its
-# h1..h5, F1, F2 (``triton_args``).
+# Rules of ``sparse_update_kernel`` (``RULE``), numbered by rules.py; NONE only sums the gradients
+# (combine backward). An optimizer's record (config/optimizers.py) names its rule (``rule``) and
+# gives its h1..h5, F1, F2 (``triton_args``).
 # (tl.constexpr: a compiled kernel reads no other globals; the interpreter takes either)
 NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = (
-    tl.constexpr(i) if tl is not None else i for i in range(7))
+    tl.constexpr(int(r)) if tl is not None else int(r) for r in Rule)
 
 
 @jit

@@ -8,17 +8,17 @@ gradient multiplier is evaluated once per call, or given already evaluated
 (``gradient_multiplier=``: the engine evaluates it once per step, before any write), and every
 kernel uses that value. The kernel is chosen in this module and nowhere else (by ``update`` at
 each call, or once per table by ``TableUpdate``, which the rows objects keep), from the
-optimizer's record (``config/optimizers.py OptimizerRecord``: which kernels run it, under which
-rule id):
+optimizer's record (``config/optimizers.py OptimizerRecord``: the name of its kernels' rule, whose
+number and kernels kernels/rules.py gives):
 
-1. the fused CPU kernel (``native.sparse_update``, the records' ``native_rule``: SGD, Adagrad and
-   RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU (a 16-bit
-   row widened, updated in float32 and rounded back in the same pass); each touched row and its
-   accumulator are read and written once, and from ``OutputGrads`` the row gradients are summed
-   in the same pass (no ``(U, D)`` temporary at all);
-2. on CUDA, the Triton kernel (``gpu.sparse_update``, the records' ``triton_rule``): the same
-   contract for SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with every
-   option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU), float32
+1. the fused CPU kernel (``native.sparse_update``, the records' ``rule`` in ``rules.NATIVE``: SGD,
+   Adagrad and RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU
+   (a 16-bit row widened, updated in float32 and rounded back in the same pass); each touched row
+   and its accumulator are read and written once, and from ``OutputGrads`` the row gradients are
+   summed in the same pass (no ``(U, D)`` temporary at all);
+2. on CUDA, the Triton kernel (``gpu.sparse_update``, the records' ``rule`` in ``rules.TRITON``):
+   the same contract for SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with
+   every option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU), float32
    slots (the output gradients' parts are concatenated first);
 3. torch ops in place (``apply_in_place``, the records' ``in_place``: SGD, Adagrad and
    RowwiseAdagrad) without options (two gathers, the arithmetic in the gathered buffers, two
@@ -38,7 +38,7 @@ import torch
 
 from ..config.dtypes import is_working
 from ..config.optimizers import Optimizer, record_of
-from ..kernels import gpu, native
+from ..kernels import gpu, native, rules
 from ..numerics import rounding
 from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
 from .combine import OutputGrads, row_gradients
@@ -233,10 +233,10 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
-    """The fused kernel's rule for this optimizer and table (its record's ``native_rule``), or None
-    when it does not apply."""
+    """The fused kernel's rule for this optimizer and table (its record's ``rule``, where the
+    kernel implements it), or None when it does not apply."""
     record = record_of(opt)
-    rule = None if record is None or opt.updates_every_row else record.native_rule
+    rule = None if record is None or opt.updates_every_row else rules.of(record.rule, rules.NATIVE)
     if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
         return None
     return rule if native.usable(table) else None

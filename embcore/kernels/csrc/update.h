@@ -52,8 +52,16 @@ double ec_hyper_field(const EcHyper* h, int i) {
   std::memcpy(&v, reinterpret_cast<const char*>(h) + kHyperFields[i].offset, sizeof(double));
   return v;
 }
-// Optimizer rules of ec_sparse_update (docs/semantics.md section 4).
-enum Rule : int { kSGD = 0, kAdagrad = 1, kRowwiseAdagrad = 2 };
+// Optimizer rules of ec_sparse_update (docs/semantics.md section 4), numbered by
+// kernels/rules.py (the build passes -DEC_RULE_<NAME>).
+#if !defined(EC_RULE_SGD) || !defined(EC_RULE_ADAGRAD) || !defined(EC_RULE_ROWWISE_ADAGRAD)
+#error "build with kernels/rules.py's DEFINES"
+#endif
+enum Rule : int {
+  kSGD = EC_RULE_SGD,
+  kAdagrad = EC_RULE_ADAGRAD,
+  kRowwiseAdagrad = EC_RULE_ROWWISE_ADAGRAD
+};
 
 }  // extern "C"
 

@@ -31,6 +31,7 @@ from ..args import (
     kernels,
     set_loader,
 )
+from ..rules import DEFINES as RULE_DEFINES
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
@@ -54,9 +55,11 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno",
 # ec_round16, 12: ec_vocab_*'s compact maps: int32 or int64 slots (with fingerprints) and steps,
 # no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
 # ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
-# 16: ec_sparse_update's overflow flags and count.
-ABI_VERSION = 16
-DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
+# 16: ec_sparse_update's overflow flags and count, 17: ec_sparse_update's rules numbered by
+# kernels/rules.py.
+ABI_VERSION = 17
+DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *RULE_DEFINES,
+           *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

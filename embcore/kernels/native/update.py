@@ -30,10 +30,11 @@ from ..args import (
     read_rows,
     written,
 )
+from ..rules import NATIVE, Rule
 from .library import threads
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
-SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2
+SGD, ADAGRAD, ROWWISE_ADAGRAD = Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD
 
 _GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
 _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
@@ -69,17 +70,7 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", INT64, [
 ])
 
 
-def _native_rules() -> dict[int, str]:
-    """The kernel's rules by id, named as the constants above (``RowwiseAdagrad`` ->
-    ``ROWWISE_ADAGRAD``): every optimizer whose record has a ``native_rule``."""
-    import re
-
-    from ...config.optimizers import records
-    return {r.native_rule: re.sub(r"(?<=[a-z])(?=[A-Z])", "_", r.name).upper()
-            for r in records() if r.native_rule is not None}
-
-
-_RULES = _native_rules()
+_RULES = {int(r): r.name for r in sorted(NATIVE)}  # the kernel's rules by id
 _NEAREST = rounding.nearest()
 
 
@@ -135,7 +126,8 @@ def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
         raise ValueError(f"{name}: rule {rule!r} is none of {', '.join(_RULES.values())} "
                          f"({tuple(_RULES)})")
     if acc is None and rule != SGD:
-        raise ValueError(f"{name}: rule {rule} needs the accumulators 'acc', got None")
+        raise ValueError(f"{name}: rule {rule} ({_RULES[rule]}) needs the accumulators 'acc', "
+                         f"got None")
 
 
 def _check_sources(unique_offsets: torch.Tensor | None, order: torch.Tensor | None) -> None:
