@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("kernels", help="build the fused CPU kernels now and print where they are")
     args = p.parse_args(argv)
     if args.command == "kernels":
-        from .kernels import native
-        return native.main()
+        from .kernels import cpu
+        return cpu.main()
     return 2  # (argparse rejects other commands)
 
 

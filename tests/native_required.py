@@ -3,7 +3,7 @@ applies it) and ``require_native()`` (in a test's body).
 
 Where no C++ compiler is found (``library._compiler``: c++, g++ or clang++ on PATH) such a test
 is skipped, saying so. Where one is found the kernels must build: a build that fails (a syntax
-error in ``embcore/kernels/csrc/``, a stale library) fails the test with the build's error, so
+error in ``embcore/kernels/cpu/csrc/``, a stale library) fails the test with the build's error, so
 that a broken build never turns the kernels' tests into skips (CI has a compiler).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from embcore.kernels import native
-from embcore.kernels.native import library
+from embcore.kernels import cpu
+from embcore.kernels.cpu import library
 
 requires_native = pytest.mark.requires_native
 
@@ -20,16 +20,16 @@ requires_native = pytest.mark.requires_native
 def native_problem() -> tuple[str, str] | None:
     """None when the kernels are built; else ``("skip", why)`` (switched off, or no compiler
     here) or ``("fail", why)`` (a compiler is here and the build failed)."""
-    if native.available():
+    if cpu.available():
         return None
-    if not native.enabled():
-        return "skip", "the fused CPU kernels are switched off (native.set_enabled(False))"
+    if not cpu.enabled():
+        return "skip", "the fused CPU kernels are switched off (cpu.set_enabled(False))"
     try:
         cxx = library._compiler()
     except OSError as e:
         return "skip", f"the fused CPU kernels cannot be built here: {e}"
     return "fail", (f"the fused CPU kernels failed to build with {cxx} (a compiler is here, so "
-                    f"this is a failure, not a skip): {native.error()}")
+                    f"this is a failure, not a skip): {cpu.error()}")
 
 
 def require_native() -> None:

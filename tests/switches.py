@@ -1,5 +1,5 @@
 """The process-wide switches tests flip for a block, always restored: the fused kernels
-(``native.set_enabled``), the native preprocess (``native_prepare.set_enabled``: engines built inside the block)
+(``cpu.set_enabled``), the native preprocess (``native_prepare.set_enabled``: engines built inside the block)
 and compat.py's private fast paths."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from embcore.base import compat
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.step import native_prepare as fast
 
 
@@ -23,8 +23,8 @@ def _switched(set_enabled: Callable[[bool], bool], enabled: bool) -> Iterator[No
 
 
 def kernels(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """``native.set_enabled(enabled)`` for the block."""
-    return _switched(native.set_enabled, enabled)
+    """``cpu.set_enabled(enabled)`` for the block."""
+    return _switched(cpu.set_enabled, enabled)
 
 
 def private_paths(enabled: bool) -> contextlib.AbstractContextManager[None]:

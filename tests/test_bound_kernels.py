@@ -1,4 +1,4 @@
-"""Kernels bound to one table (kernels/args.py ``Kernel.partial``; kernels/native ``SparseUpdate``
+"""Kernels bound to one table (kernels/cpu/args.py ``Kernel.partial``; kernels/native ``SparseUpdate``
 and ``TableLookup``; ops ``TableUpdate`` and ``TableCombine``) against the calls they stand for:
 the same bits, the same errors, and a table whose storage is replaced bound again."""
 
@@ -16,7 +16,7 @@ from strategies import any_optimizer, occurrences
 from switches import kernels
 
 import embcore as ec
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.ops.bags import Bags
 from embcore.ops.combine import OutputGrads, TableCombine, combine
 from embcore.ops.update import TableUpdate, _hyper, update
@@ -35,7 +35,7 @@ def _acc(gen, n, d, rowwise):
 # ------------------------------------------------------------------------------ Kernel.partial
 def test_partial_checks_its_fixed_arguments_once_and_the_others_every_call():
     table = torch.zeros(4, 3)
-    kernel = native.batch._LOOKUP
+    kernel = cpu.batch._LOOKUP
     with pytest.raises(TypeError, match="ec_lookup: argument 'table' must be"):
         kernel.partial(table=(table.double(), None))
     with pytest.raises(ValueError, match="ec_lookup: argument 'table' must be contiguous"):
@@ -52,27 +52,27 @@ def test_partial_checks_its_fixed_arguments_once_and_the_others_every_call():
 
 # ---------------------------------------------------------------------- SparseUpdate, lookup
 @settings(max_examples=examples(60), deadline=None)
-@given(st.sampled_from([native.SGD, native.ADAGRAD, native.ROWWISE_ADAGRAD]),
+@given(st.sampled_from([cpu.SGD, cpu.ADAGRAD, cpu.ROWWISE_ADAGRAD]),
        st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), st.integers(1, 12),
        st.sampled_from([1, 4, 9]), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
 def test_sparse_update_bound_equals_sparse_update(rule, dtype, n, d, unit, summed, seed):
     gen = torch.Generator().manual_seed(seed)
     table = _table(gen, n, d, dtype)
-    acc = None if rule == native.SGD else _acc(gen, n, d, rule == native.ROWWISE_ADAGRAD)
+    acc = None if rule == cpu.SGD else _acc(gen, n, d, rule == cpu.ROWWISE_ADAGRAD)
     bound_table, bound_acc = table.clone(), None if acc is None else acc.clone()
-    bound = native.SparseUpdate(rule, bound_table, bound_acc)
-    hyper = native.Hyper(0.1, clip_min=-0.5, clip_max=0.5)
+    bound = cpu.SparseUpdate(rule, bound_table, bound_acc)
+    hyper = cpu.Hyper(0.1, clip_min=-0.5, clip_max=0.5)
     for step in range(3):  # (the arrays are kept across calls: a layout, then another)
         grad, _, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,), generator=gen)),
                                  unit)
         dd = grad.dedup
         if summed:
             g = [torch.randn(dd.unique.numel(), d, generator=gen)]
-            native.sparse_update(rule, table, acc, dd.unique, hyper, g)
+            cpu.sparse_update(rule, table, acc, dd.unique, hyper, g)
             bound(dd.unique, hyper, g)
         else:
             bag = None if grad.bags.unit else grad.bags.bag_of
-            native.sparse_update(rule, table, acc, dd.unique, hyper, grad.parts, grad.starts,
+            cpu.sparse_update(rule, table, acc, dd.unique, hyper, grad.parts, grad.starts,
                                  dd.unique_offsets, dd.order, bag, grad.bags.scales)
             bound(dd.unique, hyper, grad.parts, list(grad.starts), dd.unique_offsets, dd.order,
                   bag, grad.bags.scales)
@@ -84,13 +84,13 @@ def test_sparse_update_bound_equals_sparse_update(rule, dtype, n, d, unit, summe
 def test_sparse_update_bound_checks_every_call_and_rebinds_a_replaced_storage():
     table, acc = torch.zeros(5, 3), torch.ones(5, 3)
     with pytest.raises(ValueError, match="needs the accumulators"):
-        native.SparseUpdate(native.ADAGRAD, table, None)
+        cpu.SparseUpdate(cpu.ADAGRAD, table, None)
     with pytest.raises(ValueError, match="rule 7 is none of"):
-        native.SparseUpdate(7, table, acc)
+        cpu.SparseUpdate(7, table, acc)
     with pytest.raises(ValueError, match="ec_sparse_update: argument 'acc' must be of 15"):
-        native.SparseUpdate(native.ADAGRAD, table, torch.ones(5, 1))
-    bound = native.SparseUpdate(native.ADAGRAD, table, acc)
-    hyper = native.Hyper(1.0)
+        cpu.SparseUpdate(cpu.ADAGRAD, table, torch.ones(5, 1))
+    bound = cpu.SparseUpdate(cpu.ADAGRAD, table, acc)
+    hyper = cpu.Hyper(1.0)
     rows = torch.tensor([1, 3])
     with pytest.raises(TypeError, match="ec_sparse_update: argument 'slices"):
         bound(rows, hyper, [torch.ones(2, 3, dtype=torch.float64)])
@@ -117,8 +117,8 @@ def test_table_lookup_equals_lookup(dtype, n, d, unit, seed):
     grad, _, _ = occurrences(gen, n, d, int(torch.randint(1, 3 * n, (1,), generator=gen)), unit)
     bags = grad.bags
     r = bags.num_rows
-    want = native.lookup(table, bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
-    got = native.TableLookup(table)(bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
+    want = cpu.lookup(table, bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
+    got = cpu.TableLookup(table)(bags.ids, bags.offsets, bags.scales, torch.empty(r, d))
     assert torch.equal(got, want)
 
 
@@ -186,7 +186,7 @@ def test_kernel_partial_keeps_its_tensors_alive():
     """The bound addresses stay valid while the bound call lives, whatever the caller drops; a
     tensor passed inline (``ids`` here) lives until the kernel returns (its address was taken
     before the other arguments' checks: it segfaulted before the call kept what it was given)."""
-    call = native.batch._LOOKUP.partial(type=0, table=(torch.arange(6.0).view(2, 3), None), d=3)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(torch.arange(6.0).view(2, 3), None), d=3)
     gc.collect()
     torch.full((2, 3), -1.0)  # (memory a freed table would give next)
     out = torch.empty(1, 3)

@@ -30,7 +30,7 @@ from embcore.config.tables import (
     MAP_BYTES_PER_ROW,
     WHERE_BYTES_PER_ROW,
 )
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.planning.plan import make_plan, where_bytes
 from embcore.state import cache as cache_module
 
@@ -272,8 +272,8 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
     monkeypatch.setattr(cache_module, "SLOW_ROW_SECONDS", -1.0)
     monkeypatch.setattr(cache_module, "SLOW_ROW_MIN_ROWS", 1)
     advised = []
-    real = native.will_need
-    monkeypatch.setattr(native, "will_need", lambda t, r: advised.append(r.numel()) or real(t, r))
+    real = cpu.will_need
+    monkeypatch.setattr(cpu, "will_need", lambda t, r: advised.append(r.numel()) or real(t, r))
     _evictions_every_step(opt)
     assert advised, "the moves asked for their pages"
     advised.clear()
@@ -290,8 +290,8 @@ def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
     from embcore.state.cache import slow_tensor
     t = slow_tensor(tmp_path / "t.bin", (1024, 16), torch.float32)  # 64-byte rows, 64 a page
     rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)
-    assert native.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
-    assert native.will_need(t, rows[:0]) == 0
+    assert cpu.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
+    assert cpu.will_need(t, rows[:0]) == 0
 
 
 def _resident_pages(t: torch.Tensor) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from native_required import require_native
 from profiles import examples
 from switches import kernels
 
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.state.cache_index import CacheIndex, Step
 
 STATE = ("where", "owner", "stamp", "dirty", "fresh")
@@ -104,7 +104,7 @@ def _check_step(index, got, want):
 def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
     rows, capacity, bounds, steps = run
     indexes = {"torch": CacheIndex(rows, capacity, bounds)}
-    if native.available():
+    if cpu.available():
         indexes["native"] = CacheIndex(rows, capacity, bounds)
     model = Model(rows, capacity, bounds)
     for asked, count, spare, marked, flag in steps:

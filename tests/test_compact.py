@@ -22,7 +22,7 @@ from switches import kernels
 
 import embcore as ec
 from embcore.config.tables import INDEX_BYTES_PER_ROW, MAP_BYTES_PER_ROW
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.numerics import rounding
 from embcore.ops.bags import Bags
 from embcore.ops.bags import dedup as dedup_of
@@ -58,10 +58,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", COMPACT)
 def test_the_kernels_round_as_the_reference_and_as_torch(dtype):
     x = all_kinds_of_floats(200_000, 1)
-    assert same_bits(native.round16(x, dtype), x.to(dtype))  # to nearest: torch's rounding
+    assert same_bits(cpu.round16(x, dtype), x.to(dtype))  # to nearest: torch's rounding
     bits = torch.randint(0, 2**32, x.shape, generator=torch.Generator().manual_seed(2))
     want = rounding.round_stochastic(x, bits, dtype)
-    assert same_bits(native.round16(x, dtype, bits), want)
+    assert same_bits(cpu.round16(x, dtype, bits), want)
 
 
 @requires_native

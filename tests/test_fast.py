@@ -20,7 +20,7 @@ from switches import fast_path
 
 import embcore as ec
 from embcore.config.tables import INDEX_BYTES_PER_ROW
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.planning.plan import where_bytes
 from embcore.step import native_prepare as fast
 
@@ -353,12 +353,12 @@ def test_raw_id_tables_take_the_fast_path_in_memory_and_offloaded(tmp_path):
     raw = ec.TableConfig(vocabulary_size=40, dim=16, name="r", dynamic=ec.DynamicVocabulary())
     here = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD())
     here.build()
-    assert (here._path.native is not None) == native.available()
+    assert (here._path.native is not None) == cpu.available()
     away = ec.Embedding({"a": ec.FeatureConfig(table=raw)}, ec.SGD(), memory_budget=3000,
                         offload_dir=tmp_path)  # rows behind a cache
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         away.build()
     assert away.plan.physical[0].offloaded
-    assert (away._path.native is not None) == native.available()
+    assert (away._path.native is not None) == cpu.available()
     assert fast.set_enabled(True) is True

@@ -371,14 +371,14 @@ def test_a_nan_gradient_lands_in_the_same_places_on_every_path(rowwise):
     applies it: the fused kernels, the torch ops in place, the optimizer's own math (an option
     forces it): Adagrad the element's weight and accumulator, RowwiseAdagrad the row's weights
     and accumulator; nothing else."""
-    from embcore.kernels import native
+    from embcore.kernels import cpu
     found = []
     for kernels, option in ((True, {}), (False, {}), (False, {"clipvalue": 1e9})):
         torch.manual_seed(0)
         t = ec.TableConfig(vocabulary_size=4, dim=3, name="t", combiner="sum")
         cls = ec.RowwiseAdagrad if rowwise else ec.Adagrad
         emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, cls(learning_rate=0.1, **option))
-        before = native.set_enabled(kernels)
+        before = cpu.set_enabled(kernels)
         try:
             emb.enqueue({"f": torch.tensor([1, 2])})
             act = emb.dequeue()["f"]
@@ -386,7 +386,7 @@ def test_a_nan_gradient_lands_in_the_same_places_on_every_path(rowwise):
             g[0, 1] = float("nan")
             emb.apply_gradients({"f": g})
         finally:
-            native.set_enabled(before)
+            cpu.set_enabled(before)
         state = emb.state_dict()
         found.append((state["t/parameters"].isnan(), state["t/accumulators"].isnan()))
     want_w = torch.zeros(4, 3, dtype=torch.bool)

@@ -33,7 +33,7 @@ from switches import kernels, private_paths
 
 import embcore as ec
 from embcore.base import compat
-from embcore.kernels import native
+from embcore.kernels import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 BAD = "clicks"       # the feature given the malformed inputs; errors must name it
@@ -425,7 +425,7 @@ def test_fuzz_offsets_sparse_indices_and_ids(torch_fallbacks):
 CRASHERS = textwrap.dedent("""
     import torch, embcore as ec
     from embcore.base import compat
-    from embcore.kernels import native
+    from embcore.kernels import cpu
     J = torch.nested.nested_tensor_from_jagged
     t = ec.TableConfig(vocabulary_size=10, dim=4, combiner="sum", name="t")
     f = ec.FeatureConfig(table=t, validate_weights_and_indices=False, name="clicks")
@@ -444,7 +444,7 @@ CRASHERS = textwrap.dedent("""
     }
     for how in ("lookup", "train", "fallbacks"):
         if how == "fallbacks":  # the torch-ops twins, compat's public paths (coalesce())
-            native.set_enabled(False)
+            cpu.set_enabled(False)
             compat.set_private_fast_paths(False)
         emb = ec.Embedding({"clicks": f}, ec.SGD(learning_rate=0.1))
         for name, ids in cases.items():
@@ -603,17 +603,17 @@ def test_first_unordered_finds_the_first_break_across_blocks(k):
     flat = torch.arange(n, dtype=torch.int64) * 7 + 3          # distinct, rising
     digits = [flat // 49 ** (k - 1)] + [flat // 49 ** (k - 1 - d) % 49 for d in range(1, k)]
     base = torch.stack(digits).contiguous()                    # (k, n) lexicographically rising
-    assert native.first_unordered(base) == -1
+    assert cpu.first_unordered(base) == -1
     for j in (1, 2, 1023, 1024, 1025, 2048, 3001, n - 1):
         for how in ("duplicate", "descent"):
             idx = base.clone()
             idx[:, j] = idx[:, j - 1]                          # a duplicate of column j - 1
             if how == "descent":
                 idx[-1, j] -= 1                                # now below it
-            assert native.first_unordered(idx) == j, (j, how)
+            assert cpu.first_unordered(idx) == j, (j, how)
             offsets = torch.arange(n, dtype=torch.int64)
             offsets[j] = offsets[j - 1] - 1
-            assert native.offsets_error(offsets, n - 1) == j
+            assert cpu.offsets_error(offsets, n - 1) == j
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from switches import kernels
 
 import embcore as ec
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.numerics import rounding
 from embcore.ops.update import update
 
@@ -28,7 +28,7 @@ _BF16_TOP = float(torch.finfo(torch.bfloat16).max)
 EDGE = {torch.float16: (65000.0, 1000.0),
         torch.bfloat16: (_BF16_TOP, float(torch.finfo(torch.float32).max) - _BF16_TOP)}
 PATHS = [pytest.param(True, id="kernel", marks=pytest.mark.skipif(
-    not native.available(), reason=f"fused kernels unavailable: {native.error()}")),
+    not cpu.available(), reason=f"fused kernels unavailable: {cpu.error()}")),
     pytest.param(False, id="torch")]
 
 
@@ -114,8 +114,8 @@ def test_rows_already_infinite_or_nan_gradients_are_not_overflow(native_on):
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise"])
 def test_the_kernel_and_the_torch_path_leave_the_same_rows(dtype, stochastic, kind):
-    if not native.available():
-        pytest.skip(f"fused kernels unavailable: {native.error()}")
+    if not cpu.available():
+        pytest.skip(f"fused kernels unavailable: {cpu.error()}")
     gen = torch.Generator().manual_seed(7)
     top = float(torch.finfo(dtype).max)
     n, d = 64, 8

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/native/, kernels/csrc/) against torch and the references.
+"""The fused CPU kernels (kernels/cpu/, kernels/cpu/csrc/) against torch and the references.
 
 Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
 torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
@@ -10,7 +10,7 @@ Everything but the switched-off test is skipped when the kernels cannot be built
 The ctypes boundary: every wrapper refuses a tensor of the wrong dtype, layout, device or length
 with an error naming the kernel and the argument (before the kernel runs), the Python
 declarations of the kernels' arguments agree with the C definitions in csrc/, the ABI version has
-one source (native.ABI_VERSION, passed to the compiler) and the build key covers every source.
+one source (cpu.ABI_VERSION, passed to the compiler) and the build key covers every source.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from switches import kernels
 
 import embcore as ec
 from embcore.inputs import canonical as inputs
-from embcore.kernels import args as kernel_args
-from embcore.kernels import native
+from embcore.kernels.cpu import args as kernel_args
+from embcore.kernels import cpu
 from embcore.ops.reference import reference_lookup, reference_row_gradients
 from embcore.ops.update import _hyper
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32 kernels vs float64 references
-RULES = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "rowwise": native.ROWWISE_ADAGRAD}
+RULES = {"sgd": cpu.SGD, "adagrad": cpu.ADAGRAD, "rowwise": cpu.ROWWISE_ADAGRAD}
 NATIVE_FUNCS = ("dedup", "concat_dedup", "lookup", "sparse_update", "minmax", "combiner_scales",
                 "bag_of", "offsets_error", "first_unordered")
 # the kernels bound to one table (the rows objects'), counted as the function they call
-NATIVE_BOUND = {"lookup": native.TableLookup, "sparse_update": native.SparseUpdate}
+NATIVE_BOUND = {"lookup": cpu.TableLookup, "sparse_update": cpu.SparseUpdate}
 
 
 def hyper_at(opt, lr, step):
@@ -58,7 +58,7 @@ def hyper_at(opt, lr, step):
 def spy_native(forbid: bool = False):
     """Counts calls of the native wrappers (or makes them fail, ``forbid``); restores them."""
     calls: Counter[str] = Counter()
-    saved = {name: getattr(native, name) for name in NATIVE_FUNCS}
+    saved = {name: getattr(cpu, name) for name in NATIVE_FUNCS}
     bound = {name: cls.__call__ for name, cls in NATIVE_BOUND.items()}
 
     def wrap(name, fn):
@@ -71,13 +71,13 @@ def spy_native(forbid: bool = False):
 
     try:
         for name, fn in saved.items():
-            setattr(native, name, wrap(name, fn))
+            setattr(cpu, name, wrap(name, fn))
         for name, fn in bound.items():
             NATIVE_BOUND[name].__call__ = wrap(name, fn)
         yield calls
     finally:
         for name, fn in saved.items():
-            setattr(native, name, fn)
+            setattr(cpu, name, fn)
         for name, fn in bound.items():
             NATIVE_BOUND[name].__call__ = fn
 
@@ -102,15 +102,15 @@ def random_offsets(gen: torch.Generator, rows: int, max_len: int) -> torch.Tenso
 # ------------------------------------------------------------------------------- switched off
 def test_disabled_kernels_are_not_used_and_the_engine_trains_the_same():
     """Not skipped without the kernels: the torch-ops path alone must train correctly."""
-    initial = native.set_enabled(True)
-    native.set_enabled(initial)
+    initial = cpu.set_enabled(True)
+    cpu.set_enabled(initial)
     results = {}
     for enabled in (False, True):
         with kernels(enabled):
             if not enabled:
-                assert not native.usable(torch.zeros(1))
-                assert not native.available()
-                assert native.set_enabled(False) is False  # returns the previous setting
+                assert not cpu.usable(torch.zeros(1))
+                assert not cpu.available()
+                assert cpu.set_enabled(False) is False  # returns the previous setting
             with spy_native(forbid=not enabled):
                 torch.manual_seed(3)
                 t = ec.TableConfig(vocabulary_size=12, dim=3, combiner="mean", name="t")
@@ -139,7 +139,7 @@ def test_disabled_kernels_are_not_used_and_the_engine_trains_the_same():
     for k in results[False][0]:
         torch.testing.assert_close(results[True][0][k], results[False][0][k], **TOL)
     torch.testing.assert_close(results[True][1], results[False][1], **TOL)
-    assert native.set_enabled(initial) == initial  # the setting was restored
+    assert cpu.set_enabled(initial) == initial  # the setting was restored
 
 
 # ------------------------------------------------------------------------------------- dedup
@@ -162,7 +162,7 @@ def test_dedup_equals_stable_sort(case):
     pool = torch.randint(0, num_rows, (distinct,), generator=gen)
     pool[0] = num_rows - 1  # the highest id: every radix digit set
     ids = pool[torch.randint(0, distinct, (n,), generator=gen)]  # many duplicates
-    unique, order, offsets = native.dedup(ids, num_rows)
+    unique, order, offsets = cpu.dedup(ids, num_rows)
     want_unique, want_order, want_offsets = torch_dedup(ids)
     assert unique.dtype == order.dtype == offsets.dtype == torch.int64
     assert torch.equal(unique, want_unique)
@@ -176,7 +176,7 @@ def test_dedup_all_distinct_and_all_equal():
     for n, num_rows in [(5000, 2**30), (70, 2**30), (9000, 5000), (64, 64)]:
         ids = torch.randperm(n, generator=gen) * max(num_rows // n, 1) % num_rows
         for case in (ids, torch.full((n,), num_rows - 1, dtype=torch.int64)):
-            got, want = native.dedup(case, num_rows), torch_dedup(case)
+            got, want = cpu.dedup(case, num_rows), torch_dedup(case)
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
 
@@ -190,10 +190,10 @@ def test_concat_equals_torch_cat(lengths, dtype, strided, seed):
              for n in lengths]
     if strided:  # every other element: not contiguous, so torch.cat's path
         parts = [p[::2] for p in parts]
-    got = native.concat(parts)
+    got = cpu.concat(parts)
     assert got.dtype == dtype and torch.equal(got, torch.cat(parts))
     mixed = parts + [torch.ones(3, dtype=torch.float64)]  # dtypes differ: torch.cat's promotion
-    assert torch.equal(native.concat(mixed), torch.cat(mixed))
+    assert torch.equal(cpu.concat(mixed), torch.cat(mixed))
 
 
 # ------------------------------------------------------------------------------------ lookup
@@ -210,7 +210,7 @@ def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
     ids = torch.randint(0, n, (nnz,), generator=gen)
     scales = torch.randn(nnz, generator=gen) if scaled else None
     out = torch.full((rows, d), float("nan"))
-    got = native.lookup(table, ids, offsets, scales, out)
+    got = cpu.lookup(table, ids, offsets, scales, out)
     assert got is out
     want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
                            include_last_offset=True)
@@ -219,7 +219,7 @@ def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
     assert torch.equal(got[empty], torch.zeros(int(empty.sum()), d))
     # offsets None: one id per output row, scale 1, an exact copy
     unit = torch.full((nnz, d), float("nan"))
-    assert torch.equal(native.lookup(table, ids, None, None, unit), table[ids])
+    assert torch.equal(cpu.lookup(table, ids, None, None, unit), table[ids])
 
 
 @requires_native
@@ -232,11 +232,11 @@ def test_lookup_large_batch_threaded(scaled):
     nnz = int(offsets[-1])
     ids = torch.randint(0, 3000, (nnz,), generator=gen)
     scales = torch.randn(nnz, generator=gen) if scaled else None
-    got = native.lookup(table, ids, offsets, scales, torch.full((700, 32), float("nan")))
+    got = cpu.lookup(table, ids, offsets, scales, torch.full((700, 32), float("nan")))
     want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
                            include_last_offset=True)
     torch.testing.assert_close(got, want, **TOL)
-    assert torch.equal(native.lookup(table, ids, None, None, torch.empty(nnz, 32)), table[ids])
+    assert torch.equal(cpu.lookup(table, ids, None, None, torch.empty(nnz, 32)), table[ids])
 
 
 # ----------------------------------------------------------------------------- sparse update
@@ -287,7 +287,7 @@ def test_sparse_update_direct_equals_reference(opt_case, n, d, data):
     grads = torch.randn(u, d, generator=gen)
     grads[torch.rand(u, generator=gen) < 0.3] = 0.0  # zero rows: 0 / 0 with a zero accumulator
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
-    native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper_at(opt, lr, step),
+    cpu.sparse_update(RULES[kind], new_table, new_acc, rows, hyper_at(opt, lr, step),
                          [grads])
     check_update(kind, opt, lr, step, table, acc, rows, grads, new_table, new_acc)
 
@@ -346,7 +346,7 @@ def test_sparse_update_from_occurrences_equals_reference(opt_case, n, d, nnz, sl
     table, acc = make_state(kind, opt, n, d, gen)
     c = occurrence_case(gen, n, d, nnz, slice_rows, unit, scaled, strided)
     new_table, new_acc = table.clone(), None if acc is None else acc.clone()
-    native.sparse_update(RULES[kind], new_table, new_acc, c["unique"], hyper_at(opt, lr, step),
+    cpu.sparse_update(RULES[kind], new_table, new_acc, c["unique"], hyper_at(opt, lr, step),
                          c["parts"], c["starts"], c["unique_offsets"], c["order"], c["bags"],
                          c["scales"])
     check_update(kind, opt, lr, step, table, acc, c["unique"], c["row_grads"], new_table, new_acc)
@@ -369,13 +369,13 @@ def test_sparse_update_large_threaded(kind, mode):
     if mode == "direct":
         rows = torch.randperm(n, generator=gen)[:1500]
         grads = torch.randn(1500, d, generator=gen)
-        native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, [grads])
+        cpu.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, [grads])
     else:
         c = occurrence_case(gen, n, d, 4000, [900, 0, 1100, 500], unit=False, scaled=True,
                             strided=True)
         rows, grads = c["unique"], c["row_grads"]
         assert rows.numel() > 1000
-        native.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, c["parts"],
+        cpu.sparse_update(RULES[kind], new_table, new_acc, rows, hyper, c["parts"],
                              c["starts"], c["unique_offsets"], c["order"], c["bags"], c["scales"])
     check_update(kind, opt, 0.3, 2, table, acc, rows, grads, new_table, new_acc)
 
@@ -394,10 +394,10 @@ def threaded_case(seed: int = 5) -> tuple:
 def run_threaded_case(case: tuple) -> tuple:
     opt, table, acc, c, offsets, ids = case
     t, a = table.clone(), acc.clone()
-    native.sparse_update(native.ADAGRAD, t, a, c["unique"], hyper_at(opt, 0.2, 0), c["parts"],
+    cpu.sparse_update(cpu.ADAGRAD, t, a, c["unique"], hyper_at(opt, 0.2, 0), c["parts"],
                          c["starts"], c["unique_offsets"], c["order"], c["bags"], c["scales"])
-    out = native.lookup(table, ids, offsets, None, torch.empty(len(offsets) - 1, 8))
-    return (t, a, out, *native.dedup(ids, 2500))
+    out = cpu.lookup(table, ids, offsets, None, torch.empty(len(offsets) - 1, 8))
+    return (t, a, out, *cpu.dedup(ids, 2500))
 
 
 def same(xs: tuple, ys: tuple) -> bool:
@@ -501,7 +501,7 @@ def test_the_openmp_build_gives_the_same_bits(tmp_path):
     import sys
     env = {**os.environ, "EMBCORE_NATIVE_POOL": "omp", "XDG_CACHE_HOME": str(tmp_path)}
     probe = subprocess.run(
-        [sys.executable, "-c", "import embcore.kernels.native.library as L; assert L.available(); "
+        [sys.executable, "-c", "import embcore.kernels.cpu.library as L; assert L.available(); "
          "print(sorted({ln.split()[-1].rsplit('/', 1)[-1] for ln in open('/proc/self/maps') "
          "if 'gomp' in ln}), '-DEC_POOL_OMP' in L.DEFINES)"],
         env=env, capture_output=True, text=True, timeout=600)
@@ -519,7 +519,7 @@ def test_an_unknown_pool_is_refused():
     import subprocess
     import sys
     env = {**os.environ, "EMBCORE_NATIVE_POOL": "tbb"}
-    proc = subprocess.run([sys.executable, "-c", "import embcore.kernels.native.library"],
+    proc = subprocess.run([sys.executable, "-c", "import embcore.kernels.cpu.library"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "EMBCORE_NATIVE_POOL='tbb'" in proc.stderr
 
@@ -531,53 +531,53 @@ INF = float("inf")
 
 
 def test_hyper_by_name_with_option_off_defaults():
-    h = native.Hyper(learning_rate=0.25)
-    assert [name for name, _ in native.Hyper._fields_] == HYPER_FIELDS
+    h = cpu.Hyper(learning_rate=0.25)
+    assert [name for name, _ in cpu.Hyper._fields_] == HYPER_FIELDS
     assert h.as_dict() == dict(learning_rate=0.25, gradient_multiplier=1.0, clip_min=-INF,
                                clip_max=INF, weight_decay=0.0, weight_min=-INF, weight_max=INF)
-    h = native.Hyper(learning_rate=0.5, clip_max=2, weight_decay=0.125)
+    h = cpu.Hyper(learning_rate=0.5, clip_max=2, weight_decay=0.125)
     assert (h.learning_rate, h.clip_max, h.weight_decay, h.clip_min) == (0.5, 2.0, 0.125, -INF)
-    assert h == native.Hyper(0.5, clip_max=2.0, weight_decay=0.125) != native.Hyper(0.5)
+    assert h == cpu.Hyper(0.5, clip_max=2.0, weight_decay=0.125) != cpu.Hyper(0.5)
     with pytest.raises(TypeError):
-        native.Hyper()  # the learning rate has no default
+        cpu.Hyper()  # the learning rate has no default
     with pytest.raises(TypeError):
-        native.Hyper(0.1, 1.0)  # the options are keyword-only
+        cpu.Hyper(0.1, 1.0)  # the options are keyword-only
     with pytest.raises(TypeError):
-        native.Hyper(0.1, clip_lo=0.0)  # no such field
+        cpu.Hyper(0.1, clip_lo=0.0)  # no such field
 
 
 def test_hyper_from_the_optimizer_by_name():
     opt = ec.SGD(learning_rate=0.3, clipvalue=(-0.5, None), weight_decay_factor=0.1,
                  multiply_weight_decay_factor_by_learning_rate=True, clip_weight_max=1.5,
                  gradient_multiplier=lambda s: 0.5 + s)
-    want = native.Hyper(learning_rate=0.2, gradient_multiplier=2.5, clip_min=-0.5, clip_max=INF,
+    want = cpu.Hyper(learning_rate=0.2, gradient_multiplier=2.5, clip_min=-0.5, clip_max=INF,
                         weight_decay=0.1 * 0.2, weight_min=-INF, weight_max=1.5)
     assert hyper_at(opt, 0.2, 2) == want
     # the multiplier is taken as given (evaluated once by the engine), not called again
     assert _hyper(opt, 0.2, gradient_multiplier=2.5) == want
     assert _hyper(opt, 0.2, gradient_multiplier=0.75).gradient_multiplier == 0.75
     assert _hyper(ec.Adagrad(learning_rate=0.1), 0.1, gradient_multiplier=None) == \
-        native.Hyper(learning_rate=0.1)
+        cpu.Hyper(learning_rate=0.1)
 
 
 @requires_native
 def test_hyper_layout_agrees_with_the_kernels():
     """Same size and field names in order, and every field round-trips by name (C++ reads it at
     ``offsetof(EcHyper, name)``); ``_load`` runs the same check."""
-    lib = native.library._load()
+    lib = cpu.library._load()
     assert kernel_args.hyper_layout_errors(lib) == []
-    assert lib.ec_hyper_size() == ctypes.sizeof(native.Hyper) == 8 * len(HYPER_FIELDS)
+    assert lib.ec_hyper_size() == ctypes.sizeof(cpu.Hyper) == 8 * len(HYPER_FIELDS)
     names = [lib.ec_hyper_field_name(i).decode() for i in range(len(HYPER_FIELDS))]
     assert names == HYPER_FIELDS and lib.ec_hyper_field_name(len(HYPER_FIELDS)) is None
     values = dict(zip(HYPER_FIELDS, [0.125, 3.0, -INF, 7.5, 1e-300, -2.0, INF]))
-    h = native.Hyper(**values)
+    h = cpu.Hyper(**values)
     for i, name in enumerate(names):
         assert lib.ec_hyper_field(h, i) == values[name] == getattr(h, name), name
 
 
 @requires_native
 def test_hyper_layout_check_reports_mismatches():
-    lib = native.library._load()
+    lib = cpu.library._load()
 
     def struct(names, ctype=ctypes.c_double):
         return type("S", (ctypes.Structure,), {"_fields_": [(n, ctype) for n in names]})
@@ -595,13 +595,13 @@ def test_hyper_layout_check_reports_mismatches():
 @requires_native
 def test_load_refuses_a_library_whose_hyper_disagrees(monkeypatch):
     """A layout mismatch at load is a stale / broken library: warned, and the torch ops used."""
-    monkeypatch.setattr(native.library, "_tried", False)
-    monkeypatch.setattr(native.library, "_lib", None)
-    monkeypatch.setattr(native.library, "_error", None)
-    monkeypatch.setattr(native.library, "hyper_layout_errors", lambda lib: ["field 'x' differs"])
+    monkeypatch.setattr(cpu.library, "_tried", False)
+    monkeypatch.setattr(cpu.library, "_lib", None)
+    monkeypatch.setattr(cpu.library, "_error", None)
+    monkeypatch.setattr(cpu.library, "hyper_layout_errors", lambda lib: ["field 'x' differs"])
     with pytest.warns(RuntimeWarning, match="EcHyper disagree: field 'x' differs"):
-        assert native.library._load() is None
-    assert not native.usable(torch.zeros(1))
+        assert cpu.library._load() is None
+    assert not cpu.usable(torch.zeros(1))
 
 
 @requires_native
@@ -618,20 +618,20 @@ def test_sparse_update_reads_each_hyper_field_by_name():
     ]
     for options, want in cases:
         table = torch.ones(3, 4)
-        native.sparse_update(native.SGD, table, None, torch.tensor([1]),
-                             native.Hyper(learning_rate=0.1, **options), [torch.ones(1, 4)])
+        cpu.sparse_update(cpu.SGD, table, None, torch.tensor([1]),
+                             cpu.Hyper(learning_rate=0.1, **options), [torch.ones(1, 4)])
         torch.testing.assert_close(table[1], torch.full((4,), want), msg=str(options))
         assert torch.equal(table[[0, 2]], torch.ones(2, 4))
-    with pytest.raises(TypeError, match="native.Hyper"):
-        native.sparse_update(native.SGD, table, None, torch.tensor([1]),
+    with pytest.raises(TypeError, match="cpu.Hyper"):
+        cpu.sparse_update(cpu.SGD, table, None, torch.tensor([1]),
                              (0.1, 1.0, -INF, INF, 0.0, -INF, INF), [torch.ones(1, 4)])
-    hyper = native.Hyper(learning_rate=0.1)
+    hyper = cpu.Hyper(learning_rate=0.1)
     with pytest.raises(ValueError, match="unit column stride"):  # the kernel reads rows as runs
-        native.sparse_update(native.SGD, table, None, torch.tensor([1]), hyper,
+        cpu.sparse_update(cpu.SGD, table, None, torch.tensor([1]), hyper,
                              [torch.ones(4, 2).t()], [0, 2], torch.tensor([0, 2]),
                              torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="must be contiguous"):
-        native.sparse_update(native.SGD, table, None, torch.tensor([0, 1]), hyper,
+        cpu.sparse_update(cpu.SGD, table, None, torch.tensor([0, 1]), hyper,
                              [torch.ones(2, 8)[:, :4]])
 
 
@@ -641,9 +641,9 @@ def test_sparse_update_reads_each_hyper_field_by_name():
 @given(st.lists(st.integers(-2**62, 2**62), min_size=1, max_size=200))
 def test_minmax_equals_torch(values):
     ids = torch.tensor(values, dtype=torch.int64)
-    assert native.minmax(ids) == (min(values), max(values))
+    assert cpu.minmax(ids) == (min(values), max(values))
     big = ids.repeat(50)  # longer than any vector width
-    assert native.minmax(big) == (min(values), max(values))
+    assert cpu.minmax(big) == (min(values), max(values))
 
 
 @st.composite
@@ -677,7 +677,7 @@ def test_combiner_scales_equal_torch_path(case, combiner, weighted):
     nnz = int(offsets[-1])
     weights = (torch.tensor([x for b in weight_lists for x in b], dtype=torch.float32)
                if weighted else None)
-    got = native.combiner_scales(offsets, weights, combiner, nnz)
+    got = cpu.combiner_scales(offsets, weights, combiner, nnz)
     with kernels(False):
         want = inputs.combiner_scales(offsets, weights, combiner, nnz)
     assert got.dtype == torch.float32 and got.shape == (nnz,)
@@ -702,7 +702,7 @@ def test_combiner_scales_are_the_torch_paths_bits_on_random_weights(combiner):
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     nnz = int(offsets[-1])
     weights = torch.rand(nnz, generator=g) + 0.1
-    got = native.combiner_scales(offsets, weights, combiner, nnz)
+    got = cpu.combiner_scales(offsets, weights, combiner, nnz)
     with kernels(False):
         want = inputs.combiner_scales(offsets, weights, combiner, nnz)
     assert torch.equal(got, want)
@@ -716,7 +716,7 @@ def test_concat_dedup_equals_shift_cat_and_sort(lengths, seed):
     vocab = 50
     parts = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
     adds = [vocab * i for i in range(len(parts))]  # stacked tables, one block of rows each
-    ids, unique, order, uoff = native.concat_dedup(parts, adds, vocab * len(parts))
+    ids, unique, order, uoff = cpu.concat_dedup(parts, adds, vocab * len(parts))
     want_ids = torch.cat([p + a for p, a in zip(parts, adds)])
     assert torch.equal(ids, want_ids)
     w_unique, w_order, w_uoff = torch_dedup(want_ids)
@@ -735,13 +735,13 @@ def test_dedup_raw_runs_equals_dedup_raw_of_each_run(runs, seed):
     gen = torch.Generator().manual_seed(seed)
     pool = torch.tensor([-(2**63), -1, 0, 7, 2**62, 2**63 - 1, 12345])
     parts = [pool[torch.randint(0, pool.numel(), (n,), generator=gen)] for r in runs for n in r]
-    ids, unique, inverse, order, uoff, counts = native.dedup_raw_runs(parts, [len(r) for r in runs])
+    ids, unique, inverse, order, uoff, counts = cpu.dedup_raw_runs(parts, [len(r) for r in runs])
     assert torch.equal(ids, torch.cat(parts))
     at = u = k = 0
     for r, c in zip(runs, counts):
         run = torch.cat(parts[k:k + len(r)])
         k += len(r)
-        w_unique, w_inverse, w_order, w_uoff = native.dedup_raw(run)
+        w_unique, w_inverse, w_order, w_uoff = cpu.dedup_raw(run)
         assert c == w_unique.numel()
         assert torch.equal(unique[u:u + c], w_unique)
         assert torch.equal(inverse[at:at + run.numel()], w_inverse + u)
@@ -762,9 +762,9 @@ def test_dedup_raw_runs_over_threads_equals_one_thread():
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.dedup_raw_runs(parts, runs)
+        one = cpu.dedup_raw_runs(parts, runs)
         torch.set_num_threads(2)
-        two = native.dedup_raw_runs(parts, runs)
+        two = cpu.dedup_raw_runs(parts, runs)
     finally:
         torch.set_num_threads(old)
     assert one[5] == two[5] and sum(one[5]) == one[1].numel()
@@ -801,7 +801,7 @@ def test_concat_dedup_limits_and_steps(shapes, seed, bad_rate):
         limits.append(limit)
         steps.append(step)
     adds = list(itertools.accumulate([0] + limits[:-1]))
-    call = native.ConcatDedup([p.numel() for p in parts], adds, sum(limits), limits)
+    call = cpu.ConcatDedup([p.numel() for p in parts], adds, sum(limits), limits)
     got = call(parts, steps)
     first_bad = next((i for i, (p, lim) in enumerate(zip(parts, limits))
                       if bool(((p < 0) | (p >= lim)).any())), None)
@@ -809,7 +809,7 @@ def test_concat_dedup_limits_and_steps(shapes, seed, bad_rate):
         assert got == first_bad
         return
     assert not isinstance(got, int)
-    want = native.concat_dedup([p.contiguous() for p in parts], adds, sum(limits))
+    want = cpu.concat_dedup([p.contiguous() for p in parts], adds, sum(limits))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -820,7 +820,7 @@ def test_bag_of_equals_repeat_interleave():
         offsets = random_offsets(gen, rows, 4)
         nnz = int(offsets[-1])
         want = torch.repeat_interleave(torch.arange(rows), offsets.diff(), output_size=nnz)
-        assert torch.equal(native.bag_of(offsets, nnz), want)
+        assert torch.equal(cpu.bag_of(offsets, nnz), want)
 
 
 # -------------------------------------------------------------------------------- the engine
@@ -915,7 +915,7 @@ def test_engine_native_equals_torch_ops(opt_name, seed):
 def test_one_openmp_runtime_in_the_process():
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("no /proc/self/maps on this system")
-    assert native.available()
+    assert cpu.available()
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(paths) == 1, f"several OpenMP runtimes mapped: {sorted(paths)}"
@@ -927,7 +927,7 @@ def test_command_line_builds_the_kernels():
     import sys
     proc = subprocess.run([sys.executable, "-m", "embcore", "kernels"], capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == (0 if native.available() else 1), proc.stderr
+    assert proc.returncode == (0 if cpu.available() else 1), proc.stderr
     assert "RuntimeWarning" not in proc.stderr
     helped = subprocess.run([sys.executable, "-m", "embcore", "--help"], capture_output=True,
                             text=True, timeout=60)
@@ -952,7 +952,7 @@ def test_copy_rows_equals_index_ops(data, dtype, width, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        native.copy_rows(src, src_rows, dst, dst_rows)
+        cpu.copy_rows(src, src_rows, dst, dst_rows)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(dst, want)
@@ -982,7 +982,7 @@ def boundary_cases():
         return torch.full((rows, d), float("nan"))
 
     acc = torch.zeros(10, 4)
-    rows, hyper = torch.tensor([1, 2]), native.Hyper(learning_rate=0.1)
+    rows, hyper = torch.tensor([1, 2]), cpu.Hyper(learning_rate=0.1)
     uoff, order = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
     cache = {"where": torch.full((20,), -1, dtype=torch.int32),
              "owner": torch.full((4,), -1, dtype=i64), "stamp": torch.zeros(4, dtype=i64),
@@ -994,126 +994,126 @@ def boundary_cases():
 
     def cache_step(**change):
         kw = dict(cache, **change)
-        return lambda: native.cache_step(torch.tensor([3, 5]), **kw)
+        return lambda: cpu.cache_step(torch.tensor([3, 5]), **kw)
 
     def vocab_find(**change):
         kw = dict(vocab, **change)
-        return lambda: native.vocab_find(kw["slots"], kw["row_key"], kw["last_use"], 0, ids)
+        return lambda: cpu.vocab_find(kw["slots"], kw["row_key"], kw["last_use"], 0, ids)
 
     return {
-        "lookup ids int32": (lambda: native.lookup(table, ids.int(), offsets, scales, out()),
+        "lookup ids int32": (lambda: cpu.lookup(table, ids.int(), offsets, scales, out()),
                              TypeError, (r"ec_lookup: argument 'ids' must be torch.int64, got "
                                         r"torch.int32")),
         "lookup table not contiguous": (
-            lambda: native.lookup(torch.randn(4, 10).t(), ids, offsets, scales, out()),
+            lambda: cpu.lookup(torch.randn(4, 10).t(), ids, offsets, scales, out()),
             ValueError, r"ec_lookup: argument 'table' must be contiguous, got shape \(10, 4\)"),
-        "lookup table meta": (lambda: native.lookup(_meta(table), ids, offsets, scales, out()),
+        "lookup table meta": (lambda: cpu.lookup(_meta(table), ids, offsets, scales, out()),
                               ValueError, r"argument 'table' must be on the CPU, got device meta"),
-        "lookup ids nested": (lambda: native.lookup(table, _nested(ids), offsets, scales, out()),
+        "lookup ids nested": (lambda: cpu.lookup(table, _nested(ids), offsets, scales, out()),
                               ValueError, r"argument 'ids' must be a strided tensor"),
-        "lookup offsets a list": (lambda: native.lookup(table, ids, [0, 1, 4], scales, out()),
+        "lookup offsets a list": (lambda: cpu.lookup(table, ids, [0, 1, 4], scales, out()),
                                   TypeError, (r"argument 'offsets' must be a torch.Tensor, got "
                                              r"list")),
-        "lookup offsets short": (lambda: native.lookup(table, ids, offsets[:2], scales, out()),
+        "lookup offsets short": (lambda: cpu.lookup(table, ids, offsets[:2], scales, out()),
                                  ValueError, r"argument 'offsets' must be of 3 elements, got 2"),
-        "lookup scales short": (lambda: native.lookup(table, ids, offsets, scales[:3], out()),
+        "lookup scales short": (lambda: cpu.lookup(table, ids, offsets, scales[:3], out()),
                                 ValueError, r"argument 'scales' must be of 4 elements, got 3"),
-        "lookup out narrow": (lambda: native.lookup(table, ids, offsets, scales, out(2, 3)),
+        "lookup out narrow": (lambda: cpu.lookup(table, ids, offsets, scales, out(2, 3)),
                               ValueError, r"argument 'out' must be of 8 elements, got 6"),
-        "lookup ids short": (lambda: native.lookup(table, ids, None, None, out(5)),
+        "lookup ids short": (lambda: cpu.lookup(table, ids, None, None, out(5)),
                              ValueError, r"argument 'ids' must be of 5 elements, got 4"),
-        "lookup out 1-D": (lambda: native.lookup(table, ids, None, None, torch.empty(4)),
+        "lookup out 1-D": (lambda: cpu.lookup(table, ids, None, None, torch.empty(4)),
                            ValueError, r"argument 'out' must be 2-D, got shape \(4,\)"),
         "sparse_update acc of another rule": (
-            lambda: native.sparse_update(native.ROWWISE_ADAGRAD, table, acc, rows, hyper,
+            lambda: cpu.sparse_update(cpu.ROWWISE_ADAGRAD, table, acc, rows, hyper,
                                          [torch.ones(2, 4)]),
             ValueError, r"ec_sparse_update: argument 'acc' must be of 10 elements, got 40"),
         "sparse_update acc missing": (
-            lambda: native.sparse_update(native.ADAGRAD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.ADAGRAD, table, None, rows, hyper,
                                          [torch.ones(2, 4)]),
             ValueError, r"ec_sparse_update: rule 2 \(ADAGRAD\) needs the accumulators 'acc'"),
         "sparse_update unknown rule": (
-            lambda: native.sparse_update(7, table, acc, rows, hyper, [torch.ones(2, 4)]),
+            lambda: cpu.sparse_update(7, table, acc, rows, hyper, [torch.ones(2, 4)]),
             ValueError, r"rule 7 is none of SGD, ADAGRAD, ROWWISE_ADAGRAD"),
         "sparse_update summed gradient short": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper, [torch.ones(1, 4)]),
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper, [torch.ones(1, 4)]),
             ValueError, r"argument 'slices\[0\]' must be of 8 elements, got 4"),
         "sparse_update part narrow": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(2, 3)], [0, 2], uoff, order),
             ValueError, r"argument 'slices\[0\]' must be 4 columns wide"),
         "sparse_update part float64": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(1, 4), torch.ones(1, 4, dtype=torch.float64)],
                                          [0, 1, 2], uoff, order),
             TypeError, r"argument 'slices\[1\]' must be torch.float32, got torch.float64"),
         "sparse_update parts and starts disagree": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(1, 4), torch.ones(2, 4)], [0, 1, 2], uoff,
                                          order),
             ValueError, r"gradient part 1 must have starts\[2\] - starts\[1\] = 1 rows, got 2"),
         "sparse_update several parts without starts": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(1, 4), torch.ones(1, 4)], None, uoff, order),
             ValueError, r"2 gradient parts need their 'starts'"),
         "sparse_update order without offsets": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(2, 4)], None, None, order),
             ValueError, r"give both unique_offsets and order"),
         "sparse_update bags short": (
-            lambda: native.sparse_update(native.SGD, table, None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, table, None, rows, hyper,
                                          [torch.ones(2, 4)], [0, 2], uoff, order,
                                          torch.tensor([0])),
             ValueError, r"argument 'bags' must be of 2 elements, got 1"),
         "sparse_update table meta": (
-            lambda: native.sparse_update(native.SGD, _meta(table), None, rows, hyper,
+            lambda: cpu.sparse_update(cpu.SGD, _meta(table), None, rows, hyper,
                                          [torch.ones(2, 4)]),
             ValueError, r"argument 'w' must be on the CPU, got device meta"),
-        "minmax empty": (lambda: native.minmax(torch.zeros(0, dtype=i64)),
+        "minmax empty": (lambda: cpu.minmax(torch.zeros(0, dtype=i64)),
                          ValueError, r"ec_minmax: argument 'ids' must be non-empty"),
-        "offsets_error empty": (lambda: native.offsets_error(torch.zeros(0, dtype=i64), 0),
+        "offsets_error empty": (lambda: cpu.offsets_error(torch.zeros(0, dtype=i64), 0),
                                 ValueError, r"argument 'offsets' must be non-empty"),
-        "offsets_error nnz a float": (lambda: native.offsets_error(offsets, 4.0),
+        "offsets_error nnz a float": (lambda: cpu.offsets_error(offsets, 4.0),
                                       TypeError, r"ec_offsets_error: argument 'nnz' must be int64"),
-        "first_unordered 1-D": (lambda: native.first_unordered(ids),
+        "first_unordered 1-D": (lambda: cpu.first_unordered(ids),
                                 ValueError, r"argument 'idx' must be 2-D"),
         "combiner_scales weights short": (
-            lambda: native.combiner_scales(offsets, torch.ones(3), "mean", 4),
+            lambda: cpu.combiner_scales(offsets, torch.ones(3), "mean", 4),
             ValueError, r"ec_combiner_scales: argument 'weights' must be of 4 elements"),
         "combiner_scales unknown combiner": (
-            lambda: native.combiner_scales(offsets, None, "max", 4),
+            lambda: cpu.combiner_scales(offsets, None, "max", 4),
             ValueError, r"combiner 'max' is none of \['mean', 'sqrtn', 'sum'\]"),
-        "bag_of offsets int32": (lambda: native.bag_of(offsets.int(), 4),
+        "bag_of offsets int32": (lambda: cpu.bag_of(offsets.int(), 4),
                                  TypeError, r"ec_bag_of: argument 'offsets' must be torch.int64"),
-        "expand offsets short": (lambda: native.expand(rows, order, uoff[:2]),
+        "expand offsets short": (lambda: cpu.expand(rows, order, uoff[:2]),
                                  ValueError, r"ec_expand: argument 'uoff' must be of 3 elements"),
         "concat_dedup part int32": (
-            lambda: native.concat_dedup([ids, ids.int()], [0, 10], 20),
+            lambda: cpu.concat_dedup([ids, ids.int()], [0, 10], 20),
             TypeError, r"ec_concat_dedup: argument 'parts\[1\]' must be torch.int64"),
         "ConcatDedup part of another length": (
-            lambda: native.ConcatDedup([4, 3], [0, 10], 20)([ids, ids]),
+            lambda: cpu.ConcatDedup([4, 3], [0, 10], 20)([ids, ids]),
             ValueError, r"argument 'parts\[1\]' must be of 3 elements, got 4"),
         "ConcatDedup column of another step": (
-            lambda: native.ConcatDedup([4], [0], 20)([torch.zeros(4, 3, dtype=i64)[:, 0]], [2]),
+            lambda: cpu.ConcatDedup([4], [0], 20)([torch.zeros(4, 3, dtype=i64)[:, 0]], [2]),
             ValueError, r"argument 'parts\[0\]' must be 4 int64 CPU elements 2 apart"),
-        "ConcatDedup adds short": (lambda: native.ConcatDedup([4, 4], [0], 20),
+        "ConcatDedup adds short": (lambda: cpu.ConcatDedup([4, 4], [0], 20),
                                    ValueError, r"ConcatDedup: 2 parts but 1 adds"),
-        "dedup_raw ids meta": (lambda: native.dedup_raw(_meta(ids)),
+        "dedup_raw ids meta": (lambda: cpu.dedup_raw(_meta(ids)),
                                ValueError, r"ec_dedup_raw: argument 'ids' must be on the CPU"),
         "copy_rows dst of another dtype": (
-            lambda: native.copy_rows(table, rows, torch.zeros(5, 4, dtype=torch.float64), rows),
+            lambda: cpu.copy_rows(table, rows, torch.zeros(5, 4, dtype=torch.float64), rows),
             TypeError, (r"ec_copy_rows: argument 'dst' must be torch.float32 \(as the rows it "
                        r"pairs with\)")),
         "copy_rows dst narrow": (
-            lambda: native.copy_rows(table, rows, torch.zeros(5, 3), rows),
+            lambda: cpu.copy_rows(table, rows, torch.zeros(5, 3), rows),
             ValueError, r"argument 'dst' must be 4 columns wide"),
         "copy_rows src columns apart": (
-            lambda: native.copy_rows(torch.randn(4, 10).t(), rows, torch.zeros(5, 4), rows),
+            lambda: cpu.copy_rows(torch.randn(4, 10).t(), rows, torch.zeros(5, 4), rows),
             ValueError, r"argument 'src' must be of unit column stride"),
         "copy_rows dst_rows short": (
-            lambda: native.copy_rows(table, rows, torch.zeros(5, 4), rows[:1]),
+            lambda: cpu.copy_rows(table, rows, torch.zeros(5, 4), rows[:1]),
             ValueError, r"argument 'dst_rows' must be of 2 elements, got 1"),
-        "will_need rows int32": (lambda: native.will_need(table, rows.int()),
+        "will_need rows int32": (lambda: cpu.will_need(table, rows.int()),
                                  TypeError, r"ec_will_need: argument 'rows' must be torch.int64"),
         "cache_step where int64": (cache_step(where=torch.full((20,), -1, dtype=i64)),
                                    TypeError, (r"ec_cache_step: argument 'where' must be "
@@ -1128,45 +1128,45 @@ def boundary_cases():
                                                            r"elements, got 9")),
         "cache_step n_free beyond the cache": (cache_step(n_free=5), ValueError,
                                                r"n_free must lie in \[0, 4\]"),
-        "set_flags flags int64": (lambda: native.set_flags(torch.zeros(4, dtype=i64), rows, True),
+        "set_flags flags int64": (lambda: cpu.set_flags(torch.zeros(4, dtype=i64), rows, True),
                                   TypeError, r"ec_set_flags: argument 'flags' must be"),
         "vocab_find slots empty": (vocab_find(slots=torch.zeros(0, dtype=i64)), ValueError,
                                    r"ec_vocab_find: argument 'slots' must be non-empty"),
         "vocab_find last_use short": (vocab_find(last_use=torch.zeros(3, dtype=i64)),
                                       ValueError, r"argument 'last_use' must be of 4 elements"),
         "vocab_valid born float": (
-            lambda: native.vocab_valid(rows, torch.zeros(4), 0),
+            lambda: cpu.vocab_valid(rows, torch.zeros(4), 0),
             TypeError, r"ec_vocab_valid: argument 'born' must be torch.int32 or torch.int64"),
         "vocab_step freed short": (
-            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+            lambda: cpu.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
                                       torch.zeros(4, dtype=i64), torch.zeros(4, dtype=i64), 4, 0,
                                       torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
                                       1, 0, False, 0, 3, torch.zeros(2, dtype=i64)),
             ValueError, r"ec_vocab_step: argument 'freed' must be of 3 elements, got 2"),
         "vocab_step born short": (
-            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+            lambda: cpu.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
                                       torch.zeros(4, dtype=i64), torch.zeros(3, dtype=i64), 4, 0,
                                       torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
                                       1, 0, False, 0),
             ValueError, r"ec_vocab_step: argument 'born' must be of 4 elements, got 3"),
         "vocab_step steps of two dtypes": (
-            lambda: native.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
+            lambda: cpu.vocab_step(vocab["slots"], vocab["row_key"], vocab["last_use"],
                                       torch.zeros(4, dtype=torch.int32),
                                       torch.zeros(4, dtype=i64), 4, 0,
                                       torch.zeros(0, dtype=i64), torch.zeros(0, dtype=i64),
                                       1, 0, False, 0),
             TypeError, r"ec_vocab_step: last_use, frequency and born must share one dtype"),
         "init_normal table narrow": (
-            lambda: native.init_normal(0, ids, ids, (0, 5), 0.0, 1.0, 1.0, table),
+            lambda: cpu.init_normal(0, ids, ids, (0, 5), 0.0, 1.0, 1.0, table),
             ValueError, r"ec_init_normal: columns \(0, 5\) need a table 5 wide"),
         "init_normal table float64": (
-            lambda: native.init_normal(0, ids, ids, (0, 4), 0.0, 1.0, 1.0, table.double()),
+            lambda: cpu.init_normal(0, ids, ids, (0, 4), 0.0, 1.0, 1.0, table.double()),
             TypeError, r"argument 'table' must be torch.float32"),
         "vocab_index slots int16": (
-            lambda: native.vocab_index(vocab["slots"].short(), vocab["row_key"],
+            lambda: cpu.vocab_index(vocab["slots"].short(), vocab["row_key"],
                                        torch.full((4,), -1, dtype=torch.int32)),
             TypeError, r"ec_vocab_index: argument 'slots' must be torch.int32 or torch.int64"),
-        "f32 scales as int64": (lambda: native.lookup(table, ids, offsets, ids, out()),
+        "f32 scales as int64": (lambda: cpu.lookup(table, ids, offsets, ids, out()),
                                 TypeError, (r"argument 'scales' must be torch.float32, got "
                                            r"torch.int64 \(expected a contiguous CPU float32 "
                                            r"tensor or None, read\)")),
@@ -1193,15 +1193,15 @@ def test_a_refused_call_writes_nothing():
     table, ids, offsets = torch.randn(10, 4), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 1, 4])
     out = torch.full((2, 4), float("nan"))
     with pytest.raises(ValueError, match="'scales'"):
-        native.lookup(table, ids, offsets, torch.ones(3), out)
+        cpu.lookup(table, ids, offsets, torch.ones(3), out)
     assert out.isnan().all()
     before = table.clone()
     with pytest.raises(ValueError, match="'acc'"):
-        native.sparse_update(native.ADAGRAD, table, torch.zeros(10, 3), torch.tensor([1]),
-                             native.Hyper(learning_rate=1.0), [torch.ones(1, 4)])
+        cpu.sparse_update(cpu.ADAGRAD, table, torch.zeros(10, 3), torch.tensor([1]),
+                             cpu.Hyper(learning_rate=1.0), [torch.ones(1, 4)])
     assert torch.equal(table, before)
     # and the same calls with the right arguments do run
-    native.lookup(table, ids, offsets, torch.ones(4), out)
+    cpu.lookup(table, ids, offsets, torch.ones(4), out)
     assert torch.equal(out, torch.stack([table[1], table[2:5].sum(0)]))
 
 
@@ -1210,7 +1210,7 @@ def _c_functions() -> dict[str, tuple[str, list[tuple[str, str]]]]:
     [(parameter, type)])}``, types without spaces (``const float*`` -> ``constfloat*``)."""
     import re
     functions = {}
-    for path in native.library._sources():
+    for path in cpu.library._sources():
         text = re.sub(r"//[^\n]*", "", path.read_text())
         for m in re.finditer(r"((?:const\s+)?\w+\s*\*?)\s*\b(ec_\w+)\s*\(([^)]*)\)\s*\{", text):
             params = []
@@ -1266,11 +1266,11 @@ def test_every_kernel_is_declared_as_the_c_source_defines_it():
 
 
 def test_no_assert_guards_in_native():
-    """``python -O`` removes asserts: native.py and args.py guard with explicit raises
+    """``python -O`` removes asserts: cpu.py and args.py guard with explicit raises
     only."""
     import ast
     from pathlib import Path
-    for module in (native, kernel_args):
+    for module in (cpu, kernel_args):
         tree = ast.parse(Path(module.__file__).read_text())
         assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)], (
             module.__name__)
@@ -1278,55 +1278,55 @@ def test_no_assert_guards_in_native():
 
 @requires_native
 def test_the_abi_version_has_one_source():
-    """native.ABI_VERSION reaches the library through the build's -DEC_ABI_VERSION: the built
+    """cpu.ABI_VERSION reaches the library through the build's -DEC_ABI_VERSION: the built
     library reports it, and no source file spells a version of its own."""
-    lib = native.library._load()
-    assert lib.ec_abi_version() == native.ABI_VERSION
-    assert native.DEFINES[0] == f"-DEC_ABI_VERSION={native.ABI_VERSION}"
-    assert not [d for d in native.DEFINES[1:] if not d.startswith("-DEC_RULE_")]  # (rules.py's)
-    text = "\n".join(p.read_text() for p in native.library._sources())
+    lib = cpu.library._load()
+    assert lib.ec_abi_version() == cpu.ABI_VERSION
+    assert cpu.DEFINES[0] == f"-DEC_ABI_VERSION={cpu.ABI_VERSION}"
+    assert not [d for d in cpu.DEFINES[1:] if not d.startswith("-DEC_RULE_")]  # (rules.py's)
+    text = "\n".join(p.read_text() for p in cpu.library._sources())
     assert "return EC_ABI_VERSION;" in text
     assert "#define EC_ABI_VERSION" not in text
-    assert "ec_abi_version() { return EC_ABI_VERSION; }" in native.SOURCE.read_text()
+    assert "ec_abi_version() { return EC_ABI_VERSION; }" in cpu.SOURCE.read_text()
 
 
 @pytest.mark.slow
 def test_a_build_without_the_abi_version_fails():
     """The preprocessor alone (no compile): without -DEC_ABI_VERSION the translation unit stops
-    at its #error; with it, ec_abi_version returns native.ABI_VERSION."""
+    at its #error; with it, ec_abi_version returns cpu.ABI_VERSION."""
     import subprocess
     try:
-        cxx = native.library._compiler()
+        cxx = cpu.library._compiler()
     except OSError:
         pytest.skip("no C++ compiler")
-    cmd = [cxx, "-E", "-P", "-std=c++17", str(native.SOURCE)]
+    cmd = [cxx, "-E", "-P", "-std=c++17", str(cpu.SOURCE)]
     bare = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert bare.returncode != 0 and "-DEC_ABI_VERSION" in bare.stderr
-    defined = subprocess.run(cmd[:2] + list(native.DEFINES) + cmd[2:], check=False,
+    defined = subprocess.run(cmd[:2] + list(cpu.DEFINES) + cmd[2:], check=False,
                              capture_output=True, text=True, timeout=120)
     assert defined.returncode == 0, defined.stderr[-2000:]
-    assert f"int ec_abi_version() {{ return {native.ABI_VERSION}; }}" in defined.stdout
+    assert f"int ec_abi_version() {{ return {cpu.ABI_VERSION}; }}" in defined.stdout
 
 
 def test_the_build_key_covers_every_source_file_and_the_abi_version(tmp_path, monkeypatch):
     """A change to any header or to ABI_VERSION builds a new library (a new cache key)."""
     import shutil
     csrc = tmp_path / "csrc"
-    shutil.copytree(native.CSRC, csrc)
-    sources = native.library._sources(csrc)
+    shutil.copytree(cpu.CSRC, csrc)
+    sources = cpu.library._sources(csrc)
     assert {p.name for p in sources} >= {"kernels.cpp", "common.h", "pool.h", "dedup.h",
                                          "lookup.h", "update.h", "vocab.h", "cache_index.h"}
-    key = native.library._build_key("c++", ["c++ 1"], csrc)
-    assert native.library._build_key("c++", ["c++ 1"], csrc) == key
+    key = cpu.library._build_key("c++", ["c++ 1"], csrc)
+    assert cpu.library._build_key("c++", ["c++ 1"], csrc) == key
     seen = {key}
     for p in sources:
         text = p.read_text()
         p.write_text(text + "\n// changed\n")
-        seen.add(native.library._build_key("c++", ["c++ 1"], csrc))
+        seen.add(cpu.library._build_key("c++", ["c++ 1"], csrc))
         p.write_text(text)
     assert len(seen) == len(sources) + 1  # every file moved the key
-    monkeypatch.setattr(native.library, "DEFINES", ("-DEC_ABI_VERSION=999",))
-    assert native.library._build_key("c++", ["c++ 1"], csrc) not in seen
+    monkeypatch.setattr(cpu.library, "DEFINES", ("-DEC_ABI_VERSION=999",))
+    assert cpu.library._build_key("c++", ["c++ 1"], csrc) not in seen
 
 
 def test_kernels_cpp_includes_every_header_and_the_package_ships_them():
@@ -1336,13 +1336,13 @@ def test_kernels_cpp_includes_every_header_and_the_package_ships_them():
     import fnmatch
     import re
     tomllib = pytest.importorskip("tomllib")
-    headers = {p.name for p in native.library._sources() if p.suffix == ".h"}
-    included = set(re.findall(r'#include "([\w.]+)"', native.SOURCE.read_text()))
+    headers = {p.name for p in cpu.library._sources() if p.suffix == ".h"}
+    included = set(re.findall(r'#include "([\w.]+)"', cpu.SOURCE.read_text()))
     assert headers and included == headers
-    pyproject = native.CSRC.parents[2] / "pyproject.toml"
+    pyproject = cpu.CSRC.parents[3] / "pyproject.toml"
     if not pyproject.exists():
         pytest.skip("an installed package: no pyproject.toml beside it")
     globs = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["embcore"]
-    for p in native.library._sources():
-        relative = p.relative_to(native.CSRC.parents[1]).as_posix()
+    for p in cpu.library._sources():
+        relative = p.relative_to(cpu.CSRC.parents[2]).as_posix()
         assert any(fnmatch.fnmatch(relative, g) for g in globs), relative

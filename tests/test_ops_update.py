@@ -116,7 +116,7 @@ def test_laprop_takes_the_pure_path():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         table = torch.zeros(3, 2, dtype=dtype)
         assert native_rule(opt, table) is None and not in_place_supported(opt, table)
-    assert gpu._rule(opt) is None
+    assert gpu.update_rule(opt) is None
 
 
 @settings(max_examples=examples(60), deadline=None)

@@ -1,5 +1,5 @@
 """Each optimizer is declared once (config/optimizers.py ``OptimizerRecord``): every exported
-optimizer has one record; its rule ids are the kernels' own constants (csrc/update.h, native.py,
+optimizer has one record; its rule ids are the kernels' own constants (csrc/update.h, cpu.py,
 triton_kernels.py); the kernel choice read from the records gives the answers the per-class
 lists gave; the spec's and ``resolve_optimizer``'s names are the records'."""
 
@@ -19,11 +19,12 @@ from embcore.config import optimizers as eo
 from embcore.config.optimizers import Optimizer, record_of, records
 from embcore.config.spec import OPTIMIZERS
 from embcore.config.torch_optim import resolve_optimizer
-from embcore.kernels import gpu, native, rules, triton_kernels
+from embcore.kernels import cpu, gpu, rules
+from embcore.kernels.gpu import rows as triton_kernels
 from embcore.kernels.rules import Rule
 from embcore.ops import update
 
-CSRC = native.CSRC / "update.h"
+CSRC = cpu.CSRC / "update.h"
 EXPORTED = {getattr(ec, name) for name in ec.__all__
             if inspect.isclass(getattr(ec, name)) and issubclass(getattr(ec, name), Optimizer)}
 # The rule of each optimizer that has one (kernels/rules.py).
@@ -72,7 +73,7 @@ def test_a_subclass_has_no_record_of_its_own():
         Mine(initial_accumulator_value=-1.0)
     table = torch.zeros(3, 2)
     assert update.native_rule(opt, table) is None and not update.in_place_supported(opt, table)
-    assert gpu._rule(opt) is None
+    assert gpu.update_rule(opt) is None
     with pytest.raises(ValueError, match="Mine is not one of"):
         ec.EmbeddingSpec(ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=3, dim=2)), opt)
 
@@ -89,9 +90,9 @@ def test_rules_are_numbered_once_in_kernels_rules():
     cpp = dict(re.findall(r"(k\w+)\s*=\s*(\w+)", enum.group(1)))
     assert cpp == {"kSGD": "EC_RULE_SGD", "kAdagrad": "EC_RULE_ADAGRAD",
                    "kRowwiseAdagrad": "EC_RULE_ROWWISE_ADAGRAD"}
-    assert {f"-DEC_RULE_{r.name}={int(r)}" for r in Rule} <= set(native.DEFINES)
-    assert native.update._RULES == {int(r): r.name for r in rules.NATIVE}
-    assert (native.SGD, native.ADAGRAD, native.ROWWISE_ADAGRAD) == (
+    assert {f"-DEC_RULE_{r.name}={int(r)}" for r in Rule} <= set(cpu.DEFINES)
+    assert cpu.update._RULES == {int(r): r.name for r in rules.NATIVE}
+    assert (cpu.SGD, cpu.ADAGRAD, cpu.ROWWISE_ADAGRAD) == (
         Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD)
 
 
@@ -112,8 +113,8 @@ TABLES = {"f32": torch.zeros(4, 3), "f16": torch.zeros(4, 3, dtype=torch.float16
           "f64": torch.zeros(4, 3, dtype=torch.float64), "noncontig": torch.zeros(3, 4).t()}
 _ = None
 S, A, R = Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD  # the fused CPU kernel's rules
-# optimizer: (native_rule on TABLES, in_place_supported on TABLES, gpu._rule), as the code gave
-# them before the records (ops/update.py _RULES and its type lists, kernels/gpu.py's if-chain).
+# optimizer: (native_rule on TABLES, in_place_supported on TABLES, gpu.update_rule), as the code gave
+# them before the records (ops/update.py _RULES and its type lists, kernels/gpu/launch.py's if-chain).
 DISPATCH = [
     (ec.SGD(), (S, S, S, _, _), (1, 0, 0, 1, 1), (1, (), False, False)),
     (ec.SGD(clipvalue=1.0), (S, S, S, _, _), (0, 0, 0, 0, 0), (1, (), False, False)),
@@ -147,11 +148,11 @@ DISPATCH = [
                          ids=[repr(case[0]) for case in DISPATCH])
 def test_dispatch_reads_the_records_as_the_lists_did(opt, natives, in_place, triton):
     for (name, table), want_native, want_in_place in zip(TABLES.items(), natives, in_place):
-        if not native.usable(table):  # kernels not built here: the fused kernel never applies
+        if not cpu.usable(table):  # kernels not built here: the fused kernel never applies
             want_native = None
         assert update.native_rule(opt, table) == want_native, name
         assert update.in_place_supported(opt, table) is bool(want_in_place), name
-    got = gpu._rule(opt)
+    got = gpu.update_rule(opt)
     assert got == triton
     if got is not None:
         assert all(type(x) is type(y) for x, y in zip(got[1], triton[1]))
@@ -165,7 +166,7 @@ def test_every_record_is_covered_by_the_dispatch_table():
 
 def test_native_sparse_update_refuses_a_rule_no_record_names():
     with pytest.raises(ValueError, match=r"rule 7 is none of SGD, ADAGRAD, ROWWISE_ADAGRAD"):
-        native.sparse_update(7, torch.zeros(2, 2), None, torch.tensor([0]), native.Hyper(0.1),
+        cpu.sparse_update(7, torch.zeros(2, 2), None, torch.tensor([0]), cpu.Hyper(0.1),
                              [torch.zeros(1, 2)])
 
 

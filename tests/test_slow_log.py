@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import embcore as ec
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.state import cache as cache_module
 from embcore.state.cache import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
 from embcore.state.slow_log import RecordLog, places_for
@@ -223,7 +223,7 @@ def _train(tmp_path: Path, writes: str, monkeypatch: pytest.MonkeyPatch,
     return state, outs + [mid["t0/parameters"]], stats
 
 
-@pytest.mark.skipif(not native.usable(torch.zeros(1)) or not hasattr(os, "pwrite"),
+@pytest.mark.skipif(not cpu.usable(torch.zeros(1)) or not hasattr(os, "pwrite"),
                     reason="the log writes by pwrite beside the CPU kernels")
 def test_engine_behind_a_log_equals_in_place_and_memory(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ from switches import kernels
 
 import embcore as ec
 from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.ops.checksum import move_summed, row_sums
 from embcore.state import cache as cache_module
 from embcore.state.cache import WRITES_ENV, records, slow_file
@@ -69,10 +69,10 @@ def _overwrite(path: Path, offset: int, data: bytes) -> None:
                                          (torch.bfloat16, 5), (torch.float64, 2),
                                          (torch.float32, 1), (torch.float32, 67)])
 def test_the_kernel_matches_the_reference_bit_for_bit(dtype: torch.dtype, width: int) -> None:
-    """native.copy_rows_summed (through move_summed) against row_sums, the torch reference:
+    """cpu.copy_rows_summed (through move_summed) against row_sums, the torch reference:
     the checksums set, the rows copied, and a row with one bit changed found (the kernels on
     and off)."""
-    if not native.available():
+    if not cpu.available():
         pytest.skip("the fused CPU kernels are not built here")
     g = torch.Generator().manual_seed(width)
     n = 300

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from native_required import requires_native
 from profiles import examples
 
-from embcore.kernels import native
+from embcore.kernels import cpu
 from embcore.state import id_map as vocab
 from embcore.state.id_map import NativeVocabMap, VocabMap, vocab_map
 from embcore.state.id_map_reference import ReferenceVocabulary
@@ -442,20 +442,20 @@ def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, 
     m = NativeVocabMap(capacity, name="t7", **cfg)
     try:
         for (ids, training), on in zip(steps, kernels_on):
-            native.set_enabled(on)
+            cpu.set_enabled(on)
             run_step([m], v, ids, training)
     finally:
-        native.set_enabled(True)
+        cpu.set_enabled(True)
 
 
 def test_vocab_map_picks_the_kernels_on_the_cpu():
-    want = NativeVocabMap if native.available() else VocabMap
+    want = NativeVocabMap if cpu.available() else VocabMap
     assert type(vocab_map(4, eviction="lfu")) is want
-    previous = native.set_enabled(False)
+    previous = cpu.set_enabled(False)
     try:
         assert type(vocab_map(4)) is VocabMap
     finally:
-        native.set_enabled(previous)
+        cpu.set_enabled(previous)
 
 
 # ---------------------------------------------------------------- the native map's compact layout
@@ -718,7 +718,7 @@ def test_maps_stepped_together_equal_each_map_stepped_alone(case, threads):
             assert new_rows.tolist() == [x for k, w in zip(named, want)
                                          for x in (w[2] + starts[k]).tolist()]
             for k, w in zip(named, want):
-                native.init_normal(seeds[k], w[1], w[2] + starts[k], (0, d), 0.05, width, 2.0,
+                cpu.init_normal(seeds[k], w[1], w[2] + starts[k], (0, d), 0.05, width, 2.0,
                                    want_table)
                 for (_, value), want_slot in zip(slots, want_slots):
                     want_slot.index_fill_(0, w[2] + starts[k], value)
@@ -772,7 +772,7 @@ def test_maps_stepped_together_refuse_runs_that_do_not_fit_and_change_nothing():
     maps = [NativeVocabMap(10, name="a"), NativeVocabMap(10, name="b")]
     maps[0].train_step(ids_tensor([5]))
     before = [snapshot(m) for m in maps]
-    fields = torch.zeros(2, len(native.MAP_FIELDS), dtype=I64)
+    fields = torch.zeros(2, len(cpu.MAP_FIELDS), dtype=I64)
     cases = [
         (lambda: vocab.train_steps(maps, ids_tensor([1, 2, 3]), [1, 1], [0, 10], [1, 2]),
          r"train_steps of \['a', 'b'\]"),
@@ -782,10 +782,10 @@ def test_maps_stepped_together_refuse_runs_that_do_not_fit_and_change_nothing():
          r"train_steps of \['a', 'b'\]"),
         (lambda: vocab.find_many(maps, ids_tensor([1, 2]).reshape(1, 2), [1, 1], [0, 10], -1),
          r"find_many of \['a', 'b'\]"),
-        (lambda: native.dedup_raw_runs([ids_tensor([1])], [2]), "ec_dedup_raw_runs: runs"),
-        (lambda: native.vocab_find_many(fields, ids_tensor([1, 2]), ids_tensor([0, 5, 2])),
+        (lambda: cpu.dedup_raw_runs([ids_tensor([1])], [2]), "ec_dedup_raw_runs: runs"),
+        (lambda: cpu.vocab_find_many(fields, ids_tensor([1, 2]), ids_tensor([0, 5, 2])),
          "ec_vocab_find_many: offsets"),
-        (lambda: native.vocab_step_many(fields, ids_tensor([1, 2]), ids_tensor([0, 1, 2]),
+        (lambda: cpu.vocab_step_many(fields, ids_tensor([1, 2]), ids_tensor([0, 1, 2]),
                                         ids_tensor([0, 1]), ids_tensor([2, 0]),
                                         torch.zeros(14, dtype=I64), None),
          "ec_vocab_step_many: missing"),

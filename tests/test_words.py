@@ -26,7 +26,7 @@ REPO_DIRS = ("embcore/", "tests/", "docs/", "benchmarks/", "examples/")
 # ----------------------------------------------------------------------------- citations
 CITATION = re.compile(r"\bDESIGN(?:\.md\b|\s+(?:section\s+)?§?\s*\d)|\bissues?\s*#?\s*\d+",
                       re.IGNORECASE)
-CITATION_FILES = ("embcore/**/*.py", "embcore/kernels/csrc/*", "benchmarks/**/*.py", "benchmarks/*.md",
+CITATION_FILES = ("embcore/**/*.py", "embcore/kernels/cpu/csrc/*", "benchmarks/**/*.py", "benchmarks/*.md",
                   "benchmarks/**/*.md")
 
 
@@ -295,3 +295,40 @@ def test_paths_in_the_docs_exist():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         problems += path_problems(doc.read_text(), str(doc.relative_to(ROOT)))
     assert not problems, "paths in backticks that do not exist:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------- file names in the README and the code's comments
+def comment_problems(text: str, doc: str, c_comments: bool) -> list[str]:
+    """Every file a document names that does not exist: in backticks (README), or anywhere in a
+    C source's ``//`` comments (``c_comments``), resolved as docs/architecture.md's are."""
+    problems: list[str] = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if c_comments:
+            spans = [line.split("//", 1)[1]] if "//" in line else []
+        else:
+            spans = re.findall(r"`([^`]+)`", line)
+        for span in spans:
+            for m in FILE_REF.finditer(span):
+                ref = m.group(1)
+                if ref.startswith(("tests/", "docs/", "benchmarks/", "examples/")):
+                    continue  # (test_paths_in_the_docs_exist checks repository paths)
+                _check(ref, [], f"{doc}:{i}", problems)
+    return problems
+
+
+def test_the_comment_checker_finds_stale_file_names(tmp_path, monkeypatch):
+    _fake_tree(tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PKG", tmp_path / "embcore")
+    c = "// base/comm.py checks it (and native.py did)\nint x;  // pool.h\n"
+    assert comment_problems(c, "k.h", True) == ["k.h:1: native.py: no such file under embcore/"]
+    readme = "`engine.py` and `gone.py`; gone.py outside backticks is prose\n"
+    assert comment_problems(readme, "R", False) == ["R:1: gone.py: no such file under embcore/"]
+
+
+def test_file_names_in_the_readme_and_the_c_comments_exist():
+    problems = comment_problems((ROOT / "README.md").read_text(), "README.md", False)
+    for source in sorted((PKG / "kernels").rglob("*.[hc]*")):
+        if source.suffix in (".h", ".cpp", ".c"):
+            problems += comment_problems(source.read_text(), str(source.relative_to(ROOT)), True)
+    assert not problems, "file names that do not exist:\n" + "\n".join(problems)

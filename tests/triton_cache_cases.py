@@ -1,5 +1,5 @@
 """Tables beyond device memory: the cache's index on the device (state/device_cache_index.py) and
-its rows moved by the GPU (kernels/triton_move.py), against runs held entirely in memory.
+its rows moved by the GPU (kernels/gpu/move.py), against runs held entirely in memory.
 
 Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on
 CPU tensors, the GPU's choice points forced onto them (``gpu.force_on_cpu``: an engine on the CPU

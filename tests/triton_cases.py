@@ -1,4 +1,4 @@
-"""The Triton kernels (kernels/gpu.py, kernels/triton_kernels.py) against the loop references.
+"""The Triton kernels (kernels/gpu/launch.py, kernels/gpu/rows.py) against the loop references.
 
 On a machine with a CUDA GPU the kernels run compiled, on CUDA tensors. Without one, they run in
 Triton's interpreter on CPU tensors: this file sets ``TRITON_INTERPRET=1`` itself before it imports

@@ -1,7 +1,7 @@
 """The device map's and the device cache's Triton kernels compile for an H100 (sm_90), no GPU
 needed: Triton's interpreter runs a kernel's Python, not its compilation, and has let through
 errors that only the compiler sees (benchmarks/RESULTS.md, GPU). Each kernel is compiled to a
-cubin (Triton's bundled ptxas) with the argument types its wrapper in kernels/gpu.py passes.
+cubin (Triton's bundled ptxas) with the argument types its wrapper in kernels/gpu/launch.py passes.
 
 tests/test_triton.py runs this file in a fresh interpreter without ``TRITON_INTERPRET`` (the
 kernels must be decorated for compiling). Skipped when triton is not installed, or where this
@@ -21,7 +21,7 @@ import os  # noqa: E402
 
 import triton  # noqa: E402
 
-from embcore.kernels import triton_hash, triton_move  # noqa: E402
+from embcore.kernels.gpu import index as triton_hash, move as triton_move  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the kernels are decorated for the interpreter (run this "

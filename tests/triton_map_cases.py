@@ -1,4 +1,4 @@
-"""The raw-id map on the device (state/device_map.py, state/device_hash.py, kernels/triton_hash.py)
+"""The raw-id map on the device (state/device_map.py, state/device_hash.py, kernels/gpu/index.py)
 against the oracle (``ReferenceVocabulary``) and the torch-ops ``VocabMap``, bit for bit.
 
 Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on

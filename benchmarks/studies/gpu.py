@@ -15,7 +15,7 @@ Workloads (one feature per table, ids uniform over the table):
   tables + Adagrad accumulators per system).
 
 Systems, each timed alone (the previous one freed): ``embcore-triton`` (``ec.Embedding`` on
-``device="cuda"``; lookup and fused backward + update in kernels/triton_kernels.py), ``embcore-torch``
+``device="cuda"``; lookup and fused backward + update in kernels/gpu/rows.py), ``embcore-torch``
 (the same engine with the Triton kernels switched off: embedding_bag and the optimizers' torch
 ops) and ``plain`` (one ``nn.EmbeddingBag(mode="sum", sparse=True)`` per table and
 ``torch.optim.Adagrad`` / ``torch.optim.SparseAdam``).
@@ -50,6 +50,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import embcore as ec  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
+from embcore.kernels.gpu import launch  # noqa: E402
 
 # Peak memory bandwidth (bytes/s) by a substring of torch.cuda.get_device_name().
 PEAKS = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100-SXM4-80GB", 2.039e12),
@@ -199,14 +200,14 @@ class _triton:
         self.enabled = enabled
 
     def __enter__(self):
-        self.saved = gpu._kernels
+        self.saved = launch._kernels
         if not self.enabled:
-            gpu._kernels = False
-        elif gpu._kernels is False:
+            launch._kernels = False
+        elif launch._kernels is False:
             raise SystemExit(f"triton does not load: {gpu.error()}")
 
     def __exit__(self, *exc):
-        gpu._kernels = self.saved
+        launch._kernels = self.saved
 
 
 def time_loop(fn, natives, steps: int, warmup: int, repeats: int, device) -> float:

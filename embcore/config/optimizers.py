@@ -9,11 +9,11 @@ scatters the result.
 Each optimizer is declared once, here: its class (hyper-parameters with TF's defaults, and
 ``_rule``, the torch math of step 3 below) and, beside it, its ``OptimizerRecord`` (``@_declare``:
 the ranges its hyper-parameters are checked against, its slots, the name users may give, and which
-kernel runs it: the fused CPU kernel's and the Triton kernel's rule ids, the Triton kernel's own
+kernel runs it: the name of its kernels' rule (kernels/rules.py), the Triton kernel's own
 hyper-parameters, the torch-ops in-place rule). Everything else reads the records
 (``records()``, ``record_of``): the spec's names, ``resolve_optimizer``'s names, and the kernel
-choice of ``ops/update.py`` and ``kernels/gpu.py``. Adding an optimizer is a class and its record
-here, its loop in ``ops/reference_optim.py``, and the kernel sources if a kernel runs it.
+choice of ``ops/update.py`` and ``kernels/gpu/launch.py``. Adding an optimizer is a class and its
+record here, its loop in ``ops/reference_optim.py``, and the kernel sources if a kernel runs it.
 
 The update of a touched row with summed gradient ``g`` (weights ``w``, learning rate ``lr``):
 

@@ -24,7 +24,7 @@ import torch
 
 from ..base.compat import jagged_parts, sparse_parts
 from ..config.tables import FeatureConfig
-from ..kernels import native
+from ..kernels import cpu
 from ..ops.bags import Bags, bag_index
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -147,9 +147,9 @@ def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combine
     ``seg``: each id's bag when the caller has it; every size then follows from it, not from
     ``nnz`` (a sparse input's number of entries is not a traced size under torch.export).
     """
-    if native.usable(offsets) and offsets.is_contiguous() and (
+    if cpu.usable(offsets) and offsets.is_contiguous() and (
             weights is None or weights.is_contiguous()):
-        return native.combiner_scales(offsets, weights, combiner, nnz)
+        return cpu.combiner_scales(offsets, weights, combiner, nnz)
     w = weights if weights is not None else (
         torch.ones(nnz, dtype=torch.float32, device=offsets.device) if seg is None
         else torch.ones_like(seg, dtype=torch.float32))  # (nnz,)
@@ -364,8 +364,8 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
     n = offsets.numel()
     if tracing():
         return offsets
-    if native.usable(offsets):
-        bad = native.offsets_error(offsets, nnz)
+    if cpu.usable(offsets):
+        bad = cpu.offsets_error(offsets, nnz)
     else:
         falls = offsets[1:] < offsets[:-1]  # (B,)
         first, fall, last = torch.stack([offsets[0] != 0, falls.any(),
@@ -404,8 +404,8 @@ def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tup
     indices = indices.to(torch.int64).contiguous()
     if indices.shape[1] == 0 or tracing():
         return indices
-    if native.usable(indices):
-        bounds = [native.minmax(indices[d]) for d in range(k)]
+    if cpu.usable(indices):
+        bounds = [cpu.minmax(indices[d]) for d in range(k)]
     else:
         lo, hi = torch.aminmax(indices, dim=1)  # (k,), (k,)
         bounds = list(zip(*torch.stack([lo, hi]).tolist()))  # one host sync
@@ -427,8 +427,8 @@ def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
         return True
     if tracing():
         return False  # (sorting costs the traced program nothing it cannot branch on)
-    if native.usable(indices):
-        return native.first_unordered(indices) < 0
+    if cpu.usable(indices):
+        return cpu.first_unordered(indices) < 0
     # In-range indices: lexicographic order is the order of the linearized index.
     strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
                            dtype=torch.int64, device=indices.device)
@@ -441,8 +441,8 @@ def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
     says, since the lookups and updates read and write ``table + id * D`` unchecked. (Not while
     tracing for export: the exported program's own gathers check their indices.)"""
     if ids.numel() and not tracing():
-        if native.usable(ids) and ids.is_contiguous():
-            lo_v, hi_v = native.minmax(ids)
+        if cpu.usable(ids) and ids.is_contiguous():
+            lo_v, hi_v = cpu.minmax(ids)
         else:
             lo_v, hi_v = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
         if lo_v < 0 or hi_v >= vocab:

@@ -3,7 +3,7 @@
 An optimizer's record (config/optimizers.py) names its rule (``rule="ADAGRAD"``); the kernels
 implement some of them: the fused CPU kernel (csrc/update.h, whose ``enum Rule`` takes these
 numbers from the compiler's ``-DEC_RULE_<NAME>`` flags, ``DEFINES``) the first three, the Triton
-kernel (triton_kernels.py, whose ``RULE`` constants are these numbers) all of them. ``NONE`` is
+kernel (gpu/rows.py, whose ``RULE`` constants are these numbers) all of them. ``NONE`` is
 the Triton kernel's pass that only sums the gradients (the combine's backward).
 
 >>> Rule["ADAGRAD"] in NATIVE, Rule["ADAM"] in NATIVE, Rule["ADAM"] in TRITON
@@ -26,9 +26,9 @@ class Rule(enum.IntEnum):
 
 
 NATIVE = frozenset({Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD})  # csrc/update.h
-TRITON = frozenset(Rule) - {Rule.NONE}                              # triton_kernels.py
+TRITON = frozenset(Rule) - {Rule.NONE}                              # gpu/rows.py
 
-# the C compiler's definitions: the C enum's values (kernels/native/library.py passes them)
+# the C compiler's definitions: the C enum's values (kernels/cpu/library.py passes them)
 DEFINES = tuple(f"-DEC_RULE_{r.name}={r.value}" for r in Rule)
 
 

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 
 
 @dataclass
@@ -60,8 +60,8 @@ class Bags:
 
 def bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     """(nnz,) int64: the bag of every occurrence of (R + 1,) int64 ``offsets`` (valid ones)."""
-    if native.usable(offsets) and offsets.is_contiguous():
-        return native.bag_of(offsets, nnz)
+    if cpu.usable(offsets) and offsets.is_contiguous():
+        return cpu.bag_of(offsets, nnz)
     lengths = offsets[1:] - offsets[:-1]  # (R,)
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
                                    output_size=nnz)
@@ -117,9 +117,9 @@ def concat_dedup(parts: list[torch.Tensor], adds: list[int],
         a radix sort (it needs the bound), raw ids by hashing (their distinct ids then come in
         order of first occurrence, and the inverse comes with them).
     """
-    usable = native.usable(*parts)
+    usable = cpu.usable(*parts)
     if num_rows is not None and usable:
-        got = native.concat_dedup([t.contiguous() for t in parts], adds, num_rows)
+        got = cpu.concat_dedup([t.contiguous() for t in parts], adds, num_rows)
         assert not isinstance(got, int)  # (no limits: always a result)
         ids, unique, order, uoff = got
         return ids, Dedup(unique, order, uoff)
@@ -127,7 +127,7 @@ def concat_dedup(parts: list[torch.Tensor], adds: list[int],
     ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
     if usable:  # raw ids
         ids = ids.contiguous()
-        unique, inverse, order, uoff = native.dedup_raw(ids)
+        unique, inverse, order, uoff = cpu.dedup_raw(ids)
         dd = Dedup(unique, order, uoff)
         dd.__dict__["inverse"] = inverse  # the cached_property's value, known already
         return ids, dd

@@ -1,5 +1,5 @@
 """The slow tier's row checksums: their definition (torch ops, the reference) and a move of rows
-that writes or checks them (the fused CPU kernel ``native.copy_rows_summed``, else torch ops).
+that writes or checks them (the fused CPU kernel ``cpu.copy_rows_summed``, else torch ops).
 
 A row of an offloaded table is its parameters and its optimizer slots, arrays ``a_1 .. a_k`` in
 that order (docs/semantics.md, tables beyond memory). Its checksum, a 32-bit number:
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 
 WEIGHT = 0x9E3779B1
 PRIME = 0x01000193
@@ -63,14 +63,14 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
     n = src_rows.numel()
     if n == 0:
         return -1
-    if native.usable(src_rows, keys, sums, *src, *(dst or ())):
+    if cpu.usable(src_rows, keys, sums, *src, *(dst or ())):
         acc = torch.empty(n, dtype=torch.int32)
         src_rows, keys = src_rows.contiguous(), keys.contiguous()
         dst_rows = dst_rows.contiguous() if dst_rows is not None else None
         last = len(src) - 1
         bad = -1
         for a, s in enumerate(src):
-            bad = native.copy_rows_summed(s, src_rows, None if dst is None else dst[a], dst_rows,
+            bad = cpu.copy_rows_summed(s, src_rows, None if dst is None else dst[a], dst_rows,
                                           keys, acc, a == 0, sums if a == last else None, verify)
         return bad
     moved = [s.index_select(0, src_rows.to(s.device)) for s in src]  # (n, w_a) each

@@ -7,11 +7,12 @@ Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
 On the CPU with float32, float16 or bfloat16 tables the forward is the fused kernel
-``native.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched;
+``cpu.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched;
 16-bit rows widened to float32 as they are read, so their activations are float32); on CUDA
-(those tables, float32 gradients) both directions are the Triton kernels of ``kernels/gpu.py`` (the
-same sums in the same order, within float rounding: tests/triton_cases.py); the training backward
-of a local table is fused into the optimizer update (``ops/update.py``).
+(those tables, float32 gradients) both directions are the Triton kernels of
+``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
+tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
+(``ops/update.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.dtypes import is_working
-from ..kernels import gpu, native
+from ..kernels import cpu, gpu
 from ..numerics.rounding import ROW_TYPES
 from .bags import Bags, Dedup
 from .workspace import Workspace
@@ -35,7 +36,7 @@ def _differentiable(table: torch.Tensor) -> bool:
 
 def _native(table: torch.Tensor) -> bool:
     """Whether the fused CPU lookup reads ``table`` (the rows' dtype and layout, the kernels)."""
-    return table.dtype in ROW_TYPES and table.is_contiguous() and native.usable(table)
+    return table.dtype in ROW_TYPES and table.is_contiguous() and cpu.usable(table)
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
@@ -57,7 +58,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
         return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
     if _native(table) and index.is_cpu and not _differentiable(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
-        return native.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
+        return cpu.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
     work = table if is_working(table) else table.float()
     if bags.offsets is None or bags.scales is None:
         out = F.embedding(index, work)  # (R, D)
@@ -71,7 +72,7 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
 class TableCombine:
     """``combine`` over one table, the kernel chosen once: a rows object (state/rows.py) keeps
     one while it holds the table (its dtype, layout and device fixed), so the fused CPU lookup
-    is chosen here, its table's arguments bound once (``native.TableLookup``), and again only
+    is chosen here, its table's arguments bound once (``cpu.TableLookup``), and again only
     when the kernels are switched on or off. A call that the fused lookup does not take (the
     table made differentiable, an index elsewhere) goes through ``combine``: the same values.
 
@@ -84,13 +85,13 @@ class TableCombine:
         self._choose()
 
     def _choose(self) -> None:
-        self._switch = native.enabled()
+        self._switch = cpu.enabled()
         t = self.table
-        self._kernel = native.TableLookup(t) if _native(t) else None
+        self._kernel = cpu.TableLookup(t) if _native(t) else None
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
-        if self._switch is not native.enabled():
+        if self._switch is not cpu.enabled():
             self._choose()
         kernel = self._kernel
         if kernel is None or not index.is_cpu or _differentiable(self.table):

@@ -11,7 +11,7 @@ each call, or once per table by ``TableUpdate``, which the rows objects keep), f
 optimizer's record (``config/optimizers.py OptimizerRecord``: the name of its kernels' rule, whose
 number and kernels kernels/rules.py gives):
 
-1. the fused CPU kernel (``native.sparse_update``, the records' ``rule`` in ``rules.NATIVE``: SGD,
+1. the fused CPU kernel (``cpu.sparse_update``, the records' ``rule`` in ``rules.NATIVE``: SGD,
    Adagrad and RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU
    (a 16-bit row widened, updated in float32 and rounded back in the same pass); each touched row
    and its accumulator are read and written once, and from ``OutputGrads`` the row gradients are
@@ -28,8 +28,9 @@ number and kernels kernels/rules.py gives):
    (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
 
-Hyper-parameters reach the kernel by name (``native.Hyper``, mirrored by ``EcHyper`` in C++).
-Every path is tested against ``ops/reference_optim.py`` (tests/test_ops_update.py, test_native.py).
+Hyper-parameters reach the kernel by name (``cpu.Hyper``, mirrored by ``EcHyper`` in C++).
+Every path is tested against ``ops/reference_optim.py`` (tests/test_ops_update.py,
+tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 
 from ..config.dtypes import is_working
 from ..config.optimizers import Optimizer, record_of
-from ..kernels import gpu, native, rules
+from ..kernels import cpu, gpu, rules
 from ..numerics import rounding
 from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
 from .combine import OutputGrads, row_gradients
@@ -90,7 +91,7 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
     if rule is not None:
         rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
         flags = _flags(rows, workspace) if guard else None
-        count = native.sparse_update(
+        count = cpu.sparse_update(
             rule, table, slots.get("accumulators"), rows,
             _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier), grads, starts, uoff,
             order, bags, scales, round_to, flags)
@@ -144,7 +145,7 @@ class TableUpdate:
     A rows object (state/rows.py) keeps one per optimizer: its table's dtype, layout and device
     are fixed while it holds it, so the choice ``update`` makes every call (the fused CPU
     kernel, the Triton kernel, or the general paths) is made here when the object is made, and
-    again only when the kernels are switched on or off (``native.set_enabled``). The fused
+    again only when the kernels are switched on or off (``cpu.set_enabled``). The fused
     kernel's hyper-parameters are kept per learning rate and gradient multiplier (a schedule:
     the last few). Every call gives what ``update`` gives, bit for bit (it is ``update`` but for
     the dispatch; tests/test_bound_kernels.py).
@@ -159,16 +160,16 @@ class TableUpdate:
     def __init__(self, table: torch.Tensor, slots: dict[str, torch.Tensor],
                  optimizer: Optimizer) -> None:
         self.table, self.slots, self.optimizer = table, slots, optimizer
-        self._hypers: dict[tuple[float, float | None], native.Hyper] = {}
+        self._hypers: dict[tuple[float, float | None], cpu.Hyper] = {}
         self._choose()
 
     def _choose(self) -> None:
         """The fused CPU kernel's rule when it takes every call to this table (None: each call
         goes through ``update``), under the kernels' current switch."""
-        self._switch = native.enabled()
+        self._switch = cpu.enabled()
         rule = native_rule(self.optimizer, self.table)
         self._kernel = (None if rule is None else
-                        native.SparseUpdate(rule, self.table, self.slots.get("accumulators")))
+                        cpu.SparseUpdate(rule, self.table, self.slots.get("accumulators")))
 
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
                  step: int, workspace: Workspace | None = None, *,
@@ -176,7 +177,7 @@ class TableUpdate:
                  round_to: Rounding | None = None, guard: bool = False) -> torch.Tensor | None:
         """``update(table, slots, rows, grad, optimizer, lr, step, workspace, ...)``."""
         opt = self.optimizer
-        if self._switch is not native.enabled():
+        if self._switch is not cpu.enabled():
             self._choose()
         kernel = self._kernel
         if kernel is None:
@@ -239,10 +240,10 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     rule = None if record is None or opt.updates_every_row else rules.of(record.rule, rules.NATIVE)
     if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
         return None
-    return rule if native.usable(table) else None
+    return rule if cpu.usable(table) else None
 
 
-def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> native.Hyper:
+def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> cpu.Hyper:
     """The fused kernel's hyper-parameters of ``opt`` by name, with this step's learning rate and
     evaluated gradient multiplier (``opt.current_gradient_multiplier(step)``; None: 1)."""
     inf = float("inf")
@@ -251,7 +252,7 @@ def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> n
     wd = float(opt.weight_decay_factor or 0.0)
     if opt.multiply_weight_decay_factor_by_learning_rate:
         wd *= lr
-    return native.Hyper(
+    return cpu.Hyper(
         learning_rate=lr, gradient_multiplier=gmul,
         clip_min=-inf if lo is None else float(lo), clip_max=inf if hi is None else float(hi),
         weight_decay=wd,

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from ..formats.files import pid_alive
-from ..kernels import gpu, native
+from ..kernels import cpu, gpu
 from ..ops.checksum import move_summed
 from ..ops.memory import advise_random, empty_table, populate
 from .cache_index import MAX_CAPACITY, CacheIndex
@@ -78,7 +78,7 @@ SPARE_STEPS = 16
 # A move of rows to or from the slow tier's files that took longer than this per row waited
 # for the disk (a page fault reads 4 KiB; from the page cache a row moves in well under a
 # microsecond): the next moves ask for all their rows' pages first (``madvise(MADV_WILLNEED)``,
-# ``native.will_need``), so that the disk reads them with many requests in flight, until a move
+# ``cpu.will_need``), so that the disk reads them with many requests in flight, until a move
 # is fast again (the advice costs a system call per row, 0.45 us on a resident page).
 SLOW_ROW_SECONDS = 2e-6
 SLOW_ROW_MIN_ROWS = 64  # moves of fewer rows are not timed
@@ -804,9 +804,9 @@ class CachedRows:
     def _move(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Copies shard rows ``rows`` of the slow tier to cache rows ``slots`` (``to_cache``), or
         back; the parameters and every slot, whole rows. One pass per array on the CPU kernels
-        (``native.copy_rows``), else a gather and a scatter. From mapped files, while moves wait
+        (``cpu.copy_rows``), else a gather and a scatter. From mapped files, while moves wait
         for the disk, the rows' pages are asked for first (``SLOW_ROW_SECONDS``)."""
-        direct = self.device.type == "cpu" and native.usable(rows)
+        direct = self.device.type == "cpu" and cpu.usable(rows)
         timed = direct and self.mapped and rows.numel() >= SLOW_ROW_MIN_ROWS
         if direct:
             rows, slots = rows.contiguous(), slots.contiguous()
@@ -900,7 +900,7 @@ class CachedRows:
             mapping = slow.untyped_storage().data_ptr()
             if mapping not in seen:
                 seen.add(mapping)
-                native.will_need(slow, rows)
+                cpu.will_need(slow, rows)
 
     def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
               direct: bool) -> None:
@@ -927,7 +927,7 @@ class CachedRows:
             src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache
                                             else (cache, slots, slow, rows))
             if direct:
-                native.copy_rows(src, src_rows, dst, dst_rows)
+                cpu.copy_rows(src, src_rows, dst, dst_rows)
             else:
                 dst.index_copy_(0, dst_rows.to(dst.device),
                                 src.index_select(0, src_rows.to(src.device)).to(dst.device))

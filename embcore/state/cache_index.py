@@ -19,7 +19,7 @@ rows form a stack.
 - misses take cache rows from the top of the stack, in their order, and are returned (to be read).
 
 Which rows the cache keeps decides only where a row is, never what it holds: results do not
-depend on this policy. ``step`` runs on the fused kernels (``native.cache_step``) and otherwise
+depend on this policy. ``step`` runs on the fused kernels (``cpu.cache_step``) and otherwise
 on torch ops, below, which are also its specification (tests/test_cache_index.py holds them
 equal).
 """
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 
 MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
 FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
@@ -79,8 +79,8 @@ class CacheIndex:
         if rows.numel() > self.capacity:
             return None
         self.clock += 1
-        if native.usable(rows):
-            got = native.cache_step(rows.contiguous(), self.where, self.owner, self.stamp,
+        if cpu.usable(rows):
+            got = cpu.cache_step(rows.contiguous(), self.where, self.owner, self.stamp,
                                     self.dirty, self.fresh, self.free, self.n_free, self.clock,
                                     spare, self.bounds if count else None,
                                     self.counts if count else None)
@@ -149,8 +149,8 @@ class CacheIndex:
 
     def mark(self, flags: torch.Tensor, slots: torch.Tensor) -> None:
         """``flags[slots] = True`` (``dirty`` or ``fresh``; ``slots`` (n,) int64 CPU)."""
-        if native.usable(slots):
-            native.set_flags(flags, slots.contiguous(), True)
+        if cpu.usable(slots):
+            cpu.set_flags(flags, slots.contiguous(), True)
         else:
             flags[slots] = True
 

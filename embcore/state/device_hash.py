@@ -3,7 +3,7 @@
 ``DeviceHash`` is an index of a ``DeviceVocabMap`` (state/device_map.py): raw id -> row over the
 map's ``row_key``, and counted id -> entry over its counted ids. Its owner holds the keys (place
 ``v`` holds key ``owner[v]``); the index holds only places, 4 bytes a slot (8 for owners of
-2**31 - 2 places or more). Open addressing with linear probing (kernels/triton_hash.py has the
+2**31 - 2 places or more). Open addressing with linear probing (kernels/gpu/index.py has the
 layout and the kernels); deletion marks a slot deleted (a tombstone), so the index is rebuilt
 from its owner's keys now and then.
 

@@ -69,7 +69,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from ..config.tables import MAP_BYTES_PER_ROW
-from ..kernels import native
+from ..kernels import cpu
 
 _I64 = torch.int64
 _EMPTY = torch.empty(0, dtype=_I64)  # (no rows freed beyond a step's needs)
@@ -669,7 +669,7 @@ class VocabMap:
 
 _NO_CUT = -(2**63)  # ec_vocab_find's cut when no TTL applies: every resident id is live
 _FIELD_STEP, _FIELD_CUT, _FIELD_START, _FIELD_SEED = (
-    native.MAP_FIELDS.index(k) for k in ("step", "cut", "start", "seed"))
+    cpu.MAP_FIELDS.index(k) for k in ("step", "cut", "start", "seed"))
 _INT32_MAX = 2**31 - 1
 # VocabMap's per-row tensors and sorted view: a NativeVocabMap shows them (computed, in its
 # compact layout; its own tensors where the kernels do not apply)
@@ -810,7 +810,7 @@ class NativeVocabMap(VocabMap):
             freq = self.frequency[:a].to(steps, copy=True)
             born = self.born[:a].to(steps, copy=True)
             slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
-        self._resident = native.vocab_index(slots, ids, born)
+        self._resident = cpu.vocab_index(slots, ids, born)
         self._ids, self._last, self._freq, self._born, self.slots = ids, last, freq, born, slots
         self._top, self._hint, self._compact, self._queued = top, 0, True, (0, 0)
         for key in _LAYOUT:
@@ -825,7 +825,7 @@ class NativeVocabMap(VocabMap):
                    torch.empty(rows, dtype=steps), torch.empty(rows, dtype=steps))
             slots = torch.empty(_slots_for(rows), dtype=self._slot_dtype)
         # (one kernel, one thread: torch's copies would each wait for a second thread)
-        self._resident = native.vocab_grow((self._ids, self._last, self._freq, self._born), new,
+        self._resident = cpu.vocab_grow((self._ids, self._last, self._freq, self._born), new,
                                            slots)
         (self._ids, self._last, self._freq, self._born), self.slots = new, slots
         self._queued = (0, 0)
@@ -843,7 +843,7 @@ class NativeVocabMap(VocabMap):
 
     def _native(self) -> bool:
         """Whether the kernels apply now (taking the compact layout if they do)."""
-        if not native.usable(self._ids if self._compact else self.row_key):
+        if not cpu.usable(self._ids if self._compact else self.row_key):
             return False
         self._compress()
         return True
@@ -862,19 +862,19 @@ class NativeVocabMap(VocabMap):
         return self._queue
 
     def _map_fields(self, t: int, cut: int, start: int, seed: int) -> list[int]:
-        """``native.map_fields`` of this map for step ``t`` at ``cut`` (its first shard row
+        """``cpu.map_fields`` of this map for step ``t`` at ``cut`` (its first shard row
         ``start``, its table's seed ``seed``), made again only when what it reads changed."""
         q = self._eviction_queue()
         key = (self.slots.data_ptr(), self._ids.data_ptr(), self._ids.numel(),
                self._last.data_ptr(), self._last.dtype, self._freq.data_ptr(),
                self._born.data_ptr(), 0 if q is None else q.data_ptr())
         if self._fields is None or self._fields[0] != key:
-            self._fields = key, native.map_fields(
+            self._fields = key, cpu.map_fields(
                 self.slots, self._ids, self._last, self._freq, self._born, self.capacity, t, cut,
                 self.eviction == "lfu", start, seed, q)
         row = self._fields[1].copy()
         row[_FIELD_STEP], row[_FIELD_CUT] = t, cut
-        row[_FIELD_START], row[_FIELD_SEED] = start, native.map_fields_seed(seed)
+        row[_FIELD_START], row[_FIELD_SEED] = start, cpu.map_fields_seed(seed)
         return row
 
     def _cut(self, t: int) -> int:
@@ -918,7 +918,7 @@ class NativeVocabMap(VocabMap):
         ids = _as_ids(ids, f"{self.name}: ids").contiguous()
         if ids.device != self.device:
             ids = ids.to(self.device)
-        return native.vocab_find(self.slots, self._ids, self._last, _NO_CUT,
+        return cpu.vocab_find(self.slots, self._ids, self._last, _NO_CUT,
                                  ids.reshape(-1), fill)[0].reshape(ids.shape)
 
     def valid(self, rows: torch.Tensor, since: int) -> torch.Tensor:
@@ -930,7 +930,7 @@ class NativeVocabMap(VocabMap):
             self._expand()
             return super().valid_count(rows, since)
         rows = _as_ids(rows, f"{self.name}: rows").contiguous()
-        return native.vocab_valid(rows.reshape(-1), self._born, since)
+        return cpu.vocab_valid(rows.reshape(-1), self._born, since)
 
     def train_step(self, distinct: torch.Tensor, *, check: bool = True, fill: int = -1,
                    spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -939,14 +939,14 @@ class NativeVocabMap(VocabMap):
             return super().train_step(distinct, check=check, fill=fill)
         self.last_freed = _EMPTY
         distinct = self._step_ids(distinct)
-        if check and native.dedup_raw(distinct)[0].numel() != distinct.numel():
+        if check and cpu.dedup_raw(distinct)[0].numel() != distinct.numel():
             raise ValueError(f"{self.name}: the ids of a training step must be distinct")
         t = self.step + 1
         cut = self._cut(t)
-        rows, missing = native.vocab_find(self.slots, self._ids, self._last, cut,
+        rows, missing = cpu.vocab_find(self.slots, self._ids, self._last, cut,
                                           distinct)  # (U,)
         if missing:  # (H,) rows found; (M,) the other ids ascending, their positions
-            hit_rows, miss_ids, miss = native.vocab_split(distinct, rows)
+            hit_rows, miss_ids, miss = cpu.vocab_split(distinct, rows)
         else:  # every id resident (the common step of a warm map)
             miss = miss_ids = distinct.new_empty(0)
             hit_rows = rows
@@ -959,7 +959,7 @@ class NativeVocabMap(VocabMap):
         if new_ids.numel() <= self.capacity - hit_rows.numel():  # (else an overflow, below)
             self._reserve(new_ids.numel())
         freed = torch.empty(max(spare, 0), dtype=_I64) if spare > 0 else None
-        new_rows, n_free, n_evictable, hint, n_freed, resident, queued = native.vocab_step(
+        new_rows, n_free, n_evictable, hint, n_freed, resident, queued = cpu.vocab_step(
             self.slots, self._ids, self._last, self._freq, self._born, self.capacity,
             self._resident, hit_rows, new_ids, t, cut, self.eviction == "lfu", self._hint,
             max(spare, 0), freed, self._eviction_queue(), self._queued)
@@ -1002,7 +1002,7 @@ class NativeVocabMap(VocabMap):
 
     def _install(self, step: int, ids: torch.Tensor, rows: torch.Tensor,
                  last_use: torch.Tensor, frequency: torch.Tensor) -> None:
-        if self.device.type != "cpu" or not native.usable(ids):  # VocabMap's layout
+        if self.device.type != "cpu" or not cpu.usable(ids):  # VocabMap's layout
             compact, self._compact = self._compact, False
             try:
                 super()._install(step, ids, rows, last_use, frequency)
@@ -1022,7 +1022,7 @@ class NativeVocabMap(VocabMap):
             slots = torch.empty(_slots_for(a), dtype=self._slot_dtype)
         row_ids[rows], last[rows], freq[rows] = ids, last_use.to(steps), frequency.to(steps)
         born[rows] = step
-        self._resident = native.vocab_index(slots, row_ids, born)
+        self._resident = cpu.vocab_index(slots, row_ids, born)
         self._ids, self._last, self._freq, self._born, self.slots = row_ids, last, freq, born, slots
         self._top, self._hint, self._compact, self._queued = top, 0, True, (0, 0)
         for key in _LAYOUT:
@@ -1042,7 +1042,7 @@ def vocab_map(capacity: int, **kwargs) -> VocabMap:
     ``VocabMap`` (same rules, state and results; ``device_map.shard_map`` picks the GPU's
     ``DeviceVocabMap`` first). Arguments as ``VocabMap``'s."""
     device = torch.device(kwargs.get("device", "cpu"))
-    if device.type == "cpu" and native.available():
+    if device.type == "cpu" and cpu.available():
         return NativeVocabMap(capacity, **kwargs)
     return VocabMap(capacity, **kwargs)
 
@@ -1066,7 +1066,7 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
     ``fill`` where not resident. None where the kernels do not step every map (a map not a
     ``NativeVocabMap`` on the CPU)."""
     nmaps = [m for m in maps if isinstance(m, NativeVocabMap)]
-    if not native.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
+    if not cpu.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
     if not nmaps:
         return _EMPTY
@@ -1074,7 +1074,7 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
     offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=_I64)
     table = torch.tensor([m._map_fields(m.step + 1, _NO_CUT, start, 0)
                           for m, start in zip(nmaps, starts)], dtype=_I64)
-    return native.vocab_find_many(table, ids, offsets, fill)[0]  # (the shift and fill there:
+    return cpu.vocab_find_many(table, ids, offsets, fill)[0]  # (the shift and fill there:
     # torch ops this large would run on torch's threads, slowing the kernels after them)
 
 
@@ -1092,7 +1092,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         starts: each map's first row in the shard its rows are part of (the rows returned are
             shard rows: a map's row plus its start). seeds: each map's table seed.
         init: None, or ``(table, columns, lo, width, div)``: the admitted ids' default initial
-            values written into their shard rows of ``table`` (``native.vocab_step_many``);
+            values written into their shard rows of ``table`` (``cpu.vocab_step_many``);
             with it, ``slots``: ``(slot, value)``, each slot's admitted rows set to ``value``.
 
     Returns:
@@ -1103,7 +1103,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         ``train_step`` raises the error).
     """
     nmaps = [m for m in maps if isinstance(m, NativeVocabMap) and m.admit_after == 1]
-    if not native.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
+    if not cpu.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
     if not nmaps:
         return _EMPTY, _EMPTY, _EMPTY, []
@@ -1119,7 +1119,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
                             dtype=_I64)
 
     table = fields()
-    rows, missing = native.vocab_find_many(table, ids, offsets)
+    rows, missing = cpu.vocab_find_many(table, ids, offsets)
     miss = missing.tolist()
     if any(a > m.capacity - (n - a) for m, n, a in zip(maps, counts, miss)):
         return None  # an overflow: nothing changed
@@ -1130,7 +1130,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         table = fields()
     info = torch.tensor([[0, 0, m._hint, 0, m._resident, *m._queued] for m in maps],
                         dtype=_I64)
-    new_ids, new_rows, _ = native.vocab_step_many(table, ids, offsets, rows, missing, info, init,
+    new_ids, new_rows, _ = cpu.vocab_step_many(table, ids, offsets, rows, missing, info, init,
                                                   slots)
     for m, t, (_, _, hint, _, resident, *queued) in zip(maps, steps, info.tolist()):
         m.last_freed = _EMPTY

@@ -28,7 +28,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
-from ..kernels import native
+from ..kernels import cpu
 from ..numerics.rounding import Rounding
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine, combine
@@ -360,14 +360,14 @@ def occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
     the kernels' threads where they apply: a torch op this large runs on torch's, whose workers
     then spin for milliseconds on the cores the next kernels use; benchmarks/RESULTS.md,
     W1-raw)."""
-    if native.usable(at, dedup.order):
-        return native.expand(at, dedup.order, dedup.unique_offsets)
+    if cpu.usable(at, dedup.order):
+        return cpu.expand(at, dedup.order, dedup.unique_offsets)
     return at.index_select(0, dedup.inverse)
 
 
 def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(distinct, inverse)`` of int64 ``ids``: hashing on the kernels (first-occurrence
     order), else ``torch.unique`` (ascending); ``distinct[inverse] == ids``."""
-    if native.usable(ids):
-        return native.dedup_raw(ids.contiguous())[:2]
+    if cpu.usable(ids):
+        return cpu.dedup_raw(ids.contiguous())[:2]
     return torch.unique(ids, return_inverse=True)

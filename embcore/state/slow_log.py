@@ -43,7 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 from ..ops.checksum import move_summed
 
 SPARE = 0.5  # the file's places beyond its rows, as a share of them
@@ -137,8 +137,8 @@ class RecordLog:
         else:
             for offset, (source, at) in sources.items():
                 view = self._field(data, offset, source)
-                if native.usable(source, at):
-                    native.copy_rows(source.contiguous(), at.contiguous(), view, dst)
+                if cpu.usable(source, at):
+                    cpu.copy_rows(source.contiguous(), at.contiguous(), view, dst)
                 else:
                     view.copy_(source.index_select(0, at.to(source.device)))
         self._place(rows, data)
@@ -255,8 +255,8 @@ class RecordLog:
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Moves the records at places ``src`` to free places ``dst`` (disjoint, int64)."""
         rows = self.owner[src].to(torch.int64)
-        if native.usable(self.raw):
-            native.copy_rows(self.raw, src.contiguous(), self.raw, dst.contiguous())
+        if cpu.usable(self.raw):
+            cpu.copy_rows(self.raw, src.contiguous(), self.raw, dst.contiguous())
         else:
             self.raw[dst] = self.raw[src]
         self.owner[src] = -1

@@ -26,7 +26,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.tables import TableConfig, default_initializer, init_seed
-from ..kernels import native
+from ..kernels import cpu
 from ..numerics import hashing
 from ..numerics.rounding import COMPACT
 from ..planning.placement import Placement
@@ -183,11 +183,11 @@ def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
     the table: a column split holds some), by the fused kernels where they apply."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if (table.initializer is None and (direct or out.dtype in COMPACT)
-            and native.usable(out, ids, rows)):
+            and cpu.usable(out, ids, rows)):
         # into the float32 table, or float32 values rounded to nearest as below
         values = out if direct else torch.empty((ids.numel(), columns[1] - columns[0]),
                                                 dtype=torch.float32)
-        native.init_normal(seed, ids.contiguous(),
+        cpu.init_normal(seed, ids.contiguous(),
                            rows.contiguous() if direct else torch.arange(ids.numel()), columns,
                            _PHI_LO, _PHI_HI - _PHI_LO, math.sqrt(table.dim), values)
         if not direct:

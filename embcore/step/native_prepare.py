@@ -3,7 +3,7 @@
 Most steps of a recommender feed the simplest batch there is: every feature a dense tensor of ids
 (``(B,)`` or ``(B, 1)``: one id per example, whatever the combiner), no weights. For those
 ``NativePrepare.prepare`` builds the very ``Prepared`` that ``preprocess`` (preprocess.py) would,
-with one kernel call per physical table: ``native.ConcatDedup`` (concatenate the features' ids,
+with one kernel call per physical table: ``cpu.ConcatDedup`` (concatenate the features' ids,
 shift them to the table's rows, deduplicate, and check the ids' range), or for raw ids
 ``concat_dedup`` / ``dedup_members`` (a run per stacked member). At small batches the general
 preprocess's Python costs more than the work itself (about 0.1 ms a step for two features of
@@ -29,7 +29,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..inputs.features import Features, Shapes
-from ..kernels import native
+from ..kernels import cpu
 from ..numerics.rounding import ROW_TYPES
 from ..ops.bags import Bags, Dedup, concat_dedup
 from ..planning.plan import ShardingPlan
@@ -72,7 +72,7 @@ class _Layout:
         starts = [0, *itertools.accumulate(sizes)]
         self.slices = Slices(FeatureSlice(i, start, n, shapes[i])
                              for i, start, n in zip(t.features, starts, sizes))
-        self.dedup = None if t.dynamic else native.ConcatDedup(sizes, t.adds, t.rows, t.limits)
+        self.dedup = None if t.dynamic else cpu.ConcatDedup(sizes, t.adds, t.rows, t.limits)
 
 
 class NativePrepare:
@@ -115,7 +115,7 @@ class NativePrepare:
         with ``output_shape``, a table that is not float32, float16 or bfloat16 (or
         ``set_enabled(False)``)."""
         if (not _enabled or comm.world_size != 1 or store.device.type != "cpu"
-                or not native.available()):
+                or not cpu.available()):
             return None
         for f in features.configs:
             if f.sequence_length or f.output_shape is not None:

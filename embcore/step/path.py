@@ -21,7 +21,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..inputs.features import Features, Shapes
-from ..kernels import native
+from ..kernels import cpu
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
 from .exchange import Answers
@@ -108,7 +108,7 @@ class StepPath:
 
         def stage() -> tuple[Batch, Activations | None, Answers]:
             # one thread for the fused kernels here: the caller's model has the cores
-            with native.single_threaded():
+            with cpu.single_threaded():
                 if prepared is None:
                     assert bags is not None  # (validated when the native preprocess declined)
                     batch = Batch(self, preprocess(bags, self.features.tables, self.plan,

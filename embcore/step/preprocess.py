@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 from ..ops.bags import Bags, Dedup, concat_dedup
 from ..planning.plan import ShardingPlan
 
@@ -147,7 +147,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     if unit:
         return (Bags(ids, None, None), dd), Slices(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return ((Bags(ids, native.concat(offsets), native.concat(scales)), dd), Slices(slices),
+    return ((Bags(ids, cpu.concat(offsets), cpu.concat(scales)), dd), Slices(slices),
             segments)
 
 
@@ -163,8 +163,8 @@ def dedup_members(parts: list[torch.Tensor], of: list[int]
             runs[-1][1].append(t)
         else:
             runs.append((m, [t]))
-    if len(runs) > 1 and native.usable(*parts):  # one call for every run
-        ids, unique, inverse, order, uoff, counts = native.dedup_raw_runs(
+    if len(runs) > 1 and cpu.usable(*parts):  # one call for every run
+        ids, unique, inverse, order, uoff, counts = cpu.dedup_raw_runs(
             [t.contiguous() for t in parts], [len(ts) for _, ts in runs])
         dd = Dedup(unique, order, uoff)
         dd.__dict__["inverse"] = inverse  # (the cached_property's value, known)

@@ -12,7 +12,8 @@ import torch
 
 from ...numerics import rounding
 from ...numerics.rounding import ROW_TYPES
-from ..args import (
+from ..rules import NATIVE, Rule
+from .args import (
     F32,
     HYPER,
     I16,
@@ -30,7 +31,6 @@ from ..args import (
     read_rows,
     written,
 )
-from ..rules import NATIVE, Rule
 from .library import threads
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).

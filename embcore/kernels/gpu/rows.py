@@ -1,7 +1,7 @@
 """The GPU kernels, in Triton: the pooled lookup and the fused backward + optimizer update.
 
-Imported only by ``kernels/gpu.py``, on first use (this module imports triton through
-``triton_lang.py``; embcore itself never needs it; without triton it still imports, and the
+Imported only by ``kernels/gpu/launch.py``, on first use (this module imports triton through
+``lang.py``; embcore itself never needs it; without triton it still imports, and the
 kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows
 (lookup) or ``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by
 masking the columns past D. Every sum runs in float32 in the order the CPU kernels use
@@ -28,8 +28,8 @@ Powers (AdagradMomentum, FTRL) are ``exp2(y * log2(x))``, to a few float32 ulps.
 
 from __future__ import annotations
 
-from .rules import Rule
-from .triton_lang import jit, tl, triton  # (None where triton is missing)
+from ..rules import Rule
+from .lang import jit, tl, triton  # (None where triton is missing)
 
 # Rules of ``sparse_update_kernel`` (``RULE``), numbered by rules.py; NONE only sums the gradients
 # (combine backward). An optimizer's record (config/optimizers.py) names its rule (``rule``) and

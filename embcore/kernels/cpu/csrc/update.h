@@ -6,11 +6,11 @@
 #include "half.h"
 #include "pool.h"
 
-// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/kernels/args.py's
+// The optimizer hyper-parameters of ec_sparse_update, mirrored by embcore/kernels/cpu/args.py's
 // ``Hyper`` (ctypes.Structure: same names, same order). Infinities mean no bound; the options'
 // "off" values are gradient_multiplier 1, clip_min / weight_min -inf, clip_max / weight_max +inf,
-// weight_decay 0. native.py checks at load time that both sides agree (ec_hyper_size,
-// ec_hyper_field_name, ec_hyper_field); a change here bumps native.py's ABI_VERSION.
+// weight_decay 0. kernels/cpu/library.py checks at load time that both sides agree (ec_hyper_size,
+// ec_hyper_field_name, ec_hyper_field); a change here bumps kernels/cpu/library.py's ABI_VERSION.
 struct EcHyper {
   double learning_rate, gradient_multiplier, clip_min, clip_max, weight_decay, weight_min,
       weight_max;
@@ -37,7 +37,7 @@ static_assert(sizeof(EcHyper) == kHyperFieldCount * sizeof(double),
 
 extern "C" {
 
-// sizeof(EcHyper), for native.py's layout check.
+// sizeof(EcHyper), for kernels/cpu/library.py's layout check.
 i64 ec_hyper_size() { return i64(sizeof(EcHyper)); }
 
 // The name of EcHyper's field i (declaration order), nullptr past the last one.

@@ -41,7 +41,7 @@
 
 namespace {
 
-// The row types of the kernels that read or write rows (the codes of native.py's ROW_TYPES).
+// The row types of the kernels that read or write rows (the codes of numerics/rounding.py's ROW_TYPES).
 enum RowType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline uint32_t f32_bits(float x) {

@@ -1,4 +1,4 @@
-"""The GPU kernels (``kernels/triton_kernels.py``, Triton): when they apply, and their wrappers.
+"""The GPU kernels (``kernels/gpu/rows.py``, Triton): when they apply, and their wrappers.
 
 ``usable(...)`` is this module's ``native.usable``: True when every tensor is on a CUDA device
 and Triton imports (checked once, on the first CUDA tensor; triton is an optional dependency and
@@ -30,35 +30,35 @@ from typing import Any
 
 import torch
 
-from ..config.optimizers import Optimizer, record_of
-from ..numerics.rounding import ROW_TYPES, Rounding
-from . import rules
-from .args import Hyper
+from ...config.optimizers import Optimizer, record_of
+from ...numerics.rounding import ROW_TYPES, Rounding
+from .. import rules
+from ..hyper import Hyper
 
-_kernels: Any = None   # the module kernels/triton_kernels.py once imported; False: triton missing
-_more: dict[str, Any] = {}  # the other kernel modules (kernels/triton_hash.py, ...) imported
+_kernels: Any = None   # the module kernels/gpu/rows.py once imported; False: triton missing
+_more: dict[str, Any] = {}  # the other kernel modules (kernels/gpu/index.py, ...) imported
 _error: str | None = None
 _forced = False
 
 
 def _load() -> Any:
-    """kernels/triton_kernels.py, imported on first use; None when triton is not importable."""
+    """kernels/gpu/rows.py, imported on first use; None when triton is not importable."""
     global _kernels, _error
     if _kernels is None:
         try:
-            from . import triton_kernels, triton_lang
+            from . import lang, rows
         except Exception as e:  # a triton that does not load here
             _kernels, _error = False, f"{type(e).__name__}: {e}"
         else:
-            if triton_lang.MISSING is None:
-                _kernels = triton_kernels
+            if lang.MISSING is None:
+                _kernels = rows
             else:  # triton is not installed
-                _kernels, _error = False, triton_lang.MISSING
+                _kernels, _error = False, lang.MISSING
     return _kernels or None
 
 
 def _load_more(name: str) -> Any:
-    """Another module of Triton kernels (``triton_hash``, ``triton_move``), imported on first use
+    """Another module of Triton kernels (``index``, ``move``), imported on first use
     once ``_load`` succeeded (None without triton)."""
     if name not in _more:
         if _load() is None:
@@ -68,11 +68,11 @@ def _load_more(name: str) -> Any:
 
 
 def _load_hash() -> Any:
-    return _load_more("triton_hash")
+    return _load_more("index")
 
 
 def _load_move() -> Any:
-    return _load_more("triton_move")
+    return _load_more("move")
 
 
 def available() -> bool:
@@ -171,7 +171,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
 
 # -- the fused backward + update ------------------------------------------------------------------
 
-def _rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
+def update_rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | None:
     """(rule, its hyper-parameters h1..h5, flag 1, flag 2) for the kernel, or None: the optimizer's
     record's ``rule`` and ``triton_args`` (the kernel updates the touched rows only)."""
     record = record_of(opt)
@@ -191,7 +191,7 @@ def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch
     for s in slots.values():
         if s.dtype != torch.float32 or not s.is_contiguous():
             return False
-    return _rule(opt) is not None
+    return update_rule(opt) is not None
 
 
 def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
@@ -217,7 +217,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
             the rounding are computed in the kernel (its segments kept on the device).
     """
     k = _load()
-    got = _rule(opt)
+    got = update_rule(opt)
     assert got is not None, "update_supported checked the optimizer"
     rule, h, f1, f2 = got
     names = [s.name for s in opt.slots]
@@ -293,7 +293,7 @@ def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None
     """(n,) int64: the place of each of the (n,) int64 ``keys`` in its index, -1 where absent.
     ``maps``: (M, 3) int64 on the device, per index its slots' address (int64 slots with
     ``slot64``, else int32), its owner's keys' address and its slots less one (a power of two
-    less one); ``which``: (n,) int32 each key's index, None for one (kernels/triton_hash.py)."""
+    less one); ``which``: (n,) int32 each key's index, None for one (kernels/gpu/index.py)."""
     k = _load_hash()
     n = keys.numel()
     out = torch.empty(n, dtype=torch.int64, device=keys.device)
@@ -333,7 +333,7 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
 def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
               take: torch.Tensor) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` where the (n,) bool ``take[i]`` (``src``, ``dst``:
-    (R, ...) contiguous, one dtype; either may be pinned host memory; kernels/triton_move.py)."""
+    (R, ...) contiguous, one dtype; either may be pinned host memory; kernels/gpu/move.py)."""
     k = _load_move()
     n = src_idx.numel()
     width = src[0].numel() if src.shape[0] else dst[0].numel()

@@ -1,9 +1,9 @@
-"""Triton for the kernel modules (``triton_kernels.py``, ``triton_hash.py``, ``triton_move.py``),
+"""Triton for the kernel modules (``rows.py``, ``index.py``, ``move.py``),
 imported in one place.
 
 Triton is optional: without it this module still imports (pytest's doctest collection imports
 every module), ``triton`` and ``tl`` are None, ``MISSING`` says why, and ``jit`` leaves a function
-as it is, so the kernels are plain, unused functions. ``kernels/gpu.py`` imports the kernel
+as it is, so the kernels are plain, unused functions. ``kernels/gpu/launch.py`` imports the kernel
 modules only on first use and reads ``MISSING``.
 """
 

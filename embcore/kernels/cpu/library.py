@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ..args import (
+from ..rules import DEFINES as RULE_DEFINES
+from .args import (
     DOUBLE,
     HYPER,
     INT,
@@ -31,9 +32,8 @@ from ..args import (
     kernels,
     set_loader,
 )
-from ..rules import DEFINES as RULE_DEFINES
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"  # the translation unit: it includes every header of CSRC
 # The instruction set is this CPU's (-march=native: F16C's conversions, AVX-512, ...), or the one
 # EMBCORE_NATIVE_ARCH names (e.g. x86-64: the portable paths, which tests check give the same bits).

@@ -1,7 +1,7 @@
 """The GPU kernel that moves whole rows between two arrays, in Triton: a cache and its slow tier.
 
-Imported only by ``kernels/gpu.py``, on first use, like ``triton_kernels.py`` (without triton it
-still imports: kernels/triton_lang.py). ``move_rows_kernel`` copies row ``src_idx[i]`` of
+Imported only by ``kernels/gpu/launch.py``, on first use, like ``rows.py`` (without triton it
+still imports: kernels/gpu/lang.py). ``move_rows_kernel`` copies row ``src_idx[i]`` of
 ``src`` to row ``dst_idx[i]`` of ``dst`` for every ``i < n`` where ``take[i]`` is set: both
 arrays (R, D) contiguous of one dtype (bit copies: float rows of any width, slots included).
 Either array may be pinned host memory (a GPU's slow tier, state/cache.py): the GPU reads or
@@ -11,7 +11,7 @@ Each program moves ``BLOCK_R`` rows by ``BLOCK_D`` columns.
 
 from __future__ import annotations
 
-from .triton_lang import jit, tl  # (None where triton is missing)
+from .lang import jit, tl  # (None where triton is missing)
 
 
 @jit

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ...numerics.rounding import ROW_TYPES
-from ..args import (
+from .args import (
     ANY,
     F32,
     I32,

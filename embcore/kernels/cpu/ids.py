@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..args import (
+from .args import (
     DOUBLE,
     F32,
     I32,

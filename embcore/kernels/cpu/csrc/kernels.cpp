@@ -1,7 +1,7 @@
 // embcore's fused CPU kernels: dedup, lookup, and the sparse update straight from output gradients.
 //
 // Plain C++, no torch headers and no OpenMP runtime (``#pragma omp simd`` only, compiled with
-// -fopenmp-simd): the library is compiled on first use by embcore/kernels/native/ (seconds, cached)
+// -fopenmp-simd): the library is compiled on first use by embcore/kernels/cpu/ (seconds, cached)
 // and called through ctypes with raw pointers of contiguous tensors. Its threads are its own
 // small pool (pool.h), sized by torch's thread count. Every kernel here has a torch-ops twin in
 // ops/ and is tested against ops/reference.py and ops/reference_optim.py.
@@ -15,7 +15,7 @@
 // Legend: N rows, D dim, nnz id occurrences, R output rows (bags), U unique rows.
 //
 // One translation unit: this file includes the kernels by concern (each header includes what it
-// uses), so native.py compiles it with one compiler call into one library.
+// uses), so kernels/cpu/library.py compiles it with one compiler call into one library.
 //   common.h       int64 rows, prefetching, splitting work by cost, ids' hash
 //   pool.h         the thread pool and the parallel loops over it
 //   dedup.h        ec_dedup, ec_concat_dedup, ec_dedup_raw, ec_dedup_raw_runs, ec_expand
@@ -27,7 +27,7 @@
 //   vocab.h        ec_vocab_* (ec_vocab_find_many, ec_vocab_step_many: a stack's maps at
 //                  once), ec_init_normal
 //   cache_index.h  ec_cache_step, ec_set_flags
-// native.py declares every exported function's arguments by name and kind (its ctypes
+// kernels/cpu/library.py declares every exported function's arguments by name and kind (its ctypes
 // signature and per-call checks come from that table): a change of a signature here changes the
 // table there and bumps ABI_VERSION there.
 
@@ -42,10 +42,11 @@
 #include "vocab.h"
 #include "cache_index.h"
 
-// The ABI version has one source: native.py's ABI_VERSION, passed as -DEC_ABI_VERSION=N by its
-// build (and part of the build's cache key); native.py refuses a library reporting another.
+// The ABI version has one source: kernels/cpu/library.py's ABI_VERSION, passed as
+// -DEC_ABI_VERSION=N by its build (and part of the build's cache key); the loader refuses a
+// library reporting another.
 #ifndef EC_ABI_VERSION
-#error "compile with -DEC_ABI_VERSION=N (embcore/kernels/native/library.py's ABI_VERSION)"
+#error "compile with -DEC_ABI_VERSION=N (embcore/kernels/cpu/library.py's ABI_VERSION)"
 #endif
 
 extern "C" {

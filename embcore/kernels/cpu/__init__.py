@@ -30,7 +30,7 @@ Every wrapper takes and returns torch tensors and is tested against ``ops/refere
 
 from __future__ import annotations
 
-from ..args import Hyper
+from ..hyper import Hyper
 from .batch import (
     COMBINERS,
     ConcatDedup,

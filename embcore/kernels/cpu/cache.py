@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from ..args import (
+from .args import (
     I32,
     I64,
     INT,
