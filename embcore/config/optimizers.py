@@ -131,7 +131,7 @@ class OptimizerRecord:
             kernel (``rules.NATIVE``) takes every option, float32 / float16 / bfloat16 rows; the
             Triton kernel (``rules.TRITON``) takes ``triton_args`` too.
         triton_args: ``opt -> ((h1..h5), F1, F2)``, the Triton kernel's own hyper-parameters of
-            this rule (the common ones reach every kernel as ``native.Hyper``).
+            this rule (the common ones reach every kernel as ``Hyper`` (kernels/hyper.py)).
         in_place: the torch-ops in-place rule (``ops/update.py apply_in_place``: ``"sgd"``,
             ``"adagrad"``, ``"rowwise_adagrad"``), or None; it runs without options only.
     """
