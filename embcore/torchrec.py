@@ -183,7 +183,8 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             requires).
         device: where the tables live (default the CPU).
         need_indices: also return each feature's ids as its ``JaggedTensor``'s weights.
-        fused_params, optimizer, **layer_kwargs: as for ``EmbeddingBagCollection``.
+
+    fused_params, optimizer and the other keyword args are those of ``EmbeddingBagCollection``.
 
     The output maps each feature's name (``feature@table`` for a feature several tables read)
     to a ``JaggedTensor``: one ``(D,)`` row per id, ``(number of ids, D)``, with the input's

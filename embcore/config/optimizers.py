@@ -544,7 +544,8 @@ class SGD(Optimizer):
 
     Args:
         learning_rate: a float >= 0, or a zero-argument callable returning one.
-        (and the common keyword-only args of ``Optimizer``)
+
+    Every optimizer also takes the common keyword-only args of ``Optimizer``.
 
     Update: ``w = w - lr * g``
 
@@ -684,7 +685,8 @@ class Adam(Optimizer):
 
     Args:
         learning_rate: a float >= 0, or a zero-argument callable returning one.
-        beta_1, beta_2: in [0, 1), the moments' decays.
+        beta_1: in [0, 1), the first moment's decay.
+        beta_2: in [0, 1), the second moment's decay.
         epsilon: > 0, see the update.
         lazy_adam: True updates the touched rows only; False decays the moments and moves every
             row every step as with g = 0 (``updates_every_row``), like TF's non-lazy Adam.
@@ -750,7 +752,9 @@ class FTRL(Optimizer):
     Args:
         learning_rate: > 0 (>= 0 with multiply_linear_by_learning_rate), or a callable.
         learning_rate_power: <= 0; the update uses ``p = -learning_rate_power``.
-        l1_regularization_strength, l2_regularization_strength, beta: >= 0.
+        l1_regularization_strength: >= 0.
+        l2_regularization_strength: >= 0.
+        beta: >= 0.
         initial_accumulator_value: > 0 (>= 0 with allow_zero_accumulator).
         multiply_linear_by_learning_rate: slot ``linears`` stores ``lr * linear``, which allows
             a zero or fast-changing learning rate.
