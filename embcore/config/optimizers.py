@@ -174,9 +174,12 @@ _COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "w
 class Optimizer:
     """Base of the embcore optimizers (not exported: use ec.SGD, ec.Adagrad, ...).
 
-    Common keyword-only args (TF's names and defaults):
+    Every optimizer takes these common keyword-only args (TF's names and defaults).
+
+    Args:
         use_gradient_accumulation: must stay True; embcore always sums duplicate ids' gradients.
-        clip_weight_min, clip_weight_max: clamp the weights after the update (None: unbounded).
+        clip_weight_min: clamp the weights from below after the update (None: unbounded).
+        clip_weight_max: clamp the weights from above after the update (None: unbounded).
         weight_decay_factor: decoupled decay ``w -= wd * w_before`` of touched rows (None: off).
         multiply_weight_decay_factor_by_learning_rate: ``wd = weight_decay_factor * lr``.
         clipvalue: clip the gradient: ``c`` means ``(-c, c)``; ``(lo, hi)`` with None unbounded.
@@ -344,7 +347,8 @@ class Optimizer:
             TypeError: the callable returns something other than a real number (a bool, a
                 string, a tensor of more than one element, ...).
             ValueError: the callable returns NaN or inf.
-            Whatever the callable raises, unchanged, with a note naming this optimizer.
+            Exception: whatever the callable raises, unchanged, with a note naming this
+                optimizer.
         """
         fn = self.gradient_multiplier
         if fn is None:
