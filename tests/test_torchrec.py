@@ -18,8 +18,8 @@ import pytest
 import torch
 
 torchrec = pytest.importorskip(
-    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] (README, "
-                       "'From TorchRec')")
+    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] "
+                       "(docs/guide/train.md, 'TorchRec modules')")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec import (  # noqa: E402
