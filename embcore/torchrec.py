@@ -34,7 +34,8 @@ except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
     raise ImportError(f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not "
                       f"load ({e}); on a machine without CUDA use FBGEMM's CPU build: pip "
                       f"uninstall -y fbgemm-gpu && pip install --force-reinstall --no-deps "
-                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (docs/guide/train.md, 'TorchRec modules')") from e
+                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (docs/guide/train.md, "
+                      f"'TorchRec modules')") from e
 
 from .config.fused_params import from_fused_params
 from .config.tables import FeatureConfig, TableConfig
