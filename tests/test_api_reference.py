@@ -1,6 +1,6 @@
-"""The API reference (docs/reference.md, rendered by mkdocstrings: mkdocs.yml) has an entry for every
-public name, and each entry names something the source defines. Read from the files alone: neither
-the docs tool nor torchrec is needed.
+"""The API reference (docs/reference.md, rendered by mkdocstrings: mkdocs.yml) has an entry for
+every public name, and each entry names something the source defines. Read from the files alone:
+neither the docs tool nor torchrec is needed.
 
 - Public names: ``embcore.__all__`` and ``embcore.torchrec.__all__``.
 - An entry is a line ``::: dotted.path`` (mkdocstrings' syntax); it must resolve, through the
