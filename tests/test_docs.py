@@ -55,6 +55,22 @@ def test_every_block_has_a_known_kind():
     assert not unknown, f"blocks of a kind tests/test_docs.py does not run: {unknown}"
 
 
+def test_every_code_block_is_run_or_is_a_command():
+    """A block the runner does not read (```py, ```pycon, no language) would go untested: the docs'
+    fences are ```python (with a kind), or ```bash / ```text for commands and output."""
+    odd = []
+    for doc in sorted(DOCS.rglob("*.md")):
+        inside = False
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if not line.startswith("```"):
+                continue
+            if not inside and not re.fullmatch(r"```(?:python(?:[ \t]+\w+)?|bash|text)[ \t]*",
+                                               line):
+                odd.append(f"{doc.relative_to(DOCS)}:{n}: {line!r}")
+            inside = not inside
+    assert not odd, f"code blocks tests/test_docs.py would not run: {odd}"
+
+
 def run_torchrun(code: str, tmp_path: Path, nproc: int = 2) -> subprocess.CompletedProcess[str]:
     """``code`` as a script launched on ``nproc`` processes, as ``torchrun`` does."""
     script = tmp_path / "example.py"
