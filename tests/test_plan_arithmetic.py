@@ -436,3 +436,59 @@ def test_a_huge_exponent_is_refused_at_once_not_expanded():
     assert got.returncode == 0, got.stderr
     for line, message in zip(got.stdout.splitlines(), cases.values(), strict=True):
         assert re.match(message, line), line
+
+
+# -------------------------------------------------------------------- the profile it weighs by
+_PROFILE = {"format": "embcore-profile-1", "batches": 3,
+            "tables": {"t": {"lookups_per_batch": 2.0, "distinct": 5,
+                             "points": [[1, 0.5], [5, 1.0]]}}}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lookups_per_batch", float("nan"), "has lookups_per_batch nan; it must be a finite number"),
+    ("lookups_per_batch", float("inf"), "has lookups_per_batch inf; it must be a finite number"),
+    ("distinct", -3, "has distinct -3; it must be an integer >= 0"),
+    ("distinct", float("inf"), "has distinct inf; it must be an integer >= 0"),
+    ("points", [[1, float("nan")], [5, 1.0]], r"has the share at k = 1 of nan; it must be"),
+    ("points", [[0, 0.5], [5, 1.0]], r"has the point k = 0; it must be an integer above"),
+    ("points", [[-2, 0.5], [5, 1.0]], r"has the point k = -2; it must be an integer above"),
+    ("points", [[1, 0.5], [9, 1.0]], r"has the point k = 9; .* at most distinct \(5\)"),
+    ("batches", -1, r"profile: batches is -1; it must be an integer >= 0"),
+    ("batches", float("nan"), r"profile: batches is nan; it must be an integer >= 0"),
+])
+def test_a_profile_with_nan_infinite_or_negative_values_is_refused(tmp_path, field, value,
+                                                                   message):
+    d = json.loads(json.dumps(_PROFILE))
+    (d if field == "batches" else d["tables"]["t"])[field] = value
+    if field != "batches":
+        message = rf"profile: table 't' {message}"
+    with pytest.raises(ValueError, match=message):
+        ec.LookupProfile.from_dict(d)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(d))  # (NaN and Infinity as Python's json writes them)
+    with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        ec.LookupProfile.load(path)
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    with pytest.raises(ValueError, match=message):
+        ec.Embedding(ec.FeatureConfig(table=t), ec.SGD(0.1), memory_budget=100, profile=path)
+
+
+def test_a_profile_made_by_hand_is_checked_as_a_loaded_one():
+    from embcore.planning.profile import TableProfile
+
+    ok = ec.LookupProfile(3, {"t": TableProfile(2.0, 5, ((1, 0.5), (5, 1.0)))})
+    assert ec.LookupProfile.from_dict(ok.to_dict()) == ok
+    with pytest.raises(ValueError, match="profile: table 't' has lookups_per_batch nan"):
+        ec.LookupProfile(3, {"t": TableProfile(float("nan"), 5, ())})
+    with pytest.raises(ValueError, match=r"profile: table 't' has the share at k = 5 of 0\.4"):
+        ec.LookupProfile(3, {"t": TableProfile(1.0, 5, ((1, 0.5), (5, 0.4)))})
+    with pytest.raises(TypeError, match="table 't' must be a TableProfile, got dict"):
+        ec.LookupProfile(3, {"t": {"lookups_per_batch": 1.0}})
+
+
+def test_a_profile_file_too_deep_or_of_huge_integers_is_named(tmp_path):
+    for name, text in (("deep.json", "[" * 100_000 + "]" * 100_000),
+                       ("digits.json", '{"batches": ' + "9" * 5000 + "}")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{tmp_path / name}: not an embcore profile"):
+            ec.LookupProfile.load(tmp_path / name)

@@ -79,8 +79,8 @@ def _shown(value: object) -> str:
 
 def _too_large(value: object) -> ValueError:
     return ValueError(f"memory_budget {_shown(value)} is more than {MAX_BUDGET} bytes "
-                      f"(2**63 - 1), more than any machine holds; write the bytes this process may use, or "
-                      f"None for no budget")
+                      f"(2**63 - 1), more than any machine holds; write the bytes this "
+                      f"process may use, or None for no budget")
 
 
 def _exact(value: str, number: str, unit: int) -> int | Fraction:
