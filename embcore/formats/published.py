@@ -57,8 +57,11 @@ without following a symbolic link and without blocking (``O_NOFOLLOW | O_NONBLOC
 regular file (not a FIFO, a device, a directory) of the size its manifest states (a manifest: at
 most ``MANIFEST_BYTES``), and is read into memory, never mapped: a file truncated while it is
 read is a ``PublishError``, never a ``SIGBUS``; anything else is a ``PublishError`` naming the
-file. An entry removed while it is read (the writer's retention) is an ``EntryGone``: readers
-read the newest chain again (``newest``).
+file. A manifest holds finite numbers and 64-bit integers only: ``NaN``, ``Infinity``, ``1e999``
+or an integer of more digits is a ``PublishError`` (read, never converted). An entry removed
+while it is read (the writer's retention) is an ``EntryGone``: readers read the newest chain
+again (``newest``). Only the entries a reader applies must be readable (``chain``); an older
+entry whose manifest cannot be read is passed over (``identity``, ``continuation``).
 
 Chains: a directory holds one model's chain of entries. Its first entry's id is the chain's
 identity, which every entry carries (``chain``); a trainer that publishes into a directory
@@ -75,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -137,8 +141,9 @@ class Entry:
         finally:
             os.close(fd)
         try:
-            m = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            m = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                           parse_float=_finite_float, parse_int=_int64)
+        except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, ours)
             raise PublishError(f"{path} is unreadable or not JSON ({e}); the entry is "
                                f"corrupt") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -165,6 +170,30 @@ class Entry:
         if m.get("chain") is not None and not isinstance(m["chain"], str):
             raise PublishError(f"{path}: a malformed chain identity {m['chain']!r}")
         return m
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN`` / ``Infinity``, which no manifest holds."""
+    raise ValueError(f"it holds {name}, which a manifest never does")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' hook for a number with a point or exponent: a finite float (``1e999``
+    would read as infinity)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"it holds the number {text[:40]}, beyond a float's range")
+    return value
+
+
+def _int64(text: str) -> int:
+    """``json.loads``' hook for an integer: a manifest's are 64-bit (a step, sizes, rows,
+    checksums), so more digits are refused before they are converted."""
+    value = int(text) if len(text) <= 20 else None
+    if value is None or not -2**63 <= value < 2**63:
+        raise ValueError(f"it holds an integer of {len(text.lstrip('-'))} digits, beyond 64 "
+                         f"bits")
+    return value
 
 
 def entries(directory: Path) -> list[Entry]:
