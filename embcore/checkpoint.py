@@ -37,6 +37,7 @@ from .formats.checkpoint import (
     dcp_io,
     is_checkpoint,
     manifest_crc,
+    read_manifest,
     remove_stale_temporaries,
     remove_tree,
     resolve_dir,
@@ -312,10 +313,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
     ckpt = resolve_dir(Path(os.fspath(path)))
-    try:
-        manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{ckpt / MANIFEST} is not valid JSON: {e}") from e
+    manifest = read_manifest(ckpt)  # (a regular file in it, of at most FILE_BYTES)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{ckpt} is not an embcore checkpoint (manifest.json has no "
                          f"format {FORMAT!r})")

@@ -399,32 +399,34 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: Path, error: type[ValueError] = PublishError,
+                 whose: str = "a publish directory's") -> int:
     """A read-only descriptor of ``path``, which must be a regular file: opened without
-    following a symbolic link and without blocking (a FIFO would), then checked.
+    following a symbolic link and without blocking (a FIFO would), then checked. (Checkpoint
+    reads use it too: ``error`` is the type raised, ``whose`` the files' owner in its message.)
 
     Raises:
         FileNotFoundError: no such file.
-        PublishError: a symbolic link, a FIFO, a device, a directory, ..., or a file that cannot
-            be opened, named.
+        PublishError: (``error``) a symbolic link, a FIFO, a device, a directory, ..., or a file
+            that cannot be opened, named.
     """
     if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
-        raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
-                           f"regular files, read without following links")
+        raise error(f"{path} is a symbolic link; {whose} files are regular files, read "
+                    f"without following links")
     try:
         fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         raise
     except OSError as e:
         if os.path.islink(path):
-            raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
-                               f"regular files, read without following links") from None
-        raise PublishError(f"{path} cannot be opened: {e.strerror}") from None
+            raise error(f"{path} is a symbolic link; {whose} files are regular files, read "
+                        f"without following links") from None
+        raise error(f"{path} cannot be opened: {e.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise PublishError(f"{path} is {_kind(mode)}, not a regular file; a publish "
-                               f"directory's files are regular files")
+            raise error(f"{path} is {_kind(mode)}, not a regular file; {whose} files are "
+                        f"regular files")
     except BaseException:
         os.close(fd)
         raise
@@ -447,17 +449,18 @@ def open_in_entry(path: Path) -> int:
         raise PublishError(f"{path} is missing: the entry is incomplete") from None
 
 
-def read_exactly(fd: int, size: int, path: Path) -> bytes:
-    """``size`` bytes from the start of ``fd``. Raises PublishError: the file ended first (it
-    was truncated)."""
+def read_exactly(fd: int, size: int, path: Path, error: type[ValueError] = PublishError
+                 ) -> bytes:
+    """``size`` bytes from the start of ``fd``. Raises PublishError (``error``): the file ended
+    first (it was truncated)."""
     out = bytearray(size)
     view = memoryview(out)
     got = 0
     while got < size:
         n = os.readv(fd, [view[got:]])
         if n == 0:
-            raise PublishError(f"{path} ended after {got} of its {size} bytes: it was "
-                               f"truncated while it was read")
+            raise error(f"{path} ended after {got} of its {size} bytes: it was truncated "
+                        f"while it was read")
         got += n
     return bytes(out)
 
