@@ -290,8 +290,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
             truncated checkpoint: bytes that do not match their checksum (naming the file, the
             key and the chunk), an empty or truncated index, a malformed manifest (naming the
-            entry and its type); a narrowing load of a value out of the table dtype's range
-            without ``saturate`` (naming the table, its rows and the largest value).
+            entry and its type), a file that is not a regular file in the checkpoint's directory
+            (a FIFO, a link leading out) or a manifest or index of more than 1 GiB (naming
+            it: module docstring of formats/checkpoint.py); a narrowing load of a value out
+            of the table dtype's range without ``saturate`` (naming the table, its rows and
+            the largest value).
         KeyError: with ``strict``, a table or slot of ``obj`` that the checkpoint lacks.
         pickle.UnpicklingError: the index refers to anything but DCP's metadata classes.
 

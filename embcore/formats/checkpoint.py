@@ -31,9 +31,14 @@ layouts, paths and plain builtins) and raises ``pickle.UnpicklingError`` naming 
 bytes are read by DCP with ``torch.load(weights_only=True)``. Every key that is loaded must be a
 tensor entry in the index: DCP would ``torch.load(weights_only=False)`` a non-tensor ("bytes")
 entry, so such entries are refused, as are data files outside the checkpoint directory.
-``manifest.json`` is plain JSON; a table's sizes there must be integers (else a ValueError saying
-the manifest is malformed), and an empty, truncated or undecodable ``.metadata`` is a ValueError
-saying the checkpoint is corrupt, naming the file.
+Files are read as the publish readers read theirs (``formats/published.py``: ``open_regular``):
+``manifest.json`` and ``.metadata`` must be regular files in the directory (a symbolic link is
+followed only to a file in it), opened without blocking, of at most ``FILE_BYTES``, read whole;
+the data files a load reads are checked alike (and to hold the chunks read there) before DCP,
+which follows links and blocks on a FIFO, opens them (``check_data_files``).
+``manifest.json`` is plain JSON (finite numbers only); a table's sizes there must be integers
+(else a ValueError saying the manifest is malformed), and an empty, truncated or undecodable
+``.metadata`` is a ValueError saying the checkpoint is corrupt, naming the file.
 
 Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
 written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
