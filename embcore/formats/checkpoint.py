@@ -84,7 +84,6 @@ import dataclasses
 import functools
 import io
 import json
-import math
 import os
 import pickle
 import shutil
@@ -103,7 +102,7 @@ from ..base.compat import (
     dcp_index_name,
 )
 from .files import fsync_dir, pid_alive
-from .published import crc, open_regular, read_exactly
+from .published import crc, loads_finite, open_regular, read_exactly
 
 FORMAT = "embcore.checkpoint"
 
@@ -335,7 +334,7 @@ def open_inside(path: Path, directory: Path) -> int:
         ValueError: a link leading out of the directory, a FIFO, a device, a directory, ...
     """
     root, real = os.path.realpath(directory), os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root or real == root:
+    if os.path.commonpath([root, real]) != root:
         raise ValueError(f"{path} is a symbolic link to {real}, outside the checkpoint "
                          f"directory {directory}; a checkpoint's files lie in its directory "
                          f"(copy the file in rather than linking to it)")
@@ -360,17 +359,6 @@ def read_file(path: Path, directory: Path, limit: int = FILE_BYTES) -> bytes:
         os.close(fd)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"it holds {name}, which a manifest never does")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"it holds the number {text[:40]}, beyond a float's range")
-    return value
-
-
 def read_manifest(directory: Path) -> Any:
     """The decoded ``manifest.json`` of the checkpoint ``directory`` (``read_file``): JSON of
     finite numbers (``ec.save`` writes no NaN or infinity).
@@ -383,8 +371,7 @@ def read_manifest(directory: Path) -> Any:
     path = directory / MANIFEST
     raw = read_file(path, directory)
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                          parse_float=_finite_float)
+        return loads_finite(raw, int64=False)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, ours)
         raise ValueError(f"{path} is not valid JSON ({str(e)[:200]}): the checkpoint is "
                          f"corrupt") from None

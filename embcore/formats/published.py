@@ -141,8 +141,7 @@ class Entry:
         finally:
             os.close(fd)
         try:
-            m = json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
-                           parse_float=_finite_float, parse_int=_int64)
+            m = loads_finite(raw)
         except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, ours)
             raise PublishError(f"{path} is unreadable or not JSON ({e}); the entry is "
                                f"corrupt") from None
@@ -194,6 +193,20 @@ def _int64(text: str) -> int:
         raise ValueError(f"it holds an integer of {len(text.lstrip('-'))} digits, beyond 64 "
                          f"bits")
     return value
+
+
+def loads_finite(raw: bytes, int64: bool = True) -> Any:
+    """``raw`` (UTF-8 JSON) decoded, as a manifest must be: finite numbers only (``NaN``,
+    ``Infinity`` and ``1e999``, which would read as infinity, are refused) and, with ``int64``,
+    integers of 64 bits (more digits refused before they are converted). Checkpoint manifests
+    are read with it too (``int64=False``: their ``extra`` may hold larger integers).
+
+    Raises:
+        ValueError: not UTF-8, not JSON or a number it refuses (saying which).
+        RecursionError: nested too deep.
+    """
+    return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                      parse_float=_finite_float, parse_int=_int64 if int64 else int)
 
 
 def entries(directory: Path) -> list[Entry]:
