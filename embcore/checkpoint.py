@@ -37,6 +37,7 @@ from .formats.checkpoint import (
     dcp_io,
     is_checkpoint,
     manifest_crc,
+    read_manifest,
     remove_stale_temporaries,
     remove_tree,
     resolve_dir,
@@ -289,8 +290,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
             truncated checkpoint: bytes that do not match their checksum (naming the file, the
             key and the chunk), an empty or truncated index, a malformed manifest (naming the
-            entry and its type); a narrowing load of a value out of the table dtype's range
-            without ``saturate`` (naming the table, its rows and the largest value).
+            entry and its type), a file that is not a regular file in the checkpoint's directory
+            (a FIFO, a link leading out) or a manifest or index of more than 1 GiB (naming
+            it: module docstring of formats/checkpoint.py); a narrowing load of a value out
+            of the table dtype's range without ``saturate`` (naming the table, its rows and
+            the largest value).
         KeyError: with ``strict``, a table or slot of ``obj`` that the checkpoint lacks.
         pickle.UnpicklingError: the index refers to anything but DCP's metadata classes.
 
@@ -312,10 +316,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
     comm = engine.comm
     ckpt = resolve_dir(Path(os.fspath(path)))
-    try:
-        manifest = json.loads((ckpt / MANIFEST).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{ckpt / MANIFEST} is not valid JSON: {e}") from e
+    manifest = read_manifest(ckpt)  # (a regular file in it, of at most FILE_BYTES)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"{ckpt} is not an embcore checkpoint (manifest.json has no "
                          f"format {FORMAT!r})")

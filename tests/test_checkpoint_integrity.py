@@ -6,9 +6,13 @@ index and a malformed manifest are ValueErrors saying so; W = 2 -> W = 1 and W =
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pickle
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -428,3 +432,124 @@ def test_two_processes_write_and_check_their_chunks(tmp_path):
     ec.load(tmp_path / "w2-good", target)
     want = torch.load(tmp_path / "want.pt")
     assert_state_equal(snapshot(target), want)
+
+
+# ----------------------------------------------------------------------------------- files
+@contextlib.contextmanager
+def unblocking(fifos: list[Path], after: float = 3.0):
+    """Yields a list that stays empty unless a reader blocked on one of ``fifos``: then, after
+    ``after`` seconds, they are opened as writers and closed (the reader reads an end of file,
+    so a reader that hangs, before the fix, ends), and the list says so."""
+    done, had_to = threading.Event(), []
+
+    def guard() -> None:
+        if done.wait(after):
+            return
+        while not done.is_set():
+            for p in fifos:
+                had_to.append(p)
+                with contextlib.suppress(OSError):
+                    os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))
+            done.wait(0.1)
+
+    t = threading.Thread(target=guard, daemon=True)
+    t.start()
+    try:
+        yield had_to
+    finally:
+        done.set()
+        t.join()
+
+
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "old-format"])
+def test_a_data_file_that_is_a_fifo_or_a_link_out_is_an_error_never_a_hang(saved, checksums):
+    """DCP opens the data files itself (following links, blocking on a FIFO): load checks them
+    first. An old-format checkpoint (no checksums) whose .distcp was a FIFO hung ``ec.load``; a
+    link to a copy of the file outside the directory loaded."""
+    path, emb = saved
+    if not checksums:
+        drop_checksums(path)
+    data, outside, fifo = path / "__0_0.distcp", path.parent / "kept.distcp", path.parent / "f"
+    os.replace(data, outside)
+    os.mkfifo(fifo)
+    fresh = engine(3)
+    named = re.escape(str(data))
+    fifo_error = rf"{named} is a FIFO, not a regular file; a checkpoint's files are regular files"
+    out = rf"{named} is a symbolic link to .*kept\.distcp, outside the checkpoint directory"
+    for make, match in (
+            (lambda: os.mkfifo(data), fifo_error),
+            (lambda: data.symlink_to(outside), out),
+            (lambda: data.symlink_to(fifo), rf"{named} is a symbolic link to .*, outside"),
+            (lambda: data.symlink_to("/dev/zero"), rf"{named} is a symbolic link to /dev/zero")):
+        make()
+        with unblocking([data, fifo]) as had_to:
+            try:
+                corrupt_load(path, fresh, match)
+            finally:  # (a hang is what fails first)
+                assert not had_to, f"ec.load blocked reading {data} ({match})"
+        data.unlink()
+    # the index, linked to a copy outside: refused too
+    os.replace(outside, data)
+    index = path / ".metadata"
+    shutil.copy(index, path.parent / "index-copy")
+    index.unlink()
+    index.symlink_to(path.parent / "index-copy")
+    corrupt_load(path, fresh, rf"{re.escape(str(index))} is a symbolic link to .*index-copy, "
+                              r"outside the checkpoint directory")
+    # a link that stays in the directory is read
+    index.unlink()
+    os.replace(path.parent / "index-copy", path / "index.real")
+    index.symlink_to("index.real")
+    os.replace(data, path / "data.real")
+    data.symlink_to(path / "data.real")
+    ec.load(path, fresh)
+    assert_state_equal(snapshot(fresh), snapshot(emb))
+
+
+def test_a_huge_manifest_or_index_is_named_unread(saved):
+    """Sparse files of 1 TiB: read whole before, a MemoryError."""
+    path, emb = saved
+    fresh = engine(3)
+    for name in ("manifest.json", ".metadata"):
+        file = path / name
+        os.replace(file, path.parent / "kept")
+        with open(file, "wb") as f:
+            f.truncate(2**40)
+        corrupt_load(path, fresh, rf"{re.escape(str(file))} is 1099511627776 bytes, more than "
+                                  rf"the 1073741824 a checkpoint's {re.escape(name)} may take")
+        os.replace(path.parent / "kept", file)
+    ec.load(path, fresh)
+    assert_state_equal(snapshot(fresh), snapshot(emb))
+
+
+@pytest.mark.parametrize("spoilt", ["[" * 100_000 + "]" * 100_000, "NaN", "-Infinity", "1e999",
+                                    "9" * 5000],
+                         ids=["nested", "NaN", "-Infinity", "1e999", "5000 digits"])
+def test_a_manifest_nested_too_deep_or_of_numbers_json_lacks_is_named(saved, spoilt):
+    """Before: a RecursionError, a bare ValueError of json (an integer's digits) or of the
+    manifest's CRC (NaN cannot be written again), none naming the file."""
+    path, _ = saved
+    manifest = path / "manifest.json"
+    text = manifest.read_text()
+    assert '"epoch": 2' in text
+    manifest.write_text(text.replace('"epoch": 2', f'"epoch": {spoilt}'))
+    corrupt_load(path, engine(3), rf"{re.escape(str(manifest))} is not valid JSON \(.*\): the "
+                                  r"checkpoint is corrupt")
+
+
+def test_an_index_nested_too_deep_is_named(saved):
+    """A chunk's file name that is a list nested 100,000 deep (a crafted .metadata of an
+    old-format checkpoint, whose index has no CRC): before, a RecursionError."""
+    path, _ = saved
+    drop_checksums(path)
+    index = path / ".metadata"
+    with open(index, "rb") as f:
+        md = fck.RestrictedMetadataUnpickler(f).load()
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "@@DEEP@@"
+    raw = pickle.dumps(md, protocol=2)  # (no frames: the file name is replaced in place)
+    name = b"X" + len(b"@@DEEP@@").to_bytes(4, "little") + b"@@DEEP@@"
+    assert raw.count(name) == 1
+    index.write_bytes(raw.replace(name, b"]" * 100_000 + b"a" * 99_999))
+    corrupt_load(path, engine(3), rf"{re.escape(str(index))} holds an entry of another kind "
+                                  r"than DCP writes \(a _StorageInfo\): the checkpoint is corrupt")

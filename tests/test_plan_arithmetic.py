@@ -376,3 +376,119 @@ def test_a_budget_that_is_not_a_whole_number_of_bytes_is_refused(value, error, m
         ec.Embedding(ec.FeatureConfig(table=t), ec.SGD(0.1), memory_budget=value)
     with pytest.raises(error, match=message):
         ec.EmbeddingSpec(ec.FeatureConfig(table=t), ec.SGD(0.1), memory_budget=value)
+
+
+@pytest.mark.parametrize("unit, size", [
+    ("B", 1), ("KB", 10**3), ("MB", 10**6), ("GB", 10**9), ("TB", 10**12),
+    ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40)])
+def test_each_unit_is_the_power_of_1000_or_1024_the_docs_say(unit, size):
+    assert parse_budget(f"3{unit}") == 3 * size
+    assert parse_budget(f"3 {unit.lower()}") == 3 * size  # (any case, a space before it)
+    if size > 1:
+        assert parse_budget(f"0.5{unit}") == size // 2
+        assert parse_budget(f"1{unit}") - 1 == parse_budget(f"{size - 1}")
+
+
+_BEYOND = [
+    ("9" * 5000, r"memory_budget '9{40}'\.\.\. \(of 5000 characters\) is not a size"),
+    ("9" * 30, r"memory_budget '9{30}' is more than 9223372036854775807 bytes"),
+    ("9.3e18", r"memory_budget '9\.3e18' is more than 9223372036854775807 bytes"),
+    ("8EiB", r"memory_budget '8EiB' is not a size"),
+    ("inf", r"memory_budget 'inf' is not a size"),
+    ("nan", r"memory_budget 'nan' is not a size"),
+    ("-1", r"memory_budget '-1' is not a size"),
+    ("-0", r"memory_budget '-0' is not a size"),
+    (1e30, r"memory_budget 1e\+30 is more than 9223372036854775807 bytes"),
+    (2**63, r"memory_budget 9223372036854775808 is more than 9223372036854775807 bytes"),
+    (10**5000, r"memory_budget <an integer of 16610 bits> is more than 9223372036854775807"),
+    (-10**5000, r"memory_budget must be >= 0 bytes, got -<an integer of 16610 bits>"),
+]
+
+
+@pytest.mark.parametrize("value, message", _BEYOND, ids=[m[:34] for _, m in _BEYOND])
+def test_a_budget_beyond_any_machine_is_refused_before_it_is_expanded(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_budget(value)
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    with pytest.raises(ValueError, match=message):
+        ec.Embedding(ec.FeatureConfig(table=t), ec.SGD(0.1), memory_budget=value)
+
+
+def test_the_largest_budget_and_zero_written_any_way_are_taken():
+    assert parse_budget(2**63 - 1) == parse_budget("9223372036854775807") == 2**63 - 1
+    assert parse_budget("0e99") == parse_budget("0.0e-99") == parse_budget(-0.0) == 0
+    assert parse_budget("1e18") == 10**18 and parse_budget("0.001e21") == 10**18
+
+
+def test_a_huge_exponent_is_refused_at_once_not_expanded():
+    """Before the bound, ``"1e999999999"`` was expanded to an exact integer first (it never
+    ended): run in a child with a deadline."""
+    cases = {"1e999999999": r"memory_budget '1e999999999' is more than 9223372036854775807 bytes",
+             "7e99999999TiB": r"memory_budget '7e99999999TiB' is more than 9223372036854775807",
+             "1e-999999999": r"memory_budget '1e-999999999' is less than one byte but more than 0",
+             "0e999999999": "0", "0.0e-999999999": "0"}
+    code = ("import sys\nfrom embcore.config.budget import parse_budget\n"
+            "for v in sys.argv[1:]:\n"
+            "    try:\n        print(repr(parse_budget(v)))\n"
+            "    except ValueError as e:\n        print(e)\n")
+    got = subprocess.run([sys.executable, "-c", code, *cases], capture_output=True, text=True,
+                         timeout=30, cwd=Path(ec.__file__).resolve().parents[1])
+    assert got.returncode == 0, got.stderr
+    for line, message in zip(got.stdout.splitlines(), cases.values(), strict=True):
+        assert re.match(message, line), line
+
+
+# -------------------------------------------------------------------- the profile it weighs by
+_PROFILE = {"format": "embcore-profile-1", "batches": 3,
+            "tables": {"t": {"lookups_per_batch": 2.0, "distinct": 5,
+                             "points": [[1, 0.5], [5, 1.0]]}}}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lookups_per_batch", float("nan"), "has lookups_per_batch nan; it must be a finite number"),
+    ("lookups_per_batch", float("inf"), "has lookups_per_batch inf; it must be a finite number"),
+    ("distinct", -3, "has distinct -3; it must be an integer >= 0"),
+    ("distinct", float("inf"), "has distinct inf; it must be an integer >= 0"),
+    ("points", [[1, float("nan")], [5, 1.0]], r"has the share at k = 1 of nan; it must be"),
+    ("points", [[0, 0.5], [5, 1.0]], r"has the point k = 0; it must be an integer above"),
+    ("points", [[-2, 0.5], [5, 1.0]], r"has the point k = -2; it must be an integer above"),
+    ("points", [[1, 0.5], [9, 1.0]], r"has the point k = 9; .* at most distinct \(5\)"),
+    ("batches", -1, r"profile: batches is -1; it must be an integer >= 0"),
+    ("batches", float("nan"), r"profile: batches is nan; it must be an integer >= 0"),
+])
+def test_a_profile_with_nan_infinite_or_negative_values_is_refused(tmp_path, field, value,
+                                                                   message):
+    d = json.loads(json.dumps(_PROFILE))
+    (d if field == "batches" else d["tables"]["t"])[field] = value
+    if field != "batches":
+        message = rf"profile: table 't' {message}"
+    with pytest.raises(ValueError, match=message):
+        ec.LookupProfile.from_dict(d)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(d))  # (NaN and Infinity as Python's json writes them)
+    with pytest.raises(ValueError, match=rf"{path}: {message}"):
+        ec.LookupProfile.load(path)
+    t = ec.TableConfig(vocabulary_size=10, dim=2, name="t")
+    with pytest.raises(ValueError, match=message):
+        ec.Embedding(ec.FeatureConfig(table=t), ec.SGD(0.1), memory_budget=100, profile=path)
+
+
+def test_a_profile_made_by_hand_is_checked_as_a_loaded_one():
+    from embcore.planning.profile import TableProfile
+
+    ok = ec.LookupProfile(3, {"t": TableProfile(2.0, 5, ((1, 0.5), (5, 1.0)))})
+    assert ec.LookupProfile.from_dict(ok.to_dict()) == ok
+    with pytest.raises(ValueError, match="profile: table 't' has lookups_per_batch nan"):
+        ec.LookupProfile(3, {"t": TableProfile(float("nan"), 5, ())})
+    with pytest.raises(ValueError, match=r"profile: table 't' has the share at k = 5 of 0\.4"):
+        ec.LookupProfile(3, {"t": TableProfile(1.0, 5, ((1, 0.5), (5, 0.4)))})
+    with pytest.raises(TypeError, match="table 't' must be a TableProfile, got dict"):
+        ec.LookupProfile(3, {"t": {"lookups_per_batch": 1.0}})
+
+
+def test_a_profile_file_too_deep_or_of_huge_integers_is_named(tmp_path):
+    for name, text in (("deep.json", "[" * 100_000 + "]" * 100_000),
+                       ("digits.json", '{"batches": ' + "9" * 5000 + "}")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{tmp_path / name}: not an embcore profile"):
+            ec.LookupProfile.load(tmp_path / name)

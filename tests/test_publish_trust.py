@@ -20,6 +20,7 @@ import gc
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -564,3 +565,96 @@ def test_an_int8_followers_refusal_names_the_table_row_not_the_deltas_position(t
     assert ec.publish(tmp_path, emb, snapshot=False)["rows"] == {"t": 2}
     with pytest.raises(ValueError, match=r"table 't': row 37 holds NaN or inf"):
         served.refresh()
+
+
+# ------------------------------------------------------------------ (1) a manifest's numbers
+_NOT_NUMBERS = {"NaN": "NaN", "Infinity": "Infinity", "1e999": "1e999",
+                "5000 digits": "9" * 5000, "-2**63 - 1": str(-2**63 - 1)}
+
+
+def _spoil(entry: Path, number: str) -> None:
+    """Writes ``number`` as the manifest's time (its last field but the seal, on one line)."""
+    path = entry / fmt.MANIFEST
+    text = path.read_text()
+    spoiled = re.sub(r'^ "time": [0-9.e+-]+,$', f' "time": {number},', text, flags=re.M)
+    assert spoiled != text
+    path.write_text(spoiled)
+
+
+@pytest.mark.parametrize("number", list(_NOT_NUMBERS.values()), ids=list(_NOT_NUMBERS))
+def test_a_manifest_of_nan_infinity_or_a_huge_integer_is_a_publish_error(tmp_path, number):
+    emb = engine()
+    ec.publish(tmp_path, emb)
+    _spoil(tmp_path / "00000000-snapshot", number)
+    named = re.escape(str(tmp_path / "00000000-snapshot" / fmt.MANIFEST))
+    with pytest.raises(fmt.PublishError, match=rf"{named} is unreadable or not JSON"):
+        fmt.entries(tmp_path)[0].manifest()
+    with pytest.raises(fmt.PublishError, match=rf"{named} is unreadable or not JSON"):
+        ec.load_published(tmp_path)
+
+
+@pytest.mark.parametrize("number", ["NaN", "9" * 5000])
+def test_a_spoilt_older_entry_blocks_nothing_that_reaches_the_newest_snapshot(tmp_path,
+                                                                              number):
+    """Entries 0 (snapshot), 1 (delta), 2 (snapshot), 3 (delta): reaching the newest state
+    needs 2 and 3 only, so a manifest of entry 0 or 1 that cannot be read blocks neither
+    load_published, refresh, ec.load nor a new trainer's publish; one of entry 2 or 3 does,
+    named (docs/semantics.md section 13, Reading)."""
+    emb = engine()
+    for k in range(4):
+        train(emb, k)
+        ec.publish(tmp_path, emb, slots=True, snapshot=k == 2)
+    served = ec.load_published(tmp_path)
+    assert served.version == 3
+    train(emb, 4)
+    ec.publish(tmp_path, emb, slots=True)  # entry 4, a delta: what refresh reads
+    older = fmt.entries(tmp_path)[:2]
+    for e in older:
+        _spoil(e.path, number)
+    assert served.refresh() == 1 and follows(served, emb)
+    assert ec.load_published(tmp_path).version == 4
+    resumed = engine(3)
+    assert ec.load(tmp_path, resumed)["seq"] == 4 and resumed.step == emb.step
+    assert torch.equal(table(resumed), table(emb))
+    del emb
+    gc.collect()  # (the trainer stops; its lock goes with it)
+    train(resumed, 5)
+    assert ec.publish(tmp_path, resumed, slots=True)["seq"] == 5  # continues the chain
+    assert served.refresh() == 1 and follows(served, resumed)
+    # an entry the newest state needs: named, every way
+    _spoil(tmp_path / "00000004-delta", number)
+    named = re.escape(str(tmp_path / "00000004-delta" / fmt.MANIFEST))
+    with pytest.raises(fmt.PublishError, match=rf"{named} is unreadable or not JSON"):
+        ec.load_published(tmp_path)
+    with pytest.raises(fmt.PublishError, match=rf"{named} is unreadable or not JSON"):
+        ec.load(tmp_path, engine(4))
+
+
+def test_a_sealed_manifest_of_a_step_beyond_64_bits_is_a_publish_error(tmp_path):
+    """Resealed (the seal is a CRC: anyone can write one), a step of 2**64 was read, then
+    failed as torch's bare ValueError (an overflow) when resumed."""
+    emb = engine()
+    ec.publish(tmp_path, emb, slots=True)
+    _reseal(fmt.entries(tmp_path)[0], lambda m: m.update(step=2**64))
+    target = engine(1)
+    with pytest.raises(fmt.PublishError, match="an integer of 20 digits, beyond 64 bits"):
+        ec.load(tmp_path, target)
+    assert target.step == 0
+
+
+def test_a_later_snapshot_that_names_no_predecessor_is_refused(tmp_path):
+    """Only the chain's first entry (its id the chain's identity) may name no predecessor."""
+    emb = engine()
+    for k in range(3):
+        train(emb, k)
+        ec.publish(tmp_path, emb, snapshot=k == 2)
+    _reseal(fmt.entries(tmp_path)[2], lambda m: m.update(previous=None))
+    refused = (r"00000002-snapshot names no predecessor, yet it is not the first entry of its "
+               r"chain [0-9a-f]+; an entry after the first must name one")
+    with pytest.raises(fmt.PublishError, match=refused):
+        ec.load_published(tmp_path)
+    with pytest.raises(fmt.PublishError, match=refused):
+        ec.load(tmp_path, engine(1))
+    # the chain's own first entry names none, and is read
+    shutil.rmtree(tmp_path / "00000002-snapshot")
+    assert ec.load_published(tmp_path).version == 1

@@ -31,9 +31,14 @@ layouts, paths and plain builtins) and raises ``pickle.UnpicklingError`` naming 
 bytes are read by DCP with ``torch.load(weights_only=True)``. Every key that is loaded must be a
 tensor entry in the index: DCP would ``torch.load(weights_only=False)`` a non-tensor ("bytes")
 entry, so such entries are refused, as are data files outside the checkpoint directory.
-``manifest.json`` is plain JSON; a table's sizes there must be integers (else a ValueError saying
-the manifest is malformed), and an empty, truncated or undecodable ``.metadata`` is a ValueError
-saying the checkpoint is corrupt, naming the file.
+Files are read as the publish readers read theirs (``formats/published.py``: ``open_regular``):
+``manifest.json`` and ``.metadata`` must be regular files in the directory (a symbolic link is
+followed only to a file in it), opened without blocking, of at most ``FILE_BYTES``, read whole;
+the data files a load reads are checked alike (and to hold the chunks read there) before DCP,
+which follows links and blocks on a FIFO, opens them (``check_data_files``).
+``manifest.json`` is plain JSON (finite numbers only); a table's sizes there must be integers
+(else a ValueError saying the manifest is malformed), and an empty, truncated or undecodable
+``.metadata`` is a ValueError saying the checkpoint is corrupt, naming the file.
 
 Integrity. Flipped or lost bytes never load as wrong values (checkpoints with checksums, i.e.
 written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
@@ -97,7 +102,7 @@ from ..base.compat import (
     dcp_index_name,
 )
 from .files import fsync_dir, pid_alive
-from .published import crc
+from .published import crc, loads_finite, open_regular, read_exactly
 
 FORMAT = "embcore.checkpoint"
 
@@ -115,6 +120,9 @@ CHECKSUM_ALGORITHM = "crc32"
 
 
 METADATA = DCP_INDEX  # DCP's index file (".metadata")
+
+
+FILE_BYTES = 1 << 30  # a manifest.json or .metadata larger than this is refused unread
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -175,7 +183,14 @@ def dcp_io() -> SimpleNamespace:
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     class ChecksummingWriter(FileSystemWriter):
         """FileSystemWriter that, once this process's files are written, computes the CRC of
@@ -207,7 +222,7 @@ def dcp_io() -> SimpleNamespace:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             rank = kwargs.get("rank")
             path = Path(self.path) / dcp_index_name(rank)
-            raw = path.read_bytes()
+            raw = read_file(path, Path(self.path))
             if not raw:
                 raise ValueError(f"{path} is empty: the checkpoint is corrupt")
             if self.checksums is not None and crc_of_bytes(raw) != self.checksums.index:
@@ -226,8 +241,9 @@ def dcp_io() -> SimpleNamespace:
             if not all(isinstance(x, dict) for x in (md.storage_data, md.state_dict_metadata)):
                 raise ValueError(f"{path} lacks its storage or key index: the checkpoint is "
                                  f"corrupt")
+            check_index(md, path)
             for info in md.storage_data.values():
-                rel = str(getattr(info, "relative_path", ""))
+                rel = info.relative_path
                 if not rel or rel != os.path.basename(rel) or rel in (".", ".."):
                     raise ValueError(f"checkpoint index points at {rel!r}, outside its "
                                      f"directory; refusing to read it")
@@ -246,8 +262,12 @@ def dcp_io() -> SimpleNamespace:
             self.chunks = metadata.storage_data
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            # Every chunk this process reads is verified before any is read (the target is
-            # only filled once every read succeeded anyway: load()).
+            # Every file this process reads is checked (a regular file in the directory that
+            # holds its chunks: check_data_files), and every chunk verified, before any is read
+            # (the target is only filled once every read succeeded anyway: load()).
+            check_data_files(Path(self.path), [(item.storage_index,
+                                                self.chunks[item.storage_index])
+                                               for item in plan.items])
             if self.checksums is not None:
                 seen: set[tuple[str, int]] = set()
                 for item in plan.items:
@@ -265,9 +285,126 @@ def dcp_io() -> SimpleNamespace:
             raise ValueError(f"checkpoint entry {read_item.dest_index.fqn!r} is stored as "
                              f"pickled bytes, not a tensor; refusing to unpickle it")
 
+    def check_index(md: Metadata, path: Path) -> None:
+        """The index's entries have the types DCP's reader uses (names strings, places and
+        shapes integers, dtypes torch dtypes), so that no later step meets another kind (or a
+        value nested too deep to print). Raises ValueError naming the file and the entry."""
+        def bad(what: Any) -> ValueError:
+            shown = f"a {type(what).__name__}" if not isinstance(what, str) else repr(what[:60])
+            return ValueError(f"{path} holds an entry of another kind than DCP writes "
+                              f"({shown}): the checkpoint is corrupt")
+
+        def sizes(x: Any) -> bool:
+            return type(x) is torch.Size
+
+        for index, info in md.storage_data.items():
+            if not (isinstance(index, MetadataIndex) and isinstance(index.fqn, str)
+                    and (index.offset is None or sizes(index.offset))):
+                raise bad(index)
+            if not (isinstance(getattr(info, "relative_path", None), str) and all(
+                    type(getattr(info, k, None)) is int and getattr(info, k) >= 0
+                    for k in ("offset", "length"))):
+                raise bad(info)
+        for key, entry in md.state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise bad(key)
+            if isinstance(entry, BytesStorageMetadata):
+                continue
+            if not (isinstance(entry, TensorStorageMetadata) and sizes(entry.size)
+                    and isinstance(entry.properties, TensorProperties)
+                    and isinstance(entry.properties.dtype, torch.dtype)
+                    and isinstance(entry.chunks, list)
+                    and all(isinstance(c, ChunkStorageMetadata) and sizes(c.offsets)
+                            and sizes(c.sizes) for c in entry.chunks)):
+                raise bad(key)
+
     return SimpleNamespace(dcp=dcp, Writer=ChecksummingWriter, Reader=SafeReader,
                            Planner=TensorOnlyLoadPlanner, TensorMD=TensorStorageMetadata,
                            CheckpointException=CheckpointException)
+
+
+# --------------------------------------------------------------------------------- files
+def open_inside(path: Path, directory: Path) -> int:
+    """A read-only descriptor of the checkpoint file ``path``: a regular file in ``directory``
+    (a symbolic link is followed only to a file in the directory), opened without blocking
+    (``formats.published.open_regular``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a link leading out of the directory, a FIFO, a device, a directory, ...
+    """
+    root, real = os.path.realpath(directory), os.path.realpath(path)
+    if os.path.commonpath([root, real]) != root:
+        raise ValueError(f"{path} is a symbolic link to {real}, outside the checkpoint "
+                         f"directory {directory}; a checkpoint's files lie in its directory "
+                         f"(copy the file in rather than linking to it)")
+    return open_regular(Path(real), ValueError, "a checkpoint's")
+
+
+def read_file(path: Path, directory: Path, limit: int = FILE_BYTES) -> bytes:
+    """The bytes of the checkpoint file ``path`` (``open_inside``), at most ``limit``.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: not a regular file in the directory,
+            larger than ``limit`` (naming both), or truncated while it is read.
+    """
+    fd = open_inside(path, directory)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"{path} is {size} bytes, more than the {limit} a checkpoint's "
+                             f"{path.name} may take: the checkpoint is corrupt (or not one)")
+        return read_exactly(fd, size, path, ValueError)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: Path) -> Any:
+    """The decoded ``manifest.json`` of the checkpoint ``directory`` (``read_file``): JSON of
+    finite numbers (``ec.save`` writes no NaN or infinity).
+
+    Raises:
+        ValueError: not a regular file in the directory, too large, not JSON, holding ``NaN``,
+            ``Infinity``, ``1e999`` or an integer of more than Python's 4300 digits, or nested
+            too deep; naming the file.
+    """
+    path = directory / MANIFEST
+    raw = read_file(path, directory)
+    try:
+        return loads_finite(raw, int64=False)
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, ours)
+        raise ValueError(f"{path} is not valid JSON ({str(e)[:200]}): the checkpoint is "
+                         f"corrupt") from None
+
+
+def check_data_files(directory: Path, chunks: list[tuple[Any, Any]]) -> None:
+    """The data files holding ``chunks`` (``(index, storage info)`` pairs from DCP's index)
+    are regular files in ``directory`` (``open_inside``) that hold each chunk's bytes, before
+    DCP opens them (it follows links and would block on a FIFO).
+
+    Raises:
+        FileNotFoundError: a file is missing. ValueError: a link leading out, a FIFO, ..., or a
+            chunk ending past its file's end, naming the file, the key and the chunk.
+    """
+    sizes: dict[str, int] = {}
+    for index, info in chunks:
+        rel = str(info.relative_path)
+        if rel not in sizes:
+            try:
+                fd = open_inside(directory / rel, directory)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{directory / rel} is missing: the checkpoint is "
+                                        f"incomplete") from None
+            try:
+                sizes[rel] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        offset, length = int(info.offset), int(info.length)
+        if offset + length > sizes[rel]:
+            raise ValueError(f"{directory / rel}: checkpoint entry {index.fqn!r} (its chunk at "
+                             f"offsets {[int(a) for a in index.offset]}, bytes {offset}.."
+                             f"{offset + length}) ends past the file's {sizes[rel]} bytes: the "
+                             f"checkpoint is corrupt or truncated")
 
 
 # --------------------------------------------------------------------------------- checksums

@@ -57,8 +57,11 @@ without following a symbolic link and without blocking (``O_NOFOLLOW | O_NONBLOC
 regular file (not a FIFO, a device, a directory) of the size its manifest states (a manifest: at
 most ``MANIFEST_BYTES``), and is read into memory, never mapped: a file truncated while it is
 read is a ``PublishError``, never a ``SIGBUS``; anything else is a ``PublishError`` naming the
-file. An entry removed while it is read (the writer's retention) is an ``EntryGone``: readers
-read the newest chain again (``newest``).
+file. A manifest holds finite numbers and 64-bit integers only: ``NaN``, ``Infinity``, ``1e999``
+or an integer of more digits is a ``PublishError`` (read, never converted). An entry removed
+while it is read (the writer's retention) is an ``EntryGone``: readers read the newest chain
+again (``newest``). Only the entries a reader applies must be readable (``chain``); an older
+entry whose manifest cannot be read is passed over (``identity``, ``continuation``).
 
 Chains: a directory holds one model's chain of entries. Its first entry's id is the chain's
 identity, which every entry carries (``chain``); a trainer that publishes into a directory
@@ -75,6 +78,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import secrets
@@ -137,8 +141,8 @@ class Entry:
         finally:
             os.close(fd)
         try:
-            m = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            m = loads_finite(raw)
+        except (ValueError, RecursionError) as e:  # (JSONDecodeError, UnicodeDecodeError, ours)
             raise PublishError(f"{path} is unreadable or not JSON ({e}); the entry is "
                                f"corrupt") from None
         if not isinstance(m, dict) or m.get("format") != FORMAT:
@@ -165,6 +169,44 @@ class Entry:
         if m.get("chain") is not None and not isinstance(m["chain"], str):
             raise PublishError(f"{path}: a malformed chain identity {m['chain']!r}")
         return m
+
+
+def _no_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN`` / ``Infinity``, which no manifest holds."""
+    raise ValueError(f"it holds {name}, which a manifest never does")
+
+
+def _finite_float(text: str) -> float:
+    """``json.loads``' hook for a number with a point or exponent: a finite float (``1e999``
+    would read as infinity)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"it holds the number {text[:40]}, beyond a float's range")
+    return value
+
+
+def _int64(text: str) -> int:
+    """``json.loads``' hook for an integer: a manifest's are 64-bit (a step, sizes, rows,
+    checksums), so more digits are refused before they are converted."""
+    value = int(text) if len(text) <= 20 else None
+    if value is None or not -2**63 <= value < 2**63:
+        raise ValueError(f"it holds an integer of {len(text.lstrip('-'))} digits, beyond 64 "
+                         f"bits")
+    return value
+
+
+def loads_finite(raw: bytes, int64: bool = True) -> Any:
+    """``raw`` (UTF-8 JSON) decoded, as a manifest must be: finite numbers only (``NaN``,
+    ``Infinity`` and ``1e999``, which would read as infinity, are refused) and, with ``int64``,
+    integers of 64 bits (more digits refused before they are converted). Checkpoint manifests
+    are read with it too (``int64=False``: their ``extra`` may hold larger integers).
+
+    Raises:
+        ValueError: not UTF-8, not JSON or a number it refuses (saying which).
+        RecursionError: nested too deep.
+    """
+    return json.loads(raw.decode("utf-8"), parse_constant=_no_constant,
+                      parse_float=_finite_float, parse_int=_int64 if int64 else int)
 
 
 def entries(directory: Path) -> list[Entry]:
@@ -370,32 +412,34 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: Path) -> int:
+def open_regular(path: Path, error: type[ValueError] = PublishError,
+                 whose: str = "a publish directory's") -> int:
     """A read-only descriptor of ``path``, which must be a regular file: opened without
-    following a symbolic link and without blocking (a FIFO would), then checked.
+    following a symbolic link and without blocking (a FIFO would), then checked. (Checkpoint
+    reads use it too: ``error`` is the type raised, ``whose`` the files' owner in its message.)
 
     Raises:
         FileNotFoundError: no such file.
-        PublishError: a symbolic link, a FIFO, a device, a directory, ..., or a file that cannot
-            be opened, named.
+        PublishError: (``error``) a symbolic link, a FIFO, a device, a directory, ..., or a file
+            that cannot be opened, named.
     """
     if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
-        raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
-                           f"regular files, read without following links")
+        raise error(f"{path} is a symbolic link; {whose} files are regular files, read "
+                    f"without following links")
     try:
         fd = os.open(path, _READ_FLAGS)
     except FileNotFoundError:
         raise
     except OSError as e:
         if os.path.islink(path):
-            raise PublishError(f"{path} is a symbolic link; a publish directory's files are "
-                               f"regular files, read without following links") from None
-        raise PublishError(f"{path} cannot be opened: {e.strerror}") from None
+            raise error(f"{path} is a symbolic link; {whose} files are regular files, read "
+                        f"without following links") from None
+        raise error(f"{path} cannot be opened: {e.strerror}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise PublishError(f"{path} is {_kind(mode)}, not a regular file; a publish "
-                               f"directory's files are regular files")
+            raise error(f"{path} is {_kind(mode)}, not a regular file; {whose} files are "
+                        f"regular files")
     except BaseException:
         os.close(fd)
         raise
@@ -418,17 +462,18 @@ def open_in_entry(path: Path) -> int:
         raise PublishError(f"{path} is missing: the entry is incomplete") from None
 
 
-def read_exactly(fd: int, size: int, path: Path) -> bytes:
-    """``size`` bytes from the start of ``fd``. Raises PublishError: the file ended first (it
-    was truncated)."""
+def read_exactly(fd: int, size: int, path: Path, error: type[ValueError] = PublishError
+                 ) -> bytes:
+    """``size`` bytes from the start of ``fd``. Raises PublishError (``error``): the file ended
+    first (it was truncated)."""
     out = bytearray(size)
     view = memoryview(out)
     got = 0
     while got < size:
         n = os.readv(fd, [view[got:]])
         if n == 0:
-            raise PublishError(f"{path} ended after {got} of its {size} bytes: it was "
-                               f"truncated while it was read")
+            raise error(f"{path} ended after {got} of its {size} bytes: it was truncated "
+                        f"while it was read")
         got += n
     return bytes(out)
 

@@ -11,6 +11,7 @@ sharded), and the curves size the caches of tables beyond ``memory_budget`` (tie
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -37,10 +38,25 @@ class TableProfile:
 
 @dataclass(frozen=True)
 class LookupProfile:
-    """Per-table lookup statistics from ``batches`` sample batches (``ec.profile``)."""
+    """Per-table lookup statistics from ``batches`` sample batches (``ec.profile``).
+
+    Checked when made (by ``ec.profile``, ``load``, ``from_dict`` or by hand): ``batches`` and
+    each table's ``distinct`` are integers >= 0, ``lookups_per_batch`` a finite number >= 0, and
+    its points ``(k, share)`` rise in k (integers, 1 <= k <= ``distinct``) and in share (finite,
+    0..1). Raises ValueError naming the table and the field, TypeError for another type."""
 
     batches: int
     tables: Mapping[str, TableProfile] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if type(self.batches) is not int or self.batches < 0:
+            raise ValueError(f"profile: batches is {self.batches!r}; it must be an integer "
+                             f">= 0 (the sample batches counted)")
+        if not isinstance(self.tables, Mapping):
+            raise TypeError(f"profile: tables must be a mapping of table name to "
+                            f"TableProfile, got {type(self.tables).__name__}")
+        for n, t in self.tables.items():
+            _check_table(n, t)
 
     def curve(self, table: str, rows: int) -> Curve | None:
         """The table's curve over its ``rows`` rows, or None when it was not profiled."""
@@ -62,16 +78,10 @@ class LookupProfile:
         try:
             if d.get("format") != FORMAT:
                 raise ValueError(f"not an embcore profile (format {d.get('format')!r})")
-            tables = {str(n): TableProfile(float(t["lookups_per_batch"]), int(t["distinct"]),
-                                           tuple((int(k), float(v)) for k, v in t["points"]))
+            tables = {str(n): TableProfile(float(t["lookups_per_batch"]), _integer(t["distinct"]),
+                                           tuple((_integer(k), float(v)) for k, v in t["points"]))
                       for n, t in d["tables"].items()}
-            for n, t in tables.items():
-                ks = [k for k, _ in t.points]
-                vs = [v for _, v in t.points]
-                if (ks != sorted(set(ks)) or any(not 0 <= v <= 1 for v in vs)
-                        or vs != sorted(vs) or t.lookups_per_batch < 0):
-                    raise ValueError(f"table {n!r}: points must rise in k and share (0..1)")
-            return cls(int(d["batches"]), tables)
+            return cls(_integer(d["batches"]), tables)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not an embcore profile: {e!r}") from None
 
@@ -104,10 +114,50 @@ class LookupProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LookupProfile:
+        """Raises ValueError naming ``path``: not JSON, or not a valid profile
+        (``from_dict``)."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except json.JSONDecodeError as e:
+            d = json.loads(Path(path).read_text())
+        except (ValueError, RecursionError) as e:  # (JSONDecodeError, an integer's digits)
             raise ValueError(f"{path}: not an embcore profile (not JSON: {e})") from None
+        try:
+            return cls.from_dict(d) if isinstance(d, dict) else cls.from_dict({})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+
+def _integer(x: Any) -> Any:
+    """``x`` as an int when it is a whole number (JSON may write ``3.0``); else as it is, for
+    ``LookupProfile``'s check to name (a float ``int()`` would turn NaN into an error of its
+    own and truncate 2.5)."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
+def _check_table(name: str, t: TableProfile) -> None:
+    """``LookupProfile``'s check of one table's statistics (its docstring)."""
+    if not isinstance(t, TableProfile):
+        raise TypeError(f"profile: table {name!r} must be a TableProfile, got "
+                        f"{type(t).__name__}")
+
+    def bad(what: str, value: Any, want: str) -> ValueError:
+        return ValueError(f"profile: table {name!r} has {what} {value!r}; it must be {want} "
+                          f"(profile the batches again with ec.profile)")
+
+    if not isinstance(t.lookups_per_batch, (int, float)) or isinstance(t.lookups_per_batch, bool) \
+            or not math.isfinite(t.lookups_per_batch) or t.lookups_per_batch < 0:
+        raise bad("lookups_per_batch", t.lookups_per_batch, "a finite number >= 0")
+    if type(t.distinct) is not int or t.distinct < 0:
+        raise bad("distinct", t.distinct, "an integer >= 0")
+    last_k, last_share = 0, 0.0
+    for k, share in t.points:
+        if type(k) is not int or not last_k < k <= t.distinct:
+            raise bad("the point k =", k, f"an integer above the previous point's ({last_k}) "
+                                          f"and at most distinct ({t.distinct})")
+        if not isinstance(share, (int, float)) or isinstance(share, bool) \
+                or not last_share <= share <= 1:
+            raise bad(f"the share at k = {k} of", share, f"a number from the previous point's "
+                                                        f"({last_share}) to 1")
+        last_k, last_share = k, float(share)
 
 
 def plan_features(features: Features, world_size: int, sharding: Any, budget: int | None,
@@ -184,4 +234,4 @@ def _points(freq: torch.Tensor) -> tuple[tuple[int, float], ...]:
         ks.append(k)
         k = max(k + 1, int(k * 1.5))
     ks.append(int(freq.numel()))
-    return tuple((k, float(share[k - 1])) for k in ks)
+    return tuple((k, min(float(share[k - 1]), 1.0)) for k in ks)  # (cumsum / sum: 1 + 1e-16)
