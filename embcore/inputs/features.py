@@ -16,17 +16,12 @@ from typing import Any
 
 import torch
 
-from ..base.nest import (
-    Structure,
-    flatten_like,
-    from_keyed_jagged,
-    is_keyed_jagged,
-    leaves_with_paths,
-)
+from ..base.nest import Structure, flatten_like, leaves_with_paths
 from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.bags import Bags
 from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
+from .kjt import from_keyed_jagged, is_keyed_jagged
 
 
 class Shapes(enum.Enum):

@@ -19,16 +19,11 @@ from typing import Any, overload
 import torch
 
 from ..base.compat import compile_aoti_package, size_oblivious_export
-from ..base.nest import (
-    flatten_like,
-    from_keyed_jagged,
-    is_keyed_jagged,
-    leaves_with_paths,
-    unflatten_like,
-)
+from ..base.nest import flatten_like, leaves_with_paths, unflatten_like
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..inputs.canonical import canonicalize, input_kind, resolve_shape
 from ..inputs.features import is_feature as _is_feature
+from ..inputs.kjt import from_keyed_jagged, is_keyed_jagged
 from ..ops.combine import combine
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
 
