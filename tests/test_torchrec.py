@@ -307,3 +307,57 @@ def test_readme_from_torchrec_example_runs(capsys):
     exec(compile(code, "README.md (From TorchRec)", "exec"), {"__name__": "readme"})
     printed = capsys.readouterr().out
     assert "sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in printed
+
+
+def _kjts_torchrec_refuses():
+    """KJTs TorchRec's modules refuse (TorchRec's validator: ValueError), each with what
+    embcore's error says: 2 keys of 2 bags."""
+    kjt, i = KeyedJaggedTensor, torch.tensor
+    return {
+        "lengths summing to fewer than the values": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3, 4]), lengths=i([1, 1, 0, 1]),
+                weights=torch.ones(4)), r"offsets run from 0 to 3 but there are 4 values"),
+        "4 weights for 3 ids": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                weights=torch.ones(4)), r"4 weights of shape \[4\] for 3 values"),
+        "3 lengths for 2 keys": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1]),
+                weights=torch.ones(3)), r"3 lengths for 2 keys"),
+        "lengths and offsets that disagree": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                offsets=i([0, 2, 2, 3, 3]), weights=torch.ones(3)),
+            r"lengths are not the differences of its 5 offsets"),
+        "offsets not starting at 0": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), offsets=i([1, 1, 2, 3, 3]),
+                weights=torch.ones(3)), r"offsets run from 1 to 3"),
+        "a repeated key": (
+            kjt(keys=["f", "f"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                weights=torch.ones(3)), r"repeat \['f'\]; keys must be unique"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_kjts_torchrec_refuses()))
+@pytest.mark.parametrize("kind", ["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_kjt_torchrec_refuses_is_refused_before_anything_changes(kind, case):
+    from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
+    kjt, message = _kjts_torchrec_refuses()[case]
+    with pytest.raises(ValueError):  # TorchRec's own check refuses it
+        validate_keyed_jagged_tensor(kjt)
+    if kind == "EmbeddingBagCollection":
+        module = et.EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                feature_names=["f", "g"])], is_weighted=True, fused_params=SGD)
+    else:
+        module = et.EmbeddingCollection(
+            [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10,
+                             feature_names=["f", "g"])], fused_params=SGD)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        module(kjt)
+    for key, value in before.items():
+        assert torch.equal(module.state_dict()[key], value), key
+    good = KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([1, 2, 3]),
+                             lengths=torch.tensor([2, 0, 1, 0]), weights=torch.ones(3))
+    out = module(good)  # and the module goes on with the next batch
+    values = out.values() if kind == "EmbeddingBagCollection" else out["f"].values()
+    assert values.shape == ((2, 8) if kind == "EmbeddingBagCollection" else (2, 4))
