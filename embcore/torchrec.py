@@ -36,7 +36,11 @@ except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
                       f"uninstall -y fbgemm-gpu && pip install --force-reinstall --no-deps "
                       f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (README, 'From TorchRec')") from e
 
-from .config.fused_params import from_fused_params
+from .config.fused_params import (
+    DEFAULT_STOCHASTIC_ROUNDING,
+    from_fused_params,
+    stochastic_rounding,
+)
 from .config.tables import FeatureConfig, TableConfig
 from .inputs.kjt import KeyedJagged, read_keyed_jagged
 from .layer import EmbeddingLayer
@@ -111,8 +115,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: where the tables live (default the CPU).
         fused_params: the optimizer as TorchRec / FBGEMM users give it, e.g.
             ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}``
-            (config/fused_params.py ``from_fused_params``); ``stochastic_rounding`` applies to
-            FP16 / BF16 tables.
+            (config/fused_params.py ``from_fused_params``); ``stochastic_rounding`` (a bool,
+            default True as FBGEMM's) applies to FP16 / BF16 tables.
         optimizer: instead of ``fused_params``: anything ``ec.EmbeddingLayer`` takes
             (``ec.Adagrad(learning_rate=0.1)``, ``"adagrad"``, ``torch.optim.SGD``, ...).
         **layer_kwargs: further arguments of ``ec.EmbeddingLayer`` (``memory_budget``,
@@ -123,8 +127,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     Raises:
         ValueError: a config embcore cannot hold (duplicate table names, NONE pooling,
-            weighted MEAN pooling, another data type, the meta device), or no optimizer.
+            weighted MEAN pooling, another data type, the meta device), no optimizer, or
+            ``fused_params`` that ``from_fused_params`` refuses.
+        TypeError: ``fused_params`` that is not a dict, or of a value of the wrong type
+            (``stochastic_rounding`` not a bool).
         ImportError: (on import) torchrec is not installed.
+
+    Its forward raises ``ValueError`` / ``TypeError`` for a ``KeyedJaggedTensor`` TorchRec's
+    checks refuse (inputs/kjt.py), lacking a feature, or without weights when weighted.
     """
 
     def __init__(self, tables: list[Any], is_weighted: bool = False,
@@ -271,7 +281,8 @@ def _features(tables: list[Any], what: str, device: torch.device | str | None,
                              f"supported; use FP32, FP16 or BF16")
         if not config.feature_names:
             config.feature_names = [config.name]  # (what TorchRec's modules do)
-    rounding = bool((fused_params or {}).get("stochastic_rounding", True))
+    rounding = (stochastic_rounding(fused_params) if fused_params is not None
+                else DEFAULT_STOCHASTIC_ROUNDING)
     features: dict[str, tuple[FeatureConfig, str]] = {}
     for config, names in zip(tables, get_embedding_names_by_table(tables)):
         table = TableConfig(vocabulary_size=config.num_embeddings, dim=config.embedding_dim,

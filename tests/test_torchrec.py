@@ -361,3 +361,40 @@ def test_a_kjt_torchrec_refuses_is_refused_before_anything_changes(kind, case):
     out = module(good)  # and the module goes on with the next batch
     values = out.values() if kind == "EmbeddingBagCollection" else out["f"].values()
     assert values.shape == ((2, 8) if kind == "EmbeddingBagCollection" else (2, 4))
+
+
+def test_fused_params_stochastic_rounding_is_a_bool_and_fbgemms_default():
+    """FP16 tables round stochastically unless fused_params says False (FBGEMM's default,
+    True, when it says nothing): updates of 1/16 of a unit in the last place move some entries
+    with it and none without it; a string is refused, not read as True."""
+    import functools
+    import inspect
+
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+    signature = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__)
+    assert signature.parameters["stochastic_rounding"].default is True
+    config = EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=64,
+                                feature_names=["f"], data_type=DataType.FP16,
+                                init_fn=functools.partial(torch.nn.init.constant_, val=1.0))
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(64),
+                            lengths=torch.ones(64, dtype=torch.int64))
+    ulp = 2.0 ** -10  # float16's spacing at 1.0
+    moved = {}
+    for given in ({}, {"stochastic_rounding": True}, {"stochastic_rounding": False}):
+        torch.manual_seed(0)  # (the engine's seed: the same random bits)
+        ebc = et.EmbeddingBagCollection([config], fused_params={**SGD, "learning_rate": 1.0,
+                                                                **given})
+        (ebc(kjt).values() * (-ulp / 16)).sum().backward()  # each entry: + ulp / 16
+        moved[str(given)] = int((ebc.state_dict()["embedding_bags.t.weight"] != 1.0).sum())
+    assert moved["{}"] == moved["{'stochastic_rounding': True}"] > 100  # about 4096 / 16
+    assert moved["{'stochastic_rounding': False}"] == 0
+    with pytest.raises(TypeError, match=r"\['stochastic_rounding'\] must be a bool, got str "
+                                        r"'False'"):
+        et.EmbeddingBagCollection([config], fused_params={**SGD, "stochastic_rounding": "False"})
+    for cls, table in ((et.EmbeddingBagCollection, config),
+                       (et.EmbeddingCollection, EmbeddingConfig(name="e", embedding_dim=4,
+                                                                num_embeddings=10))):
+        with pytest.raises(TypeError, match="fused_params must be a dict, got str"):
+            cls([table], fused_params="exact_sgd")
