@@ -44,6 +44,7 @@ from .config.fused_params import (
 from .config.tables import FeatureConfig, TableConfig
 from .inputs.kjt import KeyedJagged, read_keyed_jagged
 from .layer import EmbeddingLayer
+from .numerics.rounding import clamp_fix, narrowed_for_load
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16,
            DataType.BF16: torch.bfloat16}
@@ -93,7 +94,13 @@ class TorchRecTables(EmbeddingLayer):
                                   f"{tuple(value.shape)} from checkpoint, the shape in current "
                                   f"model is {shape} (table {name!r})")
             else:
-                values[f"{name}/parameters"] = value
+                dtype = own[f"{name}/parameters"].dtype
+                try:  # a 16-bit table's rows given wider: narrowed as ec.load narrows them
+                    values[f"{name}/parameters"] = narrowed_for_load(
+                        value, dtype, f"{name}/parameters", f"load_state_dict ({key})",
+                        "the state_dict", False, clamp_fix(dtype))
+                except ValueError as e:
+                    error_msgs.append(str(e))
         if len(error_msgs) > errors_before:
             return  # none of the tables loaded: torch raises with every message
         try:

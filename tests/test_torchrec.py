@@ -398,3 +398,31 @@ def test_fused_params_stochastic_rounding_is_a_bool_and_fbgemms_default():
                                                                 num_embeddings=10))):
         with pytest.raises(TypeError, match="fused_params must be a dict, got str"):
             cls([table], fused_params="exact_sgd")
+
+
+def test_load_state_dict_into_fp16_tables_refuses_values_beyond_their_range():
+    """As ec.load (docs/semantics.md section 14): float32 rows of 1e5 are not narrowed to
+    infinity in an FP16 table; the error (in torch's words) names the key, table, row and
+    value, and no table is loaded."""
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
+                                 data_type=DataType.FP16),
+              EmbeddingBagConfig(name="u", embedding_dim=2, num_embeddings=4, feature_names=["g"],
+                                 data_type=DataType.FP16)]
+    for module, prefix in ((et.EmbeddingBagCollection(tables, fused_params=SGD), "embedding_bags"),
+                           (et.EmbeddingCollection([EmbeddingConfig(
+                               name=c.name, embedding_dim=2, num_embeddings=4,
+                               feature_names=c.feature_names, data_type=DataType.FP16)
+                               for c in tables], fused_params=SGD), "embeddings")):
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        state = {k: v.float() for k, v in before.items()}
+        state[f"{prefix}.u.weight"] = torch.ones(4, 2)
+        state[f"{prefix}.t.weight"][3, 1] = 1e5
+        with pytest.raises(RuntimeError, match=rf"load_state_dict \({prefix}\.t\.weight\): table "
+                                               rf"'t' is float16 .* row\(s\) \(3\) hold values "
+                                               rf"beyond float16's range \(largest \|x\| 100000"):
+            module.load_state_dict(state)
+        for key, value in before.items():
+            assert torch.equal(module.state_dict()[key], value), key  # neither table loaded
+        state[f"{prefix}.t.weight"][3, 1] = 6e4  # within the range: loads, rounded to nearest
+        module.load_state_dict(state)
+        assert module.state_dict()[f"{prefix}.t.weight"][3, 1] == 6e4
