@@ -56,6 +56,9 @@ BAD = {
     "lengths summing to fewer than the values (trailing ids dropped)": (
         DuckKJT(KEYS, t(1, 2, 3, 4), lengths=t(1, 1, 0, 1)),
         r"offsets run from 0 to 3 but there are 4 values"),
+    "bags of one id each and a value more": (
+        DuckKJT(KEYS, t(1, 2, 3, 4, 5), lengths=t(1, 1, 1, 1)),
+        r"offsets run from 0 to 4 but there are 5 values"),
     "lengths summing to more than the values": (
         DuckKJT(KEYS, t(1, 2, 3), lengths=t(1, 1, 1, 1)),
         r"offsets run from 0 to 4 but there are 3 values"),

@@ -39,7 +39,8 @@ class KeyedJagged:
     keys: list[str]
     values: torch.Tensor                # (N,) ids
     weights: torch.Tensor | None        # (N,) or None
-    offsets: torch.Tensor               # (K * B + 1,) from 0 to N, never decreasing
+    offsets: torch.Tensor | None        # (K * B + 1,) from 0 to N, never decreasing; None
+                                        # when every bag holds one id (not read then)
     stride: int                         # B
     bounds: list[int]                   # (K + 1,) each key's first value, then N
     one_id_per_bag: bool                # every bag holds exactly one id
@@ -49,6 +50,9 @@ class KeyedJagged:
         """Key ``key``'s jagged ids: ``(values (n,), offsets (B + 1,) from 0)``."""
         i, b = self.position[key], self.stride
         lo = self.bounds[i]
+        if self.offsets is None:  # one id per bag
+            return (self.values[lo:lo + b],
+                    torch.arange(b + 1, dtype=torch.int64, device=self.values.device))
         return self.values[lo:self.bounds[i + 1]], self.offsets[i * b:(i + 1) * b + 1] - lo
 
     def weights_of(self, key: str) -> torch.Tensor | None:
@@ -67,6 +71,8 @@ class KeyedJagged:
     def lengths(self, key: str) -> torch.Tensor:
         """Key ``key``'s bag lengths ``(B,)``."""
         i, b = self.position[key], self.stride
+        if self.offsets is None:  # one id per bag
+            return torch.ones(b, dtype=torch.int64, device=self.values.device)
         return torch.diff(self.offsets[i * b:(i + 1) * b + 1])
 
     def require(self, wanted: Collection[str], exact: bool, what: str = "features") -> None:
@@ -104,16 +110,21 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
     if callable(getattr(kjt, "variable_stride_per_key", None)) and kjt.variable_stride_per_key():
         raise ValueError(f"{where} has a batch size per key (variable stride), which is not "
                          f"supported; give every key the same batch size")
-    given = _given(kjt, "lengths", where), _given(kjt, "offsets", where)
-    values, weights, offsets = kjt.values(), kjt.weights_or_none(), kjt.offsets()
-    _given(kjt, "offsets", where, offsets)
+    given_lengths = _given(kjt, "lengths", where)
+    given_offsets = _given(kjt, "offsets", where)
+    if given_lengths is not None and given_lengths.dim() != 1:
+        raise ValueError(f"{where}: lengths must be 1-D (one per bag), got shape "
+                         f"{list(given_lengths.shape)}")
+    values, weights = kjt.values(), kjt.weights_or_none()
     if values.dim() != 1:
         raise ValueError(f"{where}: values must be 1-D (one id per entry), got shape "
                          f"{list(values.shape)}")
-    if offsets.dim() != 1 or offsets.numel() == 0:
-        raise ValueError(f"{where}: offsets must be 1-D and hold at least one entry, got shape "
-                         f"{list(offsets.shape)}")
-    n, bags, k = values.numel(), offsets.numel() - 1, len(keys)
+    # the usual KJT holds lengths and computes its offsets from them: read when needed
+    lengths_only = given_lengths is not None and given_offsets is None
+    offsets = None if lengths_only else _offsets(kjt, where)
+    n, k = values.numel(), len(keys)
+    bags = offsets.numel() - 1 if offsets is not None else \
+        given_lengths.numel() if given_lengths is not None else 0
     if weights is not None and (weights.dim() != 1 or weights.numel() != n):
         raise ValueError(f"{where} has {weights.numel()} weights of shape "
                          f"{list(weights.shape)} for {n} values; give one weight per value "
@@ -123,15 +134,30 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
         raise ValueError(f"{where} has {bags} lengths for {k} keys; give one length per bag, "
                          f"the same number of bags for every key (a multiple of {max(k, 1)} "
                          f"lengths)")
-    lengths = torch.diff(offsets)  # (K * B,)
-    if given[0] is not None and given[1] is not None and not (
-            given[0].shape == lengths.shape and torch.equal(given[0].to(lengths), lengths)):
-        raise ValueError(f"{where}: its {given[0].numel()} lengths are not the differences of "
-                         f"its {bags + 1} offsets; give lengths or offsets, or both that agree")
-    # one host read: each key's first offset, then N (the last offset), then the shortest bag
-    firsts = offsets[::b] if b else offsets[:1].expand(k + 1)  # (K + 1,)
-    probe = torch.cat([firsts, lengths.min().view(1) if bags else offsets[:1]]).tolist()
-    bounds, low = probe[:k + 1], probe[k + 1]
+    position = {key: i for i, key in enumerate(keys)}
+    if given_lengths is not None and lengths_only and n == bags > 0 and \
+            torch.stack(torch.aminmax(given_lengths)).tolist() == [1, 1]:
+        # every bag holds one id (N lengths of 1): the offsets are not needed
+        return KeyedJagged(keys=keys, values=values, weights=weights, offsets=None, stride=b,
+                           bounds=[i * b for i in range(k + 1)], one_id_per_bag=True,
+                           position=position)
+    if offsets is None:
+        offsets = _offsets(kjt, where)  # (of the lengths: their cumulative sum)
+    if offsets.numel() != bags + 1:
+        raise ValueError(f"{where} has {offsets.numel()} offsets for {bags} lengths; give "
+                         f"lengths or offsets = [0, cumsum of the lengths]")
+    if given_lengths is not None and lengths_only:
+        lengths = given_lengths  # (K * B,)
+    else:
+        lengths = torch.diff(offsets)  # (K * B,)
+        if given_lengths is not None and not (given_lengths.shape == lengths.shape and
+                                              torch.equal(given_lengths.to(lengths), lengths)):
+            raise ValueError(f"{where}: its {given_lengths.numel()} lengths are not the "
+                             f"differences of its {bags + 1} offsets; give lengths or offsets, "
+                             f"or both that agree")
+    # each key's first offset, then N (the last offset); the shortest bag
+    bounds = (offsets[::b] if b else offsets[:1].expand(k + 1)).tolist()  # (K + 1,)
+    low = int(lengths.min()) if bags else 0
     if bounds[0] != 0 or bounds[-1] != n:
         raise ValueError(f"{where}: offsets run from {bounds[0]} to {bounds[-1]} but there are "
                          f"{n} values; the lengths must sum to the number of values (offsets "
@@ -142,7 +168,17 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
                          f"{int(lengths[bad])}; lengths must be >= 0 (offsets never decrease)")
     return KeyedJagged(keys=keys, values=values, weights=weights, offsets=offsets, stride=b,
                        bounds=bounds, one_id_per_bag=bags > 0 and low == 1 and n == bags,
-                       position={key: i for i, key in enumerate(keys)})
+                       position=position)
+
+
+def _offsets(kjt: Any, where: str) -> torch.Tensor:
+    """``kjt.offsets()``, checked: integers, 1-D, at least one."""
+    offsets = _given(kjt, "offsets", where, kjt.offsets())
+    assert offsets is not None
+    if offsets.dim() != 1 or offsets.numel() == 0:
+        raise ValueError(f"{where}: offsets must be 1-D and hold at least one entry, got shape "
+                         f"{list(offsets.shape)}")
+    return offsets
 
 
 def _given(kjt: Any, name: str, where: str, value: Any = None) -> torch.Tensor | None:
