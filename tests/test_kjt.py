@@ -124,6 +124,25 @@ def test_every_path_refuses_what_torchrec_refuses_and_changes_nothing(case):
         assert torch.equal(layer.state_dict()[k], v), k
 
 
+def test_weights_beside_a_kjt_are_refused_not_ignored():
+    """A KJT carries its weights: weights= passed beside it would be dropped; refused instead."""
+    fc = _features()
+    emb = ec.Embedding(fc, ec.SGD(learning_rate=0.5))
+    layer = ec.EmbeddingLayer(_features(), ec.SGD(learning_rate=0.5))
+    kjt = DuckKJT(KEYS, t(1, 2, 3), lengths=t(2, 0, 1, 0))
+    weights = {"f": torch.nested.nested_tensor_from_jagged(torch.tensor([2.0, 3.0]), t(0, 2, 2)),
+               "g": torch.nested.nested_tensor_from_jagged(torch.tensor([4.0]), t(0, 1, 1))}
+    for call in {"Embedding.lookup": lambda: emb.lookup(kjt, weights),
+                        "Embedding.enqueue": lambda: emb.enqueue(kjt, weights),
+                        "EmbeddingLayer forward": lambda: layer(kjt, weights),
+                        "serving_embedding_lookup": lambda: ec.serving_embedding_lookup(
+                            kjt, weights, emb.embedding_tables, fc),
+                        "for_serving()": lambda: layer.for_serving()(kjt, weights)}.values():
+        with pytest.raises(ValueError, match=r"weights were given beside a KeyedJaggedTensor"):
+            call()
+    assert emb.lookup(kjt)["f"].shape == (2, 4)  # the KJT alone is read
+
+
 def test_integer_lengths_and_offsets_only():
     from embcore.inputs.kjt import read_keyed_jagged
     for name in ("lengths", "offsets"):

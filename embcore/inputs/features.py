@@ -238,7 +238,7 @@ def _flat_inputs(template: Any, features: Any, weights: Any,
     """The ids and weights of a batch in ``template``'s flatten order (a KeyedJaggedTensor is
     split by key first)."""
     if is_keyed_jagged(features):
-        features, weights = from_keyed_jagged(template, features)
+        features, weights = from_keyed_jagged(template, features, weights)
     flat_ids = flatten_like(template, features, is_feature, "features")
     flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
               else [None] * n)

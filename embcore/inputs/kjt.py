@@ -199,20 +199,28 @@ def _given(kjt: Any, name: str, where: str, value: Any = None) -> torch.Tensor |
     return value
 
 
-def from_keyed_jagged(template: Any, kjt: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def from_keyed_jagged(template: Any, kjt: Any, weights: Any = None
+                      ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """A ``KeyedJaggedTensor`` as ``({key: jagged ids}, {key: jagged weights} or None)``, checked
     (``read_keyed_jagged``).
 
     Its keys must be the keys of ``template``, a dict of features. Key ``k``'s bags are bags
-    ``[i*B, (i+1)*B)`` of the KJT (``i`` its position in ``keys()``, ``B = stride()``).
+    ``[i*B, (i+1)*B)`` of the KJT (``i`` its position in ``keys()``, ``B`` its number of lengths
+    over its number of keys). ``weights``: the call's own weights argument, which must be None
+    (a KJT carries its weights).
 
     Raises:
-        ValueError: a template that is not a dict, keys that differ, or a KJT that
-            ``read_keyed_jagged`` refuses. TypeError: non-integer lengths or offsets.
+        ValueError: a template that is not a dict, keys that differ, weights given beside the
+            KJT, or a KJT that ``read_keyed_jagged`` refuses. TypeError: non-integer lengths
+            or offsets.
     """
     if not isinstance(template, dict):
         raise ValueError("a KeyedJaggedTensor input needs a feature_config that is a dict keyed "
                          "by its keys")
+    if weights is not None:
+        raise ValueError("weights were given beside a KeyedJaggedTensor, which carries its own "
+                         "(its weights_or_none()); build the KeyedJaggedTensor with weights= "
+                         "and pass weights=None")
     kj = read_keyed_jagged(kjt)
     kj.require(list(template), exact=True)
     ids, ws = {}, {}
@@ -220,7 +228,7 @@ def from_keyed_jagged(template: Any, kjt: Any) -> tuple[dict[str, Any], dict[str
         values, local = kj.ids(key)
         local = local.to(torch.int64)
         ids[key] = torch.nested.nested_tensor_from_jagged(values, local)
-        weights = kj.weights_of(key)
-        if weights is not None:
-            ws[key] = torch.nested.nested_tensor_from_jagged(weights, local)
+        w = kj.weights_of(key)
+        if w is not None:
+            ws[key] = torch.nested.nested_tensor_from_jagged(w, local)
     return ids, (ws if kj.weights is not None else None)

@@ -196,7 +196,7 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
     """
     flat = leaves_with_paths(feature_config, _is_feature)
     if is_keyed_jagged(inputs):
-        inputs, weights = from_keyed_jagged(feature_config, inputs)
+        inputs, weights = from_keyed_jagged(feature_config, inputs, weights)
     features = [f for _, f in flat]
     names = resolve_table_names(list(dict.fromkeys(f.table for f in features)))
     flat_ids = flatten_like(feature_config, inputs, _is_feature, "inputs")
@@ -352,7 +352,7 @@ class ServingModule(torch.nn.Module):
     def _forward(self, features: Any, weights: Any) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
         if is_keyed_jagged(features):
-            features, weights = from_keyed_jagged(self.feature_config, features)
+            features, weights = from_keyed_jagged(self.feature_config, features, weights)
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))
