@@ -190,7 +190,8 @@ def test_a_narrowing_load_saturates_when_asked(tmp_path):
 def test_load_state_dict_narrows_by_the_same_rule():
     """Embedding.load_state_dict refuses float32 rows beyond a float16 table's range as ec.load
     does (or saturates them when asked); the layer's load_state_dict (the engine's tables, or
-    its own nn.Parameters with optimizer=None) refuses them in torch's words."""
+    its own nn.Parameters with optimizer=None) and a serving module's refuse them in torch's
+    words."""
     values = torch.tensor([[1.0, 2.0], [1e5, -7e4], [65519.0, float("inf")]])
     narrow = ec.TableConfig(vocabulary_size=3, dim=2, name="t", dtype=torch.float16)
     emb = ec.Embedding(ec.FeatureConfig(table=narrow), ec.Adagrad(learning_rate=0.1))
@@ -215,6 +216,17 @@ def test_load_state_dict_narrows_by_the_same_rule():
             layer.load_state_dict({**state, "t/parameters": values})
         for k, v in state.items():
             assert torch.equal(layer.state_dict()[k], v), (optimizer, k)
+    for quantize in (None, "fp16"):  # a serving module's float16 rows, or float16 codes
+        served = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=narrow)},
+                                   "adagrad").for_serving(quantize=quantize)
+        state = {k: v.clone() for k, v in served.state_dict().items()}
+        assert state["t"].dtype == torch.float16
+        with pytest.raises(RuntimeError, match=r"load_state_dict \(t\): table 't' is float16 .*"
+                                               r"row\(s\) \(1\) .*Clamp them to \+-65504"):
+            served.load_state_dict({"t": values})
+        assert torch.equal(served.state_dict()["t"], state["t"])  # nothing loaded
+        served.load_state_dict({"t": values.clamp(-65504, 65504)})  # as the message says
+        assert served.state_dict()["t"][1, 0] == 65504
 
 
 def _published(tmp_path, values):

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
-from ..base.nest import Structure, flatten_like, leaves_with_paths
+from ..base.nest import (
+    Structure,
+    flatten_like,
+    leaves_with_paths,
+)
 from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.bags import Bags
