@@ -395,16 +395,22 @@ class Embedding:
         return out
 
     @_serialized
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        saturate: bool = False) -> None:
         """Copies tables, slots and the step in (``strict=False``: missing keys are kept); values
         are whole ``(N, C)`` tensors (each process takes its rows) or, when sharded, those of a
-        ``state_dict()`` of this engine filled by ``dcp.load``.
+        ``state_dict()`` of this engine filled by ``dcp.load``. A float16 / bfloat16 table's
+        parameters given wider are narrowed as ``ec.load`` narrows them (docs/semantics.md
+        section 14): to nearest, and a finite value that would become infinite is refused, or
+        with ``saturate=True`` stored as the dtype's largest finite value of its sign.
 
         Raises:
             KeyError: with ``strict``, missing keys; always, unknown keys.
-            ValueError: a shape mismatch, naming the key. Nothing is changed on error.
+            ValueError: a shape mismatch, naming the key; without ``saturate``, values beyond a
+                16-bit table's range, naming the table, its rows and the largest value.
+                Nothing is changed on error.
         """
-        self._ready().store.load_state_dict(state_dict, strict)
+        self._ready().store.load_state_dict(state_dict, strict, saturate)
         if "step" in state_dict:
             self._step = int(state_dict["step"])
 

@@ -23,6 +23,7 @@ from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
+from .numerics.rounding import clamp_fix, narrowed_for_load
 from .serving.serve import ServingModule, serving_embedding_lookup
 
 
@@ -220,16 +221,25 @@ class EmbeddingLayer(torch.nn.Module):
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        own = (dict(self.named_parameters(recurse=False)) if self.tables_are_parameters
+               else self.engine.state_dict())
+        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        try:  # a 16-bit table's rows given wider: narrowed as ec.load narrows them
+            values = {k: narrowed_for_load(v, own[k].dtype, k, "load_state_dict",
+                                           "the state_dict", False, clamp_fix(own[k].dtype))
+                      if k.endswith("/parameters") else v
+                      for k, v in mine.items() if k in own}
+        except ValueError as e:
+            error_msgs.append(str(e))
+            return  # nothing loaded: torch raises with every message
         if self.tables_are_parameters:
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys, error_msgs)
             return
-        own = self.engine.state_dict()
-        mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         unexpected_keys += [prefix + k for k in mine if k not in own]
         missing_keys += [prefix + k for k in own if k not in mine]
         try:
-            self.engine.load_state_dict({k: v for k, v in mine.items() if k in own}, strict=False)
+            self.engine.load_state_dict(values, strict=False)
         except (KeyError, ValueError) as e:
             error_msgs.append(str(e))
 

@@ -37,9 +37,15 @@ except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
                       f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (docs/guide/train.md, "
                       f"'TorchRec modules')") from e
 
-from .config.fused_params import from_fused_params
+from .config.fused_params import (
+    DEFAULT_STOCHASTIC_ROUNDING,
+    from_fused_params,
+    stochastic_rounding,
+)
 from .config.tables import FeatureConfig, TableConfig
+from .inputs.kjt import KeyedJagged, read_keyed_jagged
 from .layer import EmbeddingLayer
+from .numerics.rounding import clamp_fix, narrowed_for_load
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16,
            DataType.BF16: torch.bfloat16}
@@ -89,7 +95,13 @@ class TorchRecTables(EmbeddingLayer):
                                   f"{tuple(value.shape)} from checkpoint, the shape in current "
                                   f"model is {shape} (table {name!r})")
             else:
-                values[f"{name}/parameters"] = value
+                dtype = own[f"{name}/parameters"].dtype
+                try:  # a 16-bit table's rows given wider: narrowed as ec.load narrows them
+                    values[f"{name}/parameters"] = narrowed_for_load(
+                        value, dtype, f"{name}/parameters", f"load_state_dict ({key})",
+                        "the state_dict", False, clamp_fix(dtype))
+                except ValueError as e:
+                    error_msgs.append(str(e))
         if len(error_msgs) > errors_before:
             return  # none of the tables loaded: torch raises with every message
         try:
@@ -111,8 +123,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: where the tables live (default the CPU).
         fused_params: the optimizer as TorchRec / FBGEMM users give it, e.g.
             ``{"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01}``
-            (config/fused_params.py ``from_fused_params``); ``stochastic_rounding`` applies to
-            FP16 / BF16 tables.
+            (config/fused_params.py ``from_fused_params``); ``stochastic_rounding`` (a bool,
+            default True as FBGEMM's) applies to FP16 / BF16 tables.
         optimizer: instead of ``fused_params``: anything ``ec.EmbeddingLayer`` takes
             (``ec.Adagrad(learning_rate=0.1)``, ``"adagrad"``, ``torch.optim.SGD``, ...).
         **layer_kwargs: further arguments of ``ec.EmbeddingLayer`` (``memory_budget``,
@@ -123,8 +135,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     Raises:
         ValueError: a config embcore cannot hold (duplicate table names, NONE pooling,
-            weighted MEAN pooling, another data type, the meta device), or no optimizer.
+            weighted MEAN pooling, another data type, the meta device), no optimizer, or
+            ``fused_params`` that ``from_fused_params`` refuses.
+        TypeError: ``fused_params`` that is not a dict, or of a value of the wrong type
+            (``stochastic_rounding`` not a bool).
         ImportError: (on import) torchrec is not installed.
+
+    Its forward raises ``ValueError`` / ``TypeError`` for a ``KeyedJaggedTensor`` TorchRec's
+    checks refuse (inputs/kjt.py), lacking a feature, or without weights when weighted.
     """
 
     def __init__(self, tables: list[Any], is_weighted: bool = False,
@@ -272,7 +290,8 @@ def _features(tables: list[Any], what: str, device: torch.device | str | None,
                              f"supported; use FP32, FP16 or BF16")
         if not config.feature_names:
             config.feature_names = [config.name]  # (what TorchRec's modules do)
-    rounding = bool((fused_params or {}).get("stochastic_rounding", True))
+    rounding = (stochastic_rounding(fused_params) if fused_params is not None
+                else DEFAULT_STOCHASTIC_ROUNDING)
     features: dict[str, tuple[FeatureConfig, str]] = {}
     for config, names in zip(tables, get_embedding_names_by_table(tables)):
         table = TableConfig(vocabulary_size=config.num_embeddings, dim=config.embedding_dim,
@@ -284,20 +303,14 @@ def _features(tables: list[Any], what: str, device: torch.device | str | None,
     return features, list(features), device
 
 
-def _keys(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]) -> dict[str, int]:
-    """Each key's position in the input ``KeyedJaggedTensor`` (checked: a KJT, one batch size,
-    every key the modules read)."""
+def _read(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]) -> KeyedJagged:
+    """The input ``KeyedJaggedTensor``, checked as TorchRec checks it (inputs/kjt.py) and
+    holding every key the modules read."""
     if not isinstance(features, KeyedJaggedTensor):
         raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(features).__name__}")
-    if features.variable_stride_per_key():
-        raise ValueError("a KeyedJaggedTensor with a batch size per key (variable stride) is not "
-                         "supported; give every key the same batch size")
-    position = {key: i for i, key in enumerate(features.keys())}
-    missing = sorted({key for _, key in wanted.values()} - set(position))
-    if missing:
-        raise ValueError(f"the KeyedJaggedTensor lacks features {missing} (it has "
-                         f"{sorted(position)})")
-    return position
+    kj = read_keyed_jagged(features)
+    kj.require({key for _, key in wanted.values()}, exact=False)
+    return kj
 
 
 def _inputs(features: Any, wanted: dict[str, tuple[FeatureConfig, str]], weighted: bool
@@ -307,34 +320,22 @@ def _inputs(features: Any, wanted: dict[str, tuple[FeatureConfig, str]], weighte
     every bag of the batch holds one id and no weights apply, each key's ids as dense ids
     ``(B,)``: a bag of one id is that id's row whatever the pooling, and dense one-id batches
     take the engine's native preprocess."""
-    position = _keys(features, wanted)
-    values, b = features.values(), features.stride()
-    lengths = features.lengths()
-    if not weighted and lengths.numel() == values.numel() and bool((lengths == 1).all()):
-        return {name: values[position[key] * b:(position[key] + 1) * b]
-                for name, (_, key) in wanted.items()}, None
-    offsets = features.offsets()
-    bounds = offsets[::b].tolist() if b else [0] * (len(position) + 1)  # each key's first value
-    w = features.weights_or_none() if weighted else None
-    if weighted and w is None:
+    kj = _read(features, wanted)
+    if not weighted and kj.one_id_per_bag:
+        return {name: kj.dense(key) for name, (_, key) in wanted.items()}, None
+    if weighted and kj.weights is None:
         raise ValueError(f"the module is weighted (is_weighted=True) but the KeyedJaggedTensor "
-                         f"has no weights (features {sorted(position)})")
+                         f"has no weights (features {sorted(kj.keys)})")
     ids, weights = {}, {}
     for name, (_, key) in wanted.items():
-        i = position[key]
-        lo, hi = bounds[i], bounds[i + 1]
-        local = offsets[i * b:(i + 1) * b + 1] - lo
-        ids[name] = (values[lo:hi], local)
-        if w is not None:
-            weights[name] = (w[lo:hi], local)
+        ids[name] = kj.ids(key)
+        if weighted:
+            weights[name] = (kj.weights_of(key), ids[name][1])
     return ids, (weights if weighted else None)
 
 
 def _sequences(features: Any, wanted: dict[str, tuple[FeatureConfig, str]]
                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each key's ``(ids, lengths)``: its values (looked up one by one) and bag lengths."""
-    position = _keys(features, wanted)
-    values, lengths, b = features.values(), features.lengths(), features.stride()
-    bounds = features.offsets()[::b].tolist() if b else [0] * (len(position) + 1)
-    return {key: (values[bounds[i]:bounds[i + 1]], lengths[i * b:(i + 1) * b])
-            for key, i in position.items()}
+    kj = _read(features, wanted)
+    return {key: (kj.ids(key)[0], kj.lengths(key)) for key in {k for _, k in wanted.values()}}

@@ -45,12 +45,28 @@ def test_each_supported_optimizer_becomes_the_embcore_optimizer_with_its_math():
     assert type(default) is ec.SGD and default.learning_rate == 0.01
 
 
+def test_stochastic_rounding_is_fbgemms_default_true_unless_given():
+    from embcore.config.fused_params import stochastic_rounding
+    assert stochastic_rounding({}) is True  # FBGEMM's default (tests/test_torchrec.py reads it)
+    assert stochastic_rounding({"stochastic_rounding": False}) is False
+    assert stochastic_rounding({"optimizer": "exact_sgd", "stochastic_rounding": True}) is True
+    for bad in ("False", 0, None):
+        with pytest.raises(TypeError, match="must be a bool"):
+            stochastic_rounding({"stochastic_rounding": bad})
+
+
 @pytest.mark.parametrize("params, error, message", [
     ({"optimizer": EmbOptimType.ADAM}, ValueError, r"'adam' is not supported.*ec\.Adam"),
     ({"optimizer": EmbOptimType.LAMB}, ValueError, r"'lamb' is not supported.*no optimizer"),
     ({"optimizer": EmbOptimType.ROWWISE_ADAGRAD}, ValueError, r"EXACT_ROWWISE_ADAGRAD"),
     ({"optimizer": "exact_sgd", "lr": 0.1}, ValueError, r"unknown or unsupported keys \['lr'\]"),
     ({"optimizer": "exact_adagrad", "weight_decay": 0.1}, ValueError, r"weight_decay=0\.1"),
+    ({"optimizer": "exact_sgd", "weight_decay": -0.1}, ValueError,
+     r"weight_decay=-0\.1 is negative"),
+    ({"optimizer": "exact_sgd", "weight_decay": float("nan")}, ValueError,
+     r"weight_decay=nan is negative \(or NaN\)"),
+    ({"stochastic_rounding": "False"}, TypeError,
+     r"\['stochastic_rounding'\] must be a bool, got str 'False'"),
     ({"optimizer": "exact_adagrad", "gradient_clipping": True}, ValueError, r"clipvalue"),
     ({"optimizer": 3}, TypeError, r"EmbOptimType or its name, got int"),
     ({"learning_rate": "0.1"}, TypeError, r"\['learning_rate'\] must be a real number"),

@@ -187,6 +187,48 @@ def test_a_narrowing_load_saturates_when_asked(tmp_path):
                                         [65504.0, float("inf")]]))  # inf stays inf
 
 
+def test_load_state_dict_narrows_by_the_same_rule():
+    """Embedding.load_state_dict refuses float32 rows beyond a float16 table's range as ec.load
+    does (or saturates them when asked); the layer's load_state_dict (the engine's tables, or
+    its own nn.Parameters with optimizer=None) and a serving module's refuse them in torch's
+    words."""
+    values = torch.tensor([[1.0, 2.0], [1e5, -7e4], [65519.0, float("inf")]])
+    narrow = ec.TableConfig(vocabulary_size=3, dim=2, name="t", dtype=torch.float16)
+    emb = ec.Embedding(ec.FeatureConfig(table=narrow), ec.Adagrad(learning_rate=0.1))
+    before = {k: v.clone() for k, v in emb.state_dict().items()}
+    with pytest.raises(ValueError, match=r"load_state_dict: table 't' is float16 .* the "
+                                         r"state_dict, and 1 row\(s\) \(1\) hold values beyond "
+                                         r"float16's range \(largest \|x\| 100000.*saturate=True"):
+        emb.load_state_dict({"t/parameters": values}, strict=False)
+    for k, v in before.items():
+        assert torch.equal(emb.state_dict()[k], v), k  # nothing loaded
+    emb.load_state_dict({"t/parameters": values}, strict=False, saturate=True)
+    assert torch.equal(emb.embedding_tables[narrow].float(), torch.tensor(
+        [[1.0, 2.0], [65504.0, -65504.0], [65504.0, float("inf")]]))  # inf stays inf
+    emb.load_state_dict({"t/parameters": torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6e4]])},
+                        strict=False)  # within the range: rounded to nearest, as ec.load
+    assert emb.embedding_tables[narrow][2, 1] == 6e4
+    for optimizer in ("adagrad", None):  # the engine's tables; the layer's nn.Parameters
+        layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=narrow)}, optimizer)
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        with pytest.raises(RuntimeError, match=r"table 't' is float16 .* row\(s\) \(1\) .*"
+                                               r"Clamp them to \+-65504"):
+            layer.load_state_dict({**state, "t/parameters": values})
+        for k, v in state.items():
+            assert torch.equal(layer.state_dict()[k], v), (optimizer, k)
+    for quantize in (None, "fp16"):  # a serving module's float16 rows, or float16 codes
+        served = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=narrow)},
+                                   "adagrad").for_serving(quantize=quantize)
+        state = {k: v.clone() for k, v in served.state_dict().items()}
+        assert state["t"].dtype == torch.float16
+        with pytest.raises(RuntimeError, match=r"load_state_dict \(t\): table 't' is float16 .*"
+                                               r"row\(s\) \(1\) .*Clamp them to \+-65504"):
+            served.load_state_dict({"t": values})
+        assert torch.equal(served.state_dict()["t"], state["t"])  # nothing loaded
+        served.load_state_dict({"t": values.clamp(-65504, 65504)})  # as the message says
+        assert served.state_dict()["t"][1, 0] == 65504
+
+
 def _published(tmp_path, values):
     """A float32 engine's rows published (with slots), and a float16 twin to resume into."""
     t = ec.TableConfig(vocabulary_size=3, dim=2, name="t")

@@ -299,3 +299,122 @@ def test_fp16_tables_and_an_embcore_optimizer():
     assert not torch.equal(after[1:3], before[1:3]) and torch.equal(after[3:], before[3:])
 
 # (The guide's TorchRec example, docs/guide/train.md, runs in tests/test_docs.py.)
+
+
+def _kjts_torchrec_refuses():
+    """KJTs TorchRec's modules refuse (TorchRec's validator: ValueError), each with what
+    embcore's error says: 2 keys of 2 bags."""
+    kjt, i = KeyedJaggedTensor, torch.tensor
+    return {
+        "lengths summing to fewer than the values": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3, 4]), lengths=i([1, 1, 0, 1]),
+                weights=torch.ones(4)), r"offsets run from 0 to 3 but there are 4 values"),
+        "4 weights for 3 ids": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                weights=torch.ones(4)), r"4 weights of shape \[4\] for 3 values"),
+        "3 lengths for 2 keys": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1]),
+                weights=torch.ones(3)), r"3 lengths for 2 keys"),
+        "lengths and offsets that disagree": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                offsets=i([0, 2, 2, 3, 3]), weights=torch.ones(3)),
+            r"lengths are not the differences of its 5 offsets"),
+        "offsets not starting at 0": (
+            kjt(keys=["f", "g"], values=i([1, 2, 3]), offsets=i([1, 1, 2, 3, 3]),
+                weights=torch.ones(3)), r"offsets run from 1 to 3"),
+        "a repeated key": (
+            kjt(keys=["f", "f"], values=i([1, 2, 3]), lengths=i([1, 1, 1, 0]),
+                weights=torch.ones(3)), r"repeat \['f'\]; keys must be unique"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_kjts_torchrec_refuses()))
+@pytest.mark.parametrize("kind", ["EmbeddingBagCollection", "EmbeddingCollection"])
+def test_a_kjt_torchrec_refuses_is_refused_before_anything_changes(kind, case):
+    from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
+    kjt, message = _kjts_torchrec_refuses()[case]
+    with pytest.raises(ValueError):  # TorchRec's own check refuses it
+        validate_keyed_jagged_tensor(kjt)
+    if kind == "EmbeddingBagCollection":
+        module = et.EmbeddingBagCollection(
+            [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                feature_names=["f", "g"])], is_weighted=True, fused_params=SGD)
+    else:
+        module = et.EmbeddingCollection(
+            [EmbeddingConfig(name="t", embedding_dim=4, num_embeddings=10,
+                             feature_names=["f", "g"])], fused_params=SGD)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        module(kjt)
+    for key, value in before.items():
+        assert torch.equal(module.state_dict()[key], value), key
+    good = KeyedJaggedTensor(keys=["f", "g"], values=torch.tensor([1, 2, 3]),
+                             lengths=torch.tensor([2, 0, 1, 0]), weights=torch.ones(3))
+    out = module(good)  # and the module goes on with the next batch
+    values = out.values() if kind == "EmbeddingBagCollection" else out["f"].values()
+    assert values.shape == ((2, 8) if kind == "EmbeddingBagCollection" else (2, 4))
+
+
+def test_fused_params_stochastic_rounding_is_a_bool_and_fbgemms_default():
+    """FP16 tables round stochastically unless fused_params says False (FBGEMM's default,
+    True, when it says nothing): updates of 1/16 of a unit in the last place move some entries
+    with it and none without it; a string is refused, not read as True."""
+    import functools
+    import inspect
+
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+    signature = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__)
+    assert signature.parameters["stochastic_rounding"].default is True
+    config = EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=64,
+                                feature_names=["f"], data_type=DataType.FP16,
+                                init_fn=functools.partial(torch.nn.init.constant_, val=1.0))
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.arange(64),
+                            lengths=torch.ones(64, dtype=torch.int64))
+    ulp = 2.0 ** -10  # float16's spacing at 1.0
+    moved = {}
+    for given in ({}, {"stochastic_rounding": True}, {"stochastic_rounding": False}):
+        torch.manual_seed(0)  # (the engine's seed: the same random bits)
+        ebc = et.EmbeddingBagCollection([config], fused_params={**SGD, "learning_rate": 1.0,
+                                                                **given})
+        (ebc(kjt).values() * (-ulp / 16)).sum().backward()  # each entry: + ulp / 16
+        moved[str(given)] = int((ebc.state_dict()["embedding_bags.t.weight"] != 1.0).sum())
+    assert moved["{}"] == moved["{'stochastic_rounding': True}"] > 100  # about 4096 / 16
+    assert moved["{'stochastic_rounding': False}"] == 0
+    with pytest.raises(TypeError, match=r"\['stochastic_rounding'\] must be a bool, got str "
+                                        r"'False'"):
+        et.EmbeddingBagCollection([config], fused_params={**SGD, "stochastic_rounding": "False"})
+    for cls, table in ((et.EmbeddingBagCollection, config),
+                       (et.EmbeddingCollection, EmbeddingConfig(name="e", embedding_dim=4,
+                                                                num_embeddings=10))):
+        with pytest.raises(TypeError, match="fused_params must be a dict, got str"):
+            cls([table], fused_params="exact_sgd")
+
+
+def test_load_state_dict_into_fp16_tables_refuses_values_beyond_their_range():
+    """As ec.load (docs/semantics.md section 14): float32 rows of 1e5 are not narrowed to
+    infinity in an FP16 table; the error (in torch's words) names the key, table, row and
+    value, and no table is loaded."""
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=2, num_embeddings=4, feature_names=["f"],
+                                 data_type=DataType.FP16),
+              EmbeddingBagConfig(name="u", embedding_dim=2, num_embeddings=4, feature_names=["g"],
+                                 data_type=DataType.FP16)]
+    for module, prefix in ((et.EmbeddingBagCollection(tables, fused_params=SGD), "embedding_bags"),
+                           (et.EmbeddingCollection([EmbeddingConfig(
+                               name=c.name, embedding_dim=2, num_embeddings=4,
+                               feature_names=c.feature_names, data_type=DataType.FP16)
+                               for c in tables], fused_params=SGD), "embeddings")):
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        state = {k: v.float() for k, v in before.items()}
+        state[f"{prefix}.u.weight"] = torch.ones(4, 2)
+        state[f"{prefix}.t.weight"][3, 1] = 1e5
+        with pytest.raises(RuntimeError, match=rf"load_state_dict \({prefix}\.t\.weight\): table "
+                                               rf"'t' is float16 .* row\(s\) \(3\) hold values "
+                                               rf"beyond float16's range \(largest \|x\| 100000"):
+            module.load_state_dict(state)
+        for key, value in before.items():
+            assert torch.equal(module.state_dict()[key], value), key  # neither table loaded
+        state[f"{prefix}.t.weight"][3, 1] = 6e4  # within the range: loads, rounded to nearest
+        module.load_state_dict(state)
+        assert module.state_dict()[f"{prefix}.t.weight"][3, 1] == 6e4

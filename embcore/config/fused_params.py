@@ -17,10 +17,12 @@ from typing import Any
 
 from .optimizers import SGD, Adagrad, Optimizer, RowwiseAdagrad
 
-# FBGEMM's defaults (SplitTableBatchedEmbeddingBagsCodegen): EXACT_SGD at 0.01, eps 1e-8.
+# FBGEMM's defaults (SplitTableBatchedEmbeddingBagsCodegen): EXACT_SGD at 0.01, eps 1e-8,
+# stochastic rounding of FP16 / BF16 tables.
 DEFAULT_OPTIMIZER = "exact_sgd"
 DEFAULT_LEARNING_RATE = 0.01
 DEFAULT_EPS = 1e-8
+DEFAULT_STOCHASTIC_ROUNDING = True
 
 # EmbOptimType values embcore runs with the same math (FBGEMM's accumulators start at 0),
 # as functions of the learning rate.
@@ -83,11 +85,12 @@ def from_fused_params(fused_params: Mapping[str, Any]) -> Optimizer:
 
     Raises:
         ValueError: another optimizer (naming the embcore one to use, where there is one), a
-            ``weight_decay`` other than 0, ``gradient_clipping=True``, or an unknown key.
-        TypeError: a non-mapping, or an ``optimizer`` or number of the wrong type.
+            ``weight_decay`` other than 0 (a negative one said so), ``gradient_clipping=True``,
+            or an unknown key.
+        TypeError: a non-mapping, an ``optimizer`` or number of the wrong type, or a
+            ``stochastic_rounding`` that is not a bool.
     """
-    if not isinstance(fused_params, Mapping):
-        raise TypeError(f"fused_params must be a dict, got {type(fused_params).__name__}")
+    stochastic_rounding(fused_params)
     unknown = sorted(str(k) for k in fused_params if k not in KNOWN)
     if unknown:
         raise ValueError(f"fused_params: unknown or unsupported keys {unknown}; embcore reads "
@@ -100,7 +103,12 @@ def from_fused_params(fused_params: Mapping[str, Any]) -> Optimizer:
                          f"optimizer (ec.SGD, ec.Adagrad, ec.RowwiseAdagrad, ec.Adam, ...)")
     lr = _number(fused_params, "learning_rate", DEFAULT_LEARNING_RATE)
     _number(fused_params, "eps", DEFAULT_EPS)
-    if _number(fused_params, "weight_decay", 0.0) != 0:
+    decay = _number(fused_params, "weight_decay", 0.0)
+    if not decay >= 0:
+        raise ValueError(f"fused_params: weight_decay={fused_params['weight_decay']!r} is "
+                         f"negative (or NaN); a decay is >= 0 (a negative one would grow every "
+                         f"touched row), and embcore supports only weight_decay=0 here")
+    if decay != 0:
         raise ValueError(f"fused_params: weight_decay={fused_params['weight_decay']!r} is not "
                          f"supported (FBGEMM's exact Adagrad and SGD take none; its row-wise "
                          f"modes differ); pass optimizer=ec.RowwiseAdagrad(weight_decay_factor="
@@ -110,6 +118,22 @@ def from_fused_params(fused_params: Mapping[str, Any]) -> Optimizer:
                          "1.8.0's CPU kernels ignore it); pass optimizer=ec.<Optimizer>("
                          "clipvalue=max_gradient) to clip each touched row's summed gradient")
     return _RULES[name](lr)
+
+
+def stochastic_rounding(fused_params: Mapping[str, Any]) -> bool:
+    """``fused_params["stochastic_rounding"]``: whether FP16 / BF16 tables round stochastically;
+    FBGEMM's default, True, when absent (docs/semantics.md section 14).
+
+    Raises:
+        TypeError: a non-mapping, or a value that is not a bool (``"False"`` is not False).
+    """
+    if not isinstance(fused_params, Mapping):
+        raise TypeError(f"fused_params must be a dict, got {type(fused_params).__name__}")
+    value = fused_params.get("stochastic_rounding", DEFAULT_STOCHASTIC_ROUNDING)
+    if not isinstance(value, bool):
+        raise TypeError(f"fused_params['stochastic_rounding'] must be a bool, got "
+                        f"{type(value).__name__} {value!r}; write True or False")
+    return value
 
 
 def _number(params: Mapping[str, Any], key: str, default: float) -> float:

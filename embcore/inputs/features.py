@@ -19,14 +19,13 @@ import torch
 from ..base.nest import (
     Structure,
     flatten_like,
-    from_keyed_jagged,
-    is_keyed_jagged,
     leaves_with_paths,
 )
 from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.bags import Bags
 from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
+from .kjt import from_keyed_jagged, is_keyed_jagged
 
 
 class Shapes(enum.Enum):
@@ -243,7 +242,7 @@ def _flat_inputs(template: Any, features: Any, weights: Any,
     """The ids and weights of a batch in ``template``'s flatten order (a KeyedJaggedTensor is
     split by key first)."""
     if is_keyed_jagged(features):
-        features, weights = from_keyed_jagged(template, features)
+        features, weights = from_keyed_jagged(template, features, weights)
     flat_ids = flatten_like(template, features, is_feature, "features")
     flat_w = (flatten_like(template, weights, is_feature, "weights") if weights is not None
               else [None] * n)

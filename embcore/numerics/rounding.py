@@ -31,6 +31,7 @@ first column of the shard and the step's key.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -211,11 +212,12 @@ def wider(stored: torch.dtype, dtype: torch.dtype) -> bool:
 
 
 def narrowed(wide: torch.Tensor, dtype: torch.dtype, key: str, source: str, stored_in: str,
-             saturate: bool) -> torch.Tensor:
+             saturate: bool, fix: str | None = None) -> torch.Tensor:
     """``wide`` (a saved entry ``key``, ``"<table>/..."``, read at its stored dtype) rounded to
-    nearest into ``dtype``, for a load from ``source`` (a path; ``stored_in``: "the
-    checkpoint", "the published entries"): a finite value that would become infinite is
-    refused (ValueError naming the table, its rows and the largest such value), or with
+    nearest into ``dtype``, for a load from ``source`` (a path, or the method loading;
+    ``stored_in``: "the checkpoint", "the published entries", "the state_dict"): a finite value
+    that would become infinite is refused (ValueError naming the table, its rows and the
+    largest such value, and ``fix``: by default, loading with ``saturate=True``), or with
     ``saturate`` stored as ``dtype``'s largest finite value of its sign (docs/semantics.md
     section 14)."""
     out = wide.to(dtype)
@@ -234,4 +236,25 @@ def narrowed(wide: torch.Tensor, dtype: torch.dtype, key: str, source: str, stor
         f"{str(wide.dtype).removeprefix('torch.')} in {stored_in}, and {len(rows)} row(s) "
         f"({', '.join(map(str, named))}) hold values beyond {kind}'s range (largest |x| "
         f"{largest:.6g}; {kind} holds +-{top:.6g}), which would load as infinite; nothing was "
-        f"loaded. Load with saturate=True to store +-{top:.6g} instead, or into a wider table")
+        f"loaded. " + (fix or f"Load with saturate=True to store +-{top:.6g} instead, or into a "
+                              f"wider table"))
+
+
+def narrowed_for_load(value: Any, dtype: torch.dtype, key: str, source: str, stored_in: str,
+                      saturate: bool, fix: str | None = None) -> Any:
+    """``value``, to be copied into an entry of ``dtype``: a tensor of a wider floating dtype
+    than a 16-bit ``dtype`` is ``narrowed`` (refused or saturated where it would become
+    infinite); anything else is returned as it is. Every load path applies it: ``ec.load``,
+    ``Embedding.load_state_dict``, the modules' ``load_state_dict``."""
+    if (type(value) is torch.Tensor and dtype in COMPACT and value.is_floating_point()
+            and wider(value.dtype, dtype)):
+        return narrowed(value, dtype, key, source, stored_in, saturate, fix)
+    return value
+
+
+def clamp_fix(dtype: torch.dtype) -> str:
+    """How to load values beyond ``dtype``'s range where no ``saturate=`` is taken (a module's
+    ``load_state_dict``): the ending of ``narrowed``'s message."""
+    top = torch.finfo(dtype).max
+    return (f"Clamp them to +-{top:.6g} first (tensor.clamp(-{top:.6g}, {top:.6g})), or load into "
+            f"a wider table")

@@ -21,14 +21,14 @@ import torch
 from ..base.compat import compile_aoti_package, size_oblivious_export
 from ..base.nest import (
     flatten_like,
-    from_keyed_jagged,
-    is_keyed_jagged,
     leaves_with_paths,
     unflatten_like,
 )
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..inputs.canonical import canonicalize, input_kind, resolve_shape
 from ..inputs.features import is_feature as _is_feature
+from ..inputs.kjt import from_keyed_jagged, is_keyed_jagged
+from ..numerics.rounding import clamp_fix, narrowed_for_load
 from ..ops.combine import combine
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
 
@@ -201,7 +201,7 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
     """
     flat = leaves_with_paths(feature_config, _is_feature)
     if is_keyed_jagged(inputs):
-        inputs, weights = from_keyed_jagged(feature_config, inputs)
+        inputs, weights = from_keyed_jagged(feature_config, inputs, weights)
     features = [f for _, f in flat]
     names = resolve_table_names(list(dict.fromkeys(f.table for f in features)))
     flat_ids = flatten_like(feature_config, inputs, _is_feature, "inputs")
@@ -343,6 +343,26 @@ class ServingModule(torch.nn.Module):
         """Bytes of each table's rows as held (codes, scales and biases; not the id maps)."""
         return {name: self._table(name).nbytes for name in self.precisions}
 
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
+                              local_metadata: Any, strict: bool, missing_keys: list[str],
+                              unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """torch's load of the buffers, a 16-bit one's values given wider narrowed as ``ec.load``
+        narrows them (docs/semantics.md section 14): refused where they would become infinite,
+        in torch's words, and then no buffer of this module is loaded."""
+        before = len(error_msgs)
+        for name, buffer in self._buffers.items():
+            value = state_dict.get(prefix + name)
+            if buffer is not None and value is not None and buffer.is_floating_point():
+                try:
+                    narrowed_for_load(value, buffer.dtype, f"{name}/rows",
+                                      f"load_state_dict ({prefix}{name})", "the state_dict",
+                                      False, clamp_fix(buffer.dtype))
+                except ValueError as e:
+                    error_msgs.append(str(e))
+        if len(error_msgs) == before:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+
     def _reading(self) -> contextlib.AbstractContextManager[Any]:
         """Held by a lookup while it reads the buffers (a module that refreshes them in place,
         serving/follow.py, makes a lookup see them before or after a refresh, never between)."""
@@ -357,7 +377,7 @@ class ServingModule(torch.nn.Module):
     def _forward(self, features: Any, weights: Any) -> Any:
         flat = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
         if is_keyed_jagged(features):
-            features, weights = from_keyed_jagged(self.feature_config, features)
+            features, weights = from_keyed_jagged(self.feature_config, features, weights)
         flat_ids = flatten_like(self.feature_config, features, _is_feature, "features")
         flat_w = (flatten_like(self.feature_config, weights, _is_feature, "weights")
                   if weights is not None else [None] * len(flat))

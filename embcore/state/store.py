@@ -192,6 +192,7 @@ class RowStore:
         collective: see ``Embedding.state_dict``; views.py)."""
         return views.state_dict(self)
 
-    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, values: Mapping[str, Any], strict: bool = True,
+                        saturate: bool = False) -> None:
         """Copies a state in, checked before the first write (views.py)."""
-        views.load_state_dict(self, values, strict)
+        views.load_state_dict(self, values, strict, saturate)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from ..base.comm import Communicator
+from ..numerics.rounding import narrowed_for_load
 from ..planning.plan import ShardingPlan
 from .changes import ChangedRows
 from .dtensors import from_value, to_sharded
@@ -75,15 +76,19 @@ def state_dict(store: RowStore) -> dict[str, Any]:
     return out
 
 
-def load_state_dict(store: RowStore, values: Mapping[str, Any], strict: bool = True) -> None:
+def load_state_dict(store: RowStore, values: Mapping[str, Any], strict: bool = True,
+                    saturate: bool = False) -> None:
     """Copies ``{key: whole tensor or state_dict() value}`` in (``"step"`` is the caller's).
 
     Keys and shapes are checked and every value is converted (collectives included) before the
-    first write: an error changes nothing.
+    first write: an error changes nothing. A 16-bit table's parameters given wider are narrowed
+    as ``ec.load`` narrows them (``narrowed_for_load``: a finite value that would become
+    infinite refused, or with ``saturate`` stored as the dtype's largest finite value).
 
     Raises:
         KeyError: with ``strict``, missing keys; always, unknown keys.
-        ValueError: a shape mismatch, or negative accumulated squares, naming the key.
+        ValueError: a shape mismatch, negative accumulated squares, or (without ``saturate``)
+            parameters beyond a 16-bit table's range, naming the key or table.
     """
     plan = store.plan
     shapes = {**state_shapes(store), "step": ()}
@@ -107,6 +112,9 @@ def load_state_dict(store: RowStore, values: Mapping[str, Any], strict: bool = T
         elif got != shapes[k]:
             raise ValueError(f"{k!r}: shape {list(got)} does not match the engine's "
                              f"{list(shapes[k])}")
+    values = {k: narrowed_for_load(v, plan.physical[plan.table(k.split("/")[0]).physical].dtype,
+                                   k, "load_state_dict", "the state_dict", saturate)
+              if k.endswith("/parameters") else v for k, v in values.items()}
     new: dict[str, torch.Tensor] = {}
     for k, v in values.items():
         if k in optional:
