@@ -9,6 +9,7 @@ numpy and Python (no embcore code, no torch math), for the expected side of prop
 from __future__ import annotations
 
 import math
+import statistics
 
 import numpy as np
 
@@ -95,27 +96,19 @@ def same_patterns(got: np.ndarray, want: np.ndarray, dtype: str) -> bool:
     return bool(((got == want) | (is_nan(got) & is_nan(want))).all())
 
 
-def acklam_inverse_normal(p: float) -> float:
-    """Acklam's rational approximation of the standard normal quantile (relative error below
-    1.15e-9), in Python floats."""
-    a = [-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
-         1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00]
-    b = [-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
-         6.680131188771524e+01, -1.328068155288572e+01]
-    c = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
-         -2.549671010491489e+00, 4.374664141464968e+00, 2.938163982698783e+00]
-    d = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
-         3.754408661907416e+00]
-    lo = 0.02425
-    if p < lo:
-        q = math.sqrt(-2 * math.log(p))
-        return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    if p > 1 - lo:
-        q = math.sqrt(-2 * math.log(1 - p))
-        return -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-    q = p - 0.5
-    r = q * q
-    return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q / \
-        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
+def truncated_normal_initial_values(seed: int, ids: list[int], dim: int) -> np.ndarray:
+    """(n, dim) float32: the default initial values of raw ids ``ids`` of a dynamic table of
+    width ``dim`` and seed ``seed`` (TF's truncated normal, stddev ``1/sqrt(dim)``, cut at 2):
+    ``u = ((splitmix64(splitmix64(splitmix64(id) ^ seed) + c) >> 11) + 0.5) / 2**53``, then
+    ``Phi^-1(Phi(-2) + u (Phi(2) - Phi(-2))) / sqrt(dim)``, with Python's own normal
+    distribution (``statistics.NormalDist``: another algorithm than the package's Acklam)."""
+    normal = statistics.NormalDist()
+    lo, hi = normal.cdf(-2.0), normal.cdf(2.0)
+    key = splitmix64(splitmix64(np.array([i & M64 for i in ids], dtype=np.uint64))
+                     ^ np.uint64(seed & M64))
+    with np.errstate(over="ignore"):
+        bits = splitmix64(key[:, None] + np.arange(dim, dtype=np.uint64)[None, :]) \
+            >> np.uint64(11)
+    u = (bits.astype(np.float64) + 0.5) * 2.0 ** -53
+    out = [[normal.inv_cdf(lo + x * (hi - lo)) / math.sqrt(dim) for x in row] for row in u]
+    return np.array(out, dtype=np.float32).reshape(len(ids), dim)
