@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+
+import numpy as np
+import pytest
 import torch
 
 from embcore.config.optimizers import Optimizer
@@ -27,3 +32,53 @@ def check_rows_updated(opt: Optimizer, lr: float, step: int, table: torch.Tensor
     assert torch.equal(new_table[untouched], table[untouched])
     for k in slots:
         assert torch.equal(new_slots[k][untouched], slots[k][untouched])
+
+
+def check_fresh_run(proc: subprocess.CompletedProcess, partial_skips: bool = False) -> None:
+    """Checks the pytest run (given ``-rs``: its skips' reasons listed) that a wrapper test made in
+    a fresh interpreter: it exited 0 with cases passed and none failed. When every case skipped,
+    the wrapper is skipped too, with the run's reasons: visible, never a pass. A case skipped
+    beside passing ones fails the wrapper unless ``partial_skips``."""
+    out = proc.stdout + proc.stderr
+    tail = out[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if re.search(r" in [\d.]+s", ln)]
+    assert lines, f"no pytest summary (exit {proc.returncode}):\n{tail}"
+    counts = {kind: int(n) for n, kind in re.findall(
+        r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", lines[-1])}
+    assert proc.returncode == 0 and not counts.get("failed") and not counts.get("error") \
+        and not counts.get("errors"), tail
+    reasons = "; ".join(ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED"))
+    if not counts.get("passed"):
+        assert counts.get("skipped"), f"no case ran:\n{tail}"
+        pytest.skip(f"every case skipped in the fresh interpreter: {reasons}")
+    assert partial_skips or not counts.get("skipped"), f"cases skipped: {reasons}\n{tail}"
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 ``a * b + c`` rounded once (a fused multiply-add), in float64 numpy: the product
+    of two float32 is exact in float64, the sum's rounding error is recovered exactly (TwoSum)
+    and the float64 sum rounded to odd, which then rounds to float32 as the exact value does."""
+    p = a.astype(np.float64) * b.astype(np.float64)  # exact
+    q = c.astype(np.float64)
+    s = p + q
+    bb = s - p
+    err = (p - (s - bb)) + (q - bb)  # s + err == p + q exactly
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def fma_bag_sums(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                 scales: torch.Tensor | None) -> torch.Tensor:
+    """(R, D) float32: bag r is ``acc = fma(scales[k], table[ids[k]], acc)`` over its ids in
+    order from zeros (a scale of 1 when ``scales`` is None), by a plain loop: the rounding of
+    torch's ``embedding_bag(mode="sum")`` on the CPU (FBGEMM's fused multiply-adds)."""
+    rows = table.float().numpy()
+    idx = ids.tolist()
+    bounds = offsets.tolist()
+    w = scales.float().numpy() if scales is not None else np.ones(len(idx), np.float32)
+    out = np.zeros((len(bounds) - 1, rows.shape[1]), np.float32)
+    for r in range(len(bounds) - 1):
+        for k in range(bounds[r], bounds[r + 1]):
+            out[r] = fma32(np.full(rows.shape[1], w[k], np.float32), rows[idx[k]], out[r])
+    return torch.from_numpy(out)

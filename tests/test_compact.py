@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import warnings
 
+import numpy as np
+import oracles
 import pytest
 import torch
 from distributed import run_on
@@ -27,6 +29,7 @@ from embcore.numerics import rounding
 from embcore.ops.bags import Bags
 from embcore.ops.bags import dedup as dedup_of
 from embcore.ops.combine import OutputGrads
+from embcore.ops.reference_optim import reference_update
 from embcore.ops.update import update
 from embcore.planning.plan import where_bytes
 
@@ -53,15 +56,50 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all())
 
 
+def identities(segments: rounding.Segments, rows: torch.Tensor,
+               key_rows: torch.Tensor | None = None) -> list[int]:
+    """The identity of each updated row, by the rule ``Segments`` documents, in Python ints:
+    row ``k`` (its key row when ``key_rows`` holds one) of segment ``t`` (the last whose start
+    is at most ``k``; the first for rows before it) is ``bases[t] + (k - starts[t]) * muls[t]``."""
+    n = segments.bases.numel()
+    starts, bases = segments.starts.tolist()[:n], segments.bases.tolist()
+    muls = segments.muls.tolist()
+    out = []
+    for r in rows.tolist():
+        k = int(key_rows[r]) if key_rows is not None and r < key_rows.numel() else r
+        t = max(sum(1 for s in starts if s <= k) - 1, 0)
+        out.append(bases[t] + (k - starts[t]) * muls[t])
+    return out
+
+
+def oracle_round(values: torch.Tensor, dtype: torch.dtype, stochastic: bool,
+                 ids: list[int] | None = None, step: int = 0, col0: int = 0) -> torch.Tensor:
+    """(U, D) float32 ``values`` of rows of identities ``ids`` rounded to ``dtype`` at ``step``
+    by tests/oracles.py (the documented rule in numpy, not numerics/rounding.py)."""
+    name = str(dtype).removeprefix("torch.")
+    x = values.float().numpy()
+    if stochastic:
+        assert ids is not None
+        h = oracles.round_stochastic(x, oracles.random_bits(ids, step, x.shape[1], col0), name)
+    else:
+        h = oracles.round_nearest(x, name)
+    return torch.from_numpy(h.astype(np.uint16).view(np.int16)).view(dtype)
+
+
 # ------------------------------------------------------------------------------ the rounding
 @requires_native
 @pytest.mark.parametrize("dtype", COMPACT)
 def test_the_kernels_round_as_the_reference_and_as_torch(dtype):
     x = all_kinds_of_floats(200_000, 1)
     assert same_bits(cpu.round16(x, dtype), x.to(dtype))  # to nearest: torch's rounding
+    assert same_bits(cpu.round16(x, dtype), oracle_round(x[:, None], dtype, False)[:, 0])
     bits = torch.randint(0, 2**32, x.shape, generator=torch.Generator().manual_seed(2))
-    want = rounding.round_stochastic(x, bits, dtype)
-    assert same_bits(cpu.round16(x, dtype, bits), want)
+    name = str(dtype).removeprefix("torch.")
+    want = oracles.round_stochastic(x.numpy(), bits.numpy(), name)  # the documented rule
+    got = cpu.round16(x, dtype, bits).view(torch.int16).numpy()
+    assert oracles.same_patterns(got, want, name)
+    assert oracles.same_patterns(rounding.round_stochastic(x, bits, dtype).view(torch.int16)
+                                 .numpy(), want, name)  # the torch reference too
 
 
 @requires_native
@@ -76,10 +114,12 @@ def test_the_update_kernel_rounds_every_kind_of_float_as_the_reference(dtype, st
     n = x.shape[0]
     table = torch.zeros(n, d, dtype=dtype)
     rows = torch.arange(n)
-    r = rounding.Rounding(stochastic, rounding.shard_segments([("t", 0, torch.arange(n))], 4,
-                                                              n), col0=3).at(17)
+    seg = rounding.shard_segments([("t", 0, torch.arange(n))], 4, n)
+    r = rounding.Rounding(stochastic, seg, col0=3).at(17)
     update(table, {}, rows, -x, ec.SGD(learning_rate=1.0), 1.0, 17, round_to=r)
-    assert same_bits(table, r.round(torch.zeros(n, d) - 1.0 * -x, rows, dtype))  # (-0.0: +0)
+    with np.errstate(invalid="ignore"):  # (inf * 1, NaN: as float32 computes them)
+        result = torch.from_numpy(np.float32(0) - np.float32(1) * -x.numpy())  # 0 - g (-0: +0)
+    assert same_bits(table, oracle_round(result, dtype, stochastic, identities(seg, rows), 17, 3))
 
 
 # Values where a rounding path can go wrong: zeros of both signs, float32 subnormals, float16's
@@ -112,9 +152,9 @@ def test_the_simd_rounding_of_whole_rows_is_the_reference(dtype, stochastic, gua
     grad = init.float() - x  # the SGD step at rate 1 from init: init - grad, x's float32 bits
     wr = init.float() - grad
     rows = torch.arange(n)
-    r = rounding.Rounding(stochastic, rounding.shard_segments([("t", 0, rows)], 9, n),
-                          col0=col0).at(step)
-    want = r.round(wr, rows, dtype)
+    seg = rounding.shard_segments([("t", 0, rows)], 9, n)
+    r = rounding.Rounding(stochastic, seg, col0=col0).at(step)
+    want = oracle_round(wr, dtype, stochastic, identities(seg, rows), step, col0)
     table = init.clone()
     left = update(table, {}, rows, grad, ec.SGD(learning_rate=1.0), 1.0, step, round_to=r,
                   guard=guard)
@@ -217,14 +257,22 @@ def test_the_fused_sgd_update_is_the_float32_update_rounded(dtype, stochastic, s
         out = _dyadic((occ.numel(), d), gen)
         bags = Bags(ids=occ, offsets=None, scales=None, shape=(occ.numel(),))
         dedup = dedup_of(occ)
-        rows = dedup.unique
         grad = OutputGrads([out], [0, occ.numel()], bags, dedup)
-        want_rows = torch.zeros(rows.numel(), d).index_add_(0, dedup.inverse, out)
-    w32 = table[rows].float()
-    new = opt.update(w32, want_rows, {}, lr=opt.learning_rate, step=0)[0]
+        summed: dict[int, list[float]] = {}  # each row's occurrences summed, by a plain loop
+        for k, row in enumerate(occ.tolist()):
+            acc = summed.setdefault(row, [0.0] * d)
+            for c in range(d):
+                acc[c] += float(out[k, c])
+        rows = torch.tensor(sorted(summed))
+        want_rows = torch.tensor([summed[row] for row in sorted(summed)])
+    # the optimizer's oracle (ops/reference_optim.py, Python floats; exact on dyadic values)
+    new = torch.tensor(reference_update(opt, table[rows].float(), want_rows, {},
+                                        lr=opt.learning_rate, step=0)[0], dtype=torch.float32)
     want = table.clone()
-    want[rows] = r.round(new, rows, dtype)
-    update(table, {}, rows, grad, opt, opt.learning_rate, 0, round_to=r)
+    want[rows] = oracle_round(new, dtype, stochastic, identities(seg, rows, keys),
+                              seed % 1000, n % 4)
+    update(table, {}, grad.dedup.unique if source == "outputs" else rows, grad, opt,
+           opt.learning_rate, 0, round_to=r)
     assert same_bits(table, want)
 
 
@@ -246,11 +294,14 @@ def test_every_fused_rule_is_the_float32_rule_rounded(dtype, kind, stochastic, o
     slots = {s.name: torch.rand(n, 1 if s.rowwise else d, generator=gen) + 0.1 for s in opt.slots}
     rows = torch.randperm(n, generator=gen)[:40]
     grad = torch.randn(40, d, generator=gen)
-    r = rounding.Rounding(stochastic, rounding.shard_segments([("t", 0, torch.arange(n))], 3,
-                                                              n)).at(11)
-    new, new_slots = opt.update(table[rows].float(), grad, {k: v[rows] for k, v in slots.items()},
-                                lr=0.3, step=0, gradient_multiplier=0.5 if options else None)
-    want = r.round(new, rows, dtype).float()
+    seg = rounding.shard_segments([("t", 0, torch.arange(n))], 3, n)
+    r = rounding.Rounding(stochastic, seg).at(11)
+    # the optimizers' oracle (ops/reference_optim.py: Python floats, the multiplier from the
+    # optimizer at step 0) and the documented rounding (tests/oracles.py)
+    new_w, new_slots = reference_update(opt, table[rows].float(), grad,
+                                        {k: v[rows] for k, v in slots.items()}, lr=0.3, step=0)
+    new = torch.tensor(new_w, dtype=torch.float32)
+    want = oracle_round(new, dtype, stochastic, identities(seg, rows), 11).float()
     update(table, slots, rows, grad, opt, 0.3, 0, round_to=r,
            gradient_multiplier=0.5 if options else None)
     got = table[rows].float()
@@ -259,7 +310,8 @@ def test_every_fused_rule_is_the_float32_rule_rounded(dtype, kind, stochastic, o
     assert bool(((got - want).abs() <= ulp * 1.01).all())
     assert float((got == want).float().mean()) > 0.97
     for k, v in new_slots.items():
-        torch.testing.assert_close(slots[k][rows], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(slots[k][rows], torch.tensor(v, dtype=torch.float32),
+                                   rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- the engine

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checks import check_fresh_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles import examples
@@ -63,16 +64,42 @@ def test_the_raw_id_suites_pass_with_the_device_map(pytestconfig):
            "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])}
     profile = pytestconfig.getoption("--hypothesis-profile")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs", "-p", "no:cacheprovider",
          "-p", "no:warnings", "-p", "device_map_everywhere",
          *(["--hypothesis-profile", profile] if profile else []),
          "tests/test_dynamic.py", "tests/test_dynamic_stack.py"],
         capture_output=True, text=True, env=env, cwd=here.parent, timeout=1200)
     tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
+    check_fresh_run(proc)  # passed, none failed, none skipped
     made = re.search(r"device maps made: (\d+)", proc.stdout)
     assert made is not None and int(made.group(1)) > 100, tail
-    assert " passed" in proc.stdout and " failed" not in proc.stdout, tail
+
+
+def test_a_wrapper_whose_cases_all_skip_is_skipped_not_passed(tmp_path):
+    """The check of the wrappers that run cases in a fresh interpreter (this file's, and
+    tests/test_triton.py's): cases that all skip skip the wrapper, with their reason (never a
+    pass); a skip beside passes fails it (unless allowed); a failure fails it."""
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n\n"
+        "def test_skipped():\n    pytest.skip('no compiler for this GPU here')\n\n"
+        "@pytest.mark.parametrize('ok', [True, False])\n"
+        "def test_mixed(ok):\n    if not ok:\n        pytest.skip('half of them')\n\n"
+        "def test_fails():\n    assert False\n")
+
+    def run(pattern: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs", "-p",
+             "no:cacheprovider", "test_cases.py", "-k", pattern],
+            capture_output=True, text=True, cwd=tmp_path, timeout=300)
+
+    with pytest.raises(pytest.skip.Exception, match="no compiler for this GPU here"):
+        check_fresh_run(run("skipped"))
+    with pytest.raises(AssertionError, match="half of them"):
+        check_fresh_run(run("mixed"))
+    check_fresh_run(run("mixed"), partial_skips=True)
+    for pattern in ("fails", "nothing_matches"):
+        with pytest.raises(AssertionError):
+            check_fresh_run(run(pattern))
 
 
 @pytest.mark.slow

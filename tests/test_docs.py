@@ -7,7 +7,8 @@ A word after ``python`` says how a block runs:
 - ```python torchrec: needs the torchrec extra; skipped, saying so, where torchrec is not installed.
 - ```python gpu: needs a CUDA device; skipped, saying so, where there is none.
 - ```python slow: runs here, marked ``slow`` (a minute or so: ``-m "not slow"`` leaves it out).
-Any other word is an error: a block is never left out silently.
+Any other word is an error: a block is never left out silently. Every block asserts
+something of its results (an ``assert`` a reader sees).
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def test_doc_example_runs(doc, index, kind, code, tmp_path, monkeypatch):
                                                "'.[torchrec]' (docs/guide/train.md)")
     if kind == "gpu" and not torch.cuda.is_available():
         pytest.skip("a GPU block: no CUDA device here")
+    assert re.search(r"^\s*assert ", code, flags=re.M), (
+        f"{doc.name} block {index} checks nothing: add an assert of its result to it\n{code}")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"{doc}:block{index}", "exec"), {"__name__": "docs"})
 

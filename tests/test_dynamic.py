@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 
+import oracles
 import pytest
 import torch
 from distributed import run_on
@@ -102,8 +103,9 @@ def test_config_errors_name_the_field():
 # ------------------------------------------------------------------------------ the engine
 class PerIdModel:
     """The oracle of a dynamic table with a sum combiner and SGD: the reference vocabulary says
-    which ids are resident; each resident id has its own vector, made by ``initial_values`` at
-    admission; a gradient moves the vectors of the ids resident after the step."""
+    which ids are resident; each resident id has its own vector, made at admission by the
+    documented truncated normal of its (seed, id) (tests/oracles.py, not ``initial_values``); a
+    gradient moves the vectors of the ids resident after the step."""
 
     def __init__(self, table, seed, lr, **dynamic):
         self.vocab = ReferenceVocabulary(capacity=table.vocabulary_size, **dynamic)
@@ -116,8 +118,8 @@ class PerIdModel:
         v = self.vocab
         for i in v.rows:  # admitted now (first use, this step): an evicted id starts over
             if grad is not None and v.frequency[i] == 1 and v.last_use[i] == v.step:
-                self.vectors[i] = initial_values(self.table, "t", self.seed,
-                                                 torch.tensor([i]))[0]
+                self.vectors[i] = torch.from_numpy(oracles.truncated_normal_initial_values(
+                    self.seed, [i], self.table.dim)[0])
         for i in set(self.vectors) - set(v.rows):
             del self.vectors[i]
         out = torch.stack([sum((self.vectors[i] for i in b if rows[i] is not None),

@@ -32,59 +32,69 @@ PATHS = [pytest.param(True, id="kernel", marks=pytest.mark.skipif(
     pytest.param(False, id="torch")]
 
 
-def _engine(dtype, stochastic, optimizer, big):
-    init = torch.tensor([[1.0, 1.0], [big, 1.0], [2.0, 2.0], [0.0, 0.0]])
-    t = ec.TableConfig(vocabulary_size=4, dim=2, name="t", dtype=dtype,
+# (width, column of the overflowing value): scalar columns only; the first lane of the kernel's
+# first 16-wide SIMD block (AVX-512); a lane of the second block; the scalar tail after two
+# blocks. The SIMD paths find an overflow as they round, the scalar columns after.
+WIDTHS = [(2, 0), (16, 0), (40, 17), (40, 37)]
+
+
+def _engine(dtype, stochastic, optimizer, big, dim=2, col=0):
+    init = torch.ones(4, dim)
+    init[1, col], init[2], init[3] = big, 2.0, 0.0
+    t = ec.TableConfig(vocabulary_size=4, dim=dim, name="t", dtype=dtype,
                        stochastic_rounding=stochastic, initializer=init)
     return t, ec.Embedding(ec.FeatureConfig(table=t), optimizer)
 
 
-def _step(emb, push):
-    """One step on rows 0 and 1; row 1's gradient ``-push`` in column 0, the rest 1."""
+def _step(emb, push, col=0):
+    """One step on rows 0 and 1; row 1's gradient ``-push`` in column ``col``, the rest 1."""
     emb.enqueue(torch.tensor([0, 1]))
     grad = torch.ones_like(emb.dequeue())
-    grad[1, 0] = -push
+    grad[1, col] = -push
     emb.apply_gradients(grad)
 
 
 @pytest.mark.parametrize("native_on", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize(("dim", "col"), WIDTHS)
 def test_an_overflowing_update_raises_naming_the_rows_and_leaves_them(native_on, dtype,
-                                                                      stochastic):
+                                                                      stochastic, dim, col):
     big, push = EDGE[dtype]
     with kernels(native_on):
-        t, emb = _engine(dtype, stochastic, ec.SGD(learning_rate=1.0), big)
+        t, emb = _engine(dtype, stochastic, ec.SGD(learning_rate=1.0), big, dim, col)
         before = emb.embedding_tables[t].clone()
         with pytest.raises(OverflowError, match=r"rows \[1\] of table 't' overflows "
                            + str(dtype).removeprefix("torch.")) as caught:
-            _step(emb, push)
+            _step(emb, push, col)
         assert "skip_nonfinite_gradients" in str(caught.value)
         w = emb.embedding_tables[t]
         assert torch.isfinite(w.float()).all()
         assert torch.equal(w[1], before[1])                     # left as it was
-        assert torch.equal(w[0].float(), torch.zeros(2))        # the other row updated
+        assert torch.equal(w[0].float(), torch.zeros(dim))      # the other row updated
         assert emb.step == 1                                    # the step counted, consumed
         with pytest.raises(RuntimeError):
-            emb.apply_gradients(torch.zeros(2, 2))
+            emb.apply_gradients(torch.zeros(2, dim))
 
 
 @pytest.mark.parametrize("native_on", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize(("dim", "col"), WIDTHS)
 def test_under_skip_nonfinite_gradients_the_rows_are_skipped_with_a_warning(native_on, dtype,
-                                                                            stochastic):
+                                                                            stochastic, dim,
+                                                                            col):
     big, push = EDGE[dtype]
     with kernels(native_on):
         # a gradient of 1 on an accumulator of 3: a step of exactly lr / 2 = push
         t, emb = _engine(dtype, stochastic, ec.Adagrad(
             learning_rate=2 * push, initial_accumulator_value=3.0,
-            skip_nonfinite_gradients=True), big)
+            skip_nonfinite_gradients=True), big, dim, col)
         acc = emb.state_dict()["t/accumulators"]
         before, acc_before = emb.embedding_tables[t].clone(), acc.clone()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _step(emb, 1.0)
+            _step(emb, 1.0, col)
         said = [str(c.message) for c in caught if c.category is RuntimeWarning]
         assert len(said) == 1 and "rows [1] of table 't'" in said[0], said
         assert "skip_nonfinite_gradients=True" in said[0]
@@ -113,12 +123,13 @@ def test_rows_already_infinite_or_nan_gradients_are_not_overflow(native_on):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise"])
-def test_the_kernel_and_the_torch_path_leave_the_same_rows(dtype, stochastic, kind):
+@pytest.mark.parametrize("d", [8, 16, 40])  # below, at and beyond the 16-wide SIMD blocks
+def test_the_kernel_and_the_torch_path_leave_the_same_rows(dtype, stochastic, kind, d):
     if not cpu.available():
         pytest.skip(f"fused kernels unavailable: {cpu.error()}")
     gen = torch.Generator().manual_seed(7)
     top = float(torch.finfo(dtype).max)
-    n, d = 64, 8
+    n = 64
     # rows near the top of the range (either sign), steps below 0.3 % of it: some cross it,
     # none leaves float32's range (bfloat16's top is float32's less 0.4 %)
     opt = {"sgd": ec.SGD, "adagrad": ec.Adagrad, "rowwise": ec.RowwiseAdagrad}[kind](

@@ -19,12 +19,14 @@ import contextlib
 import ctypes
 import itertools
 import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import check_rows_updated
+from checks import check_fresh_run, check_rows_updated, fma_bag_sums
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from native_required import requires_native
@@ -197,12 +199,19 @@ def test_concat_equals_torch_cat(lengths, dtype, strided, seed):
 
 
 # ------------------------------------------------------------------------------------ lookup
+# the widths of every column path of the kernel: blocks of 128 to 8 columns, whole rows (no
+# block divides D), and SIMD tails; most are not multiples of 8 or 16
+LOOKUP_DIMS = st.one_of(st.sampled_from([1, 3, 5, 8, 24, 40, 100, 130, 192, 256]),
+                        st.integers(1, 140))
+
+
 @requires_native
 @settings(max_examples=examples(60), deadline=None)
-@given(st.integers(1, 40), st.sampled_from([1, 3, 8, 16, 33, 64, 96, 128, 192, 256]),
-       st.integers(0, 30),
+@given(st.integers(1, 40), LOOKUP_DIMS, st.integers(0, 30),
        st.integers(0, 6), st.booleans(), st.integers(0, 2**31 - 1))
 def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
+    """Bit for bit: each bag's columns summed in order, each step one fused multiply-add (the
+    plain loop of ``fma_bag_sums``), as torch's ``embedding_bag`` does, for every width."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.randn(n, d, generator=gen)
     offsets = random_offsets(gen, rows, max_len)
@@ -214,7 +223,8 @@ def test_lookup_equals_embedding_bag(n, d, rows, max_len, scaled, seed):
     assert got is out
     want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
                            include_last_offset=True)
-    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got, fma_bag_sums(table, ids, offsets, scales))
+    assert torch.equal(got, want)
     empty = offsets[1:] == offsets[:-1]
     assert torch.equal(got[empty], torch.zeros(int(empty.sum()), d))
     # offsets None: one id per output row, scale 1, an exact copy
@@ -235,8 +245,61 @@ def test_lookup_large_batch_threaded(scaled):
     got = cpu.lookup(table, ids, offsets, scales, torch.full((700, 32), float("nan")))
     want = F.embedding_bag(ids, table, offsets, mode="sum", per_sample_weights=scales,
                            include_last_offset=True)
-    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got, want)
     assert torch.equal(cpu.lookup(table, ids, None, None, torch.empty(nnz, 32)), table[ids])
+
+
+COMBINE_DIMS = (1, 3, 8, 24, 40, 100)
+
+
+@requires_native
+def test_training_serving_and_export_give_the_same_bits_at_every_width():
+    """Weighted sum, mean and sqrtn bags at widths that are not multiples of 16 (8, 24, 40: the
+    kernel's 8-column blocks; 1, 3, 100: whole rows): the training forward (the fused lookup),
+    the serving module, its exported program (torch ops: ``embedding_bag``) and the kernels
+    switched off give the same bits, those of the plain fused multiply-add loop
+    (docs/semantics.md section 12)."""
+    tables = {f"{c}{d}": ec.TableConfig(vocabulary_size=30, dim=d, combiner=c, name=f"{c}{d}")
+              for c in ("sum", "mean", "sqrtn") for d in COMBINE_DIMS}
+    fc = {k: ec.FeatureConfig(table=t) for k, t in tables.items()}
+    torch.manual_seed(0)
+    layer = ec.EmbeddingLayer(fc, ec.SGD(learning_rate=0.1))
+    gen = torch.Generator().manual_seed(1)
+    offsets = random_offsets(gen, 16, 9)
+    n = int(offsets[-1])
+    x = {k: (torch.randint(0, 30, (n,), generator=gen), offsets) for k in fc}
+    w = {k: (torch.rand(n, generator=gen) * 3 + 0.1, offsets) for k in fc}
+    answers = {"training": {k: v.detach() for k, v in layer(x, w).items()}}
+    served = layer.for_serving()
+    with torch.no_grad():
+        answers["serving"] = served(x, w)
+        answers["exported"] = served.export(x, w).module()(x, w)
+        with kernels(False):
+            answers["kernels off"] = served(x, w)
+    for k, t in tables.items():
+        with kernels(False):  # the torch-ops scales (equal to the kernel's: tested below)
+            scales = inputs.combiner_scales(offsets, w[k][0], t.combiner, n)
+        want = fma_bag_sums(layer.embedding_tables[t].detach(), x[k][0], offsets, scales)
+        for path, got in answers.items():
+            assert torch.equal(got[k], want), (path, k)
+
+
+@requires_native
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64 builds")
+def test_a_build_without_fma_instructions_looks_up_the_same_bits(tmp_path):
+    """The kernels built for plain x86-64 (no FMA instructions: a multiply and an add unless
+    the source asks for the fused operation) pass the lookup's bit-for-bit tests above."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ec.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "EMBCORE_NATIVE_ARCH": "x86-64", "XDG_CACHE_HOME": str(tmp_path),
+           "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p",
+         "no:warnings", "-o", "addopts=", __file__, "-k",
+         "lookup_equals_embedding_bag or lookup_large_batch or same_bits_at_every_width"],
+        env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
+    check_fresh_run(proc)
+    assert "4 passed" in proc.stdout, proc.stdout[-3000:]
 
 
 # ----------------------------------------------------------------------------- sparse update

@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -223,17 +224,50 @@ def test_profile_counts_the_ids_it_sees_not_the_rows_of_the_table():
 
 # ------------------------------------------------------------------ counts match the old rows
 def _old_held_rows(p: Placement, rank: int) -> torch.Tensor:
-    """The rows each strategy listed before it counted them (the oracle)."""
+    """The rows each strategy lists, by section 5's words, without the planner's arithmetic
+    (the oracle): row blocks cut by numpy (``array_split``: the first ``N % W`` one longer),
+    ``row_mod`` by a slice of every row."""
     if p.strategy in ("replicated", "column"):
         return torch.arange(p.rows)
     if isinstance(p, WholeTable):
         return torch.arange(p.rows if rank == p.owner else 0)
     if p.strategy in ("row_div", "hash"):
-        sizes = split_sizes(p.rows, p.world)
-        start = sum(sizes[:rank])
-        return torch.arange(start, start + sizes[rank])
+        return torch.from_numpy(np.array_split(np.arange(p.rows, dtype=np.int64), p.world)[rank])
     assert p.strategy == "row_mod"
-    return torch.arange(rank, max(rank, p.rows), p.world)
+    return torch.arange(p.rows)[rank::p.world]
+
+
+def test_split_sizes_are_numpy_s_blocks():
+    for n in range(0, 40):
+        for parts in range(1, 7):
+            want = [len(b) for b in np.array_split(np.arange(n), parts)]
+            assert list(split_sizes(n, parts)) == want, (n, parts)
+
+
+def _check_counted(plan, specs, budget) -> None:
+    """The plan's arithmetic, recomputed from its choices (each table's placement, the physical
+    tables' members in order): each rank's rows of a table are the oracle's; a physical shard
+    holds its members' rows one after the other; without a budget, a rank's bytes are its rows'
+    parameters and slots (a row-wise slot one float)."""
+    opts = {name: o for name, _, o in specs}
+    for p in plan.physical:
+        start = [0] * plan.world_size
+        for name in p.tables:
+            t = plan.table(name)
+            want = [len(_old_held_rows(t.placement, r)) for r in range(plan.world_size)]
+            assert list(t.row_counts) == want, name
+            assert list(t.local_offsets) == start, name
+            start = [a + b for a, b in zip(start, want)]
+        assert list(p.row_counts) == start
+    if budget is not None:
+        return
+    want_bytes = [0] * plan.world_size
+    for p in plan.physical:
+        for r in range(plan.world_size):
+            cols = p.columns[r][1] - p.columns[r][0]
+            slots = sum(4 if s.rowwise else 4 * cols for s in opts[p.tables[0]].slots)
+            want_bytes[r] += p.row_counts[r] * (4 * cols + slots)
+    assert plan.bytes_per_rank() == want_bytes
 
 
 @settings(max_examples=examples(150), deadline=None)
@@ -272,8 +306,9 @@ OPTIMIZERS = {"sgd": lambda: ec.SGD(0.1), "adagrad": lambda: ec.Adagrad(0.1),
 def test_plans_with_counted_rows_are_the_plans_with_listed_rows(tables, world, strategy, share):
     """Sharded plans over W processes, with and without a budget (a share of the tables'
     bytes: most fit, or offload tables, or are refused): the rows each rank holds, where they
-    start in its shard, the caches and the fast bytes are what they were when the planner
-    listed the rows (``held_count`` replaced by ``len`` of the old lists)."""
+    start in its shard and (without a budget) the bytes are the oracle's arithmetic
+    (``_check_counted``); the caches and the fast bytes are what they were when the planner
+    listed the rows (``held_count`` replaced by ``len`` of the oracle's lists)."""
     specs = [(f"t{i}", ec.TableConfig(vocabulary_size=n, dim=d, name=f"t{i}",
                                       dynamic=ec.DynamicVocabulary() if dyn else None),
               OPTIMIZERS[opt]()) for i, (n, d, opt, dyn) in enumerate(tables)]
@@ -290,6 +325,8 @@ def test_plans_with_counted_rows_are_the_plans_with_listed_rows(tables, world, s
             return str(e)
 
     new = plan()
+    if not isinstance(new, str):
+        _check_counted(new, specs, budget)
     with mock.patch.object(Placement, "held_count",
                            lambda self, rank: len(_old_held_rows(self, rank))):
         old = plan()

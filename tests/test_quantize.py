@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from checks import fma32
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from profiles import examples
 from strategies import cases
 
 import embcore as ec
+from embcore.ops.reference import reference_bags
 from embcore.serving.quantize import dequantize_int8_rowwise, quantize_int8_rowwise
 
 F32_MAX = torch.finfo(torch.float32).max
@@ -126,28 +129,62 @@ def _trained_layer(fc: dict, seed: int = 0) -> ec.EmbeddingLayer:
     return layer
 
 
+def _dequantized(q) -> np.ndarray:
+    """(N, D) float32 rows of a quantized table as the format reads back, in numpy: fp16 widened;
+    int8 ``q * scale + bias`` (a float32 product, then a float32 sum)."""
+    if q.scale is None:
+        return q.data.numpy().astype(np.float32)
+    codes = q.data.numpy().astype(np.float32)
+    return codes * q.scale.numpy()[:, None] + q.bias.numpy()[:, None]
+
+
+def _oracle_lookup(feature: ec.FeatureConfig, ids, weights, rows: np.ndarray) -> torch.Tensor:
+    """The activation by plain loops from the raw input (ops/reference.py's bags): float32
+    combiner scales as section 2 states them (a bag's weights, or their squares, summed in
+    order; sqrtn's root correctly rounded), each bag summed by fused multiply-adds in order
+    (tests/checks.py's ``fma32``, as section 12 states)."""
+    bags, shape, combine = reference_bags(feature, ids, weights)
+    out = np.zeros((len(bags), rows.shape[1]), np.float32)
+    for r, bag in enumerate(bags):
+        w = [np.float32(x) for _, x in bag]
+        scales = w
+        if combine and feature.table.combiner != "sum":
+            total = np.float32(0)
+            for x in w:
+                total = total + (x if feature.table.combiner == "mean" else x * x)
+            if feature.table.combiner == "sqrtn":
+                total = np.float32(math.sqrt(float(total)))
+            scales = [x / total if total != 0 else np.float32(0) for x in w]
+        for (i, _), s in zip(bag, scales):
+            out[r] = fma32(np.full(rows.shape[1], s, np.float32), rows[i], out[r])
+    return torch.from_numpy(out).reshape(*shape, rows.shape[1])
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 @settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_quantized_lookup_equals_serving_the_dequantized_table(precision, data):
-    """For every combiner, input kind, weights and sequence features: the quantized module's
-    activations are those of serving the table quantized and dequantized up front, exactly."""
+    """For every combiner, input kind, weights and sequence features, at widths below, at and
+    beyond the SIMD blocks: the quantized module's activations are, exactly, those of the
+    table's codes read back and combined by plain loops (``_oracle_lookup``), as serving the
+    table dequantized up front gives them."""
     combiner = data.draw(st.sampled_from(["sum", "mean", "sqrtn"]))
     t = ec.TableConfig(vocabulary_size=data.draw(st.integers(1, 12)), dim=data.draw(
-        st.integers(1, 6)), combiner=combiner, name="t")
+        st.one_of(st.integers(1, 6), st.sampled_from([8, 17, 24, 40]))), combiner=combiner,
+        name="t")
     case = data.draw(cases(t))
     fc = {"f": case.feature}
     layer = _trained_layer(fc, seed=data.draw(st.integers(0, 3)))
     table = layer.embedding_tables[t].detach()
-    dequantized = ec.quantize_table(table, precision).dequantize()
-    want = ec.serving_embedding_lookup({"f": case.ids}, {"f": case.weights}, {t: dequantized},
-                                       fc)["f"]
+    q = ec.quantize_table(table, precision)
+    want = _oracle_lookup(case.feature, case.ids, case.weights, _dequantized(q))
     served = layer.for_serving(quantize=precision)
     got = served({"f": case.ids}, {"f": case.weights})["f"]
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    plain = ec.serving_embedding_lookup({"f": case.ids}, {"f": case.weights},
-                                        {"t": ec.quantize_table(table, precision)}, fc)["f"]
-    assert torch.equal(plain, want)
+    up_front = ec.serving_embedding_lookup({"f": case.ids}, {"f": case.weights},
+                                           {t: q.dequantize()}, fc)["f"]
+    plain = ec.serving_embedding_lookup({"f": case.ids}, {"f": case.weights}, {"t": q}, fc)["f"]
+    assert torch.equal(up_front, want) and torch.equal(plain, want)
 
 
 def test_a_mapping_quantizes_some_tables_and_names_errors():

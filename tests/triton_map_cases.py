@@ -94,7 +94,8 @@ def test_steps_equal_the_oracle_and_the_torch_map(kw, steps):
 def test_eviction_takes_the_lowest_score_then_the_smaller_id(eviction):
     """Ids 1..4 at rows 0..3, then used so that (last use, frequency) are 1: (4, 4), 2: (1, 1),
     3: (3, 3), 4: (4, 2). Two new ids: LRU evicts 2 then 3, LFU 2 then 4; then LFU's ties at one
-    use go to the smaller id."""
+    use go to the smaller id; and a tie of both rules goes to the smaller id in the larger row
+    (not the smaller row)."""
     m = DeviceVocabMap(4, eviction=eviction, device=DEVICE)
     for ids in ([1, 2, 3, 4], [1, 3], [1, 3], [1, 4]):
         m.train_step(_ids(ids))
@@ -106,6 +107,13 @@ def test_eviction_takes_the_lowest_score_then_the_smaller_id(eviction):
         assert m.train_step(_ids([1, 3, 4]))[2].tolist() == [1]
         # 9: 4 (row 1) and 8 (row 3) tie at one use, the smaller id leaves
         assert m.train_step(_ids([1, 3, 9]))[2].tolist() == [1]
+    # a tie whose smaller id holds the larger row (ties above put it in the smaller row too):
+    # 5 at row 0, 3 at row 1, both last used at step 3, twice each; 9 takes row 1, as 3 leaves
+    m = DeviceVocabMap(2, eviction=eviction, device=DEVICE)
+    for ids in ([5], [3], [3, 5]):
+        m.train_step(_ids(ids))
+    assert m.train_step(_ids([9]))[2].tolist() == [1]
+    assert m.find(_ids([3, 5, 9])).tolist() == [-1, 0, 1]
 
 
 def test_counts_beyond_the_bound_are_forgotten_as_the_torch_map_does():

@@ -7,9 +7,10 @@ Both directions are one fused ATen kernel: the forward an ``embedding_bag`` over
 (an ``index_select`` when every bag is one id with scale 1), the backward the same kernel
 transposed: occurrences sorted by row form the bags, the output gradient rows are the table.
 On the CPU with float32, float16 or bfloat16 tables the forward is the fused kernel
-``cpu.lookup`` instead (the same sums, in the same order, with the rows ahead prefetched;
-16-bit rows widened to float32 as they are read, so their activations are float32); on CUDA
-(those tables, float32 gradients) both directions are the Triton kernels of
+``cpu.lookup`` instead (the same sums, in the same order, each step one fused multiply-add
+as ``embedding_bag``'s, so the same bits: docs/semantics.md section 12; with the rows ahead
+prefetched; 16-bit rows widened to float32 as they are read, so their activations are float32);
+on CUDA (those tables, float32 gradients) both directions are the Triton kernels of
 ``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``).

@@ -18,7 +18,9 @@ inline i64 bag_block(i64 d) {
 
 // One bag's sum o = sum_{k in [k0, k1)} scales[k] * table[ids[k]], BW columns at a time held in
 // registers (no store per occurrence); each column still sums 0 + s * row + s * row + ... in
-// bag order, as the plain loop does. The first block prefetches the rows kPrefetch ahead. Rows
+// bag order, as the plain loop does, each step one fused multiply-add, fma(s, row, acc): rounded
+// once, as torch's embedding_bag (FBGEMM) rounds, on every build (a build without FMA
+// instructions would otherwise round the product and the sum apart: an ulp off at times). The first block prefetches the rows kPrefetch ahead. Rows
 // of 16-bit type T are widened to float32 (exact) as they are read.
 template <int T, i64 BW>
 inline void bag_sum(const void* table_, i64 d, const i64* ids, const float* scales, i64 k0,
@@ -42,7 +44,7 @@ inline void bag_sum(const void* table_, i64 d, const i64* ids, const float* scal
         row = wide;
       }
 #pragma omp simd
-      for (i64 c2 = 0; c2 < BW; ++c2) acc[c2] += s * row[c2];
+      for (i64 c2 = 0; c2 < BW; ++c2) acc[c2] = std::fma(s, row[c2], acc[c2]);
     }
     for (i64 c2 = 0; c2 < BW; ++c2) o[c0 + c2] = acc[c2];
   }
@@ -94,7 +96,7 @@ void lookup_rows(const void* table_, i64 d, const i64* ids, const i64* offsets,
                 row = wide.data();
               }
 #pragma omp simd
-              for (i64 c2 = 0; c2 < d; ++c2) o[c2] += s * row[c2];
+              for (i64 c2 = 0; c2 < d; ++c2) o[c2] = std::fma(s, row[c2], o[c2]);
             }
         }
       }
