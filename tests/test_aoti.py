@@ -293,6 +293,18 @@ def test_the_criteo_model_packages_whole_and_serves_without_embcore(tmp_path, ca
     with torch.no_grad():
         for (dense, sparse), got in zip(batches, answers):
             assert torch.equal(got, model(dense, sparse))
+    # ec.load_package says what the package takes (a first guess: 26 columns, or int32 ids)
+    checked = ec.load_package(path)
+    dense, sparse = batches[0]
+    assert torch.equal(checked(dense, sparse), model(dense, sparse))
+    with pytest.raises(TypeError, match=r"27 arguments given; the package takes \(dense, "
+                                        r"sparse\): dense float32 \(N0, 13\); sparse int64 "
+                                        r"\(N0, 26\)"):
+        checked(dense, *sparse.unbind(1))
+    with pytest.raises(TypeError, match=r"input sparse must be int64 as traced, got torch\.int32"):
+        checked(dense, sparse.int())
+    with pytest.raises(ValueError, match=r"input sparse: its size 3 in dim 0 must equal"):
+        checked(dense, sparse[:3])
     with pytest.raises(SystemExit):  # (refused with the arguments, before any scoring)
         serve.main(["--run", str(out), "--precisions", "int8", "--aoti",
                     str(tmp_path / "dlrm.so")])
