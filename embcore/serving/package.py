@@ -24,6 +24,7 @@ import sys
 import time
 import zipfile
 from collections.abc import Mapping
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def _structure(value: Any, path: str, leaves: list[tuple[str, torch.Tensor]]) ->
 
 def _bound(x: Any) -> int | None:
     """A range constraint's bound as an int; None where infinite."""
-    import sympy
-    return int(x) if isinstance(x, sympy.Integer) else None
+    try:
+        return int(str(x))  # (a sympy integer; torch's int_oo prints as "int_oo")
+    except ValueError:
+        return None
 
 
 def describe_program(program: torch.export.ExportedProgram,
@@ -120,7 +123,7 @@ def _digests(archive: zipfile.ZipFile, skip: str) -> dict[str, str]:
         h = hashlib.sha256()
         try:
             with archive.open(info) as f:
-                for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                while chunk := f.read(1 << 20):
                     h.update(chunk)
         except zipfile.BadZipFile:  # (its CRC-32 does not match: a changed member)
             out[info.filename] = "bad CRC-32"
@@ -222,17 +225,13 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ the checks
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
 class _Input:
     """One input tensor as traced."""
 
     def __init__(self, spec: Mapping[str, Any], dims: Mapping[str, str]) -> None:
         self.name: str = spec["name"]
-        self.dtype = _DTYPES.get(spec["dtype"])
+        dtype = getattr(torch, spec["dtype"], None)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else None
         self.dtype_name: str = spec["dtype"]
         self.shape: list[int | str] = spec["shape"]
         self.rank = len(self.shape)
@@ -289,6 +288,17 @@ class ServingPackage:
                           and (i.feature, "ids") in by_feature]
         self._ranged = [(k, i.rows) for k, i in enumerate(self._inputs)
                         if i.role == "ids" and i.rows is not None]
+        # the structure as steps: node i is nodes[parent][key] (node p < 0: argument -p - 1),
+        # and what it must be: a dict of n keys, a tuple / list of n, None, or a tensor
+        self._steps: list[tuple[int, Any, str, int]] = []
+        for a, s in enumerate(self._structure):
+            self._compile(s, -a - 1, None)
+        self._sized = [(name, lo, hi) for name, (lo, hi) in self._symbols.items()
+                       if (lo is not None and lo > 0) or hi is not None]
+        self._fast = [(i.dtype, i.rank, i.device,
+                       [(d, w) for d, w in enumerate(i.shape) if isinstance(w, int)],
+                       [(d, w) for d, w in enumerate(i.shape) if isinstance(w, str)])
+                      for i in self._inputs]
         self.expects = (f"({', '.join(self._arguments)}): "
                         + "; ".join(f"{i.name} {i.expects}" for i in self._inputs)
                         + ". Sizes named N0, N1, ... are free (any size in range), the same name "
@@ -300,11 +310,56 @@ class ServingPackage:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._check:
             return self._model(*args, **kwargs)
-        leaves = self._flatten(args, kwargs)
+        leaves = self._fast_leaves(args) if not kwargs else None
+        if leaves is None:
+            leaves = self._flatten(args, kwargs)  # (names what is wrong)
         self._check_tensors(leaves)
         return self._model(*leaves)
 
     # -- structure
+    def _compile(self, s: Any, parent: int, key: Any) -> None:
+        here = len(self._steps)
+        if isinstance(s, int):
+            self._steps.append((parent, key, "tensor", 0))
+        elif s is None:
+            self._steps.append((parent, key, "none", 0))
+        elif "dict" in s:
+            self._steps.append((parent, key, "dict", len(s["dict"])))
+            for k, sub in s["dict"]:
+                self._compile(sub, here, k)
+        else:
+            self._steps.append((parent, key, "seq", len(s["seq"])))
+            for i, sub in enumerate(s["seq"]):
+                self._compile(sub, here, i)
+
+    def _fast_leaves(self, args: tuple[Any, ...]) -> list[torch.Tensor] | None:
+        """The input tensors of positional ``args`` in the traced order, or None where anything
+        differs from the traced structure (then ``_flatten`` says what)."""
+        n = len(self._arguments)
+        if len(args) != n:
+            return None
+        nodes: list[Any] = []
+        leaves: list[torch.Tensor] = []
+        try:
+            for parent, key, kind, size in self._steps:
+                node = args[-parent - 1] if parent < 0 else nodes[parent][key]
+                nodes.append(node)
+                if kind == "tensor":
+                    if not isinstance(node, torch.Tensor):
+                        return None
+                    leaves.append(node)
+                elif kind == "none":
+                    if node is not None:
+                        return None
+                elif kind == "dict":
+                    if not isinstance(node, dict) or len(node) != size:
+                        return None
+                elif not isinstance(node, tuple | list) or len(node) != size:
+                    return None
+        except (KeyError, IndexError, TypeError):
+            return None
+        return leaves
+
     def _flatten(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
         n = len(self._arguments)
         values = list(args)
@@ -366,73 +421,97 @@ class ServingPackage:
     # -- tensors
     def _check_tensors(self, leaves: list[torch.Tensor]) -> None:
         sizes: dict[str, int] = {}
-        for spec, x in zip(self._inputs, leaves):
-            if x.layout != torch.strided or x.is_nested:
-                raise TypeError(f"{spec.who()} must be a dense (strided) tensor, "
-                                f"{spec.expects}; got layout {x.layout}")
-            if x.dtype != spec.dtype:
-                raise TypeError(f"{spec.who()} must be {spec.dtype_name} as traced, got "
-                                f"{x.dtype}; convert it with .to(torch.{spec.dtype_name})")
-            if x.dim() != spec.rank:
-                raise ValueError(f"{spec.who()} must be {spec.expects} as traced, got shape "
-                                 f"{tuple(x.shape)}; give the traced rank (or compile the "
-                                 f"package from an example of this rank)")
-            if x.device.type != spec.device:
-                raise ValueError(f"{spec.who()} must be on {spec.device} as traced, got "
-                                 f"{x.device}; move it with .to({spec.device!r})")
-            if not x.is_contiguous():
-                raise ValueError(f"{spec.who()} is not contiguous (a column or a slice of a "
-                                 f"larger tensor?), shape {tuple(x.shape)} strides {x.stride()}; "
-                                 f"the package reads its bytes as contiguous: pass "
-                                 f".contiguous()")
-            for d, (want, got) in enumerate(zip(spec.shape, x.shape)):
-                if isinstance(want, int):
-                    if got != want:
-                        raise ValueError(f"{spec.who()} must be {spec.expects} as traced, got "
-                                         f"shape {tuple(x.shape)}")
-                elif want in sizes and sizes[want] != got:
-                    raise ValueError(f"{spec.who()}: its size {got} in dim {d} must equal "
-                                     f"the other inputs' traced as the same size (here "
-                                     f"{sizes[want]}): the package takes {self.expects}")
-                else:
-                    sizes[want] = got
-        for name, got in sizes.items():
-            lo, hi = self._symbols.get(name, (None, None))
-            if (lo is not None and got < lo) or (hi is not None and got > hi):
+        strided = torch.strided
+        for k, ((dtype, rank, device, static, dynamic), x) in enumerate(zip(self._fast, leaves)):
+            if (x.dtype is not dtype or x.dim() != rank or x.layout is not strided or x.is_nested
+                    or not (x.is_cpu if device == "cpu" else x.device.type == device)
+                    or not x.is_contiguous()):
+                self._refuse(self._inputs[k], x)
+            shape = x.shape
+            for d, want in static:
+                if shape[d] != want:
+                    raise ValueError(f"{self._inputs[k].who()} must be "
+                                     f"{self._inputs[k].expects} as traced, got shape "
+                                     f"{tuple(shape)}")
+            for d, name in dynamic:
+                got = shape[d]
+                if sizes.setdefault(name, got) != got:
+                    raise ValueError(f"{self._inputs[k].who()}: its size {got} in dim {d} must "
+                                     f"equal the other inputs' traced as the same size (here "
+                                     f"{sizes[name]}): the example the package was compiled "
+                                     f"from gave them one size, and the package assumes it "
+                                     f"(compile it from an example whose sizes differ); it "
+                                     f"takes {self.expects}")
+        for name, lo, hi in self._sized:
+            size = sizes.get(name)
+            if size is not None and ((lo is not None and size < lo) or
+                                     (hi is not None and size > hi)):
                 where = next(i for i in self._inputs if name in i.shape)
-                raise ValueError(f"{where.who()}: a size of {got} is outside the range the "
+                raise ValueError(f"{where.who()}: a size of {size} is outside the range the "
                                  f"package was traced for ([{lo}, {hi if hi is not None else ''}"
                                  f"]); it takes {self.expects}")
         for v, o in self._jagged:
             _check_offsets(self._inputs[o], leaves[o], leaves[v].numel())
-        for w, wo, v, o in self._weighted:
-            if leaves[w].shape != leaves[v].shape:
+        for w, w_off, ids, ids_off in self._weighted:
+            if leaves[w].shape != leaves[ids].shape:
                 raise ValueError(f"{self._inputs[w].who()}: shape {tuple(leaves[w].shape)} "
-                                 f"must be its ids' {tuple(leaves[v].shape)}")
-            if wo is not None and o is not None and leaves[wo] is not leaves[o] and \
-                    not torch.equal(leaves[wo], leaves[o]):
-                raise ValueError(f"{self._inputs[wo].who()} must equal its ids' offsets "
+                                 f"must be its ids' {tuple(leaves[ids].shape)}")
+            if w_off is not None and ids_off is not None and \
+                    leaves[w_off] is not leaves[ids_off] and \
+                    not torch.equal(leaves[w_off], leaves[ids_off]):
+                raise ValueError(f"{self._inputs[w_off].who()} must equal its ids' offsets "
                                  f"(weights mirror their ids)")
         for k, rows in self._ranged:
             x = leaves[k]
-            if x.numel():
-                lo, hi = int(x.min()), int(x.max())
-                if lo < 0 or hi >= rows:
-                    raise ValueError(f"{self._inputs[k].who()} has id {lo if lo < 0 else hi} "
-                                     f"but its table has {rows} rows; ids must be in "
-                                     f"[0, {rows})")
+            if not x.numel():
+                continue
+            if x.numel() <= _SMALL:  # (a few ids: Python's min and max are the cheaper)
+                values = x.tolist()
+                least, most = min(values), max(values)
+            else:
+                least, most = (int(t) for t in torch.aminmax(x))
+            if least < 0 or most >= rows:
+                raise ValueError(f"{self._inputs[k].who()} has id "
+                                 f"{least if least < 0 else most} but its table has {rows} "
+                                 f"rows; ids must be in [0, {rows})")
+
+    def _refuse(self, spec: _Input, x: torch.Tensor) -> None:
+        """Raises what is wrong with input ``x`` (one of the fast checks failed)."""
+        if x.layout != torch.strided or x.is_nested:
+            raise TypeError(f"{spec.who()} must be a dense (strided) tensor, "
+                            f"{spec.expects}; got layout {x.layout}")
+        if x.dtype != spec.dtype:
+            raise TypeError(f"{spec.who()} must be {spec.dtype_name} as traced, got "
+                            f"{x.dtype}; convert it with .to(torch.{spec.dtype_name})")
+        if x.dim() != spec.rank:
+            raise ValueError(f"{spec.who()} must be {spec.expects} as traced, got shape "
+                             f"{tuple(x.shape)}; give the traced rank (or compile the "
+                             f"package from an example of this rank)")
+        if x.device.type != spec.device:
+            raise ValueError(f"{spec.who()} must be on {spec.device} as traced, got "
+                             f"{x.device}; move it with .to({spec.device!r})")
+        raise ValueError(f"{spec.who()} is not contiguous (a column or a slice of a larger "
+                         f"tensor?), shape {tuple(x.shape)} strides {x.stride()}; the package "
+                         f"reads its bytes as contiguous: pass .contiguous()")
+
+
+_SMALL = 64  # up to this many entries, checks read them with tolist() (cheaper than torch ops)
 
 
 def _check_offsets(spec: _Input, offsets: torch.Tensor, n: int) -> None:
     """Jagged offsets: from 0, never decreasing, to the number of values ``n``."""
-    first, last = (int(offsets[0]), int(offsets[-1])) if offsets.numel() else (None, None)
-    bad = (first != 0 or last != n
-           or (offsets.numel() > 2 and bool((offsets[1:] < offsets[:-1]).any())))
+    m = offsets.numel()
+    if m <= _SMALL:
+        o = offsets.tolist()
+        bad = not o or o[0] != 0 or o[-1] != n or any(a > b for a, b in pairwise(o))
+    else:
+        bad = (int(offsets[0]) != 0 or int(offsets[-1]) != n
+               or bool((offsets[1:] < offsets[:-1]).any()))
     if bad:
         raise ValueError(f"{spec.who()} must run from 0, never decreasing, to the number of "
                          f"values ({n}); got {offsets.tolist()[:8]}"
-                         f"{' ...' if offsets.numel() > 8 else ''}: offsets = [0, cumsum of "
-                         f"the bags' lengths]")
+                         f"{' ...' if m > 8 else ''}: offsets = [0, cumsum of the bags' "
+                         f"lengths]")
 
 
 def load_package(path: str | os.PathLike[str], *, check_inputs: bool = True) -> ServingPackage:
