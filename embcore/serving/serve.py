@@ -462,9 +462,9 @@ class ServingModule(torch.nn.Module):
         the example's: structure, dtypes, ranks, contiguity, jagged offsets, weights, a static
         table's ids in range; they take the inputs ``export`` was given, of any batch size and
         number of ids, and answer as this module does, bit for bit on the CPU
-        (docs/semantics.md section 12). AOTInductor's own loader (``aoti_load_package(path)`` of
-        torch's inductor module; ``torch::inductor::AOTIModelPackageLoader`` from C++) loads
-        it in a process that has torch alone, checking neither the bytes nor the inputs (a
+        (docs/semantics.md section 12). AOTInductor's own loader (in torch's inductor module;
+        ``torch::inductor::AOTIModelPackageLoader`` from C++) loads it in a process that has
+        torch alone, checking neither the bytes nor the inputs (a
         column ``batch[:, 0]``, int32 ids or ``(B, 2)`` ids give wrong rows there). Compiling
         needs a C++ compiler and takes seconds to minutes (``progress``: a line to stderr
         before and after); ``inductor_configs`` go to AOTInductor's compiler.
