@@ -175,15 +175,21 @@ def package_program(program: torch.export.ExportedProgram, path: str | os.PathLi
               f"minutes)", file=sys.stderr, flush=True)
     start = time.perf_counter()
     out = Path(compile_aoti_package(program, str(path), inductor_configs))
-    with zipfile.ZipFile(out, "a") as archive:  # (members stored, as AOTInductor stores them)
-        member = _root(archive, out) + MANIFEST
-        body = {"format": FORMAT, "version": VERSION, **spec,
-                "files": _digests(archive, member)}
-        archive.writestr(member, json.dumps({**body, "sha256": _body_digest(body)}, indent=1))
+    write_manifest(out, spec)
     if progress:
         print(f"embcore: compiled {path} in {time.perf_counter() - start:.1f} s "
               f"({out.stat().st_size:,} bytes)", file=sys.stderr, flush=True)
     return out
+
+
+def write_manifest(path: Path, spec: Mapping[str, Any]) -> None:
+    """Adds the manifest to the package ``path``: ``spec`` (``describe_program``'s) and the
+    SHA-256 of every member."""
+    with zipfile.ZipFile(path, "a") as archive:  # (members stored, as AOTInductor stores them)
+        member = _root(archive, path) + MANIFEST
+        body = {"format": FORMAT, "version": VERSION, **spec,
+                "files": _digests(archive, member)}
+        archive.writestr(member, json.dumps({**body, "sha256": _body_digest(body)}, indent=1))
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
