@@ -14,6 +14,7 @@ from .layer import EmbeddingLayer
 from .online import load_published, publish
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, profile
+from .serving.package import load_package, package_program
 from .serving.quantize import QuantizedTable, quantize_table
 from .serving.serve import serving_embedding_lookup
 
@@ -23,6 +24,7 @@ __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
     "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LaProp", "LookupProfile", "QuantizedTable",
     "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load",
-    "load_published", "profile", "publish", "quantize_table", "save", "serving_embedding_lookup",
+    "load_package", "load_published", "package_program", "profile", "publish", "quantize_table",
+    "save", "serving_embedding_lookup",
     "__version__",
 ]

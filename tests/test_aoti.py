@@ -8,10 +8,13 @@ tests are marked slow and skip, saying so, without one."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -96,12 +99,31 @@ def _batch(g: torch.Generator, b: int) -> tuple[dict, dict]:
     return x, {"dense": None, "bag": (w, offsets), "seq": None, "raw": (w, offsets)}
 
 
-def test_a_layer_package_serves_without_embcore_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """``(served, path, stderr)``: the layer's package, compiled once for the module (with an
+    inductor config whose trace the package keeps: its metadata), and what compiling printed."""
     served = _layer().for_serving(quantize={"t": "int8", "raw": "fp16"})
     assert served.precisions == {"t": "int8", "u": None, "raw": "fp16"}
-    g = torch.Generator().manual_seed(5)
-    path = served.compile_package(tmp_path / "pkg" / "lookup.pt2", *_batch(g, 4))
-    assert path == tmp_path / "pkg" / "lookup.pt2" and path.is_file()
+    path = tmp_path_factory.mktemp("aoti") / "pkg" / "lookup.pt2"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        got = served.compile_package(path, *_batch(torch.Generator().manual_seed(5), 4),
+                                     inductor_configs={"aot_inductor.metadata":
+                                                       {"embcore_test": "kept"}})
+    assert got == path and path.is_file()
+    return served, path, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checked(compiled):
+    """The package loaded by ``ec.load_package`` (checked calls)."""
+    return ec.load_package(compiled[1])
+
+
+def test_a_layer_package_serves_without_embcore_bit_for_bit(compiled, tmp_path):
+    served, path, _ = compiled
+    g = torch.Generator().manual_seed(6)
     batches = [_batch(g, b) for b in (4, 9, 1, 2)]
     answers = serve_elsewhere(path, batches, tmp_path)
     with torch.no_grad():
@@ -117,6 +139,135 @@ def test_a_package_path_must_end_in_pt2(tmp_path):
     with pytest.raises(ValueError, match=r"must end in \.pt2"):
         served.compile_package(tmp_path / "lookup.so", *_batch(torch.Generator(), 2))
     assert not list(tmp_path.iterdir())
+
+
+def _answers_equal(got: dict, want: dict) -> bool:
+    return sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_compiling_says_so_and_keeps_its_inductor_configs(compiled):
+    _, path, err = compiled
+    assert f"embcore: compiling {path} with AOTInductor" in err
+    assert f"embcore: compiled {path} in " in err and " bytes)" in err
+    # the configs reached AOTInductor's compiler: the package carries the metadata they set
+    assert torch._inductor.aoti_load_package(str(path)).get_metadata()["embcore_test"] == "kept"
+
+
+def test_the_checked_package_answers_as_the_module(compiled, checked):
+    served = compiled[0]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for b in (1, 3, 8):
+            x, w = _batch(g, b)
+            assert _answers_equal(checked(x, w), served(x, w))
+            assert _answers_equal(checked(x, weights=w), served(x, w))
+            # a dict's keys in another order: each input is taken by its key
+            shuffled = {k: x[k] for k in reversed(list(x))}
+            assert _answers_equal(checked(shuffled, w), served(x, w))
+    assert "features['dense'] int64 (N0,)" in checked.expects
+
+
+def _three() -> tuple[dict, dict]:
+    """A batch of 3 examples, one id a bag, spelled out."""
+    off = torch.tensor([0, 1, 2, 3])
+    x = {"dense": torch.tensor([1, 2, 3]), "bag": (torch.tensor([4, 5, 6]), off),
+         "seq": (torch.tensor([7, 8, 9]), off), "raw": (torch.tensor([2**60, -4, 9]), off)}
+    return x, {"dense": None, "bag": (torch.ones(3), off), "seq": None,
+               "raw": (torch.ones(3), off)}
+
+
+def test_the_raw_package_serves_wrong_rows_that_the_checked_one_refuses(compiled, checked):
+    """What AOTInductor's loader serves wrongly (strides ignored, int32 read as int64, a
+    (B, 2) input read as (B,), keys taken in the caller's order), refused by name."""
+    served, path, _ = compiled
+    raw = torch._inductor.aoti_load_package(str(path))
+    x, w = _three()
+    column = torch.tensor([[1, 9], [2, 9], [3, 9]])[:, 0]  # ids [1, 2, 3], strides (2,)
+    int32 = torch.zeros(8, dtype=torch.int32)
+    int32[:4] = torch.tensor([5, 0, 7, 0])  # ids [5, 0, 7, 0], zeros past the end
+    wrong = {"a column": ({**x, "dense": column}, ValueError,
+                          r"feature 'dense': ids .* not contiguous.*\.contiguous\(\)"),
+             "int32 ids": ({**x, "dense": int32[:4]}, TypeError,
+                           r"'dense': ids .* int64 as traced, got torch\.int32; .*to\(torch.int64"),
+             "(B, 2) ids": ({**x, "dense": torch.tensor([[5, 6], [7, 8], [1, 2]])}, ValueError,
+                            r"feature 'dense': ids .* int64 \(N0,\) as traced, got shape \(3, 2")}
+    with torch.no_grad():
+        for what, (bad, error, message) in wrong.items():
+            fixed = {**bad, "dense": bad["dense"].contiguous().to(torch.int64)}
+            got, want = raw(bad, w)["dense"], served(fixed, w)["dense"]
+            assert got.shape != want.shape or not torch.equal(got, want), what
+            with pytest.raises(error, match=message):
+                checked(bad, w)
+        swapped = {k: x[k] for k in ["dense", "seq", "bag", "raw"]}  # bag and seq swap places
+        assert not torch.equal(raw(swapped, w)["bag"], served(x, w)["bag"])
+        assert _answers_equal(checked(swapped, w), served(x, w))
+
+
+def test_the_checked_package_refuses_what_it_was_not_traced_for(checked):
+    x, w = _batch(torch.Generator().manual_seed(9), 3)
+    offsets = x["bag"][1]
+    n = int(offsets[-1])
+    cases = [
+        ({**x, "dense": torch.tensor([1.0, 2.0, 3.0])}, w, TypeError,
+         r"feature 'dense': ids .* must be int64 as traced, got torch\.float32"),
+        ({**x, "bag": (x["bag"][0], offsets.flip(0))}, w, ValueError,
+         r"feature 'bag': offsets .* must run from 0, never decreasing, to the number of values"),
+        ({**x, "bag": (x["bag"][0], offsets + 1)}, w, ValueError,
+         r"feature 'bag': offsets .*cumsum of the bags' lengths"),
+        ({**x, "dense": torch.tensor([1, 16, 2])}, w, ValueError,
+         r"feature 'dense': ids .* has id 16 but its table has 16 rows; ids must be in \[0, 16\)"),
+        ({**x, "dense": torch.tensor([1, -1, 2])}, w, ValueError, r"has id -1"),
+        ({k: v for k, v in x.items() if k != "bag"}, w, ValueError,
+         r"features: keys .* differ from the traced keys .* missing \['bag'\]"),
+        ({**x, "bag": x["bag"][0]}, w, TypeError,
+         r"features\['bag'\] must be a tuple of 2 as traced \(a jagged \(values, offsets"),
+        (x, {**w, "dense": torch.ones(3)}, TypeError,
+         r"weights\['dense'\]: the package was traced with None there"),
+        (x, {**w, "bag": (w["bag"][0], torch.arange(4) * 0)}, ValueError,
+         r"feature 'bag': weight offsets .* must equal its ids' offsets"),
+        (x, None, TypeError, r"weights must be a dict of keys"),
+        ({**x, "raw": (torch.zeros(n + 1, dtype=torch.int64), x["raw"][1])}, w, ValueError,
+         rf"feature 'raw': ids .* its size {n + 1} in dim 0 must equal the other inputs' traced "),
+    ]
+    for features, weights, error, message in cases:
+        with pytest.raises(error, match=message):
+            checked(features, weights)
+    with pytest.raises(TypeError, match=r"3 arguments given; the package takes \(features, "
+                                        r"weights\): features\['dense'\] int64 \(N0,\);"):
+        checked(x, w, x)
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['ids'\]"):
+        checked(ids=x)
+
+
+def test_a_flipped_bit_in_the_package_s_table_is_refused(compiled, tmp_path):
+    served, path, _ = compiled
+    data = bytearray(path.read_bytes())
+    row = served.u[3].numpy().tobytes()  # table 'u' (float32) row 3, as the package holds it
+    at = data.find(row)
+    assert at >= 0 and data.find(row, at + 1) < 0
+    data[at] ^= 1  # the lowest bit of the row's first entry
+    damaged = tmp_path / "damaged.pt2"
+    damaged.write_bytes(bytes(data))
+    x, w = _three()
+    x["bag"] = (torch.tensor([3, 3, 3]), x["bag"][1])
+    with torch.no_grad():  # torch's loader serves the changed row
+        got = torch._inductor.aoti_load_package(str(damaged))(x, w)["bag"]
+        assert not torch.equal(got, served(x, w)["bag"])
+    with pytest.raises(ValueError, match=r"damaged\.pt2: 1 member\(s\) differ from the checksums "
+                                         r"written when it was compiled \(.*\.so\)"):
+        ec.load_package(damaged)
+
+
+def test_load_package_refuses_a_package_without_embcore_s_manifest(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no package at"):
+        ec.load_package(tmp_path / "none.pt2")
+    (tmp_path / "text.pt2").write_text("not a zip")
+    with pytest.raises(ValueError, match=r"text\.pt2: not a readable package"):
+        ec.load_package(tmp_path / "text.pt2")
+    with zipfile.ZipFile(tmp_path / "bare.pt2", "w") as z:
+        z.writestr("bare/archive_format", "pt2")
+    with pytest.raises(ValueError, match=r"bare\.pt2: no extra/embcore_package\.json"):
+        ec.load_package(tmp_path / "bare.pt2")
 
 
 def test_the_criteo_model_packages_whole_and_serves_without_embcore(tmp_path, capsys):
@@ -142,6 +293,18 @@ def test_the_criteo_model_packages_whole_and_serves_without_embcore(tmp_path, ca
     with torch.no_grad():
         for (dense, sparse), got in zip(batches, answers):
             assert torch.equal(got, model(dense, sparse))
+    # ec.load_package says what the package takes (a first guess: 26 columns, or int32 ids)
+    checked = ec.load_package(path)
+    dense, sparse = batches[0]
+    assert torch.equal(checked(dense, sparse), model(dense, sparse))
+    with pytest.raises(TypeError, match=r"27 arguments given; the package takes \(dense, "
+                                        r"sparse\): dense float32 \(N0, 13\); sparse int64 "
+                                        r"\(N0, 26\)"):
+        checked(dense, *sparse.unbind(1))
+    with pytest.raises(TypeError, match=r"input sparse must be int64 as traced, got torch\.int32"):
+        checked(dense, sparse.int())
+    with pytest.raises(ValueError, match=r"input sparse: its size 3 in dim 0 must equal"):
+        checked(dense, sparse[:3])
     with pytest.raises(SystemExit):  # (refused with the arguments, before any scoring)
         serve.main(["--run", str(out), "--precisions", "int8", "--aoti",
                     str(tmp_path / "dlrm.so")])

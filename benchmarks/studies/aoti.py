@@ -10,8 +10,10 @@ raw-id tables). For each table precision three forms answer the same test batche
 
 - eager: the ``nn.Module`` (Python, embcore's serving lookups: plain torch ops);
 - exported: ``torch.export.load(...).module()`` (the exported graph, run by torch's interpreter);
-- AOTInductor: the package ``torch._inductor.aoti_compile_and_package`` wrote, loaded with
-  ``aoti_load_package`` (compiled C++; what a process without embcore serves).
+- AOTInductor: the package ``ec.package_program`` wrote, loaded with torch's
+  ``aoti_load_package`` (compiled C++; what a process without embcore serves);
+- checked: the same package loaded with ``ec.load_package`` (each call's inputs checked against
+  what was traced before the package runs; "check us" is its time less the unchecked one's).
 
 Each is checked bitwise against eager first. A latency is the median over ``--repeats`` calls of
 one batch (torch.no_grad, ``--threads`` threads), after 10 warm-up calls; the three forms are
@@ -33,6 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import embcore as ec  # noqa: E402
 from criteo import serve, train  # noqa: E402
 
 SMALL = ["--dim", "16", "--bottom-mlp", "64", "16", "--top-mlp", "64", "32", "--cross-layers",
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             assert exported["bitwise_equal"] and packaged["bitwise_equal"], (exported, packaged)
             forms = {"eager": model,
                      "exported": torch.export.load(work / f"{label}-export.pt2").module(),
-                     "aoti": torch._inductor.aoti_load_package(str(work / f"{label}-aoti.pt2"))}
+                     "aoti": torch._inductor.aoti_load_package(str(work / f"{label}-aoti.pt2")),
+                     "checked": ec.load_package(work / f"{label}-aoti.pt2")}
             batch = serve.test_batches(dataset, max(args.batches), batches=1)[0]
             for b in args.batches:
                 inputs = (batch[0][:b].contiguous(), batch[1][:b].contiguous())
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                        **{f"{k}_us": round(v * 1e6, 1) for k, v in lat.items()},
                        "aoti_vs_eager": round(lat["eager"] / lat["aoti"], 2),
                        "aoti_vs_exported": round(lat["exported"] / lat["aoti"], 2),
+                       "check_us": round((lat["checked"] - lat["aoti"]) * 1e6, 1),
                        "compile_seconds": packaged["compile_seconds"],
                        "package_bytes": packaged["bytes"]}
                 rows.append(row)
@@ -96,10 +101,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     print(json.dumps(row), flush=True)
     if not args.json:
         print(f"{'tables':<7} {'batch':>5} {'eager us':>9} {'exported us':>12} {'AOTI us':>8} "
-              f"{'eager/AOTI':>10} {'exported/AOTI':>13} {'compile s':>9}")
+              f"{'checked us':>10} {'check us':>8} {'eager/AOTI':>10} {'exported/AOTI':>13} "
+              f"{'compile s':>9}")
         for r in rows:
             print(f"{r['precision']:<7} {r['batch']:>5} {r['eager_us']:>9.1f} "
-                  f"{r['exported_us']:>12.1f} {r['aoti_us']:>8.1f} {r['aoti_vs_eager']:>10.2f} "
+                  f"{r['exported_us']:>12.1f} {r['aoti_us']:>8.1f} {r['checked_us']:>10.1f} "
+                  f"{r['check_us']:>8.1f} {r['aoti_vs_eager']:>10.2f} "
                   f"{r['aoti_vs_exported']:>13.2f} {r['compile_seconds']:>9.1f}")
     return rows
 

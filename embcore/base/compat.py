@@ -249,6 +249,21 @@ def compile_aoti_package(program: Any, path: str, inductor_configs: dict[str, An
     return str(compile_and_package(program, package_path=path, inductor_configs=inductor_configs))
 
 
+def load_aoti_package(path: str) -> Any:
+    """``torch._inductor.aoti_load_package``: AOTInductor's loader (a callable over the inputs
+    the package was traced with), documented by torch under a private module. Used by
+    serving/package.py ``load_package``."""
+    try:
+        inductor = importlib.import_module("torch._inductor")
+    except ImportError as e:
+        raise RuntimeError(f"AOTInductor is not available in this torch ({e})") from None
+    load = getattr(inductor, "aoti_load_package", None)
+    if load is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.aoti_load_package "
+                           f"(torch >= 2.6 has it)")
+    return load(path)
+
+
 PRIVATE_NAMES: dict[str, str] = {
     # "module:attribute.path" (an attribute, a dataclass field or an annotated field of a class)
     #   -> where embcore uses it, and what for
@@ -256,6 +271,8 @@ PRIVATE_NAMES: dict[str, str] = {
         "torch.export of a serving module whose jagged inputs may hold 0 or 1 bags",
     "torch._inductor:aoti_compile_and_package": "compat.aoti_compile_and_package: "
         "ServingModule.compile_package's AOTInductor package (serving without Python embcore)",
+    "torch._inductor:aoti_load_package": "compat.load_aoti_package: ec.load_package's loader of "
+        "an AOTInductor package (after its checksums are verified)",
     "torch:Tensor._indices": "compat.sparse_parts: a sparse COO tensor's stored indices "
                              "(uncoalesced too; the checked coalesce reads them as well)",
     "torch:Tensor._values": "compat.sparse_parts: a sparse COO tensor's stored values",

@@ -18,7 +18,7 @@ from typing import Any, overload
 
 import torch
 
-from ..base.compat import compile_aoti_package, size_oblivious_export
+from ..base.compat import size_oblivious_export
 from ..base.nest import (
     flatten_like,
     leaves_with_paths,
@@ -30,6 +30,7 @@ from ..inputs.features import is_feature as _is_feature
 from ..inputs.kjt import from_keyed_jagged, is_keyed_jagged
 from ..numerics.rounding import clamp_fix, narrowed_for_load
 from ..ops.combine import combine
+from .package import package_program
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
 
 Table = torch.Tensor | QuantizedTable  # (N, D) rows, plain or quantized
@@ -145,6 +146,19 @@ def _mirror(template: Any, value: Any, leaf: Any, path: str = "") -> Any:
     if isinstance(value, tuple):
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return items
+
+
+def _bracketed(template: Any, value: Any, path: str, out: list[tuple[str, Any, Any]]) -> None:
+    """``(path, feature, value)`` of each feature of ``template`` in ``value`` (shaped like it),
+    its path written ``features['a'][0]`` as serving/package.py names inputs."""
+    if _is_feature(template):
+        out.append((path, template, value))
+    elif isinstance(template, dict):
+        for k in template:
+            _bracketed(template[k], value[k], f"{path}[{k!r}]", out)
+    else:
+        for i, (t, v) in enumerate(zip(template, value)):
+            _bracketed(t, v, f"{path}[{i}]", out)
 
 
 @overload
@@ -457,19 +471,23 @@ class ServingModule(torch.nn.Module):
             return torch.export.export(self, args, **kwargs)
 
     def compile_package(self, path: str | os.PathLike[str], features: Any, weights: Any = None,
-                        *, inductor_configs: dict[str, Any] | None = None, **kwargs: Any) -> Path:
+                        *, inductor_configs: dict[str, Any] | None = None, progress: bool = True,
+                        **kwargs: Any) -> Path:
         """An AOTInductor package of ``export(features, weights, **kwargs)``: the lookups (and
         their tables, quantized or not, and dynamic tables' maps) compiled to a shared library
         inside one ``.pt2`` file, served without Python embcore. Returns ``path``.
 
-        AOTInductor's loader (``aoti_load_package(path)`` of torch's inductor module) loads it in
-        a process that has torch alone (embcore not installed), and
-        ``torch::inductor::AOTIModelPackageLoader`` from C++; it
-        takes the inputs ``export`` was given, of any batch size and number of ids, and answers
-        as this module does, bit for bit on the CPU (docs/semantics.md section 12). Compiling
-        needs a C++ compiler and takes seconds to a minute; ``inductor_configs`` go to
-        AOTInductor's compiler. A package checks no ids (validate them before), and its inputs'
-        shapes only under ``AOTI_RUNTIME_CHECK_INPUTS=1``: give the example's kinds and ranks.
+        ``ec.load_package(path)`` loads it after verifying the checksums it carries (of every
+        member; the compiled library holds the tables), and its calls check their inputs against
+        the example's: structure, dtypes, ranks, contiguity, jagged offsets, weights, a static
+        table's ids in range; they take the inputs ``export`` was given, of any batch size and
+        number of ids, and answer as this module does, bit for bit on the CPU
+        (docs/semantics.md section 12). AOTInductor's own loader (in torch's inductor module;
+        ``torch::inductor::AOTIModelPackageLoader`` from C++) loads it in a process that has
+        torch alone, checking neither the bytes nor the inputs (a
+        column ``batch[:, 0]``, int32 ids or ``(B, 2)`` ids give wrong rows there). Compiling
+        needs a C++ compiler and takes seconds to minutes (``progress``: a line to stderr
+        before and after); ``inductor_configs`` go to AOTInductor's compiler.
 
         Raises:
             ValueError: ``path`` does not end in ``.pt2`` (AOTInductor's package suffix).
@@ -482,12 +500,34 @@ class ServingModule(torch.nn.Module):
             >>> example = {"f": (torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]))}  # 2 bags
             >>> path = served.compile_package("lookup.pt2", example)  # doctest: +SKIP
 
-            then, in any process with torch: ``aoti_load_package("lookup.pt2")(ids)``.
+            >>> ec.load_package(path)(example)["f"].shape  # doctest: +SKIP
+            torch.Size([2, 2])
         """
         path = Path(path)
         if path.suffix != ".pt2":
             raise ValueError(f"compile_package: {path} must end in .pt2 (AOTInductor loads "
                              f"packages by that suffix)")
         program = self.export(features, weights, **kwargs)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(compile_aoti_package(program, str(path), inductor_configs))
+        return package_program(program, path, inductor_configs=inductor_configs,
+                               roles=self._roles(features, weights), progress=progress)
+
+    def _roles(self, features: Any, weights: Any) -> dict[str, tuple[str, str, int | None]]:
+        """``{input name: (role, feature, rows)}`` of example inputs, named as
+        ``package_program`` names them (``features['bag'][0]``): ``"ids"`` / ``"offsets"`` /
+        ``"weights"`` / ``"weight offsets"``, the feature's name, and its table's rows where
+        ids index them (a static table), else None."""
+        out: dict[str, tuple[str, str, int | None]] = {}
+        for arg, value, roles in (("features", features, ("ids", "offsets")),
+                                  ("weights", weights, ("weights", "weight offsets"))):
+            found: list[tuple[str, Any, Any]] = []
+            if value is not None:
+                _bracketed(self.feature_config, value, arg, found)
+            for name, (path, f, x) in zip(self._paths, found):
+                rows = f.table.vocabulary_size if f.table.dynamic is None and \
+                    roles[0] == "ids" else None
+                if isinstance(x, tuple):  # (values, offsets)
+                    out[f"{path}[0]"] = (roles[0], name, rows)
+                    out[f"{path}[1]"] = (roles[1], name, None)
+                elif x is not None:
+                    out[path] = (roles[0], name, rows)
+        return out

@@ -22,7 +22,9 @@ id maps inside) with ``torch.export``, saves it, loads it back and checks that i
 test batches are bitwise the eager model's. ``--aoti PATH`` compiles that exported model with
 AOTInductor into one package (``.pt2``: a shared library and the weights) that torch alone serves,
 embcore not installed (``torch._inductor.aoti_load_package(PATH)(dense, sparse)``, or C++'s
-``AOTIModelPackageLoader``), and checks it the same way.
+``AOTIModelPackageLoader``), and checks it the same way. The package takes ``dense`` (B, 13)
+float32 and ``sparse`` (B, 26) int64, both contiguous; ``ec.load_package(PATH)`` loads it with
+those inputs checked (and the package's checksums verified), torch's loader checks neither.
 """
 
 from __future__ import annotations
@@ -165,16 +167,18 @@ def export(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
 
 def package(model: ServingDLRM, dataset: Any, path: Path, batch_size: int,
             batches: int = 3) -> dict[str, Any]:
-    """Compiles the exported ``model`` with AOTInductor into the package ``path`` (``.pt2``),
-    loads it back and compares its logits with the eager model's (bitwise)."""
+    """Compiles the exported ``model`` with AOTInductor into the package ``path`` (``.pt2``;
+    ``ec.package_program``: the package records its inputs, ``dense`` (B, 13) float32 and
+    ``sparse`` (B, 26) int64, and its members' checksums), loads it back with
+    ``ec.load_package`` (checksums verified, inputs checked) and compares its logits with the
+    eager model's (bitwise)."""
     if path.suffix != ".pt2":
         raise ValueError(f"--aoti {path}: an AOTInductor package's name ends in .pt2")
     examples = test_batches(dataset, batch_size, batches)
     start = time.perf_counter()
-    torch._inductor.aoti_compile_and_package(export_program(model, examples[0]),
-                                             package_path=str(path))
+    ec.package_program(export_program(model, examples[0]), path)
     seconds = time.perf_counter() - start
-    result = compare(torch._inductor.aoti_load_package(str(path)), model, examples, path)
+    result = compare(ec.load_package(path), model, examples, path)
     return {**result, "compile_seconds": round(seconds, 1)}
 
 
