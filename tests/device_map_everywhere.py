@@ -25,10 +25,10 @@ assert gpu.available() and gpu.interpreted(), (
 MADE = [0]
 
 
-def _device_map(capacity: int, **kwargs) -> id_map.VocabMap:
+def _device_map(capacity: int, backend: object, **kwargs) -> id_map.VocabMap:
     MADE[0] += 1
     return DeviceVocabMap(capacity, **kwargs)
 
 
-vocabulary.shard_map = _device_map  # (where the engine makes its maps)
+vocabulary.vocab_map = _device_map  # (the one factory, where the engine makes its maps)
 atexit.register(lambda: print(f"\ndevice maps made: {MADE[0]}"))

@@ -28,6 +28,7 @@ from profiles import examples
 import embcore as ec
 from embcore.config.budget import parse_budget
 from embcore.config.tables import INIT_BLOCK_ROWS, initial_rows
+from embcore.ops.backend import choose
 from embcore.ops.workspace import Workspace
 from embcore.planning.placement import (
     STRATEGIES,
@@ -332,7 +333,7 @@ def test_a_shard_of_more_rows_than_a_block_gets_the_tables_initial_values(strate
     plan = make_plan([("t", t, ec.SGD(0.1))], world, strategy)
     for rank in range(world):
         rows = RowsBuilder(plan, {"t": t}, seed, rank, torch.device("cpu"), None,
-                           Workspace()).build()[0]
+                           Workspace(), choose("cpu")).build()[0]
         c0, c1 = plan.physical[0].columns[rank]
         held = plan.table("t").held_rows(rank)
         assert torch.equal(rows.table, whole[held, c0:c1]), (strategy, rank)

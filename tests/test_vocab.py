@@ -15,7 +15,9 @@ from profiles import examples
 
 from embcore.kernels import cpu
 from embcore.state import id_map as vocab
-from embcore.state.id_map import NativeVocabMap, VocabMap, vocab_map
+from embcore.ops.backend import FUSED_CPU, TORCH_OPS, choose
+from embcore.state.id_map import NativeVocabMap, VocabMap
+from embcore.state.vocabulary import vocab_map
 from embcore.state.id_map_reference import ReferenceVocabulary
 
 I64 = torch.int64
@@ -448,12 +450,13 @@ def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, 
         cpu.set_enabled(True)
 
 
-def test_vocab_map_picks_the_kernels_on_the_cpu():
-    want = NativeVocabMap if cpu.available() else VocabMap
-    assert type(vocab_map(4, eviction="lfu")) is want
+def test_the_one_map_factory_makes_the_backends_kind():
+    assert type(vocab_map(4, FUSED_CPU, eviction="lfu")) is NativeVocabMap
+    assert type(vocab_map(4, TORCH_OPS, eviction="lfu")) is VocabMap
+    assert choose("cpu") is (FUSED_CPU if cpu.available() else TORCH_OPS)
     previous = cpu.set_enabled(False)
     try:
-        assert type(vocab_map(4)) is VocabMap
+        assert choose("cpu") is TORCH_OPS
     finally:
         cpu.set_enabled(previous)
 

@@ -26,7 +26,9 @@ from sync_guard import no_sync  # noqa: E402
 
 from embcore.kernels import gpu  # noqa: E402
 from embcore.state.device_hash import DeviceHash, stack  # noqa: E402
-from embcore.state.device_map import DeviceVocabMap, shard_map, train_together  # noqa: E402
+from embcore.ops.backend import TRITON, choose  # noqa: E402
+from embcore.state.device_map import DeviceVocabMap, train_together  # noqa: E402
+from embcore.state.vocabulary import vocab_map  # noqa: E402
 from embcore.state.id_map import VocabMap  # noqa: E402
 from embcore.state.id_map_reference import ReferenceVocabulary  # noqa: E402
 
@@ -223,16 +225,19 @@ def test_a_map_churning_for_many_steps_keeps_a_quarter_of_its_slots_empty():
         assert torch.equal(m.find(ids), rows)
 
 
-def test_shard_map_picks_the_device_map_where_the_kernels_apply():
+def test_the_device_map_is_the_triton_backends_where_the_kernels_apply():
     if CUDA:
-        assert type(shard_map(4, device=DEVICE)) is DeviceVocabMap
+        assert choose(DEVICE) is TRITON
+        assert type(vocab_map(4, choose(DEVICE), device=DEVICE)) is DeviceVocabMap
         return
     previous = gpu.force_on_cpu(True)
     try:
-        assert type(shard_map(4, eviction="lfu")) is DeviceVocabMap
+        assert choose("cpu") is TRITON
+        assert type(vocab_map(4, choose("cpu"), eviction="lfu")) is DeviceVocabMap
     finally:
         gpu.force_on_cpu(previous)
-    assert type(shard_map(4, eviction="lfu")) is not DeviceVocabMap
+    assert choose("cpu") is not TRITON
+    assert type(vocab_map(4, choose("cpu"), eviction="lfu")) is not DeviceVocabMap
 
 
 def test_one_launch_over_several_indexes_answers_as_each_alone():

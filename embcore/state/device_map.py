@@ -1,6 +1,7 @@
 """A dynamic vocabulary's id map on the GPU: the same rules as ``VocabMap``, stepped on the device.
 
-``DeviceVocabMap`` is the map of a raw-id table on a CUDA engine (``shard_map``, below). It
+``DeviceVocabMap`` is the map of a raw-id table on the Triton backend (vocabulary.py's
+``vocab_map``). It
 follows ``ReferenceVocabulary``'s rules exactly, as ``VocabMap`` does (the same resident ids,
 rows, evictions, counts and state), but holds its ids in a hash index on the device
 (state/device_hash.py, Triton kernels) instead of a sorted array, and computes a training step in
@@ -49,10 +50,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import gpu
 from ..ops.selection import first_set, smallest_ordered
 from .device_hash import DeviceHash, stack
-from .id_map import _I64, VocabMap, vocab_map
+from .id_map import _I64, VocabMap
 
 _FIRST_ENTRIES = 1024  # entries for counted ids at first (grown as they are needed)
 
@@ -426,16 +426,6 @@ class DeviceVocabMap(VocabMap):
         self.index.to(self.row_key)
         if self._plen:
             self.pindex.to(self.p_id[:self._plen])
-
-
-def shard_map(capacity: int, **kwargs) -> VocabMap:
-    """A shard's map: ``DeviceVocabMap`` where the GPU kernels apply (a CUDA device with Triton),
-    else ``id_map.vocab_map``'s (``NativeVocabMap`` on the CPU where the kernels are built, else
-    ``VocabMap``). Arguments as ``VocabMap``'s."""
-    device = torch.device(kwargs.get("device", "cpu"))
-    if gpu.usable(torch.empty(0, device=device)):
-        return DeviceVocabMap(capacity, **kwargs)
-    return vocab_map(capacity, **kwargs)
 
 
 def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]

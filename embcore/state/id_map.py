@@ -1037,16 +1037,6 @@ class NativeVocabMap(VocabMap):
         super().to(device)
 
 
-def vocab_map(capacity: int, **kwargs) -> VocabMap:
-    """A shard's map: ``NativeVocabMap`` on the CPU where the kernels are built, else
-    ``VocabMap`` (same rules, state and results; ``device_map.shard_map`` picks the GPU's
-    ``DeviceVocabMap`` first). Arguments as ``VocabMap``'s."""
-    device = torch.device(kwargs.get("device", "cpu"))
-    if device.type == "cpu" and cpu.available():
-        return NativeVocabMap(capacity, **kwargs)
-    return VocabMap(capacity, **kwargs)
-
-
 def _check_runs(what: str, maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int],
                 *per_map: Sequence[int]) -> None:
     """A run of ``ids`` per map (``counts``, none negative, summing to the ids) and one of each
