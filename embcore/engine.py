@@ -265,7 +265,8 @@ class Embedding:
             features: mirrors feature_config; each leaf a dense, jagged or sparse COO id tensor.
             weights: None, or mirrors feature_config with None or a weight tensor per leaf.
             training: True when ``apply_gradients`` will follow the ``dequeue``.
-            name, device: TF's, ignored (inputs move to the engine's ``device``).
+            name: TF's, ignored.
+            device: TF's, ignored (inputs move to the engine's ``device``).
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes (naming the feature);

@@ -57,8 +57,9 @@ class EmbeddingLayer(torch.nn.Module):
             class among SGD, Adagrad, Adam (the class, ``functools.partial(cls, lr=...)`` or
             ``(cls, {"lr": ...})``), translated to the embcore optimizer with the same math; or
             None: the tables are ``nn.Parameter``s trained by your own torch optimizer.
-        pipeline_execution, sharding, process_group, device, timeout, memory_budget,
-            offload_dir, profile: as for ``ec.Embedding``.
+
+    The keyword-only args (pipeline_execution, sharding, process_group, device, timeout,
+    memory_budget, offload_dir, profile) are those of ``ec.Embedding``.
 
     A training forward's ``backward()`` applies its batch's update (each forward carries its own
     step; a forward never backpropagated changes nothing). The batch size may vary between

@@ -34,7 +34,8 @@ except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
     raise ImportError(f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not "
                       f"load ({e}); on a machine without CUDA use FBGEMM's CPU build: pip "
                       f"uninstall -y fbgemm-gpu && pip install --force-reinstall --no-deps "
-                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (README, 'From TorchRec')") from e
+                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (docs/guide/train.md, "
+                      f"'TorchRec modules')") from e
 
 from .config.fused_params import from_fused_params
 from .config.tables import FeatureConfig, TableConfig
@@ -183,7 +184,8 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             requires).
         device: where the tables live (default the CPU).
         need_indices: also return each feature's ids as its ``JaggedTensor``'s weights.
-        fused_params, optimizer, **layer_kwargs: as for ``EmbeddingBagCollection``.
+
+    fused_params, optimizer and the other keyword args are those of ``EmbeddingBagCollection``.
 
     The output maps each feature's name (``feature@table`` for a feature several tables read)
     to a ``JaggedTensor``: one ``(D,)`` row per id, ``(number of ids, D)``, with the input's

@@ -1,4 +1,4 @@
-"""Kernels bound to one table (kernels/cpu/args.py ``Kernel.partial``; kernels/native ``SparseUpdate``
+"""Kernels bound to one table (kernels/cpu/args.py ``Kernel.partial``; kernels/cpu ``SparseUpdate``
 and ``TableLookup``; ops ``TableUpdate`` and ``TableCombine``) against the calls they stand for:
 the same bits, the same errors, and a table whose storage is replaced bound again."""
 

@@ -622,7 +622,7 @@ def test_sparse_update_reads_each_hyper_field_by_name():
                              cpu.Hyper(learning_rate=0.1, **options), [torch.ones(1, 4)])
         torch.testing.assert_close(table[1], torch.full((4,), want), msg=str(options))
         assert torch.equal(table[[0, 2]], torch.ones(2, 4))
-    with pytest.raises(TypeError, match="cpu.Hyper"):
+    with pytest.raises(TypeError, match="kernels.Hyper"):
         cpu.sparse_update(cpu.SGD, table, None, torch.tensor([1]),
                              (0.1, 1.0, -INF, INF, 0.0, -INF, INF), [torch.ones(1, 4)])
     hyper = cpu.Hyper(learning_rate=0.1)

@@ -11,7 +11,6 @@ after the run, are equal up to float summation order.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import pytest
 import torch
 
 torchrec = pytest.importorskip(
-    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] (README, "
-                       "'From TorchRec')")
+    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] "
+                       "(docs/guide/train.md, 'TorchRec modules')")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec import (  # noqa: E402
@@ -299,11 +298,4 @@ def test_fp16_tables_and_an_embcore_optimizer():
     after = ebc.state_dict()["embedding_bags.t.weight"]
     assert not torch.equal(after[1:3], before[1:3]) and torch.equal(after[3:], before[3:])
 
-
-def test_readme_from_torchrec_example_runs(capsys):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## From TorchRec", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```py\n(.*?)```", section, flags=re.S)
-    exec(compile(code, "README.md (From TorchRec)", "exec"), {"__name__": "readme"})
-    printed = capsys.readouterr().out
-    assert "sparse_arch.embedding_bag_collection.embedding_bags.t0.weight" in printed
+# (The guide's TorchRec example, docs/guide/train.md, runs in tests/test_docs.py.)

@@ -7,7 +7,7 @@ and the documentation's references to files (and to the names defined in them) r
   repository for tests/, docs/, benchmarks/, examples/), and every ``path/file.py Name`` of its
   step diagram and nouns table names a class, function or ``Class.method`` defined in that file;
   the files of its tree table lie in the row's folder.
-- README.md and docs/*.md: every repository path in backticks exists.
+- README.md and docs/**/*.md (the guide too): every repository path in backticks exists.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def test_the_path_checker_finds_missing_paths(tmp_path, monkeypatch):
 
 def test_paths_in_the_docs_exist():
     problems = []
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         problems += path_problems(doc.read_text(), str(doc.relative_to(ROOT)))
     assert not problems, "paths in backticks that do not exist:\n" + "\n".join(problems)
 

@@ -258,13 +258,14 @@ def check_choice_points(calls):
 
 def test_without_triton_everything_works(monkeypatch):
     """triton not importable: ``usable`` is False, the choice points take the torch paths."""
-    monkeypatch.setattr(gpu, "_kernels", None)
-    monkeypatch.setattr(gpu, "_error", None)
+    from embcore.kernels.gpu import launch
+    monkeypatch.setattr(launch, "_kernels", None)
+    monkeypatch.setattr(launch, "_error", None)
     monkeypatch.setitem(sys.modules, "triton", None)
-    for name in ("triton_kernels", "triton_lang"):  # (triton_lang imports triton for them)
-        monkeypatch.delitem(sys.modules, f"embcore.kernels.{name}")
-        monkeypatch.delattr(sys.modules["embcore.kernels"], name)
-    monkeypatch.setattr(gpu, "_forced", True)
+    for name in ("rows", "lang"):  # (lang imports triton for them)
+        monkeypatch.delitem(sys.modules, f"embcore.kernels.gpu.{name}")
+        monkeypatch.delattr(sys.modules["embcore.kernels.gpu"], name)
+    monkeypatch.setattr(launch, "_forced", True)
     assert not gpu.available() and "triton" in gpu.error()
     assert not gpu.usable(torch.zeros(1))
     table = torch.randn(4, 3)

@@ -237,7 +237,7 @@ def main() -> None:
     add_runner_options(p, timeout=1200)
     p.add_argument("--rounds", type=int, default=1,
                    help="run each system this many times and keep its fastest undisturbed run "
-                        "(this machine's speed varies between runs; see README)")
+                        "(this machine's speed varies between runs; see benchmarks/RESULTS.md)")
     p.add_argument("--no-check", action="store_true", help="skip the W3 cross-system check")
     p.add_argument("--profile", action="store_true",
                    help="append the top 10 ops (self CPU) of embcore's W1 steps to the output")

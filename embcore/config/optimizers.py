@@ -131,7 +131,7 @@ class OptimizerRecord:
             kernel (``rules.NATIVE``) takes every option, float32 / float16 / bfloat16 rows; the
             Triton kernel (``rules.TRITON``) takes ``triton_args`` too.
         triton_args: ``opt -> ((h1..h5), F1, F2)``, the Triton kernel's own hyper-parameters of
-            this rule (the common ones reach every kernel as ``native.Hyper``).
+            this rule (the common ones reach every kernel as ``Hyper`` (kernels/hyper.py)).
         in_place: the torch-ops in-place rule (``ops/update.py apply_in_place``: ``"sgd"``,
             ``"adagrad"``, ``"rowwise_adagrad"``), or None; it runs without options only.
     """
@@ -174,9 +174,12 @@ _COMMON = ("use_gradient_accumulation", "clip_weight_min", "clip_weight_max", "w
 class Optimizer:
     """Base of the embcore optimizers (not exported: use ec.SGD, ec.Adagrad, ...).
 
-    Common keyword-only args (TF's names and defaults):
+    Every optimizer takes these common keyword-only args (TF's names and defaults).
+
+    Args:
         use_gradient_accumulation: must stay True; embcore always sums duplicate ids' gradients.
-        clip_weight_min, clip_weight_max: clamp the weights after the update (None: unbounded).
+        clip_weight_min: clamp the weights from below after the update (None: unbounded).
+        clip_weight_max: clamp the weights from above after the update (None: unbounded).
         weight_decay_factor: decoupled decay ``w -= wd * w_before`` of touched rows (None: off).
         multiply_weight_decay_factor_by_learning_rate: ``wd = weight_decay_factor * lr``.
         clipvalue: clip the gradient: ``c`` means ``(-c, c)``; ``(lo, hi)`` with None unbounded.
@@ -344,7 +347,8 @@ class Optimizer:
             TypeError: the callable returns something other than a real number (a bool, a
                 string, a tensor of more than one element, ...).
             ValueError: the callable returns NaN or inf.
-            Whatever the callable raises, unchanged, with a note naming this optimizer.
+            Exception: whatever the callable raises, unchanged, with a note naming this
+                optimizer.
         """
         fn = self.gradient_multiplier
         if fn is None:
@@ -544,7 +548,8 @@ class SGD(Optimizer):
 
     Args:
         learning_rate: a float >= 0, or a zero-argument callable returning one.
-        (and the common keyword-only args of ``Optimizer``)
+
+    Every optimizer also takes the common keyword-only args of ``Optimizer``.
 
     Update: ``w = w - lr * g``
 
@@ -684,7 +689,8 @@ class Adam(Optimizer):
 
     Args:
         learning_rate: a float >= 0, or a zero-argument callable returning one.
-        beta_1, beta_2: in [0, 1), the moments' decays.
+        beta_1: in [0, 1), the first moment's decay.
+        beta_2: in [0, 1), the second moment's decay.
         epsilon: > 0, see the update.
         lazy_adam: True updates the touched rows only; False decays the moments and moves every
             row every step as with g = 0 (``updates_every_row``), like TF's non-lazy Adam.
@@ -750,7 +756,9 @@ class FTRL(Optimizer):
     Args:
         learning_rate: > 0 (>= 0 with multiply_linear_by_learning_rate), or a callable.
         learning_rate_power: <= 0; the update uses ``p = -learning_rate_power``.
-        l1_regularization_strength, l2_regularization_strength, beta: >= 0.
+        l1_regularization_strength: >= 0.
+        l2_regularization_strength: >= 0.
+        beta: >= 0.
         initial_accumulator_value: > 0 (>= 0 with allow_zero_accumulator).
         multiply_linear_by_learning_rate: slot ``linears`` stores ``lr * linear``, which allows
             a zero or fast-changing learning rate.

@@ -65,7 +65,9 @@ class EmbeddingSpec:
     Args:
         feature_config: a FeatureConfig or a nested dict (str keys) / list / tuple of them.
         optimizer: the default embcore optimizer (tables may carry their own), or None.
-        sharding, memory_budget, pipeline_execution: as for ``ec.Embedding``.
+
+    The keyword-only args (sharding, memory_budget, pipeline_execution) are those of
+    ``ec.Embedding``.
 
     Raises:
         ValueError: something that cannot be written as data (naming it), or a bad budget.

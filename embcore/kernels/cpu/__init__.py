@@ -12,7 +12,7 @@ says why once, and every caller uses its torch-ops twin (same results, slower).
 The kernels are grouped by concern, a module each beside its C header: ``library.py`` (the
 build, the load, the switch, the threads), ``batch.py`` (dedup, lookup, rows), ``update.py``
 (the sparse update, 16-bit rounding), ``ids.py`` (raw ids: hashing dedup, the id maps) and
-``cache.py`` (the cache index); this package holds their public names (``native.lookup``, ...).
+``cache.py`` (the cache index); this package holds their public names (``cpu.lookup``, ...).
 
 Every C function is declared once, in its module next to its wrapper, as a list of its arguments
 by name and kind (args.py: ``read(I64)``, a contiguous CPU int64 tensor the kernel reads;

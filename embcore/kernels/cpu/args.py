@@ -302,12 +302,12 @@ class HyperArg:
     ctype = ctypes.POINTER(Hyper)
 
     def __repr__(self) -> str:
-        return "a native.Hyper"
+        return "a kernels.Hyper"
 
     def address(self, kernel: str, arg: str, value: Any) -> Any:
         if isinstance(value, Hyper):
             return value  # (ctypes passes an instance to a POINTER argument by reference)
-        raise rejected(kernel, arg, "a native.Hyper", type(value).__name__, self, TypeError)
+        raise rejected(kernel, arg, "a kernels.Hyper", type(value).__name__, self, TypeError)
 
 
 HYPER = HyperArg()
@@ -443,7 +443,7 @@ class Kernel:
         problem = _LOADER[0]() if _LOADER else "no library loader"
         if problem is not None or self.call == self._first_call:
             raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
-                               f"({problem}); callers check native.usable() first")
+                               f"({problem}); callers check cpu.usable() first")
 
     def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
         """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""

@@ -1,6 +1,6 @@
 """The GPU kernels (``kernels/gpu/rows.py``, Triton): when they apply, and their wrappers.
 
-``usable(...)`` is this module's ``native.usable``: True when every tensor is on a CUDA device
+``usable(...)`` is this package's ``cpu.usable``: True when every tensor is on a CUDA device
 and Triton imports (checked once, on the first CUDA tensor; triton is an optional dependency and
 is never imported for CPU tensors). The choice points are ``ops/combine.py`` (the lookup, and the
 summed row gradients of ``combine_backward``) and ``ops/update.py`` (the fused backward +
@@ -199,7 +199,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
                   unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
                   bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                   round_to: Rounding | None = None) -> None:
-    """Updates ``table[rows]`` and its slots in place, each row once (``native.sparse_update``'s
+    """Updates ``table[rows]`` and its slots in place, each row once (``cpu.sparse_update``'s
     contract, for every optimizer ``update_supported`` accepts).
 
     Args:
