@@ -1,7 +1,7 @@
 """Structural claims of docs/architecture.md, checked on the source (issue 41, point 5).
 
 - A kind of table is decided once (state/build.py): neither the step's modules (step/) nor
-  online.py read a store's kind (``.maps``, ``.dynamic``, ``.tables``, ``.slots`` of a store),
+  online.py read a store's kind (``.dynamic``, ``.tables``, ``.slots`` of a store),
   or a private attribute of the engine (``engine._...``); step/ reads a rows object's kind
   (``.maps``) or a physical table's (``.dynamic``) in no more places than it does today.
 - The backend is chosen once (ops/backend.py ``choose``): by the engine (for the plan) and the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "embcore"
 STEP_AND_ONLINE = sorted((PACKAGE / "step").glob("*.py")) + [PACKAGE / "online.py"]
-KIND_ATTRIBUTES = {"maps", "dynamic", "tables", "slots"}
+KIND_ATTRIBUTES = {"dynamic", "tables", "slots"}  # (a rows object's .maps: KIND_READS)
 ROWS_KINDS = {"MemoryRows", "OffloadedRows", "MappedRows"}
 
 
@@ -49,7 +49,7 @@ def test_step_and_online_read_no_store_kind_and_no_engine_private():
 
 def test_the_checks_see_what_they_forbid():
     """The checks above find such reads when they are there (the test can fail)."""
-    tree = ast.parse("store.cached\nself.store.dynamic\nengine._quiet()\n")
+    tree = ast.parse("store.tables\nself.store.dynamic\nengine._quiet()\n")
     kinds = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and n.attr in KIND_ATTRIBUTES and _store_like(n.value)]
     privates = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)

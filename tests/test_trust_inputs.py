@@ -248,7 +248,8 @@ def test_counts_beyond_int64_are_value_errors_and_the_largest_works():
     assert torch.equal(acts["f"], torch.zeros(2, 2))  # counted, never admitted
 
 
-@pytest.mark.parametrize("make", [VocabMap, lambda **kw: vocab_map(backend=choose("cpu"), **kw)],
+@pytest.mark.parametrize("make", [VocabMap, lambda *a, **kw: vocab_map(*a, backend=choose("cpu"),
+                                                                        **kw)],
                          ids=["VocabMap", "vocab_map"])
 def test_a_map_refuses_counts_beyond_int64_and_names_the_bytes_it_cannot_have(make,
                                                                               monkeypatch):
