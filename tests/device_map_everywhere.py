@@ -16,8 +16,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from embcore.kernels import gpu
-from embcore.state import id_map, vocabulary
-from embcore.state.device_map import DeviceVocabMap
+from embcore.state.vocab import torch_map as id_map
+from embcore.state.vocab import vocabulary
+from embcore.state.vocab.device_map import DeviceVocabMap
 
 assert gpu.available() and gpu.interpreted(), (
     f"the device map's kernels must load in Triton's interpreter: {gpu.error()}")

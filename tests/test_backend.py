@@ -8,7 +8,8 @@ import torch
 import embcore as ec
 from embcore.kernels import cpu
 from embcore.ops.backend import FUSED_CPU, NAMES, TORCH_OPS, choose, named
-from embcore.state.id_map import NativeVocabMap, VocabMap
+from embcore.state.vocab.native_map import NativeVocabMap
+from embcore.state.vocab.torch_map import VocabMap
 from switches import kernels
 
 

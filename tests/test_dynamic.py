@@ -18,9 +18,9 @@ from profiles import examples
 import embcore as ec
 from embcore.numerics.hashing import owner, splitmix64, splitmix64_int, uniform
 from embcore.ops.backend import FUSED_CPU, choose
-from embcore.state.vocabulary import vocab_map
-from embcore.state.id_map_reference import ReferenceVocabulary
-from embcore.state.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
+from embcore.state.vocab.vocabulary import vocab_map
+from embcore.state.vocab.reference import ReferenceVocabulary
+from embcore.state.vocab.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]
 

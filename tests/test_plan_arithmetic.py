@@ -190,7 +190,8 @@ def test_tables_beyond_the_devices_memory_are_refused_before_they_are_allocated(
     """Without a budget, tables whose rows, slots and maps on this process exceed the
     machine's physical memory are the build's ValueError, naming them, before any allocation
     (where the system overcommits, an allocation could succeed and its first write fail)."""
-    from embcore.state import build, id_map
+    from embcore.state import build
+    from embcore.state.vocab import torch_map as id_map
     big = ec.TableConfig(vocabulary_size=100, dim=8, name="big")
     small = ec.TableConfig(vocabulary_size=10, dim=8, name="small")
     emb = ec.Embedding({"b": ec.FeatureConfig(table=big), "s": ec.FeatureConfig(table=small)},

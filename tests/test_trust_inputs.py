@@ -21,11 +21,11 @@ from profiles import examples
 import embcore as ec
 from embcore.base.nest import MAX_DEPTH, flatten_like, leaves_with_paths, unflatten_like
 from embcore.config.tables import MAP_BYTES_PER_ROW, MAX_TABLE_BYTES
-from embcore.state import id_map as vocab
+from embcore.state.vocab import torch_map as vocab
 from embcore.state.cache import OffloadDir
 from embcore.ops.backend import choose
-from embcore.state.id_map import VocabMap
-from embcore.state.vocabulary import vocab_map
+from embcore.state.vocab.torch_map import VocabMap
+from embcore.state.vocab.vocabulary import vocab_map
 
 
 def _good() -> dict:

@@ -1,4 +1,4 @@
-"""The tensor vocabulary (state/id_map.py) against the oracle (state/id_map_reference.py): random streams
+"""The tensor vocabulary (state/vocab/torch_map.py) against the oracle (state/vocab/reference.py): random streams
 of training steps and evaluation lookups, checkpoints mid-stream, bad checkpoints, ``valid`` and
 the bounded counts, and one large map."""
 
@@ -14,11 +14,12 @@ from native_required import requires_native
 from profiles import examples
 
 from embcore.kernels import cpu
-from embcore.state import id_map as vocab
+from embcore.state.vocab import native_map as vocab
 from embcore.ops.backend import FUSED_CPU, TORCH_OPS, choose
-from embcore.state.id_map import NativeVocabMap, VocabMap
-from embcore.state.vocabulary import vocab_map
-from embcore.state.id_map_reference import ReferenceVocabulary
+from embcore.state.vocab.native_map import NativeVocabMap
+from embcore.state.vocab.torch_map import VocabMap
+from embcore.state.vocab.vocabulary import vocab_map
+from embcore.state.vocab.reference import ReferenceVocabulary
 
 I64 = torch.int64
 EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]

@@ -1,4 +1,4 @@
-"""The raw-id map on the device (state/device_map.py, state/device_hash.py, kernels/gpu/index.py)
+"""The raw-id map on the device (state/vocab/device_map.py, state/vocab/device_hash.py, kernels/gpu/index.py)
 against the oracle (``ReferenceVocabulary``) and the torch-ops ``VocabMap``, bit for bit.
 
 Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on
@@ -25,12 +25,12 @@ from profiles import examples  # noqa: E402
 from sync_guard import no_sync  # noqa: E402
 
 from embcore.kernels import gpu  # noqa: E402
-from embcore.state.device_hash import DeviceHash, stack  # noqa: E402
+from embcore.state.vocab.device_hash import DeviceHash, stack  # noqa: E402
 from embcore.ops.backend import TRITON, choose  # noqa: E402
-from embcore.state.device_map import DeviceVocabMap, train_together  # noqa: E402
-from embcore.state.vocabulary import vocab_map  # noqa: E402
-from embcore.state.id_map import VocabMap  # noqa: E402
-from embcore.state.id_map_reference import ReferenceVocabulary  # noqa: E402
+from embcore.state.vocab.device_map import DeviceVocabMap, train_together  # noqa: E402
+from embcore.state.vocab.vocabulary import vocab_map  # noqa: E402
+from embcore.state.vocab.torch_map import VocabMap  # noqa: E402
+from embcore.state.vocab.reference import ReferenceVocabulary  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 if not gpu.available():

@@ -25,7 +25,6 @@ from ..ops.backend import Backend
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from . import id_map
 from .cache import (
     CachedRows,
     OffloadDir,
@@ -37,7 +36,8 @@ from .cache import (
 )
 from .mapped import MappedRows
 from .rows import MemoryRows, OffloadedRows, Rows
-from .vocabulary import DynamicRows, DynamicStack
+from .vocab import torch_map as id_map
+from .vocab.vocabulary import DynamicRows, DynamicStack
 
 
 def init_blocks(first: int, stride: int, count: int) -> Iterator[tuple[int, int]]:

@@ -26,7 +26,7 @@ from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows
 from .rows import Resolved, RoundingOf, Rows, Segments, Writer, distinct, occurrences
-from .vocabulary import DynamicRows, DynamicStack, initialize_rows
+from .vocab.vocabulary import DynamicRows, DynamicStack, initialize_rows
 
 
 class MappedRows(Rows):

@@ -31,7 +31,7 @@ from .changes import ChangedRows
 from .dtensors import gather_whole
 from .mapped import MappedRows
 from .rows import Rows
-from .vocabulary import VOCAB, DynamicRows, whole_vocabulary
+from .vocab.vocabulary import VOCAB, DynamicRows, whole_vocabulary
 
 
 class RowStore:

@@ -2,9 +2,9 @@
 
 A dynamic table (``TableConfig(dynamic=ec.DynamicVocabulary(...))``, docs/semantics.md section 9)
 has the ``n`` rows of its placement in its physical table's shard on a process. ``DynamicRows``
-holds that shard's ``VocabMap`` (its id map: state/id_map.py) and translates the ids that reach
-this process into rows (``resolve``), admitting and evicting in a training step; the store then
-writes the new rows' initial values (``initial_values``: a function of the table's seed and the
+holds that shard's ``VocabMap`` (its id map: state/vocab/torch_map.py) and translates the ids that
+reach this process into rows (``resolve``), admitting and evicting in a training step; the store
+then writes the new rows' initial values (``initial_values``: a function of the table's seed and the
 id alone) and resets their optimizer slots. A physical table of dynamic tables (one alone, or
 several stacked: plan.py) is a ``DynamicStack``: a ``DynamicRows`` per member over its own rows,
 and one more row after them all, which stays zero: ids that are not resident are looked up there,
@@ -24,15 +24,16 @@ from typing import Any
 
 import torch
 
-from ..base.comm import Communicator
-from ..config.tables import TableConfig, default_initializer, init_seed
-from ..kernels import cpu
-from ..numerics import hashing
-from ..numerics.rounding import COMPACT
-from ..ops.backend import Backend
-from ..planning.placement import Placement
+from ...base.comm import Communicator
+from ...config.tables import TableConfig, default_initializer, init_seed
+from ...kernels import cpu
+from ...numerics import hashing
+from ...numerics.rounding import COMPACT
+from ...ops.backend import Backend
+from ...planning.placement import Placement
 from .device_map import DeviceVocabMap, train_together
-from .id_map import NativeVocabMap, VocabMap, find_many, train_steps
+from .native_map import NativeVocabMap, find_many, train_steps
+from .torch_map import VocabMap
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -122,7 +123,7 @@ def _per_id_values(init: Callable[..., Any], name: str, seed: int, ids: torch.Te
     seeded by ``(seed, id)`` each time (its state restored after; no other generator is
     touched), in the convention the first id's call finds (``config.tables._fill``), the values
     checked once at the end. ``ids`` on the CPU."""
-    from ..config.tables import (  # one place that runs initializers and checks what they leave
+    from ...config.tables import (  # one place that runs initializers and checks what they leave
         _check_filled,
         _fill,
     )
