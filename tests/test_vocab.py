@@ -15,6 +15,7 @@ from profiles import examples
 
 from embcore.kernels import cpu
 from embcore.state.vocab import native_map as vocab
+from embcore.state.vocab import torch_map
 from embcore.ops.backend import FUSED_CPU, TORCH_OPS, choose
 from embcore.state.vocab.native_map import NativeVocabMap
 from embcore.state.vocab.torch_map import VocabMap
@@ -613,7 +614,7 @@ def test_a_shard_of_2_31_rows_indexes_them_in_int64_as_int32_does_below(case):
     """From a capacity of 2**31 rows the index holds int64 slots: it gives the rows an int32
     index gives a capacity of 2**31 - 1 (no step here fills either)."""
     _, cfg, steps, _ = case
-    with unittest.mock.patch.object(vocab, "_physical_memory", lambda: None):  # (held: a few)
+    with unittest.mock.patch.object(torch_map, "_physical_memory", lambda: None):  # (held: a few)
         wide, narrow = NativeVocabMap(2**31, **cfg), NativeVocabMap(2**31 - 1, **cfg)
         assert wide.slots.dtype == torch.int64 and narrow.slots.dtype == torch.int32
         for ids, training in steps:
