@@ -11,6 +11,7 @@ order and its errors (a rejected call changes nothing), pipelining and the publi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import threading
@@ -28,6 +29,7 @@ from .config.optimizers import Optimizer
 from .config.spec import EmbeddingSpec, from_spec
 from .config.tables import TableConfig
 from .inputs.features import Features, Shapes, is_feature
+from .ops.backend import choose
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, plan_features
 from .state.cache import OffloadDir
@@ -159,8 +161,9 @@ class Embedding:
         self._comm = make_communicator(process_group, timeout)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipeline_execution = bool(pipeline_execution)
-        self._plan = plan_features(self._features, self._comm.world_size, sharding, budget,
-                                   profile)
+        self._plan = dataclasses.replace(  # the device's kernels, chosen once (printed)
+            plan_features(self._features, self._comm.world_size, sharding, budget, profile),
+            backend=choose(self.device).name)
         self._seed = shared_seed(self._comm, self.device)
         self._store: RowStore | None = None  # the rows, and the path over them (_ready)
         self._path: StepPath | None = None
@@ -226,8 +229,10 @@ class Embedding:
         if device == self.device:
             return self
         self._queue.check_idle()
+        backend = choose(device)  # (the kernels chosen again, for the new device)
         if self._store is not None:
-            self._store.to(device)
+            self._store.to(device, backend)
+        self._plan = dataclasses.replace(self._plan, backend=backend.name)
         self._path, self.device = None, device  # (the path is chosen again for the device)
         return self
 

@@ -38,7 +38,7 @@ from .layer import EmbeddingLayer
 from .numerics.rounding import COMPACT, narrowed, wider
 from .serving.follow import PublishedModule
 from .state.store import RowStore
-from .state.vocabulary import PENDING, VOCAB
+from .state.vocab.vocabulary import PENDING, VOCAB
 
 SNAPSHOTS_KEPT = 2       # retention: entries from the second newest snapshot on stay
 COMPACT_RATIO = 1.0      # a publish whose deltas since the snapshot outgrow it is a snapshot

@@ -16,8 +16,9 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from embcore.kernels import gpu
-from embcore.state import id_map, vocabulary
-from embcore.state.device_map import DeviceVocabMap
+from embcore.state.vocab import torch_map as id_map
+from embcore.state.vocab import vocabulary
+from embcore.state.vocab.device_map import DeviceVocabMap
 
 assert gpu.available() and gpu.interpreted(), (
     f"the device map's kernels must load in Triton's interpreter: {gpu.error()}")
@@ -25,10 +26,10 @@ assert gpu.available() and gpu.interpreted(), (
 MADE = [0]
 
 
-def _device_map(capacity: int, **kwargs) -> id_map.VocabMap:
+def _device_map(capacity: int, backend: object, **kwargs) -> id_map.VocabMap:
     MADE[0] += 1
     return DeviceVocabMap(capacity, **kwargs)
 
 
-vocabulary.shard_map = _device_map  # (where the engine makes its maps)
+vocabulary.vocab_map = _device_map  # (the one factory, where the engine makes its maps)
 atexit.register(lambda: print(f"\ndevice maps made: {MADE[0]}"))

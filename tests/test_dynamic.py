@@ -18,9 +18,10 @@ from profiles import examples
 
 import embcore as ec
 from embcore.numerics.hashing import owner, splitmix64, splitmix64_int, uniform
-from embcore.state.id_map import vocab_map
-from embcore.state.id_map_reference import ReferenceVocabulary
-from embcore.state.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
+from embcore.ops.backend import FUSED_CPU, choose
+from embcore.state.vocab.vocabulary import vocab_map
+from embcore.state.vocab.reference import ReferenceVocabulary
+from embcore.state.vocab.vocabulary import initial_values, initialize_rows, inverse_normal, table_seed
 
 BIG = [-(2**63), -1, 0, 3, 2**40 + 7, 2**63 - 1]
 
@@ -72,7 +73,7 @@ def test_initial_values_are_the_same_with_the_kernels_and_without():
         want = initial_values(t, "t", seed, ids)  # torch ops
         for columns in ((0, 33), (5, 20)):
             got = torch.zeros(ids.numel(), columns[1] - columns[0])
-            initialize_rows(t, "t", seed, ids, rows, got, columns)  # the kernels
+            initialize_rows(t, "t", seed, ids, rows, got, columns, FUSED_CPU)  # the kernels
             assert torch.equal(got[rows], want[:, columns[0]:columns[1]])
     # the approximation of the inverse normal CDF against torch's ndtri
     p = torch.linspace(1e-6, 1 - 1e-6, 100_001, dtype=torch.float64)
@@ -486,7 +487,7 @@ def test_bad_admission_counts_are_refused_and_change_nothing():
 
 
 def test_counts_beyond_a_smaller_shard_keep_the_latest_seen():
-    m = vocab_map(1, admit_after=5)  # keeps max(4 * 1, 1024) = 1024 counted ids
+    m = vocab_map(1, choose("cpu"), admit_after=5)  # keeps max(4 * 1, 1024) = 1024 counted ids
     ids = torch.arange(1, 1101)
     seen = torch.arange(1100) % 7 + 1  # steps 1..7
     m.load_state_dict({"ids": ids[:0], "rows": ids[:0], "last_use": ids[:0],

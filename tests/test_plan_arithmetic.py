@@ -29,6 +29,7 @@ from profiles import examples
 import embcore as ec
 from embcore.config.budget import parse_budget
 from embcore.config.tables import INIT_BLOCK_ROWS, initial_rows
+from embcore.ops.backend import choose
 from embcore.ops.workspace import Workspace
 from embcore.planning.placement import (
     STRATEGIES,
@@ -190,7 +191,8 @@ def test_tables_beyond_the_devices_memory_are_refused_before_they_are_allocated(
     """Without a budget, tables whose rows, slots and maps on this process exceed the
     machine's physical memory are the build's ValueError, naming them, before any allocation
     (where the system overcommits, an allocation could succeed and its first write fail)."""
-    from embcore.state import build, id_map
+    from embcore.state import build
+    from embcore.state.vocab import torch_map as id_map
     big = ec.TableConfig(vocabulary_size=100, dim=8, name="big")
     small = ec.TableConfig(vocabulary_size=10, dim=8, name="small")
     emb = ec.Embedding({"b": ec.FeatureConfig(table=big), "s": ec.FeatureConfig(table=small)},
@@ -369,7 +371,7 @@ def test_a_shard_of_more_rows_than_a_block_gets_the_tables_initial_values(strate
     plan = make_plan([("t", t, ec.SGD(0.1))], world, strategy)
     for rank in range(world):
         rows = RowsBuilder(plan, {"t": t}, seed, rank, torch.device("cpu"), None,
-                           Workspace()).build()[0]
+                           Workspace(), choose("cpu")).build()[0]
         c0, c1 = plan.physical[0].columns[rank]
         held = plan.table("t").held_rows(rank)
         assert torch.equal(rows.table, whole[held, c0:c1]), (strategy, rank)

@@ -1,4 +1,4 @@
-"""The reference dynamic vocabulary (state/id_map_reference.py): its rules on hand-made cases, and its
+"""The reference dynamic vocabulary (state/vocab/reference.py): its rules on hand-made cases, and its
 invariants on random streams of steps. It is the oracle the raw-id tables will be tested
 against."""
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles import examples
 
-from embcore.state.id_map_reference import ReferenceVocabulary as Vocab
+from embcore.state.vocab.reference import ReferenceVocabulary as Vocab
 
 
 def test_admission_at_first_sight_rows_in_ascending_id_order():

@@ -1,8 +1,11 @@
 """Structural claims of docs/architecture.md, checked on the source (issue 41, point 5).
 
 - A kind of table is decided once (state/build.py): neither the step's modules (step/) nor
-  online.py read a store's kind (``.cached``, ``.dynamic``, ``.tables``, ``.slots`` of a store),
-  or a private attribute of the engine (``engine._...``).
+  online.py read a store's kind (``.dynamic``, ``.tables``, ``.slots`` of a store),
+  or a private attribute of the engine (``engine._...``); step/ reads a rows object's kind
+  (``.maps``) or a physical table's (``.dynamic``) in no more places than it does today.
+- The backend is chosen once (ops/backend.py ``choose``): by the engine (for the plan) and the
+  store, nowhere in step/.
 - A batch's route is chosen in one place: only step/path.py calls the native preprocess.
 - Only state/build.py constructs rows objects (their kind is chosen there).
 """
@@ -14,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "embcore"
 STEP_AND_ONLINE = sorted((PACKAGE / "step").glob("*.py")) + [PACKAGE / "online.py"]
-KIND_ATTRIBUTES = {"cached", "dynamic", "tables", "slots"}
+KIND_ATTRIBUTES = {"dynamic", "tables", "slots"}  # (a rows object's .maps: KIND_READS)
 ROWS_KINDS = {"MemoryRows", "OffloadedRows", "MappedRows"}
 
 
@@ -46,7 +49,7 @@ def test_step_and_online_read_no_store_kind_and_no_engine_private():
 
 def test_the_checks_see_what_they_forbid():
     """The checks above find such reads when they are there (the test can fail)."""
-    tree = ast.parse("store.cached\nself.store.dynamic\nengine._quiet()\n")
+    tree = ast.parse("store.tables\nself.store.dynamic\nengine._quiet()\n")
     kinds = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
              and n.attr in KIND_ATTRIBUTES and _store_like(n.value)]
     privates = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)
@@ -80,3 +83,37 @@ def test_only_the_builder_chooses_a_kind():
                     and node.func.id in ROWS_KINDS):
                 found.append(str(path.relative_to(PACKAGE)))
     assert set(found) == {"state/build.py"}, found
+
+
+# The reads of a table's kind left in step/ (a rows object's ``.maps``, a physical table's
+# ``.dynamic``), by module: a ceiling that only comes down (each read a verb of the rows object
+# or the plan instead).
+KIND_READS = {"step/exchange.py": 2, "step/gradients.py": 1, "step/lookup.py": 2,
+              "step/native_prepare.py": 3, "step/preprocess.py": 4}
+
+
+def _kind_reads() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path in sorted((PACKAGE / "step").glob("*.py")):
+        n = sum(1 for node in ast.walk(_tree(path)) if isinstance(node, ast.Attribute)
+                and node.attr in ("maps", "dynamic") and isinstance(node.ctx, ast.Load))
+        if n:
+            out[str(path.relative_to(PACKAGE))] = n
+    return out
+
+
+def test_step_reads_a_tables_kind_no_more_than_it_did():
+    got = _kind_reads()
+    worse = {k: (n, KIND_READS.get(k, 0)) for k, n in got.items() if n > KIND_READS.get(k, 0)}
+    assert not worse, f"new reads of a table's kind in step/ (now, allowed): {worse}"
+
+
+def test_the_backend_is_chosen_by_the_engine_and_the_store_only():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "choose":
+                found.append(str(path.relative_to(PACKAGE)))
+    assert set(found) <= {"engine.py", "state/store.py", "ops/combine.py", "ops/update.py"}, found
+    assert not [f for f in found if f.startswith("step/")]

@@ -21,9 +21,11 @@ from profiles import examples
 import embcore as ec
 from embcore.base.nest import MAX_DEPTH, flatten_like, leaves_with_paths, unflatten_like
 from embcore.config.tables import MAP_BYTES_PER_ROW, MAX_TABLE_BYTES
-from embcore.state import id_map as vocab
+from embcore.state.vocab import torch_map as vocab
 from embcore.state.cache import OffloadDir
-from embcore.state.id_map import VocabMap, vocab_map
+from embcore.ops.backend import choose
+from embcore.state.vocab.torch_map import VocabMap
+from embcore.state.vocab.vocabulary import vocab_map
 
 
 def _good() -> dict:
@@ -246,7 +248,9 @@ def test_counts_beyond_int64_are_value_errors_and_the_largest_works():
     assert torch.equal(acts["f"], torch.zeros(2, 2))  # counted, never admitted
 
 
-@pytest.mark.parametrize("make", [VocabMap, vocab_map])
+@pytest.mark.parametrize("make", [VocabMap, lambda *a, **kw: vocab_map(*a, backend=choose("cpu"),
+                                                                        **kw)],
+                         ids=["VocabMap", "vocab_map"])
 def test_a_map_refuses_counts_beyond_int64_and_names_the_bytes_it_cannot_have(make,
                                                                               monkeypatch):
     for kwargs in ({"capacity": 2**63}, {"capacity": 4, "admit_after": 10**30},

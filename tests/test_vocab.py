@@ -1,4 +1,4 @@
-"""The tensor vocabulary (state/id_map.py) against the oracle (state/id_map_reference.py): random streams
+"""The tensor vocabulary (state/vocab/torch_map.py) against the oracle (state/vocab/reference.py): random streams
 of training steps and evaluation lookups, checkpoints mid-stream, bad checkpoints, ``valid`` and
 the bounded counts, and one large map."""
 
@@ -14,9 +14,13 @@ from native_required import requires_native
 from profiles import examples
 
 from embcore.kernels import cpu
-from embcore.state import id_map as vocab
-from embcore.state.id_map import NativeVocabMap, VocabMap, vocab_map
-from embcore.state.id_map_reference import ReferenceVocabulary
+from embcore.state.vocab import native_map as vocab
+from embcore.state.vocab import torch_map
+from embcore.ops.backend import FUSED_CPU, TORCH_OPS, choose
+from embcore.state.vocab.native_map import NativeVocabMap
+from embcore.state.vocab.torch_map import VocabMap
+from embcore.state.vocab.vocabulary import vocab_map
+from embcore.state.vocab.reference import ReferenceVocabulary
 
 I64 = torch.int64
 EXTREMES = [-(2**63), -(2**63) + 1, -(2**40), 2**40, 2**63 - 2, 2**63 - 1]
@@ -448,12 +452,13 @@ def test_the_native_map_switching_to_torch_ops_and_back_equals_the_oracle(case, 
         cpu.set_enabled(True)
 
 
-def test_vocab_map_picks_the_kernels_on_the_cpu():
-    want = NativeVocabMap if cpu.available() else VocabMap
-    assert type(vocab_map(4, eviction="lfu")) is want
+def test_the_one_map_factory_makes_the_backends_kind():
+    assert type(vocab_map(4, FUSED_CPU, eviction="lfu")) is NativeVocabMap
+    assert type(vocab_map(4, TORCH_OPS, eviction="lfu")) is VocabMap
+    assert choose("cpu") is (FUSED_CPU if cpu.available() else TORCH_OPS)
     previous = cpu.set_enabled(False)
     try:
-        assert type(vocab_map(4)) is VocabMap
+        assert choose("cpu") is TORCH_OPS
     finally:
         cpu.set_enabled(previous)
 
@@ -609,7 +614,7 @@ def test_a_shard_of_2_31_rows_indexes_them_in_int64_as_int32_does_below(case):
     """From a capacity of 2**31 rows the index holds int64 slots: it gives the rows an int32
     index gives a capacity of 2**31 - 1 (no step here fills either)."""
     _, cfg, steps, _ = case
-    with unittest.mock.patch.object(vocab, "_physical_memory", lambda: None):  # (held: a few)
+    with unittest.mock.patch.object(torch_map, "_physical_memory", lambda: None):  # (held: a few)
         wide, narrow = NativeVocabMap(2**31, **cfg), NativeVocabMap(2**31 - 1, **cfg)
         assert wide.slots.dtype == torch.int64 and narrow.slots.dtype == torch.int32
         for ids, training in steps:

@@ -29,6 +29,7 @@ from sync_guard import no_sync  # noqa: E402
 
 import embcore as ec  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
+from embcore.ops.backend import TRITON  # noqa: E402
 from embcore.state.cache import CachedRows  # noqa: E402
 from embcore.state.device_cache_index import DeviceCacheIndex  # noqa: E402
 
@@ -123,7 +124,7 @@ def _cache(rows: int, capacity: int, width: int) -> tuple[CachedRows, torch.Tens
     acc = slow * 0.5
     with on_device():
         cache = CachedRows("t", {"parameters": slow, "acc": acc}, capacity, DEVICE,
-                           [0, rows], ["t"])
+                           [0, rows], ["t"], backend=TRITON)
     return cache, slow.clone()
 
 

@@ -1,4 +1,4 @@
-"""The raw-id map on the device (state/device_map.py, state/device_hash.py, kernels/gpu/index.py)
+"""The raw-id map on the device (state/vocab/device_map.py, state/vocab/device_hash.py, kernels/gpu/index.py)
 against the oracle (``ReferenceVocabulary``) and the torch-ops ``VocabMap``, bit for bit.
 
 Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on
@@ -25,10 +25,12 @@ from profiles import examples  # noqa: E402
 from sync_guard import no_sync  # noqa: E402
 
 from embcore.kernels import gpu  # noqa: E402
-from embcore.state.device_hash import DeviceHash, stack  # noqa: E402
-from embcore.state.device_map import DeviceVocabMap, shard_map, train_together  # noqa: E402
-from embcore.state.id_map import VocabMap  # noqa: E402
-from embcore.state.id_map_reference import ReferenceVocabulary  # noqa: E402
+from embcore.state.vocab.device_hash import DeviceHash, stack  # noqa: E402
+from embcore.ops.backend import TRITON, choose  # noqa: E402
+from embcore.state.vocab.device_map import DeviceVocabMap, train_together  # noqa: E402
+from embcore.state.vocab.vocabulary import vocab_map  # noqa: E402
+from embcore.state.vocab.torch_map import VocabMap  # noqa: E402
+from embcore.state.vocab.reference import ReferenceVocabulary  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 if not gpu.available():
@@ -231,16 +233,19 @@ def test_a_map_churning_for_many_steps_keeps_a_quarter_of_its_slots_empty():
         assert torch.equal(m.find(ids), rows)
 
 
-def test_shard_map_picks_the_device_map_where_the_kernels_apply():
+def test_the_device_map_is_the_triton_backends_where_the_kernels_apply():
     if CUDA:
-        assert type(shard_map(4, device=DEVICE)) is DeviceVocabMap
+        assert choose(DEVICE) is TRITON
+        assert type(vocab_map(4, choose(DEVICE), device=DEVICE)) is DeviceVocabMap
         return
     previous = gpu.force_on_cpu(True)
     try:
-        assert type(shard_map(4, eviction="lfu")) is DeviceVocabMap
+        assert choose("cpu") is TRITON
+        assert type(vocab_map(4, choose("cpu"), eviction="lfu")) is DeviceVocabMap
     finally:
         gpu.force_on_cpu(previous)
-    assert type(shard_map(4, eviction="lfu")) is not DeviceVocabMap
+    assert choose("cpu") is not TRITON
+    assert type(vocab_map(4, choose("cpu"), eviction="lfu")) is not DeviceVocabMap
 
 
 def test_one_launch_over_several_indexes_answers_as_each_alone():

@@ -8,8 +8,8 @@
 
 Parts (``--parts``):
 
-- ``rates``: the device map's index (state/device_hash.py) and its whole training step
-  (state/device_map.py), in ids a second: ``find`` of 1M ids drawn from the resident ones, at
+- ``rates``: the device map's index (state/vocab/device_hash.py) and its whole training step
+  (state/vocab/device_map.py), in ids a second: ``find`` of 1M ids drawn from the resident ones, at
   load factors 0.25 and 0.5 (the index holds at least 2 slots a row, so a full map is at most
   0.5); ``insert`` of 1M fresh ids into an empty index; a training step of 64k distinct ids, half
   new, on a full LRU map of 4M rows (``train_step_async``: nothing read back). Beside them, a
@@ -47,8 +47,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 import embcore as ec  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
-from embcore.state.device_hash import DeviceHash  # noqa: E402
-from embcore.state.device_map import DeviceVocabMap  # noqa: E402
+from embcore.state.vocab.device_hash import DeviceHash  # noqa: E402
+from embcore.state.vocab.device_map import DeviceVocabMap  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Timings of the vocabulary maps (embcore/state/id_map.py): ``find`` and ``train_step``.
+"""Timings of the vocabulary maps (embcore/state/vocab/torch_map.py): ``find`` and ``train_step``.
 
     python benchmarks/studies/vocab_map.py [--threads N] [--repeats 7] [--device cpu] [--map native]
 
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from embcore.state.id_map import NativeVocabMap, VocabMap
+from embcore.state.vocab.native_map import NativeVocabMap
+from embcore.state.vocab.torch_map import VocabMap
 
 MAP = VocabMap  # set by --map
 

@@ -31,7 +31,7 @@ import sys_raw_plain  # noqa: E402
 import torch  # noqa: E402
 from workloads import Workload, stream_batch, upstream_grads  # noqa: E402
 
-from embcore.state.vocabulary import initial_values  # noqa: E402
+from embcore.state.vocab.vocabulary import initial_values  # noqa: E402
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ Initializer = Callable[[torch.Tensor], Any] | torch.Tensor
 EVICTIONS = ("lru", "lfu")
 
 INT64_MAX = 2**63 - 1  # ids, rows, steps and counts are int64 in the engine
-# Fast-memory bytes of a dynamic table's map per row of capacity, at most (state/id_map.py): the
+# Fast-memory bytes of a dynamic table's map per row of capacity, at most (state/vocab/): the
 # torch-ops VocabMap of other devices holds 49 (33 of per-row state, 16 of sorted ids and rows);
 # the CPU's NativeVocabMap 30 when full (20 of per-row state, 10 of int32 hash slots; 42 past
 # 2**31 - 1 training steps, 40 in a shard of 2**31 rows or more, 52 with both), less until then

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..config.dtypes import is_working
 from ..kernels import cpu, gpu
 from ..numerics.rounding import ROW_TYPES
+from .backend import Backend, choose
 from .bags import Bags, Dedup
 from .workspace import Workspace
 
@@ -35,12 +36,13 @@ def _differentiable(table: torch.Tensor) -> bool:
     return (table.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
-def _native(table: torch.Tensor) -> bool:
-    """Whether the fused CPU lookup reads ``table`` (the rows' dtype and layout, the kernels)."""
-    return table.dtype in ROW_TYPES and table.is_contiguous() and cpu.usable(table)
+def _fused(table: torch.Tensor) -> bool:
+    """Whether the fused CPU lookup takes ``table`` (the rows' dtype and layout)."""
+    return table.dtype in ROW_TYPES and table.is_contiguous()
 
 
-def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
+            backend: Backend | None = None) -> torch.Tensor:
     """Output row r = sum over its occurrences k of ``scales[k] * table[index[k]]``.
 
     Args:
@@ -48,18 +50,22 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
             fetched in unique order (``index`` = ``dedup.inverse``).
         index: (nnz,) row of each occurrence in ``table``.
         bags: offsets and scales of the bags.
+        backend: the kernels of the table's device (ops/backend.py); None: chosen for
+            ``table``'s device now (a caller outside the step: serving, a plain module).
 
     Returns:
         (R, D) in ``table``'s dtype, float32 for a float16 / bfloat16 table (its rows widened:
         activations of compact rows are float32); differentiable with respect to ``table`` when
         it requires grad.
     """
-    if (gpu.usable(table, index) and gpu.lookup_supported(table)
-            and not _differentiable(table)):  # CUDA: the Triton kernel
-        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    if _native(table) and index.is_cpu and not _differentiable(table):
-        out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
-        return cpu.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
+    if _differentiable(table):
+        return combine_torch(table, index, bags)
+    return TableCombine(table, backend)(index, bags)
+
+
+def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+    """``combine`` in torch ops, on any device (the other backends' answers, and theirs
+    wherever autograd or a tracer must see the computation)."""
     work = table if is_working(table) else table.float()
     if bags.offsets is None or bags.scales is None:
         out = F.embedding(index, work)  # (R, D)
@@ -71,37 +77,38 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tenso
 
 
 class TableCombine:
-    """``combine`` over one table, the kernel chosen once: a rows object (state/rows.py) keeps
-    one while it holds the table (its dtype, layout and device fixed), so the fused CPU lookup
-    is chosen here, its table's arguments bound once (``cpu.TableLookup``), and again only
-    when the kernels are switched on or off. A call that the fused lookup does not take (the
-    table made differentiable, an index elsewhere) goes through ``combine``: the same values.
+    """``combine`` over one table, its kernel chosen once by the backend: a rows object
+    (state/rows.py) keeps one while it holds the table (its dtype, layout and device fixed):
+    the fused CPU lookup with the table's arguments bound once (``cpu.TableLookup``), the
+    Triton lookup, or torch ops. A call on a table that autograd or a tracer must see
+    (``torch.export``, ``torch.compile``) takes torch ops on every backend: the same values.
 
     Args:
         table: (N, D) the rows to read, held by the caller for this object's life.
+        backend: its device's backend (None: ``backend.choose(table.device)``).
     """
 
-    def __init__(self, table: torch.Tensor) -> None:
+    def __init__(self, table: torch.Tensor, backend: Backend | None = None) -> None:
         self.table = table
-        self._choose()
-
-    def _choose(self) -> None:
-        self._switch = cpu.enabled()
-        t = self.table
-        self._kernel = cpu.TableLookup(t) if _native(t) else None
+        self.backend = backend = backend if backend is not None else choose(table.device)
+        self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
+        self._triton = backend.triton and gpu.lookup_supported(table)
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
-        if self._switch is not cpu.enabled():
-            self._choose()
-        kernel = self._kernel
-        if kernel is None or not index.is_cpu or _differentiable(self.table):
-            return combine(self.table, index, bags)
-        out = torch.empty(bags.num_rows, kernel.d, dtype=torch.float32)  # (R, D)
-        return kernel(index.contiguous(), bags.offsets, bags.scales, out)
+        table = self.table
+        if _differentiable(table):
+            return combine_torch(table, index, bags)
+        if self._fused is not None:
+            out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)
+            return self._fused(index.contiguous(), bags.offsets, bags.scales, out)
+        if self._triton:
+            return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
+        return combine_torch(table, index, bags)
 
 
-def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tensor:
+def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,
+                     backend: Backend | None = None) -> torch.Tensor:
     """Gradient of ``combine`` w.r.t. the distinct rows: each row's occurrences summed in order.
 
     Args:
@@ -114,7 +121,7 @@ def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup) -> torch.Tens
         table. (Writing it into a kept buffer with the private ``.out`` overload was measured
         twice as slow on torch 2.13: compat.py.)
     """
-    if grad.dtype == torch.float32 and gpu.usable(grad, dedup.order):  # CUDA: Triton
+    if grad.dtype == torch.float32 and (backend or choose(grad.device)).triton:
         return gpu.row_gradients(grad, dedup.unique_offsets, dedup.order,
                                  None if bags.unit else bags.bag_of, bags.scales)
     work = grad if grad.dtype == torch.float64 else grad.float()
@@ -140,8 +147,10 @@ class OutputGrads(NamedTuple):
     dedup: Dedup
 
 
-def row_gradients(grads: OutputGrads, workspace: Workspace | None = None) -> torch.Tensor:
-    """(U, D) summed gradient of each distinct row (``combine_backward`` of the parts)."""
+def row_gradients(grads: OutputGrads, workspace: Workspace | None = None,
+                  backend: Backend | None = None) -> torch.Tensor:
+    """(U, D) summed gradient of each distinct row (``combine_backward`` of the parts; the
+    backend of their device, None: chosen now)."""
     parts = grads.parts
     if len(parts) == 1:
         out = parts[0]  # (R, D)
@@ -151,4 +160,4 @@ def row_gradients(grads: OutputGrads, workspace: Workspace | None = None) -> tor
         out = workspace.get("out_grads", (grads.starts[-1], parts[0].shape[1]), parts[0].dtype,
                             parts[0].device)  # (R, D)
         torch.cat(parts, out=out)
-    return combine_backward(out, grads.bags, grads.dedup)
+    return combine_backward(out, grads.bags, grads.dedup, backend)

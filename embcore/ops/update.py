@@ -6,10 +6,11 @@ a table held here, in place (docs/semantics.md section 3). The gradient comes ei
 (``OutputGrads``: a table held here, whose row gradients can be formed inside the update). The
 gradient multiplier is evaluated once per call, or given already evaluated
 (``gradient_multiplier=``: the engine evaluates it once per step, before any write), and every
-kernel uses that value. The kernel is chosen in this module and nowhere else (by ``update`` at
-each call, or once per table by ``TableUpdate``, which the rows objects keep), from the
-optimizer's record (``config/optimizers.py OptimizerRecord``: the name of its kernels' rule, whose
-number and kernels kernels/rules.py gives):
+kernel uses that value. The kernel is chosen in this module and nowhere else, once per table by
+``TableUpdate`` (which the rows objects keep; ``update`` binds one for its call), from the
+backend of the table's device (ops/backend.py) and the optimizer's record
+(``config/optimizers.py OptimizerRecord``: the name of its kernels' rule, whose number and
+kernels kernels/rules.py gives):
 
 1. the fused CPU kernel (``cpu.sparse_update``, the records' ``rule`` in ``rules.NATIVE``: SGD,
    Adagrad and RowwiseAdagrad) with every option, float32, float16 and bfloat16 tables on the CPU
@@ -42,6 +43,7 @@ from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
 from ..numerics import rounding
 from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
+from .backend import Backend, choose
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
 
@@ -54,7 +56,7 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
            grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
            workspace: Workspace | None = None, *,
            gradient_multiplier: float | None = None, round_to: Rounding | None = None,
-           guard: bool = False) -> torch.Tensor | None:
+           guard: bool = False, backend: Backend | None = None) -> torch.Tensor | None:
     """Applies ``optimizer`` to ``table[rows]`` and its slots, in place, each row once.
 
     A float16 / bfloat16 table's rows are widened, updated in float32 and rounded back by
@@ -75,28 +77,32 @@ def update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tens
             None: evaluated here, once.
         round_to: how a 16-bit table's results are rounded (its ``at(step, ...)`` already).
         guard: leave the rows whose rounding overflows as they were (16-bit tables).
+        backend: the kernels of the table's device (ops/backend.py); None: chosen for
+            ``table``'s device now (``TableUpdate`` keeps the choice for a table).
 
     Returns:
         With ``guard``, the rows left as they were (a subset of ``rows``), or None when none
         was; None without it (and on CUDA, where the Triton kernel does not guard).
     """
+    return TableUpdate(table, slots, optimizer, backend)(
+        rows, grad, lr, step, workspace, gradient_multiplier=gradient_multiplier,
+        round_to=round_to, guard=guard)
+
+
+def update_torch(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch.Tensor,
+                 grad: torch.Tensor | OutputGrads, optimizer: Optimizer, lr: float, step: int,
+                 workspace: Workspace | None = None, *,
+                 gradient_multiplier: float | None = None, round_to: Rounding | None = None,
+                 guard: bool = False, backend: Backend | None = None) -> torch.Tensor | None:
+    """``update`` in torch ops, on any device: in place where the optimizer has an in-place
+    rule without options, else its own math (``Optimizer.update``) and a write-back (the
+    ``backend`` sums an ``OutputGrads``'s row gradients)."""
     if gradient_multiplier is None and optimizer.gradient_multiplier is not None:
         gradient_multiplier = optimizer.current_gradient_multiplier(step)
     compact = table.dtype in COMPACT
     guard = guard and compact
-    if gpu.usable(table, rows) and gpu.update_supported(optimizer, table, slots):
-        _gpu_update(table, slots, rows, grad, optimizer, lr, gradient_multiplier, round_to)
-        return None
-    rule = native_rule(optimizer, table)
-    if rule is not None:
-        rows, grads, starts, uoff, order, bags, scales = _fused_sources(rows, grad)
-        flags = _flags(rows, workspace) if guard else None
-        count = cpu.sparse_update(
-            rule, table, slots.get("accumulators"), rows,
-            _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier), grads, starts, uoff,
-            order, bags, scales, round_to, flags)
-        return _left(rows, flags, count)
-    summed = row_gradients(grad, workspace) if isinstance(grad, OutputGrads) else grad  # (U, D)
+    summed = (row_gradients(grad, workspace, backend) if isinstance(grad, OutputGrads)
+              else grad)  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
         apply_in_place(optimizer, table, slots, rows, summed, lr, workspace)
         return None
@@ -140,36 +146,34 @@ def _left(rows: torch.Tensor, flags: torch.Tensor | None, count: int) -> torch.T
 
 
 class TableUpdate:
-    """``update`` for one table and its slots under one optimizer, the kernel chosen once.
+    """``update`` for one table and its slots under one optimizer, the kernel chosen once by
+    the backend of the table's device.
 
     A rows object (state/rows.py) keeps one per optimizer: its table's dtype, layout and device
-    are fixed while it holds it, so the choice ``update`` makes every call (the fused CPU
-    kernel, the Triton kernel, or the general paths) is made here when the object is made, and
-    again only when the kernels are switched on or off (``cpu.set_enabled``). The fused
-    kernel's hyper-parameters are kept per learning rate and gradient multiplier (a schedule:
-    the last few). Every call gives what ``update`` gives, bit for bit (it is ``update`` but for
-    the dispatch; tests/test_bound_kernels.py).
+    are fixed while it holds it, so the kernel is chosen here, when the object is made: the
+    fused CPU kernel (its table's arguments bound, ``cpu.SparseUpdate``), the Triton kernel, or
+    torch ops (``update_torch``), by the backend and what each kernel implements (the records'
+    rules, the table's dtype and layout). The fused kernel's hyper-parameters are kept per
+    learning rate and gradient multiplier (a schedule: the last few). Every backend gives the
+    same values (tests/test_bound_kernels.py, tests/triton_cases.py).
 
     Args:
         table, slots: as ``update``'s, held by the caller for this object's life.
         optimizer: the rule applied to them.
+        backend: the table's device's backend (None: ``backend.choose(table.device)``).
     """
 
     _HYPERS_KEPT = 8  # hyper-parameter sets kept (a constant rate needs one)
 
     def __init__(self, table: torch.Tensor, slots: dict[str, torch.Tensor],
-                 optimizer: Optimizer) -> None:
+                 optimizer: Optimizer, backend: Backend | None = None) -> None:
         self.table, self.slots, self.optimizer = table, slots, optimizer
+        self.backend = backend = backend if backend is not None else choose(table.device)
         self._hypers: dict[tuple[float, float | None], cpu.Hyper] = {}
-        self._choose()
-
-    def _choose(self) -> None:
-        """The fused CPU kernel's rule when it takes every call to this table (None: each call
-        goes through ``update``), under the kernels' current switch."""
-        self._switch = cpu.enabled()
-        rule = native_rule(self.optimizer, self.table)
+        rule = native_rule(optimizer, table) if backend.fused_cpu else None
         self._kernel = (None if rule is None else
-                        cpu.SparseUpdate(rule, self.table, self.slots.get("accumulators")))
+                        cpu.SparseUpdate(rule, table, slots.get("accumulators")))
+        self._triton = backend.triton and gpu.update_supported(optimizer, table, slots)
 
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
                  step: int, workspace: Workspace | None = None, *,
@@ -177,13 +181,17 @@ class TableUpdate:
                  round_to: Rounding | None = None, guard: bool = False) -> torch.Tensor | None:
         """``update(table, slots, rows, grad, optimizer, lr, step, workspace, ...)``."""
         opt = self.optimizer
-        if self._switch is not cpu.enabled():
-            self._choose()
         kernel = self._kernel
         if kernel is None:
-            return update(self.table, self.slots, rows, grad, opt, lr, step, workspace,
-                          gradient_multiplier=gradient_multiplier, round_to=round_to,
-                          guard=guard)
+            if self._triton:
+                if gradient_multiplier is None and opt.gradient_multiplier is not None:
+                    gradient_multiplier = opt.current_gradient_multiplier(step)
+                _gpu_update(self.table, self.slots, rows, grad, opt, lr, gradient_multiplier,
+                            round_to)
+                return None
+            return update_torch(self.table, self.slots, rows, grad, opt, lr, step, workspace,
+                                gradient_multiplier=gradient_multiplier, round_to=round_to,
+                                guard=guard, backend=self.backend)
         if gradient_multiplier is None and opt.gradient_multiplier is not None:
             gradient_multiplier = opt.current_gradient_multiplier(step)
         hyper = self._hypers.get((lr, gradient_multiplier))
@@ -234,13 +242,13 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
-    """The fused kernel's rule for this optimizer and table (its record's ``rule``, where the
-    kernel implements it), or None when it does not apply."""
+    """The fused CPU kernel's rule for this optimizer and table (its record's ``rule``, where
+    the kernel implements it, for the table's dtype and layout), or None."""
     record = record_of(opt)
     rule = None if record is None or opt.updates_every_row else rules.of(record.rule, rules.NATIVE)
     if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
         return None
-    return rule if cpu.usable(table) else None
+    return rule
 
 
 def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> cpu.Hyper:

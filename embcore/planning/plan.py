@@ -123,6 +123,7 @@ class ShardingPlan:
     world_size: int
     tables: tuple[LogicalTable, ...]
     physical: tuple[PhysicalTable, ...]
+    backend: str = ""  # the kernels of the engine's device (ops/backend.py): "" not chosen yet
 
     def table(self, name: str) -> LogicalTable:
         for t in self.tables:
@@ -159,7 +160,8 @@ class ShardingPlan:
     def __str__(self) -> str:
         w = self.world_size
         lines = [(f"ShardingPlan(world_size={w}, {len(self.tables)} tables in "
-                  f"{len(self.physical)} physical tables)"),
+                  f"{len(self.physical)} physical tables"
+                  + (f", backend: {self.backend})" if self.backend else ")")),
                  f"  {'table':<20} {'strategy':<10} {'physical':>8} {'rows':>10} {'dim':>5}  "
                  f"rows per rank / MiB per rank"
                  + ("  [tier]" if any(p.offloaded for p in self.physical) else "")]

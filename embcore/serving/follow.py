@@ -40,7 +40,7 @@ from ..base.nest import leaves_with_paths
 from ..config.spec import EmbeddingSpec
 from ..config.tables import FeatureConfig, resolve_table_names
 from ..formats import published as fmt
-from ..state.vocabulary import VOCAB
+from ..state.vocab.vocabulary import VOCAB
 from .quantize import quantize_table
 from .serve import ServingModule, padded_map
 

@@ -20,12 +20,11 @@ import torch
 
 from ..config.dtypes import slot_dtype
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
-from ..kernels import gpu
 from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
+from ..ops.backend import Backend
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from . import id_map
 from .cache import (
     CachedRows,
     OffloadDir,
@@ -37,7 +36,8 @@ from .cache import (
 )
 from .mapped import MappedRows
 from .rows import MemoryRows, OffloadedRows, Rows
-from .vocabulary import DynamicRows, DynamicStack
+from .vocab import torch_map as id_map
+from .vocab.vocabulary import DynamicRows, DynamicStack
 
 
 def init_blocks(first: int, stride: int, count: int) -> Iterator[tuple[int, int]]:
@@ -64,13 +64,15 @@ class RowsBuilder:
         device: where tables and slots live.
         offload_dir: where the slow tier's files go (None: a temporary directory).
         workspace: the store's buffers, shared by its rows objects.
+        backend: the kernels of ``device`` (ops/backend.py), handed to every rows object, map
+            and cache built here.
     """
 
     def __init__(self, plan: ShardingPlan, configs: Mapping[str, TableConfig], seed: int,
                  rank: int, device: torch.device, offload_dir: str | os.PathLike | None,
-                 workspace: Workspace) -> None:
+                 workspace: Workspace, backend: Backend) -> None:
         self.plan, self.configs, self.seed, self.rank = plan, configs, seed, rank
-        self.device, self.workspace = device, workspace
+        self.device, self.workspace, self.backend = device, workspace, backend
         self.offload = (OffloadDir(offload_dir, rank) if any(p.offloaded for p in plan.physical)
                         else None)
         # how the static tables' files write rows back: a log or in place (cache.slow_writes)
@@ -131,17 +133,19 @@ class RowsBuilder:
         rounding = self._rounding(p) if p.dtype in COMPACT else None
         storage: Rows
         if p.offloaded:
-            storage = OffloadedRows(p.index, self._offloaded(p), rounding, self.workspace)
+            storage = OffloadedRows(p.index, self._offloaded(p), rounding, self.workspace,
+                                    self.backend)
         else:
             table, slots = self._in_memory(p)
-            storage = MemoryRows(p.index, table, slots, rounding, self.workspace)
+            storage = MemoryRows(p.index, table, slots, rounding, self.workspace,
+                                 self.backend)
         if not p.dynamic:
             return storage
         rank = self.rank
         members = [self.plan.table(name) for name in p.tables]
         stack = DynamicStack(
             [DynamicRows(self.configs[m.name], m.name, self.seed, m.row_counts[rank],
-                         self.device) for m in members],
+                         self.device, self.backend) for m in members],
             [m.local_offsets[rank] for m in members], p.row_counts[rank])
         keys = (torch.tensor([table_key(self.seed, n) for n in p.tables], dtype=torch.int64)
                 if rounding is not None and len(p.tables) > 1 else None)
@@ -223,7 +227,7 @@ class RowsBuilder:
         pin = device.type == "cuda"
         # files on the CPU; host memory where the GPU kernels apply (a CUDA device, or CPU
         # tensors under Triton's interpreter in tests): the cache's index and moves on the device
-        files = device.type == "cpu" and not gpu.usable(torch.empty(0, device=device))
+        files = device.type == "cpu" and not self.backend.triton
         slots_in = slot_dtype(p.dtype)
         opt = p.optimizer
         specs = list(opt.slots) if opt is not None else []
@@ -270,4 +274,4 @@ class RowsBuilder:
 
         return CachedRows(p.tables[0], {"parameters": w, **slots}, p.cache_rows[rank], device,
                           bounds, p.tables, mapped=files, log=log,
-                          logical=None if p.dynamic else logical)
+                          logical=None if p.dynamic else logical, backend=self.backend)

@@ -56,6 +56,7 @@ import torch
 
 from ..formats.files import pid_alive
 from ..kernels import cpu, gpu
+from ..ops.backend import TORCH_OPS, Backend
 from ..ops.checksum import move_summed
 from ..ops.memory import advise_random, empty_table, populate
 from .cache_index import MAX_CAPACITY, CacheIndex
@@ -606,6 +607,9 @@ class CachedRows:
         log: where the rows' records are, when ``slow`` is the views of a ``slow_log`` (rows
             written back are then appended, and ``slow``'s first N records are the rows in
             order only after ``drop``).
+        logical: ``(member, row) -> logical row`` of a static member's row, for messages.
+        backend: the kernels of ``device`` (ops/backend.py): where the GPU's kernels run, the
+            index lives on the device and the GPU moves the rows (a tier in host memory).
 
     The files under the slow tier (``SlowFile``: those of ``slow_tensor`` and ``slow_records``)
     are checked before every move of rows to or from them, and before a read of them or the
@@ -616,8 +620,9 @@ class CachedRows:
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
                  device: torch.device, bounds: Sequence[int], members: Sequence[str],
                  mapped: bool = False, log: RecordLog | None = None,
-                 logical: Callable[[int, int], int] | None = None) -> None:
-        self.name, self.slow, self.device = name, slow, device
+                 logical: Callable[[int, int], int] | None = None,
+                 backend: Backend = TORCH_OPS) -> None:
+        self.name, self.slow, self.device, self.backend = name, slow, device, backend
         self.log = log
         # the rows' checksums in the files (ops/checksum.py), or None (no files)
         self.sums = slow_sums(slow["parameters"])
@@ -644,7 +649,7 @@ class CachedRows:
         # the index on the device, the rows moved by the GPU (a tier in host memory: no files,
         # no log, no checksums), where the GPU kernels apply
         self.on_device = (not self.files and log is None and self.sums is None
-                          and gpu.usable(torch.empty(0, device=device)))
+                          and backend.triton)
         self._path_checked = time.monotonic()
         self._allocate(max(1, min(int(capacity), self.rows, MAX_CAPACITY)))
 
@@ -806,7 +811,7 @@ class CachedRows:
         back; the parameters and every slot, whole rows. One pass per array on the CPU kernels
         (``cpu.copy_rows``), else a gather and a scatter. From mapped files, while moves wait
         for the disk, the rows' pages are asked for first (``SLOW_ROW_SECONDS``)."""
-        direct = self.device.type == "cpu" and cpu.usable(rows)
+        direct = self.backend.fused_cpu
         timed = direct and self.mapped and rows.numel() >= SLOW_ROW_MIN_ROWS
         if direct:
             rows, slots = rows.contiguous(), slots.contiguous()
@@ -1023,11 +1028,13 @@ class CachedRows:
                          "hit_rate": h / (h + m + n) if h + m + n else 0.0}
         return out
 
-    def to(self, device: torch.device) -> None:
-        """Moves the cache (the slow tier stays where it is)."""
+    def to(self, device: torch.device, backend: Backend) -> None:
+        """Moves the cache (the slow tier stays where it is) to ``device``, whose backend
+        says where its index lives."""
         self.flush()
         on_device = (not self.files and self.log is None and self.sums is None
-                     and gpu.usable(torch.empty(0, device=device)))
+                     and backend.triton)
+        self.backend = backend
         if on_device or self.on_device:  # an index of another kind, or on another device:
             self._read, self._written, self._evictions = (  # a new cache (the rows are all
                 self.read_rows, self.written_rows, self.evictions)  # in the tier, flushed)

@@ -19,13 +19,14 @@ import torch
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
 from ..numerics.rounding import Rounding
+from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, row_gradients
 from ..ops.workspace import Workspace
 from .cache import CachedRows
 from .changes import ChangedRows
 from .rows import Resolved, RoundingOf, Rows, Segments, Writer, distinct, occurrences
-from .vocabulary import DynamicRows, DynamicStack, initialize_rows
+from .vocab.vocabulary import DynamicRows, DynamicStack, initialize_rows
 
 
 class MappedRows(Rows):
@@ -44,7 +45,7 @@ class MappedRows(Rows):
 
     def __init__(self, stack: DynamicStack, storage: Rows, columns: tuple[int, int],
                  fills: dict[str, float], member_keys: torch.Tensor | None = None) -> None:
-        super().__init__(storage.p, storage.rounding, storage.workspace)
+        super().__init__(storage.p, storage.rounding, storage.workspace, storage.backend)
         self.stack, self.storage = stack, storage
         self.columns, self.fills, self.member_keys = columns, fills, member_keys
 
@@ -83,9 +84,9 @@ class MappedRows(Rows):
     def read(self, key: str, rows: torch.Tensor) -> torch.Tensor:
         return self.storage.read(key, rows)
 
-    def to(self, device: torch.device, workspace: Workspace) -> None:
-        super().to(device, workspace)
-        self.storage.to(device, workspace)
+    def to(self, device: torch.device, workspace: Workspace, backend: Backend) -> None:
+        super().to(device, workspace, backend)
+        self.storage.to(device, workspace, backend)
 
     def track(self, changes: ChangedRows) -> None:
         super().track(changes)
@@ -110,7 +111,7 @@ class MappedRows(Rows):
             union = torch.unique(torch.cat(everyone), sorted=True)  # (V,)
             got, since = self.resolve([union], training)
             rows = got[0][torch.searchsorted(union, unique)]
-        out = self.storage.combine(occurrences(rows, dedup), bags)  # (R, D)
+        out = self.storage.combine(occurrences(rows, dedup, self.backend), bags)  # (R, D)
         return out, ([rows], since)
 
     def resolve(self, ids: list[torch.Tensor], training: bool,
@@ -136,7 +137,7 @@ class MappedRows(Rows):
             unique, inverse = ids[0], None
         else:  # what several processes asked for: their union (in any order: the map's step
             # does not depend on it)
-            unique, inverse = distinct(torch.cat(ids))
+            unique, inverse = distinct(torch.cat(ids), self.backend)
         rows, new, since, written = stack.resolve(unique, training, segments,
                                                   self._init_target())  # (U,), per member
         if training and self.changes is not None:  # the map's state of these rows moved
@@ -150,7 +151,7 @@ class MappedRows(Rows):
                 for (m, new_ids, _), at_m in zip(new, at.split(counts)):
                     dyn = stack.members[m]
                     initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, at_m, table,
-                                    self.columns)
+                                    self.columns, self.backend)
                 for name, value in self.fills.items():
                     slots[name].index_fill_(0, at, value)
 
@@ -174,7 +175,7 @@ class MappedRows(Rows):
             if len(mine) == 1:  # one process: its run is distinct already
                 d, inv = cat, torch.arange(cat.numel(), device=cat.device)
             elif cat.numel():
-                d, inv = distinct(cat)
+                d, inv = distinct(cat, self.backend)
             else:
                 d, inv = cat, cat
             unique.append(d)
@@ -207,7 +208,8 @@ class MappedRows(Rows):
         elif segments is not None:
             stack.check_step(ids[0], segments)
         elif sum(t.numel() for t in ids) > stack.members[0].capacity:  # (else: their distinct
-            stack.check_step(ids[0] if len(ids) == 1 else distinct(torch.cat(ids))[0])  # fewer)
+            stack.check_step(ids[0] if len(ids) == 1  # fewer)
+                             else distinct(torch.cat(ids), self.backend)[0])
 
     def _init_target(self) -> tuple[torch.Tensor, tuple[int, int],
                                     list[tuple[torch.Tensor, float]]] | None:
@@ -246,7 +248,7 @@ class MappedRows(Rows):
                                Dedup(rows, d.order, d.unique_offsets))
         else:
             if isinstance(grad, OutputGrads):
-                grad = row_gradients(grad, self.workspace)  # (n, D)
+                grad = row_gradients(grad, self.workspace, self.backend)  # (n, D)
             if kept < rows.numel():
                 rows, grad = rows[keep], grad[keep]
         self.storage.update(rows, grad, optimizer, lr, step,

@@ -30,8 +30,9 @@ from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
 from ..kernels import cpu
 from ..numerics.rounding import Rounding
+from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
-from ..ops.combine import OutputGrads, TableCombine, combine
+from ..ops.combine import OutputGrads, TableCombine
 from ..ops.update import TableUpdate
 from ..ops.workspace import Workspace
 from .cache import CachedRows
@@ -54,12 +55,14 @@ class Rows:
         p: the physical table's index in the plan.
         rounding: how its updates round (a float16 / bfloat16 table), else None.
         workspace: the store's buffers for the update's temporaries, kept across steps.
+        backend: the kernels of its device (ops/backend.py), chosen once by the builder.
     """
 
     maps = False  # whether a batch's ids are raw ids that a map turns into rows
 
-    def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace) -> None:
-        self.p, self.rounding, self.workspace = p, rounding, workspace
+    def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace,
+                 backend: Backend) -> None:
+        self.p, self.rounding, self.workspace, self.backend = p, rounding, workspace, backend
         self.changes: ChangedRows | None = None  # rows written since publishes (``written``)
         self._update: TableUpdate | None = None  # the update of the table last updated
         self._left: torch.Tensor | None = None  # shard rows the last update left (overflow)
@@ -104,9 +107,10 @@ class Rows:
         """(n, C) copies of shard rows ``rows`` of ``key``, nothing moved."""
         raise NotImplementedError
 
-    def to(self, device: torch.device, workspace: Workspace) -> None:
-        """Moves the rows the step reads to ``device`` (with the store's new workspace)."""
-        self.workspace = workspace
+    def to(self, device: torch.device, workspace: Workspace, backend: Backend) -> None:
+        """Moves the rows the step reads to ``device`` (with the store's new workspace, and the
+        device's backend)."""
+        self.workspace, self.backend = workspace, backend
 
     def stats(self) -> dict[str, dict[str, float | int]]:
         """A slow tier's cache statistics per member table (none in fast memory)."""
@@ -173,7 +177,7 @@ class Rows:
         bound = self._update
         if (bound is None or bound.optimizer is not optimizer or bound.table is not table
                 or bound.slots is not slots):
-            bound = self._update = TableUpdate(table, slots, optimizer)
+            bound = self._update = TableUpdate(table, slots, optimizer, self.backend)
         return bound
 
     def track(self, changes: ChangedRows) -> None:
@@ -198,10 +202,10 @@ class MemoryRows(Rows):
     """
 
     def __init__(self, p: int, table: torch.Tensor, slots: dict[str, torch.Tensor],
-                 rounding: Rounding | None, workspace: Workspace) -> None:
-        super().__init__(p, rounding, workspace)
+                 rounding: Rounding | None, workspace: Workspace, backend: Backend) -> None:
+        super().__init__(p, rounding, workspace, backend)
         self._table, self.slots = table, slots
-        self._combine = TableCombine(table)
+        self._combine = TableCombine(table, backend)
 
     @property
     def table(self) -> torch.Tensor:
@@ -249,11 +253,11 @@ class MemoryRows(Rows):
         full = self.full(key)
         return full[rows.to(full.device)].cpu()
 
-    def to(self, device: torch.device, workspace: Workspace) -> None:
-        super().to(device, workspace)
+    def to(self, device: torch.device, workspace: Workspace, backend: Backend) -> None:
+        super().to(device, workspace, backend)
         self._table = self._table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
-        self._combine = TableCombine(self._table)
+        self._combine = TableCombine(self._table, backend)
 
 
 class OffloadedRows(Rows):
@@ -262,9 +266,10 @@ class OffloadedRows(Rows):
     main-thread one)."""
 
     def __init__(self, p: int, cache: CachedRows, rounding: Rounding | None,
-                 workspace: Workspace) -> None:
-        super().__init__(p, rounding, workspace)
+                 workspace: Workspace, backend: Backend) -> None:
+        super().__init__(p, rounding, workspace, backend)
         self._cache = cache
+        self._combine: TableCombine | None = None  # bound to the cache's table (it may grow)
 
     @property
     def table(self) -> torch.Tensor:
@@ -279,9 +284,17 @@ class OffloadedRows(Rows):
         if dedup is None:
             with cache.lock:
                 at = self._cache_rows(index)  # (first: it may grow the cache)
-                return combine(cache.table, at, bags)
+                return self._combined(cache.table)(at, bags)
         with self.held(dedup.unique) as (table, _, at):
-            return combine(table, occurrences(at, dedup), bags)
+            return self._combined(table)(occurrences(at, dedup, self.backend), bags)
+
+    def _combined(self, table: torch.Tensor) -> TableCombine:
+        """The combine bound to ``table`` (the cache's: a grown or moved cache holds a new
+        one)."""
+        bound = self._combine
+        if bound is None or bound.table is not table or bound.backend is not self.backend:
+            bound = self._combine = TableCombine(table, self.backend)
+        return bound
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         with self._cache.lock:
@@ -295,7 +308,7 @@ class OffloadedRows(Rows):
         """The cache rows of shard rows ``rows`` (repeats allowed), brought in as needed."""
         if rows.numel() == 0:
             return rows
-        unique, inverse = distinct(rows)
+        unique, inverse = distinct(rows, self.backend)
         return self._cache.resolve(unique).index_select(0, inverse)
 
     @contextlib.contextmanager
@@ -347,27 +360,27 @@ class OffloadedRows(Rows):
         with self._cache.lock:
             return self._cache.read(key, rows)
 
-    def to(self, device: torch.device, workspace: Workspace) -> None:
-        super().to(device, workspace)
-        self._cache.to(device)
+    def to(self, device: torch.device, workspace: Workspace, backend: Backend) -> None:
+        super().to(device, workspace, backend)
+        self._cache.to(device, backend)
 
     def stats(self) -> dict[str, dict[str, float | int]]:
         return self._cache.stats()
 
 
-def occurrences(at: torch.Tensor, dedup: Dedup) -> torch.Tensor:
+def occurrences(at: torch.Tensor, dedup: Dedup, backend: Backend) -> torch.Tensor:
     """(nnz,) ``at`` (U,), given per distinct row of ``dedup``, at each of its occurrences (on
     the kernels' threads where they apply: a torch op this large runs on torch's, whose workers
     then spin for milliseconds on the cores the next kernels use; benchmarks/RESULTS.md,
     W1-raw)."""
-    if cpu.usable(at, dedup.order):
+    if backend.fused_cpu:
         return cpu.expand(at, dedup.order, dedup.unique_offsets)
     return at.index_select(0, dedup.inverse)
 
 
-def distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def distinct(ids: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
     """``(distinct, inverse)`` of int64 ``ids``: hashing on the kernels (first-occurrence
     order), else ``torch.unique`` (ascending); ``distinct[inverse] == ids``."""
-    if cpu.usable(ids):
+    if backend.fused_cpu:
         return cpu.dedup_raw(ids.contiguous())[:2]
     return torch.unique(ids, return_inverse=True)

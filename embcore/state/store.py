@@ -21,6 +21,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.tables import TableConfig
+from ..ops.backend import Backend, choose, named
 from ..ops.workspace import Workspace
 from ..planning.plan import ShardingPlan
 from . import views
@@ -30,7 +31,7 @@ from .changes import ChangedRows
 from .dtensors import gather_whole
 from .mapped import MappedRows
 from .rows import Rows
-from .vocabulary import VOCAB, DynamicRows, whole_vocabulary
+from .vocab.vocabulary import VOCAB, DynamicRows, whole_vocabulary
 
 
 class RowStore:
@@ -54,8 +55,10 @@ class RowStore:
         self.configs = dict(configs)
         self.workspace = Workspace()  # the update's temporaries, kept across steps
         self.changes: ChangedRows | None = None  # rows written since publishes (``track``)
+        # the kernels of the device, chosen once (the plan's, which prints it)
+        self.backend = named(plan.backend) if plan.backend else choose(device)
         builder = RowsBuilder(plan, self.configs, seed, comm.rank, device, offload_dir,
-                              self.workspace)
+                              self.workspace, self.backend)
         self._rows = builder.build()
         self._offload = builder.offload  # (the slow tier's directory lives as long as the store)
         self.maps = any(rows.maps for rows in self._rows)  # (a raw-id table: maps step)
@@ -78,12 +81,14 @@ class RowStore:
                 rows.track(self.changes)
         return self.changes
 
-    def to(self, device: torch.device) -> None:
-        """Moves every table and slot to ``device`` (the workspace is dropped); an offloaded
-        table moves its cache (its slow tier stays in host memory or files)."""
+    def to(self, device: torch.device, backend: Backend | None = None) -> None:
+        """Moves every table and slot to ``device``, whose ``backend`` runs them from now on
+        (None: ``choose(device)``; the workspace is dropped); an offloaded table moves its cache
+        (its slow tier stays in host memory or files)."""
         self.device, self.workspace = device, Workspace()
+        self.backend = backend if backend is not None else choose(device)
         for rows in self._rows:
-            rows.to(device, self.workspace)
+            rows.to(device, self.workspace, self.backend)
 
     def cache_stats(self) -> dict[str, dict[str, float | int]]:
         """``{table: {"hits", "misses", "new", "hit_rate"}}`` of the offloaded tables on this

@@ -21,7 +21,7 @@ from ..planning.plan import ShardingPlan
 from .changes import ChangedRows
 from .dtensors import from_value, to_sharded
 from .rows import Rows
-from .vocabulary import PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows
+from .vocab.vocabulary import PENDING, ROW_STATE, SCALARS, VOCAB, DynamicRows
 
 
 class RowStore(Protocol):

@@ -394,7 +394,7 @@ def apply_gradients(prepared: Prepared, answers: Answers,
                                       outputs, opt, lr, step, gradient_multiplier=gmul,
                                       since=None if got is None else got.since)
         else:
-            g_unique = row_gradients(outputs, store.workspace)  # (U, D)
+            g_unique = row_gradients(outputs, store.workspace, store.backend)  # (U, D)
             rows, g = gradients_at_owner(comm, p, tb, got.rows if got is not None else None,
                                          g_unique)
             store[tb.physical].update(rows, g, opt, lr, step, gradient_multiplier=gmul,

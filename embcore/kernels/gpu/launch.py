@@ -279,7 +279,7 @@ def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: 
         KEYED=key_rows is not None, BLOCK_U=block_u, BLOCK_D=block_d)
 
 
-# -- the hash index (state/device_hash.py) ---------------------------------------------------
+# -- the hash index (state/vocab/device_hash.py) ---------------------------------------------------
 
 _HASH_BLOCK = 128
 

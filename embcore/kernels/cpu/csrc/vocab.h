@@ -7,7 +7,7 @@
 #include "common.h"
 #include "pool.h"
 
-// ---- dynamic vocabularies (state/id_map.py's NativeVocabMap) ----------------------------------
+// ---- dynamic vocabularies (state/vocab/native_map.py's NativeVocabMap) ------------------------
 // A shard's raw id -> row map holds, per row of the first A rows (A <= C, the capacity; the rows
 // beyond A were never used): ``row_key`` int64 the id it holds (0 when free), ``last_use``,
 // ``frequency`` and ``born`` (-1 when free: a row is used iff born >= 0), the three of type
@@ -557,7 +557,7 @@ __attribute__((optimize("fp-contract=off"))) void ec_init_normal(
 }  // extern "C"
 
 // ---- the maps of stacked dynamic tables, stepped together ----------------------------------
-// Several maps (the members of one physical table, state/id_map.py's ``stack_train_step``) are
+// Several maps (the members of one physical table, state/vocab/native_map.py's ``train_steps``) are
 // described by ``maps`` (M, kMapFields) int64, a row per map: the addresses and sizes of its
 // arrays (as ec_vocab_step takes them), its capacity, this step t, its cut, lfu, the member's
 // first shard row and its table's seed. Member m's distinct ids are ids[offsets[m],

@@ -2,9 +2,9 @@
 
 A dynamic table (``TableConfig(dynamic=ec.DynamicVocabulary(...))``, docs/semantics.md section 9)
 has the ``n`` rows of its placement in its physical table's shard on a process. ``DynamicRows``
-holds that shard's ``VocabMap`` (its id map: state/id_map.py) and translates the ids that reach
-this process into rows (``resolve``), admitting and evicting in a training step; the store then
-writes the new rows' initial values (``initial_values``: a function of the table's seed and the
+holds that shard's ``VocabMap`` (its id map: state/vocab/torch_map.py) and translates the ids that
+reach this process into rows (``resolve``), admitting and evicting in a training step; the store
+then writes the new rows' initial values (``initial_values``: a function of the table's seed and the
 id alone) and resets their optimizer slots. A physical table of dynamic tables (one alone, or
 several stacked: plan.py) is a ``DynamicStack``: a ``DynamicRows`` per member over its own rows,
 and one more row after them all, which stays zero: ids that are not resident are looked up there,
@@ -24,14 +24,16 @@ from typing import Any
 
 import torch
 
-from ..base.comm import Communicator
-from ..config.tables import TableConfig, default_initializer, init_seed
-from ..kernels import cpu
-from ..numerics import hashing
-from ..numerics.rounding import COMPACT
-from ..planning.placement import Placement
-from .device_map import DeviceVocabMap, shard_map, train_together
-from .id_map import VocabMap, find_many, train_steps
+from ...base.comm import Communicator
+from ...config.tables import TableConfig, default_initializer, init_seed
+from ...kernels import cpu
+from ...numerics import hashing
+from ...numerics.rounding import COMPACT
+from ...ops.backend import Backend
+from ...planning.placement import Placement
+from .device_map import DeviceVocabMap, train_together
+from .native_map import NativeVocabMap, find_many, train_steps
+from .torch_map import VocabMap
 
 # Checkpoint keys of a dynamic table (besides parameters and slots): ``<table>/vocabulary/<k>``,
 # row-laid ``(N, 1)`` int64 for ROW_STATE (the id held by each row of the logical table, its last
@@ -121,7 +123,7 @@ def _per_id_values(init: Callable[..., Any], name: str, seed: int, ids: torch.Te
     seeded by ``(seed, id)`` each time (its state restored after; no other generator is
     touched), in the convention the first id's call finds (``config.tables._fill``), the values
     checked once at the end. ``ids`` on the CPU."""
-    from ..config.tables import (  # one place that runs initializers and checks what they leave
+    from ...config.tables import (  # one place that runs initializers and checks what they leave
         _check_filled,
         _fill,
     )
@@ -178,12 +180,12 @@ def _named_values(init: object, seed: int, ids: torch.Tensor,
 
 
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
-                    rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int]) -> None:
+                    rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int],
+                    backend: Backend) -> None:
     """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
-    the table: a column split holds some), by the fused kernels where they apply."""
+    the table: a column split holds some), by the fused kernels on their backend."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
-    if (table.initializer is None and (direct or out.dtype in COMPACT)
-            and cpu.usable(out, ids, rows)):
+    if table.initializer is None and (direct or out.dtype in COMPACT) and backend.fused_cpu:
         # into the float32 table, or float32 values rounded to nearest as below
         values = out if direct else torch.empty((ids.numel(), columns[1] - columns[0]),
                                                 dtype=torch.float32)
@@ -198,24 +200,35 @@ def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
     out.index_copy_(0, rows.to(out.device), values.to(out.device, out.dtype))
 
 
+def vocab_map(capacity: int, backend: Backend, **kwargs: Any) -> VocabMap:
+    """A shard's id map, of its backend's kind (the one factory): ``DeviceVocabMap`` on Triton,
+    ``NativeVocabMap`` on the fused CPU kernels, ``VocabMap`` on torch ops (the same rules,
+    state and results). Arguments as ``VocabMap``'s."""
+    kind = (DeviceVocabMap if backend.triton else NativeVocabMap if backend.fused_cpu
+            else VocabMap)
+    return kind(capacity, **kwargs)
+
+
 class DynamicRows:
     """One dynamic table's shard on this process: its id -> row map and its seed.
 
     Args:
         table: the config; name: its resolved name; base_seed: the engine's seed.
         rows: the shard's rows (its capacity on this process; the zero row comes after them).
-        device: where the map lives.
+        device: where the map lives; backend: the kernels there (its map's kind).
     """
 
     def __init__(self, table: TableConfig, name: str, base_seed: int, rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, backend: Backend) -> None:
         assert table.dynamic is not None
         self.table, self.name = table, name
         self.seed = table_seed(base_seed, name)
         self.zero_row = rows
         dyn = table.dynamic
-        self.map = shard_map(max(rows, 1), eviction=dyn.eviction, admit_after=dyn.admit_after,
-                            ttl_steps=dyn.ttl_steps, name=f"table {name!r}", device=device)
+        self.backend = backend
+        self.map = vocab_map(max(rows, 1), backend, eviction=dyn.eviction,
+                             admit_after=dyn.admit_after, ttl_steps=dyn.ttl_steps,
+                             name=f"table {name!r}", device=device)
         self.capacity = rows
         self.steps = 0  # training steps seen (the map's, also where the shard holds no rows)
         self.lock = threading.Lock()  # evaluation lookups may run beside a pipelined step
@@ -369,9 +382,9 @@ class DynamicRows:
         movers = movers[torch.argsort(ints[movers, 0], stable=True)]
         rows[movers] = free[:movers.numel()]
         by_id = torch.argsort(ints[:, 0], stable=True)
-        vmap = shard_map(max(n, 1), eviction=self.map.eviction,
-                        admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
-                        name=self.map.name, device=self.map.device)
+        vmap = vocab_map(max(n, 1), self.backend, eviction=self.map.eviction,
+                         admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
+                         name=self.map.name, device=self.map.device)
         if pending is None:
             pending = torch.empty(0, 3, dtype=torch.int64)
         if not placement.held_everywhere and pending.shape[0]:

@@ -1,11 +1,11 @@
 """A hash index on the device over its owner's keys: key -> place, by GPU kernels.
 
-``DeviceHash`` is an index of a ``DeviceVocabMap`` (state/device_map.py): raw id -> row over the
-map's ``row_key``, and counted id -> entry over its counted ids. Its owner holds the keys (place
-``v`` holds key ``owner[v]``); the index holds only places, 4 bytes a slot (8 for owners of
-2**31 - 2 places or more). Open addressing with linear probing (kernels/gpu/index.py has the
-layout and the kernels); deletion marks a slot deleted (a tombstone), so the index is rebuilt
-from its owner's keys now and then.
+``DeviceHash`` is an index of a ``DeviceVocabMap`` (state/vocab/device_map.py): raw id -> row over
+the map's ``row_key``, and counted id -> entry over its counted ids. Its owner holds the keys (place
+``v`` holds key ``owner[v]``); the index holds only places, 4 bytes a slot (8 for owners of 2**31 -
+2 places or more). Open addressing with linear probing (kernels/gpu/index.py has the layout and the
+kernels); deletion marks a slot deleted (a tombstone), so the index is rebuilt from its owner's keys
+now and then.
 
 Nothing here reads a value back to the host: how full the index is, is bounded on the host from
 what was inserted since the last rebuild (an upper bound: each insert counts its keys as if every
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import gpu
+from ...kernels import gpu
 
 _I64 = torch.int64
 _INT32_PLACES = 2**31 - 2  # places below this fit an int32 slot (v + 1 < 2**31 - 1)

@@ -1,10 +1,11 @@
 """A dynamic vocabulary's id map on the GPU: the same rules as ``VocabMap``, stepped on the device.
 
-``DeviceVocabMap`` is the map of a raw-id table on a CUDA engine (``shard_map``, below). It
+``DeviceVocabMap`` is the map of a raw-id table on the Triton backend (vocabulary.py's
+``vocab_map``). It
 follows ``ReferenceVocabulary``'s rules exactly, as ``VocabMap`` does (the same resident ids,
 rows, evictions, counts and state), but holds its ids in a hash index on the device
-(state/device_hash.py, Triton kernels) instead of a sorted array, and computes a training step in
-tensors whose sizes the host knows: no value is read back to the host inside the step.
+(state/vocab/device_hash.py, Triton kernels) instead of a sorted array, and computes a training
+step in tensors whose sizes the host knows: no value is read back to the host inside the step.
 
 State, with ``C`` rows (each per-row tensor is a view of a buffer one longer: index ``C`` takes
 the writes of lanes that change nothing):
@@ -49,10 +50,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import gpu
-from ..ops.selection import first_set, smallest_ordered
+from ...ops.selection import first_set, smallest_ordered
 from .device_hash import DeviceHash, stack
-from .id_map import _I64, VocabMap, vocab_map
+from .torch_map import _I64, VocabMap
 
 _FIRST_ENTRIES = 1024  # entries for counted ids at first (grown as they are needed)
 
@@ -188,7 +188,7 @@ class DeviceVocabMap(VocabMap):
     # ------------------------------------------------------------------------------ lookups
     def find(self, ids: torch.Tensor, *, fill: int = -1) -> torch.Tensor:
         """The rows of ids (evaluation): changes nothing (``VocabMap.find``)."""
-        from .id_map import _as_ids
+        from .torch_map import _as_ids
         ids = _as_ids(ids, f"{self.name}: ids").to(self.device).contiguous()
         rows = self.index.find(ids.reshape(-1))
         return torch.where(rows >= 0, rows, fill).reshape(ids.shape)
@@ -428,16 +428,6 @@ class DeviceVocabMap(VocabMap):
             self.pindex.to(self.p_id[:self._plen])
 
 
-def shard_map(capacity: int, **kwargs) -> VocabMap:
-    """A shard's map: ``DeviceVocabMap`` where the GPU kernels apply (a CUDA device with Triton),
-    else ``id_map.vocab_map``'s (``NativeVocabMap`` on the CPU where the kernels are built, else
-    ``VocabMap``). Arguments as ``VocabMap``'s."""
-    device = torch.device(kwargs.get("device", "cpu"))
-    if gpu.usable(torch.empty(0, device=device)):
-        return DeviceVocabMap(capacity, **kwargs)
-    return vocab_map(capacity, **kwargs)
-
-
 def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``train_step`` of each map over its run of distinct ids (the members of stacked dynamic
@@ -445,7 +435,7 @@ def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
     counts read at once, and the first overflow's ``ValueError`` raised before any map changes;
     else every step is applied. The indexes' kernels launch once over all the maps: the ids
     found (and their counted entries), then the evicted ids deleted and the admitted inserted
-    (state/device_hash.py's ``stack``). Returns each map's ``(rows, new_ids, new_rows)`` as
+    (state/vocab/device_hash.py's ``stack``). Returns each map's ``(rows, new_ids, new_rows)`` as
     ``train_step``'s (``-1`` where not resident)."""
     ordered, perms = [], []
     for m, ids in zip(maps, runs):
