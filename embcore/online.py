@@ -165,17 +165,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         1
     """
     engine = _engine(obj)
-    for arg, value, kinds in (("slots", slots, (bool,)), ("snapshot", snapshot, (bool, type(None))),
-                              ("keep_snapshots", keep_snapshots, (int,)),
-                              ("compact_ratio", compact_ratio, (int, float))):
-        if not isinstance(value, kinds) or (arg in ("keep_snapshots", "compact_ratio")
-                                            and isinstance(value, bool)):
-            raise TypeError(f"{arg} must be {' or '.join(k.__name__ for k in kinds)}, got "
-                            f"{type(value).__name__} {value!r}")
-    if keep_snapshots < 1:
-        raise ValueError(f"keep_snapshots must be an int >= 1, got {keep_snapshots!r}")
-    if not compact_ratio > 0 or compact_ratio == float("inf"):
-        raise ValueError(f"compact_ratio must be a finite number > 0, got {compact_ratio!r}")
+    _check_publish_args(slots, snapshot, keep_snapshots, compact_ratio)
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
     with engine.quiescent() as store:
@@ -191,69 +181,12 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             taken = changes.take(key)  # (rows per physical table; given back if this fails)
             seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
             tmp = fmt.temporary(directory, seq, agreed_token(comm, engine.device))
-            error: BaseException | None = None
-            if comm.rank == 0:
-                try:
-                    fmt.remove_stale(directory)
-                    tmp.mkdir()
-                except OSError as e:
-                    error = e
-            _all_ok(engine, error, f"creating {tmp}")
-            written: dict[str, dict[str, int]] = {}
-            sizes: dict[str, int] = {}
-            rows = dict.fromkeys(engine.table_names().values(), 0)
             used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            try:
-                chunks = _chunks_to_write(store, kind, pub, bool(slots), rows, used, taken)
-                for i, part in enumerate(fmt.parts(chunks)):
-                    name = fmt.part_name(comm.rank, i)
-                    written[name] = fmt.write_part(tmp / name, part)
-                    sizes[name] = os.path.getsize(tmp / name)
-                if comm.world_size > 1:  # process 0 gathers the files' checksums from these
-                    (tmp / f"r{comm.rank:05d}.json").write_text(
-                        json.dumps({"files": written, "sizes": sizes}), encoding="utf-8")
-            except BaseException as e:
-                error = e
-            _all_ok(engine, error, f"writing {tmp}")
-            # every process's files and counts, then process 0 commits
-            names = sorted(rows)
-            nbytes = sum(sizes.values())
-            totals = summed(comm, [rows[n] for n in names] + [nbytes], engine.device)
-            rows, nbytes = dict(zip(names, totals[:-1])), totals[-1]
+            rows, nbytes, files = _write_entry(engine, store, directory, tmp, kind, pub,
+                                               bool(slots), used, taken)
             entry_id = f"{from_rank0(comm, [secrets.randbits(63)], engine.device)[0]:016x}"
-            chain_id = pub.chain if pub is not None else None
-            if comm.rank == 0:
-                try:
-                    files: dict[str, dict[str, int]] = {}
-                    all_sizes: dict[str, int] = {}
-                    for r in range(comm.world_size):
-                        side = tmp / f"r{r:05d}.json"
-                        got: dict[str, Any] = {"files": written, "sizes": sizes} if r == 0 \
-                            else json.loads(side.read_text(encoding="utf-8"))
-                        files.update(got["files"])
-                        all_sizes.update(got["sizes"])
-                        if comm.world_size > 1:
-                            side.unlink()
-                    if pub is None:  # a trainer's first entry here continues its chain
-                        previous, chain_id = fmt.continuation(directory)
-                    else:
-                        previous = {"seq": pub.seq, "id": pub.id}
-                        if chain_id is None:  # (resumed from entries written before chains)
-                            chain_id = fmt.identity(fmt.entries(directory))[0]
-                    chain_id = chain_id or entry_id  # (the first entry: the chain's identity)
-                    manifest = {
-                        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
-                        "seq": seq, "kind": kind, "id": entry_id, "previous": previous,
-                        "chain": chain_id, "step": engine.step, "slots": bool(slots),
-                        "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
-                        "world_size": comm.world_size, "files": files, "sizes": all_sizes,
-                        "rows": rows, "bytes": nbytes, "time": time.time(),
-                        "writer": {"host": socket.gethostname(), "pid": os.getpid(),
-                                   "embcore_version": __version__}}
-                    fmt.commit(tmp, directory, manifest)
-                except BaseException as e:
-                    error = e
-            _all_ok(engine, error, f"committing entry {seq} of {directory}")
+            chain_id = _commit_entry(engine, directory, tmp, pub, seq, kind, entry_id,
+                                     bool(slots), rows, nbytes, files)
             published = True
         finally:
             if not published:  # nothing published: the rows go out with the next publish
@@ -263,21 +196,130 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
                     lock.release()
                 if tmp is not None and comm.rank == 0:  # (gone already once committed)
                     shutil.rmtree(tmp, ignore_errors=True)
-        if pub is None:
-            pub = _Publisher(lock, seq, entry_id, None, bool(slots), 0)
-            _publishers(engine)[key] = pub
-        pub.lock = pub.lock or lock
-        pub.seq, pub.id, pub.slots = seq, entry_id, bool(slots)
-        pub.chain = chain_id  # (process 0 writes the manifests: its value is the one used)
-        pub.used.update(used)
-        if kind == "snapshot":
-            pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
-            if comm.rank == 0:
-                fmt.retain(directory, keep_snapshots)
-        else:
-            pub.delta_bytes += nbytes
+        _remember(engine, directory, pub, lock, seq, entry_id, chain_id, kind, bool(slots),
+                  used, nbytes, keep_snapshots)
     return {"seq": seq, "kind": kind, "step": engine.step, "rows": rows, "bytes": nbytes,
             "seconds": time.perf_counter() - start}
+
+
+def _check_publish_args(slots: bool, snapshot: bool | None, keep_snapshots: int,
+                        compact_ratio: float) -> None:
+    """``publish``'s options: a TypeError or ValueError naming the one that is wrong."""
+    for arg, value, kinds in (("slots", slots, (bool,)), ("snapshot", snapshot, (bool, type(None))),
+                              ("keep_snapshots", keep_snapshots, (int,)),
+                              ("compact_ratio", compact_ratio, (int, float))):
+        if not isinstance(value, kinds) or (arg in ("keep_snapshots", "compact_ratio")
+                                            and isinstance(value, bool)):
+            raise TypeError(f"{arg} must be {' or '.join(k.__name__ for k in kinds)}, got "
+                            f"{type(value).__name__} {value!r}")
+    if keep_snapshots < 1:
+        raise ValueError(f"keep_snapshots must be an int >= 1, got {keep_snapshots!r}")
+    if not compact_ratio > 0 or compact_ratio == float("inf"):
+        raise ValueError(f"compact_ratio must be a finite number > 0, got {compact_ratio!r}")
+
+
+def _write_entry(engine: Embedding, store: Any, directory: Path, tmp: Path, kind: str,
+                 pub: _Publisher | None, slots: bool,
+                 used: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 taken: Any) -> tuple[dict[str, int], int, dict[str, Any]]:
+    """Every process writes its parts of the entry into ``tmp`` (process 0 made it); returns
+    the rows carried per table and the bytes, summed over the processes, and this process's
+    files' checksums and sizes (``{"files", "sizes"}``; with several processes also beside
+    them, for process 0)."""
+    comm = engine.comm
+    error: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            fmt.remove_stale(directory)
+            tmp.mkdir()
+        except OSError as e:
+            error = e
+    _all_ok(engine, error, f"creating {tmp}")
+    written: dict[str, dict[str, int]] = {}
+    sizes: dict[str, int] = {}
+    rows = dict.fromkeys(engine.table_names().values(), 0)
+    try:
+        chunks = _chunks_to_write(store, kind, pub, slots, rows, used, taken)
+        for i, part in enumerate(fmt.parts(chunks)):
+            name = fmt.part_name(comm.rank, i)
+            written[name] = fmt.write_part(tmp / name, part)
+            sizes[name] = os.path.getsize(tmp / name)
+        if comm.world_size > 1:  # process 0 gathers the files' checksums from these
+            (tmp / f"r{comm.rank:05d}.json").write_text(
+                json.dumps({"files": written, "sizes": sizes}), encoding="utf-8")
+    except BaseException as e:
+        error = e
+    _all_ok(engine, error, f"writing {tmp}")
+    # every process's files and counts, then process 0 commits
+    names = sorted(rows)
+    totals = summed(comm, [rows[n] for n in names] + [sum(sizes.values())], engine.device)
+    return dict(zip(names, totals[:-1])), totals[-1], {"files": written, "sizes": sizes}
+
+
+def _commit_entry(engine: Embedding, directory: Path, tmp: Path, pub: _Publisher | None,
+                  seq: int, kind: str, entry_id: str, slots: bool, rows: dict[str, int],
+                  nbytes: int, mine: dict[str, Any]) -> str | None:
+    """Process 0 gathers every process's files, writes the entry's manifest (chained to the one
+    before it) and renames ``tmp`` into place; every process learns whether it did. Returns
+    the chain's identity (process 0's: the one its manifests carry)."""
+    comm = engine.comm
+    error: BaseException | None = None
+    chain_id = pub.chain if pub is not None else None
+    if comm.rank == 0:
+        try:
+            files: dict[str, dict[str, int]] = {}
+            all_sizes: dict[str, int] = {}
+            for r in range(comm.world_size):
+                side = tmp / f"r{r:05d}.json"
+                got: dict[str, Any] = mine if r == 0 \
+                    else json.loads(side.read_text(encoding="utf-8"))
+                files.update(got["files"])
+                all_sizes.update(got["sizes"])
+                if comm.world_size > 1:
+                    side.unlink()
+            if pub is None:  # a trainer's first entry here continues its chain
+                previous, chain_id = fmt.continuation(directory)
+            else:
+                previous = {"seq": pub.seq, "id": pub.id}
+                if chain_id is None:  # (resumed from entries written before chains)
+                    chain_id = fmt.identity(fmt.entries(directory))[0]
+            chain_id = chain_id or entry_id  # (the first entry: the chain's identity)
+            manifest = {
+                "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION,
+                "seq": seq, "kind": kind, "id": entry_id, "previous": previous,
+                "chain": chain_id, "step": engine.step, "slots": slots,
+                "serving_spec": _serving_spec(engine), "engine": engine.manifest(),
+                "world_size": comm.world_size, "files": files, "sizes": all_sizes,
+                "rows": rows, "bytes": nbytes, "time": time.time(),
+                "writer": {"host": socket.gethostname(), "pid": os.getpid(),
+                           "embcore_version": __version__}}
+            fmt.commit(tmp, directory, manifest)
+        except BaseException as e:
+            error = e
+    _all_ok(engine, error, f"committing entry {seq} of {directory}")
+    return chain_id
+
+
+def _remember(engine: Embedding, directory: Path, pub: _Publisher | None,
+              lock: fmt.WriterLock | None, seq: int, entry_id: str, chain_id: str | None,
+              kind: str, slots: bool, used: dict[int, tuple[torch.Tensor, torch.Tensor]],
+              nbytes: int, keep_snapshots: int) -> None:
+    """The engine's publish state for ``directory`` after entry ``seq`` (the next publish's
+    predecessor and compaction figures); after a snapshot, process 0 removes the entries older
+    than the ``keep_snapshots``-th newest snapshot."""
+    if pub is None:
+        pub = _Publisher(lock, seq, entry_id, None, slots, 0)
+        _publishers(engine)[_key(directory)] = pub
+    pub.lock = pub.lock or lock
+    pub.seq, pub.id, pub.slots = seq, entry_id, slots
+    pub.chain = chain_id  # (process 0 writes the manifests: its value is the one used)
+    pub.used.update(used)
+    if kind == "snapshot":
+        pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
+        if engine.comm.rank == 0:
+            fmt.retain(directory, keep_snapshots)
+    else:
+        pub.delta_bytes += nbytes
 
 
 def _key(directory: Path) -> str:

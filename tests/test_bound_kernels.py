@@ -17,6 +17,7 @@ from switches import kernels
 
 import embcore as ec
 from embcore.kernels import cpu
+from embcore.ops.backend import TORCH_OPS
 from embcore.ops.bags import Bags
 from embcore.ops.combine import OutputGrads, TableCombine, combine
 from embcore.ops.update import TableUpdate, _hyper, update
@@ -127,8 +128,9 @@ def test_table_lookup_equals_lookup(dtype, n, d, unit, seed):
 @given(any_optimizer(), st.sampled_from([torch.float32, torch.bfloat16]), st.integers(1, 12),
        st.sampled_from([1, 4]), st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
 def test_table_update_equals_update(opt_case, dtype, n, d, unit, switch, seed):
-    """Every optimizer (the fused kernel's and the others'), the kernels switched off halfway
-    when ``switch``: the bound update chooses again and still equals ``update``."""
+    """Every optimizer (the fused kernel's and the others'): the bound update equals ``update``
+    on the same backend; the kernels switched off halfway (``switch``) change neither (the
+    backend is chosen once, when the update is bound)."""
     opt, lr, step = opt_case
     gen = torch.Generator().manual_seed(seed)
     table = _table(gen, n, d, dtype)
@@ -140,7 +142,8 @@ def test_table_update_equals_update(opt_case, dtype, n, d, unit, switch, seed):
         with kernels(not (switch and k == 1)):
             grad, _, _ = occurrences(gen, n, d, int(torch.randint(0, 3 * n, (1,),
                                                                   generator=gen)), unit)
-            update(table, slots, grad.dedup.unique, grad, opt, lr, step + k)
+            update(table, slots, grad.dedup.unique, grad, opt, lr, step + k,
+                   backend=bound.backend)
             bound(grad.dedup.unique, grad, lr, step + k)
         assert torch.equal(bound_table, table)
         for name, v in slots.items():
@@ -169,8 +172,9 @@ def test_table_combine_equals_combine(dtype, n, unit, seed):
     bags = grad.bags
     bound = TableCombine(table)
     assert torch.equal(bound(bags.ids, bags), combine(table, bags.ids, bags))
-    with kernels(False):  # switched off: chosen again, the torch ops
+    with kernels(False):  # switched off: the bound kernel stays, the torch ops' bits all the same
         assert torch.equal(bound(bags.ids, bags), combine(table, bags.ids, bags))
+    assert torch.equal(TableCombine(table, TORCH_OPS)(bags.ids, bags), bound(bags.ids, bags))
 
 
 def test_table_combine_of_a_differentiable_table_stays_differentiable():
