@@ -169,7 +169,7 @@ def _fast_bytes_by_hand(plan, sizes, world):
     a dynamic table's map (MAP_BYTES_PER_ROW a row); a table kept whole, its rows; an offloaded
     one, its index (where_bytes a row) and its cache's rows with INDEX_BYTES_PER_ROW each."""
     out = [0] * world
-    for i, (n, d, dyn) in enumerate(sizes):
+    for i, (_, d, dyn) in enumerate(sizes):
         t = plan.table(f"t{i}")
         p = plan.physical[t.physical]
         for r in range(world):
