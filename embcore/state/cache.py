@@ -621,11 +621,16 @@ class CachedRows:
         self.log = log
         # the rows' checksums in the files (ops/checksum.py), or None (no files)
         self.sums = slow_sums(slow["parameters"])
+        self.rows = log.rows if log is not None else slow["parameters"].shape[0]
+        # (N,) int32: each row's version, the writes of its checksum so far, which its checksum
+        # is keyed to (ops/checksum.py): in fast memory, where a stale copy of the file cannot
+        # reach it, so that the file's earlier bytes (a lost write) fail their checksums
+        self.versions = (torch.zeros(self.rows, dtype=torch.int32) if self.sums is not None
+                         else None)
         self.sealed = False  # every row's checksum is set (``seal``: at the first move)
         self._checked_whole = False  # every row checked since the last move (``drop``)
         self.broken: str | None = None  # the error of a row that failed its checksum
         self._logical = logical  # (member, its shard row) -> its logical row, for messages
-        self.rows = log.rows if log is not None else slow["parameters"].shape[0]
         if log is not None:  # (each array's byte offset in a record)
             self._field_at = dict(zip(slow, records(list(slow.values()))[1]))
         self.members = list(members)
@@ -859,7 +864,7 @@ class CachedRows:
         for a in range(0, self.rows, SEAL_ROWS):
             keys = torch.arange(a, min(a + SEAL_ROWS, self.rows))
             places = self.log.at(keys) if self.log is not None else keys
-            bad = move_summed(slow, places, None, None, keys, self.sums, verify)
+            bad = move_summed(slow, places, None, None, keys, self.sums, verify, self.versions)
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
 
@@ -886,7 +891,8 @@ class CachedRows:
         checksums (while every row's is set)."""
         if self.sums is None or not self.sealed or keys.numel() == 0:
             return
-        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True)
+        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True,
+                          self.versions)
         if bad >= 0:
             self._corrupt(int(keys[bad]))
 
@@ -909,16 +915,16 @@ class CachedRows:
             if not to_cache:
                 self.log.append(rows, {self._field_at[key]: (
                     self.table if key == "parameters" else self.slots[key], slots)
-                    for key in self.slow}, self.sums)
+                    for key in self.slow}, self.sums, self.versions)
                 return
             rows = self.log.at(rows)
         if self.sums is not None:  # moved with their checksums: set, or checked when read
             fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
             tier = list(self.slow.values())
             if not to_cache:
-                move_summed(fast, slots, tier, rows, keys, self.sums, verify=False)
+                move_summed(fast, slots, tier, rows, keys, self.sums, False, self.versions)
                 return
-            bad = move_summed(tier, rows, fast, slots, keys, self.sums, verify=True)
+            bad = move_summed(tier, rows, fast, slots, keys, self.sums, True, self.versions)
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
             return
