@@ -28,7 +28,6 @@ from embcore.config.tables import (
     INDEX_BYTES_PER_ROW,
     LOG_BYTES_PER_ROW,
     MAP_BYTES_PER_ROW,
-    VERSION_BYTES_PER_ROW,
     WHERE_BYTES_PER_ROW,
 )
 from embcore.kernels import native
@@ -46,14 +45,13 @@ def _logs(monkeypatch):
     monkeypatch.setenv(cache_module.WRITES_ENV, "log")
 
 # test_sharded's config(opt): 160 static rows, each with a place in its slow tier's log when
-# offloaded (LOG_BYTES_PER_ROW) and its checksum's version (VERSION_BYTES_PER_ROW), beside the
-# budgets below
-LOGS = 160 * (LOG_BYTES_PER_ROW + VERSION_BYTES_PER_ROW)
+# offloaded (LOG_BYTES_PER_ROW), beside the budgets below
+LOGS = 160 * LOG_BYTES_PER_ROW
 
 
 def _small(opt: str, base: int = 1500) -> int:
     """A budget whose caches hold a handful of config(opt)'s rows (``base`` bytes beside their
-    logs and versions; SGD's rows, 16 and 24 bytes, are near their index's 19: its own)."""
+    logs; SGD's rows, 16 and 24 bytes, are near their index's 15: its own)."""
     return 160 * (WHERE_BYTES_PER_ROW + LOG_BYTES_PER_ROW) + 450 if opt == "sgd" else base + LOGS
 
 
@@ -128,11 +126,11 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
         assert plan.bytes_per_rank(fast=True)[0] > budget - (row + INDEX_BYTES_PER_ROW) * 8  # full
         text = str(plan)
         assert "[slow tier, cached]" in text and "MiB per rank in fast memory" in text
-        # the fixed part (the index, whatever the cache) is said apart: 19 bytes a static row
+        # the fixed part (the index, whatever the cache) is said apart: 15 bytes a static row
         huge = next(p for p in plan.physical if "huge" in p.tables)
         fixed = huge.row_counts[0] * where_bytes(False) / 2**20
-        assert where_bytes(False) == 19
-        assert f"of which fixed, whatever the cache: {fixed:.2f} MiB (the index: 19 bytes" in text
+        assert where_bytes(False) == 15
+        assert f"of which fixed, whatever the cache: {fixed:.2f} MiB (the index: 15 bytes" in text
     # more budget, more cache
     caches = [sum(p.cache_rows[0] for p in make_plan(specs, 1, None, None, b).physical
                   if p.offloaded) for b in (80_000, 120_000)]

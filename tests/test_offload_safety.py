@@ -23,19 +23,14 @@ import torch
 from distributed import exited_pid
 
 import embcore as ec
-from embcore.config.tables import (
-    LOG_BYTES_PER_ROW,
-    MAP_BYTES_PER_ROW,
-    VERSION_BYTES_PER_ROW,
-)
+from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
 from embcore.state import cache as cache_module
 
 ROWS, DIM = 1000, 8
 # the dynamic table's map (MAP_BYTES_PER_ROW a row), both cache indexes and a cache row each (8180
-# bytes), the static table's log (LOG_BYTES_PER_ROW a row), 40 cache rows, both tables' rows'
-# versions (VERSION_BYTES_PER_ROW a row): both tables offloaded, their caches a few dozen rows
-BUDGET = (ROWS * 4 + ROWS * MAP_BYTES_PER_ROW + 8180 + 64 * 40 + ROWS * LOG_BYTES_PER_ROW
-          + 2 * ROWS * VERSION_BYTES_PER_ROW)
+# bytes), the static table's log (LOG_BYTES_PER_ROW a row), 40 cache rows: both tables
+# offloaded, their caches a few dozen rows
+BUDGET = ROWS * 4 + ROWS * MAP_BYTES_PER_ROW + 8180 + 64 * 40 + ROWS * LOG_BYTES_PER_ROW
 
 
 def _engine(offload_dir, dynamic=True):

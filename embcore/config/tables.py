@@ -51,14 +51,11 @@ INT64_MAX = 2**63 - 1  # ids, rows, steps and counts are int64 in the engine
 MAP_BYTES_PER_ROW = 49
 # Fast-memory bytes of an offloaded table's cache (state/cache_index.py) per cache row: its owner,
 # stamp, dirty and fresh flags and free-stack entry; and per row of an offloaded shard: where it
-# is cached (4) and the version its checksum is keyed to (VERSION_BYTES_PER_ROW: state/cache.py's
-# CachedRows.versions, a slow tier in files); and per row of a slow tier written as a log (a
-# static table's on the CPU, state/slow_log.py): its place (4) and the owners of its 1.5 places
-# and a segment more (7). The planner charges them all (the version's and the log's on every
-# device).
+# is cached; and per row of a slow tier written as a log (a static table's on the CPU,
+# state/slow_log.py): its place (4) and the owners of its 1.5 places and a segment more (7). The
+# planner charges them all (the log's on every device).
 INDEX_BYTES_PER_ROW = 26
-VERSION_BYTES_PER_ROW = 4
-WHERE_BYTES_PER_ROW = 4 + VERSION_BYTES_PER_ROW
+WHERE_BYTES_PER_ROW = 4
 LOG_BYTES_PER_ROW = 11
 # The most bytes a table may take: parameters (vocabulary_size * dim * the dtype's size) plus, for
 # a dynamic table, its map (MAP_BYTES_PER_ROW, per row of capacity). 2**48 bytes

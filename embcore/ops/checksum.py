@@ -12,14 +12,12 @@ that order (docs/semantics.md, tables beyond memory). Its checksum, a 32-bit num
   (FNV's prime).
 
 Each step is one-to-one in the word it adds (an odd weight, an odd multiplier), so a row with one
-word changed never keeps its checksum; nor does a row's record of an earlier version (a lost
-write: the file, or part of it, back to bytes it held before, its stored checksums with it),
-whose seed differs from the current one for fewer than 2**31 writes of the row since; nor a row
-holding another row's record of the same version (of another version: unless the versions differ
-by the one amount mod 2**31 at which the two rows' ``key + version * K`` meet, ``K`` odd); a
-zeroed row and a zero checksum never agree (``h`` stays odd). It costs a multiply-add per 4
-bytes (vectorized), summed from the bytes just copied, and the version's 4-byte read. Stored as
-int32 (the same 32 bits).
+word changed, or holding another row's record, never keeps its checksum; nor does a row's record
+of an earlier version (a lost write: the file, or part of it, back to bytes it held before, its
+stored checksums with it), whose seed differs from the current one for fewer than 2**31 writes
+of the row since; a zeroed row and a zero checksum never agree (``h`` stays odd). It costs a
+multiply-add per 4 bytes (vectorized), summed from the bytes just copied, and the version's
+4-byte read. Stored as int32 (the same 32 bits).
 """
 
 from __future__ import annotations

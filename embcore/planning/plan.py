@@ -52,8 +52,7 @@ AUTO_REPLICATE_BYTES = 1 << 20
 
 def where_bytes(dynamic: bool) -> int:
     """Fast-memory bytes an offloaded table holds for each row of its shard: where its cache
-    has it and the version its checksum is keyed to, and for a static table where its slow
-    tier's log has it (``config/tables.py``)."""
+    has it, and for a static table where its slow tier's log has it (``config/tables.py``)."""
     return WHERE_BYTES_PER_ROW + (0 if dynamic else LOG_BYTES_PER_ROW)
 
 
@@ -191,8 +190,7 @@ class ShardingPlan:
                              f"cache: {' '.join(fixed)} MiB (the index: "
                              f"{where_bytes(p.dynamic)} bytes a row of the table"
                              + ("" if p.dynamic else
-                                f", {WHERE_BYTES_PER_ROW} where cached and its checksum's "
-                                f"version + {LOG_BYTES_PER_ROW} "
+                                f", {WHERE_BYTES_PER_ROW} where cached + {LOG_BYTES_PER_ROW} "
                                 f"where logged") + ")")
         if any(p.offloaded for p in self.physical):
             fast = " ".join(f"{b / 2**20:.2f}" for b in self.bytes_per_rank(fast=True))

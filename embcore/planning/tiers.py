@@ -2,8 +2,8 @@
 
 The budget caps, per process, the bytes of the tables' rows and slots in fast memory plus the
 caches (rows, slots and ``config.tables.INDEX_BYTES_PER_ROW`` of index each, and
-``WHERE_BYTES_PER_ROW`` for each row of an offloaded table, where it is cached and its
-checksum's version, and ``LOG_BYTES_PER_ROW`` more for a static one's: ``plan.where_bytes``). Tables that fit change
+``WHERE_BYTES_PER_ROW`` for each row of an offloaded table, and
+``LOG_BYTES_PER_ROW`` more for a static one's: ``plan.where_bytes``). Tables that fit change
 nothing. Otherwise fast memory goes where it serves the most lookups:
 
 - What must stay in fast memory takes its bytes first: the maps of dynamic tables (raw ids;
