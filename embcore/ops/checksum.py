@@ -7,17 +7,18 @@ that order (docs/semantics.md, tables beyond memory). Its checksum, a 32-bit num
 - each array's row sum ``s = sum_j w_j * K * (2j + 1) mod 2**32``, over the row's bytes read as
   32-bit words ``w_j`` (native byte order, the last word zero-padded), ``K = 0x9E3779B1``;
 - ``h = 2 * (key + version * K) + 1 mod 2**32`` (``key``: the shard row; ``version``: how many
-  times its checksum was set, a count the cache holds in memory, ``CachedRows.versions``, 0 at
-  first), then ``h = (h ^ s) * P mod 2**32`` for each array's ``s`` in order, ``P = 0x01000193``
-  (FNV's prime).
+  times its checksum was set, mod 2**31, a count the cache's index holds in fast memory,
+  state/cache_index.py; 0 at first), then ``h = (h ^ s) * P mod 2**32`` for each array's
+  ``s`` in order, ``P = 0x01000193`` (FNV's prime).
 
 Each step is one-to-one in the word it adds (an odd weight, an odd multiplier), so a row with one
-word changed, or holding another row's record, never keeps its checksum; nor does a row's record
-of an earlier version (a lost write: the file, or part of it, back to bytes it held before, its
-stored checksums with it), whose seed differs from the current one for fewer than 2**31 writes
-of the row since; a zeroed row and a zero checksum never agree (``h`` stays odd). It costs a
-multiply-add per 4 bytes (vectorized), summed from the bytes just copied, and the version's
-4-byte read. Stored as int32 (the same 32 bits).
+word changed never keeps its checksum; nor does a row's record of an earlier version (a lost
+write: the file, or part of it, back to bytes it held before, its stored checksums with it),
+whose seed differs from the current one for fewer than 2**31 writes of the row since; nor a row
+holding another row's record of the same version (of another version: unless the versions differ
+by the one amount mod 2**31 at which the two rows' ``key + version * K`` meet, ``K`` odd); a
+zeroed row and a zero checksum never agree (``h`` stays odd). It costs a multiply-add per 4
+bytes (vectorized), summed from the bytes just copied. Stored as int32 (the same 32 bits).
 """
 
 from __future__ import annotations
@@ -64,11 +65,9 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
     """Moves rows with their checksums: ``dst[a][dst_rows] = src[a][src_rows]`` for every array
     ``a`` (``dst`` None: nothing moves), then ``verify``: each row's checksum must equal
     ``sums[keys]``; else ``sums[keys]`` are set to them. ``src`` / ``dst``: 2-D CPU tensors,
-    rows contiguous (the row's arrays in order); index tensors (n,) int64 (``keys`` distinct
-    where not ``verify``); ``sums`` (N,) int32 (on the CPU: the tier's; torch ops move what
-    lies elsewhere). ``versions`` ((N,) int32 by key, on the CPU, or None: all 0): each row's
-    checksum is keyed to ``versions[keys]``, which a write (not ``verify``) first advances by
-    one, so that the row's earlier bytes and checksums no longer match.
+    rows contiguous (the row's arrays in order); index tensors (n,) int64; ``sums`` (N,) int32
+    (on the CPU: the tier's; torch ops move what lies elsewhere); ``versions`` ((n,) int32 on
+    the CPU, or None: all 0) the rows' versions, which their checksums are keyed to.
 
     Returns:
         the first ``i`` whose checksum differs (``verify``), else -1.
@@ -76,8 +75,6 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
     n = src_rows.numel()
     if n == 0:
         return -1
-    if versions is not None and not verify:  # (index_add_: microseconds, not a tensor index)
-        versions.index_add_(0, keys.to(versions.device), torch.ones(n, dtype=versions.dtype))
     if native.usable(src_rows, keys, sums, *src, *(dst or ()),
                      *((versions,) if versions is not None else ())):
         acc = torch.empty(n, dtype=torch.int32)
@@ -96,7 +93,7 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
         for m, d in zip(moved, dst):
             d.index_copy_(0, dst_rows.to(d.device), m.to(d.device))
     got = row_sums([m.cpu() for m in moved], keys.cpu(),
-                   None if versions is None else versions.index_select(0, keys.cpu()))
+                   versions)
     keys = keys.to(sums.device)
     if not verify:
         sums[keys] = got

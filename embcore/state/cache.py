@@ -622,11 +622,6 @@ class CachedRows:
         # the rows' checksums in the files (ops/checksum.py), or None (no files)
         self.sums = slow_sums(slow["parameters"])
         self.rows = log.rows if log is not None else slow["parameters"].shape[0]
-        # (N,) int32: each row's version, the writes of its checksum so far, which its checksum
-        # is keyed to (ops/checksum.py): in fast memory, where a stale copy of the file cannot
-        # reach it, so that the file's earlier bytes (a lost write) fail their checksums
-        self.versions = (torch.zeros(self.rows, dtype=torch.int32) if self.sums is not None
-                         else None)
         self.sealed = False  # every row's checksum is set (``seal``: at the first move)
         self._checked_whole = False  # every row checked since the last move (``drop``)
         self.broken: str | None = None  # the error of a row that failed its checksum
@@ -670,6 +665,13 @@ class CachedRows:
             else CacheIndex(self.rows, capacity, self._bounds))
         if old is not None:
             self.index.counts.copy_(old.counts)
+        if isinstance(old, CacheIndex) and isinstance(self.index, CacheIndex):
+            # the rows' versions carry over (all out of the new cache: in ``where``)
+            self.index.where.copy_(old.where)
+            held = torch.nonzero(old.owner >= 0).flatten()
+            if held.numel():
+                self.index.where.index_copy_(0, old.owner.index_select(0, held),
+                                             -1 - old.version.index_select(0, held))
 
     @property
     def read_rows(self) -> int:
@@ -864,7 +866,8 @@ class CachedRows:
         for a in range(0, self.rows, SEAL_ROWS):
             keys = torch.arange(a, min(a + SEAL_ROWS, self.rows))
             places = self.log.at(keys) if self.log is not None else keys
-            bad = move_summed(slow, places, None, None, keys, self.sums, verify, self.versions)
+            bad = move_summed(slow, places, None, None, keys, self.sums, verify,
+                              self._versions(keys, write=not verify))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
 
@@ -892,9 +895,25 @@ class CachedRows:
         if self.sums is None or not self.sealed or keys.numel() == 0:
             return
         bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True,
-                          self.versions)
+                          self._versions(keys))
         if bad >= 0:
             self._corrupt(int(keys[bad]))
+
+    def _versions(self, keys: torch.Tensor, write: bool = False) -> torch.Tensor | None:
+        """(n,) int32: the versions of shard rows ``keys`` (n,) int64, which their checksums are
+        keyed to (ops/checksum.py), kept by the index (state/cache_index.py), or None (no
+        checksums). ``write``: for checksums about to be set (distinct rows), each advanced by
+        one (mod 2**31) first, so that the row's earlier bytes, with the checksum they had, no
+        longer match (a lost write)."""
+        if self.sums is None:
+            return None
+        index = self.index
+        assert isinstance(index, CacheIndex)  # (a tier with checksums: the index on the CPU)
+        v = index.versions(keys)
+        if write:
+            v = (v + 1) & 0x7FFFFFFF
+            index.set_versions(keys, v)
+        return v
 
     def _advise(self, rows: torch.Tensor) -> None:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
@@ -915,16 +934,17 @@ class CachedRows:
             if not to_cache:
                 self.log.append(rows, {self._field_at[key]: (
                     self.table if key == "parameters" else self.slots[key], slots)
-                    for key in self.slow}, self.sums, self.versions)
+                    for key in self.slow}, self.sums, self._versions(keys, write=True))
                 return
             rows = self.log.at(rows)
         if self.sums is not None:  # moved with their checksums: set, or checked when read
             fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
             tier = list(self.slow.values())
             if not to_cache:
-                move_summed(fast, slots, tier, rows, keys, self.sums, False, self.versions)
+                move_summed(fast, slots, tier, rows, keys, self.sums, False,
+                            self._versions(keys, write=True))
                 return
-            bad = move_summed(tier, rows, fast, slots, keys, self.sums, True, self.versions)
+            bad = move_summed(tier, rows, fast, slots, keys, self.sums, True, self._versions(keys))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
             return

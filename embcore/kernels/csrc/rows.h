@@ -71,9 +71,8 @@ namespace {
 constexpr uint32_t kSumWeight = 0x9E3779B1u;
 constexpr uint32_t kSumPrime = 0x01000193u;
 
-inline uint32_t sum_seed(i64 key, const int32_t* versions) {
-  const uint32_t v = versions != nullptr ? uint32_t(versions[key]) : 0u;
-  return uint32_t(uint64_t(key) * 2u + 1u) + v * (2u * kSumWeight);
+inline uint32_t sum_seed(i64 key, uint32_t version) {
+  return uint32_t(uint64_t(key) * 2u + 1u) + version * (2u * kSumWeight);
 }
 
 inline uint32_t row_sum(const char* p, i64 bytes) {
@@ -100,11 +99,11 @@ extern "C" {
 // One array's part of a move of rows with their checksums: for i < n, when copy,
 // dst[dst_rows[i]] = src[src_rows[i]] (row_bytes long, rows src_stride / dst_stride bytes apart),
 // and the row's bytes are folded into its checksum acc[i] (first: started from keys[i] and its
-// version versions[keys[i]], 0 where versions is null; else going on from acc[i]). The last
+// version versions[i], 0 where versions is null; else going on from acc[i]). The last
 // array's call passes sums (indexed by keys): verify, each sums[keys[i]] must equal acc[i]; else
 // it is set to acc[i]. Returns the lowest i whose checksum differs (verify), else -1. The rows ahead are prefetched, and so are their checksums in sums
 // (a random 4-byte read each, in a file as large as the rows': otherwise a cache miss and a page
-// walk a row that nothing overlaps) and their versions.
+// walk a row that nothing overlaps).
 i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, char* dst,
                         i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int copy,
                         const i64* keys, const int32_t* versions, int32_t* acc, int first,
@@ -121,7 +120,6 @@ i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, ch
           prefetch_write(reinterpret_cast<const float*>(dst + dst_rows[i + kPrefetch] * dst_stride),
                          row_bytes / 4);
         if (sums != nullptr) __builtin_prefetch(sums + keys[i + kPrefetch], 0, 1);
-        if (first && versions != nullptr) __builtin_prefetch(versions + keys[i + kPrefetch], 0, 1);
       }
       const char* row = src + src_rows[i] * src_stride;
       if (copy) {  // (summed where it was written: in this core's cache)
@@ -129,7 +127,9 @@ i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, ch
         std::memcpy(to, row, size_t(row_bytes));
         row = to;
       }
-      const uint32_t h0 = first ? sum_seed(keys[i], versions) : uint32_t(acc[i]);
+      const uint32_t h0 =
+          first ? sum_seed(keys[i], versions != nullptr ? uint32_t(versions[i]) : 0u)
+                : uint32_t(acc[i]);
       const uint32_t h = (h0 ^ row_sum(row, row_bytes)) * kSumPrime;
       if (sums == nullptr) {
         acc[i] = int32_t(h);

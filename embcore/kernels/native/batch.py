@@ -238,7 +238,7 @@ _COPY_ROWS_SUMMED = Kernel("ec_copy_rows_summed", INT64, [
     ("row_bytes", INT64),
     ("copy", INT),
     ("keys", read(I64)),              # (n,) the rows' shard rows
-    ("versions", read(I32, optional=True)),  # (N,) each shard row's version (first), or None
+    ("versions", read(I32, optional=True)),  # (n,) the rows' versions (first), or None
     ("acc", written(I32)),            # (n,) the checksums so far
     ("first", INT),
     ("sums", written(I32, optional=True)),  # (N,) the tier's checksums, by shard row
@@ -254,7 +254,7 @@ def copy_rows_summed(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tenso
     """One array's part of a move of rows with their checksums (ops/checksum.py): ``dst[dst_rows]
     = src[src_rows]`` unless ``dst`` is None, and each row's bytes folded into its checksum
     ``acc`` ((n,) int32; ``first``: started from its key ``keys[i]``, the shard row, and its
-    version ``versions[keys[i]]``, (N,) int32, 0 where ``versions`` is None). The last
+    version ``versions[i]``, (n,) int32, 0 where ``versions`` is None). The last
     array's call passes ``sums`` ((N,) int32, by key): ``verify``, each must equal its row's
     checksum, else it is set to it. Returns the first row (of ``src_rows``' order) whose checksum
     differs, or -1. 2-D CPU tensors of one dtype and width, rows contiguous; index tensors (n,)
@@ -265,7 +265,7 @@ def copy_rows_summed(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tenso
         dst, dst_rows = src, src_rows
     return int(_COPY_ROWS_SUMMED.call(
         (src, None), src.stride(0) * size, (src_rows, None), (dst, src), dst.stride(0) * size,
-        (dst_rows, n), n, src.shape[-1] * size, int(copy), (keys, n), (versions, None),
+        (dst_rows, n), n, src.shape[-1] * size, int(copy), (keys, n), (versions, n),
         (acc, n), int(first),
         (sums, None), int(verify), threads()))
 

@@ -28,6 +28,7 @@ _CACHE_STEP = Kernel("ec_cache_step", INT64, [
     ("stamp", written(I64)),          # (C,)
     ("dirty", written(U8)),           # (C,)
     ("fresh", written(U8)),           # (C,)
+    ("version", written(I32)),        # (C,) the version of each cache row's row
     ("free_rows", written(I64)),      # (C,) a stack of the free cache rows
     ("capacity", INT64),
     ("clock", INT64),
@@ -46,9 +47,9 @@ _CACHE_STEP = Kernel("ec_cache_step", INT64, [
 
 
 def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor,
-               dirty: torch.Tensor, fresh: torch.Tensor, free: torch.Tensor, n_free: int,
-               clock: int, spare: int, bounds: torch.Tensor | None,
-               counts: torch.Tensor | None
+               dirty: torch.Tensor, fresh: torch.Tensor, version: torch.Tensor,
+               free: torch.Tensor, n_free: int, clock: int, spare: int,
+               bounds: torch.Tensor | None, counts: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           int, int] | None:
     """One step of a cache's index (``ec_cache_step`` in ``csrc/cache_index.h``;
@@ -71,7 +72,8 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
     io = (ctypes.c_int64 * 4)(n_free, 0, 0, 0)
     n_bounds = 0 if bounds is None else bounds.numel()
     rc = _CACHE_STEP.call((rows, None), n, (where, None), (owner, None), (stamp, c),
-                          (dirty, c), (fresh, c), (free, c), c, clock, spare, (slots, n),
+                          (dirty, c), (fresh, c), (version, c), (free, c), c, clock, spare,
+                          (slots, n),
                           (miss_rows, n), (miss_slots, n), (out_rows, most), (out_slots, most),
                           (bounds, None), n_bounds, (counts, 3 * (n_bounds + 1)), io,
                           threads())
