@@ -471,7 +471,7 @@ def test_dynamic_tables_in_the_slow_tier_pipelined_and_through_checkpoints(tmp_p
     _run(emb, batches[:6])
     ec.save(tmp_path / "ck", emb)
     outs = []
-    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 100):
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 110):
         other = _raw_engine("adagrad", budget)
         ec.load(tmp_path / "ck", other)
         outs.append((_run(other, batches[6:]), _state(other)))
