@@ -92,8 +92,7 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
         assert dst_rows is not None
         for m, d in zip(moved, dst):
             d.index_copy_(0, dst_rows.to(d.device), m.to(d.device))
-    got = row_sums([m.cpu() for m in moved], keys.cpu(),
-                   versions)
+    got = row_sums([m.cpu() for m in moved], keys.cpu(), versions)
     keys = keys.to(sums.device)
     if not verify:
         sums[keys] = got

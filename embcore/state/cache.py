@@ -610,7 +610,10 @@ class CachedRows:
     The files under the slow tier (``SlowFile``: those of ``slow_tensor`` and ``slow_records``)
     are checked before every move of rows to or from them, and before a read of them or the
     cache emptied (``check_files``): a file truncated, removed or replaced by another process
-    is a RuntimeError naming it, not a SIGBUS.
+    is a RuntimeError naming it, not a SIGBUS. Their rows carry checksums (ops/checksum.py),
+    set when written, checked when read, each keyed to its row's version, which the index keeps
+    in fast memory and a write advances (``_versions``): bytes changed in a file, or put back
+    to what they were before a write (a lost write), are a RuntimeError naming the row.
     """
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
@@ -621,11 +624,11 @@ class CachedRows:
         self.log = log
         # the rows' checksums in the files (ops/checksum.py), or None (no files)
         self.sums = slow_sums(slow["parameters"])
-        self.rows = log.rows if log is not None else slow["parameters"].shape[0]
         self.sealed = False  # every row's checksum is set (``seal``: at the first move)
         self._checked_whole = False  # every row checked since the last move (``drop``)
         self.broken: str | None = None  # the error of a row that failed its checksum
         self._logical = logical  # (member, its shard row) -> its logical row, for messages
+        self.rows = log.rows if log is not None else slow["parameters"].shape[0]
         if log is not None:  # (each array's byte offset in a record)
             self._field_at = dict(zip(slow, records(list(slow.values()))[1]))
         self.members = list(members)

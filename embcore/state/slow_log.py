@@ -119,7 +119,7 @@ class RecordLog:
         the (k,) int64 rows of it to take). Their old records become free. With ``sums`` (the
         rows' checksums, (rows,) int32: ops/checksum.py), the rows' checksums are set there,
         summed from the records written (the fields in order, one ``at`` for all), keyed to
-        their ``versions`` ((rows,) int32, advanced by one: ``move_summed``)."""
+        the rows' ``versions`` ((k,) int32, or None: 0)."""
         k = rows.numel()
         if k == 0:
             return
