@@ -115,7 +115,7 @@ def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
     model = Model(rows, capacity, bounds)
     versions = {}  # shard row -> its version (0 where not set)
     for asked, count, spare, marked, flag, set_versions in steps:
-        versions.update(set_versions)
+        versions.update({r: (v + 1) % 2**31 for r, v in set_versions})  # (set, then advanced)
         want = model.step(asked, count, spare)
         for i in marked:
             getattr(model, flag)[want[0][i]] = True
@@ -126,9 +126,11 @@ def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
                 if marked:  # the engine marks updated (dirty) and renewed (fresh) rows
                     index.mark(getattr(index, flag), got.slots[torch.tensor(marked)])
                 if set_versions:  # (the engine's writes of rows' checksums)
-                    index.set_versions(torch.tensor([r for r, _ in set_versions]),
-                                       torch.tensor([v for _, v in set_versions],
-                                                    dtype=torch.int32))
+                    at = torch.tensor([r for r, _ in set_versions])
+                    index.set_versions(at, torch.tensor([v for _, v in set_versions],
+                                                        dtype=torch.int32))
+                    assert index.versions(at, advance=True).tolist() == [
+                        versions[r] for r, _ in set_versions]
             assert index.versions(torch.arange(rows)).tolist() == [
                 versions.get(r, 0) for r in range(rows)]
             assert index.counts.tolist() == model.counts

@@ -1143,6 +1143,9 @@ def boundary_cases():
                                                            r"elements, got 9")),
         "cache_step n_free beyond the cache": (cache_step(n_free=5), ValueError,
                                                r"n_free must lie in \[0, 4\]"),
+        "row_versions version int64": (
+            lambda: native.row_versions(cache["where"], torch.zeros(4, dtype=i64), rows, True),
+            TypeError, r"ec_row_versions: argument 'version' must be torch.int32"),
         "set_flags flags int64": (lambda: native.set_flags(torch.zeros(4, dtype=i64), rows, True),
                                   TypeError, r"ec_set_flags: argument 'flags' must be"),
         "vocab_find slots empty": (vocab_find(slots=torch.zeros(0, dtype=i64)), ValueError,

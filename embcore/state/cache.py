@@ -912,11 +912,7 @@ class CachedRows:
             return None
         index = self.index
         assert isinstance(index, CacheIndex)  # (a tier with checksums: the index on the CPU)
-        v = index.versions(keys)
-        if write:
-            v = (v + 1) & 0x7FFFFFFF
-            index.set_versions(keys, v)
-        return v
+        return index.versions(keys, advance=write)
 
     def _advise(self, rows: torch.Tensor) -> None:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole

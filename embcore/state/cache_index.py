@@ -141,11 +141,19 @@ class CacheIndex:
         self.fresh[miss_slots] = False
         return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
 
-    def versions(self, rows: torch.Tensor) -> torch.Tensor:
-        """(n,) int32: the versions of shard rows ``rows`` ((n,) int64 CPU), cached or not."""
+    def versions(self, rows: torch.Tensor, advance: bool = False) -> torch.Tensor:
+        """(n,) int32: the versions of distinct shard rows ``rows`` ((n,) int64 CPU), cached or
+        not; ``advance``: each first advanced by one (mod 2**31) and kept (a write of the
+        rows' checksums). On the kernels (``native.row_versions``), else torch ops."""
+        if native.usable(rows):
+            return native.row_versions(self.where, self.version, rows.contiguous(), advance)
         w = self.where.index_select(0, rows)  # (n,) cache rows, or -1 - v
         held = self.version.index_select(0, w.clamp(min=0).to(torch.int64))
-        return torch.where(w >= 0, held, -1 - w)
+        v = torch.where(w >= 0, held, -1 - w)
+        if advance:
+            v = (v + 1) & 0x7FFFFFFF
+            self.set_versions(rows, v)
+        return v
 
     def set_versions(self, rows: torch.Tensor, versions: torch.Tensor) -> None:
         """Sets the versions of distinct shard rows ``rows`` ((n,) int64 CPU) to ``versions``

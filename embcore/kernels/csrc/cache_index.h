@@ -239,6 +239,27 @@ i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* 
   return 0;
 }
 
+// The versions of distinct shard rows keys[i] (i < n; where and version as in ec_cache_step:
+// version[where[r]] for a cached row, else -1 - where[r]) into out[i]; advance: each first
+// advanced by one (mod 2^31) and kept there. One pass; the rows' entries prefetched ahead.
+void ec_row_versions(int32_t* where, int32_t* version, const i64* keys, i64 n, int32_t* out,
+                     int advance) {
+  for (i64 i = 0; i < n; ++i) {
+    if (i + kPrefetch < n) __builtin_prefetch(where + keys[i + kPrefetch], 1);
+    const i64 r = keys[i];
+    const int32_t w = where[r];
+    int32_t v = w >= 0 ? version[w] : -1 - w;
+    if (advance) {
+      v = int32_t((uint32_t(v) + 1u) & 0x7FFFFFFFu);
+      if (w >= 0)
+        version[w] = v;
+      else
+        where[r] = -1 - v;
+    }
+    out[i] = v;
+  }
+}
+
 // flags[idx[i]] = value for i < n.
 void ec_set_flags(uint8_t* flags, const i64* idx, i64 n, int value) {
   for (i64 i = 0; i < n; ++i) flags[idx[i]] = uint8_t(value);

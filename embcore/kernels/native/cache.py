@@ -83,6 +83,28 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
     return (slots, miss_rows[:m], miss_slots[:m], out_rows[:o], out_slots[:o], io[0], io[3])
 
 
+_ROW_VERSIONS = Kernel("ec_row_versions", None, [
+    ("where", written(I32)),          # (N,) cache rows, or -1 - version
+    ("version", written(I32)),        # (C,)
+    ("keys", read(I64)),              # (n,) distinct shard rows
+    ("n", INT64),
+    ("out", written(I32)),            # (n,)
+    ("advance", INT),
+])
+
+
+def row_versions(where: torch.Tensor, version: torch.Tensor, keys: torch.Tensor,
+                 advance: bool) -> torch.Tensor:
+    """(n,) int32: the versions of distinct shard rows ``keys`` ((n,) int64, contiguous, in
+    range) in a cache index's ``where`` and ``version`` (``ec_row_versions``; the torch-ops twin
+    is ``CacheIndex.versions``); ``advance``: each first advanced by one (mod 2**31), and
+    kept."""
+    n = keys.numel()
+    out = torch.empty(n, dtype=torch.int32)
+    _ROW_VERSIONS.call((where, None), (version, None), (keys, n), n, (out, n), int(advance))
+    return out
+
+
 _SET_FLAGS = Kernel("ec_set_flags", None, [
     ("flags", written(U8)),           # (C,)
     ("idx", read(I64)),               # (n,)
