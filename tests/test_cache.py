@@ -162,23 +162,58 @@ def test_plan_moves_the_largest_tables_and_sizes_their_caches():
     assert max(two.bytes_per_rank(fast=True)) <= 45_000
 
 
+def _fast_bytes_by_hand(plan, sizes, world):
+    """Each process's fast-memory bytes of a plan of ``sizes``' tables (Adagrad, float32: a row
+    is its parameters and its accumulators, 8 bytes a column), counted from the rows it holds
+    and the documented charges (docs/semantics.md, tables beyond memory), not by the planner:
+    a dynamic table's map (MAP_BYTES_PER_ROW a row); a table kept whole, its rows; an offloaded
+    one, its index (where_bytes a row) and its cache's rows with INDEX_BYTES_PER_ROW each."""
+    out = [0] * world
+    for i, (_, d, dyn) in enumerate(sizes):
+        t = plan.table(f"t{i}")
+        p = plan.physical[t.physical]
+        for r in range(world):
+            held = t.row_counts[r]
+            out[r] += held * (MAP_BYTES_PER_ROW if dyn else 0)
+            if p.offloaded:
+                out[r] += held * (WHERE_BYTES_PER_ROW + (0 if dyn else LOG_BYTES_PER_ROW))
+            else:
+                out[r] += held * 8 * d
+    for p in plan.physical:
+        if p.offloaded:
+            for r in range(world):
+                out[r] += p.cache_rows[r] * (8 * p.dim + INDEX_BYTES_PER_ROW)
+    return out
+
+
 @settings(max_examples=examples(80), deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 3000), st.sampled_from([1, 4, 8]), st.booleans()),
                       min_size=1, max_size=5),
-       budget=st.integers(0, 150_000), world=st.sampled_from([1, 2]),
+       permille=st.one_of(st.integers(0, 1100), st.integers(940, 1010)),
+       world=st.sampled_from([1, 2]),
        strategy=st.sampled_from([None, "row_div", "row_mod", "table"]))
-def test_a_plan_fits_its_budget_or_raises(sizes, budget, world, strategy):
+def test_a_plan_fits_its_budget_or_raises(sizes, permille, world, strategy):
     """Property: whatever the tables (some dynamic) and budget, the plan's fast memory (tables,
-    caches with their index, maps) fits the budget on every process, or the planner raises."""
+    caches with their index, maps), counted by hand from the rows each process holds, fits the
+    budget on every process, and every offloaded table has a cache row where it has rows; or the
+    planner raises, and then the tables held whole are over the budget somewhere."""
     specs = [(f"t{i}", ec.TableConfig(vocabulary_size=n, dim=d, name=f"t{i}",
                                       dynamic=ec.DynamicVocabulary() if dyn else None),
               ec.Adagrad(learning_rate=0.1)) for i, (n, d, dyn) in enumerate(sizes)]
+    whole = make_plan(specs, world, strategy)  # (the same placement, nothing offloaded)
+    held_whole = max(_fast_bytes_by_hand(whole, sizes, world))
+    budget = held_whole * permille // 1000  # (a share of it: most plans offload something)
     try:
         plan = make_plan(specs, world, strategy, None, budget)
     except ValueError as e:
         assert "below what must stay in fast memory" in str(e)
+        assert held_whole > budget  # (else: nothing moves)
         return
-    assert max(plan.bytes_per_rank(fast=True)) <= budget
+    fast = _fast_bytes_by_hand(plan, sizes, world)
+    assert max(fast) <= budget, (fast, budget)
+    for p in plan.physical:
+        if p.offloaded:
+            assert all(p.cache_rows[r] >= 1 for r in range(world) if p.row_counts[r])
 
 
 def test_planner_follows_the_lookup_curves():
@@ -436,7 +471,7 @@ def test_dynamic_tables_in_the_slow_tier_pipelined_and_through_checkpoints(tmp_p
     _run(emb, batches[:6])
     ec.save(tmp_path / "ck", emb)
     outs = []
-    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 100):
+    for budget in (None, 40 * MAP_BYTES_PER_ROW + RAW_INDEX + 110):
         other = _raw_engine("adagrad", budget)
         ec.load(tmp_path / "ck", other)
         outs.append((_run(other, batches[6:]), _state(other)))

@@ -15,7 +15,7 @@ from switches import kernels
 from embcore.kernels import cpu
 from embcore.state.cache_index import CacheIndex, Step
 
-STATE = ("where", "owner", "stamp", "dirty", "fresh")
+STATE = ("where", "owner", "stamp", "dirty", "fresh", "version")
 
 
 class Model:
@@ -85,7 +85,10 @@ def runs(draw):
         steps.append((asked, draw(st.booleans()), draw(st.integers(0, capacity)),
                       draw(st.lists(st.integers(0, len(asked) - 1), max_size=4))
                       if asked else [],
-                      draw(st.sampled_from(["dirty", "fresh"]))))
+                      draw(st.sampled_from(["dirty", "fresh"])),
+                      draw(st.lists(st.tuples(st.integers(0, rows - 1),
+                                              st.sampled_from([1, 2, 7, 2**31 - 1])),
+                                    max_size=4, unique_by=lambda t: t[0]))))
     return rows, capacity, bounds, steps
 
 
@@ -102,12 +105,17 @@ def _check_step(index, got, want):
 @settings(max_examples=examples(150), deadline=None)
 @given(runs())
 def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
+    """... and each row keeps the version last set for it (0 at first: a dict, the oracle),
+    whether cached, evicted or read in since (the index moves it between ``where`` and the
+    cache row's ``version``)."""
     rows, capacity, bounds, steps = run
     indexes = {"torch": CacheIndex(rows, capacity, bounds)}
     if cpu.available():
         indexes["native"] = CacheIndex(rows, capacity, bounds)
     model = Model(rows, capacity, bounds)
-    for asked, count, spare, marked, flag in steps:
+    versions = {}  # shard row -> its version (0 where not set)
+    for asked, count, spare, marked, flag, set_versions in steps:
+        versions.update({r: (v + 1) % 2**31 for r, v in set_versions})  # (set, then advanced)
         want = model.step(asked, count, spare)
         for i in marked:
             getattr(model, flag)[want[0][i]] = True
@@ -117,6 +125,14 @@ def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
                 _check_step(index, got, want)
                 if marked:  # the engine marks updated (dirty) and renewed (fresh) rows
                     index.mark(getattr(index, flag), got.slots[torch.tensor(marked)])
+                if set_versions:  # (the engine's writes of rows' checksums)
+                    at = torch.tensor([r for r, _ in set_versions])
+                    index.set_versions(at, torch.tensor([v for _, v in set_versions],
+                                                        dtype=torch.int32))
+                    assert index.versions(at, advance=True).tolist() == [
+                        versions[r] for r, _ in set_versions]
+            assert index.versions(torch.arange(rows)).tolist() == [
+                versions.get(r, 0) for r in range(rows)]
             assert index.counts.tolist() == model.counts
             assert index.n_free == len(model.free)
             assert index.free[:index.n_free].tolist() == model.free

@@ -115,3 +115,22 @@ def test_the_gpu_maps_study_runs():
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for line in ("find, load 0.5", "training step of", "raw ids (LRU", "budget"):
         assert line in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("capacity", [1, 6, 100, 3000])
+def test_the_hash_index_is_rebuilt_before_three_quarters_of_its_slots_fill(capacity):
+    """``DeviceHash.due(n)``: a rebuild is due exactly when ``n`` more keys could take the
+    slots not empty past three quarters of them (state/device_hash.py; the bound on slots not
+    empty is ``filled``). Nothing here runs a kernel."""
+    from embcore.state.device_hash import DeviceHash
+
+    index = DeviceHash(capacity, torch.zeros(capacity, dtype=torch.int64))
+    slots = index.slots
+    assert slots >= 2 * capacity and slots & (slots - 1) == 0
+    quarter3 = slots * 3 // 4  # (slots is a power of two, at least 16: exact)
+    assert quarter3 * 4 == slots * 3
+    assert not index.due(0) and not index.due(quarter3) and index.due(quarter3 + 1)
+    index.filled = 5
+    assert not index.due(quarter3 - 5) and index.due(quarter3 - 4)
+    index.filled = quarter3
+    assert not index.due(0) and index.due(1)

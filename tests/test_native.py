@@ -1050,6 +1050,7 @@ def boundary_cases():
     cache = {"where": torch.full((20,), -1, dtype=torch.int32),
              "owner": torch.full((4,), -1, dtype=i64), "stamp": torch.zeros(4, dtype=i64),
              "dirty": torch.zeros(4, dtype=torch.bool), "fresh": torch.zeros(4, dtype=torch.bool),
+             "version": torch.zeros(4, dtype=torch.int32),
              "free": torch.arange(3, -1, -1), "n_free": 4, "clock": 1, "spare": 0,
              "bounds": torch.tensor([10]), "counts": torch.zeros(3, 2, dtype=i64)}
     vocab = {"slots": torch.full((8,), -1, dtype=i64), "row_key": torch.zeros(4, dtype=i64),
@@ -1176,6 +1177,16 @@ def boundary_cases():
         "copy_rows dst_rows short": (
             lambda: cpu.copy_rows(table, rows, torch.zeros(5, 4), rows[:1]),
             ValueError, r"argument 'dst_rows' must be of 2 elements, got 1"),
+        "copy_rows_summed versions short": (
+            lambda: cpu.copy_rows_summed(table, rows, None, None, rows,
+                                            torch.zeros(2, dtype=torch.int32), True,
+                                            versions=torch.zeros(1, dtype=torch.int32)),
+            ValueError, r"ec_copy_rows_summed: argument 'versions' must be of 2 elements"),
+        "copy_rows_summed versions int64": (
+            lambda: cpu.copy_rows_summed(table, rows, None, None, rows,
+                                            torch.zeros(2, dtype=torch.int32), True,
+                                            versions=torch.zeros(2, dtype=i64)),
+            TypeError, r"argument 'versions' must be torch.int32"),
         "will_need rows int32": (lambda: cpu.will_need(table, rows.int()),
                                  TypeError, r"ec_will_need: argument 'rows' must be torch.int64"),
         "cache_step where int64": (cache_step(where=torch.full((20,), -1, dtype=i64)),
@@ -1186,11 +1197,18 @@ def boundary_cases():
                                               r"torch.bool")),
         "cache_step stamp short": (cache_step(stamp=torch.zeros(3, dtype=i64)),
                                    ValueError, r"argument 'stamp' must be of 4 elements, got 3"),
+        "cache_step version int64": (cache_step(version=torch.zeros(4, dtype=i64)),
+                                     TypeError, r"argument 'version' must be torch.int32"),
+        "cache_step version short": (cache_step(version=torch.zeros(3, dtype=torch.int32)),
+                                     ValueError, r"argument 'version' must be of 4 elements"),
         "cache_step counts of other members": (cache_step(counts=torch.zeros(3, 3, dtype=i64)),
                                                ValueError, (r"argument 'counts' must be of 6 "
                                                            r"elements, got 9")),
         "cache_step n_free beyond the cache": (cache_step(n_free=5), ValueError,
                                                r"n_free must lie in \[0, 4\]"),
+        "row_versions version int64": (
+            lambda: cpu.row_versions(cache["where"], torch.zeros(4, dtype=i64), rows, True),
+            TypeError, r"ec_row_versions: argument 'version' must be torch.int32"),
         "set_flags flags int64": (lambda: cpu.set_flags(torch.zeros(4, dtype=i64), rows, True),
                                   TypeError, r"ec_set_flags: argument 'flags' must be"),
         "vocab_find slots empty": (vocab_find(slots=torch.zeros(0, dtype=i64)), ValueError,

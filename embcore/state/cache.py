@@ -614,7 +614,10 @@ class CachedRows:
     The files under the slow tier (``SlowFile``: those of ``slow_tensor`` and ``slow_records``)
     are checked before every move of rows to or from them, and before a read of them or the
     cache emptied (``check_files``): a file truncated, removed or replaced by another process
-    is a RuntimeError naming it, not a SIGBUS.
+    is a RuntimeError naming it, not a SIGBUS. Their rows carry checksums (ops/checksum.py),
+    set when written, checked when read, each keyed to its row's version, which the index keeps
+    in fast memory and a write advances (``_versions``): bytes changed in a file, or put back
+    to what they were before a write (a lost write), are a RuntimeError naming the row.
     """
 
     def __init__(self, name: str, slow: dict[str, torch.Tensor], capacity: int,
@@ -670,6 +673,13 @@ class CachedRows:
             else CacheIndex(self.rows, capacity, self._bounds))
         if old is not None:
             self.index.counts.copy_(old.counts)
+        if isinstance(old, CacheIndex) and isinstance(self.index, CacheIndex):
+            # the rows' versions carry over (all out of the new cache: in ``where``)
+            self.index.where.copy_(old.where)
+            held = torch.nonzero(old.owner >= 0).flatten()
+            if held.numel():
+                self.index.where.index_copy_(0, old.owner.index_select(0, held),
+                                             -1 - old.version.index_select(0, held))
 
     @property
     def read_rows(self) -> int:
@@ -864,7 +874,8 @@ class CachedRows:
         for a in range(0, self.rows, SEAL_ROWS):
             keys = torch.arange(a, min(a + SEAL_ROWS, self.rows))
             places = self.log.at(keys) if self.log is not None else keys
-            bad = move_summed(slow, places, None, None, keys, self.sums, verify)
+            bad = move_summed(slow, places, None, None, keys, self.sums, verify,
+                              self._versions(keys, write=not verify))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
 
@@ -891,9 +902,22 @@ class CachedRows:
         checksums (while every row's is set)."""
         if self.sums is None or not self.sealed or keys.numel() == 0:
             return
-        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True)
+        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True,
+                          self._versions(keys))
         if bad >= 0:
             self._corrupt(int(keys[bad]))
+
+    def _versions(self, keys: torch.Tensor, write: bool = False) -> torch.Tensor | None:
+        """(n,) int32: the versions of shard rows ``keys`` (n,) int64, which their checksums are
+        keyed to (ops/checksum.py), kept by the index (state/cache_index.py), or None (no
+        checksums). ``write``: for checksums about to be set (distinct rows), each advanced by
+        one (mod 2**31) first, so that the row's earlier bytes, with the checksum they had, no
+        longer match (a lost write)."""
+        if self.sums is None:
+            return None
+        index = self.index
+        assert isinstance(index, CacheIndex)  # (a tier with checksums: the index on the CPU)
+        return index.versions(keys, advance=write)
 
     def _advise(self, rows: torch.Tensor) -> None:
         """Asks for the pages of shard rows ``rows`` of every slow-tier file (a record's whole
@@ -914,16 +938,17 @@ class CachedRows:
             if not to_cache:
                 self.log.append(rows, {self._field_at[key]: (
                     self.table if key == "parameters" else self.slots[key], slots)
-                    for key in self.slow}, self.sums)
+                    for key in self.slow}, self.sums, self._versions(keys, write=True))
                 return
             rows = self.log.at(rows)
         if self.sums is not None:  # moved with their checksums: set, or checked when read
             fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
             tier = list(self.slow.values())
             if not to_cache:
-                move_summed(fast, slots, tier, rows, keys, self.sums, verify=False)
+                move_summed(fast, slots, tier, rows, keys, self.sums, False,
+                            self._versions(keys, write=True))
                 return
-            bad = move_summed(tier, rows, fast, slots, keys, self.sums, verify=True)
+            bad = move_summed(tier, rows, fast, slots, keys, self.sums, True, self._versions(keys))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
             return

@@ -1,12 +1,16 @@
 """The index of a write-back cache (cache.py): which cache row holds which shard row.
 
 A shard of ``N`` rows has a cache of ``C`` rows. The index is direct: ``where`` (N,) int32 holds
-each shard row's cache row, or -1, so a step finds a row with one read (4 bytes a shard row, the
-price of a hash map's probes saved on every lookup). Per cache row: ``owner`` (the shard row it
-holds, or -1), ``stamp`` (the clock of its last use; ``FREE_STAMP`` when free), ``dirty``
-(updated since read: written back before it is given to another row) and ``fresh`` (given to a
-new id of a dynamic table and not looked up since: counted as new, not as a hit). The free cache
-rows form a stack.
+each shard row's cache row, or ``-1 - v`` for a row not cached, so a step finds a row with one
+read (4 bytes a shard row, the price of a hash map's probes saved on every lookup). ``v`` is the
+row's **version** (0 to 2**31 - 1), which its checksum in the slow tier is keyed to (cache.py,
+ops/checksum.py): the index keeps it for the cache, in ``where`` while the row is not cached and
+in ``version`` (per cache row) while it is, and moves it between them (a miss takes it, an
+eviction gives it back), so that versions cost no memory per shard row. Per cache row: ``owner``
+(the shard row it holds, or -1), ``stamp`` (the clock of its last use; ``FREE_STAMP`` when
+free), ``dirty`` (updated since read: written back before it is given to another row),
+``fresh`` (given to a new id of a dynamic table and not looked up since: counted as new, not as
+a hit) and ``version``. The free cache rows form a stack.
 
 ``step(rows)`` takes a step's distinct shard rows and returns their cache rows:
 
@@ -66,6 +70,7 @@ class CacheIndex:
         self.stamp = torch.full((capacity,), FREE_STAMP, dtype=torch.int64)
         self.dirty = torch.zeros(capacity, dtype=torch.bool)
         self.fresh = torch.zeros(capacity, dtype=torch.bool)
+        self.version = torch.zeros(capacity, dtype=torch.int32)  # (C,) each cache row's row's
         self.free = torch.arange(capacity - 1, -1, -1, dtype=torch.int64)  # row 0 on top
         self.n_free = capacity
         self.clock = 0
@@ -81,7 +86,8 @@ class CacheIndex:
         self.clock += 1
         if cpu.usable(rows):
             got = cpu.cache_step(rows.contiguous(), self.where, self.owner, self.stamp,
-                                    self.dirty, self.fresh, self.free, self.n_free, self.clock,
+                                    self.dirty, self.fresh, self.version, self.free,
+                                    self.n_free, self.clock,
                                     spare, self.bounds if count else None,
                                     self.counts if count else None)
             assert got is not None
@@ -117,7 +123,7 @@ class CacheIndex:
             out_rows = self.owner[out_slots]
             self.dirty[victims] = False
             self.fresh[victims] = False
-            self.where[self.owner[victims]] = -1
+            self.where[self.owner[victims]] = -1 - self.version[victims]
             self.owner[victims] = -1
             self.stamp[victims] = FREE_STAMP
             self.free[self.n_free:self.n_free + k] = victims  # the lowest ends on top
@@ -127,12 +133,40 @@ class CacheIndex:
         miss_slots = self.free[self.n_free - m:self.n_free].flip(0)  # popped from the top
         self.n_free -= m
         slots[~hit] = miss_slots
+        self.version[miss_slots] = -1 - self.where[miss_rows]
         self.where[miss_rows] = miss_slots.to(torch.int32)
         self.owner[miss_slots] = miss_rows
         self.stamp[miss_slots] = clock
         self.dirty[miss_slots] = False
         self.fresh[miss_slots] = False
         return Step(slots, miss_rows, miss_slots, out_rows, out_slots, evicted)
+
+    def versions(self, rows: torch.Tensor, advance: bool = False) -> torch.Tensor:
+        """(n,) int32: the versions of distinct shard rows ``rows`` ((n,) int64 CPU), cached or
+        not; ``advance``: each first advanced by one (mod 2**31) and kept (a write of the
+        rows' checksums). On the kernels (``cpu.row_versions``), else torch ops."""
+        if cpu.usable(rows):
+            return cpu.row_versions(self.where, self.version, rows.contiguous(), advance)
+        w = self.where.index_select(0, rows)  # (n,) cache rows, or -1 - v
+        held = self.version.index_select(0, w.clamp(min=0).to(torch.int64))
+        v = torch.where(w >= 0, held, -1 - w)
+        if advance:
+            v = (v + 1) & 0x7FFFFFFF
+            self.set_versions(rows, v)
+        return v
+
+    def set_versions(self, rows: torch.Tensor, versions: torch.Tensor) -> None:
+        """Sets the versions of distinct shard rows ``rows`` ((n,) int64 CPU) to ``versions``
+        ((n,) int32, 0 to 2**31 - 1)."""
+        w = self.where.index_select(0, rows)
+        cached = w >= 0
+        if bool(cached.all()):  # (a flush's rows: all cached; an eviction's: none)
+            self.version.index_copy_(0, w.to(torch.int64), versions)
+        elif not bool(cached.any()):
+            self.where.index_copy_(0, rows, -1 - versions)
+        else:
+            self.version.index_copy_(0, w[cached].to(torch.int64), versions[cached])
+            self.where.index_copy_(0, rows[~cached], -1 - versions[~cached])
 
     def count_held(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Counts a lookup of distinct shard rows ``rows`` already held at cache rows ``slots``

@@ -112,13 +112,14 @@ class RecordLog:
 
     # ---------------------------------------------------------------- writes
     def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-               sums: torch.Tensor | None = None) -> None:
+               sums: torch.Tensor | None = None, versions: torch.Tensor | None = None) -> None:
         """Writes new records of distinct rows ``rows`` (k,) int64 at the head: the bytes of a
         record at offset ``o`` (a field) are those of ``source[at[i]]`` for each
         ``o: (source, at)`` of ``sources`` (a 2-D CPU tensor with rows of the field's width and
         the (k,) int64 rows of it to take). Their old records become free. With ``sums`` (the
         rows' checksums, (rows,) int32: ops/checksum.py), the rows' checksums are set there,
-        summed from the records written (the fields in order, one ``at`` for all)."""
+        summed from the records written (the fields in order, one ``at`` for all), keyed to
+        the rows' ``versions`` ((k,) int32, or None: 0)."""
         k = rows.numel()
         if k == 0:
             return
@@ -133,7 +134,7 @@ class RecordLog:
             fields = list(sources.items())
             move_summed([source for _, (source, _) in fields], fields[0][1][1],
                         [self._field(data, offset, source) for offset, (source, _) in fields],
-                        dst, rows, sums, verify=False)
+                        dst, rows, sums, False, versions)
         else:
             for offset, (source, at) in sources.items():
                 view = self._field(data, offset, source)

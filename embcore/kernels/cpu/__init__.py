@@ -51,6 +51,7 @@ from .batch import (
 )
 from .cache import (
     cache_step,
+    row_versions,
     set_flags,
 )
 from .ids import (
@@ -135,6 +136,7 @@ __all__ = [
     'minmax',
     'offsets_error',
     'round16',
+    'row_versions',
     'set_enabled',
     'set_flags',
     'single_threaded',

@@ -238,6 +238,7 @@ _COPY_ROWS_SUMMED = Kernel("ec_copy_rows_summed", INT64, [
     ("row_bytes", INT64),
     ("copy", INT),
     ("keys", read(I64)),              # (n,) the rows' shard rows
+    ("versions", read(I32, optional=True)),  # (n,) the rows' versions (first), or None
     ("acc", written(I32)),            # (n,) the checksums so far
     ("first", INT),
     ("sums", written(I32, optional=True)),  # (N,) the tier's checksums, by shard row
@@ -248,11 +249,12 @@ _COPY_ROWS_SUMMED = Kernel("ec_copy_rows_summed", INT64, [
 
 def copy_rows_summed(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor | None,
                      dst_rows: torch.Tensor | None, keys: torch.Tensor, acc: torch.Tensor,
-                     first: bool, sums: torch.Tensor | None = None, verify: bool = False
-                     ) -> int:
+                     first: bool, sums: torch.Tensor | None = None, verify: bool = False,
+                     versions: torch.Tensor | None = None) -> int:
     """One array's part of a move of rows with their checksums (ops/checksum.py): ``dst[dst_rows]
     = src[src_rows]`` unless ``dst`` is None, and each row's bytes folded into its checksum
-    ``acc`` ((n,) int32; ``first``: started from its key ``keys[i]``, the shard row). The last
+    ``acc`` ((n,) int32; ``first``: started from its key ``keys[i]``, the shard row, and its
+    version ``versions[i]``, (n,) int32, 0 where ``versions`` is None). The last
     array's call passes ``sums`` ((N,) int32, by key): ``verify``, each must equal its row's
     checksum, else it is set to it. Returns the first row (of ``src_rows``' order) whose checksum
     differs, or -1. 2-D CPU tensors of one dtype and width, rows contiguous; index tensors (n,)
@@ -263,7 +265,8 @@ def copy_rows_summed(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tenso
         dst, dst_rows = src, src_rows
     return int(_COPY_ROWS_SUMMED.call(
         (src, None), src.stride(0) * size, (src_rows, None), (dst, src), dst.stride(0) * size,
-        (dst_rows, n), n, src.shape[-1] * size, int(copy), (keys, n), (acc, n), int(first),
+        (dst_rows, n), n, src.shape[-1] * size, int(copy), (keys, n), (versions, n),
+        (acc, n), int(first),
         (sums, None), int(verify), threads()))
 
 

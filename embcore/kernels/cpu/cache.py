@@ -28,6 +28,7 @@ _CACHE_STEP = Kernel("ec_cache_step", INT64, [
     ("stamp", written(I64)),          # (C,)
     ("dirty", written(U8)),           # (C,)
     ("fresh", written(U8)),           # (C,)
+    ("version", written(I32)),        # (C,) the version of each cache row's row
     ("free_rows", written(I64)),      # (C,) a stack of the free cache rows
     ("capacity", INT64),
     ("clock", INT64),
@@ -46,9 +47,9 @@ _CACHE_STEP = Kernel("ec_cache_step", INT64, [
 
 
 def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, stamp: torch.Tensor,
-               dirty: torch.Tensor, fresh: torch.Tensor, free: torch.Tensor, n_free: int,
-               clock: int, spare: int, bounds: torch.Tensor | None,
-               counts: torch.Tensor | None
+               dirty: torch.Tensor, fresh: torch.Tensor, version: torch.Tensor,
+               free: torch.Tensor, n_free: int, clock: int, spare: int,
+               bounds: torch.Tensor | None, counts: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                           int, int] | None:
     """One step of a cache's index (``ec_cache_step`` in ``csrc/cache_index.h``;
@@ -71,7 +72,8 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
     io = (ctypes.c_int64 * 4)(n_free, 0, 0, 0)
     n_bounds = 0 if bounds is None else bounds.numel()
     rc = _CACHE_STEP.call((rows, None), n, (where, None), (owner, None), (stamp, c),
-                          (dirty, c), (fresh, c), (free, c), c, clock, spare, (slots, n),
+                          (dirty, c), (fresh, c), (version, c), (free, c), c, clock, spare,
+                          (slots, n),
                           (miss_rows, n), (miss_slots, n), (out_rows, most), (out_slots, most),
                           (bounds, None), n_bounds, (counts, 3 * (n_bounds + 1)), io,
                           threads())
@@ -79,6 +81,28 @@ def cache_step(rows: torch.Tensor, where: torch.Tensor, owner: torch.Tensor, sta
         return None
     m, o = io[1], io[2]
     return (slots, miss_rows[:m], miss_slots[:m], out_rows[:o], out_slots[:o], io[0], io[3])
+
+
+_ROW_VERSIONS = Kernel("ec_row_versions", None, [
+    ("where", written(I32)),          # (N,) cache rows, or -1 - version
+    ("version", written(I32)),        # (C,)
+    ("keys", read(I64)),              # (n,) distinct shard rows
+    ("n", INT64),
+    ("out", written(I32)),            # (n,)
+    ("advance", INT),
+])
+
+
+def row_versions(where: torch.Tensor, version: torch.Tensor, keys: torch.Tensor,
+                 advance: bool) -> torch.Tensor:
+    """(n,) int32: the versions of distinct shard rows ``keys`` ((n,) int64, contiguous, in
+    range) in a cache index's ``where`` and ``version`` (``ec_row_versions``; the torch-ops twin
+    is ``CacheIndex.versions``); ``advance``: each first advanced by one (mod 2**31), and
+    kept."""
+    n = keys.numel()
+    out = torch.empty(n, dtype=torch.int32)
+    _ROW_VERSIONS.call((where, None), (version, None), (keys, n), n, (out, n), int(advance))
+    return out
 
 
 _SET_FLAGS = Kernel("ec_set_flags", None, [

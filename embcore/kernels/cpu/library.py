@@ -56,8 +56,8 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno",
 # no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
 # ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
 # 16: ec_sparse_update's overflow flags and count, 17: ec_sparse_update's rules numbered by
-# kernels/rules.py.
-ABI_VERSION = 17
+# kernels/rules.py, 18: ec_copy_rows_summed's versions, ec_cache_step's version, ec_row_versions.
+ABI_VERSION = 18
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *RULE_DEFINES,
            *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
 

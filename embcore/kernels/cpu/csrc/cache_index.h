@@ -8,9 +8,12 @@
 extern "C" {
 
 // One step of a write-back cache's index over a shard of N rows with C cache rows. State:
-// where (N,) int32: the cache row holding each shard row, or -1; owner (C,): the shard row each
-// cache row holds, or -1; stamp (C,): the clock of its last use; dirty, fresh (C,) uint8 flags;
-// free (C,): a stack of the free cache rows, io[0] of them.
+// where (N,) int32: the cache row holding each shard row, or -1 - v for a row not cached (v its
+// version: state/cache.py); owner (C,): the shard row each cache row holds, or -1; stamp (C,):
+// the clock of its last use; dirty, fresh (C,) uint8 flags; version (C,) int32: the version of
+// the row each cache row holds (kept by the caller, moved here: a miss takes its row's v from
+// where, an evicted row gives it back); free (C,): a stack of the free cache rows, io[0] of
+// them.
 //
 // rows (U,) are distinct shard rows (U <= C); slots (U,) out: their cache rows. Cached rows
 // (hits) get stamp = clock. When the rows not cached (misses) outnumber the free cache rows,
@@ -59,7 +62,8 @@ inline i64 compact(i64* a, i64* b, const i64* lo, const i64* len, i64 chunks) {
 }  // namespace
 
 i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* stamp,
-                  uint8_t* dirty, uint8_t* fresh, i64* free_rows, i64 capacity, i64 clock,
+                  uint8_t* dirty, uint8_t* fresh, int32_t* version, i64* free_rows,
+                  i64 capacity, i64 clock,
                   i64 spare, i64* slots, i64* miss_rows, i64* miss_slots, i64* out_rows,
                   i64* out_slots, const i64* bounds, i64 n_bounds, i64* counts, i64* io,
                   int nt) {
@@ -199,7 +203,7 @@ i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* 
           out_slots[lo + n++] = s;
           dirty[s] = 0;
         }
-        where[owner[s]] = -1;
+        where[owner[s]] = -1 - version[s];
         owner[s] = -1;
         stamp[s] = kFreeStamp;
         fresh[s] = 0;
@@ -218,6 +222,7 @@ i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* 
     for (i64 u = lo; u < hi; ++u) {
       if (slots[u] >= 0) continue;
       const i64 s = *(stack_top - j), r = rows[u];
+      version[s] = -1 - where[r];
       where[r] = int32_t(s);
       owner[s] = r;
       stamp[s] = clock;
@@ -232,6 +237,27 @@ i64 ec_cache_step(const i64* rows, i64 n_rows, int32_t* where, i64* owner, i64* 
   io[2] = n_out;
   io[3] = n_evicted;
   return 0;
+}
+
+// The versions of distinct shard rows keys[i] (i < n; where and version as in ec_cache_step:
+// version[where[r]] for a cached row, else -1 - where[r]) into out[i]; advance: each first
+// advanced by one (mod 2^31) and kept there. One pass; the rows' entries prefetched ahead.
+void ec_row_versions(int32_t* where, int32_t* version, const i64* keys, i64 n, int32_t* out,
+                     int advance) {
+  for (i64 i = 0; i < n; ++i) {
+    if (i + kPrefetch < n) __builtin_prefetch(where + keys[i + kPrefetch], 1);
+    const i64 r = keys[i];
+    const int32_t w = where[r];
+    int32_t v = w >= 0 ? version[w] : -1 - w;
+    if (advance) {
+      v = int32_t((uint32_t(v) + 1u) & 0x7FFFFFFFu);
+      if (w >= 0)
+        version[w] = v;
+      else
+        where[r] = -1 - v;
+    }
+    out[i] = v;
+  }
 }
 
 // flags[idx[i]] = value for i < n.

@@ -26,7 +26,7 @@
 //   rows.h         ec_copy_rows, ec_will_need, ec_copy_rows_summed (the slow tier's checksums)
 //   vocab.h        ec_vocab_* (ec_vocab_find_many, ec_vocab_step_many: a stack's maps at
 //                  once), ec_init_normal
-//   cache_index.h  ec_cache_step, ec_set_flags
+//   cache_index.h  ec_cache_step, ec_row_versions, ec_set_flags
 // kernels/cpu/library.py declares every exported function's arguments by name and kind (its ctypes
 // signature and per-call checks come from that table): a change of a signature here changes the
 // table there and bumps ABI_VERSION there.

@@ -60,15 +60,20 @@ void ec_copy_rows(const char* src, i64 src_stride, const i64* src_rows, char* ds
 }  // extern "C"
 
 // The slow tier's row checksums (ops/checksum.py defines them and is their torch-ops twin): a
-// row's checksum is h = 2 * key + 1 (mod 2^32, key its shard row), then h = (h ^ s) * kSumPrime
-// for each of its arrays in order (the parameters, then the slots), s the array's row sum:
+// row's checksum is h = 2 * (key + version * kSumWeight) + 1 (mod 2^32, key its shard row,
+// version the count of its writes the cache holds in memory), then h = (h ^ s) * kSumPrime for
+// each of its arrays in order (the parameters, then the slots), s the array's row sum:
 // sum_j w_j * kSumWeight * (2j + 1) (mod 2^32) over its bytes read as 32-bit words (native byte
 // order; the last word zero-padded). Every step is one-to-one in the word it adds, so a row with
-// one word changed never keeps its checksum.
+// one word changed, or its record of an earlier version, never keeps its checksum.
 namespace {
 
 constexpr uint32_t kSumWeight = 0x9E3779B1u;
 constexpr uint32_t kSumPrime = 0x01000193u;
+
+inline uint32_t sum_seed(i64 key, uint32_t version) {
+  return uint32_t(uint64_t(key) * 2u + 1u) + version * (2u * kSumWeight);
+}
 
 inline uint32_t row_sum(const char* p, i64 bytes) {
   const i64 m = bytes / 4;
@@ -93,16 +98,16 @@ extern "C" {
 
 // One array's part of a move of rows with their checksums: for i < n, when copy,
 // dst[dst_rows[i]] = src[src_rows[i]] (row_bytes long, rows src_stride / dst_stride bytes apart),
-// and the row's bytes are folded into its checksum acc[i] (first: started from keys[i], else
-// going on from acc[i]). The last array's call passes sums (indexed by keys): verify, each
-// sums[keys[i]] must equal acc[i]; else it is set to acc[i]. Returns the lowest i whose checksum
-// differs (verify), else -1. The rows ahead are prefetched, and so are their checksums in sums
+// and the row's bytes are folded into its checksum acc[i] (first: started from keys[i] and its
+// version versions[i], 0 where versions is null; else going on from acc[i]). The last
+// array's call passes sums (indexed by keys): verify, each sums[keys[i]] must equal acc[i]; else
+// it is set to acc[i]. Returns the lowest i whose checksum differs (verify), else -1. The rows ahead are prefetched, and so are their checksums in sums
 // (a random 4-byte read each, in a file as large as the rows': otherwise a cache miss and a page
 // walk a row that nothing overlaps).
 i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, char* dst,
                         i64 dst_stride, const i64* dst_rows, i64 n, i64 row_bytes, int copy,
-                        const i64* keys, int32_t* acc, int first, int32_t* sums, int verify,
-                        int nt) {
+                        const i64* keys, const int32_t* versions, int32_t* acc, int first,
+                        int32_t* sums, int verify, int nt) {
   nt = threads_for(n * (row_bytes / 4), nt);
   const i64 chunks = chunks_for(n * (row_bytes / 4), nt);
   std::vector<i64> bad(size_t(chunks), -1);
@@ -122,7 +127,9 @@ i64 ec_copy_rows_summed(const char* src, i64 src_stride, const i64* src_rows, ch
         std::memcpy(to, row, size_t(row_bytes));
         row = to;
       }
-      const uint32_t h0 = first ? uint32_t(uint64_t(keys[i]) * 2u + 1u) : uint32_t(acc[i]);
+      const uint32_t h0 =
+          first ? sum_seed(keys[i], versions != nullptr ? uint32_t(versions[i]) : 0u)
+                : uint32_t(acc[i]);
       const uint32_t h = (h0 ^ row_sum(row, row_bytes)) * kSumPrime;
       if (sums == nullptr) {
         acc[i] = int32_t(h);
