@@ -199,8 +199,8 @@ def test_multiplier_called_once_per_step_and_its_value_used(kind, fused):
     """One optimizer object over two physical tables: one call per step, and the same updates
     as a constant multiplier of that value."""
     mult = Multiplier()
-    emb = make(kind, gradient_multiplier=mult)
-    with kernels(fused):
+    with kernels(fused):  # (the backend is chosen when the engine is made: made inside)
+        emb = make(kind, gradient_multiplier=mult)
         for n in range(3):
             step(emb, n)
             assert mult.calls == n + 1

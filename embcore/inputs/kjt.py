@@ -126,7 +126,7 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
                          f"{list(values.shape)}")
     # the usual KJT holds lengths and computes its offsets from them: read when needed
     lengths_only = given_lengths is not None and given_offsets is None
-    offsets = None if lengths_only else _offsets(kjt, where)
+    offsets = None if lengths_only else offsets_of(kjt, where)
     n, k = values.numel(), len(keys)
     bags = offsets.numel() - 1 if offsets is not None else \
         given_lengths.numel() if given_lengths is not None else 0
@@ -147,7 +147,7 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
                            bounds=[i * b for i in range(k + 1)], one_id_per_bag=True,
                            position=position)
     if offsets is None:
-        offsets = _offsets(kjt, where)  # (of the lengths: their cumulative sum)
+        offsets = offsets_of(kjt, where)  # (of the lengths: their cumulative sum)
     if offsets.numel() != bags + 1:
         raise ValueError(f"{where} has {offsets.numel()} offsets for {bags} lengths; give "
                          f"lengths or offsets = [0, cumsum of the lengths]")
@@ -176,7 +176,7 @@ def read_keyed_jagged(kjt: Any) -> KeyedJagged:
                        position=position)
 
 
-def _offsets(kjt: Any, where: str) -> torch.Tensor:
+def offsets_of(kjt: Any, where: str) -> torch.Tensor:
     """``kjt.offsets()``, checked: integers, 1-D, at least one."""
     offsets = _given(kjt, "offsets", where, kjt.offsets())
     assert offsets is not None
