@@ -122,7 +122,7 @@ def test_the_hash_index_is_rebuilt_before_three_quarters_of_its_slots_fill(capac
     """``DeviceHash.due(n)``: a rebuild is due exactly when ``n`` more keys could take the
     slots not empty past three quarters of them (state/device_hash.py; the bound on slots not
     empty is ``filled``). Nothing here runs a kernel."""
-    from embcore.state.device_hash import DeviceHash
+    from embcore.state.vocab.device_hash import DeviceHash
 
     index = DeviceHash(capacity, torch.zeros(capacity, dtype=torch.int64))
     slots = index.slots
