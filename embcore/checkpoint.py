@@ -49,7 +49,7 @@ from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
 from .numerics.rounding import COMPACT, narrowed, wider
 from .online import resume
-from .state.cache import saving
+from .state.tier.files import saving
 
 
 def _gather_checksums(engine: Embedding, storage: Mapping[Any, Any],

@@ -32,8 +32,8 @@ from .inputs.features import Features, Shapes, is_feature
 from .ops.backend import choose
 from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, plan_features
-from .state.cache import OffloadDir
 from .state.store import RowStore
+from .state.tier.files import OffloadDir
 from .step.exchange import Answers
 from .step.gradients import reject_gradients
 from .step.path import Batch, StepPath

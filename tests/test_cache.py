@@ -322,7 +322,7 @@ def test_moves_that_ask_for_their_pages_first_change_nothing(opt, monkeypatch):
 
 def test_will_need_asks_once_per_run_of_rows_on_the_same_pages(tmp_path):
     require_native()
-    from embcore.state.cache import slow_tensor
+    from embcore.state.tier.files import slow_tensor
     t = slow_tensor(tmp_path / "t.bin", (1024, 16), torch.float32)  # 64-byte rows, 64 a page
     rows = torch.tensor([0, 1, 63, 64, 65, 1000, 5], dtype=torch.int64)
     assert cpu.will_need(t, rows) == 4  # pages 0, 1, 15, 0 again (not the previous one)
@@ -345,7 +345,8 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 def test_a_cpu_cache_holds_its_pages_from_the_start(tmp_path):
     """A cache's rows and slots are faulted in when it is made (docs/semantics.md section 10):
     the steps that fill it do not fault (and zero) its pages one by one. Values unchanged."""
-    from embcore.state.cache import CachedRows, slow_tensor
+    from embcore.state.tier.cache import CachedRows
+    from embcore.state.tier.files import slow_tensor
     n, dim, capacity = 1 << 16, 32, 1 << 16  # 8 MiB of rows (beyond malloc's reuse of pages)
     slow = {"parameters": slow_tensor(tmp_path / "p.bin", (n, dim), torch.float32),
             "accumulators": slow_tensor(tmp_path / "a.bin", (n, 1), torch.float32)}
@@ -742,7 +743,7 @@ def test_a_static_tables_row_and_slots_are_one_record_of_one_file(tmp_path, opt)
     """Moving a row reads (and dirties) the pages of one record, not one page per array: each
     offloaded static physical table is one file whose records hold a row and its slots, each
     field aligned, the record a multiple of RECORD_ALIGN bytes; the arrays are views of it."""
-    from embcore.state.cache import RECORD_ALIGN
+    from embcore.state.tier.files import RECORD_ALIGN
     fc, _ = config(opt, {})
     emb = ec.Embedding(fc, OPTIMIZERS[opt](), memory_budget=_small(opt, 1200),
                        offload_dir=tmp_path)

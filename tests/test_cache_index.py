@@ -1,4 +1,4 @@
-"""The cache's index (state/cache_index.py): the fused kernel equals the torch-ops twin step for
+"""The cache's index (state/tier/index.py): the fused kernel equals the torch-ops twin step for
 step, and both equal a plain-Python model of the policy the module's docstring states (LRU by
 (stamp, cache row) among the rows a step does not use, spare rows freed ahead, a free stack)."""
 
@@ -13,7 +13,7 @@ from profiles import examples
 from switches import kernels
 
 from embcore.kernels import cpu
-from embcore.state.cache_index import CacheIndex, Step
+from embcore.state.tier.index import CacheIndex, Step
 
 STATE = ("where", "owner", "stamp", "dirty", "fresh", "version")
 

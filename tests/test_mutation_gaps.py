@@ -18,7 +18,8 @@ from switches import kernels
 from test_publish import assert_follows
 
 import embcore as ec
-from embcore.state.cache import CachedRows, slow_tensor
+from embcore.state.tier.cache import CachedRows
+from embcore.state.tier.files import slow_tensor
 
 BUDGET = 2000  # bytes: a cache of 6 of the 64 rows of 16 floats (and their Adagrad slots)
 

@@ -1,4 +1,4 @@
-"""The slow tier written as a log (state/slow_log.py): every row readable at its place after any
+"""The slow tier written as a log (state/tier/log.py): every row readable at its place after any
 appends, the cleaner and compaction; an engine behind a log equal to one writing in place."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import embcore as ec
 from embcore.kernels import cpu
 from embcore.state import cache as cache_module
-from embcore.state.cache import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
-from embcore.state.slow_log import RecordLog, places_for
+from embcore.state.tier.files import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
+from embcore.state.tier.log import RecordLog, places_for
 
 FIELDS = [(torch.float32, 3), (torch.float32, 1)]
 

@@ -22,7 +22,7 @@ from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
 from embcore.kernels import cpu
 from embcore.ops.checksum import move_summed, row_sums
 from embcore.state import cache as cache_module
-from embcore.state.cache import WRITES_ENV, records, slow_file
+from embcore.state.tier.files import WRITES_ENV, records, slow_file
 
 ROWS, DIM = 1000, 8
 # as tests/test_offload_safety.py: both tables offloaded, their caches a few dozen rows

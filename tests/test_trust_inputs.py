@@ -22,7 +22,7 @@ import embcore as ec
 from embcore.base.nest import MAX_DEPTH, flatten_like, leaves_with_paths, unflatten_like
 from embcore.config.tables import MAP_BYTES_PER_ROW, MAX_TABLE_BYTES
 from embcore.state.vocab import torch_map as vocab
-from embcore.state.cache import OffloadDir
+from embcore.state.tier.files import OffloadDir
 from embcore.ops.backend import choose
 from embcore.state.vocab.torch_map import VocabMap
 from embcore.state.vocab.vocabulary import vocab_map

@@ -1,4 +1,4 @@
-"""Tables beyond device memory: the cache's index on the device (state/device_cache_index.py) and
+"""Tables beyond device memory: the cache's index on the device (state/tier/device_index.py) and
 its rows moved by the GPU (kernels/gpu/move.py), against runs held entirely in memory.
 
 Like tests/triton_cases.py: compiled on CUDA tensors with a GPU, else in Triton's interpreter on
@@ -30,8 +30,8 @@ from sync_guard import no_sync  # noqa: E402
 import embcore as ec  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
 from embcore.ops.backend import TRITON  # noqa: E402
-from embcore.state.cache import CachedRows  # noqa: E402
-from embcore.state.device_cache_index import DeviceCacheIndex  # noqa: E402
+from embcore.state.tier.cache import CachedRows  # noqa: E402
+from embcore.state.tier.device_index import DeviceCacheIndex  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 if not gpu.available():

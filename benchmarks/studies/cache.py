@@ -53,7 +53,7 @@ from embcore.config.tables import (
     MAP_BYTES_PER_ROW,  # noqa: E402
 )
 from embcore.planning.plan import where_bytes  # noqa: E402
-from embcore.state.cache import WRITES_ENV  # noqa: E402
+from embcore.state.tier.files import WRITES_ENV  # noqa: E402
 
 LR, ACC0 = 0.01, 0.1
 

@@ -8,7 +8,7 @@ row of 128 float32 and its Adagrad accumulator; 54.4k rows read and 54.4k writte
 at Zipf 1.05, benchmarks/RESULTS.md), replayed on one file without the engine, each path from a
 fully written file and the same random rows:
 
-- ``in place``: today's slow tier (``state/cache.py``'s mapped records): a step reads its
+- ``in place``: today's slow tier (``state/tier/cache.py``'s mapped records): a step reads its
   missed records and writes its evicted ones back where they live, each write dirtying the
   4 KiB page around its record.
 - ``log``: a log-structured tier: every record lives at the place its last write put it (an

@@ -50,11 +50,11 @@ INT64_MAX = 2**63 - 1  # ids, rows, steps and counts are int64 in the engine
 # (it holds the rows in use, and half more at most): what a ``memory_budget`` charges for it,
 # and what a table's size counts.
 MAP_BYTES_PER_ROW = 49
-# Fast-memory bytes of an offloaded table's cache (state/cache_index.py) per cache row: its owner,
+# Fast-memory bytes of an offloaded table's cache (state/tier/index.py) per cache row: its owner,
 # stamp, dirty and fresh flags, free-stack entry and its row's version (4: the version its checksum
 # is keyed to, held in ``where`` for the rows not cached); and per row of an offloaded shard: where
 # it is cached; and per row of a slow tier written as a log (a static table's on the CPU,
-# state/slow_log.py): its place (4) and the owners of its 1.5 places and a segment more (7). The
+# state/tier/log.py): its place (4) and the owners of its 1.5 places and a segment more (7). The
 # planner charges them all (the log's on every device).
 INDEX_BYTES_PER_ROW = 30
 WHERE_BYTES_PER_ROW = 4

@@ -8,7 +8,7 @@ that order (docs/semantics.md, tables beyond memory). Its checksum, a 32-bit num
   32-bit words ``w_j`` (native byte order, the last word zero-padded), ``K = 0x9E3779B1``;
 - ``h = 2 * (key + version * K) + 1 mod 2**32`` (``key``: the shard row; ``version``: how many
   times its checksum was set, mod 2**31, a count the cache's index holds in fast memory,
-  state/cache_index.py; 0 at first), then ``h = (h ^ s) * P mod 2**32`` for each array's
+  state/tier/index.py; 0 at first), then ``h = (h ^ s) * P mod 2**32`` for each array's
   ``s`` in order, ``P = 0x01000193`` (FNV's prime).
 
 Each step is one-to-one in the word it adds (an odd weight, an odd multiplier), so a row with one

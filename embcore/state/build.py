@@ -25,17 +25,10 @@ from ..ops.backend import Backend
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
 from ..planning.plan import PhysicalTable, ShardingPlan
-from .cache import (
-    CachedRows,
-    OffloadDir,
-    record_layout,
-    slow_log,
-    slow_records,
-    slow_tensor,
-    slow_writes,
-)
 from .mapped import MappedRows
 from .rows import MemoryRows, OffloadedRows, Rows
+from .tier.cache import CachedRows
+from .tier.files import OffloadDir, record_layout, slow_log, slow_records, slow_tensor, slow_writes
 from .vocab import torch_map as id_map
 from .vocab.vocabulary import DynamicRows, DynamicStack
 

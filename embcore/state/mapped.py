@@ -23,9 +23,9 @@ from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, row_gradients
 from ..ops.workspace import Workspace
-from .cache import CachedRows
 from .changes import ChangedRows
 from .rows import Resolved, RoundingOf, Rows, Segments, Writer, distinct, occurrences
+from .tier.cache import CachedRows
 from .vocab.vocabulary import DynamicRows, DynamicStack, initialize_rows
 
 

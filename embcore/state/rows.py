@@ -35,8 +35,8 @@ from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine
 from ..ops.update import TableUpdate
 from ..ops.workspace import Workspace
-from .cache import CachedRows
 from .changes import ChangedRows
+from .tier.cache import CachedRows
 
 Segments = tuple[tuple[int, int], ...]  # a stack's runs of distinct ids: (member, count)
 # per asking process the shard rows answered, and the map step they are valid at (None: ids

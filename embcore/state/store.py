@@ -26,11 +26,11 @@ from ..ops.workspace import Workspace
 from ..planning.plan import ShardingPlan
 from . import views
 from .build import RowsBuilder
-from .cache import CachedRows
 from .changes import ChangedRows
 from .dtensors import gather_whole
 from .mapped import MappedRows
 from .rows import Rows
+from .tier.cache import CachedRows
 from .vocab.vocabulary import VOCAB, DynamicRows, whole_vocabulary
 
 

@@ -328,7 +328,7 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
             keys if which is None else which, **_hash_args(which, slot64))
 
 
-# -- rows between a cache and its slow tier (state/cache.py) ----------------------------------
+# -- rows between a cache and its slow tier (state/tier/cache.py) ----------------------------------
 
 def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
               take: torch.Tensor) -> None:

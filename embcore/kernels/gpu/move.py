@@ -4,7 +4,7 @@ Imported only by ``kernels/gpu/launch.py``, on first use, like ``rows.py`` (with
 still imports: kernels/gpu/lang.py). ``move_rows_kernel`` copies row ``src_idx[i]`` of
 ``src`` to row ``dst_idx[i]`` of ``dst`` for every ``i < n`` where ``take[i]`` is set: both
 arrays (R, D) contiguous of one dtype (bit copies: float rows of any width, slots included).
-Either array may be pinned host memory (a GPU's slow tier, state/cache.py): the GPU reads or
+Either array may be pinned host memory (a GPU's slow tier, state/tier/cache.py): the GPU reads or
 writes it directly over the bus, so that how many rows move never has to be known on the host.
 Each program moves ``BLOCK_R`` rows by ``BLOCK_D`` columns.
 """

@@ -1,4 +1,4 @@
-// cache_index.h: the index of a write-back cache over a shard (state/cache_index.py).
+// cache_index.h: the index of a write-back cache over a shard (state/tier/index.py).
 
 #pragma once
 
@@ -9,7 +9,7 @@ extern "C" {
 
 // One step of a write-back cache's index over a shard of N rows with C cache rows. State:
 // where (N,) int32: the cache row holding each shard row, or -1 - v for a row not cached (v its
-// version: state/cache.py); owner (C,): the shard row each cache row holds, or -1; stamp (C,):
+// version: state/tier/cache.py); owner (C,): the shard row each cache row holds, or -1; stamp (C,):
 // the clock of its last use; dirty, fresh (C,) uint8 flags; version (C,) int32: the version of
 // the row each cache row holds (kept by the caller, moved here: a miss takes its row's v from
 // where, an evicted row gives it back); free (C,): a stack of the free cache rows, io[0] of

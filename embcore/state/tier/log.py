@@ -43,8 +43,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels import cpu
-from ..ops.checksum import move_summed
+from ...kernels import cpu
+from ...ops.checksum import move_summed
 
 SPARE = 0.5  # the file's places beyond its rows, as a share of them
 SEGMENT = 4096  # records a segment holds at most (the cleaner's unit; 4 MiB of 1 KiB records)

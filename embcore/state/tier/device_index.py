@@ -1,7 +1,7 @@
 """The index of a write-back cache on the device: ``CacheIndex``'s structure, stepped on the GPU.
 
-A cache over a shard of ``N`` rows in a slow tier (state/cache.py) keeps ``C`` of them in fast
-memory. ``DeviceCacheIndex`` holds ``CacheIndex``'s state (state/cache_index.py) on the device,
+A cache over a shard of ``N`` rows in a slow tier (state/tier/cache.py) keeps ``C`` of them in fast
+memory. ``DeviceCacheIndex`` holds ``CacheIndex``'s state (state/tier/index.py) on the device,
 each per-cache-row tensor a view of a buffer one longer (index ``C`` takes the writes of lanes
 that change nothing), and steps it in tensors whose sizes the host knows, so that a step reads
 nothing back to the host:
@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops.selection import first_set, smallest_ordered
-from .cache_index import FREE_STAMP, MAX_CAPACITY
+from ...ops.selection import first_set, smallest_ordered
+from .index import FREE_STAMP, MAX_CAPACITY
 
 _I64 = torch.int64
 

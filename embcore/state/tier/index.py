@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import cpu
+from ...kernels import cpu
 
 MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
 FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
