@@ -6,7 +6,7 @@ into one rows object, and nothing after asks again. Three kinds, one interface (
 - ``MemoryRows``: the shard held whole in fast memory (host memory, on huge pages where the
   system allows; device memory on a GPU), read and written in place;
 - ``OffloadedRows``: the shard in a slow tier (mapped files, or pinned host memory for a GPU)
-  with its hot rows in a write-back cache (cache.py): every verb takes shard rows as always and
+  with its hot rows in a write-back cache (tier/cache.py): every verb takes shard rows as always and
   resolves them to cache rows inside, reading misses and writing evicted updates back;
 - ``MappedRows`` (mapped.py): raw ids, which a map per stacked table turns into rows of either
   kind above (its ``storage``).

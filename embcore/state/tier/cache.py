@@ -15,7 +15,7 @@ lower cache row), and an eighth of the cache more at once (``SPARE_SHARE``; at m
 steps admit into free rows without scanning. Before a cache row is given to a new shard row,
 its old row is written back to the slow tier if it was updated since it was read (write-back);
 then the new row is read whole, with its slots (a static table's records on the CPU may be
-written as a log instead of in place, slow_log.py: ``slow_writes`` decides, ``CachedRows.log``
+written as a log instead of in place, log.py: ``slow_writes`` decides, ``CachedRows.log``
 holds the places). Rows move whole, values unchanged, so a run
 with a cache computes exactly what a run without one computes: the cache decides where a row
 is, never what it holds.

@@ -330,7 +330,7 @@ WRITES_ENV = "EMBCORE_SLOW_WRITES"  # "auto" (the default), "log" or "in-place"
 
 def slow_writes(record_bytes: int) -> str:
     """How the CPU slow tiers of a process's static tables, ``record_bytes`` of records in all,
-    write rows back: ``"log"`` (appended, slow_log.py) or ``"in-place"`` (each row over its
+    write rows back: ``"log"`` (appended, log.py) or ``"in-place"`` (each row over its
     record).
 
     Written in place, rows dirty pages of the page cache that later writes dirty again: while
@@ -415,7 +415,7 @@ def records(views: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
 
 def slow_log(path: Path, rows: int, fields: Sequence[tuple[torch.dtype, int]]
              ) -> tuple[list[torch.Tensor], RecordLog]:
-    """``slow_records`` written as a log (slow_log.py): a file of ``places_for(rows)`` records,
+    """``slow_records`` written as a log (log.py): a file of ``places_for(rows)`` records,
     the views over all of them, and the ``RecordLog`` of their places (compact: row ``r`` at
     place ``r``, where the caller initializes it)."""
     places, segment = places_for(rows)

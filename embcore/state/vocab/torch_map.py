@@ -342,7 +342,7 @@ class VocabMap:
                 lowest-scored ids not used by the step (the fused kernels do; this torch
                 version does not), so that later steps admit without a scan; their rows are
                 in ``last_freed`` afterwards (empty otherwise). 0 keeps the rules exact (the
-                raw-id maps); the cache (cache.py) uses it.
+                raw-id maps); the cache (state/tier/cache.py) uses it.
 
         Returns:
             ``(rows, new_ids, new_rows)``: rows (U,) int64 each id's row after the step, ``fill``
