@@ -32,7 +32,8 @@ from embcore.config.tables import (
 )
 from embcore.kernels import cpu
 from embcore.planning.plan import make_plan, where_bytes
-from embcore.state import cache as cache_module
+from embcore.state.tier import cache as cache_module
+from embcore.state.tier import files as files_module
 
 pytestmark = pytest.mark.filterwarnings("ignore:table .* a step touches")
 
@@ -42,7 +43,7 @@ def _logs(monkeypatch):
     """Every static table here writes its slow tier as a log (the files here are small: "auto"
     would write them in place, which the other modules' budgets run, and test_slow_log.py
     compares both)."""
-    monkeypatch.setenv(cache_module.WRITES_ENV, "log")
+    monkeypatch.setenv(files_module.WRITES_ENV, "log")
 
 # test_sharded's config(opt): 160 static rows, each with a place in its slow tier's log when
 # offloaded (LOG_BYTES_PER_ROW), beside the budgets below

@@ -24,7 +24,8 @@ from distributed import exited_pid
 
 import embcore as ec
 from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
-from embcore.state import cache as cache_module
+from embcore.state.tier import cache as cache_module
+from embcore.state.tier import files as files_module
 
 ROWS, DIM = 1000, 8
 # the dynamic table's map (MAP_BYTES_PER_ROW a row), both cache indexes and a cache row each (8180
@@ -126,7 +127,7 @@ def test_reserve_reports_other_errors_naming_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
     with pytest.raises(OSError, match=r"cannot reserve 4096 bytes for the slow tier's file .*t\.bin"
                        ) as info:
-        cache_module.slow_tensor(tmp_path / "t.bin", (64, 16), torch.float32)
+        files_module.slow_tensor(tmp_path / "t.bin", (64, 16), torch.float32)
     assert info.value.errno == errno.EFBIG and not any(tmp_path.iterdir())
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import embcore as ec
 from embcore.kernels import cpu
-from embcore.state import cache as cache_module
+from embcore.state.tier import files as files_module
 from embcore.state.tier.files import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
 from embcore.state.tier.log import RecordLog, places_for
 
@@ -176,9 +176,9 @@ def test_slow_writes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A log where the records exceed what the kernel keeps dirty, else in place; the
     environment variable decides when set."""
     monkeypatch.delenv(WRITES_ENV, raising=False)
-    monkeypatch.setattr(cache_module, "dirty_limit", lambda: 1000)
+    monkeypatch.setattr(files_module, "dirty_limit", lambda: 1000)
     assert slow_writes(1001) == "log" and slow_writes(1000) == "in-place"
-    monkeypatch.setattr(cache_module, "dirty_limit", lambda: None)  # (not Linux)
+    monkeypatch.setattr(files_module, "dirty_limit", lambda: None)  # (not Linux)
     assert slow_writes(10**12) == "in-place"
     monkeypatch.setenv(WRITES_ENV, "in-place")
     assert slow_writes(10**12) == "in-place"
@@ -191,7 +191,7 @@ def test_slow_writes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc")
 def test_dirty_limit_reads_the_kernels_setting() -> None:
-    limit = cache_module.dirty_limit()
+    limit = files_module.dirty_limit()
     assert limit is not None and limit > 0
 
 
@@ -231,7 +231,7 @@ def test_engine_behind_a_log_equals_in_place_and_memory(tmp_path: Path,
     checkpoint taken mid-run are bit-identical behind a log, writing in place, and in memory."""
     ref_state, ref_outs, _ = _train(tmp_path / "m", "log", monkeypatch, None)
     budget = 140_000  # caches of a few hundred rows each: the log laps its file
-    monkeypatch.setattr(cache_module, "dirty_limit", lambda: 100_000)  # (auto: below the files)
+    monkeypatch.setattr(files_module, "dirty_limit", lambda: 100_000)  # (auto: below the files)
     for writes in ("log", "in-place", "auto"):
         state, outs, stats = _train(tmp_path / writes, writes, monkeypatch, budget)
         assert stats and all(s["misses"] > 1000 for s in stats.values()), stats

@@ -21,7 +21,8 @@ import embcore as ec
 from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
 from embcore.kernels import cpu
 from embcore.ops.checksum import move_summed, row_sums
-from embcore.state import cache as cache_module
+from embcore.state.tier import cache as cache_module
+from embcore.state.tier import files as files_module
 from embcore.state.tier.files import WRITES_ENV, records, slow_file
 
 ROWS, DIM = 1000, 8
@@ -274,7 +275,7 @@ def test_the_tiers_sums_are_the_references(tmp_path: Path, on: bool) -> None:
         for s in range(6):
             _step(emb, s)
         assert sum(c.written_rows for c in emb._store.caches()) > 0
-        with cache_module.saving():
+        with files_module.saving():
             emb.state_dict()
         for c in emb._store.caches():
             assert c.sealed and c.sums is not None
