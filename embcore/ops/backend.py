@@ -8,13 +8,14 @@ Three backends, as TorchRec names a table's compute kernel:
   tests, CPU tensors under Triton's interpreter, ``gpu.force_on_cpu``);
 - ``"torch ops"``: torch ops alone, the portable path on any device.
 
-``choose(device)`` is the one rule. The engine asks it when it plans (``print(plan)`` shows the
+``choose(device)`` is the one rule. The engine asks it when it is made (``print(plan)`` shows the
 answer) and when its tables move (``Embedding.to``); the rows builder (state/build.py) hands the
-plan's backend to every rows object, raw-id map and cache it makes, and none of them asks
-again: a table's kernels are bound once (``TableCombine``, ``TableUpdate``), its map is the
-backend's kind (``state/vocab.py``'s one factory) and its cache's index lives where the backend
-runs. Inside a call only what truly varies per call is checked: a table that autograd or a
-tracer must see takes the torch ops (``torch.export``, ``torch.compile``), on every backend.
+plan's backend to every rows object, raw-id map and cache it makes, and none of them asks again: a
+table's kernels are bound once (``TableCombine``, ``TableUpdate``), its map is the backend's kind
+(``vocab_map`` of state/vocab/vocabulary.py, the one factory) and its cache's index lives where the
+backend runs (docs/semantics.md section 16). Inside a call only what truly varies per call is
+checked: a table that autograd or a tracer must see takes the torch ops (``torch.export``,
+``torch.compile``), on every backend.
 
 >>> choose(torch.device("meta")).name
 'torch ops'

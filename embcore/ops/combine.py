@@ -60,7 +60,13 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
     """
     if _differentiable(table):
         return combine_torch(table, index, bags)
-    return TableCombine(table, backend)(index, bags)
+    backend = backend if backend is not None else choose(table.device)
+    if backend.fused_cpu and _fused(table):
+        out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
+        return cpu.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
+    if backend.triton and gpu.lookup_supported(table):
+        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
+    return combine_torch(table, index, bags)
 
 
 def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
