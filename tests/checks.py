@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,3 +86,29 @@ def fma_bag_sums(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
         for k in range(bounds[r], bounds[r + 1]):
             out[r] = fma32(np.full(rows.shape[1], w[k], np.float32), rows[idx[k]], out[r])
     return torch.from_numpy(out)
+
+
+@contextlib.contextmanager
+def unblocking(fifos: list[Path], after: float = 3.0):
+    """Yields a list that stays empty unless a reader blocked on one of ``fifos``: then, after
+    ``after`` seconds, the FIFOs are opened as writers and closed again (the reader reads an
+    end of file), so a reader that hangs (before the fix) ends, and the list says so."""
+    done, had_to = threading.Event(), []
+
+    def guard() -> None:
+        if done.wait(after):
+            return
+        while not done.is_set():
+            for p in fifos:
+                had_to.append(p)
+                with contextlib.suppress(OSError):
+                    os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))
+            done.wait(0.1)
+
+    t = threading.Thread(target=guard, daemon=True)
+    t.start()
+    try:
+        yield had_to
+    finally:
+        done.set()
+        t.join()

@@ -6,21 +6,19 @@ index and a malformed manifest are ValueErrors saying so; W = 2 -> W = 1 and W =
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from checks import unblocking
 from distributed import run_on
 
 import embcore as ec
-from embcore import checkpoint as ck
 from embcore.formats import checkpoint as fck
 from embcore.formats.published import crc
 
@@ -435,32 +433,6 @@ def test_two_processes_write_and_check_their_chunks(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- files
-@contextlib.contextmanager
-def unblocking(fifos: list[Path], after: float = 3.0):
-    """Yields a list that stays empty unless a reader blocked on one of ``fifos``: then, after
-    ``after`` seconds, they are opened as writers and closed (the reader reads an end of file,
-    so a reader that hangs, before the fix, ends), and the list says so."""
-    done, had_to = threading.Event(), []
-
-    def guard() -> None:
-        if done.wait(after):
-            return
-        while not done.is_set():
-            for p in fifos:
-                had_to.append(p)
-                with contextlib.suppress(OSError):
-                    os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))
-            done.wait(0.1)
-
-    t = threading.Thread(target=guard, daemon=True)
-    t.start()
-    try:
-        yield had_to
-    finally:
-        done.set()
-        t.join()
-
-
 @pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "old-format"])
 def test_a_data_file_that_is_a_fifo_or_a_link_out_is_an_error_never_a_hang(saved, checksums):
     """DCP opens the data files itself (following links, blocking on a FIFO): load checks them

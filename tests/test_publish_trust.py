@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+from checks import unblocking
 
 import embcore as ec
 from embcore.formats import published as fmt
@@ -211,32 +212,6 @@ def test_a_failed_first_publish_lets_go_of_the_lock_at_once(cases):
 
 
 # ------------------------------------------------------------------ FIFOs and links, in process
-@contextlib.contextmanager
-def unblocking(fifos: list[Path], after: float = 3.0):
-    """Yields a list that stays empty unless a reader blocked on one of ``fifos``: then, after
-    ``after`` seconds, the FIFOs are opened as writers and closed again (the reader reads an
-    end of file), so a reader that hangs (before the fix) ends, and the list says so."""
-    done, had_to = threading.Event(), []
-
-    def guard() -> None:
-        if done.wait(after):
-            return
-        while not done.is_set():
-            for p in fifos:
-                had_to.append(p)
-                with contextlib.suppress(OSError):
-                    os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))
-            done.wait(0.1)
-
-    t = threading.Thread(target=guard, daemon=True)
-    t.start()
-    try:
-        yield had_to
-    finally:
-        done.set()
-        t.join()
-
-
 def test_a_part_or_manifest_that_is_a_fifo_or_a_link_is_an_error_never_a_hang(tmp_path):
     emb = engine()
     d = tmp_path / "pub"

@@ -238,14 +238,7 @@ def compile_aoti_package(program: Any, path: str, inductor_configs: dict[str, An
     """``torch._inductor.aoti_compile_and_package``: AOTInductor's compiler, documented by
     torch (its export tutorials) under a private module. Used by serving/serve.py
     ``ServingModule.compile_package``. Without it (torch < 2.6) a clear error, no fallback."""
-    try:
-        inductor = importlib.import_module("torch._inductor")
-    except ImportError as e:
-        raise RuntimeError(f"AOTInductor is not available in this torch ({e})") from None
-    compile_and_package = getattr(inductor, "aoti_compile_and_package", None)
-    if compile_and_package is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor."
-                           f"aoti_compile_and_package (torch >= 2.6 has it)")
+    compile_and_package = _inductor("aoti_compile_and_package")
     return str(compile_and_package(program, package_path=path, inductor_configs=inductor_configs))
 
 
@@ -253,15 +246,21 @@ def load_aoti_package(path: str) -> Any:
     """``torch._inductor.aoti_load_package``: AOTInductor's loader (a callable over the inputs
     the package was traced with), documented by torch under a private module. Used by
     serving/package.py ``load_package``."""
+    return _inductor("aoti_load_package")(path)
+
+
+def _inductor(name: str) -> Any:
+    """``torch._inductor.<name>``, or a RuntimeError saying this torch lacks it (torch >= 2.6
+    has AOTInductor's compiler and loader)."""
     try:
         inductor = importlib.import_module("torch._inductor")
     except ImportError as e:
         raise RuntimeError(f"AOTInductor is not available in this torch ({e})") from None
-    load = getattr(inductor, "aoti_load_package", None)
-    if load is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.aoti_load_package "
+    function = getattr(inductor, name, None)
+    if function is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.{name} "
                            f"(torch >= 2.6 has it)")
-    return load(path)
+    return function
 
 
 PRIVATE_NAMES: dict[str, str] = {
