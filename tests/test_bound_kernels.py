@@ -72,7 +72,7 @@ def test_sparse_update_bound_equals_sparse_update(rule, dtype, n, d, unit, summe
             cpu.sparse_update(rule, table, acc, dd.unique, hyper, g)
             bound(dd.unique, hyper, g)
         else:
-            bag = None if grad.bags.unit else grad.bags.bag_of
+            bag = None if grad.bags.unit else grad.bags.bag_of(TORCH_OPS)
             cpu.sparse_update(rule, table, acc, dd.unique, hyper, grad.parts, grad.starts,
                                  dd.unique_offsets, dd.order, bag, grad.bags.scales)
             bound(dd.unique, hyper, grad.parts, list(grad.starts), dd.unique_offsets, dd.order,

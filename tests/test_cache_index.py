@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from native_required import require_native
 from profiles import examples
-from switches import kernels
 
 from embcore.kernels import cpu
+from embcore.ops.backend import FUSED_CPU, TORCH_OPS
 from embcore.state.tier.index import CacheIndex, Step
 
 STATE = ("where", "owner", "stamp", "dirty", "fresh", "version")
@@ -109,9 +109,9 @@ def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
     whether cached, evicted or read in since (the index moves it between ``where`` and the
     cache row's ``version``)."""
     rows, capacity, bounds, steps = run
-    indexes = {"torch": CacheIndex(rows, capacity, bounds)}
+    indexes = {"torch": CacheIndex(rows, capacity, bounds, TORCH_OPS)}
     if cpu.available():
-        indexes["native"] = CacheIndex(rows, capacity, bounds)
+        indexes["native"] = CacheIndex(rows, capacity, bounds, FUSED_CPU)
     model = Model(rows, capacity, bounds)
     versions = {}  # shard row -> its version (0 where not set)
     for asked, count, spare, marked, flag, set_versions in steps:
@@ -119,18 +119,17 @@ def test_the_kernel_and_the_torch_twin_follow_the_policy(run):
         want = model.step(asked, count, spare)
         for i in marked:
             getattr(model, flag)[want[0][i]] = True
-        for name, index in indexes.items():
-            with kernels(name == "native"):
-                got = index.step(torch.tensor(asked, dtype=torch.int64), count, spare)
-                _check_step(index, got, want)
-                if marked:  # the engine marks updated (dirty) and renewed (fresh) rows
-                    index.mark(getattr(index, flag), got.slots[torch.tensor(marked)])
-                if set_versions:  # (the engine's writes of rows' checksums)
-                    at = torch.tensor([r for r, _ in set_versions])
-                    index.set_versions(at, torch.tensor([v for _, v in set_versions],
-                                                        dtype=torch.int32))
-                    assert index.versions(at, advance=True).tolist() == [
-                        versions[r] for r, _ in set_versions]
+        for index in indexes.values():
+            got = index.step(torch.tensor(asked, dtype=torch.int64), count, spare)
+            _check_step(index, got, want)
+            if marked:  # the engine marks updated (dirty) and renewed (fresh) rows
+                index.mark(getattr(index, flag), got.slots[torch.tensor(marked)])
+            if set_versions:  # (the engine's writes of rows' checksums)
+                at = torch.tensor([r for r, _ in set_versions])
+                index.set_versions(at, torch.tensor([v for _, v in set_versions],
+                                                    dtype=torch.int32))
+                assert index.versions(at, advance=True).tolist() == [
+                    versions[r] for r, _ in set_versions]
             assert index.versions(torch.arange(rows)).tolist() == [
                 versions.get(r, 0) for r in range(rows)]
             assert index.counts.tolist() == model.counts
@@ -162,13 +161,11 @@ def test_rows_unused_for_thousands_of_steps_are_evicted_oldest_first(kernel):
     """Ages beyond the kernel's histogram (4095 steps) are ordered exactly too."""
     if kernel:
         require_native()
-    index, model = CacheIndex(20, 8), Model(20, 8, [])
+    index, model = CacheIndex(20, 8, (), FUSED_CPU if kernel else TORCH_OPS), Model(20, 8, [])
     steps = [[5, 1, 2], [3, 0], [7, 6, 4]] + [[]] * 5000 + [[9], [8, 10, 11]]
-    with kernels(kernel):
-        for asked in steps:
-            want = model.step(asked, True, 2)
-            _check_step(index, index.step(torch.tensor(asked, dtype=torch.int64), True, 2),
-                        want)
+    for asked in steps:
+        want = model.step(asked, True, 2)
+        _check_step(index, index.step(torch.tensor(asked, dtype=torch.int64), True, 2), want)
     assert index.owner.tolist() == model.owner
     # the second step evicted rows 3, 0 (used at clock 2) and 7 (clock 3, the lowest cache row)
     assert want[4] == 3 and sorted(model.where) == [4, 6, 8, 9, 10, 11]
@@ -183,7 +180,8 @@ def test_the_kernel_splits_over_threads_with_the_same_result(threads):
     rows, capacity = 60_000, 12_000
     bounds = [7_000, 20_000, 41_000]
     g = torch.Generator().manual_seed(threads)
-    indexes = {k: CacheIndex(rows, capacity, bounds) for k in ("native", "torch")}
+    indexes = {k: CacheIndex(rows, capacity, bounds, FUSED_CPU if k == "native" else TORCH_OPS)
+               for k in ("native", "torch")}
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     evictions = written = 0
@@ -194,10 +192,9 @@ def test_the_kernel_splits_over_threads_with_the_same_result(threads):
             spare = [0, capacity // 8, 37][step % 3]
             got = {}
             for name, index in indexes.items():
-                with kernels(name == "native"):
-                    got[name] = index.step(asked, step % 4 != 3, spare)
-                    marked = got[name].slots[::3 + step % 2]
-                    index.mark(index.dirty if step % 5 else index.fresh, marked)
+                got[name] = index.step(asked, step % 4 != 3, spare)
+                marked = got[name].slots[::3 + step % 2]
+                index.mark(index.dirty if step % 5 else index.fresh, marked)
             a, b = got["native"], got["torch"]
             for field in Step._fields:
                 x, y = getattr(a, field), getattr(b, field)

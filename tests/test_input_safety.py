@@ -572,26 +572,25 @@ def test_weights_with_validation_off_still_skip_only_the_finiteness_check():
 @requires_native
 def test_kernel_checks_equal_their_torch_twins():
     from embcore.inputs.canonical import check_offsets, strictly_increasing
+    from embcore.ops.backend import FUSED_CPU, TORCH_OPS
     rng = random.Random(1)
     for _ in range(300):
         values, offsets, ok = _random_offsets(rng)
         verdicts = []
-        for on in (False, True):
-            with fallbacks(on):
-                try:
-                    check_offsets(torch.tensor(offsets), len(values), "f")
-                    verdicts.append("ok")
-                except ValueError as e:
-                    verdicts.append(str(e))
+        for backend in (TORCH_OPS, FUSED_CPU):
+            try:
+                check_offsets(torch.tensor(offsets), len(values), "f", backend)
+                verdicts.append("ok")
+            except ValueError as e:
+                verdicts.append(str(e))
         assert verdicts[0] == verdicts[1] and (verdicts[0] == "ok") == ok, (offsets, verdicts)
         idx, _, shape, in_range = _random_sparse(rng)
         if in_range:
             t = torch.tensor(idx, dtype=torch.int64).reshape(len(shape), -1)
             want = len({tuple(c) for c in t.T.tolist()}) == t.shape[1] and \
                 t.T.tolist() == sorted(t.T.tolist())
-            for on in (False, True):
-                with fallbacks(on):
-                    assert strictly_increasing(t, shape) == want, (idx, on)
+            for backend in (TORCH_OPS, FUSED_CPU):
+                assert strictly_increasing(t, shape, backend) == want, (idx, backend)
 
 
 @requires_native

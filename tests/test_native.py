@@ -3,7 +3,7 @@
 Every wrapper is checked on random inputs against an independent computation: ``dedup`` against
 torch's stable sort, ``lookup`` against ``embedding_bag`` / indexing, ``sparse_update`` against
 ``reference_optim.reference_update`` (with the row gradients summed here in float64), ``minmax``
-and ``combiner_scales`` against torch and the torch-ops twin in ``inputs/canonical.py``. The
+and ``combiner_scales`` against torch and the torch-ops twin in ``ops/bags.py``. The
 engine is then trained with the kernels on and off and must give the same tables and slots.
 Everything but the switched-off test is skipped when the kernels cannot be built.
 
@@ -35,7 +35,7 @@ from strategies import common_options, jagged, rounded
 from switches import kernels
 
 import embcore as ec
-from embcore.inputs import canonical as inputs
+from embcore.ops import bags as bags_ops
 from embcore.kernels.cpu import args as kernel_args
 from embcore.kernels import cpu
 from embcore.ops.reference import reference_lookup, reference_row_gradients
@@ -278,7 +278,7 @@ def test_training_serving_and_export_give_the_same_bits_at_every_width():
             answers["kernels off"] = served(x, w)
     for k, t in tables.items():
         with kernels(False):  # the torch-ops scales (equal to the kernel's: tested below)
-            scales = inputs.combiner_scales(offsets, w[k][0], t.combiner, n)
+            scales = bags_ops.combiner_scales(offsets, w[k][0], t.combiner, n)
         want = fma_bag_sums(layer.embedding_tables[t].detach(), x[k][0], offsets, scales)
         for path, got in answers.items():
             assert torch.equal(got[k], want), (path, k)
@@ -742,7 +742,7 @@ def test_combiner_scales_equal_torch_path(case, combiner, weighted):
                if weighted else None)
     got = cpu.combiner_scales(offsets, weights, combiner, nnz)
     with kernels(False):
-        want = inputs.combiner_scales(offsets, weights, combiner, nnz)
+        want = bags_ops.combiner_scales(offsets, weights, combiner, nnz)
     assert got.dtype == torch.float32 and got.shape == (nnz,)
     assert torch.isfinite(got).all()
     # bitwise: an exported program (the torch path) gives the eager module's (the kernel's) bits
@@ -767,7 +767,7 @@ def test_combiner_scales_are_the_torch_paths_bits_on_random_weights(combiner):
     weights = torch.rand(nnz, generator=g) + 0.1
     got = cpu.combiner_scales(offsets, weights, combiner, nnz)
     with kernels(False):
-        want = inputs.combiner_scales(offsets, weights, combiner, nnz)
+        want = bags_ops.combiner_scales(offsets, weights, combiner, nnz)
     assert torch.equal(got, want)
 
 

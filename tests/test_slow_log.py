@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import embcore as ec
 from embcore.kernels import cpu
+from embcore.ops.backend import host
 from embcore.state.tier import files as files_module
 from embcore.state.tier.files import WRITES_ENV, OffloadDir, records, slow_log, slow_writes
 from embcore.state.tier.log import RecordLog, places_for
@@ -68,15 +69,16 @@ def test_log_matches_a_table(tmp_path_factory: pytest.TempPathFactory, rows: int
         at = torch.randperm(picked.numel(), generator=g)  # rows of source, in any order
         src = torch.empty_like(source)
         src[at] = source
-        log.append(picked, {0: (src[:, :3].contiguous(), at), 12: (src[:, 3:].contiguous(), at)})
+        log.append(picked, {0: (src[:, :3].contiguous(), at), 12: (src[:, 3:].contiguous(), at)},
+                   host())
         truth[picked] = values
         _check(views, log, truth)
         if i % compact_every == 0:
-            log.compact()
+            log.compact(host())
             assert torch.equal(log.at(torch.arange(rows)), torch.arange(rows))
             assert torch.equal(views[0][:rows], truth.view(-1, 1).expand(-1, 3))
             _check(views, log, truth)
-    log.compact()
+    log.compact(host())
     assert torch.equal(views[1][:rows], -truth.view(-1, 1))
     d.remove()
 
@@ -98,11 +100,12 @@ def test_log_writes_whole_segments_and_cleans(tmp_path: Path) -> None:
             v = truth[picked] + 1000
             src = torch.stack([v, v, v, -v], 1)
             log.append(picked, {0: (src[:, :3].contiguous(), torch.arange(picked.numel())),
-                                12: (src[:, 3:].contiguous(), torch.arange(picked.numel()))})
+                                12: (src[:, 3:].contiguous(), torch.arange(picked.numel()))},
+                       host())
             truth[picked] = v
     _check(views, log, truth)
     assert log.written == 40 * rows and log.moved > 0  # the cleaner ran
-    log.compact()
+    log.compact(host())
     _check(views, log, truth)
     assert torch.equal(views[0][:rows, 0], truth)
     d.remove()
@@ -143,7 +146,7 @@ def test_the_logs_step_never_indexes_with_a_tensor(tmp_path: Path,
         src = torch.stack([v, v, v, -v], 1)
         at = torch.arange(picked.numel())
         log.append(picked.to(torch.int32) if rnd % 2 else picked,
-                   {0: (src[:, :3].contiguous(), at), 12: (src[:, 3:].contiguous(), at)})
+                   {0: (src[:, :3].contiguous(), at), 12: (src[:, 3:].contiguous(), at)}, host())
         truth.index_copy_(0, picked, v)
         log.at(picked)
     monkeypatch.undo()
@@ -160,7 +163,8 @@ def test_a_write_that_takes_nothing_is_an_error_not_a_hang(tmp_path: Path,
     src = torch.zeros(2, 4)
     with pytest.raises(OSError, match="took no bytes"):
         log.append(torch.tensor([1, 2]), {0: (src[:, :3].contiguous(), torch.arange(2)),
-                                          12: (src[:, 3:].contiguous(), torch.arange(2))})
+                                          12: (src[:, 3:].contiguous(), torch.arange(2))},
+                       host())
     d.remove()
 
 

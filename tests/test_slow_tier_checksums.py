@@ -20,7 +20,8 @@ from switches import kernels
 import embcore as ec
 from embcore.config.tables import LOG_BYTES_PER_ROW, MAP_BYTES_PER_ROW
 from embcore.kernels import cpu
-from embcore.ops.checksum import move_summed, row_sums
+from embcore.ops.backend import FUSED_CPU, TORCH_OPS
+from embcore.ops.checksum import row_sums
 from embcore.state.tier import cache as cache_module
 from embcore.state.tier import files as files_module
 from embcore.state.tier.files import WRITES_ENV, records, slow_file
@@ -86,7 +87,7 @@ def _by_hand(arrays: list[torch.Tensor], key: int, version: int = 0) -> int:
                                          (torch.float32, 1), (torch.float32, 67)])
 def test_the_kernel_and_the_reference_match_the_definition(dtype: torch.dtype,
                                                           width: int) -> None:
-    """move_summed (the kernel cpu.copy_rows_summed, and torch ops with the kernels off) and
+    """move_summed (the fused CPU backend's kernel cpu.copy_rows_summed, and torch ops) and
     row_sums against the definition computed by hand (``_by_hand``), versions anywhere in
     0 .. 2**31 - 1: the checksums set, the rows copied, a row with one bit changed found, a
     row's checksum tied to its row and to its version."""
@@ -106,6 +107,7 @@ def test_the_kernel_and_the_reference_match_the_definition(dtype: torch.dtype,
                                dtype=torch.int32)
     assert torch.equal(row_sums([params[rows[:20]], slot[rows[:20]]], rows[:20]), unversioned)
     for on in (True, False):
+        move_summed = (FUSED_CPU if on else TORCH_OPS).move_summed  # (the backends' verb)
         with kernels(on):
             sums = torch.zeros(n, dtype=torch.int32)
             assert move_summed([params, slot], rows, None, None, rows, sums, False,

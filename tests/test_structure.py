@@ -5,7 +5,7 @@
   or a private attribute of the engine (``engine._...``); step/ reads a rows object's kind
   (``.maps``) or a physical table's (``.dynamic``) in no more places than it does today.
 - The backend is chosen once (ops/backend.py ``choose``): by the engine (for the plan) and the
-  store, nowhere in step/.
+  store (and for tables served as tensors, serving/serve.py), nowhere in step/.
 - A batch's route is chosen in one place: only step/path.py calls the native preprocess.
 - Only state/build.py constructs rows objects (their kind is chosen there).
 """
@@ -88,8 +88,7 @@ def test_only_the_builder_chooses_a_kind():
 # The reads of a table's kind left in step/ (a rows object's ``.maps``, a physical table's
 # ``.dynamic``), by module: a ceiling that only comes down (each read a verb of the rows object
 # or the plan instead).
-KIND_READS = {"step/exchange.py": 2, "step/gradients.py": 1, "step/lookup.py": 2,
-              "step/native_prepare.py": 3, "step/preprocess.py": 4}
+KIND_READS = {"step/exchange.py": 1, "step/lookup.py": 2}
 
 
 def _kind_reads() -> dict[str, int]:
@@ -115,5 +114,33 @@ def test_the_backend_is_chosen_by_the_engine_and_the_store_only():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id == "choose":
                 found.append(str(path.relative_to(PACKAGE)))
-    assert set(found) <= {"engine.py", "state/store.py", "ops/combine.py", "ops/update.py"}, found
+    assert set(found) <= {"engine.py", "state/store.py", "ops/combine.py", "ops/update.py",
+                          "serving/serve.py"}, found
     assert not [f for f in found if f.startswith("step/")]
+
+
+# Where the code outside kernels/ asks whether kernels apply (``cpu.usable`` / ``available`` /
+# ``enabled``, ``gpu.usable`` / ``available``): ops/backend.py, which chooses the backend, and
+# the fused CPU backend's raw-id map, whose layout also serves torch ops for a call a tracer sees
+# or after ``cpu.set_enabled(False)`` (state/vocab/native_map.py, one place). Issue 53 found 38.
+BACKEND_CHECKS = {"ops/backend.py": 4, "state/vocab/native_map.py": 1}
+
+
+def _backend_checks() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = str(path.relative_to(PACKAGE))
+        if rel.startswith("kernels/"):
+            continue
+        n = sum(1 for node in ast.walk(_tree(path))
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("usable", "available", "enabled")
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in ("cpu", "gpu", "native"))
+        if n:
+            out[rel] = n
+    return out
+
+
+def test_the_backend_is_asked_not_checked_per_call():
+    assert _backend_checks() == BACKEND_CHECKS

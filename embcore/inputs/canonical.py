@@ -24,8 +24,8 @@ import torch
 
 from ..base.compat import jagged_parts, sparse_parts
 from ..config.tables import FeatureConfig
-from ..kernels import cpu
-from ..ops.bags import Bags, bag_index
+from ..ops.backend import Backend
+from ..ops.bags import Bags
 
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -52,8 +52,9 @@ def input_kind(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> str:
 
 
 def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.Tensor,
-                 weights: torch.Tensor | None, device: torch.device) -> Bags:
-    """Turns one feature's ids (and weights) into its canonical form on ``device``.
+                 weights: torch.Tensor | None, device: torch.device, backend: Backend) -> Bags:
+    """Turns one feature's ids (and weights) into its canonical form on ``device``, checked
+    and combined there by ``backend`` (its kernels: ops/backend.py).
 
     Args:
         feature: the feature's config (its table's combiner, its sequence length, validation).
@@ -63,7 +64,9 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             tensor of int32 / int64 ids.
         weights: None, or a float tensor of the same kind and layout as ``ids`` (not for dense
             inputs nor sequence features).
-        device: where the canonical tensors live.
+        device: where the canonical tensors live (jagged offsets and sparse indices are moved
+            there before they are checked).
+        backend: ``device``'s backend.
 
     Raises:
         TypeError: unsupported tensor kinds or dtypes.
@@ -100,17 +103,18 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         flat = ids.reshape(-1).to(device=device, dtype=torch.int64,
                                   non_blocking=True).contiguous()  # (nnz,)
         if table.dynamic is None:  # raw ids of a dynamic table may be any int64
-            check_ids(flat, table.vocabulary_size, where, table_name)  # always: memory safety
+            check_ids(flat, table.vocabulary_size, where, table_name, backend)  # always
         return Bags(flat, None, None, shape)
     bag = None  # (nnz,) each id's bag, where the input gives it
     if kind == "dense":
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
     elif kind == "jagged":
-        values, offsets, bag_shape, w = _jagged(ids, weights, where)
+        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend)
         positions = None
     else:
-        values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where)
+        values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where, device,
+                                                                backend)
     if values.dtype not in INT_DTYPES:
         raise TypeError(f"{where}: ids must be int32 or int64, got {values.dtype}")
     # contiguous: the fused kernels read these through raw pointers
@@ -121,7 +125,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             raise TypeError(f"{where}: weights must be floating point, got {w.dtype}")
         w = w.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
     if table.dynamic is None:  # raw ids of a dynamic table may be any int64
-        check_ids(values, table.vocabulary_size, where, table_name)  # always: memory safety
+        check_ids(values, table.vocabulary_size, where, table_name, backend)  # always
     if w is not None and feature.validate_weights_and_indices:
         check_weights(w, where)
     if seq > 0:
@@ -129,42 +133,13 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             positions = positions.to(device=device, non_blocking=True)
         if bag is not None:
             bag = bag.to(device=device, non_blocking=True)
-        values, offsets = _to_sequence(values, offsets, positions, seq, bag)
+        values, offsets = _to_sequence(values, offsets, positions, seq, backend, bag)
         scales = torch.ones_like(values, dtype=torch.float32)  # (of the values: export-safe)
         return Bags(values, offsets, scales, bag_shape + (seq,))
     if bag is not None:
         bag = bag.to(device=device, non_blocking=True)
-    scales = combiner_scales(offsets, w, table.combiner, values.numel(), bag)
+    scales = backend.combiner_scales(offsets, w, table.combiner, values.numel(), bag)
     return Bags(values, offsets, scales, bag_shape)
-
-
-def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
-                    nnz: int, seg: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md
-    section 2).
-
-    A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
-    ``seg``: each id's bag when the caller has it; every size then follows from it, not from
-    ``nnz`` (a sparse input's number of entries is not a traced size under torch.export).
-    """
-    if cpu.usable(offsets) and offsets.is_contiguous() and (
-            weights is None or weights.is_contiguous()):
-        return cpu.combiner_scales(offsets, weights, combiner, nnz)
-    w = weights if weights is not None else (
-        torch.ones(nnz, dtype=torch.float32, device=offsets.device) if seg is None
-        else torch.ones_like(seg, dtype=torch.float32))  # (nnz,)
-    if combiner == "sum":
-        return w
-    if seg is None:
-        seg = bag_index(offsets, nnz)  # (nnz,)
-    per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.float32, device=offsets.device)  # (R,)
-    per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
-    # sqrt in float64, then rounded: the correctly rounded float32 root, as the fused kernel's
-    # std::sqrt (torch's float32 sqrt on the CPU can be 1 ulp off), so that an exported
-    # program (these ops) gives the eager module's (the kernel's) bits
-    denom = (per_bag if combiner == "mean" else per_bag.double().sqrt().float())[seg]  # (nnz,)
-    # w / denom, not w * (1 / denom): the inverse of a tiny denominator overflows
-    return torch.where(denom != 0, w / torch.where(denom != 0, denom, 1.0), 0.0)
 
 
 def resolve_shape(feature: FeatureConfig, name: str, natural: tuple[int, ...],
@@ -236,7 +211,7 @@ def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     return (x[0], x[1], None) if isinstance(x, tuple) else jagged_parts(x)
 
 
-def _jagged(ids: Any, weights: Any, where: str):
+def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend):
     if not isinstance(ids, tuple):
         if ids.layout != torch.jagged:
             raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
@@ -251,7 +226,8 @@ def _jagged(ids: Any, weights: Any, where: str):
     if values.dim() != 1:  # (rank 2 means 1-D values; kept as a guard for the raw reads)
         raise ValueError(f"{where}: jagged ids must hold 1-D values, got shape "
                          f"{list(values.shape)}")
-    offsets = check_offsets(given, values.numel(), where)  # (B + 1,) int64, contiguous
+    offsets = check_offsets(given.to(device, non_blocking=True), values.numel(), where,
+                            backend)  # (B + 1,) int64, contiguous, on the device
     w = None
     if weights is not None:
         same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
@@ -275,21 +251,23 @@ def _jagged(ids: Any, weights: Any, where: str):
     return values, offsets, (offsets.numel() - 1,), w
 
 
-def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
+def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str, device: torch.device,
+            backend: Backend):
     if ids.dim() < 2:
         raise ValueError(f"{where}: sparse ids must have rank >= 2, got rank {ids.dim()}")
     if ids.dense_dim() != 0:
         raise ValueError(f"{where}: sparse ids must be hybrid-free (dense_dim 0)")
     shape = tuple(ids.shape)
+    ids = ids.to(device, non_blocking=True)  # (checked and ordered on the device)
     # (k, nnz), (nnz,) in stored order, their range checked before anything indexes with them
     indices, values = sparse_parts(
-        ids, lambda i, v: check_sparse_indices(i, v, shape, where))
+        ids, lambda i, v: check_sparse_indices(i, v, shape, where, backend))
     indices = indices.to(torch.int64).contiguous()  # (as checked: no copy)
     # Order by (bag, position); stable so an uncoalesced input keeps its order of equal keys.
     # A tensor marked coalesced whose indices do not strictly increase is sorted the same way.
     order = None
     # (traced: always sorted, as the program cannot branch on the entries)
-    if tracing() or not (ids.is_coalesced() and strictly_increasing(indices, shape)):
+    if tracing() or not (ids.is_coalesced() and strictly_increasing(indices, shape, backend)):
         strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
                                dtype=torch.int64, device=indices.device)
         order = torch.argsort((indices * strides[:, None]).sum(0), stable=True)
@@ -308,8 +286,8 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
                 or weights.dense_dim() != 0):
             raise ValueError(f"{where}: weights must be a sparse COO tensor of the ids' shape "
                              f"{list(shape)}")
-        w_idx, w = sparse_parts(
-            weights, lambda i, v: check_sparse_indices(i, v, shape, f"{where} (weights)"))
+        w_idx, w = sparse_parts(weights.to(device, non_blocking=True), lambda i, v: (
+            check_sparse_indices(i, v, shape, f"{where} (weights)", backend)))
         if tuple(w_idx.shape) != tuple(indices.shape) or tuple(w.shape) != tuple(values.shape):
             raise ValueError(f"{where}: weights hold {w.numel()} entries but the ids hold "
                              f"{values.numel()}; weights must have the same indices as the ids")
@@ -321,12 +299,13 @@ def _sparse(ids: torch.Tensor, weights: torch.Tensor | None, where: str):
 
 
 def _to_sequence(values: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor | None,
-                 seq: int, bag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 seq: int, backend: Backend, bag: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bags -> ``seq`` output rows per bag, row p holding the id at position p (if any);
     ``bag``: each id's bag, when the input gives it."""
     bags = offsets.numel() - 1
     if bag is None:
-        bag = bag_index(offsets, values.numel())  # (nnz,)
+        bag = backend.bag_index(offsets, values.numel())  # (nnz,)
     if positions is None:
         positions = torch.arange(values.numel(), device=values.device) - offsets[bag]  # (nnz,)
     keep = positions < seq
@@ -346,7 +325,7 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
+def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend) -> torch.Tensor:
     """Jagged offsets as (B + 1,) contiguous int64, after one pass checking that they start at 0,
     never decrease and end at ``nnz`` (so every bag lies inside the values).
 
@@ -364,13 +343,7 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
     n = offsets.numel()
     if tracing():
         return offsets
-    if cpu.usable(offsets):
-        bad = cpu.offsets_error(offsets, nnz)
-    else:
-        falls = offsets[1:] < offsets[:-1]  # (B,)
-        first, fall, last = torch.stack([offsets[0] != 0, falls.any(),
-                                         offsets[-1] != nnz]).tolist()  # one host sync
-        bad = 0 if first else (int(falls.nonzero()[0]) + 1 if fall else (n - 1 if last else -1))
+    bad = backend.offsets_error(offsets, nnz)
     if bad < 0:
         return offsets
     if bad == 0 and int(offsets[0]) != 0:
@@ -385,7 +358,7 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str) -> torch.Tensor:
 
 
 def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...],
-                         where: str) -> torch.Tensor:
+                         where: str, backend: Backend) -> torch.Tensor:
     """A COO tensor's (k, nnz) indices as contiguous int64, after one min / max pass per dim
     checking ``0 <= indices[d] < shape[d]`` (and that indices and values agree in size).
 
@@ -404,11 +377,7 @@ def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tup
     indices = indices.to(torch.int64).contiguous()
     if indices.shape[1] == 0 or tracing():
         return indices
-    if cpu.usable(indices):
-        bounds = [cpu.minmax(indices[d]) for d in range(k)]
-    else:
-        lo, hi = torch.aminmax(indices, dim=1)  # (k,), (k,)
-        bounds = list(zip(*torch.stack([lo, hi]).tolist()))  # one host sync
+    bounds = [backend.minmax(indices[d]) for d in range(k)]  # (one pass, or sync, per dim)
     for d, (lo_v, hi_v) in enumerate(bounds):
         if lo_v < 0 or hi_v >= shape[d]:
             raise ValueError(f"{where}: sparse index {lo_v if lo_v < 0 else hi_v} in dim {d} is "
@@ -419,7 +388,7 @@ def check_sparse_indices(indices: torch.Tensor, values: torch.Tensor, shape: tup
     return indices
 
 
-def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
+def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...], backend: Backend) -> bool:
     """Whether the columns of (k, nnz) contiguous int64 indices, in range of ``shape``, strictly
     increase (a really coalesced tensor: sorted, no duplicates); one pass."""
     nnz = indices.shape[1]
@@ -427,24 +396,15 @@ def strictly_increasing(indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
         return True
     if tracing():
         return False  # (sorting costs the traced program nothing it cannot branch on)
-    if cpu.usable(indices):
-        return cpu.first_unordered(indices) < 0
-    # In-range indices: lexicographic order is the order of the linearized index.
-    strides = torch.tensor([math.prod(shape[i + 1:]) for i in range(len(shape))],
-                           dtype=torch.int64, device=indices.device)
-    lin = (indices * strides[:, None]).sum(0)  # (nnz,)
-    return not bool((lin[1:] <= lin[:-1]).any())
+    return backend.strictly_increasing(indices, shape)
 
 
-def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
+def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Backend) -> None:
     """Ids in ``[0, vocab)``: one min / max pass, done whatever ``validate_weights_and_indices``
     says, since the lookups and updates read and write ``table + id * D`` unchecked. (Not while
     tracing for export: the exported program's own gathers check their indices.)"""
     if ids.numel() and not tracing():
-        if cpu.usable(ids) and ids.is_contiguous():
-            lo_v, hi_v = cpu.minmax(ids)
-        else:
-            lo_v, hi_v = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
+        lo_v, hi_v = backend.minmax(ids)
         if lo_v < 0 or hi_v >= vocab:
             bad = lo_v if lo_v < 0 else hi_v
             raise ValueError(f"{where} has id {bad} but table {table!r} has "

@@ -23,6 +23,7 @@ from ..base.nest import (
 )
 from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
+from ..ops.backend import Backend
 from ..ops.bags import Bags
 from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
 from .kjt import from_keyed_jagged, is_keyed_jagged
@@ -161,8 +162,8 @@ class Features:
             elif d is not None and self.shapes[i] is None:
                 self.declared[i] = d
 
-    def serving_bags(self, template: Any, features: Any, weights: Any,
-                     device: torch.device) -> tuple[list[Bags | None], list[str]]:
+    def serving_bags(self, template: Any, features: Any, weights: Any, device: torch.device,
+                     backend: Backend) -> tuple[list[Bags | None], list[str]]:
         """Bags of a lookup through ``template`` (default: this engine's features), any shape.
 
         ``template`` may hold this engine's FeatureConfigs or other FeatureConfigs reading this
@@ -186,11 +187,11 @@ class Features:
                                  f"tables: {sorted(self.table_names.values())}")
             name = self.names[i] if i is not None else (f.name or path or "feature")
             table = self.table_names[f.table]
-            out.append(_bags(f, name, table, ids, w, device, None))
+            out.append(_bags(f, name, table, ids, w, device, backend, None))
             tables.append(table)
         return out, tables
 
-    def bags(self, features: Any, weights: Any, device: torch.device,
+    def bags(self, features: Any, weights: Any, device: torch.device, backend: Backend,
              shapes: Shapes) -> list[Bags | None]:
         """One ``Bags`` per feature of a batch, its shapes as ``shapes`` says (``Shapes.ANY``:
         ``serving_bags`` of these features). Nothing changes unless the whole batch is valid.
@@ -199,10 +200,10 @@ class Features:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
         """
         if shapes is Shapes.ANY:
-            return self.serving_bags(self.template, features, weights, device)[0]
+            return self.serving_bags(self.template, features, weights, device, backend)[0]
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
         out: list[Bags | None] = [_bags(self.configs[i], self.names[i], self.tables[i], ids, w,
-                                        device, self.shapes[i], self.declared[i])
+                                        device, backend, self.shapes[i], self.declared[i])
                                   for i, ids, w in zip(self._all, flat_ids, flat_w)]
         if shapes is Shapes.FIX:
             for i, b in enumerate(out):
@@ -250,11 +251,11 @@ def _flat_inputs(template: Any, features: Any, weights: Any,
 
 
 def _bags(feature: FeatureConfig, name: str, table: str, ids: Any, weights: Any,
-          device: torch.device, fixed: tuple[int, ...] | None,
+          device: torch.device, backend: Backend, fixed: tuple[int, ...] | None,
           declared: tuple[int, ...] | None = None) -> Bags:
     """One feature's ``Bags``, its shape resolved (``fixed``: the shape fixed so far, or None;
     ``declared``: build()'s input shape, read by this batch's kind, when nothing is fixed)."""
-    b = canonicalize(feature, name, table, ids, weights, device)
+    b = canonicalize(feature, name, table, ids, weights, device, backend)
     if fixed is None and declared is not None:
         dense = (isinstance(ids, torch.Tensor) and ids.layout == torch.strided
                  and not ids.is_nested)

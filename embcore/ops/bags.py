@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import cpu
+if TYPE_CHECKING:
+    from .backend import Backend
 
 
 @dataclass
@@ -50,21 +52,49 @@ class Bags:
         return (torch.arange(n + 1, dtype=torch.int64, device=self.ids.device),
                 torch.ones(n, dtype=torch.float32, device=self.ids.device))
 
-    @cached_property
-    def bag_of(self) -> torch.Tensor:
-        """(nnz,) int64, the output row (bag) of each occurrence."""
-        if self.offsets is None:
-            return torch.arange(self.ids.numel(), device=self.ids.device)
-        return bag_index(self.offsets, self.ids.numel())
+    def bag_of(self, backend: Backend) -> torch.Tensor:
+        """(nnz,) int64, the output row (bag) of each occurrence (by ``backend``; kept)."""
+        got: torch.Tensor | None = self.__dict__.get("_bag_of")
+        if got is None:
+            got = (torch.arange(self.ids.numel(), device=self.ids.device) if self.offsets is None
+                   else backend.bag_index(self.offsets, self.ids.numel()))
+            self.__dict__["_bag_of"] = got
+        return got
 
 
 def bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
-    """(nnz,) int64: the bag of every occurrence of (R + 1,) int64 ``offsets`` (valid ones)."""
-    if cpu.usable(offsets) and offsets.is_contiguous():
-        return cpu.bag_of(offsets, nnz)
+    """(nnz,) int64: the bag of every occurrence of (R + 1,) int64 ``offsets`` (valid ones);
+    torch ops (``Backend.bag_index``)."""
     lengths = offsets[1:] - offsets[:-1]  # (R,)
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths,
                                    output_size=nnz)
+
+
+def combiner_scales(offsets: torch.Tensor, weights: torch.Tensor | None, combiner: str,
+                    nnz: int, seg: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-id scale so that a weighted sum over each bag applies the combiner (docs/semantics.md
+    section 2).
+
+    A bag whose weights sum (mean) or square-sum (sqrtn) to zero gets zero scales, not NaN.
+    ``seg``: each id's bag when the caller has it; every size then follows from it, not from
+    ``nnz`` (a sparse input's number of entries is not a traced size under torch.export).
+    Torch ops (``Backend.combiner_scales``); the fused kernel gives the same bits.
+    """
+    w = weights if weights is not None else (
+        torch.ones(nnz, dtype=torch.float32, device=offsets.device) if seg is None
+        else torch.ones_like(seg, dtype=torch.float32))  # (nnz,)
+    if combiner == "sum":
+        return w
+    if seg is None:
+        seg = bag_index(offsets, nnz)  # (nnz,)
+    per_bag = torch.zeros(offsets.numel() - 1, dtype=torch.float32, device=offsets.device)  # (R,)
+    per_bag.index_add_(0, seg, w if combiner == "mean" else w * w)
+    # sqrt in float64, then rounded: the correctly rounded float32 root, as the fused kernel's
+    # std::sqrt (torch's float32 sqrt on the CPU can be 1 ulp off), so that an exported
+    # program (these ops) gives the eager module's (the kernel's) bits
+    denom = (per_bag if combiner == "mean" else per_bag.double().sqrt().float())[seg]  # (nnz,)
+    # w / denom, not w * (1 / denom): the inverse of a tiny denominator overflows
+    return torch.where(denom != 0, w / torch.where(denom != 0, denom, 1.0), 0.0)
 
 
 @dataclass
@@ -95,40 +125,9 @@ class Dedup:
 
 
 def dedup(ids: torch.Tensor) -> Dedup:
-    """One stable sort of ``ids`` (the torch-ops form of ``concat_dedup``)."""
+    """One stable sort of ``ids``: torch ops (``Backend.dedup``)."""
     sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
     unique, counts = torch.unique_consecutive(sorted_ids, return_counts=True)  # (U,), (U,)
     unique_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=unique_offsets[1:])
     return Dedup(unique, order, unique_offsets)
-
-
-def concat_dedup(parts: list[torch.Tensor], adds: list[int],
-                 num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
-    """Concatenates ``parts[i] + adds[i]`` and deduplicates the result.
-
-    Args:
-        parts: (nnz_i,) int64 ids of each feature.
-        adds: the row offset added to each part (its table's first row in the physical table).
-        num_rows: an upper bound of the shifted ids (>= 0); None for raw ids (any int64).
-
-    Returns:
-        ``(ids (nnz,), dedup)``. On the CPU the fused kernels do it in one call: row ids by
-        a radix sort (it needs the bound), raw ids by hashing (their distinct ids then come in
-        order of first occurrence, and the inverse comes with them).
-    """
-    usable = cpu.usable(*parts)
-    if num_rows is not None and usable:
-        got = cpu.concat_dedup([t.contiguous() for t in parts], adds, num_rows)
-        assert not isinstance(got, int)  # (no limits: always a result)
-        ids, unique, order, uoff = got
-        return ids, Dedup(unique, order, uoff)
-    shifted = [t + a if a else t for t, a in zip(parts, adds)]
-    ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
-    if usable:  # raw ids
-        ids = ids.contiguous()
-        unique, inverse, order, uoff = cpu.dedup_raw(ids)
-        dd = Dedup(unique, order, uoff)
-        dd.__dict__["inverse"] = inverse  # the cached_property's value, known already
-        return ids, dd
-    return ids, dedup(ids)

@@ -1,5 +1,6 @@
 """The slow tier's row checksums: their definition (torch ops, the reference) and a move of rows
-that writes or checks them (the fused CPU kernel ``cpu.copy_rows_summed``, else torch ops).
+that writes or checks them (torch ops, and the fused CPU kernel ``cpu.copy_rows_summed``: a
+backend's ``move_summed``, ops/backend.py).
 
 A row of an offloaded table is its parameters and its optimizer slots, arrays ``a_1 .. a_k`` in
 that order (docs/semantics.md, tables beyond memory). Its checksum, a 32-bit number:
@@ -58,16 +59,38 @@ def row_sums(rows: Sequence[torch.Tensor], keys: torch.Tensor,
     return torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)
 
 
-def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
-                dst: Sequence[torch.Tensor] | None, dst_rows: torch.Tensor | None,
-                keys: torch.Tensor, sums: torch.Tensor, verify: bool,
-                versions: torch.Tensor | None = None) -> int:
+def move_summed_fused(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
+                      dst: Sequence[torch.Tensor] | None, dst_rows: torch.Tensor | None,
+                      keys: torch.Tensor, sums: torch.Tensor, verify: bool,
+                      versions: torch.Tensor | None = None) -> int:
+    """``move_summed_torch`` on the fused CPU kernel (``cpu.copy_rows_summed``): one pass per
+    array, each row summed from the bytes just copied. Every tensor on the CPU."""
+    n = src_rows.numel()
+    if n == 0:
+        return -1
+    acc = torch.empty(n, dtype=torch.int32)
+    src_rows, keys = src_rows.contiguous(), keys.contiguous()
+    dst_rows = dst_rows.contiguous() if dst_rows is not None else None
+    last = len(src) - 1
+    bad = -1
+    for a, s in enumerate(src):
+        bad = cpu.copy_rows_summed(s, src_rows, None if dst is None else dst[a], dst_rows,
+                                   keys, acc, a == 0, sums if a == last else None, verify,
+                                   versions)
+    return bad
+
+
+def move_summed_torch(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
+                      dst: Sequence[torch.Tensor] | None, dst_rows: torch.Tensor | None,
+                      keys: torch.Tensor, sums: torch.Tensor, verify: bool,
+                      versions: torch.Tensor | None = None) -> int:
     """Moves rows with their checksums: ``dst[a][dst_rows] = src[a][src_rows]`` for every array
     ``a`` (``dst`` None: nothing moves), then ``verify``: each row's checksum must equal
-    ``sums[keys]``; else ``sums[keys]`` are set to them. ``src`` / ``dst``: 2-D CPU tensors,
-    rows contiguous (the row's arrays in order); index tensors (n,) int64; ``sums`` (N,) int32
-    (on the CPU: the tier's; torch ops move what lies elsewhere); ``versions`` ((n,) int32 on
-    the CPU, or None: all 0) the rows' versions, which their checksums are keyed to.
+    ``sums[keys]``; else ``sums[keys]`` are set to them. ``src`` / ``dst``: 2-D tensors, rows
+    contiguous (the row's arrays in order), on any devices; index tensors (n,) int64; ``sums``
+    (N,) int32 (the tier's, on the CPU); ``versions`` ((n,) int32 on the CPU, or None: all 0)
+    the rows' versions, which their checksums are keyed to. Torch ops (the backend's
+    ``move_summed``; ``move_summed_fused`` gives the same results).
 
     Returns:
         the first ``i`` whose checksum differs (``verify``), else -1.
@@ -75,18 +98,6 @@ def move_summed(src: Sequence[torch.Tensor], src_rows: torch.Tensor,
     n = src_rows.numel()
     if n == 0:
         return -1
-    if cpu.usable(src_rows, keys, sums, *src, *(dst or ()),
-                     *((versions,) if versions is not None else ())):
-        acc = torch.empty(n, dtype=torch.int32)
-        src_rows, keys = src_rows.contiguous(), keys.contiguous()
-        dst_rows = dst_rows.contiguous() if dst_rows is not None else None
-        last = len(src) - 1
-        bad = -1
-        for a, s in enumerate(src):
-            bad = cpu.copy_rows_summed(s, src_rows, None if dst is None else dst[a], dst_rows,
-                                          keys, acc, a == 0, sums if a == last else None, verify,
-                                          versions)
-        return bad
     moved = [s.index_select(0, src_rows.to(s.device)) for s in src]  # (n, w_a) each
     if dst is not None:
         assert dst_rows is not None

@@ -127,11 +127,13 @@ def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,
         table. (Writing it into a kept buffer with the private ``.out`` overload was measured
         twice as slow on torch 2.13: compat.py.)
     """
-    if grad.dtype == torch.float32 and (backend or choose(grad.device)).triton:
+    backend = backend or choose(grad.device)
+    if grad.dtype == torch.float32 and backend.triton:
         return gpu.row_gradients(grad, dedup.unique_offsets, dedup.order,
-                                 None if bags.unit else bags.bag_of, bags.scales)
+                                 None if bags.unit else bags.bag_of(backend), bags.scales)
     work = grad if grad.dtype == torch.float64 else grad.float()
-    rows = dedup.order if bags.unit else bags.bag_of[dedup.order]  # (nnz,) output row per occ.
+    rows = (dedup.order if bags.unit
+            else bags.bag_of(backend)[dedup.order])  # (nnz,) output row per occurrence
     weights = None if bags.scales is None else bags.scales[dedup.order].to(work.dtype)
     return F.embedding_bag(rows, work, dedup.unique_offsets, mode="sum",
                            per_sample_weights=weights, include_last_offset=True)  # (U, D)

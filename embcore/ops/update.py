@@ -43,7 +43,7 @@ from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
 from ..numerics import rounding
 from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
-from .backend import Backend, choose
+from .backend import FUSED_CPU, TRITON, Backend, choose
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
 
@@ -221,7 +221,7 @@ def _fused_sources(rows: torch.Tensor, grad: torch.Tensor | OutputGrads
         dd, bags = grad.dedup, grad.bags
         return (dd.unique, [p if p.shape[1] <= 1 or p.stride(1) == 1 else p.contiguous()
                             for p in grad.parts], grad.starts, dd.unique_offsets, dd.order,
-                None if bags.offsets is None else bags.bag_of, bags.scales)
+                None if bags.offsets is None else bags.bag_of(FUSED_CPU), bags.scales)
     return rows.contiguous(), [grad.to(torch.float32).contiguous()], None, None, None, None, None
 
 
@@ -236,7 +236,8 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
         out = g.parts[0].contiguous() if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
         gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
                           g.dedup.unique_offsets, g.dedup.order,
-                          None if g.bags.unit else g.bags.bag_of, g.bags.scales, round_to)
+                          None if g.bags.unit else g.bags.bag_of(TRITON), g.bags.scales,
+                          round_to)
     else:
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
 

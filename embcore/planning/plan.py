@@ -115,6 +115,54 @@ class PhysicalTable:
         slots = self.optimizer.slots if self.optimizer is not None else ()
         return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])
 
+    # What the step asks of a physical table, whatever its kind (step/ reads no kind flag).
+
+    @property
+    def id_bound(self) -> int | None:
+        """The bound of its batch's ids shifted to physical rows (a radix sort's range), or
+        None for raw ids (a dynamic table's: any int64)."""
+        return None if self.dynamic else self.rows
+
+    @property
+    def by_member(self) -> bool:
+        """Whether a batch's ids are deduplicated per member table (stacked dynamic tables:
+        one member's raw id is not another's)."""
+        return self.dynamic and len(self.tables) > 1
+
+    @property
+    def stored_rows(self) -> int:
+        """Its rows as stored: ``rows``, plus a dynamic table's zero row (read by ids not
+        resident)."""
+        return self.rows + (1 if self.dynamic else 0)
+
+    def rows_named(self, plan: ShardingPlan, rows: torch.Tensor, rank: int) -> str:
+        """Shard rows ``rows`` of this table on ``rank`` in the user's terms (error messages):
+        each logical table's rows; a dynamic table's, rows of its map on that rank."""
+        rows = rows.cpu().sort().values
+        if self.dynamic:
+            return (f"table(s) {list(self.tables)} (dynamic: rows {_few(rows.tolist())} of the "
+                    f"map on rank {rank})")
+        parts = []
+        for name in self.tables:
+            t = plan.table(name)
+            off = t.local_offsets[rank] if t.local_offsets else 0
+            count = t.row_counts[rank] if t.row_counts else t.rows
+            mine = rows[(rows >= off) & (rows < off + count)] - off
+            if mine.numel():
+                logical = t.held_rows(rank)[mine]
+                parts.append(f"rows {_few(logical.tolist())} of table {name!r}")
+        return ", ".join(parts)
+
+
+ROWS_NAMED = 20  # rows an error message names before it cuts the list
+
+
+def _few(rows: list[int]) -> str:
+    """A list of rows, cut after ``ROWS_NAMED``."""
+    if len(rows) <= ROWS_NAMED:
+        return str(rows)
+    return f"{str(rows[:ROWS_NAMED])[:-1]}, ... ({len(rows)} rows)]"
+
 
 @dataclass(frozen=True)
 class ShardingPlan:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..inputs.features import Features, Shapes
+from ..ops.backend import host
 from .plan import ShardingPlan, make_plan
 from .tiers import Curve, profile_curve
 
@@ -196,7 +197,7 @@ def profile(batches: Iterable[Any], feature_config: Any,
     for batch in batches:
         feats, weights = batch if isinstance(batch, tuple) and len(batch) == 2 and not \
             isinstance(batch[0], torch.Tensor) else (batch, None)
-        bags = features.bags(feats, weights, torch.device("cpu"), Shapes.CHECK)
+        bags = features.bags(feats, weights, torch.device("cpu"), host(), Shapes.CHECK)
         n_batches += 1
         for table, b in zip(features.tables, bags):
             if b is None:

@@ -29,6 +29,7 @@ from ..inputs.canonical import canonicalize, input_kind, resolve_shape
 from ..inputs.features import is_feature as _is_feature
 from ..inputs.kjt import from_keyed_jagged, is_keyed_jagged
 from ..numerics.rounding import clamp_fix, narrowed_for_load
+from ..ops.backend import choose
 from ..ops.combine import combine
 from .package import package_program
 from .quantize import QuantizedTable, quantize_table, resolve_quantize
@@ -48,7 +49,8 @@ def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: Ta
     are gathered, dequantized (float32), then combined: the result equals combining the
     dequantized table, bit for bit. ``overlay``: ``(rows (U,) ascending, values (U, D))`` read
     in place of the table's (a refresh writing those rows, serving/follow.py)."""
-    bags = canonicalize(feature, name, table_name, ids, weights, table.device)
+    backend = choose(table.device)  # (the tables served as tensors: no engine chose it)
+    bags = canonicalize(feature, name, table_name, ids, weights, table.device, backend)
     shape = resolve_shape(feature, name, bags.shape, None)
     index = bags.ids
     if vocabulary is not None:
@@ -58,9 +60,10 @@ def lookup_feature(feature: FeatureConfig, name: str, table_name: str, table: Ta
             table.index_select(0, index)  # (nnz, D), only the rows read
         if overlay is not None:
             rows = _overlaid(rows, index, *overlay)
-        out = rows if bags.unit else combine(rows, _positions(index), bags)  # (R, D)
+        out = rows if bags.unit else combine(rows, _positions(index), bags,
+                                             backend=backend)  # (R, D)
     else:
-        out = combine(table, index, bags)  # (R, D)
+        out = combine(table, index, bags, backend=backend)  # (R, D)
     return out.view(*shape, table.shape[1])  # shape + (D,)
 
 

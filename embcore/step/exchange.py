@@ -147,7 +147,7 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
         if comm.world_size == 1:  # rows are this shard's rows already, each once
             return unique, g_unique
         # replicated: sum the dense gradient and the touched mask over ranks
-        n = p.rows + (1 if p.dynamic else 0)  # a dynamic table's zero row too
+        n = p.stored_rows  # (a dynamic table's zero row too)
         dense = torch.zeros(n, p.dim, dtype=g_unique.dtype, device=device)  # (N_p, D)
         dense.index_add_(0, unique, g_unique)
         touched = torch.zeros(n, dtype=g_unique.dtype, device=device)  # (N_p,)

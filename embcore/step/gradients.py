@@ -406,9 +406,6 @@ def apply_gradients(prepared: Prepared, answers: Answers,
     return overflowed(left, plan, comm.rank, step) if left else None
 
 
-# rows named in an overflow's warning or error, at most
-_ROWS_NAMED = 20
-
 
 def overflowed(left: Mapping[int, torch.Tensor], plan: ShardingPlan, rank: int,
                step: int) -> str | None:
@@ -421,7 +418,7 @@ def overflowed(left: Mapping[int, torch.Tensor], plan: ShardingPlan, rank: int,
     for physical, rows in left.items():
         p = plan.physical[physical]
         opt = _optimizer(plan, physical)
-        what = (f"step {step}'s update of {_rows_named(plan, physical, rows, rank)} overflows "
+        what = (f"step {step}'s update of {p.rows_named(plan, rows, rank)} overflows "
                 f"{str(p.dtype).removeprefix('torch.')} (its largest finite value is "
                 f"{torch.finfo(p.dtype).max:.6g}): those rows and their slots are left as they "
                 f"were")
@@ -437,33 +434,6 @@ def overflowed(left: Mapping[int, torch.Tensor], plan: ShardingPlan, rank: int,
             "(clipvalue) or the weights (clip_weight_min / clip_weight_max), use wider rows "
             "(bfloat16 or float32), or build the optimizer with skip_nonfinite_gradients=True "
             "to leave such rows with a warning instead of this error")
-
-
-def _rows_named(plan: ShardingPlan, physical: int, rows: torch.Tensor, rank: int) -> str:
-    """Shard rows ``rows`` of a physical table on ``rank`` in the user's terms: each logical
-    table's rows (a dynamic table's: rows of its map on this process)."""
-    p = plan.physical[physical]
-    rows = rows.cpu().sort().values
-    if p.dynamic:
-        return (f"table(s) {list(p.tables)} (dynamic: rows {_few(rows.tolist())} of the map on "
-                f"rank {rank})")
-    parts = []
-    for name in p.tables:
-        t = plan.table(name)
-        off = t.local_offsets[rank] if t.local_offsets else 0
-        count = t.row_counts[rank] if t.row_counts else t.rows
-        mine = rows[(rows >= off) & (rows < off + count)] - off
-        if mine.numel():
-            logical = t.held_rows(rank)[mine]
-            parts.append(f"rows {_few(logical.tolist())} of table {name!r}")
-    return ", ".join(parts)
-
-
-def _few(rows: list[int]) -> str:
-    """A list of rows, cut after ``_ROWS_NAMED``."""
-    if len(rows) <= _ROWS_NAMED:
-        return str(rows)
-    return f"{str(rows[:_ROWS_NAMED])[:-1]}, ... ({len(rows)} rows)]"
 
 
 def _skip_groups(prepared: Prepared, plan: ShardingPlan) -> list[tuple[list[int], Optimizer]]:

@@ -31,7 +31,8 @@ from ..base.comm import Communicator
 from ..inputs.features import Features, Shapes
 from ..kernels import cpu
 from ..numerics.rounding import ROW_TYPES
-from ..ops.bags import Bags, Dedup, concat_dedup
+from ..ops.backend import FUSED_CPU
+from ..ops.bags import Bags, Dedup
 from ..planning.plan import ShardingPlan
 from ..state.store import RowStore
 from .preprocess import FeatureSlice, Prepared, Slices, TableBatch, dedup_members
@@ -52,14 +53,13 @@ class _Table:
     """One physical table of a batch: its features, their row offsets and vocabularies."""
 
     def __init__(self, physical: int, features: list[int], adds: list[int], limits: list[int],
-                 rows: int, dynamic: bool = False) -> None:
+                 bound: int | None) -> None:
         self.physical = physical
         self.features = features  # flat feature indices reading it, in flat order (stacked
         #                           dynamic tables: by member, then in flat order)
         self.adds = adds          # each feature's first row in the physical table
         self.limits = limits      # each feature's vocabulary size
-        self.rows = rows
-        self.dynamic = dynamic    # raw ids, which its maps turn into rows
+        self.bound = bound        # the shifted ids' bound (rows); None: raw ids, mapped to rows
         self.of: list[int] | None = None  # stacked dynamic tables: each feature's member
 
 
@@ -72,7 +72,8 @@ class _Layout:
         starts = [0, *itertools.accumulate(sizes)]
         self.slices = Slices(FeatureSlice(i, start, n, shapes[i])
                              for i, start, n in zip(t.features, starts, sizes))
-        self.dedup = None if t.dynamic else cpu.ConcatDedup(sizes, t.adds, t.rows, t.limits)
+        self.dedup = (None if t.bound is None
+                      else cpu.ConcatDedup(sizes, t.adds, t.bound, t.limits))
 
 
 class NativePrepare:
@@ -91,15 +92,14 @@ class NativePrepare:
             place = plan.table(name)
             t = by_table.get(place.physical)
             if t is None:
-                p = plan.physical[place.physical]
-                t = by_table[place.physical] = _Table(place.physical, [], [], [], p.rows,
-                                                      store[place.physical].maps)
+                t = by_table[place.physical] = _Table(place.physical, [], [], [],
+                                                      plan.physical[place.physical].id_bound)
             t.features.append(i)
             t.adds.append(place.row_offset)
             t.limits.append(features.configs[i].table.vocabulary_size)
         for physical, t in by_table.items():
             names = plan.physical[physical].tables
-            if t.dynamic and len(names) > 1:  # stacked dynamic tables: by member (preprocess.py)
+            if plan.physical[physical].by_member:  # stacked dynamic tables (preprocess.py)
                 member = {n: k for k, n in enumerate(names)}
                 got = sorted((member[features.tables[i]], i, a, lim)
                              for i, a, lim in zip(t.features, t.adds, t.limits))
@@ -111,11 +111,11 @@ class NativePrepare:
     def of(features: Features, plan: ShardingPlan, store: RowStore,
            comm: Communicator) -> NativePrepare | None:
         """The engine's native preprocess, or None when its configuration leaves no batch to
-        it: more than one process, not the CPU, no fused kernels, a sequence feature or one
+        it: more than one process, a backend other than the fused CPU kernels (on the CPU,
+        where they are built and switched on), a sequence feature or one
         with ``output_shape``, a table that is not float32, float16 or bfloat16 (or
         ``set_enabled(False)``)."""
-        if (not _enabled or comm.world_size != 1 or store.device.type != "cpu"
-                or not cpu.available()):
+        if not _enabled or comm.world_size != 1 or not store.backend.fused_cpu:
             return None
         for f in features.configs:
             if f.sequence_length or f.output_shape is not None:
@@ -175,9 +175,9 @@ class NativePrepare:
                          for x in (flat[i] for i in t.features)]  # (a copy: a column's ids)
                 segments = None
                 if t.of is None:
-                    ids, dd = concat_dedup(parts, t.adds, None)
+                    ids, dd = FUSED_CPU.dedup(parts, t.adds, None)
                 else:
-                    ids, dd, segments = dedup_members(parts, t.of)
+                    ids, dd, segments = dedup_members(parts, t.of, FUSED_CPU)
                 tables.append(TableBatch(t.physical, Bags(ids, None, None), dd, lay.slices, None,
                                          segments))
                 continue

@@ -88,13 +88,14 @@ class StepPath:
         prepared = (native.prepare(features, training, shapes)
                     if native is not None and weights is None and template is None else None)
         if prepared is None:
-            device = self.store.device
+            device, backend = self.store.device, self.store.backend
             if template is None:
-                bags = self.features.bags(features, weights, device, shapes)
+                bags = self.features.bags(features, weights, device, backend, shapes)
                 tables = self.features.tables
             else:
-                bags, tables = self.features.serving_bags(template, features, weights, device)
-            prepared = preprocess(bags, tables, self.plan, training)
+                bags, tables = self.features.serving_bags(template, features, weights, device,
+                                                          backend)
+            prepared = preprocess(bags, tables, self.plan, training, backend)
         return Batch(self, prepared)
 
     def staged(self, features: Any, weights: Any,
@@ -103,7 +104,8 @@ class StepPath:
         looks it up) on the pipeline's worker. A batch the native preprocess takes is prepared
         now (one kernel call per table: its validation)."""
         prepared = self._native(features, weights, training, Shapes.FIX)
-        bags = (self.features.bags(features, weights, self.store.device, Shapes.FIX)
+        bags = (self.features.bags(features, weights, self.store.device, self.store.backend,
+                                   Shapes.FIX)
                 if prepared is None else None)
 
         def stage() -> tuple[Batch, Activations | None, Answers]:
@@ -112,7 +114,7 @@ class StepPath:
                 if prepared is None:
                     assert bags is not None  # (validated when the native preprocess declined)
                     batch = Batch(self, preprocess(bags, self.features.tables, self.plan,
-                                                   training))
+                                                   training, self.store.backend))
                 else:
                     batch = Batch(self, prepared)
                 if self.comm.world_size > 1:  # collectives stay on the caller's thread

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import cpu
-from ..ops.bags import Bags, Dedup, concat_dedup
+from ..ops.backend import Backend
+from ..ops.bags import Bags, Dedup
 from ..planning.plan import ShardingPlan
 
 
@@ -89,7 +90,7 @@ class Prepared:
 
 
 def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
-               plan: ShardingPlan, training: bool) -> Prepared:
+               plan: ShardingPlan, training: bool, backend: Backend) -> Prepared:
     """Groups, deduplicates and routes a batch (pure: reads its arguments only).
 
     Args:
@@ -98,6 +99,7 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
         feature_tables: each feature's table name (flat feature order).
         plan: the sharding plan.
         training: whether ``apply_gradients`` will follow.
+        backend: the engine's backend (ops/backend.py), which deduplicates.
     """
     members: dict[int, list[int]] = {}
     for f, b in enumerate(features):
@@ -107,20 +109,20 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
     for p in sorted(members):
         phys = plan.physical[p]
         fs, of = members[p], None
-        if phys.dynamic and len(phys.tables) > 1:  # stacked dynamic tables: by member
+        if phys.by_member:  # stacked dynamic tables: by member
             member = {n: k for k, n in enumerate(phys.tables)}
             of, fs = (list(t) for t in zip(*sorted((member[feature_tables[f]], f) for f in fs)))
         (bags, dd), slices, segments = _concatenate(
             [(f, features[f]) for f in fs], [plan.table(feature_tables[f]).row_offset
                                             for f in fs],
-            None if phys.dynamic else phys.rows, of)
+            phys.id_bound, backend, of)
         tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
                                  segments))
     return Prepared(training, tuple(tables), len(features))
 
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows: int | None,
-                 of: list[int] | None = None
+                 backend: Backend, of: list[int] | None = None
                  ) -> tuple[tuple[Bags, Dedup], Slices,
                             tuple[tuple[int, int], ...] | None]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
@@ -141,9 +143,9 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     id_parts = [b.ids for _, b in parts if b is not None]
     segments = None
     if of is None:
-        ids, dd = concat_dedup(id_parts, adds, num_rows)
+        ids, dd = backend.dedup(id_parts, adds, num_rows)
     else:
-        ids, dd, segments = dedup_members(id_parts, of)
+        ids, dd, segments = dedup_members(id_parts, of, backend)
     if unit:
         return (Bags(ids, None, None), dd), Slices(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
@@ -151,7 +153,7 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
             segments)
 
 
-def dedup_members(parts: list[torch.Tensor], of: list[int]
+def dedup_members(parts: list[torch.Tensor], of: list[int], backend: Backend
                   ) -> tuple[torch.Tensor, Dedup, tuple[tuple[int, int], ...]]:
     """The raw ids of stacked dynamic tables' features (``of``: each part's member, ascending),
     deduplicated per member (one member's id is not another's): ``(ids (nnz,), dedup,
@@ -163,13 +165,11 @@ def dedup_members(parts: list[torch.Tensor], of: list[int]
             runs[-1][1].append(t)
         else:
             runs.append((m, [t]))
-    if len(runs) > 1 and cpu.usable(*parts):  # one call for every run
-        ids, unique, inverse, order, uoff, counts = cpu.dedup_raw_runs(
-            [t.contiguous() for t in parts], [len(ts) for _, ts in runs])
-        dd = Dedup(unique, order, uoff)
-        dd.__dict__["inverse"] = inverse  # (the cached_property's value, known)
+    got = backend.dedup_runs(parts, [len(ts) for _, ts in runs]) if len(runs) > 1 else None
+    if got is not None:  # one call for every run
+        ids, dd, counts = got
         return ids, dd, tuple((m, c) for (m, _), c in zip(runs, counts))
-    done = [concat_dedup(ts, [0] * len(ts), None) for _, ts in runs]
+    done = [backend.dedup(ts, [0] * len(ts), None) for _, ts in runs]
     segments = tuple((m, d.unique.numel()) for (m, _), (_, d) in zip(runs, done))
     if len(done) == 1:
         return done[0][0], done[0][1], segments
@@ -209,7 +209,7 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor,
         return None
     if p.placement.splits_columns:  # every rank holds every row, in the global row layout
         return Route([unique] * w, None)
-    if p.dynamic and segments is not None:  # a stack: by owner, then member
+    if segments is not None:  # stacked dynamic tables (``by_member``): by owner, then member
         m = len(p.tables)
         member = torch.repeat_interleave(
             torch.tensor([k for k, _ in segments], dtype=torch.int64, device=unique.device),
@@ -220,7 +220,7 @@ def route(plan: ShardingPlan, physical: int, unique: torch.Tensor,
         per = torch.bincount(key, minlength=w * m).view(w, m)  # (W, M)
         runs = unique[order].split(per.sum(1).tolist())
         return Route([torch.cat([per[d], runs[d]]) for d in range(w)], order, header=m)
-    if p.dynamic:  # raw ids go to their owners, whose maps turn them into rows
+    if p.id_bound is None:  # raw ids go to their owners, whose maps turn them into rows
         owner = p.placement.owner_of_ids(unique)  # (U,)
         order = torch.argsort(owner, stable=True)  # (U,)
         counts = torch.bincount(owner, minlength=w).tolist()

@@ -41,7 +41,6 @@ import torch
 
 from ...kernels import cpu, gpu
 from ...ops.backend import TORCH_OPS, Backend
-from ...ops.checksum import move_summed
 from ...ops.memory import empty_table, populate
 from .device_index import DeviceCacheIndex
 from .files import _SAVING, SlowFile, records, slow_file, slow_sums
@@ -105,6 +104,7 @@ class CachedRows:
                  logical: Callable[[int, int], int] | None = None,
                  backend: Backend = TORCH_OPS) -> None:
         self.name, self.slow, self.device, self.backend = name, slow, device, backend
+        self.host = backend.host()  # the slow tier's own work (host memory): its moves, its index
         self.log = log
         # the rows' checksums in the files (ops/checksum.py), or None (no files)
         self.sums = slow_sums(slow["parameters"])
@@ -149,7 +149,7 @@ class CachedRows:
         old = getattr(self, "index", None)
         self.index: CacheIndex | DeviceCacheIndex = (
             DeviceCacheIndex(self.rows, capacity, self._bounds, self.device) if self.on_device
-            else CacheIndex(self.rows, capacity, self._bounds))
+            else CacheIndex(self.rows, capacity, self._bounds, self.host))
         if old is not None:
             self.index.counts.copy_(old.counts)
         if isinstance(old, CacheIndex) and isinstance(self.index, CacheIndex):
@@ -307,7 +307,7 @@ class CachedRows:
         if timed and self.read_ahead:
             self._advise(rows)
         start = time.perf_counter()
-        self._copy(to_cache, rows, slots, direct)
+        self._copy(to_cache, rows, slots)
         if timed:
             self.read_ahead = time.perf_counter() - start > SLOW_ROW_SECONDS * rows.numel()
 
@@ -353,8 +353,8 @@ class CachedRows:
         for a in range(0, self.rows, SEAL_ROWS):
             keys = torch.arange(a, min(a + SEAL_ROWS, self.rows))
             places = self.log.at(keys) if self.log is not None else keys
-            bad = move_summed(slow, places, None, None, keys, self.sums, verify,
-                              self._versions(keys, write=not verify))
+            bad = self.host.move_summed(slow, places, None, None, keys, self.sums, verify,
+                                        self._versions(keys, write=not verify))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
 
@@ -381,8 +381,8 @@ class CachedRows:
         checksums (while every row's is set)."""
         if self.sums is None or not self.sealed or keys.numel() == 0:
             return
-        bad = move_summed(list(self.slow.values()), places, None, None, keys, self.sums, True,
-                          self._versions(keys))
+        bad = self.host.move_summed(list(self.slow.values()), places, None, None, keys,
+                                    self.sums, True, self._versions(keys))
         if bad >= 0:
             self._corrupt(int(keys[bad]))
 
@@ -410,24 +410,25 @@ class CachedRows:
                 seen.add(mapping)
                 cpu.will_need(slow, rows)
 
-    def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor,
-              direct: bool) -> None:
+    def _copy(self, to_cache: bool, rows: torch.Tensor, slots: torch.Tensor) -> None:
         keys = rows  # (the shard rows: the checksums' keys)
         if self.log is not None:  # reads at the rows' places; writes appended
             if not to_cache:
                 self.log.append(rows, {self._field_at[key]: (
                     self.table if key == "parameters" else self.slots[key], slots)
-                    for key in self.slow}, self.sums, self._versions(keys, write=True))
+                    for key in self.slow}, self.backend, self.sums,
+                    self._versions(keys, write=True))
                 return
             rows = self.log.at(rows)
         if self.sums is not None:  # moved with their checksums: set, or checked when read
             fast = [self.table if key == "parameters" else self.slots[key] for key in self.slow]
             tier = list(self.slow.values())
             if not to_cache:
-                move_summed(fast, slots, tier, rows, keys, self.sums, False,
-                            self._versions(keys, write=True))
+                self.backend.move_summed(fast, slots, tier, rows, keys, self.sums, False,
+                                         self._versions(keys, write=True))
                 return
-            bad = move_summed(tier, rows, fast, slots, keys, self.sums, True, self._versions(keys))
+            bad = self.backend.move_summed(tier, rows, fast, slots, keys, self.sums, True,
+                                           self._versions(keys))
             if bad >= 0:
                 self._corrupt(int(keys[bad]))
             return
@@ -435,11 +436,7 @@ class CachedRows:
             cache = self.table if key == "parameters" else self.slots[key]
             src, src_rows, dst, dst_rows = ((slow, rows, cache, slots) if to_cache
                                             else (cache, slots, slow, rows))
-            if direct:
-                cpu.copy_rows(src, src_rows, dst, dst_rows)
-            else:
-                dst.index_copy_(0, dst_rows.to(dst.device),
-                                src.index_select(0, src_rows.to(src.device)).to(dst.device))
+            self.backend.copy_rows(src, src_rows, dst, dst_rows)
 
     def _copy_out(self, slots: torch.Tensor, owners: torch.Tensor) -> None:
         self._move(False, owners, slots)
@@ -510,7 +507,7 @@ class CachedRows:
         if write_back:
             self.flush()
         if self.log is not None:
-            self.log.compact()
+            self.log.compact(self.host)
         if not _SAVING.get():
             self.sealed = False
         elif not self.sealed:
@@ -538,7 +535,7 @@ class CachedRows:
         self.flush()
         on_device = (not self.files and self.log is None and self.sums is None
                      and backend.triton)
-        self.backend = backend
+        self.backend, self.host = backend, backend.host()
         if on_device or self.on_device:  # an index of another kind, or on another device:
             self._read, self._written, self._evictions = (  # a new cache (the rows are all
                 self.read_rows, self.written_rows, self.evictions)  # in the tier, flushed)

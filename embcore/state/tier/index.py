@@ -23,7 +23,8 @@ a hit) and ``version``. The free cache rows form a stack.
 - misses take cache rows from the top of the stack, in their order, and are returned (to be read).
 
 Which rows the cache keeps decides only where a row is, never what it holds: results do not
-depend on this policy. ``step`` runs on the fused kernels (``cpu.cache_step``) and otherwise
+depend on this policy. ``step`` runs on the fused kernels (``cpu.cache_step``) where the index
+was made for the fused CPU backend (``CacheIndex(backend=...)``), and otherwise
 on torch ops, below, which are also its specification (tests/test_cache_index.py holds them
 equal).
 """
@@ -36,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ...kernels import cpu
+from ...ops.backend import TORCH_OPS, Backend
 
 MAX_CAPACITY = 2**31 - 1  # cache rows (``where`` is int32)
 FREE_STAMP = 2**63 - 1  # the stamp of a free cache row (never a candidate for eviction)
@@ -59,12 +61,16 @@ class CacheIndex:
         rows: shard rows ``N``.
         capacity: cache rows ``C`` (at most ``MAX_CAPACITY``).
         bounds: the first shard row of each member table but the first (per-table counts).
+        backend: the backend of host memory (``Backend.host``): the fused kernels step the
+            index where it is the fused CPU one, else torch ops (the same results).
     """
 
-    def __init__(self, rows: int, capacity: int, bounds: Sequence[int] = ()) -> None:
+    def __init__(self, rows: int, capacity: int, bounds: Sequence[int] = (),
+                 backend: Backend = TORCH_OPS) -> None:
         if not 1 <= capacity <= MAX_CAPACITY:
             raise ValueError(f"a cache holds 1 to {MAX_CAPACITY} rows, not {capacity}")
         self.rows, self.capacity = rows, capacity
+        self.fused = backend.fused_cpu  # (bound once: no call asks again)
         self.where = torch.full((rows,), -1, dtype=torch.int32)
         self.owner = torch.full((capacity,), -1, dtype=torch.int64)
         self.stamp = torch.full((capacity,), FREE_STAMP, dtype=torch.int64)
@@ -84,7 +90,7 @@ class CacheIndex:
         if rows.numel() > self.capacity:
             return None
         self.clock += 1
-        if cpu.usable(rows):
+        if self.fused:
             got = cpu.cache_step(rows.contiguous(), self.where, self.owner, self.stamp,
                                     self.dirty, self.fresh, self.version, self.free,
                                     self.n_free, self.clock,
@@ -145,7 +151,7 @@ class CacheIndex:
         """(n,) int32: the versions of distinct shard rows ``rows`` ((n,) int64 CPU), cached or
         not; ``advance``: each first advanced by one (mod 2**31) and kept (a write of the
         rows' checksums). On the kernels (``cpu.row_versions``), else torch ops."""
-        if cpu.usable(rows):
+        if self.fused:
             return cpu.row_versions(self.where, self.version, rows.contiguous(), advance)
         w = self.where.index_select(0, rows)  # (n,) cache rows, or -1 - v
         held = self.version.index_select(0, w.clamp(min=0).to(torch.int64))
@@ -183,7 +189,7 @@ class CacheIndex:
 
     def mark(self, flags: torch.Tensor, slots: torch.Tensor) -> None:
         """``flags[slots] = True`` (``dirty`` or ``fresh``; ``slots`` (n,) int64 CPU)."""
-        if cpu.usable(slots):
+        if self.fused:
             cpu.set_flags(flags, slots.contiguous(), True)
         else:
             flags[slots] = True

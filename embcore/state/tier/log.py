@@ -43,8 +43,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ...kernels import cpu
-from ...ops.checksum import move_summed
+from ...ops.backend import Backend
 
 SPARE = 0.5  # the file's places beyond its rows, as a share of them
 SEGMENT = 4096  # records a segment holds at most (the cleaner's unit; 4 MiB of 1 KiB records)
@@ -112,11 +111,13 @@ class RecordLog:
 
     # ---------------------------------------------------------------- writes
     def append(self, rows: torch.Tensor, sources: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-               sums: torch.Tensor | None = None, versions: torch.Tensor | None = None) -> None:
+               backend: Backend, sums: torch.Tensor | None = None,
+               versions: torch.Tensor | None = None) -> None:
         """Writes new records of distinct rows ``rows`` (k,) int64 at the head: the bytes of a
         record at offset ``o`` (a field) are those of ``source[at[i]]`` for each
-        ``o: (source, at)`` of ``sources`` (a 2-D CPU tensor with rows of the field's width and
-        the (k,) int64 rows of it to take). Their old records become free. With ``sums`` (the
+        ``o: (source, at)`` of ``sources`` (a 2-D tensor with rows of the field's width and
+        the (k,) int64 rows of it to take), moved by ``backend`` (the sources' device's). Their
+        old records become free. With ``sums`` (the
         rows' checksums, (rows,) int32: ops/checksum.py), the rows' checksums are set there,
         summed from the records written (the fields in order, one ``at`` for all), keyed to
         the rows' ``versions`` ((k,) int32, or None: 0)."""
@@ -132,16 +133,14 @@ class RecordLog:
         dst = torch.arange(k)
         if sums is not None:  # (one pass: the fields copied and summed)
             fields = list(sources.items())
-            move_summed([source for _, (source, _) in fields], fields[0][1][1],
-                        [self._field(data, offset, source) for offset, (source, _) in fields],
-                        dst, rows, sums, False, versions)
+            backend.move_summed(
+                [source for _, (source, _) in fields], fields[0][1][1],
+                [self._field(data, offset, source) for offset, (source, _) in fields],
+                dst, rows, sums, False, versions)
         else:
             for offset, (source, at) in sources.items():
                 view = self._field(data, offset, source)
-                if cpu.usable(source, at):
-                    cpu.copy_rows(source.contiguous(), at.contiguous(), view, dst)
-                else:
-                    view.copy_(source.index_select(0, at.to(source.device)))
+                backend.copy_rows(source, at, view, dst)
         self._place(rows, data)
         self.written += k
 
@@ -232,9 +231,10 @@ class RecordLog:
             done += put
 
     # ---------------------------------------------------------------- outside the step
-    def compact(self) -> None:
+    def compact(self, host: Backend) -> None:
         """Puts row ``r``'s record at place ``r`` for every row: the file's first ``rows``
-        records then read as the table, in row order (``RowStore.local``)."""
+        records then read as the table, in row order (``RowStore.local``). ``host``: the
+        backend of host memory, which moves the records."""
         if self.compacted:
             return
         free = self.places - self.rows
@@ -246,20 +246,17 @@ class RecordLog:
             out = torch.nonzero((occupant >= 0) & (occupant != here)).flatten()
             if out.numel():
                 to = torch.nonzero(self.owner[b:] < 0).flatten()[:out.numel()] + b
-                self._move(out + a, to)
+                self._move(out + a, to, host)
             # 2. the rows of [a, b) come home (each from a place after b: see above)
             away = torch.nonzero(self.owner[a:b] != here).flatten() + a
             if away.numel():
-                self._move(self.where[away].to(torch.int64), away)
+                self._move(self.where[away].to(torch.int64), away, host)
         self._reset()
 
-    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _move(self, src: torch.Tensor, dst: torch.Tensor, host: Backend) -> None:
         """Moves the records at places ``src`` to free places ``dst`` (disjoint, int64)."""
         rows = self.owner[src].to(torch.int64)
-        if cpu.usable(self.raw):
-            cpu.copy_rows(self.raw, src.contiguous(), self.raw, dst.contiguous())
-        else:
-            self.raw[dst] = self.raw[src]
+        host.copy_rows(self.raw, src, self.raw, dst)
         self.owner[src] = -1
         self.owner[dst] = rows.to(self.index_dtype)
         self.where[rows] = dst.to(self.index_dtype)

@@ -195,9 +195,15 @@ class NativeVocabMap(VocabMap):
         if self._top >= _INT32_MAX and self._last.dtype != _I64:  # t or a frequency + 1
             self._resize(self._ids.numel(), _I64)
 
+    def _kernels_apply(self) -> bool:
+        """Whether the kernels apply to this map now: the one check of the fused CPU backend's
+        map, whose layout also serves torch ops (a call traced by torch.compile, or the
+        kernels switched off by ``cpu.set_enabled`` since the map was made)."""
+        return cpu.usable(self._ids if self._compact else self.row_key)
+
     def _native(self) -> bool:
         """Whether the kernels apply now (taking the compact layout if they do)."""
-        if not cpu.usable(self._ids if self._compact else self.row_key):
+        if not self._kernels_apply():
             return False
         self._compress()
         return True
@@ -356,7 +362,7 @@ class NativeVocabMap(VocabMap):
 
     def _install(self, step: int, ids: torch.Tensor, rows: torch.Tensor,
                  last_use: torch.Tensor, frequency: torch.Tensor) -> None:
-        if self.device.type != "cpu" or not cpu.usable(ids):  # VocabMap's layout
+        if not (ids.is_cpu and self._kernels_apply()):  # VocabMap's layout
             compact, self._compact = self._compact, False
             try:
                 super()._install(step, ids, rows, last_use, frequency)
@@ -410,7 +416,7 @@ def find_many(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[int]
     ``fill`` where not resident. None where the kernels do not step every map (a map not a
     ``NativeVocabMap`` on the CPU)."""
     nmaps = [m for m in maps if isinstance(m, NativeVocabMap)]
-    if not cpu.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
+    if not ids.is_cpu or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
     if not nmaps:
         return _EMPTY
@@ -447,7 +453,7 @@ def train_steps(maps: Sequence[VocabMap], ids: torch.Tensor, counts: Sequence[in
         ``train_step`` raises the error).
     """
     nmaps = [m for m in maps if isinstance(m, NativeVocabMap) and m.admit_after == 1]
-    if not cpu.usable(ids) or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
+    if not ids.is_cpu or len(nmaps) < len(maps) or not all(m._native() for m in nmaps):
         return None
     if not nmaps:
         return _EMPTY, _EMPTY, _EMPTY, []
