@@ -44,7 +44,7 @@ from .formats.checkpoint import (
     seal_of,
     swap_in,
 )
-from .formats.files import agreed_token, fsync_dir
+from .formats.files import agreed_token, complete_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer
 from .numerics.rounding import COMPACT, narrowed, wider
@@ -229,12 +229,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                        "index": crc_of_bytes((tmp / METADATA).read_bytes()), "chunks": chunks,
                        "manifest": manifest_crc(manifest)}
             manifest[CHECKSUMS] = {**section, "seal": seal_of(section)}
-            text = json.dumps(manifest, indent=1, allow_nan=False)
-            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
+            complete_dir(tmp, MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
             swap_in(tmp, path)
         except BaseException as e:  # re-raised below, after telling the other processes
             remove_tree(tmp, missing_ok=True)

@@ -86,7 +86,6 @@ import shutil
 import socket
 import stat
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +93,15 @@ from typing import IO, Any, TypeVar, cast
 
 import torch
 
-from .files import fsync_dir, pid_alive
+from .files import (
+    complete_dir,
+    crc,
+    crc32,
+    lock_exclusive,
+    pid_alive,
+    rename_synced,
+    synced_file,
+)
 
 FORMAT = "embcore.publish"
 FORMAT_VERSION = 1
@@ -478,14 +485,6 @@ def read_exactly(fd: int, size: int, path: Path, error: type[ValueError] = Publi
     return bytes(out)
 
 
-def crc(t: torch.Tensor) -> int:
-    """CRC-32 of a CPU tensor's bytes (row-major)."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    return zlib.crc32(flat.view(torch.uint8).numpy().data)
-
-
 class _Sink:
     """A file ``torch.save`` writes to, which keeps the OSError of a failed write (torch
     reports it as a RuntimeError of its own)."""
@@ -528,7 +527,7 @@ def write_part(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int
             error, when it stood for one, is chained.
     """
     sums = {k: crc(v) for k, v in tensors.items()}
-    with open(path, "wb") as f:
+    with synced_file(path) as f:
         sink = _Sink(f)
         try:
             torch.save(dict(tensors), cast(IO[bytes], sink))
@@ -537,8 +536,6 @@ def write_part(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int
             if cause is None:
                 raise
             raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
-        f.flush()
-        os.fsync(f.fileno())
     return sums
 
 
@@ -631,24 +628,19 @@ def commit(tmp: Path, directory: Path, manifest: Mapping[str, Any]) -> Entry:
     """Makes the written temporary directory ``tmp`` an entry: writes its manifest, syncs, and
     renames it into place (atomic). Raises FileExistsError: the entry exists (another writer)."""
     text = json.dumps({**manifest, "seal": _seal(manifest)}, indent=1, allow_nan=False)
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
+    complete_dir(tmp, MANIFEST, text)
     final = directory / entry_name(manifest["seq"], manifest["kind"])
     if any(e.seq == manifest["seq"] for e in entries(directory)):
         raise FileExistsError(f"{directory} already holds an entry {manifest['seq']}: another "
                               f"writer publishes to this directory")
-    os.rename(tmp, final)
-    fsync_dir(directory)
+    rename_synced(tmp, final)
     return Entry(manifest["seq"], manifest["kind"], final)
 
 
 def _seal(manifest: Any) -> int:
     """CRC-32 of a manifest's content (its canonical JSON, keys sorted): every field is checked,
     the step and the spec as much as the checksums."""
-    return zlib.crc32(json.dumps(manifest, sort_keys=True, allow_nan=False).encode())
+    return crc32(json.dumps(manifest, sort_keys=True, allow_nan=False).encode())
 
 
 def remove_stale(directory: Path) -> None:
@@ -678,16 +670,6 @@ def retain(directory: Path, snapshots: int) -> list[Path]:
             shutil.rmtree(trash, ignore_errors=True)
             removed.append(e.path)
     return removed
-
-
-def _flock(fd: int) -> None:
-    """An exclusive ``flock`` on ``fd`` without waiting (a no-op where there is none). Raises
-    BlockingIOError: another holds it."""
-    try:
-        import fcntl
-    except ImportError:  # (not POSIX)
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 class WriterLock:
@@ -724,7 +706,7 @@ class WriterLock:
             if not stat.S_ISREG(mode):
                 raise PublishError(refused.format(_kind(mode)))
             try:
-                _flock(fd)
+                lock_exclusive(fd, strict=True)  # (a file system without locks: its error)
             except BlockingIOError:
                 who = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
                 raise RuntimeError(f"another trainer publishes to {directory} "
