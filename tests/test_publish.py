@@ -20,6 +20,7 @@ from distributed import run_on
 
 import embcore as ec
 from embcore.serving.serve import padded_map
+from embcore.formats import publish_writer as writer
 from embcore.formats import published as fmt
 
 
@@ -323,19 +324,19 @@ def test_a_failed_publish_loses_nothing(tmp_path, monkeypatch):
     ec.publish(tmp_path, trainer)
     served = ec.load_published(tmp_path)
     train(trainer, range(2))
-    real = fmt.write_part
+    real = writer.write_part
     calls = []
 
     def full_disk(path, tensors):
         calls.append(path)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(fmt, "write_part", full_disk)
+    monkeypatch.setattr(writer, "write_part", full_disk)
     with pytest.raises(OSError, match="No space left"):
         ec.publish(tmp_path, trainer)
     assert calls and [e.seq for e in fmt.entries(tmp_path)] == [0]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    monkeypatch.setattr(fmt, "write_part", real)
+    monkeypatch.setattr(writer, "write_part", real)
 
     def crash(*a, **k):
         raise KeyboardInterrupt  # interrupted just before the entry's rename
@@ -541,16 +542,16 @@ def test_two_processes_publish_what_one_would(tmp_path):
 
 _KILLED_WRITER = r"""
 import sys, time, torch, embcore as ec
-from embcore.formats import published as fmt
+from embcore.formats import publish_writer as writer
 sys.path.insert(0, sys.argv[2])
 from test_publish import make_engine, train
-real = fmt.write_part
+real = writer.write_part
 def slow(path, tensors):
     out = real(path, tensors)
     time.sleep(0.2)  # the parent kills us among the part files
     return out
-fmt.write_part = slow
-fmt.PART_BYTES = 1000  # many part files per entry
+writer.write_part = slow
+writer.PART_BYTES = 1000  # many part files per entry
 emb = make_engine(seed=1)
 ec.publish(sys.argv[1], emb, slots=True)
 print("published", flush=True)

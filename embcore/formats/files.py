@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import os
 import secrets
+import stat
 import types
 import zlib
 from collections.abc import Iterator
@@ -65,6 +66,17 @@ def fsync_dir(p: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def kind_of(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is that is not a regular file, for an error message
+    (``"a FIFO"``, ``"a directory"``, ...)."""
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
 
 
 def pid_alive(pid: int) -> bool:
