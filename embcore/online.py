@@ -35,7 +35,7 @@ from .engine import Embedding
 from .formats import publish_writer as writer
 from .formats import published as fmt
 from .formats.files import agreed_token
-from .layer import EmbeddingLayer
+from .layer import EmbeddingLayer, engine_of
 from .numerics.rounding import COMPACT, narrowed, wider
 from .serving.follow import PublishedModule
 from .state.store import RowStore
@@ -75,17 +75,13 @@ def _publishers(engine: Embedding) -> dict[str, _Publisher]:
     return got
 
 
-def _engine(obj: Any) -> Embedding:
-    if isinstance(obj, EmbeddingLayer):
-        if obj.tables_are_parameters:
-            raise TypeError("publish needs the engine's optimizer: a layer built with "
-                            "optimizer=None trains its tables as nn.Parameters, whose writes "
-                            "the engine does not see (use ec.save)")
-        return obj.engine
-    if isinstance(obj, Embedding):
-        return obj
-    raise TypeError(f"obj must be an ec.Embedding or ec.EmbeddingLayer, got "
-                    f"{type(obj).__name__}")
+def _engine(obj: Any, call: str) -> Embedding:
+    engine = engine_of(obj, call)
+    if isinstance(obj, EmbeddingLayer) and obj.tables_are_parameters:
+        raise TypeError("publish needs the engine's optimizer: a layer built with "
+                        "optimizer=None trains its tables as nn.Parameters, whose writes "
+                        "the engine does not see (use ec.save)")
+    return engine
 
 
 def _all_ok(engine: Embedding, error: BaseException | None, what: str) -> None:
@@ -165,7 +161,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         >>> served.version
         1
     """
-    engine = _engine(obj)
+    engine = _engine(obj, "ec.publish")
     _check_publish_args(slots, snapshot, keep_snapshots, compact_ratio)
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
@@ -492,7 +488,7 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
             entry of another chain.
         KeyError: with ``strict``, a table or slot of ``obj`` the directory lacks.
     """
-    engine = _engine(obj)
+    engine = _engine(obj, "ec.load")
     narrow = {n: getattr(torch, t["dtype"]) for n, t in engine.manifest()["tables"].items()
               if getattr(torch, t["dtype"]) in COMPACT}
     with engine.quiescent() as store:

@@ -766,3 +766,33 @@ def test_an_unreadable_part_is_named_in_the_users_terms(tmp_path):
     assert said.endswith("lets followers start over past it") and "snapshot=True" in said
     cause = said.split("(", 1)[1].split("). Its entry", 1)[0]
     assert len(cause) < 200 and (cause.endswith(" ...") or "\n" not in cause)
+
+
+def test_save_load_and_publish_refuse_another_object_alike(tmp_path):
+    """ec.save, ec.load (of a checkpoint and of a publish directory) and ec.publish find the
+    engine in one place (layer.py ``engine_of``): anything but an engine or a layer is one
+    TypeError naming the call, the type and the fix (for embcore's TorchRec modules, the layer
+    to pass), and nothing is written."""
+
+    class Wrapper(torch.nn.Module):  # as embcore.torchrec's modules hold their layer
+        def __init__(self) -> None:
+            super().__init__()
+            t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+            self.embedding_bags = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "sgd")
+
+    emb = make_engine(dynamic=False)
+    ec.save(tmp_path / "ckpt", emb)
+    ec.publish(tmp_path / "pub", emb)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    calls = {"ec.save": lambda o: ec.save(tmp_path / "new", o),
+             "ec.load": lambda o: ec.load(tmp_path / "ckpt", o),
+             "ec.publish": lambda o: ec.publish(tmp_path / "pub2", o)}
+    for call, run in [*calls.items(), ("ec.load", lambda o: ec.load(tmp_path / "pub", o))]:
+        with pytest.raises(TypeError, match=rf"^{call}: obj must be an ec.Embedding or an "
+                                            rf"ec.EmbeddingLayer, got dict; pass the "):
+            run({"t": emb})
+        with pytest.raises(TypeError, match=rf"^{call}: .* got Wrapper; pass its layer, "
+                                            rf"Wrapper.embedding_bags \(an ec.EmbeddingLayer\)"):
+            run(Wrapper())
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    ec.save(tmp_path / "new", Wrapper().embedding_bags)  # the fix it names works
