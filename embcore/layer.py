@@ -266,5 +266,5 @@ def engine_of(obj: Any, call: str) -> Embedding:
     for name in ("embedding_bags", "embeddings"):  # embcore.torchrec's modules hold a layer
         if isinstance(getattr(obj, name, None), EmbeddingLayer):
             fix = f"pass its layer, {type(obj).__name__}.{name} (an ec.EmbeddingLayer)"
-    raise TypeError(f"{call}: obj must be an ec.Embedding or an ec.EmbeddingLayer, got "
+    raise TypeError(f"{call}: obj must be an ec.Embedding or ec.EmbeddingLayer, got "
                     f"{type(obj).__name__}; {fix}")

@@ -788,7 +788,7 @@ def test_save_load_and_publish_refuse_another_object_alike(tmp_path):
              "ec.load": lambda o: ec.load(tmp_path / "ckpt", o),
              "ec.publish": lambda o: ec.publish(tmp_path / "pub2", o)}
     for call, run in [*calls.items(), ("ec.load", lambda o: ec.load(tmp_path / "pub", o))]:
-        with pytest.raises(TypeError, match=rf"^{call}: obj must be an ec.Embedding or an "
+        with pytest.raises(TypeError, match=rf"^{call}: obj must be an ec.Embedding or "
                                             rf"ec.EmbeddingLayer, got dict; pass the "):
             run({"t": emb})
         with pytest.raises(TypeError, match=rf"^{call}: .* got Wrapper; pass its layer, "
