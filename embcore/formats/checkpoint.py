@@ -413,7 +413,7 @@ def range_crc(path: Path, offset: int, length: int) -> int:
     mapped, not copied into memory."""
     if length == 0:
         return 0
-    # (a copy-on-write mapping, as before: never written)
+    # (a copy-on-write mapping: never written)
     return crc32(np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(length,)))
 
 

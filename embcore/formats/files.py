@@ -1,7 +1,8 @@
 """Small file-system steps that the checkpoint, publish and slow-tier code share, each written
 once: a durable write (a file written and fsynced, its directory synced, an atomic rename), the
-CRC-32 of bytes and tensors, an exclusive ``flock``, telling whether a writer's process still
-runs, and a name suffix every process agrees on."""
+CRC-32 of bytes and tensors, an exclusive ``flock``, the kind of a file that is not a regular
+one (for errors), telling whether a writer's process still runs, and a name suffix every process
+agrees on."""
 
 from __future__ import annotations
 
