@@ -44,9 +44,9 @@ from .formats.checkpoint import (
     seal_of,
     swap_in,
 )
-from .formats.files import agreed_token, fsync_dir
+from .formats.files import agreed_token, complete_dir
 from .formats.published import is_publish_dir
-from .layer import EmbeddingLayer
+from .layer import EmbeddingLayer, engine_of
 from .numerics.rounding import COMPACT, narrowed, wider
 from .online import resume
 from .state.tier.files import saving
@@ -78,16 +78,13 @@ def _gather_checksums(engine: Embedding, storage: Mapping[Any, Any],
 
 
 # --------------------------------------------------------------------------------- the object
-def _engine_and_state(obj: Any) -> tuple[Embedding, dict[str, torch.Tensor], bool]:
+def _engine_and_state(obj: Any, call: str) -> tuple[Embedding, dict[str, torch.Tensor], bool]:
     """(engine, the state dict to save / fill, whether obj is a V0 layer)."""
-    if isinstance(obj, EmbeddingLayer):
-        if obj.tables_are_parameters:  # the layer's nn.Parameters; the engine's are unused
-            return obj.engine, {k: v.detach() for k, v in obj.state_dict().items()}, True
-        return obj.engine, obj.engine.state_dict(), False
-    if isinstance(obj, Embedding):
-        return obj, obj.state_dict(), False
-    raise TypeError(f"obj must be an ec.Embedding or ec.EmbeddingLayer, got "
-                    f"{type(obj).__name__}")
+    engine = engine_of(obj, call)
+    if isinstance(obj, EmbeddingLayer) and obj.tables_are_parameters:
+        # the layer's nn.Parameters; the engine's are unused
+        return engine, {k: v.detach() for k, v in obj.state_dict().items()}, True
+    return engine, engine.state_dict(), False
 
 
 def _group(comm: Any) -> Any:
@@ -169,7 +166,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         {'epoch': 3}
     """
     with saving():  # (offloaded rows checked; read through the tier's open files)
-        engine, state, v0 = _engine_and_state(obj)  # a collective when sharded
+        engine, state, v0 = _engine_and_state(obj, "ec.save")  # a collective when sharded
     comm = engine.comm
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict of JSON-able values or None, got "
@@ -229,12 +226,7 @@ def save(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                        "index": crc_of_bytes((tmp / METADATA).read_bytes()), "chunks": chunks,
                        "manifest": manifest_crc(manifest)}
             manifest[CHECKSUMS] = {**section, "seal": seal_of(section)}
-            text = json.dumps(manifest, indent=1, allow_nan=False)
-            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
+            complete_dir(tmp, MANIFEST, json.dumps(manifest, indent=1, allow_nan=False))
             swap_in(tmp, path)
         except BaseException as e:  # re-raised below, after telling the other processes
             remove_tree(tmp, missing_ok=True)
@@ -313,7 +305,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                              "restores every table")
         return resume(Path(os.fspath(path)), obj, slots=slots, strict=strict,
                       saturate=saturate)
-    engine, target, v0 = _engine_and_state(obj)  # a collective when sharded
+    engine, target, v0 = _engine_and_state(obj, "ec.load")  # a collective when sharded
     comm = engine.comm
     ckpt = resolve_dir(Path(os.fspath(path)))
     manifest = read_manifest(ckpt)  # (a regular file in it, of at most FILE_BYTES)

@@ -243,3 +243,28 @@ class EmbeddingLayer(torch.nn.Module):
         except (KeyError, ValueError) as e:
             error_msgs.append(str(e))
 
+
+
+def engine_of(obj: Any, call: str) -> Embedding:
+    """The engine that ``obj`` holds: an ``ec.Embedding`` itself, or an ``ec.EmbeddingLayer``'s
+    (``layer.engine``). Every call that takes either (``ec.save``, ``ec.load``, ``ec.publish``)
+    finds the engine here.
+
+    Args:
+        obj: what the user passed.
+        call: the call, for the error (``"ec.save"``).
+
+    Raises:
+        TypeError: ``obj`` is neither, naming ``call`` and its type; for a TorchRec module of
+            embcore (``embcore.torchrec``), naming the layer to pass instead.
+    """
+    if isinstance(obj, EmbeddingLayer):
+        return obj.engine
+    if isinstance(obj, Embedding):
+        return obj
+    fix = "pass the ec.Embedding or the ec.EmbeddingLayer that holds the tables"
+    for name in ("embedding_bags", "embeddings"):  # embcore.torchrec's modules hold a layer
+        if isinstance(getattr(obj, name, None), EmbeddingLayer):
+            fix = f"pass its layer, {type(obj).__name__}.{name} (an ec.EmbeddingLayer)"
+    raise TypeError(f"{call}: obj must be an ec.Embedding or ec.EmbeddingLayer, got "
+                    f"{type(obj).__name__}; {fix}")

@@ -32,9 +32,10 @@ from .base.version import __version__
 from .config.spec import EmbeddingSpec
 from .config.tables import FeatureConfig
 from .engine import Embedding
+from .formats import publish_writer as writer
 from .formats import published as fmt
 from .formats.files import agreed_token
-from .layer import EmbeddingLayer
+from .layer import EmbeddingLayer, engine_of
 from .numerics.rounding import COMPACT, narrowed, wider
 from .serving.follow import PublishedModule
 from .state.store import RowStore
@@ -49,7 +50,7 @@ _VOCAB_KEYS = ("ids", "last_use", "frequency")
 class _Publisher:
     """What an engine remembers of its publishes to one directory."""
 
-    lock: fmt.WriterLock | None  # process 0's
+    lock: writer.WriterLock | None  # process 0's
     seq: int                     # the entry its last publish made
     id: str
     chain: str | None            # the directory's chain identity (None: its next entry's id)
@@ -74,17 +75,13 @@ def _publishers(engine: Embedding) -> dict[str, _Publisher]:
     return got
 
 
-def _engine(obj: Any) -> Embedding:
-    if isinstance(obj, EmbeddingLayer):
-        if obj.tables_are_parameters:
-            raise TypeError("publish needs the engine's optimizer: a layer built with "
-                            "optimizer=None trains its tables as nn.Parameters, whose writes "
-                            "the engine does not see (use ec.save)")
-        return obj.engine
-    if isinstance(obj, Embedding):
-        return obj
-    raise TypeError(f"obj must be an ec.Embedding or ec.EmbeddingLayer, got "
-                    f"{type(obj).__name__}")
+def _engine(obj: Any, call: str) -> Embedding:
+    engine = engine_of(obj, call)
+    if isinstance(obj, EmbeddingLayer) and obj.tables_are_parameters:
+        raise TypeError("publish needs the engine's optimizer: a layer built with "
+                        "optimizer=None trains its tables as nn.Parameters, whose writes "
+                        "the engine does not see (use ec.save)")
+    return engine
 
 
 def _all_ok(engine: Embedding, error: BaseException | None, what: str) -> None:
@@ -164,7 +161,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
         >>> served.version
         1
     """
-    engine = _engine(obj)
+    engine = _engine(obj, "ec.publish")
     _check_publish_args(slots, snapshot, keep_snapshots, compact_ratio)
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
@@ -180,7 +177,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
             changes = store.track()
             taken = changes.take(key)  # (rows per physical table; given back if this fails)
             seq = (pub.seq + 1) if pub is not None else _next_seq(engine, directory)
-            tmp = fmt.temporary(directory, seq, agreed_token(comm, engine.device))
+            tmp = writer.temporary(directory, seq, agreed_token(comm, engine.device))
             used: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             rows, nbytes, files = _write_entry(engine, store, directory, tmp, kind, pub,
                                                bool(slots), used, taken)
@@ -230,7 +227,7 @@ def _write_entry(engine: Embedding, store: Any, directory: Path, tmp: Path, kind
     error: BaseException | None = None
     if comm.rank == 0:
         try:
-            fmt.remove_stale(directory)
+            writer.remove_stale(directory)
             tmp.mkdir()
         except OSError as e:
             error = e
@@ -240,9 +237,9 @@ def _write_entry(engine: Embedding, store: Any, directory: Path, tmp: Path, kind
     rows = dict.fromkeys(engine.table_names().values(), 0)
     try:
         chunks = _chunks_to_write(store, kind, pub, slots, rows, used, taken)
-        for i, part in enumerate(fmt.parts(chunks)):
-            name = fmt.part_name(comm.rank, i)
-            written[name] = fmt.write_part(tmp / name, part)
+        for i, part in enumerate(writer.parts(chunks)):
+            name = writer.part_name(comm.rank, i)
+            written[name] = writer.write_part(tmp / name, part)
             sizes[name] = os.path.getsize(tmp / name)
         if comm.world_size > 1:  # process 0 gathers the files' checksums from these
             (tmp / f"r{comm.rank:05d}.json").write_text(
@@ -293,7 +290,7 @@ def _commit_entry(engine: Embedding, directory: Path, tmp: Path, pub: _Publisher
                 "rows": rows, "bytes": nbytes, "time": time.time(),
                 "writer": {"host": socket.gethostname(), "pid": os.getpid(),
                            "embcore_version": __version__}}
-            fmt.commit(tmp, directory, manifest)
+            writer.commit(tmp, directory, manifest)
         except BaseException as e:
             error = e
     _all_ok(engine, error, f"committing entry {seq} of {directory}")
@@ -301,7 +298,7 @@ def _commit_entry(engine: Embedding, directory: Path, tmp: Path, pub: _Publisher
 
 
 def _remember(engine: Embedding, directory: Path, pub: _Publisher | None,
-              lock: fmt.WriterLock | None, seq: int, entry_id: str, chain_id: str | None,
+              lock: writer.WriterLock | None, seq: int, entry_id: str, chain_id: str | None,
               kind: str, slots: bool, used: dict[int, tuple[torch.Tensor, torch.Tensor]],
               nbytes: int, keep_snapshots: int) -> None:
     """The engine's publish state for ``directory`` after entry ``seq`` (the next publish's
@@ -317,7 +314,7 @@ def _remember(engine: Embedding, directory: Path, pub: _Publisher | None,
     if kind == "snapshot":
         pub.snapshot_bytes, pub.delta_bytes = nbytes, 0
         if engine.comm.rank == 0:
-            fmt.retain(directory, keep_snapshots)
+            writer.retain(directory, keep_snapshots)
     else:
         pub.delta_bytes += nbytes
 
@@ -327,7 +324,7 @@ def _key(directory: Path) -> str:
 
 
 def _open(engine: Embedding, directory: Path
-          ) -> tuple[_Publisher | None, fmt.WriterLock | None]:
+          ) -> tuple[_Publisher | None, writer.WriterLock | None]:
     """The engine's publish state for ``directory`` (None: its first publish there), checked
     against the directory, and the directory's writer lock when process 0 takes it now (its
     first publish there, or its first since ``ec.load`` of the directory)."""
@@ -352,7 +349,7 @@ def _open(engine: Embedding, directory: Path
                                           f"publish directory; refusing to publish into it")
                 directory.mkdir(parents=True, exist_ok=True)
             if pub is None or pub.lock is None:
-                lock = fmt.WriterLock(directory)
+                lock = writer.WriterLock(directory)
         except BaseException as e:
             error = e
     _all_ok(engine, error, f"opening {directory}")
@@ -430,7 +427,7 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
     keys = ["parameters"] + ([s.name for s in phys.optimizer.slots]
                              if slots and phys.optimizer is not None else [])
     width = 8 + (c1 - c0) * 4 * len(keys)
-    step = max(1, fmt.PART_BYTES // width)
+    step = max(1, writer.PART_BYTES // width)
     held = place.placement.held_rows(rank)
     for i in range(0, max(local.numel(), 1), step):  # (a dynamic table: one chunk at least)
         part = local[i:i + step]
@@ -491,7 +488,7 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
             entry of another chain.
         KeyError: with ``strict``, a table or slot of ``obj`` the directory lacks.
     """
-    engine = _engine(obj)
+    engine = _engine(obj, "ec.load")
     narrow = {n: getattr(torch, t["dtype"]) for n, t in engine.manifest()["tables"].items()
               if getattr(torch, t["dtype"]) in COMPACT}
     with engine.quiescent() as store:

@@ -20,6 +20,7 @@ from distributed import run_on
 
 import embcore as ec
 from embcore.serving.serve import padded_map
+from embcore.formats import publish_writer as writer
 from embcore.formats import published as fmt
 
 
@@ -323,19 +324,19 @@ def test_a_failed_publish_loses_nothing(tmp_path, monkeypatch):
     ec.publish(tmp_path, trainer)
     served = ec.load_published(tmp_path)
     train(trainer, range(2))
-    real = fmt.write_part
+    real = writer.write_part
     calls = []
 
     def full_disk(path, tensors):
         calls.append(path)
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(fmt, "write_part", full_disk)
+    monkeypatch.setattr(writer, "write_part", full_disk)
     with pytest.raises(OSError, match="No space left"):
         ec.publish(tmp_path, trainer)
     assert calls and [e.seq for e in fmt.entries(tmp_path)] == [0]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    monkeypatch.setattr(fmt, "write_part", real)
+    monkeypatch.setattr(writer, "write_part", real)
 
     def crash(*a, **k):
         raise KeyboardInterrupt  # interrupted just before the entry's rename
@@ -541,16 +542,16 @@ def test_two_processes_publish_what_one_would(tmp_path):
 
 _KILLED_WRITER = r"""
 import sys, time, torch, embcore as ec
-from embcore.formats import published as fmt
+from embcore.formats import publish_writer as writer
 sys.path.insert(0, sys.argv[2])
 from test_publish import make_engine, train
-real = fmt.write_part
+real = writer.write_part
 def slow(path, tensors):
     out = real(path, tensors)
     time.sleep(0.2)  # the parent kills us among the part files
     return out
-fmt.write_part = slow
-fmt.PART_BYTES = 1000  # many part files per entry
+writer.write_part = slow
+writer.PART_BYTES = 1000  # many part files per entry
 emb = make_engine(seed=1)
 ec.publish(sys.argv[1], emb, slots=True)
 print("published", flush=True)
@@ -765,3 +766,33 @@ def test_an_unreadable_part_is_named_in_the_users_terms(tmp_path):
     assert said.endswith("lets followers start over past it") and "snapshot=True" in said
     cause = said.split("(", 1)[1].split("). Its entry", 1)[0]
     assert len(cause) < 200 and (cause.endswith(" ...") or "\n" not in cause)
+
+
+def test_save_load_and_publish_refuse_another_object_alike(tmp_path):
+    """ec.save, ec.load (of a checkpoint and of a publish directory) and ec.publish find the
+    engine in one place (layer.py ``engine_of``): anything but an engine or a layer is one
+    TypeError naming the call, the type and the fix (for embcore's TorchRec modules, the layer
+    to pass), and nothing is written."""
+
+    class Wrapper(torch.nn.Module):  # as embcore.torchrec's modules hold their layer
+        def __init__(self) -> None:
+            super().__init__()
+            t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+            self.embedding_bags = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "sgd")
+
+    emb = make_engine(dynamic=False)
+    ec.save(tmp_path / "ckpt", emb)
+    ec.publish(tmp_path / "pub", emb)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    calls = {"ec.save": lambda o: ec.save(tmp_path / "new", o),
+             "ec.load": lambda o: ec.load(tmp_path / "ckpt", o),
+             "ec.publish": lambda o: ec.publish(tmp_path / "pub2", o)}
+    for call, run in [*calls.items(), ("ec.load", lambda o: ec.load(tmp_path / "pub", o))]:
+        with pytest.raises(TypeError, match=rf"^{call}: obj must be an ec.Embedding or "
+                                            rf"ec.EmbeddingLayer, got dict; pass the "):
+            run({"t": emb})
+        with pytest.raises(TypeError, match=rf"^{call}: .* got Wrapper; pass its layer, "
+                                            rf"Wrapper.embedding_bags \(an ec.EmbeddingLayer\)"):
+            run(Wrapper())
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    ec.save(tmp_path / "new", Wrapper().embedding_bags)  # the fix it names works

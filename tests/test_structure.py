@@ -8,6 +8,9 @@
   store (and for tables served as tensors, serving/serve.py), nowhere in step/.
 - A batch's route is chosen in one place: only step/path.py calls the native preprocess.
 - Only state/build.py constructs rows objects (their kind is chosen there).
+- No module of the package is over ``MAX_LINES`` lines (issue 53, point 3).
+- The shell's file steps are written once, in formats/files.py (issue 53, point 6): fsync,
+  CRC-32 and ``flock`` are called nowhere else, and ``zlib`` / ``fcntl`` imported nowhere else.
 """
 
 from __future__ import annotations
@@ -144,3 +147,53 @@ def _backend_checks() -> dict[str, int]:
 
 def test_the_backend_is_asked_not_checked_per_call():
     assert _backend_checks() == BACKEND_CHECKS
+
+
+MAX_LINES = 700
+
+
+def test_no_module_is_over_the_line_limit():
+    over = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines (cut each along a seam): {over}"
+
+
+# The file steps formats/files.py writes once: ``module.function`` calls, and modules imported.
+FILE_STEPS = {("os", "fsync"), ("os", "fdatasync"), ("zlib", "crc32"), ("fcntl", "flock"),
+              ("fcntl", "lockf")}
+FILE_MODULES = {"zlib", "fcntl"}
+
+
+def _file_steps(tree: ast.AST) -> list[str]:
+    """The calls of ``FILE_STEPS`` (``os.fsync(...)``, ``from os import fsync``) and the imports of
+    ``FILE_MODULES`` (``import zlib``, ``importlib.import_module("fcntl")``) in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) \
+                and (node.func.value.id, node.func.attr) in FILE_STEPS:
+            found.append(f"{node.lineno}: {node.func.value.id}.{node.func.attr}")
+        elif isinstance(node, ast.Call) and any(
+                isinstance(a, ast.Constant) and a.value in FILE_MODULES for a in node.args) \
+                and isinstance(node.func, ast.Attribute) and node.func.attr == "import_module":
+            found.append(f"{node.lineno}: import_module")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if a.name in FILE_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module in FILE_MODULES or any(
+                (node.module, a.name) in FILE_STEPS for a in node.names)):
+            found.append(f"{node.lineno}: from {node.module} import")
+    return found
+
+
+def test_durable_writes_checksums_and_locks_are_written_once():
+    found = {str(p.relative_to(PACKAGE)): got for p in sorted(PACKAGE.rglob("*.py"))
+             if (got := _file_steps(_tree(p)))}
+    assert set(found) == {"formats/files.py"}, (
+        f"fsync, CRC-32 or flock outside formats/files.py (use its helpers): {found}")
+
+
+def test_the_file_step_check_sees_what_it_forbids():
+    tree = ast.parse("import zlib\nfrom os import fsync\nos.fsync(f.fileno())\n"
+                     "fcntl.flock(fd, 2)\nimportlib.import_module('fcntl')\nzlib.crc32(b)\n")
+    assert len(_file_steps(tree)) == 6

@@ -44,7 +44,7 @@ Integrity. Flipped or lost bytes never load as wrong values (checkpoints with ch
 written by this version on): ``manifest.json`` holds ``checksums`` = ``{"algorithm": "crc32",
 "index": <CRC of .metadata>, "chunks": [{"file", "offset", "length", "key", "at", "crc32"}, ...],
 "manifest": <CRC of the manifest's other fields>, "seal": <CRC of the rest>}``, the zlib CRC-32
-(``formats/published.py``'s ``crc``, as publish entries use) of every byte range DCP wrote, one
+(``formats/files.py``'s ``crc32``, as publish entries use) of every byte range DCP wrote, one
 per saved chunk: a state-dict key (``key``) and the offsets of its chunk in the logical tensor
 (``at``; a whole tensor, or a process's DTensor shard), where DCP's index says its bytes lie
 (``file``, ``offset``, ``length``: the chunk as DCP serialized it, header included). Each process
@@ -101,8 +101,8 @@ from ..base.compat import (
     PICKLED_PATH_MODULES,
     dcp_index_name,
 )
-from .files import fsync_dir, pid_alive
-from .published import crc, loads_finite, open_regular, read_exactly
+from .files import crc32, fsync_dir, pid_alive
+from .published import loads_finite, open_regular, read_exactly
 
 FORMAT = "embcore.checkpoint"
 
@@ -409,18 +409,17 @@ def check_data_files(directory: Path, chunks: list[tuple[Any, Any]]) -> None:
 
 # --------------------------------------------------------------------------------- checksums
 def range_crc(path: Path, offset: int, length: int) -> int:
-    """CRC-32 (``formats.published.crc``) of ``length`` bytes of the file ``path`` from ``offset``,
+    """CRC-32 (``formats.files.crc32``) of ``length`` bytes of the file ``path`` from ``offset``,
     mapped, not copied into memory."""
     if length == 0:
         return 0
-    # (a copy-on-write mapping: writable, as torch.from_numpy wants; never written)
-    return crc(torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=offset,
-                                          shape=(length,))))
+    # (a copy-on-write mapping: never written)
+    return crc32(np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(length,)))
 
 
 def crc_of_bytes(data: bytes) -> int:
-    """CRC-32 (``formats.published.crc``) of ``data``."""
-    return crc(torch.frombuffer(bytearray(data), dtype=torch.uint8)) if data else 0
+    """CRC-32 (``formats.files.crc32``) of ``data``."""
+    return crc32(data)
 
 
 def manifest_crc(manifest: Mapping[str, Any]) -> int:

@@ -1,7 +1,8 @@
 """The publish directory: numbered, chained, checksummed snapshots and deltas of an engine's rows.
 
 ``ec.publish`` writes here and ``ec.load_published`` / ``ec.load`` read here (online.py,
-serving/follow.py); this module is the format alone: files, names, checks. Layout:
+serving/follow.py); this module is the format and its reader: files, names, checks. The writer's
+steps (part files, commit, retention, the writer lock) are publish_writer.py's. Layout:
 
     <directory>/
       .writer.lock                   held (``flock``) by the one trainer publishing here
@@ -22,8 +23,9 @@ bytes}), "chain" (the id of the chain's first entry), "rows" ({table: rows carri
 "time"}``. ("sizes" and "chain" are absent from entries written before them; such entries are
 read as before: see Chains below.)
 
-Each process writes its rows into **part files** of at most ``PART_BYTES`` (``torch.save`` of a
-flat ``{key: tensor}``, read back with ``weights_only=True``): per logical table ``T`` it holds,
+Each process writes its rows into **part files** of at most ``PART_BYTES`` (publish_writer.py)
+(``torch.save`` of a flat ``{key: tensor}``, read back with ``weights_only=True``): per logical
+table ``T`` it holds,
 
     T/rows                (n,) int64   rows of the whole logical table
     T/columns             (2,) int64   [c0, c1): the columns held, when not all (column sharding)
@@ -75,36 +77,27 @@ accepted as before while no older entry carries one.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import math
 import os
 import re
-import secrets
-import shutil
-import socket
 import stat
-import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
-from .files import fsync_dir, pid_alive
+from .files import crc, crc32, kind_of
 
 FORMAT = "embcore.publish"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LOCK = ".writer.lock"
-PART_BYTES = 256 << 20  # a part file holds at most about this many bytes of tensors
 MANIFEST_BYTES = 64 << 20  # a manifest larger than this is refused unread
 READ_TRIES = 8  # readers read the newest chain again this often when retention removes entries
 _ENTRY = re.compile(r"^(\d{8})-(snapshot|delta)$")
-_TMP = re.compile(r"^\.tmp-(\d{8})-(\d+)-([0-9a-f]+)$")
 
 
 class PublishError(ValueError):
@@ -403,15 +396,6 @@ _READ_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBL
                | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
 
 
-def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return what
-    return "not a regular file"
-
-
 def open_regular(path: Path, error: type[ValueError] = PublishError,
                  whose: str = "a publish directory's") -> int:
     """A read-only descriptor of ``path``, which must be a regular file: opened without
@@ -438,7 +422,7 @@ def open_regular(path: Path, error: type[ValueError] = PublishError,
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise error(f"{path} is {_kind(mode)}, not a regular file; {whose} files are "
+            raise error(f"{path} is {kind_of(mode)}, not a regular file; {whose} files are "
                         f"regular files")
     except BaseException:
         os.close(fd)
@@ -476,70 +460,6 @@ def read_exactly(fd: int, size: int, path: Path, error: type[ValueError] = Publi
                         f"while it was read")
         got += n
     return bytes(out)
-
-
-def crc(t: torch.Tensor) -> int:
-    """CRC-32 of a CPU tensor's bytes (row-major)."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return 0
-    return zlib.crc32(flat.view(torch.uint8).numpy().data)
-
-
-class _Sink:
-    """A file ``torch.save`` writes to, which keeps the OSError of a failed write (torch
-    reports it as a RuntimeError of its own)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.error: OSError | None = None
-
-    def write(self, b: Any) -> int:
-        try:
-            return int(self.f.write(b))
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The OSError a RuntimeError of ``torch.save`` stands for: one in its causes, or, where its
-    message says so, a full disk; None when it says nothing of the kind."""
-    seen: set[int] = set()
-    at: BaseException | None = e
-    while at is not None and id(at) not in seen:
-        if isinstance(at, OSError) and at.errno is not None:
-            return at
-        seen.add(id(at))
-        at = at.__cause__ or at.__context__
-    if "No space left on device" in str(e):
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return None
-
-
-def write_part(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Writes a part file (fsynced) and returns its tensors' checksums.
-
-    Raises:
-        OSError: a write failed (a full disk: errno ENOSPC), naming the file; torch's own
-            error, when it stood for one, is chained.
-    """
-    sums = {k: crc(v) for k, v in tensors.items()}
-    with open(path, "wb") as f:
-        sink = _Sink(f)
-        try:
-            torch.save(dict(tensors), cast(IO[bytes], sink))
-        except (RuntimeError, OSError) as e:
-            cause = sink.error or _os_error(e)
-            if cause is None:
-                raise
-            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
-        f.flush()
-        os.fsync(f.fileno())
-    return sums
 
 
 def read_part(path: Path, sums: Mapping[str, int], size: int | None = None
@@ -589,164 +509,20 @@ def read_entry(entry: Entry, manifest: Mapping[str, Any] | None = None
         yield read_part(entry.path / name, sums, sizes.get(name))
 
 
-def parts(tables: Iterable[Iterator[dict[str, torch.Tensor]]]
-          ) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups tensors into part files of about ``PART_BYTES``: ``tables`` yields, per table, its
-    chunks (``{key: tensor}`` of some rows, cut to ``PART_BYTES`` by the caller); a part holds
-    whole chunks, and a table's next chunk (the same keys) starts a new part."""
-    part: dict[str, torch.Tensor] = {}
-    size = 0
-    for chunks in tables:
-        for chunk in chunks:
-            n = sum(v.nbytes for v in chunk.values())
-            if part and (size + n > PART_BYTES or any(k in part for k in chunk)):
-                yield part
-                part, size = {}, 0
-            part.update(chunk)
-            size += n
-    if part:
-        yield part
-
-
-def part_name(rank: int, i: int) -> str:
-    return f"r{rank:05d}-{i:04d}.pt"
-
-
-# ------------------------------------------------------------------------------------ commit
+# ------------------------------------------------------------------------------ names, seal
 def entry_name(seq: int, kind: str) -> str:
     return f"{seq:08d}-{kind}"
 
 
-def temporary(directory: Path, seq: int, token: str) -> Path:
-    """The temporary directory an entry is written in (``token``: the same on every process,
-    starting with the writer's pid)."""
-    return directory / f".tmp-{seq:08d}-{token}"
-
-
-def new_id() -> str:
-    return secrets.token_hex(8)
-
-
-def commit(tmp: Path, directory: Path, manifest: Mapping[str, Any]) -> Entry:
-    """Makes the written temporary directory ``tmp`` an entry: writes its manifest, syncs, and
-    renames it into place (atomic). Raises FileExistsError: the entry exists (another writer)."""
-    text = json.dumps({**manifest, "seal": _seal(manifest)}, indent=1, allow_nan=False)
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    final = directory / entry_name(manifest["seq"], manifest["kind"])
-    if any(e.seq == manifest["seq"] for e in entries(directory)):
-        raise FileExistsError(f"{directory} already holds an entry {manifest['seq']}: another "
-                              f"writer publishes to this directory")
-    os.rename(tmp, final)
-    fsync_dir(directory)
-    return Entry(manifest["seq"], manifest["kind"], final)
+def manifest_text(manifest: Mapping[str, Any]) -> str:
+    """The text of an entry's ``manifest.json``: ``manifest`` and its seal."""
+    return json.dumps({**manifest, "seal": _seal(manifest)}, indent=1, allow_nan=False)
 
 
 def _seal(manifest: Any) -> int:
     """CRC-32 of a manifest's content (its canonical JSON, keys sorted): every field is checked,
     the step and the spec as much as the checksums."""
-    return zlib.crc32(json.dumps(manifest, sort_keys=True, allow_nan=False).encode())
-
-
-def remove_stale(directory: Path) -> None:
-    """Removes temporaries of writers that died on this machine (what a killed publish
-    leaves)."""
-    for name in os.listdir(directory) if directory.is_dir() else ():
-        m = _TMP.match(name)
-        if m is not None and not pid_alive(int(m.group(2))):
-            shutil.rmtree(directory / name, ignore_errors=True)
-
-
-def retain(directory: Path, snapshots: int) -> list[Path]:
-    """Removes entries older than the ``snapshots``-th newest snapshot (a reader behind them
-    starts over from a newer snapshot); returns what it removed."""
-    found = entries(directory)
-    kept = [e for e in found if e.kind == "snapshot"][-snapshots:]
-    if not kept:
-        return []
-    removed = []
-    for e in found:
-        if e.seq >= kept[0].seq:
-            break
-        # rename first, so that a reader never lists a half-removed entry as complete
-        trash = directory / f".tmp-{e.seq:08d}-{os.getpid()}-{secrets.token_hex(4)}"
-        with contextlib.suppress(FileNotFoundError):
-            os.rename(e.path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-            removed.append(e.path)
-    return removed
-
-
-def _flock(fd: int) -> None:
-    """An exclusive ``flock`` on ``fd`` without waiting (a no-op where there is none). Raises
-    BlockingIOError: another holds it."""
-    try:
-        import fcntl
-    except ImportError:  # (not POSIX)
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-class WriterLock:
-    """The directory's writer lock: one trainer at a time publishes to a directory.
-
-    ``flock`` on ``<directory>/.writer.lock``, held until ``release`` (or the process ends,
-    even by ``kill -9``: the kernel drops it). The file is opened without following a symbolic
-    link and must be a regular file (a link could make the trainer truncate whatever it names).
-    Where ``flock`` is unavailable the sequence check of ``commit`` still refuses a second
-    writer's entry.
-
-    Raises:
-        RuntimeError: another process holds the lock.
-        PublishError: the lock is a symbolic link, a FIFO, a directory, ...
-    """
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / LOCK
-        self._fd: int | None = None
-        flags = (os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-        refused = (f"{self.path} is {{}}; a publish directory's writer lock must be a regular "
-                   f"file: remove it and publish again")
-        if not hasattr(os, "O_NOFOLLOW") and os.path.islink(self.path):
-            raise PublishError(refused.format("a symbolic link"))
-        try:
-            fd = os.open(self.path, flags, 0o644)
-        except OSError:
-            if os.path.islink(self.path):
-                raise PublishError(refused.format("a symbolic link")) from None
-            raise
-        try:  # (closed again on any failure: a lock never outlives a failed publish)
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise PublishError(refused.format(_kind(mode)))
-            try:
-                _flock(fd)
-            except BlockingIOError:
-                who = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-                raise RuntimeError(f"another trainer publishes to {directory} "
-                                   f"({who or 'another process'}); one directory takes one "
-                                   f"trainer's entries") from None
-            with contextlib.suppress(OSError):  # (who holds it, for a second trainer's error;
-                os.ftruncate(fd, 0)             # a full disk does not stop the lock)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
-
-    def __del__(self) -> None:  # (a trainer dropped: its lock goes with it)
-        with contextlib.suppress(Exception):
-            self.release()
+    return crc32(json.dumps(manifest, sort_keys=True, allow_nan=False).encode())
 
 
 # ------------------------------------------------------------------------------------ replay

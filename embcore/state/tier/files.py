@@ -13,27 +13,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
-import importlib
 import os
 import re
 import socket
 import tempfile
-import types
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from ...formats.files import pid_alive
+from ...formats.files import lock_exclusive, pid_alive
 from ...ops.memory import advise_random
 from .log import RecordLog, places_for
-
-fcntl: types.ModuleType | None
-try:
-    fcntl = importlib.import_module("fcntl")
-except ImportError:  # (not a POSIX system: no locks)
-    fcntl = None
 
 # Inside ``saving()``: the tier is handed out to ``ec.save``, which reads it and writes nothing
 _SAVING: contextvars.ContextVar[bool] = contextvars.ContextVar("embcore_saving", default=False)
@@ -80,7 +72,7 @@ class SlowFile:
                  | getattr(os, "O_NOFOLLOW", 0))
         fd = os.open(self.path, flags, 0o600)  # private: the owner's alone, whatever umask
         try:
-            _flock(fd)
+            lock_exclusive(fd)
             self.reserved = reserve(fd, nbytes, self.path)
             st = os.fstat(fd)
         except BaseException:
@@ -151,20 +143,6 @@ class SlowFile:
     def close(self) -> None:
         """Closes the descriptor (its lock goes; a mapping stays valid)."""
         self._finalizer()
-
-
-def _flock(fd: int) -> bool:
-    """``flock(fd, LOCK_EX | LOCK_NB)``; False where the file system has no such locks (NFS
-    without them, for one). Raises BlockingIOError: another holds it."""
-    if fcntl is None:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise
-    except OSError:  # (ENOLCK, EOPNOTSUPP, EBADF: no locks there; they are advisory anyway)
-        return False
-    return True
 
 
 def _unlink(path: Path) -> None:
@@ -527,7 +505,7 @@ def _lock_dir(path: Path) -> int | None:
     except OSError:
         return None
     try:
-        if _flock(fd):
+        if lock_exclusive(fd):
             return fd
     except BlockingIOError:
         os.close(fd)
