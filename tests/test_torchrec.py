@@ -11,6 +11,7 @@ after the run, are equal up to float summation order.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -152,6 +153,74 @@ def _step_both(theirs, ours, kjt, lr):
     return outs
 
 
+@pytest.mark.parametrize("torch_optim", [
+    functools.partial(torch.optim.SGD, lr=0.5),
+    functools.partial(torch.optim.Adagrad, lr=0.1),
+], ids=["SGD", "Adagrad"])
+def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(torch_optim):
+    """No fused_params, no optimizer: as TorchRec's unsharded module, the tables are plain
+    parameters (TorchRec's names) that the model's torch optimizer trains. The same model on
+    both, the same initial weights: equal losses, tables and dense weights after four steps of
+    bags of 0-3 ids, a table two features share, a MEAN table."""
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["f1", "f3"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=12,
+                                 feature_names=["f2"], pooling=PoolingType.MEAN)]
+    torch.manual_seed(0)
+    theirs = torch.nn.ModuleDict({"ebc": torchrec.EmbeddingBagCollection(tables=tables),
+                                  "dense": torch.nn.Linear(16, 1)})
+    ours = torch.nn.ModuleDict({"ebc": et.EmbeddingBagCollection(tables),
+                                "dense": torch.nn.Linear(16, 1)})
+    assert ours["ebc"].embedding_bags.tables_are_parameters
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == [
+        "ebc.embedding_bags.t1.weight", "ebc.embedding_bags.t2.weight", "dense.weight",
+        "dense.bias"]
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    ours.load_state_dict(theirs.state_dict())  # the same initial weights
+    start = {k: v.clone() for k, v in theirs.state_dict().items()}
+    opts = [torch_optim(m.parameters()) for m in (theirs, ours)]
+    losses: dict[int, list[float]] = {0: [], 1: []}
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 4, (12,), generator=g)  # 3 features x 4 bags, some empty
+        kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"],
+                                values=torch.randint(0, 10, (int(lengths.sum()),), generator=g),
+                                lengths=lengths)
+        target = torch.randn(4, generator=g)
+        for i, (model, opt) in enumerate(zip((theirs, ours), opts)):
+            pred = model["dense"](model["ebc"](kjt).values()).squeeze(1)
+            loss = torch.nn.functional.mse_loss(pred, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # the tables' update too (both: plain parameters)
+            losses[i].append(loss.item())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(value, start[key]), key  # every tensor was trained
+    table = ours["ebc"].embedding_bags.embedding_tables["t1"]
+    assert table is ours["ebc"].embedding_bags.t1.weight  # the parameter itself
+    # and EmbeddingCollection likewise
+    configs = [EmbeddingConfig(name="e1", embedding_dim=4, num_embeddings=10,
+                               feature_names=["f1", "f2"])]
+    theirs_ec, ours_ec = torchrec.EmbeddingCollection(tables=configs), \
+        et.EmbeddingCollection(configs)
+    assert [n for n, _ in ours_ec.named_parameters()] == ["embeddings.e1.weight"]
+    ours_ec.load_state_dict(theirs_ec.state_dict())
+    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 0, 4, 2]),
+                            lengths=torch.tensor([2, 0, 1, 0, 3, 1]))
+    for module in (theirs_ec, ours_ec):
+        opt = torch.optim.SGD(module.parameters(), lr=0.5)
+        out = module(kjt)
+        (torch.cat([out[k].values() for k in sorted(out)]) * 2.0).sum().backward()
+        opt.step()
+    torch.testing.assert_close(ours_ec.state_dict()["embeddings.e1.weight"],
+                               theirs_ec.state_dict()["embeddings.e1.weight"])
+    with pytest.raises(ValueError, match=r"table 'engine'.*cannot name one.*fused_params"):
+        et.EmbeddingBagCollection([EmbeddingBagConfig(name="engine", embedding_dim=4,
+                                                       num_embeddings=3)])
+
+
 def test_weighted_mean_and_shared_features_match_torchrec():
     tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
                                  feature_names=["f1", "f3"]),
@@ -241,8 +310,6 @@ def test_fused_params_give_fbgemms_updates(fbgemm, torch_optim):
 
 def test_refusals_name_the_table_feature_or_key():
     t = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
-    with pytest.raises(ValueError, match=r"give fused_params .* or optimizer="):
-        et.EmbeddingBagCollection([t])
     with pytest.raises(ValueError, match="not both"):
         et.EmbeddingBagCollection([t], fused_params=SGD, optimizer="sgd")
     with pytest.raises(ValueError, match=r"optimizer 'adam' is not supported.*ec.Adam"):
