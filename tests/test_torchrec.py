@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_on
 
 torchrec = pytest.importorskip(
     "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] "
@@ -219,6 +220,61 @@ def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(t
     with pytest.raises(ValueError, match=r"table 'engine'.*cannot name one.*fused_params"):
         et.EmbeddingBagCollection([EmbeddingBagConfig(name="engine", embedding_dim=4,
                                                        num_embeddings=3)])
+
+
+def _sharded_worker(rank, world, init):
+    """A TorchRec model's EmbeddingBagCollection on 2 processes (the tables split row_mod,
+    whole on one owner, and replicated), each fed its half of the batch: each process's
+    outputs, and the whole tables after three SGD steps, are the single-process module's on
+    the whole batch."""
+    tables = [EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=20,
+                                 feature_names=["user"]),
+              EmbeddingBagConfig(name="items", embedding_dim=8, num_embeddings=30,
+                                 feature_names=["item", "seen"]),
+              EmbeddingBagConfig(name="genres", embedding_dim=4, num_embeddings=5,
+                                 feature_names=["genre"], pooling=PoolingType.MEAN)]
+    keys = ["user", "item", "seen", "genre"]
+    batches = []
+    for step in range(3):  # whole batches of 4 examples, bags of 0-3 ids
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 4, (len(keys), 4), generator=g)  # (F, B)
+        values = [torch.randint(0, 5 if k == "genre" else 20, (int(n),), generator=g)
+                  for k, row in zip(keys, lengths) for n in row]  # per (feature, bag)
+        batches.append((lengths, values))
+
+    def kjt(lengths, values, bags):  # the bags ``bags`` of every feature
+        picked = [values[f * 4 + b] for f in range(len(keys)) for b in bags]
+        return KeyedJaggedTensor(keys=keys, values=torch.cat(picked),
+                                 lengths=lengths[:, bags].reshape(-1))
+
+    torch.manual_seed(0)
+    single = et.EmbeddingBagCollection(tables, fused_params=SGD)
+    start = {k: v.clone() for k, v in single.state_dict().items()}
+    expected = []
+    for lengths, values in batches:
+        out = single(kjt(lengths, values, [0, 1, 2, 3])).values()  # (4, 24)
+        expected.append(out.detach()[2 * rank:2 * rank + 2])
+        (out * torch.arange(24.0)).sum().backward()
+    init()
+    sharded = et.EmbeddingBagCollection(
+        tables, fused_params=SGD, sharding={"users": "row_mod", "items": "table",
+                                            "genres": "replicated"}, timeout=60)
+    sharded.load_state_dict(start)  # the whole tables, split as planned
+    assert "ShardingPlan(world_size=2" in str(sharded.embedding_bags.engine.plan)
+    for (lengths, values), want in zip(batches, expected):
+        out = sharded(kjt(lengths, values, [2 * rank, 2 * rank + 1])).values()  # (2, 24)
+        torch.testing.assert_close(out.detach(), want)
+        (out * torch.arange(24.0)).sum().backward()
+    whole = sharded.embedding_bags.embedding_tables  # (a collective)
+    for name in ("users", "items", "genres"):
+        torch.testing.assert_close(whole[name], single.embedding_bags.embedding_tables[name])
+        assert not torch.equal(whole[name], start[f"embedding_bags.{name}.weight"]), name
+    del sharded, whole  # the engine before its process group
+
+
+@pytest.mark.slow
+def test_a_torchrec_module_sharded_on_two_processes_equals_one_process():
+    run_on(2, _sharded_worker)
 
 
 def test_weighted_mean_and_shared_features_match_torchrec():
