@@ -287,7 +287,9 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     Raises:
         FileNotFoundError: ``path`` (and ``<path>.old``) is not a checkpoint.
         ValueError: ``tables`` names a table the checkpoint or ``obj`` lacks; a table's
-            vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
+            vocabulary_size / dim differs between checkpoint and ``obj``; an optimizer slot of
+            another shape (another optimizer, e.g. Adagrad's into RowwiseAdagrad: naming both
+            and ``slots=False``); a corrupt or
             truncated checkpoint: bytes that do not match their checksum (naming the file, the
             key and the chunk), an empty or truncated index, a malformed manifest (naming the
             entry and its type), a file that is not a regular file in the checkpoint's directory
@@ -328,8 +330,8 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     d = dcp_io()
     index = d.Reader(ckpt, checksums).read_metadata().state_dict_metadata  # {key: storage md}
 
-    keys = _keys_to_load(manifest, engine.manifest()["tables"], target, index,
-                         tables, slots, strict)
+    own_tables = engine.manifest()["tables"]
+    keys = _keys_to_load(manifest, own_tables, target, index, tables, slots, strict)
     variable = {k for k in keys if k.endswith("/vocabulary/pending")}  # (P, 3), any P
     for k in keys:
         md = index[k]
@@ -344,7 +346,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         want = tuple(target[k].size())
         if tuple(md.size) != want:
             raise ValueError(f"checkpoint entry {k!r} has shape {list(md.size)} but the target's "
-                             f"is {list(want)}")
+                             f"is {list(want)}" + _slot_hint(k, manifest, own_tables))
     # Read into fresh tensors shaped like the target's entries, then copy in at the end. Plain
     # tensors are views of the target (W = 1, V0 parameters); the sharded entries of a sharded
     # engine's state_dict() are copies already, which DCP fills with this process's rows.
@@ -370,6 +372,17 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
+
+
+def _slot_hint(key: str, manifest: Mapping[str, Any], own_tables: Mapping[str, Any]) -> str:
+    """For an optimizer slot of another shape: the two optimizers, and ``slots=False``."""
+    table, _, slot = key.partition("/")
+    if slot == "parameters" or slot.startswith("vocabulary/") or table not in own_tables:
+        return ""
+    saved = manifest.get("tables", {}).get(table, {})
+    return (f": table {table!r} was saved with optimizer {saved.get('optimizer')} and the target "
+            f"has {own_tables[table].get('optimizer')}, whose slot {slot!r} differs; load with "
+            f"slots=False for the parameters only (the target's optimizer starts afresh)")
 
 
 def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
