@@ -26,7 +26,6 @@ from .inputs.features import is_feature
 from .numerics.rounding import clamp_fix, narrowed_for_load
 from .serving.serve import ServingModule, serving_embedding_lookup
 
-
 _REPR_TABLES = 12  # print(layer) lists this many tables, then counts the others
 
 
@@ -128,12 +127,13 @@ class EmbeddingLayer(torch.nn.Module):
                    else f"optimizer={next(iter(optimizers))}" if len(optimizers) == 1
                    else "an optimizer per table")
         mib = " ".join(f"{b / 2**20:.2f}" for b in plan.bytes_per_rank())
-        lines = [f"{_count(len(m['features']), 'feature')}, {_count(len(tables), 'table')}, "
-                 f"{trained}, step={m['step']}, device={self.engine.device}",
-                 f"plan: world_size={plan.world_size}, "
-                 f"{_count(len(plan.physical), 'physical table')}"
-                 + (f", backend: {plan.backend}" if plan.backend else "")
-                 + f", MiB per rank (parameters + slots): {mib}"]
+        header = (f"{_count(len(m['features']), 'feature')}, {_count(len(tables), 'table')}, "
+                  f"{trained}, step={m['step']}, device={self.engine.device}")
+        summary = (f"plan: world_size={plan.world_size}, "
+                   f"{_count(len(plan.physical), 'physical table')}"
+                   + (f", backend: {plan.backend}" if plan.backend else "")
+                   + f", MiB per rank (parameters + slots): {mib}")
+        lines = [header, summary]
         for t in plan.tables[:_REPR_TABLES]:
             d = tables[t.name]
             kind = [d["combiner"], d["dtype"] if d["dtype"] != "float32" else "",

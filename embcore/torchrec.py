@@ -102,7 +102,8 @@ class TorchRecTables(EmbeddingLayer):
         if not self.tables_are_parameters:
             return self.engine.embedding_tables
         names = self.engine.table_names()
-        return EmbeddingTables({t: self._modules[n].weight for t, n in names.items()}, names)
+        return EmbeddingTables({t: self.get_submodule(n).weight for t, n in names.items()},
+                               names)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:

@@ -5,8 +5,8 @@
     curl -s -X POST localhost:8080/score -d '{"lines": ["\\t1\\t5\\t...26 hex ids..."]}'
 
 Started before the trainer's first publish, it waits for it (saying so once; ``--wait``
-seconds at most, 0: for ever). A ``Follower`` loads the newest published state (``ec.load_published(OUT/published)``: the
-tables, maybe quantized) and the dense part published with it (``OUT/dense/<entry>.pt``), then
+seconds at most, 0: for ever). A ``Follower`` loads the newest published state
+(``ec.load_published(OUT/published)``: the tables, maybe quantized) and the dense part published with it (``OUT/dense/<entry>.pt``), then
 refreshes every ``--poll`` seconds: each new entry is applied as one unit, and the dense part of
 that entry is switched in the same step (``refresh(on_entry=...)``), so an answer always comes
 from one published version, tables and dense part alike. A request is scored while holding the
