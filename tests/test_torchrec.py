@@ -162,7 +162,8 @@ def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(t
     """No fused_params, no optimizer: as TorchRec's unsharded module, the tables are plain
     parameters (TorchRec's names) that the model's torch optimizer trains. The same model on
     both, the same initial weights: equal losses, tables and dense weights after four steps of
-    bags of 0-3 ids, a table two features share, a MEAN table."""
+    bags of 0-3 ids, a table two features share, a MEAN table; then weighted bags; and
+    EmbeddingCollection likewise."""
     tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
                                  feature_names=["f1", "f3"]),
               EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=12,
@@ -217,6 +218,21 @@ def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(t
         opt.step()
     torch.testing.assert_close(ours_ec.state_dict()["embeddings.e1.weight"],
                                theirs_ec.state_dict()["embeddings.e1.weight"])
+    # weighted SUM bags: the weights scale the rows and their gradients, as TorchRec's
+    for t in tables:
+        t.pooling = PoolingType.SUM
+    theirs_w = torchrec.EmbeddingBagCollection(tables=tables, is_weighted=True)
+    ours_w = et.EmbeddingBagCollection(tables, is_weighted=True)
+    ours_w.load_state_dict(theirs_w.state_dict())
+    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 1]),
+                            lengths=torch.tensor([2, 0, 1, 1, 3, 1]),
+                            weights=torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.25, 1.0, 2.0]))
+    for module in (theirs_w, ours_w):
+        opt = torch_optim(module.parameters())
+        (module(kjt).values() * torch.arange(32.0).view(2, 16)).sum().backward()
+        opt.step()
+    for key, value in theirs_w.state_dict().items():
+        torch.testing.assert_close(ours_w.state_dict()[key], value, msg=key)
     with pytest.raises(ValueError, match=r"table 'engine'.*cannot name one.*fused_params"):
         et.EmbeddingBagCollection([EmbeddingBagConfig(name="engine", embedding_dim=4,
                                                        num_embeddings=3)])
