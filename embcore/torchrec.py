@@ -69,6 +69,13 @@ class _Weight(torch.nn.Module):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
 
 
+def _unnamable(name: str) -> ValueError:
+    return ValueError(f"table {name!r}: without an optimizer the tables are submodules named "
+                      f"after them, and {name!r} cannot name one here (an attribute of the "
+                      f"module, empty, or holding '.'); rename the table, or give fused_params "
+                      f"/ optimizer=")
+
+
 class TorchRecTables(EmbeddingLayer):
     """The ``ec.EmbeddingLayer`` under a TorchRec module, its state in TorchRec's names.
 
@@ -82,17 +89,18 @@ class TorchRecTables(EmbeddingLayer):
 
     def __init__(self, feature_config: dict[str, FeatureConfig], optimizer: Any,
                  table_names: list[str], **kwargs: Any) -> None:
+        for name in table_names if optimizer is None else ():
+            if "." in name or not name:
+                raise _unnamable(name)
         super().__init__(feature_config, optimizer, **kwargs)
         self.table_names = list(table_names)
         if self.tables_are_parameters:  # "<name>/parameters" -> the submodule "<name>".weight
             for name in self.table_names:
                 weight = self._parameters.pop(f"{name}/parameters")
                 assert isinstance(weight, torch.nn.Parameter)
-                if hasattr(self, name) or "." in name:
-                    raise ValueError(f"table {name!r}: without an optimizer the tables are "
-                                     f"submodules named after them, and {name!r} cannot name "
-                                     f"one here (an attribute of the module, or holding '.'); "
-                                     f"rename the table, or give fused_params / optimizer=")
+                if (hasattr(type(self), name) or name in self.__dict__
+                        or name in self._parameters or name in self._modules):
+                    raise _unnamable(name)
                 self.add_module(name, _Weight(weight))
 
     @property

@@ -12,6 +12,7 @@ after the run, are equal up to float summation order.
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -233,9 +234,11 @@ def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(t
         opt.step()
     for key, value in theirs_w.state_dict().items():
         torch.testing.assert_close(ours_w.state_dict()[key], value, msg=key)
-    with pytest.raises(ValueError, match=r"table 'engine'.*cannot name one.*fused_params"):
-        et.EmbeddingBagCollection([EmbeddingBagConfig(name="engine", embedding_dim=4,
-                                                       num_embeddings=3)])
+    for name in ("engine", "training", "a.b"):  # (TorchRec's ModuleDict refuses 'a.b' too)
+        with pytest.raises(ValueError, match=rf"table '{re.escape(name)}'.*cannot name one.*"
+                                             rf"fused_params"):
+            et.EmbeddingBagCollection([EmbeddingBagConfig(name=name, embedding_dim=4,
+                                                           num_embeddings=3)])
 
 
 def _sharded_worker(rank, world, init):
