@@ -82,7 +82,9 @@ def _engine_and_state(obj: Any) -> tuple[Embedding, dict[str, torch.Tensor], boo
     """(engine, the state dict to save / fill, whether obj is a V0 layer)."""
     if isinstance(obj, EmbeddingLayer):
         if obj.tables_are_parameters:  # the layer's nn.Parameters; the engine's are unused
-            return obj.engine, {k: v.detach() for k, v in obj.state_dict().items()}, True
+            # (by table, not by the module's state_dict: a TorchRec module names them its way)
+            return obj.engine, {f"{n}/parameters": obj.embedding_tables[t].detach()
+                                for t, n in obj.engine.table_names().items()}, True
         return obj.engine, obj.engine.state_dict(), False
     if isinstance(obj, Embedding):
         return obj, obj.state_dict(), False
@@ -367,8 +369,11 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                        process_group=_group(comm), no_dist=comm.world_size == 1)
     for k, dtype in narrowing.items():
         fresh[k] = narrowed(fresh[k], dtype, k, f"{ckpt}", "the checkpoint", saturate)
-    if v0:
-        obj.load_state_dict(fresh, strict=False)
+    if v0:  # into the layer's nn.Parameters, by table
+        params = obj.embedding_tables
+        with torch.no_grad():
+            for k, value in fresh.items():
+                params[k.removesuffix("/parameters")].copy_(value)
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest

@@ -241,6 +241,30 @@ def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(t
                                                            num_embeddings=3)])
 
 
+def test_without_fused_params_ec_save_and_load_hold_the_parameters(tmp_path):
+    """ec.save / ec.load of a TorchRec module's tables when they are plain parameters: by
+    table, into a module of either kind, and back."""
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["f1"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=6,
+                                 feature_names=["f2"])]
+    plain = et.EmbeddingBagCollection(tables)
+    with torch.no_grad():
+        plain.embedding_bags.t2.weight.fill_(0.25)  # (what a torch optimizer would write)
+    ec.save(tmp_path / "plain", plain.embedding_bags)
+    for target in (et.EmbeddingBagCollection(tables),
+                   et.EmbeddingBagCollection(tables, fused_params=SGD)):
+        ec.load(tmp_path / "plain", target.embedding_bags)
+        for key, value in plain.state_dict().items():
+            assert torch.equal(target.state_dict()[key], value), key
+    fused = et.EmbeddingBagCollection(tables, fused_params=SGD)
+    ec.save(tmp_path / "fused", fused.embedding_bags)
+    ec.load(tmp_path / "fused", plain.embedding_bags)
+    for key, value in fused.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    assert isinstance(plain.embedding_bags.t1.weight, torch.nn.Parameter)
+
+
 def _sharded_worker(rank, world, init):
     """A TorchRec model's EmbeddingBagCollection on 2 processes (the tables split row_mod,
     whole on one owner, and replicated), each fed its half of the batch: each process's
