@@ -82,8 +82,10 @@ def _engine_and_state(obj: Any, call: str) -> tuple[Embedding, dict[str, torch.T
     """(engine, the state dict to save / fill, whether obj is a V0 layer)."""
     engine = engine_of(obj, call)
     if isinstance(obj, EmbeddingLayer) and obj.tables_are_parameters:
-        # the layer's nn.Parameters; the engine's are unused
-        return engine, {k: v.detach() for k, v in obj.state_dict().items()}, True
+        # the layer's nn.Parameters (the engine's are unused), by table, not by the module's
+        # state_dict: a TorchRec module names them its way
+        return engine, {f"{n}/parameters": obj.embedding_tables[t].detach()
+                        for t, n in engine.table_names().items()}, True
     return engine, engine.state_dict(), False
 
 
@@ -279,7 +281,9 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     Raises:
         FileNotFoundError: ``path`` (and ``<path>.old``) is not a checkpoint.
         ValueError: ``tables`` names a table the checkpoint or ``obj`` lacks; a table's
-            vocabulary_size / dim differs between checkpoint and ``obj``; a corrupt or
+            vocabulary_size / dim differs between checkpoint and ``obj``; an optimizer slot of
+            another shape (another optimizer, e.g. Adagrad's into RowwiseAdagrad: naming both
+            and ``slots=False``); a corrupt or
             truncated checkpoint: bytes that do not match their checksum (naming the file, the
             key and the chunk), an empty or truncated index, a malformed manifest (naming the
             entry and its type), a file that is not a regular file in the checkpoint's directory
@@ -320,8 +324,8 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     d = dcp_io()
     index = d.Reader(ckpt, checksums).read_metadata().state_dict_metadata  # {key: storage md}
 
-    keys = _keys_to_load(manifest, engine.manifest()["tables"], target, index,
-                         tables, slots, strict)
+    own_tables = engine.manifest()["tables"]
+    keys = _keys_to_load(manifest, own_tables, target, index, tables, slots, strict)
     variable = {k for k in keys if k.endswith("/vocabulary/pending")}  # (P, 3), any P
     for k in keys:
         md = index[k]
@@ -336,7 +340,7 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
         want = tuple(target[k].size())
         if tuple(md.size) != want:
             raise ValueError(f"checkpoint entry {k!r} has shape {list(md.size)} but the target's "
-                             f"is {list(want)}")
+                             f"is {list(want)}" + _slot_hint(k, manifest, own_tables))
     # Read into fresh tensors shaped like the target's entries, then copy in at the end. Plain
     # tensors are views of the target (W = 1, V0 parameters); the sharded entries of a sharded
     # engine's state_dict() are copies already, which DCP fills with this process's rows.
@@ -357,11 +361,25 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                        process_group=_group(comm), no_dist=comm.world_size == 1)
     for k, dtype in narrowing.items():
         fresh[k] = narrowed(fresh[k], dtype, k, f"{ckpt}", "the checkpoint", saturate)
-    if v0:
-        obj.load_state_dict(fresh, strict=False)
+    if v0:  # into the layer's nn.Parameters, by table
+        params = obj.embedding_tables
+        with torch.no_grad():
+            for k, value in fresh.items():
+                params[k.removesuffix("/parameters")].copy_(value)
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
+
+
+def _slot_hint(key: str, manifest: Mapping[str, Any], own_tables: Mapping[str, Any]) -> str:
+    """For an optimizer slot of another shape: the two optimizers, and ``slots=False``."""
+    table, _, slot = key.partition("/")
+    if slot == "parameters" or slot.startswith("vocabulary/") or table not in own_tables:
+        return ""
+    saved = manifest.get("tables", {}).get(table, {})
+    return (f": table {table!r} was saved with optimizer {saved.get('optimizer')} and the target "
+            f"has {own_tables[table].get('optimizer')}, whose slot {slot!r} differs; load with "
+            f"slots=False for the parameters only (the target's optimizer starts afresh)")
 
 
 def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],

@@ -26,6 +26,12 @@ from .inputs.features import is_feature
 from .numerics.rounding import clamp_fix, narrowed_for_load
 from .serving.serve import ServingModule, serving_embedding_lookup
 
+_REPR_TABLES = 12  # print(layer) lists this many tables, then counts the others
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
 
 class _EngineStep(torch.autograd.Function):
     """Forward: a training step's lookup. Backward: that step's apply, with the gradients."""
@@ -106,6 +112,41 @@ class EmbeddingLayer(torch.nn.Module):
             for t, name in self.engine.table_names().items():
                 values = self.engine.embedding_tables[t].detach().clone()
                 self.register_parameter(f"{name}/parameters", torch.nn.Parameter(values))
+
+    def extra_repr(self) -> str:
+        """``print(layer)``: its features, tables (size, combiner, strategy, the features that
+        read each) and optimizer, and the plan's summary; ``print(layer.engine.plan)`` has the
+        whole plan. Past ``_REPR_TABLES`` tables, a count of the others."""
+        m, plan = self.engine.manifest(), self.engine.plan
+        tables = m["tables"]
+        readers: dict[str, list[str]] = {}
+        for f in m["features"]:
+            readers.setdefault(f["table"], []).append(f["name"])
+        optimizers = {t["optimizer"] for t in tables.values()}
+        trained = ("tables as nn.Parameters (optimizer=None)" if self.tables_are_parameters
+                   else f"optimizer={next(iter(optimizers))}" if len(optimizers) == 1
+                   else "an optimizer per table")
+        mib = " ".join(f"{b / 2**20:.2f}" for b in plan.bytes_per_rank())
+        header = (f"{_count(len(m['features']), 'feature')}, {_count(len(tables), 'table')}, "
+                  f"{trained}, step={m['step']}, device={self.engine.device}")
+        summary = (f"plan: world_size={plan.world_size}, "
+                   f"{_count(len(plan.physical), 'physical table')}"
+                   + (f", backend: {plan.backend}" if plan.backend else "")
+                   + f", MiB per rank (parameters + slots): {mib}")
+        lines = [header, summary]
+        for t in plan.tables[:_REPR_TABLES]:
+            d = tables[t.name]
+            kind = [d["combiner"], d["dtype"] if d["dtype"] != "float32" else "",
+                    "dynamic (raw ids)" if d["dynamic"] is not None else "",
+                    "slow tier" if plan.physical[t.physical].offloaded else "",
+                    f"optimizer={d['optimizer']}" if len(optimizers) > 1 else "",
+                    f"sharding {t.strategy}", f"features {', '.join(readers.get(t.name, []))}"]
+            lines.append(f"table {t.name}: {t.rows} x {t.dim}, "
+                         + ", ".join(k for k in kind if k))
+        if len(plan.tables) > _REPR_TABLES:
+            lines.append(f"... and {len(plan.tables) - _REPR_TABLES} more tables "
+                         f"(print(layer.engine.plan))")
+        return "\n".join(lines)
 
     @property
     def tables_are_parameters(self) -> bool:

@@ -7,7 +7,9 @@ Drop-in modules for a TorchRec model (docs/semantics.md section 15): built from 
 of an unsharded model loads. The tables are an ``ec.EmbeddingLayer``'s: the optimizer given as
 TorchRec's ``fused_params`` (config/fused_params.py) or as an embcore optimizer updates the touched
 rows inside ``loss.backward()``, as TorchRec's fused modules do; the model's torch optimizer
-trains the dense part only.
+trains the dense part only. Given neither, the tables are plain ``nn.Parameter``s named as
+TorchRec's unsharded module names them (``embedding_bags.<table>.weight``), and the model's torch
+optimizer trains them (the layer's ``optimizer=None``).
 
 Needs the ``torchrec`` extra: ``pip install embcore[torchrec]``.
 """
@@ -43,6 +45,7 @@ from .config.fused_params import (
     stochastic_rounding,
 )
 from .config.tables import FeatureConfig, TableConfig
+from .engine import EmbeddingTables
 from .inputs.kjt import KeyedJagged, read_keyed_jagged
 from .layer import EmbeddingLayer
 from .numerics.rounding import clamp_fix, narrowed_for_load
@@ -54,22 +57,67 @@ _COMBINERS = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 __all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "TorchRecTables"]
 
 
+class _Weight(torch.nn.Module):
+    """One table as a plain parameter, ``weight`` (N, D): TorchRec's unsharded module's
+    ``nn.EmbeddingBag`` as far as its parameter, its name and its state go."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+def _unnamable(name: str) -> ValueError:
+    return ValueError(f"table {name!r}: without an optimizer the tables are submodules named "
+                      f"after them, and {name!r} cannot name one here (an attribute of the "
+                      f"module, empty, or holding '.'); rename the table, or give fused_params "
+                      f"/ optimizer=")
+
+
 class TorchRecTables(EmbeddingLayer):
     """The ``ec.EmbeddingLayer`` under a TorchRec module, its state in TorchRec's names.
 
     Registered as the module's ``embedding_bags`` (``embeddings``), its ``state_dict`` holds
     ``<table>.weight`` per table, in the configs' order: TorchRec's keys. Optimizer slots are not
     in it (neither are they in TorchRec's module): ``ec.save(path, module.embedding_bags)`` saves
-    them with the tables.
+    them with the tables. Without an optimizer (``tables_are_parameters``) each table is the
+    ``nn.Parameter`` ``<table>.weight`` (a submodule per table, as TorchRec's ``ModuleDict`` of
+    ``nn.EmbeddingBag``), trained by the model's torch optimizer.
     """
 
     def __init__(self, feature_config: dict[str, FeatureConfig], optimizer: Any,
                  table_names: list[str], **kwargs: Any) -> None:
+        for name in table_names if optimizer is None else ():
+            if "." in name or not name:
+                raise _unnamable(name)
         super().__init__(feature_config, optimizer, **kwargs)
         self.table_names = list(table_names)
+        if self.tables_are_parameters:  # "<name>/parameters" -> the submodule "<name>".weight
+            for name in self.table_names:
+                weight = self._parameters.pop(f"{name}/parameters")
+                assert isinstance(weight, torch.nn.Parameter)
+                if (hasattr(type(self), name) or name in self.__dict__
+                        or name in self._parameters or name in self._modules):
+                    raise _unnamable(name)
+                self.add_module(name, _Weight(weight))
+
+    @property
+    def embedding_tables(self) -> EmbeddingTables:
+        """``{TableConfig: (N, D)}``: the ``<table>.weight`` parameters (without an optimizer)
+        or the engine's tables; also read by a table's name."""
+        if not self.tables_are_parameters:
+            return self.engine.embedding_tables
+        names = self.engine.table_names()
+        return EmbeddingTables({t: self.get_submodule(n).weight for t, n in names.items()},
+                               names)
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:
+        if self.tables_are_parameters:  # the submodules hold the tables: torch's own state
+            torch.nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)
+            return
         state = self.engine.state_dict()
         for name in self.table_names:
             value = state[f"{name}/parameters"]
@@ -78,6 +126,11 @@ class TorchRecTables(EmbeddingLayer):
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Any, strict: bool, missing_keys: list[str],
                               unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        if self.tables_are_parameters:
+            torch.nn.Module._load_from_state_dict(self, state_dict, prefix, local_metadata,
+                                                  strict, missing_keys, unexpected_keys,
+                                                  error_msgs)
+            return
         own = self.engine.state_dict()
         wanted = {f"{prefix}{name}.weight": name for name in self.table_names}
         unexpected_keys += [k for k in state_dict if k.startswith(prefix) and k not in wanted]
@@ -127,6 +180,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             default True as FBGEMM's) applies to FP16 / BF16 tables.
         optimizer: instead of ``fused_params``: anything ``ec.EmbeddingLayer`` takes
             (``ec.Adagrad(learning_rate=0.1)``, ``"adagrad"``, ``torch.optim.SGD``, ...).
+            Neither given: as TorchRec's unsharded module, the tables are ``nn.Parameter``s
+            (``embedding_bags.<table>.weight``) that the model's torch optimizer trains.
         **layer_kwargs: further arguments of ``ec.EmbeddingLayer`` (``memory_budget``,
             ``pipeline_execution``, ...).
 
@@ -135,8 +190,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     Raises:
         ValueError: a config embcore cannot hold (duplicate table names, NONE pooling,
-            weighted MEAN pooling, another data type, the meta device), no optimizer, or
-            ``fused_params`` that ``from_fused_params`` refuses.
+            weighted MEAN pooling, another data type, the meta device, without an optimizer a
+            table name that cannot name a submodule), both ``fused_params`` and ``optimizer``,
+            or ``fused_params`` that ``from_fused_params`` refuses.
         TypeError: ``fused_params`` that is not a dict, or of a value of the wrong type
             (``stochastic_rounding`` not a bool).
         ImportError: (on import) torchrec is not installed.
@@ -265,10 +321,7 @@ def _optimizer(fused_params: Mapping[str, Any] | None, optimizer: Any) -> Any:
     if fused_params is not None and optimizer is not None:
         raise ValueError("give fused_params or optimizer, not both")
     if fused_params is None and optimizer is None:
-        raise ValueError("embcore trains the tables inside backward with their own optimizer: "
-                         "give fused_params (e.g. {'optimizer': EmbOptimType.EXACT_ADAGRAD, "
-                         "'learning_rate': 0.01}) or optimizer= (e.g. ec.Adagrad(0.01)); the "
-                         "model's torch optimizer then trains the dense part only")
+        return None  # the tables are nn.Parameters, as TorchRec's unsharded module's
     return from_fused_params(fused_params) if fused_params is not None else optimizer
 
 

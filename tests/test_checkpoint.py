@@ -191,6 +191,34 @@ def test_slots_false(tmp_path, trained):
     assert torch.all(sd["c/linears"] == 0) and fresh.step == 0
 
 
+
+@pytest.mark.parametrize("saved, target", [(ec.Adagrad, ec.RowwiseAdagrad),
+                                           (ec.RowwiseAdagrad, ec.Adagrad)])
+def test_a_slot_of_another_optimizers_shape_names_both_and_slots_false(tmp_path, saved,
+                                                                        target):
+    """Adagrad's accumulators (N, D) into RowwiseAdagrad's (N, 1), or back: the error names the
+    table, both optimizers and slots=False, and nothing is loaded; slots=False then loads the
+    parameters, the target's slots at their initial values."""
+    t = ec.TableConfig(vocabulary_size=20, dim=4, name="users")
+    features = {"user": ec.FeatureConfig(table=t)}
+    trained = ec.Embedding(features, saved(learning_rate=0.1))
+    trained.enqueue({"user": torch.tensor([1, 2, 3])})
+    trained.apply_gradients({"user": torch.ones_like(trained.dequeue()["user"])})
+    ec.save(tmp_path / "ck", trained)
+    other = ec.Embedding(features, target(learning_rate=0.1))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"'users/accumulators' has shape .*table 'users' was "
+                                         rf"saved with optimizer {saved.__name__}\(.*the target "
+                                         rf"has {target.__name__}\(.*slots=False"):
+        ec.load(tmp_path / "ck", other)
+    for key, value in before.items():
+        assert torch.equal(other.state_dict()[key], value), key
+    ec.load(tmp_path / "ck", other, slots=False)
+    assert torch.equal(other.state_dict()["users/parameters"],
+                       trained.state_dict()["users/parameters"])
+    assert torch.equal(other.state_dict()["users/accumulators"], before["users/accumulators"])
+
+
 def test_manifest(tmp_path, trained):
     ec.save(tmp_path / "ck", trained, extra={"epoch": 2, "metrics": {"auc": 0.75}})
     on_disk = json.loads((tmp_path / "ck" / "manifest.json").read_text())

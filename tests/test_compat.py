@@ -15,6 +15,8 @@ import importlib
 import inspect
 import pathlib
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -368,3 +370,27 @@ def test_shard_chunk_without_dtensor_s_rule_uses_the_fallback(monkeypatch):
     monkeypatch.delattr(Shard, "local_shard_size_and_offset")
     with private_paths(True):
         assert compat.shard_chunk(10, 4, 3) == (9, 1) and compat.shard_chunk(2, 4, 3) == (2, 0)
+
+
+_FX_SCRIPT = """
+import logging, sys
+import torch
+if sys.argv[1] == "embcore":
+    import embcore
+torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2, 9]), torch.tensor([0, 2, 3]))
+torch.nested.nested_tensor_from_jagged(torch.tensor([4]), torch.tensor([0, 1]))
+logging.getLogger("torch.fx._symbolic_trace").warning("another notice of that logger")
+"""
+
+
+def test_torchs_is_fx_tracing_notice_is_quiet_and_nothing_else():
+    """Building jagged ids (torch.nested.nested_tensor_from_jagged, as the guide's first
+    example does) makes torch log its is_fx_tracing notice; with embcore imported that one
+    message is dropped, and another message of the same logger still shows."""
+    runs = {who: subprocess.run([sys.executable, "-c", _FX_SCRIPT, who], capture_output=True,
+                                text=True, timeout=120, check=True)
+            for who in ("torch", "embcore")}
+    assert "another notice of that logger" in runs["embcore"].stderr
+    assert "is_fx_tracing" not in runs["embcore"].stderr, runs["embcore"].stderr
+    if torch.__version__.startswith("2.13"):  # the torch it was found on: without embcore
+        assert "is_fx_tracing will return true" in runs["torch"].stderr  # the notice shows

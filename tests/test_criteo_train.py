@@ -512,11 +512,11 @@ def _two_process_worker(rank, world, init, data, out, ports, parser):
 
 
 @pytest.mark.slow
-def test_two_processes_read_their_shares_and_train_as_before(tmp_path):
+def test_two_processes_read_their_shares_and_train_as_before(tmp_path, capfd):
     """Each process converts only its examples of each global batch; the run (losses, test
     AUC and log loss, skipped lines) equals the one where every process parses every line and
     keeps every W-th example, with bad lines and a held-out test part; and a run resumed
-    mid-epoch ends as the uninterrupted one."""
+    mid-epoch ends as the uninterrupted one. Only rank 0 prints."""
     from distributed import free_port, run_on
     data = tmp_path / "data"
     generate(data, train_lines=900, test_lines=10, scale=1e-4, seed=3)
@@ -533,6 +533,9 @@ def test_two_processes_read_their_shares_and_train_as_before(tmp_path):
         runs[parser] = (_without_timings(out / "straight.jsonl"),
                         _without_timings(out / "metrics.jsonl"))
     assert runs["fast"][0] == runs["reference"][0]
+    out = capfd.readouterr().out  # (the spawned processes write to the same descriptors)
+    assert len(LAST_LINE.findall(out)) == 3, out  # 3 runs (one resumed), rank 0's line each
+    assert out.count("model: DLRM-DCNv2") == 3 and out.count("settings: ") == 3, out
     straight, resumed = runs["fast"]
     final = straight[-1]
     assert final["kind"] == "eval" and final["train_skipped"] == 3 and final["test_skipped"] == 1

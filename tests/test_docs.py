@@ -3,7 +3,8 @@ docs/guide/ included), each in a fresh namespace; ```text and ```bash blocks are
 
 A word after ``python`` says how a block runs:
 - ```python torchrun: a script launched on 2 processes (``torch.distributed.run``, as ``torchrun``
-  does); it must print its plan on each (``ShardingPlan(world_size=2``).
+  does); it must print its plan on each (``ShardingPlan(world_size=2``). One that imports
+  torchrec is skipped, saying so, where torchrec is not installed.
 - ```python torchrec: needs the torchrec extra; skipped, saying so, where torchrec is not installed.
 - ```python gpu: needs a CUDA device; skipped, saying so, where there is none.
 - ```python slow: runs here, marked ``slow`` (a minute or so: ``-m "not slow"`` leaves it out).
@@ -104,5 +105,8 @@ def test_doc_example_runs(doc, index, kind, code, tmp_path, monkeypatch):
 @pytest.mark.parametrize("doc, index, kind, code", [
     pytest.param(*b, id=i) for i, b in zip(IDS, BLOCKS) if b[2] == "torchrun"])
 def test_doc_torchrun_example_runs(doc, index, kind, code, tmp_path):
+    if re.search(r"^(import|from) torchrec\b", code, flags=re.M):  # a TorchRec model's block
+        pytest.importorskip("torchrec", reason="torchrec is not installed: pip install -e "
+                                               "'.[torchrec]' (docs/guide/train.md)")
     proc = run_torchrun(code, tmp_path)
     assert proc.stdout.count("ShardingPlan(world_size=2") == 2, proc.stdout[-2000:]

@@ -101,6 +101,34 @@ def test_config_errors_name_the_field():
         ec.Embedding({"f": ec.FeatureConfig(table=s)}, sharding="hash")
 
 
+
+def test_a_raw_id_in_a_static_table_points_to_dynamic_tables():
+    """An id beyond 32 bits (a hash, a 64-bit key) in a static table: the range error names
+    the table and its dynamic= option, wherever it is fed (the engine's dense and jagged ids,
+    the layer); nothing is trained. An id just past the end gets the plain range error."""
+    t = ec.TableConfig(vocabulary_size=100, dim=4, name="users")
+    emb = ec.Embedding({"user": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    layer = ec.EmbeddingLayer({"user": ec.FeatureConfig(table=t)}, "sgd")
+    before = emb.embedding_tables["users"].clone()
+    hint = (r"has id (-?1099511627776|4294967296) but table 'users' has vocabulary_size 100; "
+            r"ids must be in \[0, 100\) \(.* looks like a raw id.*table 'users' with "
+            r"dynamic=ec\.DynamicVocabulary\(\).*section 9\)")
+    jagged = torch.nested.nested_tensor_from_jagged(torch.tensor([3, 2**40]),
+                                                    torch.tensor([0, 1, 2]))
+    for ids in (torch.tensor([2**40]), torch.tensor([1, -2**40]), torch.tensor([2**32]),
+                jagged):
+        with pytest.raises(ValueError, match=hint):
+            emb.enqueue({"user": ids})
+            emb.dequeue()
+        with pytest.raises(ValueError, match=hint):
+            layer({"user": ids})
+    assert torch.equal(emb.embedding_tables["users"], before)
+    for near in (100, -1):
+        with pytest.raises(ValueError, match=rf"has id {near} but .*\[0, 100\)$"):
+            emb.enqueue({"user": torch.tensor([near])})
+            emb.dequeue()
+
+
 # ------------------------------------------------------------------------------ the engine
 class PerIdModel:
     """The oracle of a dynamic table with a sum combiner and SGD: the reference vocabulary says

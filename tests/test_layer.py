@@ -410,3 +410,30 @@ def test_the_layer_gives_a_raw_id_tables_vocabulary():
     assert torch.equal(whole_ids, ids) and torch.equal(whole_rows, rows)
     with pytest.raises(ValueError):
         layer.vocabulary("static")
+
+
+def test_print_shows_the_tables_optimizer_and_plan():
+    """``print(layer)`` names each table with its size, combiner, kind, strategy and the
+    features that read it, the optimizer and the plan's summary; past 12 tables it counts the
+    others."""
+    movies = ec.TableConfig(vocabulary_size=2048, dim=64, name="movies")
+    users = ec.TableConfig(vocabulary_size=500, dim=8, name="users", combiner="sum",
+                           dtype=torch.float16, dynamic=ec.DynamicVocabulary())
+    layer = ec.EmbeddingLayer({"movie": ec.FeatureConfig(table=movies),
+                               "seen": ec.FeatureConfig(table=movies),
+                               "user": ec.FeatureConfig(table=users)}, ec.Adagrad(0.1))
+    text = str(layer)
+    assert text.startswith("EmbeddingLayer(\n  3 features, 2 tables, optimizer=Adagrad("), text
+    assert "plan: world_size=1, 2 physical tables, backend: " in text
+    assert "MiB per rank (parameters + slots): " in text
+    assert "table movies: 2048 x 64, mean, sharding table, features movie, seen\n" in text
+    assert ("table users: 500 x 8, sum, float16, dynamic (raw ids), sharding table, "
+            "features user\n") in text
+    assert len(text.splitlines()) == 6  # compact: a line a table
+    v0 = str(ec.EmbeddingLayer({"movie": ec.FeatureConfig(table=movies)}, None))
+    assert "1 feature, 1 table, tables as nn.Parameters (optimizer=None)" in v0
+    many = [ec.TableConfig(vocabulary_size=10, dim=4, name=f"t{i}") for i in range(15)]
+    wide = str(ec.EmbeddingLayer({f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(many)},
+                                 "sgd"))
+    assert "table t11: 10 x 4" in wide and "table t12" not in wide
+    assert "... and 3 more tables (print(layer.engine.plan))" in wide

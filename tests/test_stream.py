@@ -7,6 +7,8 @@ import io
 import json
 import re
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +174,41 @@ def test_the_readmes_score_command(tmp_path):
     assert len(body["scores"]) == 1 and 0 < body["scores"][0] < 1
     escaped = _call(application, "POST", "/score", {"lines": [line]})[1]  # tabs as \t
     assert escaped["scores"] == body["scores"]
+
+
+def test_a_server_started_before_the_trainer_waits_for_its_first_publish(tmp_path, capsys):
+    """No traceback when nothing is published yet: the server says once that it waits, and
+    goes on when the trainer's first publish lands; past --wait it exits saying why."""
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"nothing was published in .*published within --wait "
+                                         r"0\.2 s: is the trainer running with --out"):
+        serve.main(["--run", str(run), "--wait", "0.2", "--poll", "0.05"])
+    assert capsys.readouterr().out.count("waiting for the trainer's first publish") == 1
+    for bad in (["--wait", "-1"], ["--poll", "0"]):
+        with pytest.raises(SystemExit):
+            serve.main(["--run", str(run), *bad])
+    result: dict[str, bool] = {}
+    waiter = threading.Thread(target=lambda: result.update(
+        found=serve.wait_for_publish(run / "published", 300, 0.05)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive()  # waiting, before the trainer starts
+    _run(tmp_path, "--hours", "1", "--frozen-after", "0")
+    waiter.join(30)
+    assert result == {"found": True}
+    assert capsys.readouterr().out.count("waiting for the trainer's first publish") == 1
+    assert serve.Follower(run).served.version == fmt.entries(run / "published")[-1].seq
+
+
+def test_the_job_draws_a_bar_per_file_unless_no_progress(tmp_path, capsys):
+    _run(tmp_path / "b", "--hours", "2", "--frozen-after", "0", "--no-progress")
+    captured = capsys.readouterr()
+    assert "part-00000.txt" not in captured.err and "ex/s" not in captured.err
+    assert "part-00001.txt: 600 examples" in captured.out  # the results still print
+    pytest.importorskip("tqdm", reason="the bar needs tqdm: pip install -e '.[examples]'")
+    _run(tmp_path / "a", "--hours", "2", "--frozen-after", "0")
+    err = capsys.readouterr().err
+    assert "part-00000.txt" in err and "part-00001.txt" in err and "ex/s" in err
 
 
 def test_bad_flags(tmp_path):

@@ -11,11 +11,14 @@ after the run, are equal up to float summation order.
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_on
 
 torchrec = pytest.importorskip(
     "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] "
@@ -152,6 +155,171 @@ def _step_both(theirs, ours, kjt, lr):
     return outs
 
 
+@pytest.mark.parametrize("torch_optim", [
+    functools.partial(torch.optim.SGD, lr=0.5),
+    functools.partial(torch.optim.Adagrad, lr=0.1),
+], ids=["SGD", "Adagrad"])
+def test_without_fused_params_a_torch_optimizer_trains_the_tables_as_torchrecs(torch_optim):
+    """No fused_params, no optimizer: as TorchRec's unsharded module, the tables are plain
+    parameters (TorchRec's names) that the model's torch optimizer trains. The same model on
+    both, the same initial weights: equal losses, tables and dense weights after four steps of
+    bags of 0-3 ids, a table two features share, a MEAN table; then weighted bags; and
+    EmbeddingCollection likewise."""
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["f1", "f3"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=12,
+                                 feature_names=["f2"], pooling=PoolingType.MEAN)]
+    torch.manual_seed(0)
+    theirs = torch.nn.ModuleDict({"ebc": torchrec.EmbeddingBagCollection(tables=tables),
+                                  "dense": torch.nn.Linear(16, 1)})
+    ours = torch.nn.ModuleDict({"ebc": et.EmbeddingBagCollection(tables),
+                                "dense": torch.nn.Linear(16, 1)})
+    assert ours["ebc"].embedding_bags.tables_are_parameters
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == [
+        "ebc.embedding_bags.t1.weight", "ebc.embedding_bags.t2.weight", "dense.weight",
+        "dense.bias"]
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    ours.load_state_dict(theirs.state_dict())  # the same initial weights
+    start = {k: v.clone() for k, v in theirs.state_dict().items()}
+    opts = [torch_optim(m.parameters()) for m in (theirs, ours)]
+    losses: dict[int, list[float]] = {0: [], 1: []}
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 4, (12,), generator=g)  # 3 features x 4 bags, some empty
+        kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"],
+                                values=torch.randint(0, 10, (int(lengths.sum()),), generator=g),
+                                lengths=lengths)
+        target = torch.randn(4, generator=g)
+        for i, (model, opt) in enumerate(zip((theirs, ours), opts)):
+            pred = model["dense"](model["ebc"](kjt).values()).squeeze(1)
+            loss = torch.nn.functional.mse_loss(pred, target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()  # the tables' update too (both: plain parameters)
+            losses[i].append(loss.item())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for key, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(value, start[key]), key  # every tensor was trained
+    table = ours["ebc"].embedding_bags.embedding_tables["t1"]
+    assert table is ours["ebc"].embedding_bags.t1.weight  # the parameter itself
+    # and EmbeddingCollection likewise
+    configs = [EmbeddingConfig(name="e1", embedding_dim=4, num_embeddings=10,
+                               feature_names=["f1", "f2"])]
+    theirs_ec, ours_ec = torchrec.EmbeddingCollection(tables=configs), \
+        et.EmbeddingCollection(configs)
+    assert [n for n, _ in ours_ec.named_parameters()] == ["embeddings.e1.weight"]
+    ours_ec.load_state_dict(theirs_ec.state_dict())
+    kjt = KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([1, 2, 3, 4, 0, 4, 2]),
+                            lengths=torch.tensor([2, 0, 1, 0, 3, 1]))
+    for module in (theirs_ec, ours_ec):
+        opt = torch.optim.SGD(module.parameters(), lr=0.5)
+        out = module(kjt)
+        (torch.cat([out[k].values() for k in sorted(out)]) * 2.0).sum().backward()
+        opt.step()
+    torch.testing.assert_close(ours_ec.state_dict()["embeddings.e1.weight"],
+                               theirs_ec.state_dict()["embeddings.e1.weight"])
+    # weighted SUM bags: the weights scale the rows and their gradients, as TorchRec's
+    for t in tables:
+        t.pooling = PoolingType.SUM
+    theirs_w = torchrec.EmbeddingBagCollection(tables=tables, is_weighted=True)
+    ours_w = et.EmbeddingBagCollection(tables, is_weighted=True)
+    ours_w.load_state_dict(theirs_w.state_dict())
+    kjt = KeyedJaggedTensor(keys=["f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4, 5, 6, 7, 1]),
+                            lengths=torch.tensor([2, 0, 1, 1, 3, 1]),
+                            weights=torch.tensor([0.5, 2.0, 1.0, -1.0, 3.0, 0.25, 1.0, 2.0]))
+    for module in (theirs_w, ours_w):
+        opt = torch_optim(module.parameters())
+        (module(kjt).values() * torch.arange(32.0).view(2, 16)).sum().backward()
+        opt.step()
+    for key, value in theirs_w.state_dict().items():
+        torch.testing.assert_close(ours_w.state_dict()[key], value, msg=key)
+    for name in ("engine", "training", "a.b"):  # (TorchRec's ModuleDict refuses 'a.b' too)
+        with pytest.raises(ValueError, match=rf"table '{re.escape(name)}'.*cannot name one.*"
+                                             rf"fused_params"):
+            et.EmbeddingBagCollection([EmbeddingBagConfig(name=name, embedding_dim=4,
+                                                           num_embeddings=3)])
+
+
+def test_without_fused_params_ec_save_and_load_hold_the_parameters(tmp_path):
+    """ec.save / ec.load of a TorchRec module's tables when they are plain parameters: by
+    table, into a module of either kind, and back."""
+    tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
+                                 feature_names=["f1"]),
+              EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=6,
+                                 feature_names=["f2"])]
+    plain = et.EmbeddingBagCollection(tables)
+    with torch.no_grad():
+        plain.embedding_bags.t2.weight.fill_(0.25)  # (what a torch optimizer would write)
+    ec.save(tmp_path / "plain", plain.embedding_bags)
+    for target in (et.EmbeddingBagCollection(tables),
+                   et.EmbeddingBagCollection(tables, fused_params=SGD)):
+        ec.load(tmp_path / "plain", target.embedding_bags)
+        for key, value in plain.state_dict().items():
+            assert torch.equal(target.state_dict()[key], value), key
+    fused = et.EmbeddingBagCollection(tables, fused_params=SGD)
+    ec.save(tmp_path / "fused", fused.embedding_bags)
+    ec.load(tmp_path / "fused", plain.embedding_bags)
+    for key, value in fused.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    assert isinstance(plain.embedding_bags.t1.weight, torch.nn.Parameter)
+
+
+def _sharded_worker(rank, world, init):
+    """A TorchRec model's EmbeddingBagCollection on 2 processes (the tables split row_mod,
+    whole on one owner, and replicated), each fed its half of the batch: each process's
+    outputs, and the whole tables after three SGD steps, are the single-process module's on
+    the whole batch."""
+    tables = [EmbeddingBagConfig(name="users", embedding_dim=4, num_embeddings=20,
+                                 feature_names=["user"]),
+              EmbeddingBagConfig(name="items", embedding_dim=8, num_embeddings=30,
+                                 feature_names=["item", "seen"]),
+              EmbeddingBagConfig(name="genres", embedding_dim=4, num_embeddings=5,
+                                 feature_names=["genre"], pooling=PoolingType.MEAN)]
+    keys = ["user", "item", "seen", "genre"]
+    batches = []
+    for step in range(3):  # whole batches of 4 examples, bags of 0-3 ids
+        g = torch.Generator().manual_seed(step)
+        lengths = torch.randint(0, 4, (len(keys), 4), generator=g)  # (F, B)
+        values = [torch.randint(0, 5 if k == "genre" else 20, (int(n),), generator=g)
+                  for k, row in zip(keys, lengths) for n in row]  # per (feature, bag)
+        batches.append((lengths, values))
+
+    def kjt(lengths, values, bags):  # the bags ``bags`` of every feature
+        picked = [values[f * 4 + b] for f in range(len(keys)) for b in bags]
+        return KeyedJaggedTensor(keys=keys, values=torch.cat(picked),
+                                 lengths=lengths[:, bags].reshape(-1))
+
+    torch.manual_seed(0)
+    single = et.EmbeddingBagCollection(tables, fused_params=SGD)
+    start = {k: v.clone() for k, v in single.state_dict().items()}
+    expected = []
+    for lengths, values in batches:
+        out = single(kjt(lengths, values, [0, 1, 2, 3])).values()  # (4, 24)
+        expected.append(out.detach()[2 * rank:2 * rank + 2])
+        (out * torch.arange(24.0)).sum().backward()
+    init()
+    sharded = et.EmbeddingBagCollection(
+        tables, fused_params=SGD, sharding={"users": "row_mod", "items": "table",
+                                            "genres": "replicated"}, timeout=60)
+    sharded.load_state_dict(start)  # the whole tables, split as planned
+    assert "ShardingPlan(world_size=2" in str(sharded.embedding_bags.engine.plan)
+    for (lengths, values), want in zip(batches, expected):
+        out = sharded(kjt(lengths, values, [2 * rank, 2 * rank + 1])).values()  # (2, 24)
+        torch.testing.assert_close(out.detach(), want)
+        (out * torch.arange(24.0)).sum().backward()
+    whole = sharded.embedding_bags.embedding_tables  # (a collective)
+    for name in ("users", "items", "genres"):
+        torch.testing.assert_close(whole[name], single.embedding_bags.embedding_tables[name])
+        assert not torch.equal(whole[name], start[f"embedding_bags.{name}.weight"]), name
+    del sharded, whole  # the engine before its process group
+
+
+@pytest.mark.slow
+def test_a_torchrec_module_sharded_on_two_processes_equals_one_process():
+    run_on(2, _sharded_worker)
+
+
 def test_weighted_mean_and_shared_features_match_torchrec():
     tables = [EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=10,
                                  feature_names=["f1", "f3"]),
@@ -241,8 +409,6 @@ def test_fused_params_give_fbgemms_updates(fbgemm, torch_optim):
 
 def test_refusals_name_the_table_feature_or_key():
     t = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"])
-    with pytest.raises(ValueError, match=r"give fused_params .* or optimizer="):
-        et.EmbeddingBagCollection([t])
     with pytest.raises(ValueError, match="not both"):
         et.EmbeddingBagCollection([t], fused_params=SGD, optimizer="sgd")
     with pytest.raises(ValueError, match=r"optimizer 'adam' is not supported.*ec.Adam"):

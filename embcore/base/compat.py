@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -103,6 +104,34 @@ def _autograd_matters(x: torch.Tensor, values: torch.Tensor) -> bool:
         return x.requires_grad
     with _NO_SUBCLASS_TORCH_FUNCTION():
         return x.requires_grad
+
+
+# ------------------------------------------------------------------ torch's is_fx_tracing notice
+FX_TRACING_LOGGER = "torch.fx._symbolic_trace"
+_FX_TRACING_NOTICE = "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"
+
+
+class _FxTracingNotice(logging.Filter):
+    """Drops torch's notice that ``is_fx_tracing()`` also means ``torch.export`` (logged once a
+    process, by ``torch.fx._symbolic_trace.is_fx_tracing_warning``). Torch's own
+    ``torch.nested.nested_tensor_from_jagged`` asks ``is_fx_tracing()``, so the notice, meant
+    for the callers of that function, greets everyone who builds jagged ids (the guide's first
+    example, a TorchRec batch through inputs/kjt.py). Only that message: anything else the
+    logger says passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_FX_TRACING_NOTICE)
+
+
+def quiet_fx_tracing_notice() -> None:
+    """Adds the filter above to torch's ``torch.fx._symbolic_trace`` logger (once; on import
+    of embcore)."""
+    logger = logging.getLogger(FX_TRACING_LOGGER)
+    if not any(isinstance(f, _FxTracingNotice) for f in logger.filters):
+        logger.addFilter(_FxTracingNotice())
+
+
+quiet_fx_tracing_notice()
 
 
 # ------------------------------------------------------------------------------ sparse COO
@@ -272,6 +301,8 @@ PRIVATE_NAMES: dict[str, str] = {
         "ServingModule.compile_package's AOTInductor package (serving without Python embcore)",
     "torch._inductor:aoti_load_package": "compat.load_aoti_package: ec.load_package's loader of "
         "an AOTInductor package (after its checksums are verified)",
+    "torch.fx._symbolic_trace:is_fx_tracing_warning": "compat.quiet_fx_tracing_notice: the "
+        "notice it logs (to its module's logger) for every torch.nested jagged tensor made",
     "torch:Tensor._indices": "compat.sparse_parts: a sparse COO tensor's stored indices "
                              "(uncoalesced too; the checked coalesce reads them as well)",
     "torch:Tensor._values": "compat.sparse_parts: a sparse COO tensor's stored values",

@@ -407,8 +407,11 @@ def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Ba
         lo_v, hi_v = backend.minmax(ids)
         if lo_v < 0 or hi_v >= vocab:
             bad = lo_v if lo_v < 0 else hi_v
+            raw = (f" ({bad} looks like a raw id, a hash or 64-bit key: declare table {table!r} "
+                   f"with dynamic=ec.DynamicVocabulary() to map raw ids to rows, "
+                   f"docs/semantics.md section 9)" if not -2**31 <= bad < 2**31 else "")
             raise ValueError(f"{where} has id {bad} but table {table!r} has "
-                             f"vocabulary_size {vocab}; ids must be in [0, {vocab})")
+                             f"vocabulary_size {vocab}; ids must be in [0, {vocab}){raw}")
 
 
 def check_weights(weights: torch.Tensor, where: str) -> None:

@@ -4,8 +4,9 @@
     curl -s localhost:8080/version
     curl -s -X POST localhost:8080/score -d '{"lines": ["\\t1\\t5\\t...26 hex ids..."]}'
 
-A ``Follower`` loads the newest published state (``ec.load_published(OUT/published)``: the
-tables, maybe quantized) and the dense part published with it (``OUT/dense/<entry>.pt``), then
+Started before the trainer's first publish, it waits for it (saying so once; ``--wait``
+seconds at most, 0: for ever). A ``Follower`` loads the newest published state
+(``ec.load_published(OUT/published)``: the tables, maybe quantized) and the dense part published with it (``OUT/dense/<entry>.pt``), then
 refreshes every ``--poll`` seconds: each new entry is applied as one unit, and the dense part of
 that entry is switched in the same step (``refresh(on_entry=...)``), so an answer always comes
 from one published version, tables and dense part alike. A request is scored while holding the
@@ -169,6 +170,23 @@ def app(follower: Follower) -> Any:
     return application
 
 
+def wait_for_publish(published: Path, timeout: float, poll: float = 1.0) -> bool:
+    """Waits until ``published`` holds a published entry (the trainer's first publish), saying
+    once that it waits; False after ``timeout`` seconds without one (0: waits for ever)."""
+    deadline = time.monotonic() + timeout
+    said = False
+    while not fmt.entries(published):
+        if timeout and time.monotonic() >= deadline:
+            return False
+        if not said:
+            limit = f"up to {timeout:g} s" if timeout else "for ever"
+            print(f"waiting for the trainer's first publish in {published} ({limit}; --wait)",
+                  flush=True)
+            said = True
+        time.sleep(poll if not timeout else max(0.0, min(poll, deadline - time.monotonic())))
+    return True
+
+
 def follow(follower: Follower, poll: float, stop: threading.Event) -> threading.Thread:
     """Refreshes every ``poll`` seconds in a background thread (errors are printed, and the
     last good version keeps serving)."""
@@ -199,7 +217,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--poll", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--quantize", choices=["int8", "fp16"], default=None)
     p.add_argument("--threads", type=int, default=4, help="request threads")
+    p.add_argument("--wait", type=float, default=600.0,
+                   help="seconds to wait for the trainer's first publish (0: for ever)")
     args = p.parse_args(argv)
+    if not args.poll > 0:
+        p.error(f"--poll must be > 0 seconds, got {args.poll}")
+    if not args.wait >= 0:
+        p.error(f"--wait must be >= 0 seconds (0: for ever), got {args.wait}")
+    published = args.run / "published"
+    if not wait_for_publish(published, args.wait, args.poll):
+        raise SystemExit(f"nothing was published in {published} within --wait {args.wait:g} s: "
+                         f"is the trainer running with --out {args.run}? (--wait 0 waits for "
+                         f"ever)")
     follower = Follower(args.run, quantize=args.quantize)
     print(f"serving entry {follower.served.version} (step {follower.step}) of "
           f"{follower.published} on http://{args.host}:{args.port}", flush=True)

@@ -59,6 +59,11 @@ from criteo.model import DLRM, FEATURES, config_from_spec  # noqa: E402
 from criteo.serve import ServingDLRM  # noqa: E402
 from stream.drift import NOTE, write_hours  # noqa: E402
 
+try:  # optional: a progress bar per file
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
+
 DENSE_KEPT = 8  # dense files kept beside the published entries
 
 
@@ -96,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU threads for torch's ops (torch.set_num_threads; 0: torch's default). "
                         "One suits this small model, as the MovieLens job's: beside busy "
                         "processes, on two cores, torch's default made a run 115 s against 30 s")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="a tqdm progress bar per file (when tqdm is installed)")
     p.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
                    help="also log metrics.jsonl's lines to TensorBoard in DIR, by step, with "
                         "the progressive AUC online against frozen on one chart (needs the "
@@ -227,6 +234,8 @@ class Job:
         self.position.update(file=path.name, lines=start_after)
         labels, online, frozen = [], [], []
         t0, n = time.perf_counter(), 0
+        bar = (tqdm(desc=path.name, unit="ex", unit_scale=True, leave=False, dynamic_ncols=True)
+               if tqdm is not None and args.progress else None)
         for batch in read_batches(path, args.batch_size, labeled=True, start_after=start_after):
             dense, sparse = torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse)
             label = torch.from_numpy(batch.label)
@@ -240,10 +249,15 @@ class Job:
             loss.backward()  # the tables' rows are updated by the engine here
             self.opt.step()
             n += len(label)
+            if bar is not None:
+                bar.update(len(label))
+                bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
             self.position["lines"] += len(label)
             if time.monotonic() - self.last_publish >= args.publish_every:
                 self.publish()
         seconds = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
         self.position["done"].append(path.name)
         self.position.update(file=None, lines=0)
         y = np.concatenate(labels) if labels else np.zeros(0)
