@@ -128,7 +128,7 @@ def _lookup_args():
 def test_opcheck_lookup(case):
     args = _lookup_args()[case]
     torch.library.opcheck(torch.ops.embcore.lookup.default, args)
-    table, ids, offsets, scales, r = args
+    table, ids, offsets, scales, _ = args
     want = (table.float()[ids] if offsets is None else F.embedding_bag(
         ids, table.float(), offsets, mode="sum", per_sample_weights=scales,
         include_last_offset=True))  # (R, D)

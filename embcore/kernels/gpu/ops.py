@@ -100,11 +100,14 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None
     block_d = min(_next_pow2(d), 256)
     block_r = _grid_rows(d, block_d)
     unit = offsets is None
+    if offsets is not None:
+        offsets = offsets.contiguous()
+    scaled = scales is not None and not unit
     wrap_triton(lookup_kernel)[(_cdiv(num_rows, block_r), _cdiv(d, block_d))](**LOOKUP.declared(
-        table_ptr=table, ids_ptr=ids.contiguous(),
-        offsets_ptr=None if unit else offsets.contiguous(),
-        scales_ptr=None if unit or scales is None else scales.to(torch.float32).contiguous(),
-        out_ptr=out, R=num_rows, D=d, UNIT=unit, SCALED=scales is not None and not unit,
+        table_ptr=table, ids_ptr=ids.contiguous(), offsets_ptr=offsets,
+        scales_ptr=scales.to(torch.float32).contiguous() if scaled and scales is not None
+        else None,
+        out_ptr=out, R=num_rows, D=d, UNIT=unit, SCALED=scaled,
         BLOCK_R=block_r, BLOCK_D=block_d))
     return out
 
