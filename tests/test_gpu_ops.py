@@ -1,6 +1,7 @@
 """The GPU kernels' launches declared by name (kernels/gpu/args.py), and their torch operators
-(kernels/gpu/ops.py: tests/gpu_op_cases.py, run in a fresh interpreter under Triton's
-interpreter without a GPU, as tests/test_triton.py runs its cases)."""
+(kernels/gpu/ops.py): tests/gpu_op_cases.py (run in a fresh interpreter under Triton's
+interpreter without a GPU, as tests/test_triton.py runs its cases) and
+tests/gpu_op_compile_cases.py (the compiled kernels traced, in a fresh interpreter without it)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from checks import check_fresh_run
 
 from embcore.kernels.gpu.args import CONSTEXPR, F32, FLOAT, I64, INT, Launch, tensor
 
-CASES = Path(__file__).with_name("gpu_op_cases.py")
+CASES = Path(__file__).with_name("gpu_op_cases.py")  # the operators, run
+COMPILE_CASES = Path(__file__).with_name("gpu_op_compile_cases.py")  # traced, no GPU
 
 
 def kernel(x_ptr, y_ptr, w_ptr, n, scale, FLAG):
@@ -86,6 +88,21 @@ def test_the_kernels_launches_are_declared_against_their_kernels():
                                                    k.__code__.co_varnames[:k.__code__.co_argcount])
 
 
+def _fresh_run(path: Path, interpret: bool, pytestconfig) -> None:
+    """Runs the cases of ``path`` in a fresh interpreter, with or without ``TRITON_INTERPRET``
+    (which triton reads when a kernel is decorated: it cannot change in a process)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    profile = pytestconfig.getoption("--hypothesis-profile")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs",
+                           "-p", "no:cacheprovider", "-p", "no:warnings",
+                           *(["--hypothesis-profile", profile] if profile else []),
+                           str(path)], capture_output=True, text=True, env=env,
+                          cwd=path.parents[1], timeout=900)
+    check_fresh_run(proc)
+
+
 if importlib.util.find_spec("triton") is None:
     pass  # (the operators need triton)
 elif torch.cuda.is_available():
@@ -93,11 +110,10 @@ elif torch.cuda.is_available():
 else:
     @pytest.mark.slow
     def test_the_operators_under_the_interpreter(pytestconfig):
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        profile = pytestconfig.getoption("--hypothesis-profile")
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rs",
-                               "-p", "no:cacheprovider", "-p", "no:warnings",
-                               *(["--hypothesis-profile", profile] if profile else []),
-                               str(CASES)], capture_output=True, text=True, env=env,
-                              cwd=CASES.parents[1], timeout=900)
-        check_fresh_run(proc)
+        _fresh_run(CASES, True, pytestconfig)
+
+
+@pytest.mark.slow
+def test_the_operators_decompose_into_their_kernels_without_a_gpu(pytestconfig):
+    """tests/gpu_op_compile_cases.py: compiled kernels traced under AOT dispatch."""
+    _fresh_run(COMPILE_CASES, False, pytestconfig)
