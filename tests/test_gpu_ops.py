@@ -34,11 +34,12 @@ def declared():
 def test_a_launch_names_every_argument_and_an_absent_tensor_gets_the_stand_in():
     x, w = torch.zeros(3), torch.zeros(3)
     got = declared().declared(x_ptr=x, y_ptr=None, w_ptr=w, n=3, scale=0.5, FLAG=True)
-    assert list(got) == ["x_ptr", "y_ptr", "w_ptr", "n", "scale", "FLAG"]
-    assert got["y_ptr"] is x and got["x_ptr"] is x and got["w_ptr"] is w
+    assert got == (x, x, w, 3, 0.5, True)  # (the kernel's order; y_ptr absent: x stands in)
+    assert got[1] is x and got[2] is w
     y = torch.zeros(2, dtype=torch.int64)
-    assert declared().declared(x_ptr=x, w_ptr=w, n=3, scale=1, FLAG=0)["y_ptr"] is x
-    assert declared().declared(x_ptr=x, y_ptr=y, w_ptr=w, n=3, scale=1, FLAG=0)["y_ptr"] is y
+    assert declared().declared(x_ptr=x, w_ptr=w, n=3, scale=1, FLAG=0)[1] is x
+    assert declared().declared(x_ptr=x, y_ptr=y, w_ptr=w, n=3, scale=1, FLAG=0)[1] is y
+    assert declared().declared(FLAG=0, scale=1, n=3, w_ptr=w, y_ptr=y, x_ptr=x)[1] is y
 
 
 def test_a_launch_refuses_a_wrong_argument_naming_the_kernel_and_the_argument():
@@ -61,6 +62,8 @@ def test_a_launch_refuses_a_wrong_argument_naming_the_kernel_and_the_argument():
         launch.declared(**{**ok, "scale": "0.5"})
     with pytest.raises(TypeError, match="'FLAG' must be an int or a bool"):
         launch.declared(**{**ok, "FLAG": 1.0})
+    with pytest.raises(TypeError, match=r"kernel: argument 'y_ptr' .*got torch.float32"):
+        launch.declared(**ok, y_ptr=torch.zeros(2))
 
 
 def test_a_declaration_must_match_its_kernel():

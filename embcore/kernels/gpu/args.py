@@ -9,13 +9,16 @@ constexprs of that call), ``INT`` / ``FLOAT`` (a scalar the kernel takes at run 
 ``CONSTEXPR`` (a ``tl.constexpr``: an int or a bool, one compiled variant per value).
 
 ``declared(**arguments)`` takes every argument by name (a missing or unknown name is a
-TypeError naming the kernel) and returns them, checked, for ``kernel[grid](**...)``. An absent
+TypeError naming the kernel) and returns them, checked, in the kernel's order, for
+``kernel[grid](*...)``. An absent
 tensor is passed as None, never as a placeholder: the declaration's ``stand_in`` (a read-only
 tensor argument the kernel always takes) is handed to Triton in its place (a pointer argument
 must be a tensor; the kernel never reads it). The check is compiled from the declaration into one
-function per kernel (as ``kernels/cpu/args.py`` does): a few microseconds a launch, against a
-launch's tens. A tensor of the wrong dtype or layout, or a scalar of the wrong type, is a
-TypeError / ValueError naming the kernel and the argument, raised before the kernel runs.
+function per kernel (as ``kernels/cpu/args.py`` does), every check in one condition: a few
+microseconds a launch, against a Triton launch's tens (binding ``sparse_update_kernel``'s 45
+arguments by name costs more than checking them). A tensor of the wrong dtype or layout, or a
+scalar of the wrong type, is a TypeError / ValueError naming the kernel and the argument, raised
+before the kernel runs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,16 @@ class Kind:
     """One argument's kind (``TensorKind``, ``ScalarKind``)."""
 
     def condition(self, v: str) -> str:
-        """The check, as a Python expression over the value ``v``."""
+        """The check, as a Python expression over the argument ``v`` (its kind's constants
+        read as ``_<v>``)."""
+        raise NotImplementedError
+
+    def constant(self) -> Any:
+        """What ``condition`` reads as ``_<v>``."""
+        raise NotImplementedError
+
+    def failure(self, kernel: str, arg: str, v: Any) -> Exception | None:
+        """The error of ``v`` (None where it passes)."""
         raise NotImplementedError
 
 
@@ -50,35 +62,46 @@ class TensorKind(Kind):
                 f"{'written' if self.writes else 'read'}")
 
     def condition(self, v: str) -> str:
-        dtype = "" if self.dtypes is None else f"{v}.dtype in _dtypes[{v!r}] and "
-        return f"isinstance({v}, _Tensor) and {dtype}{v}.is_contiguous()"
+        dtype = "" if self.dtypes is None else f" and {v}.dtype in _{v}"
+        check = f"isinstance({v}, _Tensor){dtype} and {v}.is_contiguous()"
+        return f"({v} is None or ({check}))" if self.optional else check
 
-    def failure(self, kernel: str, arg: str, t: Any) -> Exception:
-        """The error of a check that failed: the first requirement ``t`` breaks."""
+    def constant(self) -> Any:
+        return self.dtypes
+
+    def failure(self, kernel: str, arg: str, t: Any) -> Exception | None:
+        if t is None and self.optional:
+            return None
         if not isinstance(t, torch.Tensor):
             return TypeError(f"{kernel}: argument {arg!r} must be {self!r}, got "
                              f"{type(t).__name__}")
         if self.dtypes is not None and t.dtype not in self.dtypes:
             return TypeError(f"{kernel}: argument {arg!r} must be {self!r}, got {t.dtype}")
-        return ValueError(f"{kernel}: argument {arg!r} must be {self!r}, got shape "
-                          f"{tuple(t.shape)} and strides {t.stride()} (not contiguous)")
+        if not t.is_contiguous():
+            return ValueError(f"{kernel}: argument {arg!r} must be {self!r}, got shape "
+                              f"{tuple(t.shape)} and strides {t.stride()} (not contiguous)")
+        return None
 
 
 class ScalarKind(Kind):
-    """A number passed by value: ``types`` the Python (or symbolic, under a tracer) types it
-    may have; bools are refused where an int or a float is meant (``strict``)."""
+    """A number passed by value: ``types`` the exact Python (or symbolic, under a tracer) types
+    it may have (a bool is refused where an int or a float is meant)."""
 
-    def __init__(self, name: str, types: tuple[type, ...], *, strict: bool) -> None:
-        self.name, self.types, self.strict = name, types, strict
+    def __init__(self, name: str, types: frozenset[type]) -> None:
+        self.name, self.types = name, types
 
     def __repr__(self) -> str:
         return self.name
 
     def condition(self, v: str) -> str:
-        bool_ = f" and not isinstance({v}, bool)" if self.strict else ""
-        return f"isinstance({v}, _types[{v!r}]){bool_}"
+        return f"type({v}) in _{v}"
 
-    def failure(self, kernel: str, arg: str, v: Any) -> Exception:
+    def constant(self) -> Any:
+        return self.types
+
+    def failure(self, kernel: str, arg: str, v: Any) -> Exception | None:
+        if type(v) in self.types:
+            return None
         return TypeError(f"{kernel}: argument {arg!r} must be {self!r}, got "
                          f"{type(v).__name__} {v!r}")
 
@@ -89,9 +112,9 @@ def tensor(dtypes: tuple[torch.dtype, ...] | None, *, writes: bool = False,
     return TensorKind(dtypes, writes=writes, optional=optional)
 
 
-INT = ScalarKind("an int", (int, torch.SymInt), strict=True)
-FLOAT = ScalarKind("a float", (float, int, torch.SymFloat, torch.SymInt), strict=True)
-CONSTEXPR = ScalarKind("an int or a bool (a tl.constexpr)", (int,), strict=False)
+INT = ScalarKind("an int", frozenset({int, torch.SymInt}))
+FLOAT = ScalarKind("a float", frozenset({float, int, torch.SymFloat, torch.SymInt}))
+CONSTEXPR = ScalarKind("an int or a bool (a tl.constexpr)", frozenset({int, bool}))
 
 F32, I64, I32, I8 = (torch.float32,), (torch.int64,), (torch.int32,), (torch.int8,)
 ROWS = (torch.float32, torch.float16, torch.bfloat16)  # a table's rows: float32 or 16-bit
@@ -134,10 +157,8 @@ class Launch:
                                "argument the kernel only reads")
         self.stand_in = stand_in
         self.source = self._source()
-        scope: dict[str, Any] = {
-            "_Tensor": torch.Tensor, "_kinds": kinds,
-            "_dtypes": {a: k.dtypes for a, k in self.args if isinstance(k, TensorKind)},
-            "_types": {a: k.types for a, k in self.args if isinstance(k, ScalarKind)}}
+        scope: dict[str, Any] = {"_Tensor": torch.Tensor, "_launch": self}
+        scope.update({f"_{arg}": kind.constant() for arg, kind in self.args})
         exec(compile(self.source, f"<launch {self.name}>", "exec"), scope)
         self.declared = scope[self.name]
 
@@ -146,19 +167,26 @@ class Launch:
         return f"{self.name}({args})"
 
     def _source(self) -> str:
-        """The checking function's Python source: keyword-only arguments, one check each."""
+        """The checking function's Python source: keyword-only arguments, every check in one
+        condition (the error found by ``failure`` once it fails), the arguments returned in the
+        kernel's order."""
         params = [f"{arg}=None" if isinstance(kind, TensorKind) and kind.optional else arg
                   for arg, kind in self.args]
-        lines = [f"def {self.name}(*, {', '.join(params)}):"]
-        absent = []
-        for arg, kind in self.args:
-            check = [f"if not ({kind.condition(arg)}):",
-                     f"    raise _kinds[{arg!r}].failure({self.name!r}, {arg!r}, {arg})"]
-            if isinstance(kind, TensorKind) and kind.optional:
-                absent.append(arg)
-                check = [f"if {arg} is not None:", *("    " + line for line in check)]
-            lines += ["    " + line for line in check]
-        lines += [f"    if {arg} is None:\n        {arg} = {self.stand_in}" for arg in absent]
-        lines.append("    return {" + ", ".join(f"{arg!r}: {arg}" for arg, _ in self.args)
-                     + "}")
+        names = [arg for arg, _ in self.args]
+        lines = [f"def {self.name}(*, {', '.join(params)}):",
+                 "    if not (" + "\n            and ".join(
+                     kind.condition(arg) for arg, kind in self.args) + "):",
+                 "        raise _launch.failure({" + ", ".join(f"{a!r}: {a}" for a in names)
+                 + "})"]
+        lines += [f"    if {arg} is None:\n        {arg} = {self.stand_in}"
+                  for arg, kind in self.args if isinstance(kind, TensorKind) and kind.optional]
+        lines.append(f"    return ({', '.join(names)},)")
         return "\n".join(lines)
+
+    def failure(self, values: dict[str, Any]) -> Exception:
+        """The error of the first argument of ``values`` its kind refuses."""
+        for arg, kind in self.args:
+            error = kind.failure(self.name, arg, values[arg])
+            if error is not None:
+                return error
+        return RuntimeError(f"{self.name}: a check failed and no argument is refused")

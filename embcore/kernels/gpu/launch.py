@@ -62,6 +62,30 @@ def _load() -> Any:
     return _kernels or None
 
 
+# torch's dispatch and function mode stacks (a tracer's modes: FakeTensorMode, make_fx,
+# functionalization); without them every call takes the operators
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(t: torch.Tensor) -> bool:
+    """Whether a call may launch its kernel past the dispatcher (``ops.DIRECT``): eagerly, on a
+    plain tensor, no mode active. Any tracer (``torch.compile``, ``FakeTensorMode``,
+    ``make_fx``, ``torch.export``, a tensor subclass) sees the operator instead."""
+    if torch.compiler.is_compiling() or type(t) not in _PLAIN:
+        return False
+    if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
+        return False
+    return not _DISPATCH_MODES() and not _FUNCTION_MODES()
+
+
+def _op(name: str, t: torch.Tensor) -> Any:
+    """The operator ``name`` (kernels/gpu/ops.py), or its kernel launched directly where no
+    tracer can see the call (``_direct``: the same function, without the dispatcher's cost)."""
+    return _ops.DIRECT[name] if _direct(t) else _ops.OPS[name]
+
+
 def operators() -> dict[str, Any]:
     """The GPU kernels' torch operators by name (``torch.ops.embcore.<name>``, registered when
     the kernels load: kernels/gpu/ops.py); empty without triton."""
@@ -134,7 +158,7 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
         (R, D) float32.
     """
     _load()
-    return _ops.lookup(table, ids, offsets, scales, num_rows)
+    return _op("lookup", table)(table, ids, offsets, scales, num_rows)
 
 
 # -- the fused backward + update ------------------------------------------------------------------
@@ -192,7 +216,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
     stochastic = table.dtype != torch.float32 and round_to is not None and round_to.stochastic
     r = round_to if stochastic else None  # (to nearest: the kernel's own cast)
     key_rows = r.key_rows.to(rows.device) if r is not None and r.key_rows is not None else None
-    _ops.sparse_update(
+    _op("sparse_update", table)(
         table, slots[names[0]] if len(names) > 0 else None,
         slots[names[1]] if len(names) > 1 else None, rows, grad, unique_offsets, order, bags,
         scales, key_rows, r.segments.packed(rows.device) if r is not None else None,
@@ -206,7 +230,7 @@ def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch
                   bags: torch.Tensor | None, scales: torch.Tensor | None) -> torch.Tensor:
     """(U, D) float32: each distinct row's occurrences' gradients summed (``combine_backward``)."""
     _load()
-    return _ops.row_gradients(grad, unique_offsets, order, bags, scales)
+    return _op("row_gradients", grad)(grad, unique_offsets, order, bags, scales)
 
 
 # -- the hash index (state/vocab/device_hash.py) ---------------------------------------------------
@@ -218,7 +242,7 @@ def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None
     ``slot64``, else int32), its owner's keys' address and its slots less one (a power of two
     less one); ``which``: (n,) int32 each key's index, None for one (kernels/gpu/index.py)."""
     _load()
-    return _ops.hash_find(keys, maps, which, slot64)
+    return _op("hash_find", keys)(keys, maps, which, slot64)
 
 
 def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
@@ -226,7 +250,7 @@ def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
     """Inserts ``keys[i]`` at place ``places[i]`` (int64 >= 0) of its index where the (n,) bool
     ``take`` is set; those keys must be absent from it and distinct (``hash_find``'s maps)."""
     _load()
-    _ops.hash_insert(keys, places, take, maps, which, slot64)
+    _op("hash_insert", keys)(keys, places, take, maps, which, slot64)
 
 
 def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
@@ -234,7 +258,7 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
     """Deletes ``keys[i]``, held at place ``places[i]`` of its index, where the (n,) bool
     ``take`` is set (``hash_find``'s maps)."""
     _load()
-    _ops.hash_delete(keys, places, take, maps, which, slot64)
+    _op("hash_delete", keys)(keys, places, take, maps, which, slot64)
 
 
 # -- rows between a cache and its slow tier (state/tier/cache.py) ----------------------------------
@@ -245,4 +269,4 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     (R, ...) contiguous, one dtype; either may be pinned host memory; kernels/gpu/move.py)."""
     _load()
     assert src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
-    _ops.move_rows(src, src_idx, dst, dst_idx, take)
+    _op("move_rows", dst)(src, src_idx, dst, dst_idx, take)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._library import triton as _torch_triton
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import custom_op, triton_op, wrap_triton
 
@@ -103,7 +104,7 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None
     if offsets is not None:
         offsets = offsets.contiguous()
     scaled = scales is not None and not unit
-    wrap_triton(lookup_kernel)[(_cdiv(num_rows, block_r), _cdiv(d, block_d))](**LOOKUP.declared(
+    wrap_triton(lookup_kernel)[(_cdiv(num_rows, block_r), _cdiv(d, block_d))](*LOOKUP.declared(
         table_ptr=table, ids_ptr=ids.contiguous(), offsets_ptr=offsets,
         scales_ptr=scales.to(torch.float32).contiguous() if scaled and scales is not None
         else None,
@@ -172,7 +173,7 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
     block_u = _grid_rows(d, block_d)
     h = [float(x) for x in rule_args] + [0.0] * (5 - len(rule_args))
     stochastic = segments is not None
-    wrap_triton(sparse_update_kernel)[(_cdiv(u, block_u),)](**SPARSE_UPDATE.declared(
+    wrap_triton(sparse_update_kernel)[(_cdiv(u, block_u),)](*SPARSE_UPDATE.declared(
         w_ptr=table, s1_ptr=slot1, s2_ptr=slot2, rows_ptr=rows, U=u, D=d,
         grad_ptr=grad.to(torch.float32).contiguous(), uoff_ptr=unique_offsets,
         order_ptr=order, bags_ptr=bags,
@@ -212,7 +213,7 @@ def _row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torc
         return out
     block_d = _next_pow2(d)
     block_u = _grid_rows(d, block_d)
-    wrap_triton(sparse_update_kernel)[(_cdiv(u, block_u),)](**SPARSE_UPDATE.declared(
+    wrap_triton(sparse_update_kernel)[(_cdiv(u, block_u),)](*SPARSE_UPDATE.declared(
         w_ptr=None, s1_ptr=None, s2_ptr=None, rows_ptr=None, U=u, D=d,
         grad_ptr=grad.to(torch.float32).contiguous(), uoff_ptr=unique_offsets.contiguous(),
         order_ptr=order.contiguous(), bags_ptr=None if bags is None else bags.contiguous(),
@@ -262,7 +263,7 @@ def _move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
     block_d = min(_next_pow2(width), 256)
     block_r = _grid_rows(width, block_d)
     wrap_triton(move_rows_kernel)[(_cdiv(n, block_r), _cdiv(width, block_d))](
-        **MOVE_ROWS.declared(src_ptr=src.view(view), src_idx_ptr=src_idx.contiguous(),
+        *MOVE_ROWS.declared(src_ptr=src.view(view), src_idx_ptr=src_idx.contiguous(),
                              dst_ptr=dst.view(view), dst_idx_ptr=dst_idx.contiguous(),
                              take_ptr=take.to(torch.int8).contiguous(), n=n, D=width,
                              BLOCK_R=block_r, BLOCK_D=block_d))
@@ -295,8 +296,7 @@ HASH_INSERT = Launch(hash_insert_kernel, _CHANGE, stand_in="keys_ptr")
 HASH_DELETE = Launch(hash_delete_kernel, _CHANGE, stand_in="keys_ptr")
 
 
-@custom_op(f"{NAMESPACE}::hash_find", mutates_args=())
-def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None,
+def _hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None,
               slot64: bool) -> torch.Tensor:
     """``embcore::hash_find``: (n,) int64, the place of each key in its index, -1 where absent
     (``maps``: (M, 3) int64 rows of each index's addresses, ``which`` each key's row of it,
@@ -305,10 +305,13 @@ def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None
     n = keys.numel()
     out = torch.empty(n, dtype=torch.int64, device=keys.device)  # (n,)
     if n:
-        hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](**HASH_FIND.declared(
+        hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](*HASH_FIND.declared(
             keys_ptr=keys.contiguous(), n=n, maps_ptr=maps, which_ptr=which, out_ptr=out,
             BLOCK=_HASH_BLOCK, ONE=which is None, SLOT64=slot64))
     return out
+
+
+hash_find = custom_op(f"{NAMESPACE}::hash_find", _hash_find, mutates_args=())
 
 
 @hash_find.register_fake
@@ -317,32 +320,34 @@ def _hash_find_fake(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor 
     return keys.new_empty((keys.numel(),), dtype=torch.int64)  # (n,)
 
 
-@custom_op(f"{NAMESPACE}::hash_insert", mutates_args=("maps",))
-def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor, maps: torch.Tensor,
+def _hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor, maps: torch.Tensor,
                 which: torch.Tensor | None, slot64: bool) -> None:
     """``embcore::hash_insert``: inserts ``keys[i]`` at place ``places[i]`` of its index where
     ``take[i]`` (the keys absent and distinct). Writes the slots ``maps`` addresses (declared as
     writing ``maps``). FBGEMM: ``fbgemm::pruned_hashmap_insert`` (``hash_table`` ``Tensor(a!)``)."""
     n = keys.numel()
     if n:
-        hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](**HASH_INSERT.declared(
+        hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](*HASH_INSERT.declared(
             keys_ptr=keys.contiguous(), places_ptr=places.contiguous(),
             take_ptr=take.to(torch.int8).contiguous(), n=n, maps_ptr=maps, which_ptr=which,
             BLOCK=_HASH_BLOCK, ONE=which is None, SLOT64=slot64))
 
 
-@custom_op(f"{NAMESPACE}::hash_delete", mutates_args=("maps",))
-def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor, maps: torch.Tensor,
+def _hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor, maps: torch.Tensor,
                 which: torch.Tensor | None, slot64: bool) -> None:
     """``embcore::hash_delete``: deletes ``keys[i]``, held at place ``places[i]`` of its index,
     where ``take[i]`` (declared as writing ``maps``, as ``hash_insert``). FBGEMM: none (its
     pruned hash map is rebuilt, not deleted from)."""
     n = keys.numel()
     if n:
-        hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](**HASH_DELETE.declared(
+        hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](*HASH_DELETE.declared(
             keys_ptr=keys.contiguous(), places_ptr=places.contiguous(),
             take_ptr=take.to(torch.int8).contiguous(), n=n, maps_ptr=maps, which_ptr=which,
             BLOCK=_HASH_BLOCK, ONE=which is None, SLOT64=slot64))
+
+
+hash_insert = custom_op(f"{NAMESPACE}::hash_insert", _hash_insert, mutates_args=("maps",))
+hash_delete = custom_op(f"{NAMESPACE}::hash_delete", _hash_delete, mutates_args=("maps",))
 
 
 @hash_insert.register_fake
@@ -360,3 +365,36 @@ def _hash_delete_fake(keys: torch.Tensor, places: torch.Tensor, take: torch.Tens
 OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse_update,
        "move_rows": move_rows, "hash_find": hash_find, "hash_insert": hash_insert,
        "hash_delete": hash_delete}
+
+
+# (torch's thread-local switch behind ``set_wrap_triton_enabled``, set directly: the context
+# manager costs 5 us here; None in a torch without it: the context manager then)
+_WRAP = getattr(_torch_triton, "wrap_triton_enabled", None)
+
+
+def _eager(body: Any) -> Any:
+    """``body`` as its operator's eager kernel runs it (the Triton kernels launched as they are,
+    not through ``wrap_triton``'s traceable wrapper), without the dispatcher."""
+    if _WRAP is None:
+        def run(*args: Any) -> Any:
+            with _torch_triton.set_wrap_triton_enabled(False):
+                return body(*args)
+    else:
+        def run(*args: Any) -> Any:
+            previous = getattr(_WRAP, "value", True)
+            _WRAP.value = False
+            try:
+                return body(*args)
+            finally:
+                _WRAP.value = previous
+    run.__name__ = body.__name__
+    return run
+
+
+# Each operator's kernel launched directly: what kernels/gpu/launch.py calls where no tracer can
+# see the call. The dispatcher's Python path of a ``custom_op`` costs tens of microseconds a call,
+# and torch 2.13's ``fill_defaults`` (for the version counters of the arguments an operator
+# writes) a millisecond for ``sparse_update``'s 24 arguments (the issue's notes, measured).
+DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
+          "sparse_update": _eager(_sparse_update), "move_rows": _eager(_move_rows),
+          "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete}
