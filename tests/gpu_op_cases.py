@@ -113,6 +113,22 @@ def test_the_public_wrappers_trace_under_fake_tensors():
                           Hyper(0.1), g)
 
 
+def test_a_tracer_records_the_operators_and_eager_calls_give_the_same_values():
+    """make_fx on real tensors records ``embcore::lookup`` (the wrappers launch directly, past
+    the dispatcher, only where no tracer can see the call) and its values are the eager call's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    table, ids = torch.randn(9, 4, device=DEVICE), _t([8, 0, 8])
+
+    def f(table, ids):
+        return gpu.lookup(table, ids, None, None, 3)
+
+    gm = make_fx(f)(table, ids)
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] == [
+        "embcore.lookup.default"]
+    torch.testing.assert_close(gm(table, ids), f(table, ids), rtol=0, atol=0)
+    torch.testing.assert_close(f(table, ids), table[ids], rtol=0, atol=0)
+
+
 # -- (b) opcheck: schema, fake vs real, autograd registration, AOT dispatch ---------------------
 
 def _lookup_args():
