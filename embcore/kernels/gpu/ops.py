@@ -393,8 +393,10 @@ def _eager(body: Any) -> Any:
 
 # Each operator's kernel launched directly: what kernels/gpu/launch.py calls where no tracer can
 # see the call. The dispatcher's Python path of a ``custom_op`` costs tens of microseconds a call,
-# and torch 2.13's ``fill_defaults`` (for the version counters of the arguments an operator
-# writes) a millisecond for ``sparse_update``'s 24 arguments (the issue's notes, measured).
+# and for an operator that writes its arguments torch 2.13's ``utils.fill_defaults`` (reading
+# ``schema.arguments``, a new list, once per argument) about a millisecond for
+# ``sparse_update``'s 24: measured on this repository's CPU, calls with no rows, through the
+# operator / direct, lookup 56 / 6 us, sparse_update 808 / 2 us.
 DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
           "sparse_update": _eager(_sparse_update), "move_rows": _eager(_move_rows),
           "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete}

@@ -1,8 +1,8 @@
 """The GPU kernels, in Triton: the pooled lookup and the fused backward + optimizer update.
 
-Imported only by ``kernels/gpu/launch.py`` and ``kernels/gpu/ops.py`` (its operators), on
-first use (this module imports triton through ``lang.py``; embcore itself never needs it;
-without triton it still imports, and the kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows
+Imported only by ``kernels/gpu/launch.py``, on first use (this module imports triton through
+``lang.py``; embcore itself never needs it; without triton it still imports, and the
+kernels are inert plain functions). Both kernels work on tiles of ``BLOCK_R`` output rows
 (lookup) or ``BLOCK_U`` distinct rows (update) by ``BLOCK_D`` columns; any D is handled by
 masking the columns past D. Every sum runs in float32 in the order the CPU kernels use
 (csrc/lookup.h, csrc/update.h):
