@@ -5,7 +5,10 @@
 - ``index.py``: the raw-id maps' hash index (find, insert, delete);
 - ``move.py``: rows moved between a cache and its pinned slow tier;
 - ``lang.py``: triton, imported once (the modules above still import without it);
-- ``launch.py``: when the kernels apply, and the launches (each kernel's arguments by name).
+- ``args.py``: each kernel's launch declared, its arguments by name and kind, checked;
+- ``ops.py``: the kernels as torch operators (``torch.ops.embcore.*``: schemas, fake
+  implementations, the arguments they write), registered when the kernels load;
+- ``launch.py``: when the kernels apply, and the wrappers the callers use.
 
 This package holds their public names (``gpu.lookup``, ``gpu.usable``, ...).
 """
@@ -23,6 +26,7 @@ from .launch import (
     lookup,
     lookup_supported,
     move_rows,
+    operators,
     row_gradients,
     sparse_update,
     update_rule,
@@ -31,5 +35,5 @@ from .launch import (
 )
 
 __all__ = ['available', 'error', 'force_on_cpu', 'hash_delete', 'hash_find', 'hash_insert',
-           'interpreted', 'lookup', 'lookup_supported', 'move_rows', 'row_gradients',
+           'interpreted', 'lookup', 'lookup_supported', 'move_rows', 'operators', 'row_gradients',
            'sparse_update', 'update_rule', 'update_supported', 'usable']

@@ -1,6 +1,6 @@
 """The GPU kernels of a hash index over its owner's keys, in Triton: find, insert and delete.
 
-Imported only by ``kernels/gpu/launch.py``, on first use, like ``rows.py`` (without triton it
+Imported only by ``kernels/gpu/ops.py``, on first use, like ``rows.py`` (without triton it
 still imports: kernels/gpu/lang.py). An index (``state/vocab/device_hash.py``) maps a key to
 the place ``v`` where its owner holds it (a row of a map: ``owner_keys[v]`` is the key), by open
 addressing with linear probing over ``S`` slots (a power of two) plus one spare slot at index

@@ -19,13 +19,16 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
 - deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
   stable, so the occurrence order is the CPU's).
 
+Each kernel runs as a torch operator, ``torch.ops.embcore.<name>`` (kernels/gpu/ops.py,
+registered when the kernels load; ``operators()``): the wrappers here turn the callers' objects
+(an optimizer, a ``Hyper``, a rounding) into the operators' tensors and numbers.
+
 Tests run the kernels on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set when
 the kernels are first loaded): ``force_on_cpu(True)`` makes ``usable`` accept CPU tensors.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -36,14 +39,15 @@ from .. import rules
 from ..hyper import Hyper
 
 _kernels: Any = None   # the module kernels/gpu/rows.py once imported; False: triton missing
-_more: dict[str, Any] = {}  # the other kernel modules (kernels/gpu/index.py, ...) imported
+_ops: Any = None       # kernels/gpu/ops.py (the operators, ``torch.ops.embcore.*``) once imported
 _error: str | None = None
 _forced = False
 
 
 def _load() -> Any:
-    """kernels/gpu/rows.py, imported on first use; None when triton is not importable."""
-    global _kernels, _error
+    """kernels/gpu/rows.py, imported on first use with the operators of kernels/gpu/ops.py
+    (registered then); None when triton is not importable."""
+    global _kernels, _ops, _error
     if _kernels is None:
         try:
             from . import lang, rows
@@ -51,28 +55,41 @@ def _load() -> Any:
             _kernels, _error = False, f"{type(e).__name__}: {e}"
         else:
             if lang.MISSING is None:
-                _kernels = rows
+                from . import ops
+                _kernels, _ops = rows, ops
             else:  # triton is not installed
                 _kernels, _error = False, lang.MISSING
     return _kernels or None
 
 
-def _load_more(name: str) -> Any:
-    """Another module of Triton kernels (``index``, ``move``), imported on first use
-    once ``_load`` succeeded (None without triton)."""
-    if name not in _more:
-        if _load() is None:
-            return None
-        _more[name] = importlib.import_module(f"{__package__}.{name}")
-    return _more[name]
+# torch's dispatch and function mode stacks (a tracer's modes: FakeTensorMode, make_fx,
+# functionalization); without them every call takes the operators
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _load_hash() -> Any:
-    return _load_more("index")
+def _direct(t: torch.Tensor) -> bool:
+    """Whether a call may launch its kernel past the dispatcher (``ops.DIRECT``): eagerly, on a
+    plain tensor, no mode active. Any tracer (``torch.compile``, ``FakeTensorMode``,
+    ``make_fx``, ``torch.export``, a tensor subclass) sees the operator instead."""
+    if torch.compiler.is_compiling() or type(t) not in _PLAIN:
+        return False
+    if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
+        return False
+    return not _DISPATCH_MODES() and not _FUNCTION_MODES()
 
 
-def _load_move() -> Any:
-    return _load_more("move")
+def _op(name: str, t: torch.Tensor) -> Any:
+    """The operator ``name`` (kernels/gpu/ops.py), or its kernel launched directly where no
+    tracer can see the call (``_direct``: the same function, without the dispatcher's cost)."""
+    return _ops.DIRECT[name] if _direct(t) else _ops.OPS[name]
+
+
+def operators() -> dict[str, Any]:
+    """The GPU kernels' torch operators by name (``torch.ops.embcore.<name>``, registered when
+    the kernels load: kernels/gpu/ops.py); empty without triton."""
+    return dict(_ops.OPS) if _load() is not None else {}
 
 
 def available() -> bool:
@@ -120,19 +137,6 @@ def usable(*tensors: torch.Tensor) -> bool:
     return _load() is not None
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _grid_rows(d: int, block_d: int) -> int:
-    """Rows per program: about 2048 elements per tile (at most 64 rows)."""
-    return max(1, min(64, 2048 // block_d))
-
-
 # -- lookup ----------------------------------------------------------------------------------
 
 def lookup_supported(table: torch.Tensor) -> bool:
@@ -153,20 +157,8 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
     Returns:
         (R, D) float32.
     """
-    k = _load()
-    d = table.shape[1]
-    out = torch.empty(num_rows, d, dtype=torch.float32, device=table.device)  # (R, D)
-    if num_rows == 0 or d == 0:
-        return out
-    block_d = min(_next_pow2(d), 256)
-    block_r = _grid_rows(d, block_d)
-    grid = (_cdiv(num_rows, block_r), _cdiv(d, block_d))
-    k.lookup_kernel[grid](
-        table, ids.contiguous(), ids if offsets is None else offsets.contiguous(),
-        table if scales is None else scales.to(torch.float32).contiguous(), out, num_rows, d,
-        UNIT=offsets is None, SCALED=scales is not None and offsets is not None,
-        BLOCK_R=block_r, BLOCK_D=block_d)
-    return out
+    _load()
+    return _op("lookup", table)(table, ids, offsets, scales, num_rows)
 
 
 # -- the fused backward + update ------------------------------------------------------------------
@@ -216,77 +208,32 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         round_to: a 16-bit table's rounding (None: to nearest); the rows' keys, their bits and
             the rounding are computed in the kernel (its segments kept on the device).
     """
-    k = _load()
+    _load()
     got = update_rule(opt)
     assert got is not None, "update_supported checked the optimizer"
     rule, h, f1, f2 = got
     names = [s.name for s in opt.slots]
-    s1 = slots[names[0]] if len(names) > 0 else table
-    s2 = slots[names[1]] if len(names) > 1 else table
     stochastic = table.dtype != torch.float32 and round_to is not None and round_to.stochastic
-    _launch(k, rule, h, f1, f2, table, s1, s2, rows, grad, unique_offsets, order, bags, scales,
-            None, hyper, round_to=round_to if stochastic else None)
+    r = round_to if stochastic else None  # (to nearest: the kernel's own cast)
+    key_rows = r.key_rows.to(rows.device) if r is not None and r.key_rows is not None else None
+    _op("sparse_update", table)(
+        table, slots[names[0]] if len(names) > 0 else None,
+        slots[names[1]] if len(names) > 1 else None, rows, grad, unique_offsets, order, bags,
+        scales, key_rows, r.segments.packed(rows.device) if r is not None else None,
+        r.key_of_step if r is not None else 0, r.col0 if r is not None else 0,
+        float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
+        float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
+        float(hyper.weight_max), rule, list(h), f1, f2)
 
 
 def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,
                   bags: torch.Tensor | None, scales: torch.Tensor | None) -> torch.Tensor:
     """(U, D) float32: each distinct row's occurrences' gradients summed (``combine_backward``)."""
-    k = _load()
-    u = unique_offsets.numel() - 1
-    out = torch.empty(u, grad.shape[1], dtype=torch.float32, device=grad.device)  # (U, D)
-    _launch(k, k.NONE, (), False, False, out, out, out, unique_offsets, grad, unique_offsets,
-            order, bags, scales, out, Hyper(0.0), num_rows=u)
-    return out
-
-
-def _launch(k: Any, rule: int, h: tuple[float, ...], f1: bool, f2: bool, table: torch.Tensor,
-            s1: torch.Tensor, s2: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor,
-            unique_offsets: torch.Tensor | None, order: torch.Tensor | None,
-            bags: torch.Tensor | None, scales: torch.Tensor | None, out: torch.Tensor | None,
-            hyper: Hyper, num_rows: int | None = None, round_to: Rounding | None = None) -> None:
-    u = rows.numel() if num_rows is None else num_rows
-    d = table.shape[1] if out is None else out.shape[1]
-    if u == 0 or d == 0:
-        return
-    inf = float("inf")
-    direct = unique_offsets is None
-    block_d = _next_pow2(d)
-    block_u = _grid_rows(d, block_d)
-    h = tuple(float(x) for x in h) + (0.0,) * (5 - len(h))
-    dummy = rows
-    key_rows = round_to.key_rows if round_to is not None else None
-    seg = round_to.segments.packed(rows.device) if round_to is not None else dummy
-    k.sparse_update_kernel[(_cdiv(u, block_u),)](
-        table, s1, s2, rows, u, d, grad.to(torch.float32).contiguous(),
-        dummy if direct else unique_offsets, dummy if direct else order,
-        dummy if bags is None else bags, grad if scales is None else scales.to(torch.float32),
-        table if out is None else out,
-        key_rows.to(rows.device) if key_rows is not None else dummy,
-        key_rows.numel() if key_rows is not None else 0, seg,
-        round_to.segments.bases.numel() if round_to is not None else 0,
-        round_to.key_of_step if round_to is not None else 0,
-        round_to.col0 if round_to is not None else 0,
-        float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
-        float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
-        float(hyper.weight_max), *h,
-        RULE=getattr(rule, "value", rule), F1=f1, F2=f2, DIRECT=direct, UNIT=bags is None,
-        SCALED=scales is not None,
-        MULTIPLIED=hyper.gradient_multiplier != 1.0,
-        CLIPPED=hyper.clip_min != -inf or hyper.clip_max != inf,
-        DECAYED=hyper.weight_decay != 0.0,
-        BOUNDED=hyper.weight_min != -inf or hyper.weight_max != inf,
-        ROWS=ROW_TYPES[table.dtype] if out is None else 0, STOCHASTIC=round_to is not None,
-        KEYED=key_rows is not None, BLOCK_U=block_u, BLOCK_D=block_d)
+    _load()
+    return _op("row_gradients", grad)(grad, unique_offsets, order, bags, scales)
 
 
 # -- the hash index (state/vocab/device_hash.py) ---------------------------------------------------
-
-_HASH_BLOCK = 128
-
-
-def _hash_args(which: torch.Tensor | None, slot64: bool) -> dict[str, Any]:
-    return {"BLOCK": _HASH_BLOCK, "ONE": which is None, "SLOT64": slot64}
-
 
 def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None,
               slot64: bool) -> torch.Tensor:
@@ -294,38 +241,24 @@ def hash_find(keys: torch.Tensor, maps: torch.Tensor, which: torch.Tensor | None
     ``maps``: (M, 3) int64 on the device, per index its slots' address (int64 slots with
     ``slot64``, else int32), its owner's keys' address and its slots less one (a power of two
     less one); ``which``: (n,) int32 each key's index, None for one (kernels/gpu/index.py)."""
-    k = _load_hash()
-    n = keys.numel()
-    out = torch.empty(n, dtype=torch.int64, device=keys.device)
-    if n:
-        k.hash_find_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), n, maps, keys if which is None else which, out,
-            **_hash_args(which, slot64))
-    return out
+    _load()
+    return _op("hash_find", keys)(keys, maps, which, slot64)
 
 
 def hash_insert(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
                 maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> None:
     """Inserts ``keys[i]`` at place ``places[i]`` (int64 >= 0) of its index where the (n,) bool
     ``take`` is set; those keys must be absent from it and distinct (``hash_find``'s maps)."""
-    k = _load_hash()
-    n = keys.numel()
-    if n:
-        k.hash_insert_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
-            keys if which is None else which, **_hash_args(which, slot64))
+    _load()
+    _op("hash_insert", keys)(keys, places, take, maps, which, slot64)
 
 
 def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
                 maps: torch.Tensor, which: torch.Tensor | None, slot64: bool) -> None:
     """Deletes ``keys[i]``, held at place ``places[i]`` of its index, where the (n,) bool
     ``take`` is set (``hash_find``'s maps)."""
-    k = _load_hash()
-    n = keys.numel()
-    if n:
-        k.hash_delete_kernel[(_cdiv(n, _HASH_BLOCK),)](
-            keys.contiguous(), places.contiguous(), take.to(torch.int8).contiguous(), n, maps,
-            keys if which is None else which, **_hash_args(which, slot64))
+    _load()
+    _op("hash_delete", keys)(keys, places, take, maps, which, slot64)
 
 
 # -- rows between a cache and its slow tier (state/tier/cache.py) ----------------------------------
@@ -334,17 +267,6 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
               take: torch.Tensor) -> None:
     """``dst[dst_idx[i]] = src[src_idx[i]]`` where the (n,) bool ``take[i]`` (``src``, ``dst``:
     (R, ...) contiguous, one dtype; either may be pinned host memory; kernels/gpu/move.py)."""
-    k = _load_move()
-    n = src_idx.numel()
-    width = src[0].numel() if src.shape[0] else dst[0].numel()
-    if n == 0 or width == 0:
-        return
+    _load()
     assert src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
-    # bit copies: any dtype moves as integers of its size
-    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
-    block_d = min(_next_pow2(width), 256)
-    block_r = _grid_rows(width, block_d)
-    grid = (_cdiv(n, block_r), _cdiv(width, block_d))
-    k.move_rows_kernel[grid](src.view(view), src_idx.contiguous(), dst.view(view),
-                             dst_idx.contiguous(), take.to(torch.int8).contiguous(), n, width,
-                             BLOCK_R=block_r, BLOCK_D=block_d)
+    _op("move_rows", dst)(src, src_idx, dst, dst_idx, take)

@@ -1,6 +1,6 @@
 """The GPU kernel that moves whole rows between two arrays, in Triton: a cache and its slow tier.
 
-Imported only by ``kernels/gpu/launch.py``, on first use, like ``rows.py`` (without triton it
+Imported only by ``kernels/gpu/ops.py``, on first use, like ``rows.py`` (without triton it
 still imports: kernels/gpu/lang.py). ``move_rows_kernel`` copies row ``src_idx[i]`` of
 ``src`` to row ``dst_idx[i]`` of ``dst`` for every ``i < n`` where ``take[i]`` is set: both
 arrays (R, D) contiguous of one dtype (bit copies: float rows of any width, slots included).
