@@ -90,6 +90,21 @@ class ExchangeCompression:
         raise TypeError(f"exchange_compression must be None, a format name {list(FORMATS)} or "
                         f"an ec.ExchangeCompression, got {type(value).__name__} {value!r}")
 
+    @classmethod
+    def parse(cls, text: str, error_feedback: bool = True) -> ExchangeCompression:
+        """A command line's form: ``"FORMAT"`` (both directions) or ``"FORWARD,BACKWARD"``
+        (e.g. ``"bf16,fp8"``).
+
+        Raises:
+            ValueError: another form or an unknown format, naming it.
+        """
+        parts = text.split(",")
+        if len(parts) not in (1, 2) or any(p not in FORMATS for p in parts):
+            raise ValueError(f"exchange compression {text!r}: give FORMAT or FORWARD,BACKWARD "
+                             f"with formats among {list(FORMATS)} (e.g. 'bf16' or 'bf16,fp8')")
+        fwd, bwd = cast(Format, parts[0]), cast(Format, parts[-1])
+        return cls(fwd, bwd, error_feedback)
+
     def to_dict(self) -> dict[str, Any]:
         """``{"forward", "backward", "error_feedback"}`` (JSON-safe; ``from_dict`` reads it)."""
         return {"forward": self.forward, "backward": self.backward,
