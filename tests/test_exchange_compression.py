@@ -188,7 +188,7 @@ def test_one_process_is_unaffected_bit_for_bit():
 
 # ------------------------------------------------------------------------------ sharded
 STRATEGIES = {"a": "row_div", "b": "row_mod", "c": "column", "d": "table", "e": "replicated",
-              "r": "hash"}
+              "r": "hash", "s": "hash"}  # (r and s: one stacked raw-id physical table)
 FORMATS = ("fp32", "bf16", "fp16", "fp8")
 
 
@@ -196,7 +196,8 @@ def _config():
     t = {n: ec.TableConfig(vocabulary_size=v, dim=d, combiner=c, name=n)
          for n, v, d, c in [("a", 37, 4, "sum"), ("b", 23, 8, "mean"), ("c", 41, 6, "sqrtn"),
                             ("d", 19, 4, "mean"), ("e", 11, 4, "sum")]}
-    t["r"] = ec.TableConfig(vocabulary_size=64, dim=4, name="r", dynamic=ec.DynamicVocabulary())
+    for n in "rs":
+        t[n] = ec.TableConfig(vocabulary_size=64, dim=4, name=n, dynamic=ec.DynamicVocabulary())
     return {n: ec.FeatureConfig(table=v) for n, v in t.items()}
 
 
@@ -207,6 +208,7 @@ def _batch(step, world, b=4):
     for _ in range(world):
         f = {n: torch.randint(0, v, (b, 3), generator=g) for n, v in sizes.items()}
         f["r"] = torch.randint(0, 40, (b, 2), generator=g) * 1_000_003  # raw ids
+        f["s"] = torch.randint(0, 40, (b, 2), generator=g) * 1_000_003  # (the same ids)
         out.append(f)
     return out
 
@@ -248,7 +250,7 @@ def _compressed_worker(rank, world, init, formats, steps, result_dir):
                     torch.testing.assert_close(v, ref_acts[s][k][rank * n:(rank + 1) * n],
                                                rtol=1e-5, atol=1e-6)
             for k, v in tables.items():  # (a raw-id table's rows are placed by its maps)
-                if k != "r":
+                if k not in "rs":
                     torch.testing.assert_close(v, ref_tables[k], rtol=1e-5, atol=1e-6)
             continue
         assert exact_acts is not None and exact_tables is not None
