@@ -147,9 +147,11 @@ class ExchangeCodec:
             lost = torch.nan_to_num(g - sent, nan=0.0, posinf=0.0, neginf=0.0)  # (U, D)
             start = 0
             for member, n in runs:
-                ids = unique[start:start + n]
-                order = ids.argsort()
-                self._residuals[(physical, member)] = (ids[order], lost[start:start + n][order])
+                ids, kept = unique[start:start + n], lost[start:start + n]
+                if n > 1 and not bool((ids[1:] > ids[:-1]).all()):  # (a static table's are)
+                    order = ids.argsort()
+                    ids, kept = ids.index_select(0, order), kept.index_select(0, order)
+                self._residuals[(physical, member)] = (ids, kept)
                 start += n
         return out
 
@@ -163,5 +165,5 @@ class ExchangeCodec:
         if not kept_ids.numel():
             return
         pos = torch.searchsorted(kept_ids, ids).clamp_(max=kept_ids.numel() - 1)  # (n,)
-        hit = kept_ids[pos] == ids  # (n,)
-        g[hit] += residual[pos[hit]].to(g.dtype)
+        rows = (kept_ids.index_select(0, pos) == ids).nonzero().squeeze(1)  # (h,) with one
+        g.index_add_(0, rows, residual.index_select(0, pos.index_select(0, rows)).to(g.dtype))
