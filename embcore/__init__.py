@@ -6,6 +6,7 @@ sparse optimizer in place, checkpoints and serving) rebuilt for CPUs and GPUs. S
 
 from .base.version import __version__
 from .checkpoint import load, save
+from .config.exchange import ExchangeCompression
 from .config.optimizers import FTRL, SGD, Adagrad, AdagradMomentum, Adam, LaProp, RowwiseAdagrad
 from .config.spec import EmbeddingSpec
 from .config.tables import DynamicVocabulary, FeatureConfig, TableConfig
@@ -22,9 +23,9 @@ cpu_embedding_lookup = serving_embedding_lookup
 
 __all__ = [
     "FTRL", "SGD", "Adagrad", "AdagradMomentum", "Adam", "DynamicVocabulary", "Embedding",
-    "EmbeddingLayer", "EmbeddingSpec", "FeatureConfig", "LaProp", "LookupProfile", "QuantizedTable",
-    "RowwiseAdagrad", "ShardingPlan", "TableConfig", "cpu_embedding_lookup", "load",
-    "load_package", "load_published", "package_program", "profile", "publish", "quantize_table",
-    "save", "serving_embedding_lookup",
+    "EmbeddingLayer", "EmbeddingSpec", "ExchangeCompression", "FeatureConfig", "LaProp",
+    "LookupProfile", "QuantizedTable", "RowwiseAdagrad", "ShardingPlan", "TableConfig",
+    "cpu_embedding_lookup", "load", "load_package", "load_published", "package_program",
+    "profile", "publish", "quantize_table", "save", "serving_embedding_lookup",
     "__version__",
 ]

@@ -25,6 +25,7 @@ from .base.comm import Communicator, make_communicator, shared_seed
 from .base.nest import unflatten_like
 from .base.version import __version__
 from .config.budget import parse_budget
+from .config.exchange import ExchangeCompression
 from .config.optimizers import Optimizer
 from .config.spec import EmbeddingSpec, from_spec
 from .config.tables import TableConfig
@@ -34,6 +35,7 @@ from .planning.plan import ShardingPlan
 from .planning.profile import LookupProfile, plan_features
 from .state.store import RowStore
 from .state.tier.files import OffloadDir
+from .step.codec import ExchangeCodec
 from .step.exchange import Answers
 from .step.gradients import reject_gradients
 from .step.path import Batch, StepPath
@@ -128,6 +130,11 @@ class Embedding:
             they are scratch, removed with the engine (checkpoints are ``ec.save``'s).
         profile: lookup statistics from ``ec.profile`` (or the path of one it saved): the
             planner weighs tables by their measured lookups and sizes caches from their curves.
+        exchange_compression: what a sharded table's rows (forward) and row gradients
+            (backward) travel as between processes: None or ``"fp32"`` (exact, the default),
+            ``"bf16"``, ``"fp16"`` or ``"fp8"`` both ways, or an ``ec.ExchangeCompression``
+            per direction (docs/semantics.md section 5). Ids travel exact; one process
+            exchanges nothing.
 
     Raises:
         ValueError / TypeError: invalid structures, names, optimizers or arguments.
@@ -150,15 +157,21 @@ class Embedding:
                  timeout: float | timedelta | None = None,
                  memory_budget: int | str | None = None,
                  offload_dir: str | os.PathLike | None = None,
-                 profile: LookupProfile | str | os.PathLike | None = None) -> None:
+                 profile: LookupProfile | str | os.PathLike | None = None,
+                 exchange_compression: ExchangeCompression | str | None = None) -> None:
         self._lock = threading.RLock()  # see _serialized
         budget, profile = parse_budget(memory_budget), LookupProfile.of(profile)
+        compression = ExchangeCompression.of(exchange_compression)
         OffloadDir.check(offload_dir)
         self._offload_dir = offload_dir
         # what a spec of this engine holds (manifest): the arguments as given
-        self._spec_args = (optimizer, sharding, memory_budget, bool(pipeline_execution))
+        self._spec_args = (optimizer, sharding, memory_budget, bool(pipeline_execution),
+                           compression)
         self._features = Features(feature_config, optimizer)
         self._comm = make_communicator(process_group, timeout)
+        if self._comm.world_size > 1:
+            self._comm.codec = ExchangeCodec.of(compression)
+        self.exchange_compression = compression
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.pipeline_execution = bool(pipeline_execution)
         self._plan = dataclasses.replace(  # the device's kernels, chosen once (printed)

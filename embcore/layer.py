@@ -66,7 +66,7 @@ class EmbeddingLayer(torch.nn.Module):
             None: the tables are ``nn.Parameter``s trained by your own torch optimizer.
 
     The keyword-only args (pipeline_execution, sharding, process_group, device, timeout,
-    memory_budget, offload_dir, profile) are those of ``ec.Embedding``.
+    memory_budget, offload_dir, profile, exchange_compression) are those of ``ec.Embedding``.
 
     A training forward's ``backward()`` applies its batch's update (each forward carries its own
     step; a forward never backpropagated changes nothing). The batch size may vary between
@@ -91,14 +91,16 @@ class EmbeddingLayer(torch.nn.Module):
                  process_group: Any = None, device: torch.device | str | None = None,
                  timeout: float | timedelta | None = None,
                  memory_budget: int | str | None = None,
-                 offload_dir: Any = None, profile: Any = None) -> None:
+                 offload_dir: Any = None, profile: Any = None,
+                 exchange_compression: Any = None) -> None:
         super().__init__()
         self.feature_config = feature_config
         opt = resolve_optimizer(optimizer) if optimizer is not None else None
         self.engine = Embedding(feature_config, opt, pipeline_execution=pipeline_execution,
                                 sharding=sharding, process_group=process_group, device=device,
                                 timeout=timeout, memory_budget=memory_budget,
-                                offload_dir=offload_dir, profile=profile)
+                                offload_dir=offload_dir, profile=profile,
+                                exchange_compression=exchange_compression)
         self._parameters_mode = optimizer is None
         dynamic = sorted(n for t, n in self.engine.table_names().items() if t.dynamic is not None)
         if self._parameters_mode and dynamic:

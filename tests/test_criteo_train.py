@@ -682,3 +682,15 @@ def test_the_defaults_train_small_data_as_well_as_a_tuned_logistic_regression(tm
                          "0.1", "--embedding-lr", "0.1"])
     assert dcn["test_auc"] > logreg["test_auc"] - 0.005, (dcn["test_auc"], logreg["test_auc"])
     assert dcn["test_auc"] > dcn["best_test_auc"] - 0.05
+
+
+def test_the_exchange_compression_flags_go_into_the_spec(capsys):
+    args = train.parse_args(["--write-spec", "x", "--capacity", "100",
+                             "--exchange-compression", "bf16,fp8", "--no-error-feedback"])
+    spec = train.flags_spec(args, None, print)[1]
+    assert spec.to_dict()["exchange_compression"] == {"forward": "bf16", "backward": "fp8",
+                                                      "error_feedback": False}
+    assert train.parse_args(["--synthetic"]).exchange == ec.ExchangeCompression()
+    with pytest.raises(SystemExit):
+        train.parse_args(["--synthetic", "--exchange-compression", "fp4"])
+    assert "--exchange-compression: exchange compression 'fp4'" in capsys.readouterr().err

@@ -385,3 +385,13 @@ def test_raw_ids_on_a_slice_of_the_real_data(tmp_path, capsys):
                          "--epochs", "2", "--raw-ids", "--out", str(out), *SMALL])
     _check_run(out, result, epochs=2, raw=True)
     assert "user 30 rates 'Fargo (1996)'" in capsys.readouterr().out
+
+
+def test_the_exchange_compression_flags(capsys):
+    assert train.parse_args(["--exchange-compression", "fp16"]).exchange == \
+        ec.ExchangeCompression("fp16", "fp16")
+    assert train.parse_args(["--exchange-compression", "bf16,fp8", "--no-error-feedback"]
+                            ).exchange == ec.ExchangeCompression("bf16", "fp8", False)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--exchange-compression", "fp8,fp8,fp8"])
+    assert "FORWARD,BACKWARD" in capsys.readouterr().err

@@ -26,10 +26,13 @@ from __future__ import annotations
 import math
 import numbers
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ..step.codec import ExchangeCodec
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -42,6 +45,8 @@ class Communicator(Protocol):
     rank: int
     world_size: int
     group: Any  # the torch.distributed group (None for the local communicator)
+    # a sharded step's compressed exchange (step/exchange.py); None: rows and gradients exact
+    codec: ExchangeCodec | None
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
                    recv_cols: list[int] | int | None = None) -> list[torch.Tensor]: ...
@@ -89,6 +94,7 @@ class LocalCommunicator:
     rank = 0
     world_size = 1
     group: Any = None
+    codec: ExchangeCodec | None = None  # (one process exchanges nothing)
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
                    recv_cols: list[int] | int | None = None) -> list[torch.Tensor]:
@@ -114,6 +120,7 @@ class ProcessGroupCommunicator:
         self.timeout = timeout
         self.backend = dist.get_backend(group)
         self._checkpoint_group: Any = None
+        self.codec: ExchangeCodec | None = None
 
     def checkpoint_group(self) -> Any:
         """A gloo group of the same processes whose collectives time out after ``timeout``, for

@@ -2,8 +2,9 @@
 
 Everything an engine is built from, as data: tables (shared by name), features in their nested
 structure, per-table and default optimizers with their options, dynamic vocabularies, sharding,
-memory budget and pipelining. ``to_dict()`` is JSON-safe and ``from_dict`` rebuilds the same spec
-(``from_dict(s.to_dict()) == s``; specs compare by their dicts). A callable that cannot be written
+memory budget, pipelining and the exchange's compression. ``to_dict()`` is JSON-safe and
+``from_dict`` rebuilds the same spec (``from_dict(s.to_dict()) == s``; specs compare by their
+dicts). A callable that cannot be written
 as data (a learning-rate schedule, a gradient multiplier, an initializer) is a ``ValueError``
 naming it, except the named initializers: ``functools.partial`` of ``torch.nn.init``'s
 ``uniform_``, ``normal_``, ``trunc_normal_``, ``constant_``, ``zeros_`` or ``ones_`` with number
@@ -33,6 +34,7 @@ import torch
 
 from ..base.nest import check_depth, leaves_with_paths
 from .budget import parse_budget
+from .exchange import ExchangeCompression
 from .optimizers import Optimizer, records
 from .tables import DynamicVocabulary, FeatureConfig, TableConfig, resolve_table_names
 
@@ -45,7 +47,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
           "bfloat16": torch.bfloat16}
 # The keys to_dict writes, at each level; from_dict refuses any other.
 SPEC_KEYS = ("format", "tables", "features", "optimizer", "sharding", "memory_budget",
-             "pipeline_execution")
+             "pipeline_execution", "exchange_compression")
 TABLE_KEYS = ("vocabulary_size", "dim", "initializer", "optimizer", "combiner", "dtype",
               "dynamic", "stochastic_rounding")
 FEATURE_KEYS = ("table", "max_sequence_length", "output_shape", "validate_weights_and_indices",
@@ -66,8 +68,8 @@ class EmbeddingSpec:
         feature_config: a FeatureConfig or a nested dict (str keys) / list / tuple of them.
         optimizer: the default embcore optimizer (tables may carry their own), or None.
 
-    The keyword-only args (sharding, memory_budget, pipeline_execution) are those of
-    ``ec.Embedding``.
+    The keyword-only args (sharding, memory_budget, pipeline_execution,
+    exchange_compression) are those of ``ec.Embedding``.
 
     Raises:
         ValueError: something that cannot be written as data (naming it), or a bad budget.
@@ -89,12 +91,15 @@ class EmbeddingSpec:
     sharding: str | Mapping[str, str] | None = dataclasses.field(default=None, kw_only=True)
     memory_budget: int | str | None = dataclasses.field(default=None, kw_only=True)
     pipeline_execution: bool = dataclasses.field(default=False, kw_only=True)
+    exchange_compression: ExchangeCompression | str | None = dataclasses.field(default=None,
+                                                                               kw_only=True)
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not isinstance(self.optimizer, Optimizer):
             raise TypeError(f"EmbeddingSpec: optimizer must be an embcore optimizer or None, got "
                             f"{type(self.optimizer).__name__}")
         parse_budget(self.memory_budget)
+        ExchangeCompression.of(self.exchange_compression)
         if not isinstance(self.pipeline_execution, bool):
             raise TypeError(f"EmbeddingSpec: pipeline_execution must be a bool, got "
                             f"{type(self.pipeline_execution).__name__} "
@@ -118,7 +123,8 @@ class EmbeddingSpec:
     # ---------------------------------------------------------------------------- to data
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict: ``{"format", "tables", "features", "optimizer", "sharding",
-        "memory_budget", "pipeline_execution"}``; tables by resolved name."""
+        "memory_budget", "pipeline_execution", "exchange_compression"}``; tables by resolved
+        name (the compression always as ``{"forward", "backward", "error_feedback"}``)."""
         leaves = [f for _, f in leaves_with_paths(self.feature_config, _is_feature)]
         if not leaves:
             raise ValueError("EmbeddingSpec: feature_config holds no FeatureConfig")
@@ -130,12 +136,15 @@ class EmbeddingSpec:
                 "features": _structure(self.feature_config, names),
                 "optimizer": _optimizer(self.optimizer, "the default optimizer"),
                 "sharding": sharding, "memory_budget": self.memory_budget,
-                "pipeline_execution": self.pipeline_execution}
+                "pipeline_execution": self.pipeline_execution,
+                "exchange_compression": ExchangeCompression.of(
+                    self.exchange_compression).to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> EmbeddingSpec:
-        """The spec ``to_dict`` wrote (``optimizer``, ``sharding``, ``memory_budget`` and
-        ``pipeline_execution`` may be left out: None, None, None, false).
+        """The spec ``to_dict`` wrote (``optimizer``, ``sharding``, ``memory_budget``,
+        ``pipeline_execution`` and ``exchange_compression`` may be left out: None, None, None,
+        false, fp32).
 
         Raises:
             ValueError: anything else ``to_dict`` could not have written, naming the key and
@@ -162,9 +171,12 @@ class EmbeddingSpec:
             if unused:
                 raise ValueError(f"spec: table {unused[0]!r} is used by no feature (tables: "
                                  f"{sorted(tables)})")
+            compression = d.get("exchange_compression")
             return cls(features, _optimizer_from(d.get("optimizer"), "the default optimizer"),
                        sharding=d.get("sharding"), memory_budget=d.get("memory_budget"),
-                       pipeline_execution=d.get("pipeline_execution", False))
+                       pipeline_execution=d.get("pipeline_execution", False),
+                       exchange_compression=None if compression is None
+                       else ExchangeCompression.from_dict(compression))
         except (KeyError, AttributeError) as e:  # (none expected: every part is checked)
             raise ValueError(f"not an embcore spec: {e!r}") from None
 
@@ -194,13 +206,15 @@ class EmbeddingSpec:
 
     @classmethod
     def manifest_entry(cls, feature_config: Any, optimizer: Optimizer | None, sharding: Any,
-                       memory_budget: Any, pipeline_execution: bool) -> dict[str, Any]:
+                       memory_budget: Any, pipeline_execution: bool,
+                       exchange_compression: Any = None) -> dict[str, Any]:
         """What a checkpoint's manifest says of the engine built from these arguments:
         ``{"spec": its spec as data}``, or ``{"spec": None, "spec_error": why}`` when a callable
         in it is not data (``from_checkpoint`` reads it)."""
         try:
             spec = cls(feature_config, optimizer, sharding=sharding, memory_budget=memory_budget,
-                       pipeline_execution=pipeline_execution)
+                       pipeline_execution=pipeline_execution,
+                       exchange_compression=exchange_compression)
             return {"spec": spec.to_dict()}
         except (ValueError, TypeError) as e:
             return {"spec": None, "spec_error": str(e)}
@@ -410,4 +424,4 @@ def from_spec(cls: Callable[..., T], spec: EmbeddingSpec, **kwargs: Any) -> T:
         raise TypeError(f"from_spec takes an ec.EmbeddingSpec, got {type(spec).__name__}")
     return cls(spec.feature_config, spec.optimizer, sharding=spec.sharding,
                memory_budget=spec.memory_budget, pipeline_execution=spec.pipeline_execution,
-               **kwargs)
+               exchange_compression=spec.exchange_compression, **kwargs)

@@ -9,7 +9,8 @@ step, every process calling them in the same order:
 - ``gradients_at_owner``: the same exchange backwards with the unique rows' gradients; each owner
   sums what all processes sent for a row (in rank order: deterministic) and updates it once.
   Replicated tables instead sum a dense gradient and a touched mask with ``all_reduce``.
-All collectives go through ``comm`` (and time out there).
+All collectives go through ``comm`` (and time out there). With a compressed exchange
+(``comm.codec``: codec.py) rows and gradients travel encoded; ids always travel exact.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from ..base.comm import Communicator
 from ..planning.plan import PhysicalTable
 from ..state.store import RowStore
+from .codec import Wire
 from .preprocess import TableBatch
 
 
@@ -67,11 +69,12 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
         return _fetch_mapped(comm, p, store, tb, asked, training)
     answered, since = rows_here.resolve(asked, training)
     answers = [rows_here.gather(rows) for rows in answered]  # W x (n_s, D_r)
+    wire = comm.codec.rows_wire(p.dtype) if comm.codec is not None else None
     if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
-        back = comm.all_to_all(answers, rt.counts, widths)  # W x (U, D_d)
+        back = _rows_to_all(comm, wire, answers, rt.counts, widths, p.dtype)  # W x (U, D_d)
         return torch.cat(back, dim=1), answered, since
-    back = comm.all_to_all(answers, rt.counts)  # W x (n_d, D)
+    back = _rows_to_all(comm, wire, answers, rt.counts, None, p.dtype)  # W x (n_d, D)
     rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
@@ -108,7 +111,9 @@ def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Tab
             out.zero_()
             out[-1, 0] = 1
         answers.append(out)
-    back = comm.all_to_all(answers, [c + 1 for c in rt.counts])  # W x (n_d + 1, D)
+    wire = comm.codec.rows_wire(table.dtype) if comm.codec is not None else None
+    back = _rows_to_all(comm, wire, answers, [c + 1 for c in rt.counts], None,
+                        table.dtype)  # W x (n_d + 1, D); (a status of 1 arrives non-zero)
     if failure is not None:
         raise failure
     status = torch.stack([b[-1, 0] for b in back])  # (W,)
@@ -157,7 +162,10 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
         rows = touched.nonzero().squeeze(1)
         return rows, dense[rows]
     assert answered is not None, "fetch_rows recorded what each rank asked for"
-    if p.placement.splits_columns:
+    wire = comm.codec.gradients_wire(g_unique.dtype) if comm.codec is not None else None
+    if wire is not None:
+        got = _gradients_to_all(comm, wire, p, tb, answered, g_unique)
+    elif p.placement.splits_columns:
         chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
         c0, c1 = p.columns[comm.rank]
         got = comm.all_to_all(chunks, [t.numel() for t in answered], c1 - c0)
@@ -168,3 +176,36 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=device)
     return rows, g.index_add_(0, inverse, torch.cat(got))  # summed in rank order
+
+
+def _rows_to_all(comm: Communicator, wire: Wire | None, chunks: list[torch.Tensor],
+                 rows: list[int], cols: list[int] | None, dtype: torch.dtype
+                 ) -> list[torch.Tensor]:
+    """``comm.all_to_all`` of row chunks (``cols``: the width each rank sends here; None: this
+    rank's), through ``wire`` when the forward exchange is compressed (rows of ``dtype``)."""
+    if wire is None:
+        return comm.all_to_all(chunks, rows, cols)
+    widths = cols if cols is not None else [chunks[0].shape[1]] * comm.world_size
+    got = comm.all_to_all([wire.encode(c) for c in chunks], rows,
+                          [wire.width(w) for w in widths])
+    return [wire.decode(g, w, dtype) for g, w in zip(got, widths)]
+
+
+def _gradients_to_all(comm: Communicator, wire: Wire, p: PhysicalTable, tb: TableBatch,
+                      answered: list[torch.Tensor], g_unique: torch.Tensor
+                      ) -> list[torch.Tensor]:
+    """``gradients_at_owner``'s exchange through ``wire`` (the backward is compressed, with the
+    codec's error feedback): what each rank sent here, decoded."""
+    assert comm.codec is not None and tb.route is not None
+    rt, d = tb.route, g_unique.shape[1]
+    if p.placement.splits_columns:
+        chunks = comm.codec.gradients(wire, p.index, tb.dedup.unique, tb.segments, g_unique,
+                                      list(p.columns))  # W x (U, width(D_d))
+        c0, c1 = p.columns[comm.rank]
+        d = c1 - c0
+    else:
+        (encoded,) = comm.codec.gradients(wire, p.index, tb.dedup.unique, tb.segments,
+                                          g_unique)  # (U, width(D))
+        chunks = list(encoded[rt.order].split(rt.counts))
+    got = comm.all_to_all(chunks, [t.numel() for t in answered], wire.width(d))
+    return [wire.decode(g, d, g_unique.dtype) for g in got]

@@ -105,12 +105,14 @@ def feature_config(config: ModelConfig, *, dtype: torch.dtype = torch.float32,
 
 def embedding_spec(config: ModelConfig, optimizer: Any, *, sharding: Any = None,
                    memory_budget: Any = None, dtype: torch.dtype = torch.float32,
-                   stochastic_rounding: bool = True) -> ec.EmbeddingSpec:
+                   stochastic_rounding: bool = True,
+                   exchange_compression: Any = None) -> ec.EmbeddingSpec:
     """The tables ``config`` describes, with the tables' ``optimizer`` and rows of ``dtype``,
     as an EmbeddingSpec."""
     features = feature_config(config, dtype=dtype, stochastic_rounding=stochastic_rounding)
     return ec.EmbeddingSpec(features, optimizer, sharding=sharding,
-                            memory_budget=memory_budget)
+                            memory_budget=memory_budget,
+                            exchange_compression=exchange_compression)
 
 
 def spec_tables(spec: ec.EmbeddingSpec) -> dict[str, ec.TableConfig]:

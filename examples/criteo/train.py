@@ -24,7 +24,7 @@ a resumed run takes the settings its checkpoint records for the flags not given 
 The 26 tables, their features, optimizer, sharding and memory budget are an ``ec.EmbeddingSpec``:
 the one the flags build (``--dim``, ``--dtype``, ``--no-stochastic-rounding``, ``--raw-ids`` /
 ``--hash-buckets``, ``--capacity``, ``--embedding-lr``, ``--embedding-optimizer``, ``--sharding``,
-``--memory-budget``), which
+``--memory-budget``, ``--exchange-compression``, ``--no-error-feedback``), which
 ``--write-spec FILE`` writes as JSON, or the one ``--spec FILE`` reads (those flags are then
 refused: the file says it). The dense part takes D from it.
 
@@ -112,8 +112,10 @@ SMALLEST_R, SMALLEST_MODEL_R = -5, -2  # log2: r >= 1/32; the sizes >= a quarter
 TABLE_FLAGS = {"dim": MLPERF["dim"], "dtype": "float32", "stochastic_rounding": True,
                "raw_ids": True, "hash_buckets": None, "capacity": None,
                "embedding_lr": MLPERF["embedding_lr"], "embedding_optimizer": "adagrad",
-               "sharding": "auto", "memory_budget": None}
-FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding"}  # (else --name-with-dashes)
+               "sharding": "auto", "memory_budget": None, "exchange_compression": "fp32",
+               "error_feedback": True}
+FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding",
+              "error_feedback": "--no-error-feedback"}  # (else --name-with-dashes)
 # --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -223,6 +225,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--sharding", choices=[*STRATEGIES, "auto"], **table,
                    help="how the tables are split under torchrun (several processes; default "
                         "auto)")
+    t.add_argument("--exchange-compression", metavar="FORMAT[,BACKWARD]", **table,
+                   help="under torchrun, what the tables' rows (forward) and gradients "
+                        "(backward) travel as between processes: fp32 (default), bf16, fp16 or "
+                        "fp8, one for both or FORWARD,BACKWARD (e.g. bf16,fp8)")
+    t.add_argument("--no-error-feedback", dest="error_feedback", action="store_false", **table,
+                   help="with a compressed backward, drop what compressing a gradient loses "
+                        "instead of adding it to the row's next gradient")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/criteo"),
                    help="directory for checkpoints, metrics.jsonl and curves.png")
@@ -293,6 +302,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (0 < cap <= 1 or (cap > 1 and cap == int(cap))):
         p.error(f"--capacity must be a fraction in (0, 1] or an integer > 1, got {cap}")
     args.capacity = cap
+    try:
+        args.exchange = ec.ExchangeCompression.parse(args.exchange_compression,
+                                                     args.error_feedback)
+    except ValueError as e:
+        p.error(f"--exchange-compression: {e}")
     return args
 
 
@@ -563,7 +577,8 @@ def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[...
     optimizer = opt_class(learning_rate=args.embedding_lr, initial_accumulator_value=0.0)
     return config, embedding_spec(config, optimizer, sharding=args.sharding,
                                   memory_budget=args.memory_budget, dtype=DTYPES[args.dtype],
-                                  stochastic_rounding=args.stochastic_rounding)
+                                  stochastic_rounding=args.stochastic_rounding,
+                                  exchange_compression=args.exchange)
 
 
 def rows_record(spec: ec.EmbeddingSpec) -> dict[str, Any]:
@@ -763,7 +778,8 @@ def _one(values: list[Any]) -> Any:
 
 def _check_tables(ckpt: Path, model: DLRM, one_process: bool, spec_source: str) -> list[str]:
     """Checks the tables' spec the checkpoint's manifest records against ``model.spec``: the
-    same but for the memory budget, the learning rates and (on one process) the sharding.
+    same but for the memory budget, the exchange's compression, the learning rates and (on
+    one process) the sharding.
     Returns the notes to print (what changed and is allowed, or that no spec was recorded).
 
     Raises:
@@ -782,6 +798,7 @@ def _check_tables(ckpt: Path, model: DLRM, one_process: bool, spec_source: str) 
     rates = [d for d in differ if LEARNING_RATE.fullmatch(d.partition(": ")[0])]
     sharding = [d for d in differ if d.partition(": ")[0].split(".")[0] == "sharding"]
     refused = [d for d in differ if d not in rates and not d.startswith("memory_budget:")
+               and not d.startswith("exchange_compression.")
                and not (one_process and d in sharding)]
     if refused:
         raise ValueError(f"{ckpt} was written with another spec of the tables ("

@@ -117,15 +117,18 @@ class RankingModel(nn.Module):
             ``nn.Parameter``s, with no optimizer slots (not with ``raw_ids``: dynamic tables
             need the engine's optimizer step, which admits and evicts ids).
         device: where the tables live (the MLP is moved there too).
+        sharding, exchange_compression: those of ``ec.EmbeddingLayer`` (several processes).
     """
 
     def __init__(self, config: ModelConfig, embedding_optimizer: Any = None, *,
-                 device: torch.device | str | None = None, sharding: Any = None) -> None:
+                 device: torch.device | str | None = None, sharding: Any = None,
+                 exchange_compression: Any = None) -> None:
         super().__init__()
         self.config = config
         self.feature_config = feature_config(config)
         self.embedding = ec.EmbeddingLayer(self.feature_config, embedding_optimizer,
-                                           device=device, sharding=sharding)
+                                           device=device, sharding=sharding,
+                                           exchange_compression=exchange_compression)
         self.head = RatingHead(config).to(device)
 
     def forward(self, features: Mapping[str, torch.Tensor],

@@ -131,6 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--sharding", default="row_mod", choices=[*STRATEGIES, "auto"],
                    help="how the tables are split when launched with torchrun (several "
                         "processes): row_mod, row_div, table, column, replicated or auto")
+    t.add_argument("--exchange-compression", default="fp32", metavar="FORMAT[,BACKWARD]",
+                   help="under torchrun, what the tables' rows (forward) and gradients "
+                        "(backward) travel as between processes: fp32, bf16, fp16 or fp8, one "
+                        "for both or FORWARD,BACKWARD (e.g. bf16,fp8); ec.ExchangeCompression")
+    t.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                   help="with a compressed backward, drop what compressing a gradient loses "
+                        "instead of adding it to the row's next gradient")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/movielens"),
                    help="directory for checkpoints, metrics, curves and the serving model")
@@ -161,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.stochastic_rounding and args.dtype == "float32":
         p.error("--no-stochastic-rounding applies to --dtype float16 / bfloat16; float32 rows "
                 "are not rounded")
+    try:
+        args.exchange = ec.ExchangeCompression.parse(args.exchange_compression,
+                                                     args.error_feedback)
+    except ValueError as e:
+        p.error(f"--exchange-compression: {e}")
     return args
 
 
@@ -469,9 +481,12 @@ def _run(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)  # fixes the tables (drawn at construction), the MLP, dropout
     model = RankingModel(config, ec.Adagrad(learning_rate=args.embedding_lr),
-                         device=args.device, sharding=args.sharding if world > 1 else None)
+                         device=args.device, sharding=args.sharding if world > 1 else None,
+                         exchange_compression=args.exchange)
     if world > 1:
         say(f"{world} processes; the tables are sharded:\n{model.embedding.engine.plan}")
+        if args.exchange.lossy:
+            say(f"exchange: {args.exchange}")
     model.head.init_output_bias(float(train.rating.mean()))
     dense_opt = torch.optim.AdamW(model.head.parameters(), lr=args.lr,
                                   weight_decay=args.weight_decay)
