@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))  # the criteo package
 from criteo import serve, train  # noqa: E402
@@ -14,6 +15,13 @@ from criteo.generate import generate  # noqa: E402
 TINY = ["--dim", "4", "--bottom-mlp", "8", "4", "--top-mlp", "8", "--cross-layers", "2",
         "--cross-rank", "4", "--batch-size", "64", "--no-progress", "--threads", "1",
         "--lr", "0.05", "--embedding-lr", "0.05"]
+
+
+# Serving's float32 answers against training's evaluation: the same bits on the CPU (the fused
+# kernels and torch ops agree bitwise, docs/semantics.md section 12); on a GPU serving's torch
+# ops and training's Triton kernels sum in other orders, and one pair of near-tied scores
+# swapped moves the AUC of 160 examples by about 1 / 6400 (issue 54: compared to 1e-9 there).
+SAME_AUC = 1e-3 if torch.cuda.is_available() else 1e-9
 
 
 def test_serve_a_synthetic_run_at_three_precisions_and_export_it(tmp_path, capsys):
@@ -27,8 +35,8 @@ def test_serve_a_synthetic_run_at_three_precisions_and_export_it(tmp_path, capsy
     assert list(r) == ["fp32", "fp16", "int8"] and served["synthetic"]
     assert "SYNTHETIC DATA" in text and "int8" in text and "bitwise the eager model's" in text
     # float32 serving scores exactly as train.py's own evaluation (engine lookups)
-    assert r["fp32"]["test_auc"] == pytest.approx(trained["test_auc"], abs=1e-9)
-    assert r["fp32"]["test_logloss"] == pytest.approx(trained["test_logloss"], abs=1e-9)
+    assert r["fp32"]["test_auc"] == pytest.approx(trained["test_auc"], abs=SAME_AUC)
+    assert r["fp32"]["test_logloss"] == pytest.approx(trained["test_logloss"], abs=SAME_AUC)
     assert all(v["test_examples"] == trained["test_examples"] == 160 for v in r.values())
     # bytes: fp16 half; int8 D + 8 bytes a row against 4 D (D = 4 here: 12 / 16)
     assert r["fp16"]["table_bytes"] * 2 == r["fp32"]["table_bytes"]
@@ -50,7 +58,8 @@ def test_serve_a_hashed_run_from_its_checkpoint_and_recorded_data(tmp_path, caps
     assert list(r) == ["fp32", "int8"] and not served["synthetic"]
     assert r["fp32"]["test_examples"] == 128 and r["fp32"]["map_bytes"] == 0  # static tables
     assert r["int8"]["table_bytes"] * 16 == r["fp32"]["table_bytes"] * 12
-    assert r["fp32"]["test_auc"] == pytest.approx(served["trained_eval"]["test_auc"], abs=1e-9)
+    assert r["fp32"]["test_auc"] == pytest.approx(served["trained_eval"]["test_auc"],
+                                                  abs=SAME_AUC)
     assert serve.cli(["--run", str(tmp_path / "nothing")]) == 1
     assert "holds no checkpoints/latest" in capsys.readouterr().err
 

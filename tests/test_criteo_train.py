@@ -694,3 +694,16 @@ def test_the_exchange_compression_flags_go_into_the_spec(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--synthetic", "--exchange-compression", "fp4"])
     assert "--exchange-compression: exchange compression 'fp4'" in capsys.readouterr().err
+
+
+def test_more_processes_than_gpus_is_a_clear_error_before_any_collective(monkeypatch):
+    """torchrun with 2 processes on a machine with one GPU (issue 54): the process without a GPU
+    of its own stops at once, naming the fix, before any process group is made."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    made = []
+    monkeypatch.setattr(train.dist, "init_process_group", lambda *a, **k: made.append(a))
+    with pytest.raises(SystemExit, match=r"process 1 .* run --nproc-per-node 1 or fewer"):
+        train.init_processes("cuda")
+    assert not made

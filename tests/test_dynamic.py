@@ -721,3 +721,19 @@ def test_an_overflow_at_one_table_changes_no_other_table(native_maps):
         emb.apply_gradients({k: torch.ones_like(v) for k, v in acts.items()})
         assert emb.vocabulary(big)[0].tolist() == [5, 6, 7, 8]
         assert emb.vocabulary(small)[0].tolist() == [1, 2]
+
+
+def test_a_map_bigger_than_the_gpu_is_refused_before_it_is_allocated(monkeypatch):
+    """A raw-id map whose per-row state exceeds the GPU's memory is a ValueError naming the
+    table, before anything is allocated (issue 54: a worker crashed trying, on CUDA; the CPU
+    has had this check). The GPU's size is faked: no GPU is needed."""
+    from types import SimpleNamespace
+
+    from embcore.state.vocab import torch_map
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=2**34))
+    tried = []
+    with pytest.raises(ValueError, match=r"table 'raw'.*more than cuda's 17179869184 bytes"):
+        with torch_map._allocating("table 'raw'", 2**40, torch.device("cuda")):
+            tried.append(True)
+    assert not tried

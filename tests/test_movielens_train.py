@@ -395,3 +395,15 @@ def test_the_exchange_compression_flags(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--exchange-compression", "fp8,fp8,fp8"])
     assert "FORWARD,BACKWARD" in capsys.readouterr().err
+
+
+def test_more_processes_than_gpus_is_a_clear_error_before_any_collective(monkeypatch):
+    """Two processes on a machine with one GPU (issue 54: the Criteo job and MovieLens under
+    torchrun failed inside NCCL): the second is told at once, naming the fix; the first gets its
+    own GPU. No process group is made (none could be, here)."""
+    import parallel  # examples/movielens/parallel.py
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parallel.one_gpu_each(0) == 0
+    with pytest.raises(SystemExit, match=r"process 1 .* has 1; NCCL needs one per process\): "
+                                         r"run --nproc-per-node 1 or fewer, or --device cpu"):
+        parallel.one_gpu_each(1)

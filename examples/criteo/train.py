@@ -317,7 +317,13 @@ def init_processes(device: str) -> tuple[int, int, str]:
     if world == 1:
         return 0, 1, device
     if device.startswith("cuda"):
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():  # (NCCL needs a GPU per process: fail now)
+            raise SystemExit(f"process {local} of this machine has no GPU of its own (the "
+                             f"machine has {torch.cuda.device_count()}; NCCL needs one per "
+                             f"process): run --nproc-per-node {max(torch.cuda.device_count(), 1)}"
+                             f" or fewer, or --device cpu (gloo)")
+        device = f"cuda:{local}"
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                             timeout=timedelta(seconds=300))

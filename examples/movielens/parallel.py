@@ -23,10 +23,22 @@ def init(device: str, timeout_s: float = 300) -> tuple[int, int, str]:
         return 0, 1, device
     use_cuda = device.startswith("cuda")
     if use_cuda:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        device = f"cuda:{one_gpu_each(int(os.environ.get('LOCAL_RANK', '0')))}"
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def one_gpu_each(local_rank: int) -> int:
+    """This process's GPU: NCCL, which runs a CUDA job's collectives, needs one GPU per process
+    (two on one GPU fail inside NCCL, or hang). More processes on this machine than GPUs is a
+    ``SystemExit`` saying so, before any collective."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise SystemExit(f"process {local_rank} of this machine has no GPU of its own (the "
+                         f"machine has {count}; NCCL needs one per process): run "
+                         f"--nproc-per-node {max(count, 1)} or fewer, or --device cpu (gloo)")
+    return local_rank
 
 
 def active() -> bool:

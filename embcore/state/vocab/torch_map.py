@@ -168,16 +168,17 @@ def _physical_memory() -> int | None:
 def _allocating(name: str, capacity: int, device: torch.device) -> Iterator[None]:
     """Around the allocation of a map's per-row state: a ``ValueError`` naming the table and
     the bytes when it cannot be had, before trying where the state (zero-filled, so touched) is
-    bigger than the machine's physical memory, and from torch's allocation error otherwise."""
+    bigger than the device's memory (the machine's physical memory, a GPU's own), and from
+    torch's allocation error otherwise."""
     need = capacity * MAP_BYTES_PER_ROW
     what = (f"{name}: a dynamic vocabulary of capacity {capacity} needs up to {need} bytes of "
             f"fast memory for its map ({MAP_BYTES_PER_ROW} per row)")
-    if device.type == "cpu":
-        have = _physical_memory()
-        if have is not None and need > have:
-            raise ValueError(f"{what}, more than this machine's {have} bytes of memory; lower "
-                             f"its vocabulary_size (the capacity) or shard it over more "
-                             f"processes")
+    have, where = ((_physical_memory(), "this machine's") if device.type == "cpu" else
+                   (torch.cuda.get_device_properties(device).total_memory, f"{device}'s")
+                   if device.type == "cuda" else (None, ""))
+    if have is not None and need > have:  # (not tried: the host or the GPU could not recover)
+        raise ValueError(f"{what}, more than {where} {have} bytes of memory; lower its "
+                         f"vocabulary_size (the capacity) or shard it over more processes")
     try:
         yield
     except (RuntimeError, MemoryError) as e:  # torch's allocators (OutOfMemoryError included)
