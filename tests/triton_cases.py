@@ -42,6 +42,7 @@ from strategies import any_optimizer, jagged, occurrences  # noqa: E402
 import embcore as ec  # noqa: E402
 from embcore.inputs.canonical import canonicalize  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
+from embcore.ops.backend import TRITON  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
 from embcore.ops.combine import combine, combine_backward  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
@@ -134,7 +135,7 @@ def test_lookup_and_row_gradients_equal_reference(case):
     table = torch.randn(n, d, generator=gen)
     feature = ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=n, dim=d,
                                                     combiner=combiner, name="t"))
-    bags = canonicalize(feature, "f", "t", ids, weights, DEVICE)
+    bags = canonicalize(feature, "f", "t", ids, weights, DEVICE, TRITON)
     with triton_path(), spy("lookup", "row_gradients") as calls:
         out = combine(table.to(DEVICE), bags.ids, bags).cpu()  # (R, D)
     want = reference_lookup(table, feature, ids, weights)

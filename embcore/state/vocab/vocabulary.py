@@ -343,6 +343,8 @@ class DynamicRows:
         Raises:
             ValueError: a malformed state (the map's checks), naming the table.
         """
+        # (every tensor made here on the checkpoint's device, that of ``rows_state``: a CUDA
+        # engine's loaded state is on its GPU, and its collectives exchange device tensors)
         n = self.capacity
         used = rows_state["last_use"] > 0  # (n,)
         local_rows = used.nonzero().squeeze(1)  # (k,)
@@ -355,7 +357,7 @@ class DynamicRows:
             order = torch.argsort(dest, stable=True)
             counts = torch.bincount(dest, minlength=comm.world_size).tolist()
             got = comm.all_to_all(list(ints[order].split(counts)))  # W x (k_s, 4)
-            source = torch.cat([torch.full((g.shape[0],), s, dtype=torch.int64)
+            source = torch.cat([torch.full((g.shape[0],), s, dtype=torch.int64, device=g.device)
                                 for s, g in enumerate(got)])
             ints = torch.cat(got)
             vals = {k: torch.cat(comm.all_to_all(list(v[order].split(counts)),
@@ -363,7 +365,7 @@ class DynamicRows:
                     for k, v in vals.items()}
             stays = source == comm.rank
         else:
-            stays = torch.ones(ints.shape[0], dtype=torch.bool)
+            stays = torch.ones(ints.shape[0], dtype=torch.bool, device=ints.device)
         if ints.shape[0] > n:  # more ids than rows: drop the lowest scores (ties: smaller id)
             score = ints[:, 1] if self.map.eviction == "lru" else ints[:, 2]
             by_id = torch.argsort(ints[:, 0], stable=True)
@@ -375,7 +377,7 @@ class DynamicRows:
             ints, stays = ints[keep], stays[keep]
             vals = {k: v[keep] for k, v in vals.items()}
         rows = torch.where(stays, ints[:, 3], -1)  # (m,) kept rows; -1: to place
-        taken = torch.zeros(max(n, 1), dtype=torch.bool)
+        taken = torch.zeros(max(n, 1), dtype=torch.bool, device=rows.device)
         taken[rows[stays]] = True
         free = (~taken[:n]).nonzero().squeeze(1)
         movers = (~stays).nonzero().squeeze(1)
@@ -386,7 +388,7 @@ class DynamicRows:
                          admit_after=self.map.admit_after, ttl_steps=self.map.ttl_steps,
                          name=self.map.name, device=self.map.device)
         if pending is None:
-            pending = torch.empty(0, 3, dtype=torch.int64)
+            pending = torch.empty(0, 3, dtype=torch.int64, device=ints.device)
         if not placement.held_everywhere and pending.shape[0]:
             pending = pending[placement.owner_of_ids(pending[:, 0]) == comm.rank]
         if n == 0:  # a process holding no rows of the table counts nothing
