@@ -1,9 +1,15 @@
 """The backend (ops/backend.py) is chosen once per device: the plan prints it, every rows
 object, map and cache of the store holds it, and a switch flipped after the tables are built
-changes nothing about the kernels they run."""
+changes nothing about the kernels they run; and every verb the step asks of a backend answers
+on the fused CPU kernels as on torch ops."""
+
+import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles import examples
 
 import embcore as ec
 from embcore.kernels import cpu
@@ -80,3 +86,74 @@ def test_moving_the_tables_chooses_again():
     emb.to("meta")
     assert emb.plan.backend == "torch ops" and emb._store.backend is TORCH_OPS
     assert all(rows.backend is TORCH_OPS for rows in emb._store)
+
+
+# ------------------------------------------------------------------- the verbs, backend by backend
+# Every verb the step asks of a backend (ops/backend.py) gives the torch ops' answer on the fused
+# CPU backend, on random batches: the checks' verdicts, each id's bag, the combiner's scales (bit
+# for bit), the dedup (the same distinct ids and grouping; raw ids come in order of first
+# occurrence there) and the moves of rows with their checksums.
+
+
+@st.composite
+def _batches(draw):
+    lengths = draw(st.lists(st.integers(0, 5), min_size=1, max_size=12))
+    nnz = sum(lengths)
+    ids = draw(st.lists(st.integers(0, 40), min_size=nnz, max_size=nnz))
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+    weights = draw(st.none() | st.lists(st.floats(-4, 4, width=32), min_size=nnz, max_size=nnz))
+    return (torch.tensor(ids, dtype=torch.int64), offsets,
+            None if weights is None else torch.tensor(weights, dtype=torch.float32))
+
+
+def _grouping(ids, dd):
+    """The dedup's content, whatever order its distinct ids come in: {id: its occurrences}."""
+    return {int(dd.unique[u]): dd.order[dd.unique_offsets[u]:dd.unique_offsets[u + 1]].tolist()
+            for u in range(dd.unique.numel())}
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(_batches(), st.sampled_from(["sum", "mean", "sqrtn"]), st.integers(-3, 3))
+def test_the_fused_cpu_verbs_answer_as_the_torch_ops(batch, combiner, shift):
+    if not cpu.available():
+        pytest.skip(f"the fused CPU kernels are not built here: {cpu.error()}")
+    ids, offsets, weights = batch
+    nnz = ids.numel()
+    bad = offsets.clone()
+    bad[-1] += shift  # (shift 0: valid offsets)
+    f, t = FUSED_CPU, TORCH_OPS
+    assert f.offsets_error(bad, nnz) == t.offsets_error(bad, nnz)
+    if nnz:
+        assert f.minmax(ids) == t.minmax(ids) == (int(ids.min()), int(ids.max()))
+    assert torch.equal(f.bag_index(offsets, nnz), t.bag_index(offsets, nnz))
+    assert torch.equal(f.combiner_scales(offsets, weights, combiner, nnz),
+                       t.combiner_scales(offsets, weights, combiner, nnz))
+    parts, adds = [ids[: nnz // 2], ids[nnz // 2:]], [0, 41]
+    for bound in (82, None):  # row ids (radix sort), raw ids (hashing)
+        (fi, fd), (ti, td) = f.dedup(parts, adds, bound), t.dedup(parts, adds, bound)
+        assert torch.equal(fi, ti)
+        assert _grouping(fi, fd) == _grouping(ti, td)
+        assert torch.equal(fd.unique[fd.inverse], fi) and torch.equal(td.unique[td.inverse], ti)
+        if bound is not None:  # ascending on both
+            assert torch.equal(fd.unique, td.unique) and torch.equal(fd.order, td.order)
+    if nnz:
+        indices = torch.stack([ids % 7, ids]).contiguous()
+        assert f.strictly_increasing(indices, (7, 41)) == \
+            t.strictly_increasing(indices, (7, 41))
+    src = torch.randn(41, 3)
+    rows = torch.unique(ids)
+    got, want = torch.zeros(50, 3), torch.zeros(50, 3)
+    f.copy_rows(src, rows, got, rows + 5)
+    t.copy_rows(src, rows, want, rows + 5)
+    assert torch.equal(got, want)
+    fs, ts = torch.zeros(41, dtype=torch.int32), torch.zeros(41, dtype=torch.int32)
+    assert f.move_summed([src], rows, None, None, rows, fs, False) == \
+        t.move_summed([src], rows, None, None, rows, ts, False) == -1
+    assert torch.equal(fs, ts)
+
+
+def test_the_host_backend_beside_each_device():
+    """The slow tier's work runs on the host: the backend's own on a CPU, and beside a GPU the
+    fused CPU kernels where they are built."""
+    assert FUSED_CPU.host() is FUSED_CPU and TORCH_OPS.host() is TORCH_OPS
+    assert named("Triton").host() is (FUSED_CPU if cpu.available() else TORCH_OPS)
