@@ -37,22 +37,31 @@ def _bool_index(args) -> bool:
                for i in (indices or ()))
 
 
+def syncing(func, args=(), kwargs=None) -> str | None:
+    """Why ``func`` called with ``args`` / ``kwargs`` would make the host wait for a CUDA device
+    (a message naming it), or None."""
+    kwargs = kwargs or {}
+    packet = func.overloadpacket
+    if func in _SYNCING:
+        if not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
+            return f"{func} would synchronise with a CUDA device"
+    if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) \
+            and _bool_index(args):
+        return f"{func} with a boolean index would synchronise with a CUDA device"
+    if packet in (aten._to_copy, aten.copy_) and "device" in kwargs:
+        src = args[0]
+        if isinstance(src, torch.Tensor) and kwargs["device"] is not None \
+                and torch.device(kwargs["device"]).type != src.device.type:
+            return f"{func} copies between devices"
+    return None
+
+
 class _NoSync(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if func in _SYNCING:
-            if not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
-                raise AssertionError(f"{func} would synchronise with a CUDA device")
-        if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_) \
-                and _bool_index(args):
-            raise AssertionError(f"{func} with a boolean index would synchronise with a CUDA "
-                                 f"device")
-        if packet in (aten._to_copy, aten.copy_) and "device" in kwargs:
-            src = args[0]
-            if isinstance(src, torch.Tensor) and kwargs["device"] is not None \
-                    and torch.device(kwargs["device"]).type != src.device.type:
-                raise AssertionError(f"{func} copies between devices")
+        why = syncing(func, args, kwargs)
+        if why is not None:
+            raise AssertionError(why)
         return func(*args, **kwargs)
 
 
@@ -61,3 +70,48 @@ def no_sync() -> Iterator[None]:
     """Fails (``AssertionError``) on any op in the block that would synchronise on CUDA."""
     with _NoSync():
         yield
+
+
+class Counts(TorchDispatchMode):
+    """Counts the ops dispatched in its block (``ops``: each a launch on a device, for torch's
+    own ops) and those that would synchronise on CUDA (``syncs``, with ``why``), without
+    failing: the budget of a step (tests/step_budget_cases.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+        self.why: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        why = syncing(func, args, kwargs)
+        if why is not None:
+            self._sync(why)
+        return func(*args, **kwargs)
+
+    def _sync(self, why: str) -> None:
+        self.syncs += 1
+        self.why.append(why)
+
+    def __enter__(self):
+        # ``tolist()`` / ``cpu()`` of a CPU tensor dispatch no op, but each reads a device tensor
+        # back on CUDA: counted here by wrapping them for the block
+        self._saved = torch.Tensor.tolist, torch.Tensor.cpu
+        tolist, cpu = self._saved
+
+        def counted_tolist(t, *a, **k):
+            self._sync("Tensor.tolist reads values back")
+            return tolist(t, *a, **k)
+
+        def counted_cpu(t, *a, **k):
+            self._sync("Tensor.cpu copies to the host")
+            return cpu(t, *a, **k)
+
+        torch.Tensor.tolist, torch.Tensor.cpu = counted_tolist, counted_cpu
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist, torch.Tensor.cpu = self._saved
+        return super().__exit__(*exc)
