@@ -52,7 +52,8 @@ def input_kind(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> str:
 
 
 def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.Tensor,
-                 weights: torch.Tensor | None, device: torch.device, backend: Backend) -> Bags:
+                 weights: torch.Tensor | None, device: torch.device, backend: Backend,
+                 checks: IdChecks | None = None) -> Bags:
     """Turns one feature's ids (and weights) into its canonical form on ``device``, checked
     and combined there by ``backend`` (its kernels: ops/backend.py).
 
@@ -67,6 +68,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         device: where the canonical tensors live (jagged offsets and sparse indices are moved
             there before they are checked).
         backend: ``device``'s backend.
+        checks: where the ids' range check goes, answered for the whole batch at once
+            (``IdChecks.done``); None: checked here.
 
     Raises:
         TypeError: unsupported tensor kinds or dtypes.
@@ -103,7 +106,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         flat = ids.reshape(-1).to(device=device, dtype=torch.int64,
                                   non_blocking=True).contiguous()  # (nnz,)
         if table.dynamic is None:  # raw ids of a dynamic table may be any int64
-            check_ids(flat, table.vocabulary_size, where, table_name, backend)  # always
+            _check_ids(flat, table.vocabulary_size, where, table_name, backend, checks)
         return Bags(flat, None, None, shape)
     bag = None  # (nnz,) each id's bag, where the input gives it
     if kind == "dense":
@@ -125,7 +128,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
             raise TypeError(f"{where}: weights must be floating point, got {w.dtype}")
         w = w.to(device=device, dtype=torch.float32, non_blocking=True).contiguous()
     if table.dynamic is None:  # raw ids of a dynamic table may be any int64
-        check_ids(values, table.vocabulary_size, where, table_name, backend)  # always
+        _check_ids(values, table.vocabulary_size, where, table_name, backend, checks)
     if w is not None and feature.validate_weights_and_indices:
         check_weights(w, where)
     if seq > 0:
@@ -404,14 +407,53 @@ def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Ba
     says, since the lookups and updates read and write ``table + id * D`` unchecked. (Not while
     tracing for export: the exported program's own gathers check their indices.)"""
     if ids.numel() and not tracing():
-        lo_v, hi_v = backend.minmax(ids)
-        if lo_v < 0 or hi_v >= vocab:
-            bad = lo_v if lo_v < 0 else hi_v
-            raw = (f" ({bad} looks like a raw id, a hash or 64-bit key: declare table {table!r} "
-                   f"with dynamic=ec.DynamicVocabulary() to map raw ids to rows, "
-                   f"docs/semantics.md section 9)" if not -2**31 <= bad < 2**31 else "")
-            raise ValueError(f"{where} has id {bad} but table {table!r} has "
-                             f"vocabulary_size {vocab}; ids must be in [0, {vocab}){raw}")
+        _refuse_ids(*backend.minmax(ids), vocab, where, table)
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Backend,
+               checks: IdChecks | None) -> None:
+    """Always (memory safety): now, or in ``checks``."""
+    if checks is None:
+        check_ids(ids, vocab, where, table, backend)
+    else:
+        checks.add(ids, vocab, where, table)
+
+
+def _refuse_ids(lo_v: int, hi_v: int, vocab: int, where: str, table: str) -> None:
+    if lo_v < 0 or hi_v >= vocab:
+        bad = lo_v if lo_v < 0 else hi_v
+        raw = (f" ({bad} looks like a raw id, a hash or 64-bit key: declare table {table!r} "
+               f"with dynamic=ec.DynamicVocabulary() to map raw ids to rows, "
+               f"docs/semantics.md section 9)" if not -2**31 <= bad < 2**31 else "")
+        raise ValueError(f"{where} has id {bad} but table {table!r} has "
+                         f"vocabulary_size {vocab}; ids must be in [0, {vocab}){raw}")
+
+
+class IdChecks:
+    """The range checks of one batch's ids (``check_ids`` of each feature), read back once for
+    the whole batch by ``done``: on a device, one synchronisation a batch instead of one a
+    feature. Nothing reads or writes memory with the ids before ``done`` (the lookups come
+    after the batch is made), so a bad id still changes nothing; the error names the first bad
+    feature in the batch's order, after any malformed structure (offsets, shapes) of any
+    feature (docs/semantics.md section 2)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._pending: list[tuple[torch.Tensor, int, str, str]] = []
+
+    def add(self, ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
+        """``check_ids(ids, ...)``, answered by ``done``."""
+        if ids.numel() and not tracing():
+            self._pending.append((self.backend.bounds(ids), vocab, where, table))
+
+    def done(self) -> None:
+        """Raises the first bad feature's ``ValueError`` (``check_ids``'), if any."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        got = torch.stack([b for b, _, _, _ in pending]).tolist()  # (F, 2): one read back
+        for (lo_v, hi_v), (_, vocab, where, table) in zip(got, pending):
+            _refuse_ids(lo_v, hi_v, vocab, where, table)
 
 
 def check_weights(weights: torch.Tensor, where: str) -> None:

@@ -25,7 +25,7 @@ from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.backend import Backend
 from ..ops.bags import Bags
-from .canonical import canonicalize, output_shape_from_input_shape, resolve_shape
+from .canonical import IdChecks, canonicalize, output_shape_from_input_shape, resolve_shape
 from .kjt import from_keyed_jagged, is_keyed_jagged
 
 
@@ -179,6 +179,8 @@ class Features:
         flat_ids, flat_w = _flat_inputs(template, features, weights, len(leaves))
         out: list[Bags | None] = []
         tables: list[str] = []
+        checks = IdChecks(backend)  # (the ids' range, read back once for the batch)
+        made = []
         for (path, f), ids, w in zip(leaves, flat_ids, flat_w):
             i = self._index.get(id(f))
             if i is None and f.table not in self.table_names:
@@ -187,8 +189,11 @@ class Features:
                                  f"tables: {sorted(self.table_names.values())}")
             name = self.names[i] if i is not None else (f.name or path or "feature")
             table = self.table_names[f.table]
-            out.append(_bags(f, name, table, ids, w, device, backend, None))
+            made.append((f, name, ids, canonicalize(f, name, table, ids, w, device, backend,
+                                                    checks)))
             tables.append(table)
+        checks.done()
+        out = [_shaped(f, name, ids, b, None) for f, name, ids, b in made]
         return out, tables
 
     def bags(self, features: Any, weights: Any, device: torch.device, backend: Backend,
@@ -202,9 +207,13 @@ class Features:
         if shapes is Shapes.ANY:
             return self.serving_bags(self.template, features, weights, device, backend)[0]
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
-        out: list[Bags | None] = [_bags(self.configs[i], self.names[i], self.tables[i], ids, w,
-                                        device, backend, self.shapes[i], self.declared[i])
-                                  for i, ids, w in zip(self._all, flat_ids, flat_w)]
+        checks = IdChecks(backend)  # (the ids' range, read back once for the batch)
+        made = [canonicalize(self.configs[i], self.names[i], self.tables[i], ids, w, device,
+                             backend, checks) for i, ids, w in zip(self._all, flat_ids, flat_w)]
+        checks.done()  # (then the shapes: a bad id is named before a shape that differs)
+        out: list[Bags | None] = [_shaped(self.configs[i], self.names[i], ids, b,
+                                          self.shapes[i], self.declared[i])
+                                  for i, ids, b in zip(self._all, flat_ids, made)]
         if shapes is Shapes.FIX:
             for i, b in enumerate(out):
                 if b is not None and self.shapes[i] is None and not self.configs[i].output_shape:
@@ -250,12 +259,11 @@ def _flat_inputs(template: Any, features: Any, weights: Any,
     return flat_ids, flat_w
 
 
-def _bags(feature: FeatureConfig, name: str, table: str, ids: Any, weights: Any,
-          device: torch.device, backend: Backend, fixed: tuple[int, ...] | None,
-          declared: tuple[int, ...] | None = None) -> Bags:
-    """One feature's ``Bags``, its shape resolved (``fixed``: the shape fixed so far, or None;
-    ``declared``: build()'s input shape, read by this batch's kind, when nothing is fixed)."""
-    b = canonicalize(feature, name, table, ids, weights, device, backend)
+def _shaped(feature: FeatureConfig, name: str, ids: Any, b: Bags,
+            fixed: tuple[int, ...] | None, declared: tuple[int, ...] | None = None) -> Bags:
+    """One feature's canonical ``b`` (of input ``ids``), its shape resolved (``fixed``: the
+    shape fixed so far, or None; ``declared``: build()'s input shape, read by this batch's
+    kind, when nothing is fixed)."""
     if fixed is None and declared is not None:
         dense = (isinstance(ids, torch.Tensor) and ids.layout == torch.strided
                  and not ids.is_nested)

@@ -80,6 +80,10 @@ class Backend:
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host sync
         return int(lo), int(hi)
 
+    def bounds(self, ids: torch.Tensor) -> torch.Tensor:
+        """(2,) int64 ``[min, max]`` of non-empty ``ids``, where they are (not read back)."""
+        return torch.stack(torch.aminmax(ids))
+
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         """-1 when (B + 1,) int64 ``offsets`` start at 0, never decrease and end at ``nnz``;
         else the first entry breaking that (0: the first is not 0; i: ``offsets[i] <
@@ -160,6 +164,9 @@ class _FusedCPU(Backend):
 
     def minmax(self, ids: torch.Tensor) -> tuple[int, int]:
         return cpu.minmax(ids.contiguous())
+
+    def bounds(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(cpu.minmax(ids.contiguous()))
 
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         return cpu.offsets_error(offsets.contiguous(), nnz)
