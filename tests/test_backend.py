@@ -157,3 +157,20 @@ def test_the_host_backend_beside_each_device():
     fused CPU kernels where they are built."""
     assert FUSED_CPU.host() is FUSED_CPU and TORCH_OPS.host() is TORCH_OPS
     assert named("Triton").host() is (FUSED_CPU if cpu.available() else TORCH_OPS)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(st.lists(st.integers(-3, 12), min_size=2, max_size=9), st.integers(0, 10))
+def test_offsets_made_safe_while_their_verdict_waits(offsets, nnz):
+    """``offsets_verdict`` (a device's way: no wait): the verdict is nonzero exactly when
+    ``offsets_error`` finds a bad entry, and the offsets returned are safe to index with (0
+    first, never decreasing, ``nnz`` last): the given ones when they are valid."""
+    given_ = torch.tensor(offsets, dtype=torch.int64)
+    safe, verdict = TORCH_OPS.offsets_verdict(given_, nnz)
+    bad = TORCH_OPS.offsets_error(given_, nnz)
+    assert bool(verdict) == (bad >= 0)
+    assert safe[0] == 0 and safe[-1] == nnz and bool((safe[1:] >= safe[:-1]).all())
+    if bad < 0:
+        assert torch.equal(safe, given_)
+    if cpu.available():
+        assert FUSED_CPU.offsets_verdict(given_, nnz)[1] == bad  # (known at once there)

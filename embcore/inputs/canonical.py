@@ -53,7 +53,7 @@ def input_kind(x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> str:
 
 def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.Tensor,
                  weights: torch.Tensor | None, device: torch.device, backend: Backend,
-                 checks: IdChecks | None = None) -> Bags:
+                 checks: BatchChecks | None = None) -> Bags:
     """Turns one feature's ids (and weights) into its canonical form on ``device``, checked
     and combined there by ``backend`` (its kernels: ops/backend.py).
 
@@ -68,8 +68,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         device: where the canonical tensors live (jagged offsets and sparse indices are moved
             there before they are checked).
         backend: ``device``'s backend.
-        checks: where the ids' range check goes, answered for the whole batch at once
-            (``IdChecks.done``); None: checked here.
+        checks: where the checks that read values back go (jagged offsets, the ids' range),
+            answered for the whole batch at once (``BatchChecks.done``); None: checked here.
 
     Raises:
         TypeError: unsupported tensor kinds or dtypes.
@@ -113,7 +113,7 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
     elif kind == "jagged":
-        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend)
+        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend, checks)
         positions = None
     else:
         values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where, device,
@@ -214,7 +214,8 @@ def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     return (x[0], x[1], None) if isinstance(x, tuple) else jagged_parts(x)
 
 
-def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend):
+def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend,
+            checks: BatchChecks | None):
     if not isinstance(ids, tuple):
         if ids.layout != torch.jagged:
             raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
@@ -230,7 +231,7 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
         raise ValueError(f"{where}: jagged ids must hold 1-D values, got shape "
                          f"{list(values.shape)}")
     offsets = check_offsets(given.to(device, non_blocking=True), values.numel(), where,
-                            backend)  # (B + 1,) int64, contiguous, on the device
+                            backend, checks)  # (B + 1,) int64, contiguous, on the device
     w = None
     if weights is not None:
         same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
@@ -245,7 +246,8 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
                 raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
                                 f"{w_offsets.dtype}; {same}")
             if tuple(w_offsets.shape) != tuple(offsets.shape) or (not tracing() and not torch.equal(
-                    w_offsets.to(device=offsets.device, dtype=torch.int64), offsets)):
+                    w_offsets.to(device=offsets.device, dtype=torch.int64),
+                    given.to(device=offsets.device, dtype=torch.int64))):  # (as given)
                 raise ValueError(same)
         if w.dim() != 1 or w.shape[0] != values.numel():
             raise ValueError(f"{where}: weights hold {w.numel()} values of shape "
@@ -328,9 +330,12 @@ def tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend) -> torch.Tensor:
+def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend,
+                  checks: BatchChecks | None = None) -> torch.Tensor:
     """Jagged offsets as (B + 1,) contiguous int64, after one pass checking that they start at 0,
-    never decrease and end at ``nnz`` (so every bag lies inside the values).
+    never decrease and end at ``nnz`` (so every bag lies inside the values). With ``checks``,
+    a backend that would wait for the answer returns the offsets made safe and leaves the
+    verdict to ``checks.done()``.
 
     Raises:
         TypeError: offsets that are not int32 / int64.
@@ -343,12 +348,28 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend)
         raise ValueError(f"{where}: jagged offsets must be 1-D with B + 1 >= 1 entries, got shape "
                          f"{list(offsets.shape)}; {_JAGGED_FIX}")
     offsets = offsets.to(torch.int64).contiguous()
-    n = offsets.numel()
     if tracing():
         return offsets
-    bad = backend.offsets_error(offsets, nnz)
+    if checks is None or offsets.numel() == 1:  # (no bag: nothing to make safe, answer now)
+        bad = backend.offsets_error(offsets, nnz)
+    else:
+        safe, verdict = backend.offsets_verdict(offsets, nnz)
+        if not isinstance(verdict, int):  # read with the batch's other checks
+            checks.add_offsets(verdict, offsets, nnz, where)
+            return safe
+        bad = verdict
     if bad < 0:
         return offsets
+    _refuse_offsets(offsets, nnz, where, bad)
+    return offsets  # (not reached)
+
+
+def _refuse_offsets(offsets: torch.Tensor, nnz: int, where: str, bad: int) -> None:
+    """The ``ValueError`` of malformed jagged ``offsets`` whose first bad entry is ``bad``
+    (``Backend.offsets_error``; -1: none)."""
+    if bad < 0:
+        return
+    n = offsets.numel()
     if bad == 0 and int(offsets[0]) != 0:
         what = f"must start at 0, got offsets[0] = {int(offsets[0])}"
     elif bad > 0 and int(offsets[bad]) < int(offsets[bad - 1]):
@@ -411,7 +432,7 @@ def check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Ba
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, where: str, table: str, backend: Backend,
-               checks: IdChecks | None) -> None:
+               checks: BatchChecks | None) -> None:
     """Always (memory safety): now, or in ``checks``."""
     if checks is None:
         check_ids(ids, vocab, where, table, backend)
@@ -429,31 +450,45 @@ def _refuse_ids(lo_v: int, hi_v: int, vocab: int, where: str, table: str) -> Non
                          f"vocabulary_size {vocab}; ids must be in [0, {vocab}){raw}")
 
 
-class IdChecks:
-    """The range checks of one batch's ids (``check_ids`` of each feature), read back once for
-    the whole batch by ``done``: on a device, one synchronisation a batch instead of one a
-    feature. Nothing reads or writes memory with the ids before ``done`` (the lookups come
-    after the batch is made), so a bad id still changes nothing; the error names the first bad
-    feature in the batch's order, after any malformed structure (offsets, shapes) of any
-    feature (docs/semantics.md section 2)."""
+class BatchChecks:
+    """The checks of one batch that read values back (each feature's jagged offsets, its ids'
+    range), answered once for the whole batch by ``done``: on a device one synchronisation a
+    batch instead of two a feature. Meanwhile the batch is made with offsets made safe to index
+    with (``Backend.offsets_verdict``) and nothing reads or writes a row with the ids (the
+    lookups come after the batch is made), so a bad batch still changes nothing. ``done``
+    raises the first malformed offsets' error, then the first bad id's, in the batch's order
+    (docs/semantics.md section 2). The fused CPU kernels answer at once (nothing is left to
+    ``done`` but the ids)."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._pending: list[tuple[torch.Tensor, int, str, str]] = []
+        self._ids: list[tuple[torch.Tensor, int, str, str]] = []
+        self._offsets: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
 
     def add(self, ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
         """``check_ids(ids, ...)``, answered by ``done``."""
         if ids.numel() and not tracing():
-            self._pending.append((self.backend.bounds(ids), vocab, where, table))
+            self._ids.append((self.backend.bounds(ids), vocab, where, table))
+
+    def add_offsets(self, verdict: torch.Tensor, offsets: torch.Tensor, nnz: int,
+                    where: str) -> None:
+        """Offsets whose ``verdict`` (0-d, nonzero: malformed) ``done`` reads."""
+        self._offsets.append((verdict, offsets, nnz, where))
 
     def done(self) -> None:
-        """Raises the first bad feature's ``ValueError`` (``check_ids``'), if any."""
-        if not self._pending:
+        """Raises the first malformed offsets' ``ValueError``, else the first bad id's."""
+        if not self._ids and not self._offsets:
             return
-        pending, self._pending = self._pending, []
-        got = torch.stack([b for b, _, _, _ in pending]).tolist()  # (F, 2): one read back
-        for (lo_v, hi_v), (_, vocab, where, table) in zip(got, pending):
-            _refuse_ids(lo_v, hi_v, vocab, where, table)
+        ids, self._ids = self._ids, []
+        offsets, self._offsets = self._offsets, []
+        got = torch.cat([*(v.reshape(1).to(torch.int64) for v, _, _, _ in offsets),
+                         *(b for b, _, _, _ in ids)]).tolist()  # one read back
+        for flag, (_, given, nnz, where) in zip(got, offsets):
+            if flag:
+                _refuse_offsets(given, nnz, where, self.backend.offsets_error(given, nnz))
+        at = len(offsets)
+        for k, (_, vocab, where, table) in enumerate(ids):
+            _refuse_ids(got[at + 2 * k], got[at + 2 * k + 1], vocab, where, table)
 
 
 def check_weights(weights: torch.Tensor, where: str) -> None:

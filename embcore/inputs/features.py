@@ -25,7 +25,7 @@ from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.backend import Backend
 from ..ops.bags import Bags
-from .canonical import IdChecks, canonicalize, output_shape_from_input_shape, resolve_shape
+from .canonical import BatchChecks, canonicalize, output_shape_from_input_shape, resolve_shape
 from .kjt import from_keyed_jagged, is_keyed_jagged
 
 
@@ -179,7 +179,7 @@ class Features:
         flat_ids, flat_w = _flat_inputs(template, features, weights, len(leaves))
         out: list[Bags | None] = []
         tables: list[str] = []
-        checks = IdChecks(backend)  # (the ids' range, read back once for the batch)
+        checks = BatchChecks(backend)  # (offsets and ids, read back once for the batch)
         made = []
         for (path, f), ids, w in zip(leaves, flat_ids, flat_w):
             i = self._index.get(id(f))
@@ -207,7 +207,7 @@ class Features:
         if shapes is Shapes.ANY:
             return self.serving_bags(self.template, features, weights, device, backend)[0]
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
-        checks = IdChecks(backend)  # (the ids' range, read back once for the batch)
+        checks = BatchChecks(backend)  # (offsets and ids, read back once for the batch)
         made = [canonicalize(self.configs[i], self.names[i], self.tables[i], ids, w, device,
                              backend, checks) for i, ids, w in zip(self._all, flat_ids, flat_w)]
         checks.done()  # (then the shapes: a bad id is named before a shape that differs)

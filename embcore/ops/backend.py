@@ -94,6 +94,17 @@ class Backend:
         n = offsets.numel()
         return 0 if first else (int(falls.nonzero()[0]) + 1 if fall else (n - 1 if last else -1))
 
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+                        ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """``(offsets to use, verdict)`` on (B + 1,) int64 ``offsets`` without waiting: the
+        verdict a 0-d tensor, nonzero when they are malformed (``offsets_error`` then names the
+        entry), and the offsets made safe to index with meanwhile (in [0, ``nnz``], never
+        decreasing, 0 first and ``nnz`` last: the given ones when they are valid)."""
+        safe = torch.cummax(offsets.clamp(0, nnz), 0).values  # (B + 1,)
+        safe[0] = 0
+        safe[-1] = nnz
+        return safe, (safe != offsets).any()
+
     def strictly_increasing(self, indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
         """Whether the columns of (k, nnz >= 2) contiguous int64 COO indices, in range of
         ``shape``, strictly increase (sorted, no duplicates)."""
@@ -170,6 +181,10 @@ class _FusedCPU(Backend):
 
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         return cpu.offsets_error(offsets.contiguous(), nnz)
+
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+                        ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        return offsets, cpu.offsets_error(offsets.contiguous(), nnz)  # (known at once)
 
     def strictly_increasing(self, indices: torch.Tensor, shape: tuple[int, ...]) -> bool:
         return cpu.first_unordered(indices.contiguous()) < 0
