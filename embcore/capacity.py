@@ -47,7 +47,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from .config.budget import parse_budget
 from .config.exchange import ExchangeCompression
@@ -220,8 +219,8 @@ def project(spec: EmbeddingSpec, ranks: Sequence[int], network: Network, *, batc
             raise ValueError(f"rank counts must be integers >= 1, got {w!r} in {list(ranks)}")
     features = Features(spec.feature_config, spec.optimizer)
     comp = ExchangeCompression.of(spec.exchange_compression)
-    lookups = dict(features.lookups_per_table())
-    lookups = {n: v * batch * pooling for n, v in lookups.items()}
+    lookups: dict[str, float] = {n: v * batch * pooling
+                                 for n, v in features.lookups_per_table().items()}
     if profile is not None:
         lookups.update({n: v for n, v in profile.lookups().items() if n in lookups})
     rows = {n: t.vocabulary_size for n, t, _ in features.table_specs()}
@@ -353,13 +352,13 @@ def report(spec_name: str, spec: EmbeddingSpec, network: Network, rates: Rates, 
     """The table ``main`` prints."""
     comp = ExchangeCompression.of(spec.exchange_compression)
     opt = type(spec.optimizer).__name__ if spec.optimizer is not None else "none"
-    head = [f"spec {spec_name}: batch {batch} a rank, optimizer {opt}, exchange "
-            f"{comp.forward} forward / {comp.backward} backward",
-            f"network {network.bandwidth * 8 / 1e9:g} Gbit/s a rank, latency "
-            f"{network.latency * 1e6:g} us; compute rates: {rates.source}",
-            f"{'ranks':>5} {'memory/rank':>12} {'sent/step':>11} {'recv/step':>11} "
+    head = [(f"spec {spec_name}: batch {batch} a rank, optimizer {opt}, exchange "
+            f"{comp.forward} forward / {comp.backward} backward"),
+            (f"network {network.bandwidth * 8 / 1e9:g} Gbit/s a rank, latency "
+            f"{network.latency * 1e6:g} us; compute rates: {rates.source}"),
+            (f"{'ranks':>5} {'memory/rank':>12} {'sent/step':>11} {'recv/step':>11} "
             f"{'compute ms':>10} {'exchange ms':>11} {'step ms':>9} {'examples/s':>11}  "
-            f"bottleneck"]
+            f"bottleneck")]
     for r in rows:
         head.append(f"{r.ranks:>5} {_size(r.memory_bytes):>12} {_size(r.sent_bytes):>11} "
                     f"{_size(r.received_bytes):>11} {r.compute_s * 1e3:>10.2f} "
