@@ -38,6 +38,7 @@ benchmarks/RESULTS.md ("Capacity model").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -47,6 +48,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from .config.budget import parse_budget
 from .config.exchange import ExchangeCompression
@@ -121,11 +123,15 @@ def _seconds(value: str | float) -> float:
 class Rates:
     """One process's compute, in seconds: per lookup and value of D (gather, combine, and the
     gradient's scatter), per updated row and value of D (dedup, optimizer), per physical table
-    and step (fixed costs)."""
+    and step (fixed costs); with several processes, per byte a process sends or receives
+    (routing, packing and unpacking the exchange's buffers) and per value a lossy exchange
+    encodes or decodes."""
 
     lookup: float
     update: float
     table: float
+    wire: float = 0.0
+    codec: float = 0.0
     source: str = "given"
 
     @classmethod
@@ -134,20 +140,22 @@ class Rates:
         try:
             d = json.loads(Path(path).read_text())
             rates = cls(float(d["lookup"]), float(d["update"]), float(d["table"]),
+                        float(d.get("wire", 0.0)), float(d.get("codec", 0.0)),
                         str(d.get("source", path)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a rates file (python -m embcore.capacity "
                              f"--calibrate {path} writes one): {e}") from None
         if not all(math.isfinite(v) and v >= 0 for v in (rates.lookup, rates.update,
-                                                          rates.table)):
+                                                          rates.table, rates.wire,
+                                                          rates.codec)):
             raise ValueError(f"{path}: rates must be finite numbers >= 0, got {rates}")
         return rates
 
 
 # Measured by ``calibrate`` on this project's benchmark machine (2 x86 cores, torch 2.13 CPU,
 # one thread, Adagrad, float32); a GPU's or a bigger CPU's are smaller: calibrate there.
-DEFAULT_RATES = Rates(lookup=4.4e-9, update=1.6e-9, table=1.7e-4,
-                      source="default (2-core x86 CPU, one thread a rank)")
+DEFAULT_RATES = Rates(lookup=4.1e-9, update=8.7e-10, table=1.2e-4, wire=2.5e-9,
+                      codec=4.0e-8, source="default (2-core x86 CPU, one thread a rank)")
 
 
 @dataclass(frozen=True)
@@ -253,12 +261,19 @@ def project(spec: EmbeddingSpec, ranks: Sequence[int], network: Network, *, batc
             received = [a + b for a, b in zip(received, r)]
             calls += c
             wire_s += ring
+            if p.strategy != "replicated":  # (a lossy format's rows: encoded, then decoded)
+                per_row = ID_BYTES + _width(comp.forward, p.dim) + _width(comp.backward, p.dim)
+                moved = max(a + b for a, b in zip(s, r)) / per_row  # rows out and in
+                lossy = (comp.forward != "fp32") + (comp.backward != "fp32")
+                compute += rates.codec * moved * lossy * p.dim
             # every replica updates every row; the owners share the rest (the planner balances
             # whole tables); a column split updates every row, a slice of it on each rank
             share = updated if p.strategy in ("replicated", "column") else updated / w
             width = p.dim / w if p.strategy == "column" else p.dim
             compute += rates.update * share * width
         biggest = max(max(a, b) for a, b in zip(sent, received))
+        compute += rates.wire * max(a + b for a, b in zip(sent, received))
+        calls += 1 if w > 1 else 0  # the step's agreement (step/gradients.py)
         exchange = (calls * network.latency * (w - 1)
                     + (biggest + wire_s) / network.bandwidth) if w > 1 else 0.0
         fits = memory is None or mem <= memory
@@ -302,7 +317,8 @@ def calibrate(steps: int = 8) -> Rates:
     """Measures ``Rates`` on this machine: one process, one thread, four float32 tables of
     D 64 with Adagrad, at three shapes (many lookups of few rows; as many rows as lookups; a
     tiny batch), each a few warm-up and ``steps`` timed steps, fitted by least squares of the
-    relative errors."""
+    relative errors; then ``wire`` and ``codec`` from two processes (gloo, a row_mod step in
+    fp32 and fp8: ``_calibrate_wire``). About a minute."""
     import numpy as np
     import torch
 
@@ -335,8 +351,89 @@ def calibrate(steps: int = 8) -> Rates:
     sol, *_ = np.linalg.lstsq(np.array(rows) / t[:, None], np.ones_like(t),
                               rcond=None)  # (relative errors: the tiny batch counts as much)
     lookup, update, table = (max(float(v), 0.0) for v in sol)
-    return Rates(lookup, update, table, source=f"calibrated {time.strftime('%Y-%m-%d')}, "
-                                               f"torch {torch.__version__}, one thread")
+    rates = Rates(lookup, update, table, source=f"calibrated {time.strftime('%Y-%m-%d')}, "
+                                                f"torch {torch.__version__}, one thread")
+    return _calibrate_wire(rates, steps)
+
+
+def _wire_worker(rank: int, port: int, steps: int, out: str) -> None:
+    """``calibrate``'s 2-process half: the W1-like step of ``_wire_shape`` in fp32 and fp8,
+    written by rank 0 as [step seconds, exchange seconds, bytes sent + received] per format."""
+    import torch
+    import torch.distributed as dist
+
+    import embcore as ec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    fc, batches = _wire_shape(rank)
+    got = {}
+    for name in ("fp32", "fp8"):
+        emb = ec.Embedding(fc, ec.Adagrad(0.05), sharding="row_mod", exchange_compression=name)
+        took = []
+        for s in range(3 + steps):
+            if s == 3:
+                emb.exchange_stats(reset=True)
+            start = time.perf_counter()
+            emb.enqueue(batches[s % len(batches)])
+            acts = emb.dequeue()
+            emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
+            took.append(time.perf_counter() - start)
+        st = emb.exchange_stats()
+        moved = sum(v[f"{k}_{d}"] for v in st.values() for k in ("ids", "rows", "gradients")
+                    for d in ("sent", "received"))
+        mine = torch.tensor([statistics.median(took[3:]),
+                             sum(v["seconds"] for v in st.values()) / steps, moved / steps],
+                            dtype=torch.float64)
+        both = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(both, mine)
+        got[name] = torch.stack(both).max(0).values.tolist()
+    if rank == 0:
+        Path(out).write_text(json.dumps(got))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _wire_shape(rank: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """4 tables x 200,000 rows x D 64 and a rank's 3 batches of 4096 uniform ids a table."""
+    import torch
+
+    import embcore as ec
+
+    fc = {f"f{i}": ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=200_000, dim=64,
+                                                         name=f"t{i}")) for i in range(4)}
+    g = torch.Generator().manual_seed(rank)
+    return fc, [{k: torch.randint(0, 200_000, (4096,), generator=g) for k in fc}
+                for _ in range(3)]
+
+
+def _calibrate_wire(rates: Rates, steps: int) -> Rates:
+    """``rates`` with ``wire`` and ``codec`` from a 2-process run (gloo on this machine): the
+    step's time outside the collectives, less the one-process compute ``rates`` project, per
+    byte exchanged (fp32), then per value encoded or decoded (fp8)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "wire.json")
+        mp.spawn(_wire_worker, args=(port, steps, out), nprocs=2, join=True)
+        got = json.loads(Path(out).read_text())
+    fc, _ = _wire_shape(0)
+    spec = EmbeddingSpec(fc, None, sharding="row_mod")
+    (base,) = project(spec, [2], Network(1e12, 0.0), batch=4096, rates=rates,
+                      distinct_ratio=None)
+    step, exch, moved = got["fp32"]
+    wire = max(step - exch - base.compute_s, 0.0) / moved
+    step8, exch8, moved8 = got["fp8"]
+    rows = moved8 / (ID_BYTES + 2 * Wire("fp8").width(64))  # rows out and in
+    codec = max(step8 - exch8 - base.compute_s - wire * moved8, 0.0) / (rows * 2 * 64)
+    return dataclasses.replace(rates, wire=wire, codec=codec)
 
 
 # ------------------------------------------------------------------------------ command line

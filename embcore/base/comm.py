@@ -136,16 +136,17 @@ class ProcessGroupCommunicator:
         self.codec: ExchangeCodec | None = None
         self.counters: Counters = {}
 
-    def _count(self, count: Count, sent: int, received: int, start: float) -> None:
-        """Adds one collective to ``counters`` (bytes to and from the other processes; the
-        seconds since ``start``, on the host)."""
+    def _count(self, count: Count, sent: int, received: int, start: float,
+               calls: int = 1) -> None:
+        """Adds ``calls`` collectives to ``counters`` (bytes to and from the other processes;
+        the seconds since ``start``, on the host)."""
         c = self.counters.get(count)
         if c is None:
             c = self.counters[count] = [0, 0, 0.0, 0]
         c[0] += sent
         c[1] += received
         c[2] += time.perf_counter() - start
-        c[3] += 1
+        c[3] += calls
 
     def checkpoint_group(self) -> Any:
         """A gloo group of the same processes whose collectives time out after ``timeout``, for
@@ -213,7 +214,8 @@ class ProcessGroupCommunicator:
             start += n
         size, me = send.element_size(), self.rank
         self._count(count, counts_bytes + size * (sum(in_splits) - in_splits[me]),
-                    counts_bytes + size * (sum(out_splits) - out_splits[me]), begin)
+                    counts_bytes + size * (sum(out_splits) - out_splits[me]), begin,
+                    2 if counts_bytes else 1)
         return out
 
     def all_reduce_sum(self, tensor: torch.Tensor, count: Count = None) -> torch.Tensor:
