@@ -93,3 +93,102 @@ def test_one_process_counts_nothing():
     emb.enqueue({"f": torch.tensor([1, 2])})
     emb.apply_gradients({"f": torch.ones(2, 4) + 0 * emb.dequeue()["f"]})
     assert emb.exchange_stats() == {}
+
+
+# ------------------------------------------------------------------------------ the model
+from embcore import capacity  # noqa: E402
+
+RATES = capacity.Rates(lookup=1e-6, update=1e-6, table=1e-3)
+
+
+def _tiny(compression=None):
+    a = ec.TableConfig(vocabulary_size=100, dim=4, name="a")
+    b = ec.TableConfig(vocabulary_size=10, dim=2, name="b")
+    return ec.EmbeddingSpec({"fa": ec.FeatureConfig(table=a), "fb": ec.FeatureConfig(table=b)},
+                            ec.SGD(0.1), sharding={"a": "row_mod", "b": "replicated"},
+                            exchange_compression=compression)
+
+
+def _project(network, compression=None, memory=None):
+    (p,) = capacity.project(_tiny(compression), [2], network, batch=8, rates=RATES,
+                            distinct_ratio=0.5, memory=memory)
+    return p
+
+
+def test_bytes_and_memory_of_a_tiny_spec_by_hand():
+    p = _project(capacity.Network(1000.0, 1e-3))
+    # SGD keeps no slot: a's 50 rows x 4 x 4 bytes + b's 10 x 2 x 4 on each rank
+    assert p.memory_bytes == 50 * 16 + 10 * 8 and p.fits
+    # a: 8 lookups, 4 distinct, 2 held by the other rank: the counts (8), 2 ids, 2 rows of 16
+    # bytes one way and 2 gradients the other; b: its (10, 2) gradient and (10,) mask summed
+    a, b = 8 + 2 * 8 + 2 * 16 + 2 * 16, 10 * 3 * 4
+    assert p.sent_bytes == p.received_bytes == a + b
+    assert p.collectives == 4 + 2 + 1  # a: counts, ids, rows, gradients; b: 2; the agreement
+    compute = (2 * 1e-3  # two physical tables
+               + 1e-6 * (8 * 4 + 8 * 2)  # lookups x D
+               + 1e-6 * (8 / 2 * 4 + 8 * 2))  # rows updated x D (a: the owners share 8)
+    assert p.compute_s == pytest.approx(compute)
+    assert p.exchange_s == pytest.approx(7 * 1e-3 * 1 + (a + b) / 1000.0)
+    assert p.step_s == pytest.approx(compute + p.exchange_s)
+    assert p.examples_per_s == pytest.approx(2 * 8 / p.step_s)
+
+
+def test_compression_shrinks_the_rows_not_the_ids():
+    p = _project(capacity.Network(1000.0, 1e-3), ec.ExchangeCompression("fp8", "bf16"))
+    a = 8 + 2 * 8 + 2 * (4 + 4) + 2 * (4 * 2)  # fp8 rows + a float32 scale; bf16 gradients
+    assert p.sent_bytes == a + 10 * 3 * 4  # (a replicated table's all_reduce: not compressed)
+
+
+def test_the_bottleneck_moves_to_the_exchange_as_the_network_slows_and_to_memory():
+    fast, slow = (_project(capacity.Network(bw, lat)) for bw, lat in [(1e12, 0.0), (1e3, 1e-3)])
+    assert fast.bottleneck == "compute" and slow.bottleneck == "exchange"
+    assert fast.compute_s == slow.compute_s and slow.exchange_s > 100 * fast.exchange_s
+    assert _project(capacity.Network(1e12), memory=879).bottleneck == "memory"
+    assert _project(capacity.Network(1e12), memory=880).fits
+
+
+def test_one_rank_exchanges_nothing():
+    (p,) = capacity.project(_tiny(), [1], capacity.Network(1.0), batch=8, rates=RATES,
+                            distinct_ratio=0.5)
+    assert p.sent_bytes == p.received_bytes == p.collectives == 0 and p.exchange_s == 0
+
+
+def test_distinct_ids_of_a_uniform_table_are_the_expected_number():
+    got = capacity.distinct(lambda k: k / 1000, 1000, 500)
+    assert got == pytest.approx(1000 * (1 - (1 - 1 / 1000) ** 500), rel=1e-9)
+    assert capacity.distinct(lambda k: 1.0, 10**6, 10**4) == pytest.approx(1.0)  # one hot id
+
+
+def test_the_network_and_rates_are_parsed_or_refused():
+    assert capacity.Network.parse("100Gbit").bandwidth == pytest.approx(12.5e9)
+    net = capacity.Network.parse("12.5GB/s", "5us")
+    assert net.bandwidth == pytest.approx(12.5e9) and net.latency == pytest.approx(5e-6)
+    with pytest.raises(ValueError, match="'100 furlongs' is not a rate"):
+        capacity.Network.parse("100 furlongs")
+    with pytest.raises(ValueError, match="latency '-1' is not a time"):
+        capacity.Network.parse("1Gbit", "-1")
+    with pytest.raises(ValueError, match="rank counts must be integers >= 1, got 0"):
+        capacity.project(_tiny(), [0, 2], capacity.Network(1.0), batch=8)
+
+
+def test_a_rates_file_round_trips_or_is_named(tmp_path):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"lookup": 1e-9, "update": 2e-9, "table": 1e-4, "wire": 0.0}))
+    assert capacity.Rates.load(path).update == 2e-9
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a rates file"):
+        capacity.Rates.load(path)
+
+
+def test_the_command_line_projects_the_criteo_spec(capsys):
+    spec = os.path.join(os.path.dirname(__file__), "..", "examples", "criteo", "spec.json")
+    assert capacity.main(["--spec", spec, "--ranks", "8,16", "--network", "25Gbit"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "25 Gbit/s" in out[1] and out[2].split()[0] == "ranks"
+    assert [line.split()[0] for line in out[3:]] == ["8", "16"]
+    assert capacity.main(["--spec", spec, "--ranks", "8", "--json", "--compression",
+                          "fp8"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["ranks"] == 8 and row["bottleneck"] in ("compute", "exchange", "memory")
+    with pytest.raises(SystemExit):
+        capacity.main(["--spec", spec, "--ranks", "8", "--network", "fast"])
