@@ -45,7 +45,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -196,7 +196,7 @@ def _width(name: str, dim: int) -> int:
 
 
 def project(spec: EmbeddingSpec, ranks: Sequence[int], network: Network, *, batch: int,
-            rates: Rates = DEFAULT_RATES, pooling: float = 1.0,
+            rates: Rates = DEFAULT_RATES, pooling: float | Mapping[str, float] = 1.0,
             distinct_ratio: float | None = None, profile: LookupProfile | None = None,
             memory: int | None = None) -> list[Projection]:
     """The projection of ``spec`` at each rank count (the module docstring says how).
@@ -207,7 +207,8 @@ def project(spec: EmbeddingSpec, ranks: Sequence[int], network: Network, *, batc
         network: each rank's link.
         batch: examples a rank a step.
         rates: one process's compute rates.
-        pooling: ids per example and feature (without a profile).
+        pooling: ids per example and feature (without a profile): one number, or per table
+            name (tables not named: 1).
         distinct_ratio: distinct ids over lookups, for every table (None: the curves).
         profile: measured lookups and curves per table (``ec.profile``).
         memory: fast-memory bytes per rank (None: not checked).
@@ -217,17 +218,25 @@ def project(spec: EmbeddingSpec, ranks: Sequence[int], network: Network, *, batc
     """
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1 (examples a rank a step), got {batch!r}")
-    if not pooling > 0:
-        raise ValueError(f"pooling must be > 0 (ids per example and feature), got {pooling!r}")
+    features = Features(spec.feature_config, spec.optimizer)
+    names = [n for n, _, _ in features.table_specs()]
+    hot = dict(pooling) if isinstance(pooling, Mapping) else dict.fromkeys(names, pooling)
+    unknown = sorted(set(hot) - set(names))
+    if unknown:
+        raise ValueError(f"pooling names tables {unknown} that the spec has not; its tables: "
+                         f"{names}")
+    for n, v in hot.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"pooling of table {n!r} must be a number > 0 (ids per example "
+                             f"and feature), got {v!r}")
     if distinct_ratio is not None and not 0 < distinct_ratio <= 1:
         raise ValueError(f"distinct ratio must be in (0, 1] (distinct ids over lookups), got "
                          f"{distinct_ratio!r}")
     for w in ranks:
         if not isinstance(w, int) or w < 1:
             raise ValueError(f"rank counts must be integers >= 1, got {w!r} in {list(ranks)}")
-    features = Features(spec.feature_config, spec.optimizer)
     comp = ExchangeCompression.of(spec.exchange_compression)
-    lookups: dict[str, float] = {n: v * batch * pooling
+    lookups: dict[str, float] = {n: v * batch * hot.get(n, 1.0)
                                  for n, v in features.lookups_per_table().items()}
     if profile is not None:
         lookups.update({n: v for n, v in profile.lookups().items() if n in lookups})
@@ -473,7 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--network", default="100Gbit", help="bandwidth a rank: 25Gbit, 12.5GB/s")
     ap.add_argument("--latency", default="10us", help="a message's latency: 10us, 1ms")
     ap.add_argument("--batch", type=int, default=4096, help="examples a rank a step")
-    ap.add_argument("--pooling", type=float, default=1.0, help="ids per example and feature")
+    ap.add_argument("--pooling", default="1", help="ids per example and feature: one number, "
+                    "or one per table in the spec's order, comma-separated")
     ap.add_argument("--distinct", type=float, default=None,
                     help="distinct ids over lookups (default: each table's Zipf prior)")
     ap.add_argument("--profile", default=None, help="an ec.profile file (measured lookups)")
@@ -506,8 +516,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         network = Network.parse(args.network, args.latency)
         rates = Rates.load(args.rates) if args.rates else DEFAULT_RATES
         profile = LookupProfile.load(args.profile) if args.profile else None
+        hot = [float(x) for x in args.pooling.split(",")]
+        names = [n for n, _, _ in Features(spec.feature_config, None).table_specs()]
+        if len(hot) not in (1, len(names)):
+            raise ValueError(f"--pooling has {len(hot)} values; give one, or one per table "
+                             f"({len(names)}: {names})")
         rows = project(spec, ranks, network, batch=args.batch, rates=rates,
-                       pooling=args.pooling, distinct_ratio=args.distinct, profile=profile,
+                       pooling=hot[0] if len(hot) == 1 else dict(zip(names, hot)),
+                       distinct_ratio=args.distinct, profile=profile,
                        memory=parse_budget(args.memory))
     except ValueError as e:
         ap.error(str(e))

@@ -192,3 +192,13 @@ def test_the_command_line_projects_the_criteo_spec(capsys):
     assert row["ranks"] == 8 and row["bottleneck"] in ("compute", "exchange", "memory")
     with pytest.raises(SystemExit):
         capacity.main(["--spec", spec, "--ranks", "8", "--network", "fast"])
+
+
+def test_pooling_per_table_multiplies_its_lookups_and_names_unknown_tables():
+    net = capacity.Network(1e12, 0.0)
+    one, three = (capacity.project(_tiny(), [2], net, batch=8, rates=RATES, distinct_ratio=0.5,
+                                   pooling=pool)[0] for pool in (1.0, {"a": 3}))
+    # a: 24 lookups, 12 distinct, 6 held elsewhere (b unchanged)
+    assert three.sent_bytes - one.sent_bytes == (6 - 2) * (8 + 16 + 16)
+    with pytest.raises(ValueError, match=r"pooling names tables \['zz'\]"):
+        capacity.project(_tiny(), [2], net, batch=8, pooling={"zz": 2})

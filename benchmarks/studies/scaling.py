@@ -40,9 +40,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import embcore as ec  # noqa: E402
-from embcore import capacity  # noqa: E402
-from tests.distributed import free_port  # noqa: E402
+import embcore as ec
+from embcore import capacity
+from tests.distributed import free_port
 
 BATCH = 2048
 CRITEO = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27,
