@@ -17,6 +17,11 @@ Two communicators with one interface:
 
 What users can rely on (timeouts, ``CollectiveError``): docs/semantics.md section 5.
 
+``ProcessGroupCommunicator.counters`` counts, per collective's ``count`` (a physical table's ids,
+rows or gradients; None: anything else), the bytes sent to and received from the other processes
+and the host's seconds inside it: sizes the collective knows already, so counting synchronizes
+nothing (``Embedding.exchange_stats`` reads them).
+
 Exchanges are of flat chunks: ``all_to_all(chunks)`` sends ``chunks[d]`` to rank ``d`` and returns
 what each rank sent here, so ids, rows and gradients of any width travel the same way.
 """

@@ -9,7 +9,8 @@ step, every process calling them in the same order:
 - ``gradients_at_owner``: the same exchange backwards with the unique rows' gradients; each owner
   sums what all processes sent for a row (in rank order: deterministic) and updates it once.
   Replicated tables instead sum a dense gradient and a touched mask with ``all_reduce``.
-All collectives go through ``comm`` (and time out there). With a compressed exchange
+All collectives go through ``comm`` (and time out there), each counted as the table's ids,
+rows or gradients (``Embedding.exchange_stats``). With a compressed exchange
 (``comm.codec``: codec.py) rows and gradients travel encoded; ids always travel exact.
 """
 
