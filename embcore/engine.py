@@ -196,6 +196,48 @@ class Embedding:
         over all three. Tables in fast memory have no entry."""
         return self._ready().store.cache_stats()
 
+    @_serialized
+    def exchange_stats(self, reset: bool = False) -> dict[str, dict[str, float | int]]:
+        """What this process's collectives carried and took since construction (or the last
+        ``reset``): ``{physical table: {"ids_sent", "ids_received", "rows_sent",
+        "rows_received", "gradients_sent", "gradients_received", "collectives", "seconds"}}``.
+
+        A physical table is named by its member tables joined by ``+`` (``print(emb.plan)``
+        shows the stacking). Bytes are those sent to and received from the other processes (a
+        process's chunk for itself stays in memory), as they travel: ids and their counts
+        exact, rows forward and gradients backward in the compression's wire format; a
+        replicated table's gradient ``all_reduce`` counts its tensors' bytes once each way.
+        ``seconds`` is the host's wall time inside the collectives (waiting for the other
+        processes included); a step's compute is the rest of its time. ``"other"`` holds the
+        collectives of no table's exchange (a step's agreements, a replicated raw-id table's
+        ids, checkpoints' gathers): their count and seconds. One process exchanges nothing:
+        ``{}``. Divide by ``emb.step`` for a step's share; counting adds no synchronization.
+
+        Args:
+            reset: start counting again after this call.
+
+        Example:
+            >>> import embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+            >>> ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(0.1)).exchange_stats()
+            {}
+        """
+        out: dict[str, dict[str, float | int]] = {}
+        for count, (sent, received, seconds, calls) in self._comm.counters.items():
+            name, kind = ("+".join(count[0]), count[1]) if count is not None else ("other", "")
+            entry = out.setdefault(name, {"ids_sent": 0, "ids_received": 0, "rows_sent": 0,
+                                          "rows_received": 0, "gradients_sent": 0,
+                                          "gradients_received": 0, "collectives": 0,
+                                          "seconds": 0.0})
+            if kind:
+                entry[f"{kind}_sent"] += int(sent)
+                entry[f"{kind}_received"] += int(received)
+            entry["collectives"] += int(calls)
+            entry["seconds"] += seconds
+        if reset:
+            self._comm.counters.clear()
+        return out
+
     @property
     def step(self) -> int:
         """Number of ``apply_gradients`` calls applied so far."""

@@ -17,6 +17,11 @@ Two communicators with one interface:
 
 What users can rely on (timeouts, ``CollectiveError``): docs/semantics.md section 5.
 
+``ProcessGroupCommunicator.counters`` counts, per collective's ``count`` (a physical table's ids,
+rows or gradients; None: anything else), the bytes sent to and received from the other processes
+and the host's seconds inside it: sizes the collective knows already, so counting synchronizes
+nothing (``Embedding.exchange_stats`` reads them).
+
 Exchanges are of flat chunks: ``all_to_all(chunks)`` sends ``chunks[d]`` to rank ``d`` and returns
 what each rank sent here, so ids, rows and gradients of any width travel the same way.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +41,12 @@ if TYPE_CHECKING:
     from ..step.codec import ExchangeCodec
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+# What a collective carries, for ``Communicator.counters``: (the physical table's member tables,
+# "ids" | "rows" | "gradients"); None: a collective of no table's exchange ("other").
+Count = tuple[tuple[str, ...], str] | None
+# Per count: [bytes sent to other processes, bytes received from them, seconds, collectives].
+Counters = dict[Count, list[float]]
 
 
 class CollectiveError(RuntimeError):
@@ -47,11 +59,13 @@ class Communicator(Protocol):
     group: Any  # the torch.distributed group (None for the local communicator)
     # a sharded step's compressed exchange (step/exchange.py); None: rows and gradients exact
     codec: ExchangeCodec | None
+    counters: Counters  # what its collectives carried and took (none when W = 1)
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
-                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]: ...
+                   recv_cols: list[int] | int | None = None,
+                   count: Count = None) -> list[torch.Tensor]: ...
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def all_reduce_sum(self, tensor: torch.Tensor, count: Count = None) -> torch.Tensor: ...
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
@@ -96,11 +110,15 @@ class LocalCommunicator:
     group: Any = None
     codec: ExchangeCodec | None = None  # (one process exchanges nothing)
 
+    def __init__(self) -> None:
+        self.counters: Counters = {}  # (stays empty)
+
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
-                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]:
+                   recv_cols: list[int] | int | None = None,
+                   count: Count = None) -> list[torch.Tensor]:
         return list(chunks)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, tensor: torch.Tensor, count: Count = None) -> torch.Tensor:
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -121,6 +139,19 @@ class ProcessGroupCommunicator:
         self.backend = dist.get_backend(group)
         self._checkpoint_group: Any = None
         self.codec: ExchangeCodec | None = None
+        self.counters: Counters = {}
+
+    def _count(self, count: Count, sent: int, received: int, start: float,
+               calls: int = 1) -> None:
+        """Adds ``calls`` collectives to ``counters`` (bytes to and from the other processes;
+        the seconds since ``start``, on the host)."""
+        c = self.counters.get(count)
+        if c is None:
+            c = self.counters[count] = [0, 0, 0.0, 0]
+        c[0] += sent
+        c[1] += received
+        c[2] += time.perf_counter() - start
+        c[3] += calls
 
     def checkpoint_group(self) -> Any:
         """A gloo group of the same processes whose collectives time out after ``timeout``, for
@@ -147,7 +178,8 @@ class ProcessGroupCommunicator:
                                   f"{self.timeout.total_seconds():.0f}s on rank {self.rank}")
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
-                   recv_cols: list[int] | int | None = None) -> list[torch.Tensor]:
+                   recv_cols: list[int] | int | None = None,
+                   count: Count = None) -> list[torch.Tensor]:
         """Sends ``chunks[d]`` (rows x cols, any cols) to rank d; returns the chunks received.
 
         Args:
@@ -155,7 +187,9 @@ class ProcessGroupCommunicator:
             recv_rows: rows to expect from each rank; None exchanges the counts first.
             recv_cols: columns of what each rank sends here (int: the same for all); default the
                 width of this rank's own chunks.
+            count: what ``counters`` counts it as (the counts' exchange included).
         """
+        begin = time.perf_counter()
         assert len(chunks) == self.world_size
         ref = chunks[0]
         cols = ref.shape[1] if ref.dim() == 2 else 1
@@ -169,6 +203,9 @@ class ProcessGroupCommunicator:
             self._wait(dist.all_to_all_single(got, sent, group=self.group, async_op=True),
                        "all_to_all (counts)")
             recv_rows = got.tolist()
+            counts_bytes = 8 * (self.world_size - 1)  # (int64 counts, to and from each other)
+        else:
+            counts_bytes = 0
         send = torch.cat([c.reshape(-1) for c in chunks])
         in_splits = [c.numel() for c in chunks]
         out_splits = [r * c for r, c in zip(recv_rows, rc)]
@@ -180,18 +217,30 @@ class ProcessGroupCommunicator:
             piece = recv[start:start + n]
             out.append(piece.view(r, c) if ref.dim() == 2 else piece)
             start += n
+        size, me = send.element_size(), self.rank
+        self._count(count, counts_bytes + size * (sum(in_splits) - in_splits[me]),
+                    counts_bytes + size * (sum(out_splits) - out_splits[me]), begin,
+                    2 if counts_bytes else 1)
         return out
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_sum(self, tensor: torch.Tensor, count: Count = None) -> torch.Tensor:
+        """Sums ``tensor`` over every process, in place (``counters``: its bytes once each way,
+        whatever the backend's algorithm moves)."""
+        start = time.perf_counter()
         self._wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
                    "all_reduce")
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count(count, nbytes, nbytes, start)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gathers equally shaped tensors from every rank."""
+        start = time.perf_counter()
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._wait(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
                    "all_gather")
+        nbytes = tensor.numel() * tensor.element_size()
+        self._count(None, nbytes * (self.world_size - 1), nbytes * (self.world_size - 1), start)
         return out
 
     def __repr__(self) -> str:

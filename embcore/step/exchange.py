@@ -9,7 +9,8 @@ step, every process calling them in the same order:
 - ``gradients_at_owner``: the same exchange backwards with the unique rows' gradients; each owner
   sums what all processes sent for a row (in rank order: deterministic) and updates it once.
   Replicated tables instead sum a dense gradient and a touched mask with ``all_reduce``.
-All collectives go through ``comm`` (and time out there). With a compressed exchange
+All collectives go through ``comm`` (and time out there), each counted as the table's ids,
+rows or gradients (``Embedding.exchange_stats``). With a compressed exchange
 (``comm.codec``: codec.py) rows and gradients travel encoded; ids always travel exact.
 """
 
@@ -63,7 +64,7 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     rt = tb.route
     assert rt is not None, "a sharded table's batch is routed"
     if asked is None:
-        asked = comm.all_to_all(rt.send_ids)  # what each rank asks this rank for
+        asked = comm.all_to_all(rt.send_ids, count=(p.tables, "ids"))  # asked of this rank
     rows_here = store[p.index]
     if rows_here.maps:  # raw ids: an owner's map step may fail
         return _fetch_mapped(comm, p, store, tb, asked, training)
@@ -72,9 +73,10 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     wire = comm.codec.rows_wire(p.dtype) if comm.codec is not None else None
     if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
-        back = _rows_to_all(comm, wire, answers, rt.counts, widths, p.dtype)  # W x (U, D_d)
+        back = _rows_to_all(comm, wire, answers, rt.counts, widths, p.dtype,
+                            p.tables)  # W x (U, D_d)
         return torch.cat(back, dim=1), answered, since
-    back = _rows_to_all(comm, wire, answers, rt.counts, None, p.dtype)  # W x (n_d, D)
+    back = _rows_to_all(comm, wire, answers, rt.counts, None, p.dtype, p.tables)  # W x (n_d, D)
     rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
@@ -113,7 +115,7 @@ def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Tab
         answers.append(out)
     wire = comm.codec.rows_wire(table.dtype) if comm.codec is not None else None
     back = _rows_to_all(comm, wire, answers, [c + 1 for c in rt.counts], None,
-                        table.dtype)  # W x (n_d + 1, D); (a status of 1 arrives non-zero)
+                        table.dtype, p.tables)  # W x (n_d + 1, D); (a status of 1: non-zero)
     if failure is not None:
         raise failure
     status = torch.stack([b[-1, 0] for b in back])  # (W,)
@@ -157,8 +159,8 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
         dense.index_add_(0, unique, g_unique)
         touched = torch.zeros(n, dtype=g_unique.dtype, device=device)  # (N_p,)
         touched[unique] = 1.0
-        comm.all_reduce_sum(dense)
-        comm.all_reduce_sum(touched)
+        comm.all_reduce_sum(dense, count=(p.tables, "gradients"))
+        comm.all_reduce_sum(touched, count=(p.tables, "gradients"))
         rows = touched.nonzero().squeeze(1)
         return rows, dense[rows]
     assert answered is not None, "fetch_rows recorded what each rank asked for"
@@ -168,10 +170,12 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
     elif p.placement.splits_columns:
         chunks = [g_unique[:, c0:c1] for c0, c1 in p.columns]  # W x (U, D_d)
         c0, c1 = p.columns[comm.rank]
-        got = comm.all_to_all(chunks, [t.numel() for t in answered], c1 - c0)
+        got = comm.all_to_all(chunks, [t.numel() for t in answered], c1 - c0,
+                              count=(p.tables, "gradients"))
     else:
         g_sorted = g_unique[rt.order]  # (U, D) in send order
-        got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in answered])
+        got = comm.all_to_all(list(g_sorted.split(rt.counts)), [t.numel() for t in answered],
+                              count=(p.tables, "gradients"))
     ids = torch.cat(answered)  # (M,) shard rows, per source rank
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     g = torch.zeros(rows.numel(), got[0].shape[1], dtype=g_unique.dtype, device=device)
@@ -179,15 +183,16 @@ def gradients_at_owner(comm: Communicator, p: PhysicalTable, tb: TableBatch,
 
 
 def _rows_to_all(comm: Communicator, wire: Wire | None, chunks: list[torch.Tensor],
-                 rows: list[int], cols: list[int] | None, dtype: torch.dtype
-                 ) -> list[torch.Tensor]:
+                 rows: list[int], cols: list[int] | None, dtype: torch.dtype,
+                 tables: tuple[str, ...]) -> list[torch.Tensor]:
     """``comm.all_to_all`` of row chunks (``cols``: the width each rank sends here; None: this
-    rank's), through ``wire`` when the forward exchange is compressed (rows of ``dtype``)."""
+    rank's), through ``wire`` when the forward exchange is compressed (rows of ``dtype``), counted
+    as the rows of ``tables``."""
     if wire is None:
-        return comm.all_to_all(chunks, rows, cols)
+        return comm.all_to_all(chunks, rows, cols, count=(tables, "rows"))
     widths = cols if cols is not None else [chunks[0].shape[1]] * comm.world_size
     got = comm.all_to_all([wire.encode(c) for c in chunks], rows,
-                          [wire.width(w) for w in widths])
+                          [wire.width(w) for w in widths], count=(tables, "rows"))
     return [wire.decode(g, w, dtype) for g, w in zip(got, widths)]
 
 
@@ -207,5 +212,6 @@ def _gradients_to_all(comm: Communicator, wire: Wire, p: PhysicalTable, tb: Tabl
         (encoded,) = comm.codec.gradients(wire, p.index, tb.dedup.unique, tb.segments,
                                           g_unique)  # (U, width(D))
         chunks = list(encoded[rt.order].split(rt.counts))
-    got = comm.all_to_all(chunks, [t.numel() for t in answered], wire.width(d))
+    got = comm.all_to_all(chunks, [t.numel() for t in answered], wire.width(d),
+                          count=(p.tables, "gradients"))
     return [wire.decode(g, d, g_unique.dtype) for g in got]

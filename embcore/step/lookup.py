@@ -66,11 +66,14 @@ def check_map_steps(prepared: Prepared, store: RowStore,
             store[tb.physical].check_step([tb.dedup.unique], tb.segments)
         return {}
     asked: dict[int, list[torch.Tensor]] = {}
+    tables = {tb.physical: store.plan.physical[tb.physical].tables for tb in dynamic}
     for tb in dynamic:  # what each table's map will step over on this process
         if tb.route is None:  # replicated: every process's ids
-            asked[tb.physical] = comm.all_to_all([tb.dedup.unique] * comm.world_size)
+            asked[tb.physical] = comm.all_to_all([tb.dedup.unique] * comm.world_size,
+                                                 count=(tables[tb.physical], "ids"))
         else:
-            asked[tb.physical] = comm.all_to_all(tb.route.send_ids)
+            asked[tb.physical] = comm.all_to_all(tb.route.send_ids,
+                                                 count=(tables[tb.physical], "ids"))
     failure: ValueError | None = None
     try:
         for p, ids in asked.items():
