@@ -63,7 +63,8 @@ def test_the_sdist_and_the_wheel_hold_every_module_and_the_kernel_sources(dist):
     with tarfile.open(_one(dist, "embcore-*.tar.gz")) as sdist:
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     assert not want - names, f"the sdist lacks {sorted(want - names)}"
-    assert {"pyproject.toml", "README.md", "LICENSE"} <= names
+    assert {"pyproject.toml", "README.md", "LICENSE", "packaging/fbgemm-gpu-cpu/pyproject.toml"} \
+        <= names
 
 
 def test_the_wheel_requires_the_tested_torch(dist):
