@@ -11,27 +11,16 @@ trains the dense part only.
 
 Needs the ``torchrec`` extra; from a checkout of embcore: ``pip install -e ".[torchrec]"``, and on
 a machine without CUDA ``pip install -e ".[torchrec]" ./packaging/fbgemm-gpu-cpu`` (FBGEMM's CPU
-build; README, Install).
+build; README, Quick start).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
 import torch
-
-
-def _installed_fbgemm() -> str:
-    """The FBGEMM distributions installed, with their versions (for the error below)."""
-    found = []
-    for name in ("fbgemm-gpu", "fbgemm-gpu-cpu"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            found.append(f"{name} {metadata.version(name)}")
-    return ", ".join(found) or "no FBGEMM"
-
 
 try:
     from torchrec.modules.embedding_configs import DataType, PoolingType
@@ -47,16 +36,18 @@ except ImportError as e:  # torchrec (with fbgemm_gpu) is an optional dependency
         f"embcore: pip install -e '.[torchrec]' (on a machine without CUDA: pip install -e "
         f"'.[torchrec]' ./packaging/fbgemm-gpu-cpu); from a built wheel: pip install "
         f"'embcore-<version>-py3-none-any.whl[torchrec]' (without CUDA, add the sdist's "
-        f"packaging/fbgemm-gpu-cpu; README, Install)") from e
+        f"packaging/fbgemm-gpu-cpu; README, Quick start)") from e
 except OSError as e:  # FBGEMM's CUDA build without CUDA, or an FBGEMM built for another torch
+    _fbgemm = sorted(f"{d.metadata['Name']} {d.version}" for d in metadata.distributions()
+                     if str(d.metadata["Name"]).lower().replace("_", "-").startswith("fbgemm-gpu"))
     raise ImportError(
         f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not load ({e}). "
-        f"Installed: {_installed_fbgemm()}, on torch {torch.__version__}. FBGEMM "
+        f"Installed: {', '.join(_fbgemm) or 'no FBGEMM'}, on torch {torch.__version__}. FBGEMM "
         f"must be built for this torch release (FBGEMM 1.9 for torch 2.14, 1.8 for torch 2.13) "
         f"and, on a machine without CUDA, be the CPU build fbgemm-gpu-cpu. From a checkout of "
         f"embcore: pip uninstall -y fbgemm-gpu fbgemm-gpu-cpu && pip install -e '.[torchrec]' "
-        f"./packaging/fbgemm-gpu-cpu (torch 2.13: add fbgemm-gpu-cpu==1.8.0; README, "
-        f"Install)") from e
+        f"./packaging/fbgemm-gpu-cpu (torch 2.13: add fbgemm-gpu-cpu==1.8.0; README, Quick "
+        f"start)") from e
 
 from .config.fused_params import (
     DEFAULT_STOCHASTIC_ROUNDING,

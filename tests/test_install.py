@@ -12,6 +12,7 @@ outside the checkout. The build runs without isolation (``--no-isolation``: no d
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -20,15 +21,36 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("build", reason="the build package is not installed (pip install -e '.[test]')")
-from packaging.requirements import Requirement  # noqa: E402 (build's own dependency)
-
-from embcore.base import compat  # noqa: E402
-
-pytestmark = pytest.mark.slow  # builds the sdist and the wheel, then compiles the kernels
+from embcore.base import compat
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "embcore"
+
+
+def test_ci_runs_every_install_command_of_the_readme():
+    """Each ``pip install`` of README's commands is in .ci/run verbatim (there in a fresh venv,
+    then ``pip check``), as is README's test command."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.S))
+    commands = [line for line in blocks.splitlines() if line.startswith("python3 -m venv ")]
+    assert len(commands) >= 2, commands
+    ci_lines = [line.strip() for line in ci.splitlines()]
+    missing = []
+    for command in commands:
+        steps = command.split(" && ")[2:]  # after the venv's creation and activation
+        installs = " && ".join(s for s in steps if s.startswith("pip install"))
+        assert installs, command
+        if not any(line.startswith(installs) for line in ci_lines):
+            missing.append(installs)
+        rest = [s for s in steps if not s.startswith("pip install")]
+        missing += [s for s in rest if s not in ci]
+    assert not missing, f".ci/run does not run these README commands verbatim: {missing}"
+    assert "python -m pytest" in ci_lines and "pip check" in ci_lines
+
+
+def _build_or_skip() -> None:
+    pytest.importorskip("build",
+                        reason="the build package is not installed (pip install -e '.[test]')")
 
 
 def _shipped() -> set[str]:
@@ -42,6 +64,7 @@ def _shipped() -> set[str]:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     """The folder holding ``python -m build``'s sdist and wheel (the wheel built from the sdist)."""
+    _build_or_skip()
     out = tmp_path_factory.mktemp("dist")
     done = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out),
                            str(ROOT)], capture_output=True, text=True, timeout=600)
@@ -55,6 +78,7 @@ def _one(dist: Path, pattern: str) -> Path:
     return found[0]
 
 
+@pytest.mark.slow  # builds the sdist and the wheel
 def test_the_sdist_and_the_wheel_hold_every_module_and_the_kernel_sources(dist):
     want = _shipped()
     assert any(name.endswith("csrc/kernels.cpp") for name in want)
@@ -67,11 +91,14 @@ def test_the_sdist_and_the_wheel_hold_every_module_and_the_kernel_sources(dist):
         <= names
 
 
+@pytest.mark.slow
 def test_the_wheel_requires_the_tested_torch(dist):
     """The wheel's metadata admits every torch release of compat.TESTED_TORCH and none outside."""
     with zipfile.ZipFile(_one(dist, "embcore-*.whl")) as wheel:
         meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
         lines = wheel.read(meta).decode().splitlines()
+    from packaging.requirements import Requirement  # (build's own dependency)
+
     requires = [Requirement(line.split(":", 1)[1]) for line in lines
                 if line.startswith("Requires-Dist:")]
     torch_req = [r for r in requires if r.name == "torch"]
@@ -114,6 +141,7 @@ print("installed wheel ok")
 """
 
 
+@pytest.mark.slow  # and compiles the kernels
 def test_the_installed_wheel_builds_its_kernels_and_trains(dist, tmp_path):
     site = tmp_path / "site"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",

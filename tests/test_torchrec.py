@@ -20,7 +20,7 @@ import torch
 torchrec = pytest.importorskip(
     "torchrec", reason="torchrec is not installed: pip install -e '.[torchrec]', and on a "
                        "machine without CUDA pip install -e '.[torchrec]' ./packaging/fbgemm-gpu-cpu "
-                       "(README, Install)")
+                       "(README, Quick start)")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec import (  # noqa: E402
