@@ -48,6 +48,25 @@ def test_ci_runs_every_install_command_of_the_readme():
     assert "python -m pytest" in ci_lines and "pip check" in ci_lines
 
 
+# The Triton each tested torch's CUDA build requires (its metadata: torch 2.13.0 triton==3.7.1,
+# torch 2.14.1 triton~=3.8.0), and the one a CPU venv gets (the newest the extra admits).
+TORCH_S_TRITON = {"2.13": "3.7.1", "2.14": "3.8.0", "cpu": "3.9.0"}
+
+
+def test_the_gpu_test_extra_leaves_triton_to_torch():
+    """The gpu-test extra admits the Triton each tested torch requires, so that installing it
+    never makes pip replace the user's torch (a pin such as triton==3.9.0 did, on torch 2.14)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    triton = [Requirement(r) for r in extras["gpu-test"] if Requirement(r).name == "triton"]
+    assert len(triton) == 1, extras["gpu-test"]
+    refused = {k: v for k, v in TORCH_S_TRITON.items() if not triton[0].specifier.contains(v)}
+    assert not refused, f"the gpu-test extra ({triton[0]}) refuses the Triton of {refused}"
+
+
 def _build_or_skip() -> None:
     pytest.importorskip("build",
                         reason="the build package is not installed (pip install -e '.[test]')")
