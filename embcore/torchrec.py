@@ -11,12 +11,15 @@ trains the dense part only. Given neither, the tables are plain ``nn.Parameter``
 TorchRec's unsharded module names them (``embedding_bags.<table>.weight``), and the model's torch
 optimizer trains them (the layer's ``optimizer=None``).
 
-Needs the ``torchrec`` extra: ``pip install embcore[torchrec]``.
+Needs the ``torchrec`` extra; from a checkout of embcore: ``pip install -e ".[torchrec]"``, and on
+a machine without CUDA ``pip install -e ".[torchrec]" ./packaging/fbgemm-gpu-cpu`` (FBGEMM's CPU
+build; README, Quick start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import metadata
 from typing import Any
 
 import torch
@@ -30,14 +33,23 @@ try:
     )
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 except ImportError as e:  # torchrec (with fbgemm_gpu) is an optional dependency
-    raise ImportError(f"embcore.torchrec needs TorchRec, which is not installed ({e}): "
-                      f"pip install embcore[torchrec]") from e
-except OSError as e:  # e.g. fbgemm-gpu's CUDA build on a machine without CUDA
-    raise ImportError(f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not "
-                      f"load ({e}); on a machine without CUDA use FBGEMM's CPU build: pip "
-                      f"uninstall -y fbgemm-gpu && pip install --force-reinstall --no-deps "
-                      f"fbgemm-gpu-cpu==<fbgemm-gpu's version> (docs/guide/train.md, "
-                      f"'TorchRec modules')") from e
+    raise ImportError(
+        f"embcore.torchrec needs TorchRec, which is not installed ({e}). From a checkout of "
+        f"embcore: pip install -e '.[torchrec]' (on a machine without CUDA: pip install -e "
+        f"'.[torchrec]' ./packaging/fbgemm-gpu-cpu); from a built wheel: pip install "
+        f"'embcore-<version>-py3-none-any.whl[torchrec]' (without CUDA, add the sdist's "
+        f"packaging/fbgemm-gpu-cpu; README, Quick start)") from e
+except OSError as e:  # FBGEMM's CUDA build without CUDA, or an FBGEMM built for another torch
+    _fbgemm = sorted(f"{d.metadata['Name']} {d.version}" for d in metadata.distributions()
+                     if str(d.metadata["Name"]).lower().replace("_", "-").startswith("fbgemm-gpu"))
+    raise ImportError(
+        f"embcore.torchrec: TorchRec is installed but its FBGEMM library does not load ({e}). "
+        f"Installed: {', '.join(_fbgemm) or 'no FBGEMM'}, on torch {torch.__version__}. FBGEMM "
+        f"must be built for this torch release (FBGEMM 1.9 for torch 2.14, 1.8 for torch 2.13) "
+        f"and, on a machine without CUDA, be the CPU build fbgemm-gpu-cpu. From a checkout of "
+        f"embcore: pip uninstall -y fbgemm-gpu fbgemm-gpu-cpu && pip install -e '.[torchrec]' "
+        f"./packaging/fbgemm-gpu-cpu (torch 2.13: add fbgemm-gpu-cpu==1.8.0; README, Quick "
+        f"start)") from e
 
 from .config.fused_params import (
     DEFAULT_STOCHASTIC_ROUNDING,

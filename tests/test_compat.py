@@ -267,6 +267,20 @@ def test_installed_torch_is_in_the_tested_range():
         f"tests/test_input_safety.py); then widen compat.TESTED_TORCH.")
 
 
+def test_pyproject_requires_the_tested_range():
+    """pyproject.toml's torch requirement is ``compat.TESTED_TORCH``: from its first release up to
+    (not including) the release after its last, so that pip installs only a checked torch."""
+    pyproject = (Path(compat.__file__).parents[2] / "pyproject.toml").read_text()
+    deps = re.search(r"^dependencies = \[(.*?)\]", pyproject, flags=re.M | re.S)
+    assert deps, "pyproject.toml has no dependencies line"
+    torch_spec = [d for d in re.findall(r'"([^"]*)"', deps.group(1)) if d.startswith("torch")]
+    (first_major, first_minor), (last_major, last_minor) = compat.TESTED_TORCH
+    want = f"torch>={first_major}.{first_minor},<{last_major}.{last_minor + 1}"
+    assert [s.replace(" ", "") for s in torch_spec] == [want], (
+        f"pyproject.toml requires {torch_spec}, but embcore/base/compat.py's TESTED_TORCH says "
+        f"{want}: make them the same range (the releases the suite was run on)")
+
+
 def _resolve(spec: str) -> object:
     """The object ``"module:attr.path"`` names; the last part may also be a dataclass field or
     an annotated (instance) field of a class. Raises AttributeError / ImportError if gone."""

@@ -92,7 +92,8 @@ def run_torchrun(code: str, tmp_path: Path, nproc: int = 2) -> subprocess.Comple
 def test_doc_example_runs(doc, index, kind, code, tmp_path, monkeypatch):
     if kind == "torchrec":
         pytest.importorskip("torchrec", reason="torchrec is not installed: pip install -e "
-                                               "'.[torchrec]' (docs/guide/train.md)")
+                                               "'.[torchrec]' (without CUDA: pip install -e "
+                                               "'.[torchrec]' ./packaging/fbgemm-gpu-cpu)")
     if kind == "gpu" and not torch.cuda.is_available():
         pytest.skip("a GPU block: no CUDA device here")
     assert re.search(r"^\s*assert ", code, flags=re.M), (

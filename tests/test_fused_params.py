@@ -7,8 +7,10 @@ from __future__ import annotations
 import enum
 import importlib
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 import embcore as ec
 from embcore.config.fused_params import from_fused_params, optimizer_name
@@ -82,8 +84,14 @@ def test_without_torchrec_the_import_names_the_extra(monkeypatch):
     for name in ["torchrec"] + [m for m in sys.modules if m.startswith("torchrec.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.delitem(sys.modules, "embcore.torchrec", raising=False)
-    with pytest.raises(ImportError, match=r"pip install embcore\[torchrec\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[torchrec\]'") as raised:
         importlib.import_module("embcore.torchrec")
+    message = str(raised.value)
+    # commands that work: embcore is not on the package index, so no `pip install embcore[...]`
+    assert "pip install embcore[" not in message
+    assert "pip install -e '.[torchrec]' ./packaging/fbgemm-gpu-cpu" in message  # without CUDA
+    assert (Path(__file__).parents[1] / "packaging" / "fbgemm-gpu-cpu" / "pyproject.toml").is_file()
+    assert "embcore-<version>-py3-none-any.whl[torchrec]" in message  # from a built wheel
 
 
 class _BrokenFbgemm:
@@ -100,5 +108,9 @@ def test_a_torchrec_whose_fbgemm_does_not_load_names_the_cpu_build(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(sys.modules, "embcore.torchrec", raising=False)
     monkeypatch.setattr(sys, "meta_path", [_BrokenFbgemm(), *sys.meta_path])
-    with pytest.raises(ImportError, match=r"fbgemm_gpu_config\.so.*fbgemm-gpu-cpu"):
+    with pytest.raises(ImportError, match=r"fbgemm_gpu_config\.so.*fbgemm-gpu-cpu") as raised:
         importlib.import_module("embcore.torchrec")
+    message = str(raised.value)
+    # FBGEMM built for another torch fails the same way: the message names both, and the match
+    assert f"on torch {torch.__version__}" in message and "1.8 for torch 2.13" in message
+    assert "./packaging/fbgemm-gpu-cpu" in message and "--force-reinstall" not in message

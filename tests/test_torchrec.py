@@ -21,8 +21,9 @@ import torch
 from distributed import run_on
 
 torchrec = pytest.importorskip(
-    "torchrec", reason="torchrec is not installed: pip install embcore[torchrec] "
-                       "(docs/guide/train.md, 'TorchRec modules')")
+    "torchrec", reason="torchrec is not installed: pip install -e '.[torchrec]', and on a "
+                       "machine without CUDA pip install -e '.[torchrec]' ./packaging/fbgemm-gpu-cpu "
+                       "(README, Quick start)")
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: E402
 from torchrec import (  # noqa: E402
