@@ -136,6 +136,57 @@ quiet_fx_tracing_notice()
 
 # ------------------------------------------------------------------------------ sparse COO
 # Feature guard: the private accessors exist on this torch.
+# ------------------------------------------------------------ the GPU kernels as torch operators
+# (kernels/gpu/launch.py, kernels/gpu/ops.py)
+_DISPATCH_STACK = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_FUNCTION_STACK = getattr(torch._C, "_len_torch_function_stack", None)
+
+
+def modes_active() -> bool:
+    """Whether a torch dispatch or function mode is active (a tracer's: ``FakeTensorMode``,
+    ``make_fx``, functionalization, ``with torch.device(...)``): the private counters of torch's
+    two mode stacks; True where torch lacks them. kernels/gpu/launch.py launches a kernel past
+    its operator only when none is (a call through the operator: tens of microseconds more)."""
+    if _DISPATCH_STACK is None or _FUNCTION_STACK is None:
+        return True
+    return bool(_DISPATCH_STACK()) or bool(_FUNCTION_STACK())
+
+
+def functionalization_mode() -> type | None:
+    """torch's functionalization mode class (``torch._subclasses.functional_tensor``), for a
+    ``triton_op``'s rule under it (kernels/gpu/ops.py: an interpreted kernel's operator kept
+    whole); None where it is missing."""
+    try:
+        module = importlib.import_module("torch._subclasses.functional_tensor")
+    except ImportError:
+        return None
+    mode: type | None = getattr(module, "FunctionalTensorMode", None)
+    return mode
+
+
+def without_triton_wrapping(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` run with ``wrap_triton`` switched off (torch's ``torch._library.triton``): its
+    Triton kernels launch as they are, not through the traceable wrapper (kernels/gpu/ops.py,
+    an operator's kernel called directly). The thread-local switch is set directly where torch
+    has it (the context manager costs 5 us a call); else the context manager."""
+    module = importlib.import_module("torch._library.triton")
+    switch = getattr(module, "wrap_triton_enabled", None)
+    if switch is None:
+        def run(*args: Any) -> Any:
+            with module.set_wrap_triton_enabled(False):
+                return body(*args)
+    else:
+        def run(*args: Any) -> Any:
+            previous = getattr(switch, "value", True)
+            switch.value = False
+            try:
+                return body(*args)
+            finally:
+                switch.value = previous
+    run.__name__ = body.__name__
+    return run
+
+
 _HAS_SPARSE_PRIVATE = hasattr(torch.Tensor, "_indices") and hasattr(torch.Tensor, "_values")
 
 
@@ -336,6 +387,15 @@ PRIVATE_NAMES: dict[str, str] = {
     "torch.distributed.checkpoint.filesystem:FileSystemReader._get_metadata_path":
         "checkpoint.py: a rank's index file name, dcp_index_name(rank), which its reader "
         "re-implements",
+    "torch:_C._len_torch_dispatch_stack": "compat.modes_active (kernels/gpu/launch.py): a "
+        "Triton kernel launched past its operator only when no tracer's mode is active",
+    "torch:_C._len_torch_function_stack": "compat.modes_active: the same, function modes",
+    "torch._subclasses.functional_tensor:FunctionalTensorMode": "compat.functionalization_mode "
+        "(kernels/gpu/ops.py): an interpreted kernel's operator kept whole when functionalized",
+    "torch._library.triton:wrap_triton_enabled": "compat.without_triton_wrapping "
+        "(kernels/gpu/ops.py): an operator's kernels launched as they are, called directly",
+    "torch._library.triton:set_wrap_triton_enabled": "compat.without_triton_wrapping: the "
+        "same, where the switch itself is missing",
     "torch.distributed.checkpoint.metadata:StorageMeta.load_id":
         "checkpoint.py: its reader stamps the index with the reader's load_id, as "
         "FileSystemReader.read_metadata does",

@@ -463,7 +463,7 @@ class BatchChecks:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self._ids: list[tuple[torch.Tensor, int, str, str]] = []
-        self._offsets: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
+        self._jagged: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
 
     def add(self, ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
         """``check_ids(ids, ...)``, answered by ``done``."""
@@ -473,20 +473,20 @@ class BatchChecks:
     def add_offsets(self, verdict: torch.Tensor, offsets: torch.Tensor, nnz: int,
                     where: str) -> None:
         """Offsets whose ``verdict`` (0-d, nonzero: malformed) ``done`` reads."""
-        self._offsets.append((verdict, offsets, nnz, where))
+        self._jagged.append((verdict, offsets, nnz, where))
 
     def done(self) -> None:
         """Raises the first malformed offsets' ``ValueError``, else the first bad id's."""
-        if not self._ids and not self._offsets:
+        if not self._ids and not self._jagged:
             return
         ids, self._ids = self._ids, []
-        offsets, self._offsets = self._offsets, []
-        got = torch.cat([*(v.reshape(1).to(torch.int64) for v, _, _, _ in offsets),
+        jagged, self._jagged = self._jagged, []
+        got = torch.cat([*(v.reshape(1).to(torch.int64) for v, _, _, _ in jagged),
                          *(b for b, _, _, _ in ids)]).tolist()  # one read back
-        for flag, (_, given, nnz, where) in zip(got, offsets):
+        for flag, (_, given, nnz, where) in zip(got, jagged):
             if flag:
                 _refuse_offsets(given, nnz, where, self.backend.offsets_error(given, nnz))
-        at = len(offsets)
+        at = len(jagged)
         for k, (_, vocab, where, table) in enumerate(ids):
             _refuse_ids(got[at + 2 * k], got[at + 2 * k + 1], vocab, where, table)
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ...base import compat
 from ...config.optimizers import Optimizer, record_of
 from ...numerics.rounding import ROW_TYPES, Rounding
 from .. import rules
@@ -62,10 +63,6 @@ def _load() -> Any:
     return _kernels or None
 
 
-# torch's dispatch and function mode stacks (a tracer's modes: FakeTensorMode, make_fx,
-# functionalization); without them every call takes the operators
-_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
-_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -75,9 +72,7 @@ def _direct(t: torch.Tensor) -> bool:
     ``make_fx``, ``torch.export``, a tensor subclass) sees the operator instead."""
     if torch.compiler.is_compiling() or type(t) not in _PLAIN:
         return False
-    if _DISPATCH_MODES is None or _FUNCTION_MODES is None:
-        return False
-    return not _DISPATCH_MODES() and not _FUNCTION_MODES()
+    return not compat.modes_active()  # (a tracer's modes: FakeTensorMode, make_fx, ...)
 
 
 def _op(name: str, t: torch.Tensor) -> Any:

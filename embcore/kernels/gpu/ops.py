@@ -29,10 +29,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._library import triton as _torch_triton
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import custom_op, triton_op, wrap_triton
 
+from ...base import compat
 from ..rules import Rule
 from .args import BITS, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
 from .index import hash_delete_kernel, hash_find_kernel, hash_insert_kernel
@@ -73,8 +72,9 @@ def _registered(op: Any, fake: Any) -> Any:
     """``op`` (a ``triton_op``) with its fake implementation ``fake``, kept whole when the
     kernels are interpreted."""
     op.register_fake(fake)
-    if _interpreted():
-        op.register_torch_dispatch(FunctionalTensorMode, _keep_whole)
+    functionalizing = compat.functionalization_mode()
+    if _interpreted() and functionalizing is not None:
+        op.register_torch_dispatch(functionalizing, _keep_whole)
     return op
 
 
@@ -367,28 +367,10 @@ OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse
        "hash_delete": hash_delete}
 
 
-# (torch's thread-local switch behind ``set_wrap_triton_enabled``, set directly: the context
-# manager costs 5 us here; None in a torch without it: the context manager then)
-_WRAP = getattr(_torch_triton, "wrap_triton_enabled", None)
-
-
 def _eager(body: Any) -> Any:
     """``body`` as its operator's eager kernel runs it (the Triton kernels launched as they are,
     not through ``wrap_triton``'s traceable wrapper), without the dispatcher."""
-    if _WRAP is None:
-        def run(*args: Any) -> Any:
-            with _torch_triton.set_wrap_triton_enabled(False):
-                return body(*args)
-    else:
-        def run(*args: Any) -> Any:
-            previous = getattr(_WRAP, "value", True)
-            _WRAP.value = False
-            try:
-                return body(*args)
-            finally:
-                _WRAP.value = previous
-    run.__name__ = body.__name__
-    return run
+    return compat.without_triton_wrapping(body)
 
 
 # Each operator's kernel launched directly: what kernels/gpu/launch.py calls where no tracer can
