@@ -331,7 +331,9 @@ def calibrate(steps: int = 8) -> Rates:
     import numpy as np
     import torch
 
-    import embcore as ec
+    from . import engine as ec_engine
+    from .config import optimizers as ec_opt
+    from .config import tables as ec_tables
 
     torch.set_num_threads(1)
     d, n_tables, vocab = 64, 4, 200_000
@@ -339,10 +341,11 @@ def calibrate(steps: int = 8) -> Rates:
     rows, times = [], []
     g = torch.Generator().manual_seed(0)
     for b, span in shapes:
-        tables = [ec.TableConfig(vocabulary_size=vocab, dim=d, name=f"t{i}")
+        tables = [ec_tables.TableConfig(vocabulary_size=vocab, dim=d, name=f"t{i}")
                   for i in range(n_tables)]
-        emb = ec.Embedding({f"f{i}": ec.FeatureConfig(table=t) for i, t in enumerate(tables)},
-                           ec.Adagrad(0.05), sharding="table")
+        emb = ec_engine.Embedding(
+            {f"f{i}": ec_tables.FeatureConfig(table=t) for i, t in enumerate(tables)},
+            ec_opt.Adagrad(0.05), sharding="table")
         batches = [{f"f{i}": torch.randint(0, span, (b,), generator=g) for i in range(n_tables)}
                    for _ in range(3)]
         took = []
@@ -371,7 +374,8 @@ def _wire_worker(rank: int, port: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import embcore as ec
+    from . import engine as ec_engine
+    from .config import optimizers as ec_opt
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -379,7 +383,8 @@ def _wire_worker(rank: int, port: int, steps: int, out: str) -> None:
     fc, batches = _wire_shape(rank)
     got = {}
     for name in ("fp32", "fp8"):
-        emb = ec.Embedding(fc, ec.Adagrad(0.05), sharding="row_mod", exchange_compression=name)
+        emb = ec_engine.Embedding(fc, ec_opt.Adagrad(0.05), sharding="row_mod",
+                                  exchange_compression=name)
         took = []
         for s in range(3 + steps):
             if s == 3:
@@ -408,10 +413,11 @@ def _wire_shape(rank: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """4 tables x 200,000 rows x D 64 and a rank's 3 batches of 4096 uniform ids a table."""
     import torch
 
-    import embcore as ec
+    from .config import tables as ec_tables
 
-    fc = {f"f{i}": ec.FeatureConfig(table=ec.TableConfig(vocabulary_size=200_000, dim=64,
-                                                         name=f"t{i}")) for i in range(4)}
+    fc = {f"f{i}": ec_tables.FeatureConfig(
+        table=ec_tables.TableConfig(vocabulary_size=200_000, dim=64, name=f"t{i}"))
+        for i in range(4)}
     g = torch.Generator().manual_seed(rank)
     return fc, [{k: torch.randint(0, 200_000, (4096,), generator=g) for k in fc}
                 for _ in range(3)]

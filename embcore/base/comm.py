@@ -32,13 +32,10 @@ import math
 import numbers
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from ..step.codec import ExchangeCodec
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -58,7 +55,7 @@ class Communicator(Protocol):
     world_size: int
     group: Any  # the torch.distributed group (None for the local communicator)
     # a sharded step's compressed exchange (step/exchange.py); None: rows and gradients exact
-    codec: ExchangeCodec | None
+    codec: Any  # the exchange's codec (step/codec.py ExchangeCodec), or None: exact
     counters: Counters  # what its collectives carried and took (none when W = 1)
 
     def all_to_all(self, chunks: list[torch.Tensor], recv_rows: list[int] | None = None,
@@ -108,7 +105,7 @@ class LocalCommunicator:
     rank = 0
     world_size = 1
     group: Any = None
-    codec: ExchangeCodec | None = None  # (one process exchanges nothing)
+    codec: Any = None  # (one process exchanges nothing)
 
     def __init__(self) -> None:
         self.counters: Counters = {}  # (stays empty)
@@ -138,7 +135,7 @@ class ProcessGroupCommunicator:
         self.timeout = timeout
         self.backend = dist.get_backend(group)
         self._checkpoint_group: Any = None
-        self.codec: ExchangeCodec | None = None
+        self.codec: Any = None  # step/codec.py ExchangeCodec (set by the engine), or None
         self.counters: Counters = {}
 
     def _count(self, count: Count, sent: int, received: int, start: float,

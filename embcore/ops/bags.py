@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .backend import Backend
+
+class _BagIndexing(Protocol):
+    """What ``Bags.bag_of`` asks of a backend (ops/backend.py ``Backend``, which imports this
+    module)."""
+
+    def bag_index(self, offsets: torch.Tensor, nnz: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Bags:
         return (torch.arange(n + 1, dtype=torch.int64, device=self.ids.device),
                 torch.ones(n, dtype=torch.float32, device=self.ids.device))
 
-    def bag_of(self, backend: Backend) -> torch.Tensor:
+    def bag_of(self, backend: _BagIndexing) -> torch.Tensor:
         """(nnz,) int64, the output row (bag) of each occurrence (by ``backend``; kept)."""
         got: torch.Tensor | None = self.__dict__.get("_bag_of")
         if got is None:
