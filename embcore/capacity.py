@@ -322,6 +322,29 @@ def _exchange(plan: ShardingPlan, p: PhysicalTable, u: float, comp: ExchangeComp
 
 
 # ------------------------------------------------------------------------------ calibration
+
+WARMUP = 3  # untimed steps before ``timed_steps`` times any
+
+
+def timed_steps(emb: Any, batches: Sequence[Any], steps: int, stats: bool = False) -> list[float]:
+    """Seconds of each of ``steps`` training steps of engine ``emb`` (enqueue, dequeue, apply of
+    a small gradient) over ``batches`` in turn, after ``WARMUP`` untimed ones; ``stats``: the
+    exchange statistics reset when the timed steps begin. The calibration's and
+    benchmarks/studies' timing."""
+    import torch
+
+    took = []
+    for s in range(WARMUP + steps):
+        if stats and s == WARMUP:
+            emb.exchange_stats(reset=True)
+        start = time.perf_counter()
+        emb.enqueue(batches[s % len(batches)])
+        acts = emb.dequeue()
+        emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
+        if s >= WARMUP:
+            took.append(time.perf_counter() - start)
+    return took
+
 def calibrate(steps: int = 8) -> Rates:
     """Measures ``Rates`` on this machine: one process, one thread, four float32 tables of
     D 64 with Adagrad, at three shapes (many lookups of few rows; as many rows as lookups; a
@@ -348,17 +371,11 @@ def calibrate(steps: int = 8) -> Rates:
             ec_opt.Adagrad(0.05), sharding="table")
         batches = [{f"f{i}": torch.randint(0, span, (b,), generator=g) for i in range(n_tables)}
                    for _ in range(3)]
-        took = []
-        for s in range(3 + steps):
-            start = time.perf_counter()
-            emb.enqueue(batches[s % 3])
-            acts = emb.dequeue()
-            emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
-            took.append(time.perf_counter() - start)
+        took = timed_steps(emb, batches, steps)
         u = statistics.mean(float(v.unique().numel()) for bt in batches for v in bt.values())
         # one physical table (stacked): lookups x D, distinct rows x D, one table
         rows.append([n_tables * b * d, n_tables * u * d, 1.0])
-        times.append(statistics.median(took[3:]))
+        times.append(statistics.median(took))
     t = np.array(times)
     sol, *_ = np.linalg.lstsq(np.array(rows) / t[:, None], np.ones_like(t),
                               rcond=None)  # (relative errors: the tiny batch counts as much)
@@ -385,19 +402,11 @@ def _wire_worker(rank: int, port: int, steps: int, out: str) -> None:
     for name in ("fp32", "fp8"):
         emb = ec_engine.Embedding(fc, ec_opt.Adagrad(0.05), sharding="row_mod",
                                   exchange_compression=name)
-        took = []
-        for s in range(3 + steps):
-            if s == 3:
-                emb.exchange_stats(reset=True)
-            start = time.perf_counter()
-            emb.enqueue(batches[s % len(batches)])
-            acts = emb.dequeue()
-            emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
-            took.append(time.perf_counter() - start)
+        took = timed_steps(emb, batches, steps, stats=True)
         st = emb.exchange_stats()
         moved = sum(v[f"{k}_{d}"] for v in st.values() for k in ("ids", "rows", "gradients")
                     for d in ("sent", "received"))
-        mine = torch.tensor([statistics.median(took[3:]),
+        mine = torch.tensor([statistics.median(took),
                              sum(v["seconds"] for v in st.values()) / steps, moved / steps],
                             dtype=torch.float64)
         both = [torch.empty_like(mine) for _ in range(2)]

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import embcore as ec  # noqa: E402
+from embcore import capacity  # noqa: E402
 
 TABLES, ROWS, DIM, BATCH = 8, 100_000, 64, 2048
 
@@ -50,13 +50,7 @@ def worker(rank: int, world: int, port: int, formats: list[str], steps: int) -> 
         torch.manual_seed(0)
         kw = {} if name == "fp32" else {"exchange_compression": name}  # (fp32: as before it)
         emb = ec.Embedding(fc, ec.Adagrad(0.05), sharding="row_mod", **kw)
-        times = []
-        for s in range(3 + steps):
-            start = time.perf_counter()
-            emb.enqueue(batches[s % 4])
-            acts = emb.dequeue()
-            emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
-            times.append(time.perf_counter() - start)
+        times = capacity.timed_steps(emb, batches, steps)
         sent = 0  # bytes of rows and gradients this rank sends a step (the first batch's)
         wire = {"fp32": 4 * DIM, "bf16": 2 * DIM, "fp16": 2 * DIM + 4, "fp8": DIM + 4}[name]
         for ids in batches[0].values():
@@ -65,7 +59,7 @@ def worker(rank: int, world: int, port: int, formats: list[str], steps: int) -> 
             sent += 2 * asked_elsewhere * wire  # its gradients out, (about) as many rows out
         if rank == 0:
             print(json.dumps({"world": world, "format": name,
-                              "step_ms": round(1e3 * statistics.median(times[3:]), 2),
+                              "step_ms": round(1e3 * statistics.median(times), 2),
                               "bytes_sent_per_step": sent}), flush=True)
         del emb
     dist.barrier()

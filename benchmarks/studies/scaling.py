@@ -83,22 +83,14 @@ def worker(rank: int, world: int, port: int, workload: str, formats: list[str], 
     for name in formats if world > 1 else ["fp32"]:
         torch.manual_seed(0)
         emb = ec.Embedding(features(workload), ec.Adagrad(0.05), exchange_compression=name)
-        took = []
-        for s in range(3 + steps):
-            if s == 3:
-                emb.exchange_stats(reset=True)
-            start = time.perf_counter()
-            emb.enqueue(mine[s % len(mine)])
-            acts = emb.dequeue()
-            emb.apply_gradients({k: torch.full_like(a, 1e-3) for k, a in acts.items()})
-            took.append(time.perf_counter() - start)
+        took = capacity.timed_steps(emb, mine, steps, stats=True)
         stats = emb.exchange_stats()
         kinds = ("ids", "rows", "gradients")
         sent = sum(v[f"{k}_sent"] for v in stats.values() for k in kinds) / steps
         got = sum(v[f"{k}_received"] for v in stats.values() for k in kinds) / steps
         calls = sum(v["collectives"] for v in stats.values()) / steps
         secs = sum(v["seconds"] for v in stats.values()) / steps
-        mine_row = torch.tensor([statistics.median(took[3:]), secs, sent, got, calls],
+        mine_row = torch.tensor([statistics.median(took), secs, sent, got, calls],
                                 dtype=torch.float64)
         rows = [mine_row]
         if world > 1:
