@@ -21,7 +21,7 @@ import os  # noqa: E402
 
 import triton  # noqa: E402
 
-from embcore.kernels.gpu import index as triton_hash, move as triton_move  # noqa: E402
+from embcore.kernels.gpu import index as triton_hash, init as triton_init, move as triton_move  # noqa: E402,E501
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: the kernels are decorated for the interpreter (run this "
@@ -67,3 +67,32 @@ def test_the_row_mover_compiles_for_sm90(dtype):
                  "BLOCK_R": "constexpr", "BLOCK_D": "constexpr"}
     compiled = _compile(triton_move.move_rows_kernel, signature, {"BLOCK_R": 16, "BLOCK_D": 128})
     assert compiled.asm["cubin"]
+
+
+@pytest.mark.parametrize("seed", ["i32", "i64"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "i16"])
+def test_the_new_rows_initializer_compiles_for_sm90_without_fused_multiply_adds(dtype, seed):
+    """``init_rows_kernel`` (a bfloat16 table passed as i16), its seed an i32 or an i64 (as
+    Triton types an int argument), compiled as the launch does: no product and sum fused (each
+    operation rounds as torch's: the CPU's values bit for bit; libdevice's float64 log, within an
+    ulp of the CPU's, is the one operation that may differ, seen only where a value lies within
+    that of a float32 rounding boundary)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {"ids_ptr": "*i64", "rows_ptr": "*i64", "take_ptr": "*i8", "n": "i32",
+                 "out_ptr": f"*{dtype}", "stride": "i32", "C": "i32", "col0": "i32",
+                 "seed": seed, "k_ptr": "*fp64", "BF16": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_D": "constexpr"}
+    source = ASTSource(fn=triton_init.init_rows_kernel, signature=signature,
+                       constexprs={"BF16": dtype == "i16", "BLOCK_N": 16, "BLOCK_D": 128})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"enable_fp_fusion": False})
+    except (ImportError, FileNotFoundError, RuntimeError) as e:
+        if "ptxas" in str(e) or isinstance(e, (ImportError, FileNotFoundError)):
+            pytest.skip(f"this Triton cannot compile for CUDA here: {e}")
+        raise
+    assert compiled.asm["cubin"]
+    ptx = compiled.asm["ptx"]  # products and sums rounded each (".rn": ptxas fuses none of
+    assert "mul.rn.f64" in ptx and "add.rn.f64" in ptx  # them; the fused ones left are inside
+    assert "\tmul.f64" not in ptx and "\tadd.f64" not in ptx  # libdevice's log)

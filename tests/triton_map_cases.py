@@ -312,3 +312,40 @@ def test_an_async_step_of_ids_that_are_not_integers_is_refused():
     with pytest.raises(ValueError, match="must be 1-D"):
         m.train_step_async(torch.tensor([[1, 2]], device=DEVICE))
     assert m.step == 0 and m.n_resident == 0
+
+
+# -------------------------------------------------------------- new rows' initial values
+@settings(max_examples=examples(25), deadline=None)
+@given(st.lists(st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from(EXTREMES)),
+                min_size=1, max_size=40, unique=True),
+       st.one_of(st.integers(-2**63, 2**64 - 1), st.sampled_from([0, 1, -1, 2**64 - 1])),
+       st.integers(1, 40), st.data(),
+       st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+def test_one_kernel_writes_the_new_rows_initial_values_bit_for_bit(ids, seed, dim, data, dtype):
+    """The Triton backend's new rows (``initialize_rows``: one kernel, hash -> uniform ->
+    truncated normal, on the device) equal the torch ops' ``initial_values`` bit for bit, in
+    any columns of the table, rounded to a 16-bit table's dtype; rows not taken, and rows of
+    no id, are left alone."""
+    import embcore as ec
+    from embcore.state.vocab.vocabulary import initial_values, initialize_rows
+    c0 = data.draw(st.integers(0, dim - 1))
+    c1 = data.draw(st.integers(c0 + 1, dim))
+    n = len(ids)
+    take = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+                        device=DEVICE)
+    t = ec.TableConfig(vocabulary_size=4, dim=dim, dynamic=ec.DynamicVocabulary())
+    x = torch.tensor(ids, dtype=torch.int64)
+    want = initial_values(t, "t", seed, x)[:, c0:c1].to(dtype)  # torch ops, on the CPU
+    rows = torch.randperm(n + 3, generator=torch.Generator().manual_seed(n))[:n].to(DEVICE)
+    out = torch.full((n + 3, c1 - c0), 7.0, dtype=dtype, device=DEVICE)
+    previous = gpu.force_on_cpu(True) if not CUDA else None
+    try:
+        with no_sync():
+            initialize_rows(t, "t", seed, x.to(DEVICE), rows, out, (c0, c1), TRITON, take)
+    finally:
+        if previous is not None:
+            gpu.force_on_cpu(previous)
+    kept = torch.full_like(out, 7.0)
+    kept[rows[take]] = want.to(DEVICE)[take]
+    assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       kept.view(torch.int16 if dtype != torch.float32 else torch.int32))

@@ -3,6 +3,7 @@
 - ``rows.py``: a table's rows: the lookup, and the fused backward + optimizer update (with its
   rules, numbered by ``kernels/rules.py``);
 - ``index.py``: the raw-id maps' hash index (find, insert, delete);
+- ``init.py``: a dynamic table's new rows' initial values (hash -> uniform -> normal);
 - ``move.py``: rows moved between a cache and its pinned slow tier;
 - ``lang.py``: triton, imported once (the modules above still import without it);
 - ``args.py``: each kernel's launch declared, its arguments by name and kind, checked;
@@ -22,6 +23,7 @@ from .launch import (
     hash_delete,
     hash_find,
     hash_insert,
+    init_rows,
     interpreted,
     lookup,
     lookup_supported,
@@ -35,5 +37,5 @@ from .launch import (
 )
 
 __all__ = ['available', 'error', 'force_on_cpu', 'hash_delete', 'hash_find', 'hash_insert',
-           'interpreted', 'lookup', 'lookup_supported', 'move_rows', 'operators', 'row_gradients',
-           'sparse_update', 'update_rule', 'update_supported', 'usable']
+           'init_rows', 'interpreted', 'lookup', 'lookup_supported', 'move_rows', 'operators',
+           'row_gradients', 'sparse_update', 'update_rule', 'update_supported', 'usable']

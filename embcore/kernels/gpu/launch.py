@@ -256,6 +256,26 @@ def hash_delete(keys: torch.Tensor, places: torch.Tensor, take: torch.Tensor,
     _op("hash_delete", keys)(keys, places, take, maps, which, slot64)
 
 
+# -- a dynamic table's new rows (state/vocab/vocabulary.py) ----------------------------------------
+
+_constants: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
+
+
+def init_rows(ids: torch.Tensor, rows: torch.Tensor, take: torch.Tensor, out: torch.Tensor,
+              col0: int, seed: int, constants: tuple[float, ...]) -> None:
+    """Writes row ``rows[i]`` of ``out`` (N, C) contiguous float32, float16 or bfloat16 with
+    the default initial values of raw id ``ids[i]`` (int64) where the (n,) bool ``take`` is
+    set: columns ``col0 .. col0 + C`` of its logical table, ``seed`` the table's (an int64),
+    ``constants`` the float64 values in ``init.CONSTANTS``' order (kernels/gpu/init.py; kept
+    on the device, one tensor per distinct tuple)."""
+    _load()
+    key = (constants, out.device)
+    k = _constants.get(key)
+    if k is None:
+        k = _constants[key] = torch.tensor(constants, dtype=torch.float64, device=out.device)
+    _op("init_rows", out)(ids, rows, take, out, col0, seed, k)
+
+
 # -- rows between a cache and its slow tier (state/tier/cache.py) ----------------------------------
 
 def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,

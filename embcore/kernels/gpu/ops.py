@@ -35,6 +35,7 @@ from ...base import compat
 from ..rules import Rule
 from .args import BITS, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
 from .index import hash_delete_kernel, hash_find_kernel, hash_insert_kernel
+from .init import CONSTANTS, init_rows_kernel
 from .move import move_rows_kernel
 from .rows import lookup_kernel, sparse_update_kernel
 
@@ -362,9 +363,49 @@ def _hash_delete_fake(keys: torch.Tensor, places: torch.Tensor, take: torch.Tens
     return None
 
 
+# -- a dynamic table's new rows (state/vocab/vocabulary.py) ------------------------------------
+
+INIT_ROWS = Launch(init_rows_kernel, [
+    ("ids_ptr", tensor(I64)), ("rows_ptr", tensor(I64)), ("take_ptr", tensor(I8)), ("n", INT),
+    ("out_ptr", tensor((*ROWS, torch.int16), writes=True)), ("stride", INT), ("C", INT),
+    ("col0", INT), ("seed", INT), ("k_ptr", tensor((torch.float64,))),
+    ("BF16", CONSTEXPR), ("BLOCK_N", CONSTEXPR), ("BLOCK_D", CONSTEXPR),
+], stand_in="ids_ptr")
+
+
+def _init_rows(ids: torch.Tensor, rows: torch.Tensor, take: torch.Tensor, out: torch.Tensor,
+               col0: int, seed: int, constants: torch.Tensor) -> None:
+    """``embcore::init_rows``: writes row ``rows[i]`` of ``out`` (N, C) with the default
+    initial values of raw id ``ids[i]`` (columns ``col0 .. col0 + C`` of its logical table)
+    where ``take[i]``; ``constants``: float64 in ``init.CONSTANTS``' order, ``seed`` the table's
+    as an int64 (kernels/gpu/init.py). FBGEMM: none (its tables start from given weights)."""
+    n, c = ids.numel(), out.shape[1]
+    if n == 0 or c == 0:
+        return
+    assert constants.numel() == len(CONSTANTS)
+    block_d = min(_next_pow2(c), 128)
+    block_n = _grid_rows(c, block_d)
+    bf16 = out.dtype == torch.bfloat16
+    init_rows_kernel[(_cdiv(n, block_n), _cdiv(c, block_d))](*INIT_ROWS.declared(
+        ids_ptr=ids.contiguous(), rows_ptr=rows.contiguous(),
+        take_ptr=take.to(torch.int8).contiguous(), n=n,
+        out_ptr=out.view(torch.int16) if bf16 else out, stride=out.stride(0), C=c, col0=col0,
+        seed=seed, k_ptr=constants, BF16=bf16, BLOCK_N=block_n, BLOCK_D=block_d),
+        enable_fp_fusion=False)
+
+
+init_rows = custom_op(f"{NAMESPACE}::init_rows", _init_rows, mutates_args=("out",))
+
+
+@init_rows.register_fake
+def _init_rows_fake(ids: torch.Tensor, rows: torch.Tensor, take: torch.Tensor,
+                    out: torch.Tensor, col0: int, seed: int, constants: torch.Tensor) -> None:
+    return None
+
+
 OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse_update,
        "move_rows": move_rows, "hash_find": hash_find, "hash_insert": hash_insert,
-       "hash_delete": hash_delete}
+       "hash_delete": hash_delete, "init_rows": init_rows}
 
 
 def _eager(body: Any) -> Any:
@@ -381,4 +422,5 @@ def _eager(body: Any) -> Any:
 # operator / direct, lookup 56 / 6 us, sparse_update 808 / 2 us.
 DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
           "sparse_update": _eager(_sparse_update), "move_rows": _eager(_move_rows),
-          "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete}
+          "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete,
+          "init_rows": _init_rows}

@@ -26,7 +26,7 @@ import torch
 
 from ...base.comm import Communicator
 from ...config.tables import TableConfig, default_initializer, init_seed
-from ...kernels import cpu
+from ...kernels import cpu, gpu
 from ...numerics import hashing
 from ...numerics.rounding import COMPACT
 from ...ops.backend import Backend
@@ -181,9 +181,20 @@ def _named_values(init: object, seed: int, ids: torch.Tensor,
 
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
                     rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int],
-                    backend: Backend) -> None:
+                    backend: Backend, take: torch.Tensor | None = None) -> None:
     """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
-    the table: a column split holds some), by the fused kernels on their backend."""
+    the table: a column split holds some), by the fused kernels on their backend: on the Triton
+    backend one kernel (``gpu.init_rows``), on the device, where ``take`` (A,) bool is set
+    (None: every id; elsewhere the ids are compacted first)."""
+    if (table.initializer is None and backend.triton and gpu.usable(out, ids)
+            and out.is_contiguous() and gpu.lookup_supported(out)):
+        gpu.init_rows(ids, rows, torch.ones_like(ids, dtype=torch.bool) if take is None
+                      else take, out, columns[0], hashing._signed(seed & hashing.MASK64),
+                      _A + _B + _C + _D + (_P_LOW, 1.0 - _P_LOW, _PHI_LO, _PHI_HI - _PHI_LO,
+                                           math.sqrt(table.dim)))
+        return
+    if take is not None:
+        ids, rows = ids[take], rows[take]
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if table.initializer is None and (direct or out.dtype in COMPACT) and backend.fused_cpu:
         # into the float32 table, or float32 values rounded to nearest as below
