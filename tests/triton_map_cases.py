@@ -349,3 +349,36 @@ def test_one_kernel_writes_the_new_rows_initial_values_bit_for_bit(ids, seed, di
     kept[rows[take]] = want.to(DEVICE)[take]
     assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        kept.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_victims_are_chosen_only_when_a_step_admits_more_ids_than_free_rows(eviction):
+    """A step whose new ids fit in the free rows sorts nothing over the rows (no ``topk``); one
+    that admits more chooses its victims (``topk``), the same as the torch map's, lowest score
+    then the smaller id; alone and stepped together."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Topk(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is torch.ops.aten.topk
+            return func(*args, **(kwargs or {}))
+
+    plain = VocabMap(8, eviction=eviction, device=DEVICE)
+    alone = DeviceVocabMap(8, eviction=eviction, device=DEVICE)
+    together = [DeviceVocabMap(8, eviction=eviction, device=DEVICE) for _ in range(2)]
+    steps = [[1, 2, 3], [2, 4, 5], [2, 6, 7, 8], [2, 9, 10], [11, 12, 2, 4], [13]]
+    for s, ids in enumerate(steps):
+        r = _ids(ids)
+        want = plain.train_step(r)
+        evicts = plain.n_resident == 8 and s >= 3  # (the rows are full from step 3 on)
+        for run in ([alone], together):
+            with Topk() as seen:
+                got = (alone.train_step(r) if len(run) == 1 else
+                       train_together(run, [r, r])[0])
+            assert (seen.n > 0) == evicts, (s, seen.n)
+            for x, y in zip(want, got):
+                assert torch.equal(x, y), s
+        for m in [alone, *together]:
+            _same_state(plain, m, f"step {s}")

@@ -143,19 +143,24 @@ class MappedRows(Rows):
         if training and self.changes is not None:  # the map's state of these rows moved
             self.changes.mark(self.p, rows)
         new = [] if written else [n for n in new if n[1].numel()]  # (else: written already)
+        if new and len(new[0]) == 4 and self.storage.cache() is not None:
+            new = [(m, i[a], r[a]) for m, i, r, a in new]  # (a cache takes distinct rows)
         if new:  # every member's new rows in one pass: member m's ids at its run
-            counts = [r.numel() for _, _, r in new]
+            counts = [n[2].numel() for n in new]
 
             def write(table: torch.Tensor, slots: dict[str, torch.Tensor],
                       at: torch.Tensor) -> None:
-                for (m, new_ids, _), at_m in zip(new, at.split(counts)):
-                    dyn = stack.members[m]
-                    initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, at_m, table,
-                                    self.columns, self.backend)
+                # (masked entries, from maps on the device: the rows not taken are the zero
+                # row, whose slots keep their initial values, and whose values are not written)
+                for entry, at_m in zip(new, at.split(counts)):
+                    dyn = stack.members[entry[0]]
+                    initialize_rows(dyn.table, dyn.name, dyn.seed, entry[1], at_m, table,
+                                    self.columns, self.backend,
+                                    entry[3] if len(entry) == 4 else None)
                 for name, value in self.fills.items():
                     slots[name].index_fill_(0, at, value)
 
-            self.storage.renew(torch.cat([r for _, _, r in new]) if len(new) > 1
+            self.storage.renew(torch.cat([n[2] for n in new]) if len(new) > 1
                                else new[0][2], write)
         if inverse is None:
             return [rows], since

@@ -20,14 +20,15 @@ the writes of lanes that change nothing):
 That is 33 bytes a row plus 8 to 16 for the index: at most ``MAP_BYTES_PER_ROW`` (49), as
 ``VocabMap``; and 33 to 41 a counted id (``VocabMap``: 24).
 
-A step over ``U`` sorted distinct ids (``_plan``, then ``_apply``):
+A step over ``U`` sorted distinct ids (``_plan``, ``_place``, then ``_apply``):
 
 1. TTL: the rows last used before ``t - ttl_steps`` are not live;
 2. the ids are found in the index (a hit: a live row); the others are counted (their entries
    found in ``pindex``) and those seen in ``admit_after`` steps are admitted, ranked in id order;
 3. the j-th admitted id takes the j-th free row (ascending, a prefix sum over the rows) or, past
    the free rows, the (j - free)-th victim: ``ops/selection.py``'s ``smallest_ordered`` of the
-   evictable rows (live, not hit) by (score, id), with ``k`` on the device;
+   evictable rows (live, not hit) by (score, id), with ``k`` on the device (``_place``; where
+   the step's counts were read, only what it needs: no victims while the free rows suffice);
 4. overflow (more admitted than free plus evictable rows) is a device flag: the step's changes
    are all masked by it, so an overflowing step changes nothing.
 
@@ -38,9 +39,11 @@ returns tensors of the step's length and the overflow flag, and an overflow is r
 ``confirm`` (or the next ``train_step``), which rewinds the step counter to before the step that
 overflowed (that step and any after it changed nothing).
 
-The work of a step is ``O(U)`` for the index, and ``O(C)`` elementwise for the TTL, the free
-rows and the victims (two ``topk`` over the rows), every step: the host does not know whether a
-step admits; plus ``O(L)`` for the counted ids.
+The work of a step is ``O(U)`` for the index, and ``O(C)`` elementwise for the TTL and the
+counts; the free rows (a prefix sum over the rows) and the victims (two ``topk`` over the rows)
+only in a step that needs them where its counts are read (``train_step``, ``train_together``),
+every step in ``train_step_async`` (the host does not know whether a step admits); plus ``O(L)``
+for the counted ids.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ class _Plan(NamedTuple):
     counted: torch.Tensor | None  # (U,) its count with this step
     ok: torch.Tensor         # 0-d bool: no overflow (and no earlier unconfirmed one)
     counts: torch.Tensor     # (3,) admitted, free, evictable
+    rank: torch.Tensor       # (U,) the admitted ids' ranks, in id order
+    free: torch.Tensor       # (C,) the rows free after the TTL
+    evictable: torch.Tensor  # (C,) live rows this step does not use
 
 
 def _buffer(n: int, fill: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -198,7 +204,7 @@ class DeviceVocabMap(VocabMap):
               counted: torch.Tensor | None = None) -> _Plan:
         """The decisions of training step ``step + 1`` over (U,) sorted distinct ids (their
         rows and counted entries found already where given: ``train_together``)."""
-        t, c, n, dev = self.step + 1, self.capacity, u.numel(), self.device
+        t, c, dev = self.step + 1, self.capacity, self.device
         live = self.row_used
         cut = None if self.ttl_steps is None else t - self.ttl_steps  # last uses below expire
         expire = cut is not None and cut > 0
@@ -219,24 +225,47 @@ class DeviceVocabMap(VocabMap):
         rank = admit.cumsum(0) - 1  # (U,) the admitted ids' ranks, in id order
         free = ~live
         n_free = free.sum()
-        free_rows = first_set(free, n)  # (U + 1,)
         used = torch.zeros(c + 1, dtype=torch.bool, device=dev)
         used.index_fill_(0, torch.where(hit, row, c), True)
         evictable = live & ~used[:c]
         n_evictable = evictable.sum()
         overflow = n_admit > n_free + n_evictable
-        kmax = min(n, c)
-        k = (n_admit - n_free).clamp(0, kmax)
-        score = self.last_use if self.eviction == "lru" else self.frequency
-        victims = smallest_ordered(score, self.row_key, evictable, k, kmax)  # (kmax,)
-        from_free = rank < n_free
-        new_row = torch.where(from_free, free_rows[rank.clamp(0, n)],
-                              victims[(rank - n_free).clamp(0, max(kmax - 1, 0))]
-                              if kmax else rank)
         ok = ~overflow & ~self._bad
         counts = torch.stack([n_admit, n_free, n_evictable])
-        return _Plan(t, u, live, expire, hit, row, admit, new_row, from_free, entry, counted, ok,
-                     counts)
+        return _Plan(t, u, live, expire, hit, row, admit, rank, rank, entry, counted, ok,
+                     counts, rank, free, evictable)
+
+    def _place(self, p: _Plan, known: list[int] | None = None) -> _Plan:
+        """The rows a plan's admitted ids take (``new_row``, ``from_free``): the j-th the j-th
+        free row, past the free rows the (j - free)-th victim (``smallest_ordered``). With the
+        plan's counts ``known`` on the host (admitted, free, evictable), only the part a step
+        needs is computed: nothing where it admits none, no victims where the free rows suffice,
+        no free rows where there are none; else (``train_step_async``) both, every step."""
+        c, n = self.capacity, p.ids.numel()
+        score = self.last_use if self.eviction == "lru" else self.frequency
+        if known is not None:
+            n_admit, n_free = known[0], known[1]
+            if n_admit == 0:  # (nothing taken: ``new_row`` is never read)
+                return p
+            if n_admit <= n_free:  # every admitted id takes a free row
+                new_row = first_set(p.free, n)[p.rank.clamp(0, n)]
+                return p._replace(new_row=new_row, from_free=p.admit)
+            if n_free == 0:  # every admitted id takes a victim
+                kmax = min(n_admit, c)
+                victims = smallest_ordered(score, self.row_key, p.evictable, p.counts[0],
+                                           kmax)  # (kmax,)
+                return p._replace(new_row=victims[p.rank.clamp(0, kmax - 1)],
+                                  from_free=~p.admit)
+        admitted, free = p.counts[0], p.counts[1]  # (0-d)
+        free_rows = first_set(p.free, n)  # (U + 1,)
+        kmax = min(n, c) if known is None else min(known[0] - known[1], c)
+        k = (admitted - free).clamp(0, kmax)
+        victims = smallest_ordered(score, self.row_key, p.evictable, k, kmax)  # (kmax,)
+        from_free = p.rank < free
+        new_row = torch.where(from_free, free_rows[p.rank.clamp(0, n)],
+                              victims[(p.rank - free).clamp(0, max(kmax - 1, 0))]
+                              if kmax else p.rank)
+        return p._replace(new_row=new_row, from_free=from_free)
 
     def _apply(self, p: _Plan, later: list[tuple[torch.Tensor, ...]] | None = None) -> None:
         """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing). With
@@ -329,6 +358,7 @@ class DeviceVocabMap(VocabMap):
         counts = p.counts.tolist()
         if counts[0] > counts[1] + counts[2]:
             raise self._overflow_error(p.t, counts)
+        p = self._place(p, counts)
         self._apply(p)
         rows = torch.where(p.hit, p.row, torch.where(p.admit, p.new_row, -1))
         return rows, distinct[p.admit], p.new_row[p.admit]
@@ -350,7 +380,7 @@ class DeviceVocabMap(VocabMap):
         """
         self._room_for(distinct.numel())
         ordered, perm = torch.sort(self._step_ids(distinct))  # (an integer 1-D tensor)
-        p = self._plan(ordered)
+        p = self._place(self._plan(ordered))
         overflow = ~p.ok & ~self._bad
         step = torch.full((1,), p.t, dtype=_I64, device=self.device)
         self._bad_info.copy_(torch.where(overflow, torch.cat([step, p.counts]), self._bad_info))
@@ -428,15 +458,19 @@ class DeviceVocabMap(VocabMap):
             self.pindex.to(self.p_id[:self._plen])
 
 
-def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
-                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor], *,
+                   masked: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """``train_step`` of each map over its run of distinct ids (the members of stacked dynamic
     tables in a batch), with one read back for them all: every step is planned first, their
     counts read at once, and the first overflow's ``ValueError`` raised before any map changes;
-    else every step is applied. The indexes' kernels launch once over all the maps: the ids
-    found (and their counted entries), then the evicted ids deleted and the admitted inserted
+    else every step is placed (``_place``: victims chosen only for the maps that need them)
+    and applied. The indexes' kernels launch once over all the maps: the ids found (and their
+    counted entries), then the evicted ids deleted and the admitted inserted
     (state/vocab/device_hash.py's ``stack``). Returns each map's ``(rows, new_ids, new_rows)`` as
-    ``train_step``'s (``-1`` where not resident)."""
+    ``train_step``'s (``-1`` where not resident); with ``masked``, ``(rows, ids, new_rows,
+    admitted)`` instead, of the step's length (nothing read back for them): ``ids`` (U,) the
+    run's ids ascending, ``admitted`` (U,) bool whether this step admitted each, ``new_rows``
+    (U,) its row where it did (``-1`` elsewhere)."""
     ordered, perms = [], []
     for m, ids in zip(maps, runs):
         m.confirm()
@@ -461,6 +495,7 @@ def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
     for m, p, c in zip(maps, plans, read):
         if c[0] > c[1] + c[2]:
             raise m._overflow_error(p.t, c)
+    plans = [m._place(p, c) for m, p, c in zip(maps, plans, read)]
     later: list[tuple[torch.Tensor, ...]] | None = [] if rows_index is not None else None
     for m, p in zip(maps, plans):
         m._apply(p, later)
@@ -468,9 +503,11 @@ def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor]
         parts = list(zip(*later))  # old ids, their rows, taken; new ids, their rows, taken
         rows_index.delete(*(torch.cat(x) for x in parts[:3]))  # (before any insert)
         rows_index.insert(*(torch.cat(x) for x in parts[3:]))
-    out = []
+    out: list[tuple[torch.Tensor, ...]] = []
     for o, perm, p in zip(ordered, perms, plans):
+        new_rows = torch.where(p.admit, p.new_row, -1)  # (U,)
         rows = torch.empty_like(p.row)
-        rows[perm] = torch.where(p.hit, p.row, torch.where(p.admit, p.new_row, -1))
-        out.append((rows, o[p.admit], p.new_row[p.admit]))
+        rows[perm] = torch.where(p.hit, p.row, new_rows)
+        out.append((rows, o, new_rows, p.admit) if masked
+                   else (rows, o[p.admit], p.new_row[p.admit]))
     return out

@@ -68,6 +68,7 @@ _C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
 _D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
       3.754408661907416e+00)
 _P_LOW = 0.02425
+_KERNEL = _A + _B + _C + _D + (_P_LOW, 1.0 - _P_LOW, _PHI_LO, _PHI_HI - _PHI_LO)  # (gpu.init_rows)
 
 
 def _poly(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
@@ -182,16 +183,15 @@ def _named_values(init: object, seed: int, ids: torch.Tensor,
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
                     rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int],
                     backend: Backend, take: torch.Tensor | None = None) -> None:
-    """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
-    the table: a column split holds some), by the fused kernels on their backend: on the Triton
-    backend one kernel (``gpu.init_rows``), on the device, where ``take`` (A,) bool is set
-    (None: every id; elsewhere the ids are compacted first)."""
-    if (table.initializer is None and backend.triton and gpu.usable(out, ids)
-            and out.is_contiguous() and gpu.lookup_supported(out)):
-        gpu.init_rows(ids, rows, torch.ones_like(ids, dtype=torch.bool) if take is None
-                      else take, out, columns[0], hashing._signed(seed & hashing.MASK64),
-                      _A + _B + _C + _D + (_P_LOW, 1.0 - _P_LOW, _PHI_LO, _PHI_HI - _PHI_LO,
-                                           math.sqrt(table.dim)))
+    """Writes ``initial_values`` of ids (A,) where ``take`` (A,) bool (None: all) into rows (A,)
+    of ``out`` (columns ``columns`` of the table), by the fused kernels on their backend (Triton:
+    one kernel on the device, ``gpu.init_rows``; elsewhere the ids taken are compacted first)."""
+    if table.initializer is None and backend.triton and gpu.lookup_supported(out):
+        dev = out.device
+        gpu.init_rows(ids.to(dev), rows.to(dev), torch.ones_like(ids, dtype=torch.bool, device=dev)
+                      if take is None else take.to(dev), out, columns[0],
+                      hashing._signed(seed & hashing.MASK64),
+                      _KERNEL + (math.sqrt(table.dim),))
         return
     if take is not None:
         ids, rows = ids[take], rows[take]
@@ -494,7 +494,7 @@ class DynamicStack:
                 segments: tuple[tuple[int, int], ...] | None = None,
                 init: tuple[torch.Tensor, tuple[int, int],
                             list[tuple[torch.Tensor, float]]] | None = None
-                ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], Any, bool]:
+                ) -> tuple[torch.Tensor, list[tuple[Any, ...]], Any, bool]:
         """``DynamicRows.resolve`` of each member's run of distinct ids ``ids`` (U,), in shard
         rows; a training step of several members checks every one first (``check_step``), so
         a batch that one member's map cannot place changes no map. Several members' steps run
@@ -509,9 +509,14 @@ class DynamicStack:
         Returns:
             ``(rows (U,), [(member, new_ids (A,), new shard rows (A,))], since, written)``:
             ``written``, whether the new rows' initial values and fresh slots are in ``init``'s
-            tensors already (the list of new ids is then empty: nobody needs it).
+            tensors already (the list of new ids is then empty: nobody needs it). Maps on the
+            device give ``_train_on_device``'s entries (masked: nothing read back).
         """
         parts = self.pieces(ids, segments)
+        if training and all(isinstance(self.members[m].map, DeviceVocabMap) for m, _ in parts):
+            on_device = self._train_on_device(parts)
+            if on_device is not None:  # (rows, new, resident)
+                return (*on_device[:2], self.since(segments, resident=on_device[2]), False)
         if len(parts) == 1 and len(self.members) == 1:
             rows, new_ids, new_rows = self.members[0].resolve(ids, training)
             return rows, [(0, new_ids, new_rows)], self.members[0].step, False
@@ -519,10 +524,6 @@ class DynamicStack:
             fused = self._train_together(ids, parts, init)
             if fused is not None:
                 return (*fused, self.since(segments, resident=True), init is not None)
-            on_device = (self._train_on_device(parts) if all(
-                isinstance(self.members[m].map, DeviceVocabMap) for m, _ in parts) else None)
-            if on_device is not None:
-                return (*on_device, self.since(segments), False)
             for m, t in parts:
                 self.members[m].check_step(t)
         elif len(parts) > 1:
@@ -594,35 +595,41 @@ class DynamicStack:
         return rows, new
 
     def _train_on_device(self, parts: list[tuple[int, torch.Tensor]]
-                         ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor,
-                                                           torch.Tensor]]] | None:
-        """The training steps of the members of ``parts``, whose maps are all on the device
-        (``device_map.train_together``: planned together, one read back, an overflow raised
-        before any map changes): ``(rows, new)`` as ``resolve``'s; None where a member holds no
-        rows on this process."""
+                         ) -> tuple[torch.Tensor, list[tuple[Any, ...]], bool] | None:
+        """The training steps of the members of ``parts`` (one or several), maps all on the
+        device (``device_map.train_together``: one read back, an overflow raised before any
+        change): ``(rows, new, resident)``, ``rows`` as ``resolve``'s, ``new`` ``[(member, ids
+        (U,) ascending, new shard rows (U,), admitted (U,) bool)]`` (the zero row where not
+        admitted), ``resident``: every id is resident after the step (no member counts ids
+        before admitting them); None where a member holds no rows on this process."""
         with self._holding(parts) as got:
             if got is None:
                 return None
             members = got[0]
             maps = [d.map for d in members]
             stepped = train_together([m for m in maps if isinstance(m, DeviceVocabMap)],
-                                     [t for _, t in parts])
+                                     [t for _, t in parts], masked=True)
             for d in members:
                 d.steps += 1
+        resident = all(d.map.admit_after == 1 for d in members)
         out, new = [], []
-        for (m, _), (rows, new_ids, new_rows) in zip(parts, stepped):
-            dyn = self.members[m]
-            out.append(self._to_shard(m, torch.where(rows < 0, dyn.zero_row, rows)))
-            new.append((m, new_ids, new_rows + self.starts[m]))
-        return torch.cat(out), new
+        for (m, _), (rows, ids, new_rows, admitted) in zip(parts, stepped):
+            dyn, start = self.members[m], self.starts[m]
+            if resident:  # (no row is -1: each id hit or admitted)
+                out.append(rows + start if start else rows)
+            else:
+                out.append(self._to_shard(m, torch.where(rows < 0, dyn.zero_row, rows)))
+            new.append((m, ids, torch.where(admitted, new_rows + start, self.zero_row),
+                        admitted))
+        return (torch.cat(out) if len(out) > 1 else out[0]), new, resident
 
     def since(self, segments: tuple[tuple[int, int], ...] | None,
               resident: bool = False) -> Any:
-        """What ``valid`` takes of rows resolved now: the member's step (one member), else the
-        members' steps, ``segments`` (the rows' runs; None: any rows) and ``resident`` (every
-        row is a resident id's: none is the zero row)."""
+        """What ``valid`` takes of rows resolved now: the member's step (one member; ``(step,)``
+        when ``resident``), else the members' steps, ``segments`` (the rows' runs; None: any
+        rows) and ``resident`` (every row is a resident id's: none is the zero row)."""
         if len(self.members) == 1:
-            return self.members[0].step
+            return (self.members[0].step,) if resident else self.members[0].step
         return (tuple(m.step for m in self.members), segments, resident)
 
     def check_step(self, ids: torch.Tensor,
@@ -636,6 +643,10 @@ class DynamicStack:
         after ``since`` (never the zero row). With several members and ``since``'s segments
         ``rows`` are ``resolve``'s, in its runs; without, any shard rows."""
         if len(self.members) == 1:
+            if isinstance(since, tuple):  # resident rows: every one valid while no step came
+                if since[0] == self.members[0].step:
+                    return _every(rows), rows.numel()
+                since = since[0]
             return self.members[0].valid(rows, since)
         steps, segments, resident = since
         if steps == tuple(m.step for m in self.members):  # no map stepped since: every row
