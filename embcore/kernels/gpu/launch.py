@@ -16,6 +16,8 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
   FTRL, each with every option of the update step (docs/semantics.md section 3: gradient
   multiplier, gradient clipping, decoupled weight decay, weight clipping), from summed row
   gradients or from the output gradients' occurrences;
+- ``init_rows``: a dynamic table's new rows, the default initializer's values (the CPU's bits)
+  into float32, float16 and bfloat16 tables;
 - deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
   stable, so the occurrence order is the CPU's).
 
