@@ -38,7 +38,7 @@ if not CUDA and not gpu.interpreted():
 
 OPS = gpu.operators()
 NAMES = ["lookup", "row_gradients", "sparse_update", "move_rows", "hash_find", "hash_insert",
-         "hash_delete"]
+         "hash_delete", "init_rows"]
 
 
 def _t(*args, **kwargs):
@@ -57,7 +57,7 @@ def test_every_kernel_entry_point_is_an_operator_of_the_embcore_namespace():
                for name in NAMES}
     assert written == {"lookup": [], "row_gradients": [], "hash_find": [],
                        "sparse_update": ["slot1", "slot2", "table"], "move_rows": ["dst"],
-                       "hash_insert": ["maps"], "hash_delete": ["maps"]}
+                       "hash_insert": ["maps"], "hash_delete": ["maps"], "init_rows": ["out"]}
 
 
 # -- (a) fake implementations: shapes and dtypes from the inputs', nothing run ------------------
@@ -206,6 +206,19 @@ def test_opcheck_move_rows():
     torch.ops.embcore.move_rows(src, src_idx, dst, dst_idx, take)  # (opcheck runs on copies)
     assert torch.equal(dst[1], src[5]) and torch.equal(dst[0], src[2])
     assert torch.equal(dst[4], torch.zeros(4, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_opcheck_init_rows():
+    from embcore.state.vocab.vocabulary import _KERNEL, initial_values
+    ids, rows, take = _t([5, -3, 2**62]), _t([2, 0, 3]), _t([True, False, True])
+    out = torch.zeros(4, 6, device=DEVICE)
+    k = torch.tensor(_KERNEL + (6 ** 0.5,), dtype=torch.float64, device=DEVICE)
+    torch.library.opcheck(torch.ops.embcore.init_rows.default, (ids, rows, take, out, 0, 11, k))
+    torch.ops.embcore.init_rows(ids, rows, take, out, 0, 11, k)  # (opcheck runs on copies)
+    t = ec.TableConfig(vocabulary_size=4, dim=6, dynamic=ec.DynamicVocabulary())
+    want = initial_values(t, "t", 11, ids.cpu()).to(DEVICE)
+    assert torch.equal(out[2], want[0]) and torch.equal(out[3], want[2])
+    assert not out[0].any() and not out[1].any()
 
 
 def test_opcheck_the_hash_index():
