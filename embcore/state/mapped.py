@@ -42,6 +42,7 @@ class MappedRows(Rows):
     """
 
     maps = True
+    may_refuse = True  # (a map's training step admits at most its capacity)
 
     def __init__(self, stack: DynamicStack, storage: Rows, columns: tuple[int, int],
                  fills: dict[str, float], member_keys: torch.Tensor | None = None) -> None:

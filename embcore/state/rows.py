@@ -59,6 +59,9 @@ class Rows:
     """
 
     maps = False  # whether a batch's ids are raw ids that a map turns into rows
+    # Whether a training ``resolve`` can refuse a batch (a map with more new ids than it holds):
+    # the step then agrees on the outcome across processes before any row or map changes.
+    may_refuse = False
 
     def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace,
                  backend: Backend) -> None:

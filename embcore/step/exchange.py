@@ -66,7 +66,7 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     if asked is None:
         asked = comm.all_to_all(rt.send_ids, count=(p.tables, "ids"))  # asked of this rank
     rows_here = store[p.index]
-    if rows_here.maps:  # raw ids: an owner's map step may fail
+    if rows_here.may_refuse:  # (raw ids: an owner's map step may refuse the batch)
         return _fetch_mapped(comm, p, store, tb, asked, training)
     answered, since = rows_here.resolve(asked, training)
     answers = [rows_here.gather(rows) for rows in answered]  # W x (n_s, D_r)
