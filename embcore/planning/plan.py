@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from ..config.dtypes import row_bytes
-from ..config.optimizers import Optimizer
+from ..config.optimizers import Optimizer, table_slots
 from ..config.tables import (
     INDEX_BYTES_PER_ROW,
     LOG_BYTES_PER_ROW,
@@ -113,7 +113,7 @@ class PhysicalTable:
     @property
     def bytes_per_row(self) -> int:
         slots = self.optimizer.slots if self.optimizer is not None else ()
-        return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])
+        return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])  # (scales included)
 
     # What the step asks of a physical table, whatever its kind (step/ reads no kind flag).
 
@@ -364,7 +364,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
     offloaded = set(caches)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
-        rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
+        rounds = cfg.dtype.itemsize <= 2 and cfg.stochastic_rounding
         alone = cfg.dynamic is not None and world_size > 1 and strategies[name] == "replicated"
         key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
@@ -380,7 +380,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         strategy = strategies[members[0][0]]
         first = placed[members[0][0]]  # (all members share the strategy)
         for name, cfg, opt in members:
-            slots = tuple(s.name for s in opt.slots) if opt is not None else ()
+            slots = tuple(s.name for s in table_slots(opt, cfg.dtype))
             placement = placed[name]
             rows = tuple(placement.held_count(r) for r in range(world_size))
             placements[name] = LogicalTable(name, strategy, index, offset, cfg.vocabulary_size,

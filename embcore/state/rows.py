@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
+from ..config.dtypes import SCALES
 from ..config.optimizers import Optimizer
 from ..kernels import cpu
 from ..numerics.rounding import Rounding
@@ -205,7 +206,7 @@ class MemoryRows(Rows):
                  rounding: Rounding | None, workspace: Workspace, backend: Backend) -> None:
         super().__init__(p, rounding, workspace, backend)
         self._table, self.slots = table, slots
-        self._combine = TableCombine(table, backend)
+        self._combine = TableCombine(table, backend, slots.get(SCALES))
 
     @property
     def table(self) -> torch.Tensor:
@@ -257,7 +258,7 @@ class MemoryRows(Rows):
         super().to(device, workspace, backend)
         self._table = self._table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
-        self._combine = TableCombine(self._table, backend)
+        self._combine = TableCombine(self._table, backend, self.slots.get(SCALES))
 
 
 class OffloadedRows(Rows):
