@@ -117,7 +117,8 @@ TABLE_FLAGS = {"dim": MLPERF["dim"], "dtype": "float32", "stochastic_rounding": 
 FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding",
               "error_feedback": "--no-error-feedback"}  # (else --name-with-dashes)
 # --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
