@@ -22,8 +22,7 @@ import torch
 
 from ..config.dtypes import SCALED, SCALES, slot_dtype
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
-from ..numerics.rounding import (COMPACT, Rounding, Segments, quantize, shard_segments,
-                                 table_key)
+from ..numerics.rounding import COMPACT, Rounding, Segments, quantize, shard_segments, table_key
 from ..ops.backend import Backend
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
