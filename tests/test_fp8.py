@@ -299,3 +299,80 @@ def test_updates_far_below_a_code_step_train_stochastically_and_stall_to_nearest
     want = 1.0 + steps * 2.0**-mant / 16
     assert abs(means[True] - want) < 0.05 * 2.0**-mant * steps / 16 + 2.0**-mant / 8, means
     assert means[False] == 1.0
+
+
+SHARDED = {"a": "row_div", "b": "row_mod", "d": "table", "e": "replicated"}
+SIZES = {"a": 37, "b": 23, "d": 19, "e": 11}
+
+
+def _sharded_engine(dtype, **kw):
+    torch.manual_seed(7)
+    tables = {n: ec.TableConfig(vocabulary_size=v, dim=8, dtype=dtype, name=n)
+              for n, v in SIZES.items()}
+    return ec.Embedding({n: ec.FeatureConfig(table=t) for n, t in tables.items()},
+                        ec.SGD(learning_rate=0.125), **kw)
+
+
+def _sharded_steps(step, world):
+    """Per rank: its batch and its dyadic gradients (sums exact in any order)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [({n: torch.randint(0, v, (4,), generator=g) for n, v in SIZES.items()},
+             {n: torch.randint(-64, 65, (4, 8), generator=g).float() / 64 for n in SIZES})
+            for _ in range(world)]
+
+
+def _sharded_worker(rank, world, init, dtype, steps):
+    ref = _sharded_engine(dtype)
+    for s in range(steps):
+        per_rank = _sharded_steps(s, world)
+        ref.enqueue({n: torch.cat([b[n] for b, _ in per_rank]) for n in SIZES})
+        ref.dequeue()
+        ref.apply_gradients({n: torch.cat([g[n] for _, g in per_rank]) for n in SIZES})
+    every = {n: torch.arange(v) for n, v in SIZES.items()}
+    want = ref.lookup(every)  # every row's value, code * scale
+    init()
+    emb = _sharded_engine(dtype, sharding=SHARDED, timeout=60)
+    for s in range(steps):
+        batch, grads = _sharded_steps(s, world)[rank]
+        emb.enqueue(batch)
+        acts = emb.dequeue()
+        emb.apply_gradients(grads)
+    got = emb.lookup(every)  # (the rows fetched from their owners, widened there)
+    assert acts is not None and emb.state_dict()["a/scales"] is not None
+    for name in SIZES:
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], want[name]), (name, SHARDED[name])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_sharded_8_bit_tables_round_as_one_process_does(dtype):
+    """Every row strategy, W = 2 against W = 1 on dyadic SGD steps: the same codes and scales
+    (the rows travel widened with their scales; the owner quantizes with the rows' bits)."""
+    from distributed import run_on
+    run_on(2, _sharded_worker, dtype, 3)
+
+
+def _refused(rank, world, init, dtype):
+    init()
+    t = ec.TableConfig(vocabulary_size=10, dim=4, dtype=dtype, name="c")
+    with pytest.raises(ValueError, match="table 'c'.*column split over several processes.*"
+                                         "row strategy"):
+        ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                     sharding="column", timeout=60)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_what_8_bit_tables_do_not_take_yet_is_refused_by_name(dtype):
+    """Raw ids, the slow tier and a column split over processes: a ValueError naming the table,
+    the dtype and the fix, before anything is built."""
+    from distributed import run_on
+    mk = lambda **kw: ec.TableConfig(vocabulary_size=5000, dim=64, dtype=dtype,  # noqa: E731
+                                     name="t", **kw)
+    kind = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=f"table 't': {kind} rows do not take raw ids"):
+        ec.Embedding({"f": ec.FeatureConfig(table=mk(dynamic=ec.DynamicVocabulary()))},
+                     ec.SGD(learning_rate=0.1))
+    with pytest.raises(ValueError, match=f"table 't': {kind} rows do not take the slow tier"):
+        ec.Embedding({"f": ec.FeatureConfig(table=mk())}, ec.SGD(learning_rate=0.1),
+                     memory_budget=200_000)
+    run_on(2, _refused, dtype)

@@ -204,11 +204,15 @@ class ProcessGroupCommunicator:
         else:
             counts_bytes = 0
         send = torch.cat([c.reshape(-1) for c in chunks])
+        if send.element_size() == 1 and send.is_floating_point():  # 8-bit floats: as bytes
+            send = send.view(torch.uint8)  # (the backends have no 8-bit float type)
         in_splits = [c.numel() for c in chunks]
         out_splits = [r * c for r, c in zip(recv_rows, rc)]
         recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
         self._wait(dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group,
                                           async_op=True), "all_to_all")
+        if recv.dtype != ref.dtype:
+            recv = recv.view(ref.dtype)
         out, start = [], 0
         for r, c, n in zip(recv_rows, rc, out_splits):
             piece = recv[start:start + n]

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..config.dtypes import row_bytes
+from ..config.dtypes import SCALED, row_bytes
 from ..config.optimizers import Optimizer, table_slots
 from ..config.tables import (
     INDEX_BYTES_PER_ROW,
@@ -122,6 +122,12 @@ class PhysicalTable:
         """The bound of its batch's ids shifted to physical rows (a radix sort's range), or
         None for raw ids (a dynamic table's: any int64)."""
         return None if self.dynamic else self.rows
+
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of its rows as the exchange sends them: its own, float32 for an 8-bit
+        table (rows widened with their scales)."""
+        return torch.float32 if self.dtype in SCALED else self.dtype
 
     @property
     def by_member(self) -> bool:
@@ -249,6 +255,24 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
+def _check_scaled(name: str, cfg: TableConfig, split: bool, offloaded: bool) -> None:
+    """Refuses what an 8-bit table (float8_e4m3fn, float8_e5m2) does not take yet: raw ids, the
+    slow tier (a memory_budget that offloads it), a column split over several processes (its
+    scales are row-wise, as a row-wise optimizer's slot)."""
+    if cfg.dtype not in SCALED:
+        return
+    kind = str(cfg.dtype).removeprefix("torch.")
+    what = ("raw ids (dynamic=)" if cfg.dynamic is not None else
+            "the slow tier (its rows beyond the memory_budget)" if offloaded else
+            "a column split over several processes" if split else None)
+    if what is not None:
+        raise ValueError(f"table {name!r}: {kind} rows do not take {what} yet; give it "
+                         f"dtype=torch.float16 or torch.bfloat16, or "
+                         + ("a static vocabulary" if cfg.dynamic is not None else
+                            "a larger memory_budget" if offloaded else
+                            "a row strategy (row_div, row_mod, table, replicated)"))
+
+
 def _row_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
     """Parameter + slot bytes of one whole row of a table."""
     slots = opt.slots if opt is not None else ()
@@ -352,7 +376,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         The frozen plan; physical tables in order of their first logical table.
 
     Raises:
-        ValueError: unknown strategies, or a column split wider than a table's dim.
+        ValueError: unknown strategies, a column split wider than a table's dim, or what 8-bit
+            tables do not take yet (``_check_scaled``).
     """
     strategies = table_strategies(tables, world_size, sharding)
     for name, cfg, opt in tables:
@@ -362,6 +387,9 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
                                    owners.get(name, 0)) for name, cfg, _ in tables}
     caches = _tiers(tables, placed, world_size, memory_budget, lookups or {}, curves or {})
     offloaded = set(caches)
+    for name, cfg, _ in tables:
+        _check_scaled(name, cfg, placed[name].splits_columns and world_size > 1,
+                      name in offloaded)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
         rounds = cfg.dtype.itemsize <= 2 and cfg.stochastic_rounding

@@ -30,7 +30,7 @@ from ..base.comm import Communicator
 from ..config.dtypes import SCALES
 from ..config.optimizers import Optimizer
 from ..kernels import cpu
-from ..numerics.rounding import Rounding
+from ..numerics.rounding import Rounding, widen
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine
@@ -85,7 +85,8 @@ class Rows:
         raise NotImplementedError
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, D_r) shard rows ``rows`` (into ``out`` when given)."""
+        """(n, D_r) shard rows ``rows`` (into ``out`` when given); an 8-bit table's widened to
+        float32 with their scales (what the exchange sends)."""
         raise NotImplementedError
 
     def held(self, rows: torch.Tensor, count: bool = True, write: bool = False
@@ -223,6 +224,10 @@ class MemoryRows(Rows):
         return self._combine(bags.ids, bags), None  # (Rows.lookup, a call less: every step)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        scales = self.slots.get(SCALES)
+        if scales is not None:  # (n, D_r) float32
+            got = widen(self._table[rows], scales[rows])
+            return got if out is None else out.copy_(got)
         if out is None:
             return self._table[rows]
         return torch.index_select(self._table, 0, rows, out=out)

@@ -70,13 +70,14 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
         return _fetch_mapped(comm, p, store, tb, asked, training)
     answered, since = rows_here.resolve(asked, training)
     answers = [rows_here.gather(rows) for rows in answered]  # W x (n_s, D_r)
-    wire = comm.codec.rows_wire(p.dtype) if comm.codec is not None else None
+    dtype = p.rows_dtype  # (an 8-bit table's rows gathered widened)
+    wire = comm.codec.rows_wire(dtype) if comm.codec is not None else None
     if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
-        back = _rows_to_all(comm, wire, answers, rt.counts, widths, p.dtype,
+        back = _rows_to_all(comm, wire, answers, rt.counts, widths, dtype,
                             p.tables)  # W x (U, D_d)
         return torch.cat(back, dim=1), answered, since
-    back = _rows_to_all(comm, wire, answers, rt.counts, None, p.dtype, p.tables)  # W x (n_d, D)
+    back = _rows_to_all(comm, wire, answers, rt.counts, None, dtype, p.tables)  # W x (n_d, D)
     rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
