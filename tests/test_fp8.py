@@ -376,3 +376,38 @@ def test_what_8_bit_tables_do_not_take_yet_is_refused_by_name(dtype):
         ec.Embedding({"f": ec.FeatureConfig(table=mk())}, ec.SGD(learning_rate=0.1),
                      memory_budget=200_000)
     run_on(2, _refused, dtype)
+
+
+def test_checkpoints_keep_codes_and_scales_and_convert_on_load(tmp_path):
+    """Rows are saved as codes plus their scales; a load into the same dtype restores both (the
+    scales with ``slots=False`` too: they are part of the rows); into a wider table the values
+    ``code * scale`` (exact in float32), narrowed as usual into a 16-bit one; any rows into an
+    8-bit table quantized to nearest."""
+    e4, emb = _train(torch.float8_e4m3fn, steps=2)
+    ec.save(tmp_path / "c", emb)
+    values = e4["b/parameters"].float() * e4["b/scales"]
+    _, same = _train(torch.float8_e4m3fn, steps=0, seed=5)
+    ec.load(tmp_path / "c", same)
+    _same_state(e4, same.state_dict())
+    _, fresh = _train(torch.float8_e4m3fn, steps=0, seed=5)
+    ec.load(tmp_path / "c", fresh, slots=False)
+    _same_state(e4, fresh.state_dict(), ["b/parameters", "b/scales"])
+    _, wide = _train(torch.float32, steps=0, seed=5)
+    ec.load(tmp_path / "c", wide)
+    got = wide.state_dict()
+    assert "b/scales" not in got and torch.equal(got["b/parameters"], values)
+    assert torch.equal(got["b/accumulators"], e4["b/accumulators"])
+    _, half = _train(torch.float16, steps=0, seed=5)
+    ec.load(tmp_path / "c", half)
+    assert torch.equal(half.state_dict()["b/parameters"], values.half())
+    _, e5 = _train(torch.float8_e5m2, steps=0, seed=5)
+    ec.load(tmp_path / "c", e5)
+    codes, scales = rounding.quantize(values, torch.float8_e5m2)
+    _same_state({"b/parameters": codes, "b/scales": scales}, e5.state_dict(),
+                ["b/parameters", "b/scales"])
+    ec.save(tmp_path / "w", wide)  # float32 rows into an 8-bit table
+    _, back = _train(torch.float8_e4m3fn, steps=0, seed=5)
+    ec.load(tmp_path / "w", back)
+    codes, scales = rounding.quantize(values, torch.float8_e4m3fn)
+    _same_state({"b/parameters": codes, "b/scales": scales}, back.state_dict(),
+                ["b/parameters", "b/scales"])
