@@ -411,3 +411,28 @@ def test_checkpoints_keep_codes_and_scales_and_convert_on_load(tmp_path):
     codes, scales = rounding.quantize(values, torch.float8_e4m3fn)
     _same_state({"b/parameters": codes, "b/scales": scales}, back.state_dict(),
                 ["b/parameters", "b/scales"])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_8_bit_rows_serve_their_values_and_quantize(dtype):
+    """``for_serving()`` serves the rows' values (code * scale, float32), or int8 / fp16 codes
+    quantized from them; publishing and plain nn.Parameters are refused by name."""
+    t = ec.TableConfig(vocabulary_size=50, dim=8, dtype=dtype, name="t")
+    layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad")
+    ids = torch.tensor([0, 3, 49, 3])
+    for _ in range(2):
+        out = layer({"f": torch.arange(20)})["f"]
+        out.sum().backward()
+    sd = layer.engine.state_dict()
+    values = sd["t/parameters"].float() * sd["t/scales"]  # (50, 8)
+    served = layer.for_serving()
+    assert torch.equal(served({"f": ids})["f"], values[ids])
+    int8 = layer.for_serving(quantize="int8")({"f": ids})["f"]
+    span = (values.amax(1) - values.amin(1)).max()
+    assert (int8 - values[ids]).abs().max() <= span / 255 + 1e-6
+    assert torch.equal(layer.for_serving(quantize="fp16")({"f": ids})["f"],
+                       values[ids].half().float())
+    with pytest.raises(ValueError, match=r"ec.publish: tables \['t'\] have 8-bit rows"):
+        ec.publish("/nonexistent-never-written", layer)
+    with pytest.raises(ValueError, match=r"tables \['t'\] have 8-bit rows.*pass an optimizer"):
+        ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, optimizer=None)
