@@ -23,6 +23,7 @@ import torch
 
 from .base.comm import CollectiveError, everywhere
 from .base.compat import DCP_NO_PROCESS_GROUP_WARNING
+from .config.dtypes import SCALED, SCALES
 from .engine import Embedding
 from .formats.checkpoint import (
     CHECKSUM_ALGORITHM,
@@ -47,7 +48,6 @@ from .formats.checkpoint import (
 from .formats.files import agreed_token, complete_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer, engine_of
-from .config.dtypes import SCALED, SCALES
 from .numerics.rounding import COMPACT, narrowed, quantize, widen, wider
 from .online import resume
 from .state.tier.files import saving

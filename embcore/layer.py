@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from .base.nest import Structure
+from .config.dtypes import SCALED, SCALES
 from .config.spec import EmbeddingSpec, from_spec
 from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
-from .config.dtypes import SCALED, SCALES
 from .numerics.rounding import clamp_fix, narrowed_for_load, widen
 from .serving.serve import ServingModule, serving_embedding_lookup
 
