@@ -436,3 +436,23 @@ def test_8_bit_rows_serve_their_values_and_quantize(dtype):
         ec.publish("/nonexistent-never-written", layer)
     with pytest.raises(ValueError, match=r"tables \['t'\] have 8-bit rows.*pass an optimizer"):
         ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, optimizer=None)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_the_spec_names_8_bit_dtypes_and_tables_stack_by_dtype_and_rounding(dtype):
+    name = str(dtype).removeprefix("torch.")
+    t = ec.TableConfig(vocabulary_size=10, dim=4, dtype=dtype, stochastic_rounding=False,
+                       name="t")
+    spec = ec.EmbeddingSpec({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    d = spec.to_dict()
+    assert d["tables"]["t"]["dtype"] == name
+    cfg = ec.EmbeddingSpec.from_dict(d).feature_config["f"].table
+    assert cfg.dtype == dtype and cfg.stochastic_rounding is False
+    mk = lambda n, dt, sr: ec.TableConfig(vocabulary_size=10, dim=4, dtype=dt,  # noqa: E731
+                                          stochastic_rounding=sr, name=n)
+    emb = ec.Embedding({"a": ec.FeatureConfig(table=mk("a", dtype, True)),
+                        "b": ec.FeatureConfig(table=mk("b", dtype, False)),
+                        "c": ec.FeatureConfig(table=mk("c", dtype, True)),
+                        "d": ec.FeatureConfig(table=mk("d", torch.float16, True))},
+                       ec.SGD(learning_rate=0.1))
+    assert sorted(p.tables for p in emb.plan.physical) == [("a", "c"), ("b",), ("d",)]
