@@ -432,6 +432,11 @@ def test_8_bit_rows_serve_their_values_and_quantize(dtype):
     assert (int8 - values[ids]).abs().max() <= span / 255 + 1e-6
     assert torch.equal(layer.for_serving(quantize="fp16")({"f": ids})["f"],
                        values[ids].half().float())
+    codes = layer.embedding_tables[t]  # (the codes alone: refused where values are read)
+    with pytest.raises(ValueError, match=r"table 't': float8_\w+ rows are codes.*for_serving"):
+        ec.serving_embedding_lookup({"f": ids}, None, {t: codes}, layer.feature_config)
+    with pytest.raises(ValueError, match=r"table 't': float8_\w+ rows are codes"):
+        ec.quantize_table(codes, "int8", name="t")
     with pytest.raises(ValueError, match=r"ec.publish: tables \['t'\] have 8-bit rows"):
         ec.publish("/nonexistent-never-written", layer)
     with pytest.raises(ValueError, match=r"tables \['t'\] have 8-bit rows.*pass an optimizer"):
