@@ -211,10 +211,11 @@ def test_the_update_is_the_float32_rule_quantized(dtype, kind, stochastic, seed)
 
 # ---------------------------------------------------------------------------- the engine
 def _train(dtype, steps=4, threads=None, two_tables=True, fast=True, stochastic=True, seed=0,
-           opt=None):
+           opt=None, dynamic=False):
     torch.manual_seed(seed)
     mk = lambda n, name: ec.TableConfig(  # noqa: E731
-        vocabulary_size=n, dim=8, dtype=dtype, stochastic_rounding=stochastic, name=name)
+        vocabulary_size=n, dim=8, dtype=dtype, stochastic_rounding=stochastic, name=name,
+        dynamic=ec.DynamicVocabulary() if dynamic else None)
     tables = {"b": mk(50, "b")}
     if two_tables:
         tables = {"a": mk(30, "a"), **tables}
@@ -229,7 +230,7 @@ def _train(dtype, steps=4, threads=None, two_tables=True, fast=True, stochastic=
             gens = {k: torch.Generator().manual_seed(seed + ord(k)) for k in tables}
             for _ in range(steps):
                 emb.enqueue({k: torch.randint(0, t.vocabulary_size, (64,), generator=gens[k])
-                             for k, t in tables.items()})
+                             * (1000003 if dynamic else 1) for k, t in tables.items()})
                 acts = emb.dequeue()
                 emb.apply_gradients({k: torch.randn(a.shape, generator=gens[k])
                                      for k, a in acts.items()})
@@ -363,15 +364,12 @@ def _refused(rank, world, init, dtype):
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_what_8_bit_tables_do_not_take_yet_is_refused_by_name(dtype):
-    """Raw ids, the slow tier and a column split over processes: a ValueError naming the table,
-    the dtype and the fix, before anything is built."""
+    """The slow tier and a column split over processes: a ValueError naming the table, the
+    dtype and the fix, before anything is built."""
     from distributed import run_on
     mk = lambda **kw: ec.TableConfig(vocabulary_size=5000, dim=64, dtype=dtype,  # noqa: E731
                                      name="t", **kw)
     kind = str(dtype).removeprefix("torch.")
-    with pytest.raises(ValueError, match=f"table 't': {kind} rows do not take raw ids"):
-        ec.Embedding({"f": ec.FeatureConfig(table=mk(dynamic=ec.DynamicVocabulary()))},
-                     ec.SGD(learning_rate=0.1))
     with pytest.raises(ValueError, match=f"table 't': {kind} rows do not take the slow tier"):
         ec.Embedding({"f": ec.FeatureConfig(table=mk())}, ec.SGD(learning_rate=0.1),
                      memory_budget=200_000)
@@ -461,3 +459,64 @@ def test_the_spec_names_8_bit_dtypes_and_tables_stack_by_dtype_and_rounding(dtyp
                         "d": ec.FeatureConfig(table=mk("d", torch.float16, True))},
                        ec.SGD(learning_rate=0.1))
     assert sorted(p.tables for p in emb.plan.physical) == [("a", "c"), ("b",), ("d",)]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_dynamic_8_bit_tables_admit_rows_with_scales_and_round_the_same_everywhere(dtype):
+    """Raw ids: a new row's initial values quantized to nearest with its scale; updates with
+    the identity of the raw id, so stacked or alone, any threads, either path: the same bits;
+    a checkpoint restores codes, scales and the map."""
+    ref, emb = _train(dtype, dynamic=True)
+    assert emb.plan.physical[0].tables == ("a", "b")  # stacked
+    ids, rows = emb.vocabulary("b")
+    assert ids.numel() > 0
+    sd = emb.state_dict()
+    values = sd["b/parameters"].float() * sd["b/scales"]
+    got = emb.lookup({"a": torch.tensor([0]), "b": ids})["b"]
+    assert torch.equal(got, values[rows])
+    alone, _ = _train(dtype, dynamic=True, two_tables=False)
+    _same_state(ref, alone, ["b/parameters", "b/scales", "b/accumulators"])
+    _same_state(ref, _train(dtype, dynamic=True, threads=1)[0])
+    _same_state(ref, _train(dtype, dynamic=True, fast=False)[0])
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        ec.save(f"{d}/c", emb)
+        _, back = _train(dtype, dynamic=True, steps=0, seed=5)
+        ec.load(f"{d}/c", back)
+        assert torch.equal(back.lookup({"a": torch.tensor([0]), "b": ids})["b"], got)
+
+
+def _dynamic_worker(rank, world, init, dtype, steps):
+    def engine(**kw):
+        torch.manual_seed(7)
+        t = ec.TableConfig(vocabulary_size=64, dim=8, dtype=dtype, name="f",
+                           dynamic=ec.DynamicVocabulary())
+        return ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.125), **kw)
+
+    def batches(step):
+        g = torch.Generator().manual_seed(100 + step)
+        return [(torch.randint(0, 64, (4,), generator=g) * 7919,
+                 torch.randint(-64, 65, (4, 8), generator=g).float() / 64) for _ in range(world)]
+
+    ref = engine()
+    for s in range(steps):
+        per_rank = batches(s)
+        ref.enqueue({"f": torch.cat([b for b, _ in per_rank])})
+        ref.dequeue()
+        ref.apply_gradients({"f": torch.cat([g for _, g in per_rank])})
+    seen = torch.cat([b for s in range(steps) for b, _ in batches(s)]).unique()
+    want = ref.lookup({"f": seen})["f"]
+    init()
+    emb = engine(sharding={"f": "hash"}, timeout=60)
+    for s in range(steps):
+        ids, g = batches(s)[rank]
+        emb.enqueue({"f": ids})
+        emb.dequeue()
+        emb.apply_gradients({"f": g})
+    assert torch.equal(emb.lookup({"f": seen})["f"], want)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_a_hashed_8_bit_table_over_two_processes_rounds_as_one_process_does(dtype):
+    from distributed import run_on
+    run_on(2, _dynamic_worker, dtype, 3)

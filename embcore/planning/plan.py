@@ -256,20 +256,18 @@ class ShardingPlan:
 
 
 def _check_scaled(name: str, cfg: TableConfig, split: bool, offloaded: bool) -> None:
-    """Refuses what an 8-bit table (float8_e4m3fn, float8_e5m2) does not take yet: raw ids, the
+    """Refuses what an 8-bit table (float8_e4m3fn, float8_e5m2) does not take yet: the
     slow tier (a memory_budget that offloads it), a column split over several processes (its
     scales are row-wise, as a row-wise optimizer's slot)."""
     if cfg.dtype not in SCALED:
         return
     kind = str(cfg.dtype).removeprefix("torch.")
-    what = ("raw ids (dynamic=)" if cfg.dynamic is not None else
-            "the slow tier (its rows beyond the memory_budget)" if offloaded else
+    what = ("the slow tier (its rows beyond the memory_budget)" if offloaded else
             "a column split over several processes" if split else None)
     if what is not None:
         raise ValueError(f"table {name!r}: {kind} rows do not take {what} yet; give it "
                          f"dtype=torch.float16 or torch.bfloat16, or "
-                         + ("a static vocabulary" if cfg.dynamic is not None else
-                            "a larger memory_budget" if offloaded else
+                         + ("a larger memory_budget" if offloaded else
                             "a row strategy (row_div, row_mod, table, replicated)"))
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..config.dtypes import SCALED, SCALES, slot_dtype
+from ..config.optimizers import table_slots
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
 from ..numerics.rounding import COMPACT, Rounding, Segments, quantize, shard_segments, table_key
 from ..ops.backend import Backend
@@ -144,7 +145,7 @@ class RowsBuilder:
             [m.local_offsets[rank] for m in members], p.row_counts[rank])
         keys = (torch.tensor([table_key(self.seed, n) for n in p.tables], dtype=torch.int64)
                 if rounding is not None and len(p.tables) > 1 else None)
-        fills = {s.name: s.initial_value for s in (p.optimizer.slots if p.optimizer else ())}
+        fills = {s.name: s.initial_value for s in table_slots(p.optimizer, p.dtype)}
         return MappedRows(stack, storage, p.columns[rank], fills, keys)
 
     def _rounding(self, p: PhysicalTable) -> Rounding:

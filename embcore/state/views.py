@@ -162,8 +162,8 @@ def _load_maps(store: RowStore, values: Mapping[str, Any],
                            f"{[prefix + k for k in missing]}")
         rows_state = {k: new.pop(prefix + k)[:, 0] for k in ROW_STATE}
         pending = new.pop(prefix + PENDING, None)
-        opt = store.plan.physical[place.physical].optimizer
-        fills = {sp.name: sp.initial_value for sp in (opt.slots if opt is not None else ())}
+        phys = store.plan.physical[place.physical]
+        fills = {sp.name: sp.initial_value for sp in table_slots(phys.optimizer, phys.dtype)}
         floats = {k: new[f"{place.name}/{k}"] for k in ("parameters", *fills)
                   if f"{place.name}/{k}" in new}
         step = int(torch.as_tensor(values[prefix + "step"]))
