@@ -340,6 +340,8 @@ def _sharded_worker(rank, world, init, dtype, steps):
         emb.apply_gradients(grads)
     got = emb.lookup(every)  # (the rows fetched from their owners, widened there)
     assert acts is not None and emb.state_dict()["a/scales"] is not None
+    whole = {t.name: v for t, v in emb.embedding_tables.items()}  # (gathered: the codes)
+    assert all(whole[n].dtype == dtype and whole[n].shape == (v, 8) for n, v in SIZES.items())
     for name in SIZES:
         assert got[name].dtype == torch.float32
         assert torch.equal(got[name], want[name]), (name, SHARDED[name])

@@ -237,6 +237,8 @@ class ProcessGroupCommunicator:
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gathers equally shaped tensors from every rank."""
         start = time.perf_counter()
+        if tensor.element_size() == 1 and tensor.is_floating_point():  # 8-bit floats: as bytes
+            return [t.view(tensor.dtype) for t in self.all_gather(tensor.view(torch.uint8))]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._wait(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
                    "all_gather")
