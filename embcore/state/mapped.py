@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
+from ..config.dtypes import SCALES
 from ..config.optimizers import Optimizer
 from ..numerics.rounding import Rounding
 from ..ops.backend import Backend
@@ -149,12 +150,12 @@ class MappedRows(Rows):
 
             def write(table: torch.Tensor, slots: dict[str, torch.Tensor],
                       at: torch.Tensor) -> None:
-                for (m, new_ids, _), at_m in zip(new, at.split(counts)):
-                    dyn = stack.members[m]
-                    initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, at_m, table,
-                                    self.columns, self.backend)
                 for name, value in self.fills.items():
                     slots[name].index_fill_(0, at, value)
+                for (m, new_ids, _), at_m in zip(new, at.split(counts)):
+                    dyn = stack.members[m]  # (an 8-bit table's scales set here)
+                    initialize_rows(dyn.table, dyn.name, dyn.seed, new_ids, at_m, table,
+                                    self.columns, self.backend, slots.get(SCALES))
 
             self.storage.renew(torch.cat([r for _, _, r in new]) if len(new) > 1
                                else new[0][2], write)

@@ -117,7 +117,8 @@ TABLE_FLAGS = {"dim": MLPERF["dim"], "dtype": "float32", "stochastic_rounding": 
 FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding",
               "error_feedback": "--no-error-feedback"}  # (else --name-with-dashes)
 # --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--dtype", choices=tuple(DTYPES), **table,
                    help="the tables' rows (default float32): float16 or bfloat16 are compact "
                         "16-bit rows (half the bytes; activations stay float32, each update is "
-                        "computed in float32 and rounded back into the rows)")
+                        "computed in float32 and rounded back into the rows); float8_e4m3fn or "
+                        "float8_e5m2 are 8-bit rows with a float32 scale each (static tables: "
+                        "with --hash-buckets)")
     m.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
                    **table, help="--dtype float16 / bfloat16: round updates to nearest instead "
                                  "of stochastically (an update below half a unit in the last "

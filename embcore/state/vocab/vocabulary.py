@@ -28,7 +28,7 @@ from ...base.comm import Communicator
 from ...config.tables import TableConfig, default_initializer, init_seed
 from ...kernels import cpu
 from ...numerics import hashing
-from ...numerics.rounding import COMPACT
+from ...numerics.rounding import COMPACT, quantize
 from ...ops.backend import Backend
 from ...planning.placement import Placement
 from .device_map import DeviceVocabMap, train_together
@@ -181,9 +181,18 @@ def _named_values(init: object, seed: int, ids: torch.Tensor,
 
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
                     rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int],
-                    backend: Backend) -> None:
+                    backend: Backend, scales: torch.Tensor | None = None) -> None:
     """Writes ``initial_values`` of ids (A,) into rows (A,) of ``out`` (columns ``columns`` of
-    the table: a column split holds some), by the fused kernels on their backend."""
+    the table: a column split holds some), by the fused kernels on their backend; an 8-bit
+    table's quantized to nearest, their new scales into ``scales`` (its (N, 1) scales)."""
+    if scales is not None:
+        c0, c1 = columns
+        values = initial_values(table, name, seed, ids.cpu())[:, c0:c1]  # (A, C)
+        codes, new_scales = quantize(values, out.dtype)
+        at = rows.to(out.device)
+        out.view(torch.uint8).index_copy_(0, at, codes.to(out.device).view(torch.uint8))
+        scales.index_copy_(0, at, new_scales.to(scales.device))
+        return
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if table.initializer is None and (direct or out.dtype in COMPACT) and backend.fused_cpu:
         # into the float32 table, or float32 values rounded to nearest as below
@@ -400,7 +409,10 @@ class DynamicRows:
         moved = {}
         for k, v in floats.items():
             out = torch.full_like(v, (fills or {}).get(k, 0.0))
-            out[rows] = vals[k].to(out.dtype)
+            if out.element_size() == 1:  # 8-bit codes: moved as bytes
+                out.view(torch.uint8)[rows] = vals[k].to(out.dtype).view(torch.uint8)
+            else:
+                out[rows] = vals[k].to(out.dtype)
             moved[k] = out
         return vmap, moved
 
