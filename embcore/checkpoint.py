@@ -23,6 +23,7 @@ import torch
 
 from .base.comm import CollectiveError, everywhere
 from .base.compat import DCP_NO_PROCESS_GROUP_WARNING
+from .config.dtypes import SCALED, SCALES
 from .engine import Embedding
 from .formats.checkpoint import (
     CHECKSUM_ALGORITHM,
@@ -47,7 +48,7 @@ from .formats.checkpoint import (
 from .formats.files import agreed_token, complete_dir
 from .formats.published import is_publish_dir
 from .layer import EmbeddingLayer, engine_of
-from .numerics.rounding import COMPACT, narrowed, wider
+from .numerics.rounding import COMPACT, narrowed, quantize, widen, wider
 from .online import resume
 from .state.tier.files import saving
 
@@ -271,6 +272,10 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             would round to infinity (float16: ``|x| >= 65520``) is refused (ValueError) unless
             ``saturate`` is True, which stores the dtype's largest finite value of its sign
             instead (float16: +-65504). Infinities and NaN stay as they are either way.
+            An 8-bit table's rows (float8_e4m3fn, float8_e5m2) load with their scales (always,
+            ``slots=False`` too); into a table of another dtype they are widened (``code *
+            scale``) and converted as above, and any table's rows load into an 8-bit table
+            quantized to nearest with new scales (docs/semantics.md section 14).
 
     Returns:
         The checkpoint's manifest: ``{"format", "format_version", "embcore_version", "step",
@@ -350,17 +355,26 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
                  if k not in variable and type(target[k]) is torch.Tensor
                  and target[k].dtype in COMPACT
                  and wider(index[k].properties.dtype, target[k].dtype)}
+    rescaled = _rescaled(keys, target, index)
+    for k in rescaled:
+        narrowing.pop(k, None)
     fresh = {k: torch.empty(tuple(index[k].size), dtype=torch.int64) if k in variable else
              torch.empty(tuple(index[k].size), dtype=index[k].properties.dtype)
-             if k in narrowing else
+             if k in narrowing or k in rescaled else
              torch.empty_like(target[k]) if type(target[k]) is torch.Tensor else target[k]
              for k in keys}
+    for k, stored in rescaled.items():  # (an 8-bit table's stored scales, read to widen)
+        if stored in SCALED and k.replace("/parameters", f"/{SCALES}") not in fresh:
+            fresh[k.replace("/parameters", f"/{SCALES}")] = torch.empty(
+                tuple(index[k.replace("/parameters", f"/{SCALES}")].size))
     if fresh:
         with _dcp_call(f"reading {ckpt}", comm.world_size):
             d.dcp.load(fresh, storage_reader=d.Reader(ckpt, checksums), planner=d.Planner(),
                        process_group=_group(comm), no_dist=comm.world_size == 1)
     for k, dtype in narrowing.items():
         fresh[k] = narrowed(fresh[k], dtype, k, f"{ckpt}", "the checkpoint", saturate)
+    for k, stored in rescaled.items():
+        _convert(fresh, k, stored, target, f"{ckpt}", saturate)
     if v0:  # into the layer's nn.Parameters, by table
         params = obj.embedding_tables
         with torch.no_grad():
@@ -369,6 +383,46 @@ def load(path: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
     else:
         engine.load_state_dict(fresh, strict=False)
     return manifest
+
+
+def _rescaled(keys: list[str], target: Mapping[str, Any],
+              index: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """``{"<table>/parameters": stored dtype}`` of the tables to convert to or from 8-bit rows
+    (their stored and target dtypes differ, one of them 8-bit); refused on a sharded engine."""
+    out = {}
+    for k in keys:
+        if not k.endswith("/parameters") or not hasattr(index[k], "properties"):
+            continue
+        stored, want = index[k].properties.dtype, target[k].dtype
+        if stored != want and (stored in SCALED or want in SCALED):
+            if type(target[k]) is not torch.Tensor:
+                raise ValueError(f"table {k.split('/')[0]!r}: its rows are "
+                                 f"{str(stored).removeprefix('torch.')} in the checkpoint and "
+                                 f"{str(want).removeprefix('torch.')} here; converting 8-bit "
+                                 f"rows on load takes one process: load it into an engine of "
+                                 f"the saved dtype, or on one process and save again")
+            out[k] = stored
+    return out
+
+
+def _convert(fresh: dict[str, Any], key: str, stored: torch.dtype, target: Mapping[str, Any],
+             source: str, saturate: bool) -> None:
+    """Converts ``fresh``'s rows of ``key`` (read at their ``stored`` dtype) to the target's:
+    8-bit rows widened with their stored scales; into an 8-bit table quantized to nearest, with
+    new scales; into a 16-bit one narrowed as ``ec.load`` narrows (``narrowed``)."""
+    scales_key = key.replace("/parameters", f"/{SCALES}")
+    rows = fresh[key]  # (N, D)
+    values = (widen(rows, fresh[scales_key]) if stored in SCALED
+              else rows)  # (N, D) float
+    want = target[key].dtype
+    if want in SCALED:
+        fresh[key], fresh[scales_key] = quantize(values.float(), want)
+        return
+    fresh.pop(scales_key, None)
+    if want in COMPACT and wider(values.dtype, want):
+        fresh[key] = narrowed(values, want, key, source, "the checkpoint", saturate)
+    else:
+        fresh[key] = values.to(want)
 
 
 def _slot_hint(key: str, manifest: Mapping[str, Any], own_tables: Mapping[str, Any]) -> str:
@@ -420,12 +474,16 @@ def _keys_to_load(manifest: Mapping[str, Any], own_tables: Mapping[str, Any],
                              f"checkpoint but {kinds[want.get('dynamic') is not None]} in the "
                              f"target; a table's rows cannot be read as the other kind")
         keys.append(f"{n}/parameters")
+        if SCALES in want["slots"] and f"{n}/{SCALES}" in index:  # (part of the rows)
+            keys.append(f"{n}/{SCALES}")
         if want.get("dynamic") is not None:  # the map, always (rows mean nothing without it)
             keys += [f"{n}/vocabulary/{k}" for k in ("ids", "last_use", "frequency", "step",
                                                      "seed")]
             if f"{n}/vocabulary/pending" in index:  # (older checkpoints: counting afresh)
                 keys.append(f"{n}/vocabulary/pending")
         for s in (want["slots"] if slots else ()):
+            if s == SCALES:  # (read with the rows above, or made from them: _convert)
+                continue
             if f"{n}/{s}" in index:
                 keys.append(f"{n}/{s}")
             elif strict:

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from .base.nest import Structure
+from .config.dtypes import SCALED, SCALES
 from .config.spec import EmbeddingSpec, from_spec
 from .config.tables import TableConfig
 from .config.torch_optim import resolve_optimizer
 from .engine import Embedding, EmbeddingTables
 from .inputs.features import is_feature
-from .numerics.rounding import clamp_fix, narrowed_for_load
+from .numerics.rounding import clamp_fix, narrowed_for_load, widen
 from .serving.serve import ServingModule, serving_embedding_lookup
 
 _REPR_TABLES = 12  # print(layer) lists this many tables, then counts the others
@@ -107,6 +108,12 @@ class EmbeddingLayer(torch.nn.Module):
             raise ValueError(f"tables {dynamic} are dynamic (raw ids): their rows are admitted and "
                              f"evicted by the engine's optimizer step, so they cannot be plain "
                              f"nn.Parameters; pass an optimizer (e.g. 'adagrad')")
+        scaled = sorted(n for t, n in self.engine.table_names().items() if t.dtype in SCALED)
+        if self._parameters_mode and scaled:
+            raise ValueError(f"tables {scaled} have 8-bit rows, each with a scale that the "
+                             f"engine's update sets, so they cannot be plain nn.Parameters; "
+                             f"pass an optimizer (e.g. 'adagrad'), or give them dtype="
+                             f"torch.float16, torch.bfloat16 or torch.float32")
         self._anchor = torch.zeros((), requires_grad=True)  # gives the Function a grad path
         self._structure = Structure(self.engine.feature_config, is_feature)
         self.engine.build()  # now, not inside the first (maybe compiled) forward
@@ -249,8 +256,13 @@ class EmbeddingLayer(torch.nn.Module):
         names = self.engine.table_names()
         vocabularies = {t: self.engine.whole_vocabulary(t) for t in names
                         if t.dynamic is not None}  # (collectives when sharded)
-        return ServingModule(template, self.embedding_tables, names, vocabularies,
-                             quantize=quantize)
+        tables: Mapping[TableConfig, torch.Tensor] = self.embedding_tables
+        scaled = [t for t in names if t.dtype in SCALED]
+        if scaled:  # 8-bit rows served widened: code * scale (float32)
+            state = self.engine.state_dict()
+            tables = {t: widen(v, _whole(state[f"{names[t]}/{SCALES}"])) if t in scaled
+                      else v for t, v in tables.items()}
+        return ServingModule(template, tables, names, vocabularies, quantize=quantize)
 
     # state_dict / load_state_dict: the engine's flat keys under this module's prefix.
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
@@ -311,3 +323,9 @@ def engine_of(obj: Any, call: str) -> Embedding:
             fix = f"pass its layer, {type(obj).__name__}.{name} (an ec.EmbeddingLayer)"
     raise TypeError(f"{call}: obj must be an ec.Embedding or ec.EmbeddingLayer, got "
                     f"{type(obj).__name__}; {fix}")
+
+
+def _whole(value: Any) -> torch.Tensor:
+    """A state_dict entry as one tensor (a sharded engine's checkpoint shard gathered)."""
+    full = getattr(value, "full_tensor", None)
+    return full() if full is not None else value

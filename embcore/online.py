@@ -29,6 +29,7 @@ import torch
 from .base.comm import CollectiveError, everywhere, from_rank0, summed
 from .base.nest import leaves_with_paths, unflatten_like
 from .base.version import __version__
+from .config.dtypes import SCALED
 from .config.spec import EmbeddingSpec
 from .config.tables import FeatureConfig
 from .engine import Embedding
@@ -138,6 +139,7 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
 
     Raises:
         TypeError: ``obj`` is not an engine or layer with an optimizer.
+        ValueError: a table has 8-bit rows (float8_e4m3fn, float8_e5m2: not published yet).
         RuntimeError: another trainer publishes to ``directory``.
         FileExistsError: ``directory`` exists and is neither empty nor a publish directory.
         PublishError (a ValueError): the directory changed under this trainer (an entry it did
@@ -163,6 +165,11 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
     """
     engine = _engine(obj, "ec.publish")
     _check_publish_args(slots, snapshot, keep_snapshots, compact_ratio)
+    scaled = sorted(n for t, n in engine.table_names().items() if t.dtype in SCALED)
+    if scaled:
+        raise ValueError(f"ec.publish: tables {scaled} have 8-bit rows, which publishes do not "
+                         f"carry yet (their scales); save them with ec.save, serve them with "
+                         f"for_serving(), or give them dtype=torch.float16 or torch.bfloat16")
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
     with engine.quiescent() as store:

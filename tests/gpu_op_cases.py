@@ -209,10 +209,11 @@ def test_opcheck_move_rows():
 
 
 def test_opcheck_init_rows():
-    from embcore.state.vocab.vocabulary import _KERNEL, initial_values
+    from embcore.numerics.normal import KERNEL
+    from embcore.state.vocab.vocabulary import initial_values
     ids, rows, take = _t([5, -3, 2**62]), _t([2, 0, 3]), _t([True, False, True])
     out = torch.zeros(4, 6, device=DEVICE)
-    k = torch.tensor(_KERNEL + (6 ** 0.5,), dtype=torch.float64, device=DEVICE)
+    k = torch.tensor(KERNEL + (6 ** 0.5,), dtype=torch.float64, device=DEVICE)
     torch.library.opcheck(torch.ops.embcore.init_rows.default, (ids, rows, take, out, 0, 11, k))
     torch.ops.embcore.init_rows(ids, rows, take, out, 0, 11, k)  # (opcheck runs on copies)
     t = ec.TableConfig(vocabulary_size=4, dim=6, dynamic=ec.DynamicVocabulary())

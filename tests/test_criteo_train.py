@@ -5,6 +5,7 @@ settings is checked by running the job itself (see examples/criteo/README.md).
 """
 
 import json
+import math
 import re
 import shutil
 import sys
@@ -542,6 +543,55 @@ def test_two_processes_read_their_shares_and_train_as_before(tmp_path, capfd):
     assert final["examples"] == 900 - 128 - 3 and final["test_examples"] == 128 - 1
     for key in ("examples", "test_auc", "test_logloss", "test_examples"):
         assert resumed[-1][key] == final[key], key
+
+
+def _row_mod_raw_ids_worker(rank, world, init, data, out, port):
+    """The job under torchrun's variables: raw ids, ``--sharding row_mod`` (``"hash"`` for
+    dynamic tables), the default ``--capacity 1.0``."""
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      LOCAL_RANK=str(rank), MASTER_PORT=str(port))
+    train.main(["--data", data, "--out", out, "--sharding", "row_mod", *TINY])
+
+
+@pytest.mark.slow
+def test_raw_ids_hashed_over_two_processes_train_at_capacity_one(tmp_path, capfd):
+    """Hashing splits a feature's ids unevenly over the processes (a feature of 2 ids puts
+    both on one process half the time), and each process holds capacity / W rows: capacities
+    counted over all processes left the busiest one short ("this step admits 2 new ids but the
+    shard holds 1 row"). The job counts each process's own ids; the run trains to the end."""
+    from distributed import free_port, run_on
+    data = tmp_path / "data"
+    generate(data, train_lines=600, test_lines=100, scale=1e-4, seed=5)
+    run_on(2, _row_mod_raw_ids_worker, str(data), str(tmp_path / "r"), free_port())
+    out = capfd.readouterr().out
+    assert "hash " in out and len(LAST_LINE.findall(out)) == 1, out
+
+
+def test_a_fractional_capacity_counts_the_ids_each_process_owns(tmp_path):
+    """``--capacity f`` with W processes: W times the most rows any owner needs (f of the ids
+    it owns, at least what one batch brings it), so each process's capacity / W rows hold its
+    share; with one process, f of the distinct ids (at least the batch size) as before."""
+    from criteo.data import distinct_ids
+    data = tmp_path / "data"
+    generate(data, train_lines=700, test_lines=10, scale=1e-3, seed=6)
+    for capacity, batch in ((1.0, 64), (0.5, 64), (1.0, 8)):
+        args = train.parse_args(["--data", str(data), "--capacity", str(capacity),
+                                 "--batch-size", str(batch)])
+        dataset = train.Dataset(args, data, None, None)
+        ids = distinct_ids(data / "train.txt", labeled=True, **dataset.common)
+        one = train.capacities(args, dataset, print)
+        assert one == tuple(max(1, math.ceil(capacity * len(i)), min(len(i), batch))
+                            for i in ids)
+        for world in (2, 4):
+            caps = train.capacities(args, dataset, print, world)
+            assert all(c % world == 0 for c in caps)
+            for c, i in zip(caps, ids, strict=True):
+                owned = torch.bincount(ec.numerics.hashing.owner(torch.from_numpy(i), world),
+                                       minlength=world)
+                need = [max(1, math.ceil(capacity * n), min(n, batch)) for n in owned.tolist()]
+                assert c // world == max(need), (capacity, batch, world, c, owned)
+            assert any(c > o for c, o in zip(caps, one, strict=True))  # uneven somewhere
 
 
 # ------------------------------------------------------------------ the default settings

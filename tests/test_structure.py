@@ -3,7 +3,8 @@
 - A kind of table is decided once (state/build.py): neither the step's modules (step/) nor
   online.py read a store's kind (``.dynamic``, ``.tables``, ``.slots`` of a store),
   or a private attribute of the engine (``engine._...``); step/ reads a rows object's kind
-  (``.maps``) or a physical table's (``.dynamic``) in no more places than it does today.
+  (``.maps``) or a physical table's (``.dynamic``) nowhere: where the protocol differs it asks
+  the rows object a verb (``Rows.may_refuse``: a training resolve may refuse a batch).
 - The backend is chosen once (ops/backend.py ``choose``): by the engine (for the plan) and the
   store (and for tables served as tensors, serving/serve.py), nowhere in step/.
 - A batch's route is chosen in one place: only step/path.py calls the native preprocess.
@@ -89,9 +90,8 @@ def test_only_the_builder_chooses_a_kind():
 
 
 # The reads of a table's kind left in step/ (a rows object's ``.maps``, a physical table's
-# ``.dynamic``), by module: a ceiling that only comes down (each read a verb of the rows object
-# or the plan instead).
-KIND_READS = {"step/exchange.py": 1, "step/lookup.py": 2}
+# ``.dynamic``), by module: none (each a verb of the rows object or the plan instead).
+KIND_READS: dict[str, int] = {}
 
 
 def _kind_reads() -> dict[str, int]:

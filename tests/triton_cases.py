@@ -406,3 +406,42 @@ def test_compact_rounding_of_every_kind_of_float_as_the_reference(dtype):
     got, want = table.cpu(), r.round(torch.zeros(n, d) - 1.0 * -x, torch.arange(n), dtype)
     nan = torch.isnan(got.float()) & torch.isnan(want.float())
     assert bool(((got.view(torch.int16) == want.view(torch.int16)) | nan).all())
+
+
+# -- 8-bit rows (float8_e4m3fn / float8_e5m2): the torch path on the device ---------------------
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_8_bit_tables_take_the_torch_path_on_the_device(dtype):
+    """The kernels refuse 8-bit tables (``lookup_supported``, ``update_supported``), which take
+    torch ops on the device: with the kernels forced or not, the same activations, codes and
+    scales."""
+    t8 = torch.zeros(4, 3, dtype=dtype, device=DEVICE)
+    opt = ec.RowwiseAdagrad(learning_rate=0.5)
+    with triton_path():
+        assert not gpu.lookup_supported(t8)
+        assert not gpu.update_supported(opt, t8, opt.init_slots(4, 3, device=DEVICE))
+    results = []
+    for forced in (True, False):
+        torch.manual_seed(0)
+        t = ec.TableConfig(vocabulary_size=20, dim=5, combiner="mean", name="t", dtype=dtype)
+        fc = {"d": ec.FeatureConfig(table=t), "j": ec.FeatureConfig(table=t)}
+        emb = ec.Embedding(fc, opt, device=DEVICE)
+        acts_seen = []
+        with triton_path(forced), spy("sparse_update", "lookup") as calls:
+            for step in range(2):
+                ids = {"d": torch.tensor([1, 5, 1, step]).to(DEVICE),
+                       "j": jagged([[5, 7, 5], [], [2], [step, 19]], torch.int64).to(DEVICE)}
+                emb.enqueue(ids)
+                acts = emb.dequeue()
+                acts_seen.append({k: a.detach().cpu() for k, a in acts.items()})
+                emb.apply_gradients({k: torch.full(a.shape, 0.1 * (step + 1), device=DEVICE)
+                                     for k, a in acts.items()})
+        assert calls == {"sparse_update": 0, "lookup": 0}
+        sd = emb.state_dict()
+        results.append((acts_seen, sd["t/parameters"].cpu().view(torch.uint8),
+                        sd["t/scales"].cpu()))
+    (acts_a, codes_a, scales_a), (acts_b, codes_b, scales_b) = results
+    for a, b in zip(acts_a, acts_b):
+        for k in a:
+            assert torch.equal(a[k], b[k])
+    assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
+    assert not torch.equal(scales_a, torch.ones_like(scales_a))

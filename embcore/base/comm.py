@@ -204,11 +204,15 @@ class ProcessGroupCommunicator:
         else:
             counts_bytes = 0
         send = torch.cat([c.reshape(-1) for c in chunks])
+        if send.element_size() == 1 and send.is_floating_point():  # 8-bit floats: as bytes
+            send = send.view(torch.uint8)  # (the backends have no 8-bit float type)
         in_splits = [c.numel() for c in chunks]
         out_splits = [r * c for r, c in zip(recv_rows, rc)]
         recv = torch.empty(sum(out_splits), dtype=send.dtype, device=send.device)
         self._wait(dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group,
                                           async_op=True), "all_to_all")
+        if recv.dtype != ref.dtype:
+            recv = recv.view(ref.dtype)
         out, start = [], 0
         for r, c, n in zip(recv_rows, rc, out_splits):
             piece = recv[start:start + n]
@@ -233,6 +237,8 @@ class ProcessGroupCommunicator:
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gathers equally shaped tensors from every rank."""
         start = time.perf_counter()
+        if tensor.element_size() == 1 and tensor.is_floating_point():  # 8-bit floats: as bytes
+            return [t.view(tensor.dtype) for t in self.all_gather(tensor.view(torch.uint8))]
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._wait(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
                    "all_gather")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor
 
-from .dtypes import working_dtype
+from .dtypes import SCALED, SCALES, working_dtype
 
 LearningRate = float | Callable[[], float]
 ClipValue = float | tuple[float | None, float | None] | None
@@ -145,6 +145,15 @@ def record_of(opt: Optimizer | type) -> OptimizerRecord | None:
     """The record of this optimizer's exact class (or of the class itself); None for a class
     declared elsewhere (a user's subclass has no kernel and no name in a spec)."""
     return _RECORDS.get(opt if isinstance(opt, type) else type(opt))
+
+
+def table_slots(opt: Optimizer | None, dtype: torch.dtype) -> tuple[SlotSpec, ...]:
+    """What a table of ``dtype`` keeps beside its rows under ``opt`` (None: no optimizer): the
+    optimizer's slots, then an 8-bit table's scales (row-wise float32, checkpoint key
+    ``<table>/scales``), which move with the rows as a row-wise slot does; the update reads
+    and writes them, the optimizer's math never sees them."""
+    own = opt.slots if opt is not None else ()
+    return own + ((SlotSpec(SCALES, 1.0, rowwise=True),) if dtype in SCALED else ())
 
 
 def listed(words: list[str], last: str = "or") -> str:

@@ -40,6 +40,7 @@ from .optimizer_base import SlotSpec as SlotSpec
 from .optimizer_base import listed as listed
 from .optimizer_base import record_of as record_of
 from .optimizer_base import records as records
+from .optimizer_base import table_slots as table_slots
 
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:

@@ -44,7 +44,8 @@ FORMAT = "embcore-spec-1"
 OPTIMIZERS = {r.name: r.cls for r in records()}  # the spec's "class" names: the optimizers' records
 INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16}
+          "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn,
+          "float8_e5m2": torch.float8_e5m2}
 # The keys to_dict writes, at each level; from_dict refuses any other.
 SPEC_KEYS = ("format", "tables", "features", "optimizer", "sharding", "memory_budget",
              "pipeline_execution", "exchange_compression")

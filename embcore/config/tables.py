@@ -149,8 +149,10 @@ class TableConfig:
         dtype: the parameters' floating dtype. ``torch.float16`` and ``torch.bfloat16`` are compact
             rows (docs/semantics.md section 14): half the bytes of float32, activations still
             float32, each update computed in float32 from the widened row and rounded back.
-        stochastic_rounding: how a float16 / bfloat16 table's updates are rounded back into its
-            rows: stochastically (True, the default: unbiased, with random bits that are a
+            ``torch.float8_e4m3fn`` and ``torch.float8_e5m2`` are 8-bit rows, each with a
+            float32 scale (its value ``code * scale``; the same section).
+        stochastic_rounding: how a float16 / bfloat16 / 8-bit table's updates are rounded back
+            into its rows: stochastically (True, the default: unbiased, with random bits that are a
             function of the table, the step, the row and the column only), or to nearest
             (False: an update below half a unit in the last place is then lost). Ignored for
             float32 and float64 tables.

@@ -23,6 +23,18 @@ the fused kernels do (csrc/half.h):
   so the same row rounds the same way whatever the threads, the sharding, the stacking, the
   budget or the pipelining.
 
+8-bit rows (``TableConfig(dtype=torch.float8_e4m3fn | torch.float8_e5m2)``) keep a float32 scale
+per row (their value is ``float32(code) * scale``). ``quantize`` writes a float32 row as codes
+and a scale: ``scale = max|x| / max_finite`` over the row's finite values (448 for e4m3fn, 57344
+for e5m2; 1 for a row without a finite non-zero value, or whose scale would underflow to 0), then
+``x / scale`` clamped to +-max_finite and rounded into the 8-bit dtype, to nearest (even) or
+stochastically with the same bits as a 16-bit row: ``u >> 12`` (e4m3fn, 3 mantissa bits kept)
+or ``u >> 11`` (e5m2, 2) added below a normal result's kept bits and the rest truncated; a
+subnormal result (``|q| < 2**-6`` for e4m3fn, ``2**-14`` for e5m2) is ``|q| + (u >> 8) * 2**-24
+* spacing`` in float32 truncated to a multiple of the spacing (``2**-9``, ``2**-16``); a
+result past max_finite (a carry from just below it) is clamped to it. NaN stays NaN; an infinity
+is an infinity in e5m2 and NaN in e4m3fn (which has none).
+
 ``Segments`` maps a shard's rows to identities (one affine piece per logical table in the shard);
 ``Rounding`` is what an update of one physical table needs: stochastic or not, the segments, the
 first column of the shard and the step's key.
@@ -35,10 +47,13 @@ from typing import Any
 
 import torch
 
+from ..config.dtypes import SCALED
 from ..config.tables import init_seed
 from .hashing import MASK64, _shr, _signed, splitmix64, splitmix64_int
 
 COMPACT = (torch.float16, torch.bfloat16)
+# 8-bit rows: (bits dropped below a normal result's mantissa, smallest normal, subnormal spacing)
+_FP8 = {torch.float8_e4m3fn: (20, 2.0**-6, 2.0**-9), torch.float8_e5m2: (21, 2.0**-14, 2.0**-16)}
 # The tables the kernels read and write (CPU, csrc/half.h's RowType; Triton's ROWS): their codes.
 ROW_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 MASK32 = 0xFFFFFFFF
@@ -121,9 +136,64 @@ def round_stochastic(x: torch.Tensor, bits: torch.Tensor, dtype: torch.dtype) ->
         sub = torch.where(sub < 2.0**-13, sub, 0.0)
         hs = (sub * 2.0**24).to(torch.int32).to(torch.int64)
         h = sign | torch.where(nan, 0x7E00, torch.where(a >= 0x38800000, hn, hs))
+    elif dtype in _FP8:
+        return _round_fp8(x, b, bits, dtype)
     else:
-        raise TypeError(f"stochastic rounding rounds into {COMPACT}, not {dtype}")
+        raise TypeError(f"stochastic rounding rounds into {COMPACT + SCALED}, not {dtype}")
     return h.to(torch.int32).to(torch.int16).view(dtype)
+
+
+def _round_fp8(x: torch.Tensor, b: torch.Tensor, bits: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``x`` (its bits ``b``, int64) rounded stochastically into an 8-bit ``dtype``, the
+    quotient already within +-max_finite but for a carry (clamped): the module's rule."""
+    drop, normal, spacing = _FP8[dtype]
+    top = torch.finfo(dtype).max
+    a = b & 0x7FFFFFFF
+    hn = ((a + (bits >> (32 - drop))) >> drop) << drop  # (a normal result's kept bits)
+    mag_n = hn.to(torch.int32).view(torch.float32)
+    mag = a.to(torch.int32).view(torch.float32)
+    sub = mag + (bits >> 8).to(torch.float32) * (2.0**-24 * spacing)
+    mag_s = torch.floor(sub / spacing) * spacing
+    out = torch.where(mag >= normal, mag_n, mag_s).clamp(max=top)
+    out = torch.where(x < 0, -out, out)
+    return _to8(torch.where(torch.isfinite(x), out, x), dtype)
+
+
+def _to8(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``q`` (finite ones within range) to an 8-bit ``dtype`` to nearest (even): an
+    infinity is NaN in e4m3fn, which has none (torch's conversion would saturate it)."""
+    if dtype == torch.float8_e4m3fn:
+        q = torch.where(torch.isinf(q), torch.nan, q)
+    return q.to(dtype)
+
+
+def row_scales(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(U, D) float32 rows -> (U, 1) float32 scales for an 8-bit ``dtype``: ``max|x| /
+    max_finite`` over each row's finite values; 1 where that is 0 (a row of zeros, or of no
+    finite value, or a scale below float32's range)."""
+    a = torch.where(torch.isfinite(x), x.abs(), 0.0)
+    s = a.amax(dim=1, keepdim=True) / torch.finfo(dtype).max  # (U, 1)
+    return torch.where(s > 0, s, 1.0)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, D) float32 rows -> ``(codes (U, D) of dtype, scales (U, 1) float32)``: to nearest,
+    or stochastically with the uint32 random ``bits`` (int64, ``x``'s shape)."""
+    x = x.to(torch.float32)
+    scales = row_scales(x, dtype)  # (U, 1)
+    top = torch.finfo(dtype).max
+    q = x / scales  # (U, D)
+    q = torch.where(torch.isfinite(q), q.clamp(-top, top), q)
+    if bits is None:
+        return _to8(q, dtype), scales
+    return round_stochastic(q, bits.to(q.device), dtype), scales
+
+
+def widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(U, D) 8-bit codes and their (U, 1) scales -> (U, D) float32 values."""
+    return codes.to(torch.float32) * scales
 
 
 @dataclass(frozen=True)
@@ -196,6 +266,15 @@ class Rounding:
             return values.to(dtype)
         bits = column_bits(self.keys32(rows), values.shape[1], self.col0)
         return round_stochastic(values.to(torch.float32), bits.to(values.device), dtype)
+
+    def quantize(self, values: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(U, D) float32 ``values`` of updated rows ``rows`` (U,) -> 8-bit ``dtype`` codes and
+        (U, 1) float32 scales (``quantize``), with this rounding's bits."""
+        if not self.stochastic:
+            return quantize(values, dtype)
+        bits = column_bits(self.keys32(rows), values.shape[1], self.col0)
+        return quantize(values, dtype, bits)
 
 
 def nearest() -> Rounding:

@@ -13,7 +13,9 @@ prefetched; 16-bit rows widened to float32 as they are read, so their activation
 on CUDA (those tables, float32 gradients) both directions are the Triton kernels of
 ``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
-(``ops/update.py``).
+(``ops/update.py``). An 8-bit table (float8_e4m3fn, float8_e5m2) is read with its row-wise
+scales (``scales=``) in torch ops on every device: the occurrences' rows gathered, widened and
+multiplied by their scales, then summed as above (float32 activations).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _fused(table: torch.Tensor) -> bool:
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
-            backend: Backend | None = None) -> torch.Tensor:
+            backend: Backend | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Output row r = sum over its occurrences k of ``scales[k] * table[index[k]]``.
 
     Args:
@@ -52,14 +54,16 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
         bags: offsets and scales of the bags.
         backend: the kernels of the table's device (ops/backend.py); None: chosen for
             ``table``'s device now (a caller outside the step: serving, a plain module).
+        scales: (N, 1) float32, an 8-bit table's row scales (a row's value is
+            ``float32(table[i]) * scales[i]``); None for the other dtypes.
 
     Returns:
         (R, D) in ``table``'s dtype, float32 for a float16 / bfloat16 table (its rows widened:
         activations of compact rows are float32); differentiable with respect to ``table`` when
         it requires grad.
     """
-    if _differentiable(table):
-        return combine_torch(table, index, bags)
+    if _differentiable(table) or scales is not None:
+        return combine_torch(table, index, bags, scales)
     backend = backend if backend is not None else choose(table.device)
     if backend.fused_cpu and _fused(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
@@ -69,9 +73,15 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
     return combine_torch(table, index, bags)
 
 
-def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags) -> torch.Tensor:
+def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags,
+                  scales: torch.Tensor | None = None) -> torch.Tensor:
     """``combine`` in torch ops, on any device (the other backends' answers, and theirs
-    wherever autograd or a tracer must see the computation)."""
+    wherever autograd or a tracer must see the computation; an 8-bit table's, with its
+    ``scales``)."""
+    if scales is not None:  # each occurrence's row widened with its scale, then bags summed
+        work = table.index_select(0, index).float() * scales.index_select(0, index)  # (nnz, D)
+        index = torch.arange(index.numel(), device=index.device)  # (nnz,)
+        return combine_torch(work, index, bags)
     work = table if is_working(table) else table.float()
     if bags.offsets is None or bags.scales is None:
         out = F.embedding(index, work)  # (R, D)
@@ -92,10 +102,12 @@ class TableCombine:
     Args:
         table: (N, D) the rows to read, held by the caller for this object's life.
         backend: its device's backend (None: ``backend.choose(table.device)``).
+        scales: (N, 1) an 8-bit table's row scales (torch ops, ``combine``), else None.
     """
 
-    def __init__(self, table: torch.Tensor, backend: Backend | None = None) -> None:
-        self.table = table
+    def __init__(self, table: torch.Tensor, backend: Backend | None = None,
+                 scales: torch.Tensor | None = None) -> None:
+        self.table, self.scales = table, scales
         self.backend = backend = backend if backend is not None else choose(table.device)
         self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
         self._triton = backend.triton and gpu.lookup_supported(table)
@@ -103,8 +115,8 @@ class TableCombine:
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
         table = self.table
-        if _differentiable(table):
-            return combine_torch(table, index, bags)
+        if _differentiable(table) or self.scales is not None:
+            return combine_torch(table, index, bags, self.scales)
         if self._fused is not None:
             out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)
             return self._fused(index.contiguous(), bags.offsets, bags.scales, out)

@@ -26,7 +26,10 @@ kernels kernels/rules.py gives):
    scatters);
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
-   (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). ``Adam(lazy_adam=False)``
+   (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). 8-bit tables
+   (float8_e4m3fn, float8_e5m2) take this path on every device: a row is widened with its
+   scale (``slots["scales"]``), updated, and written back as new codes and a new scale
+   (``rounding.quantize``). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
 
 Hyper-parameters reach the kernel by name (``cpu.Hyper``, mirrored by ``EcHyper`` in C++).
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.dtypes import is_working
+from ..config.dtypes import SCALED, SCALES, is_working
 from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
 from ..numerics import rounding
@@ -101,6 +104,9 @@ def update_torch(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torc
         gradient_multiplier = optimizer.current_gradient_multiplier(step)
     compact = table.dtype in COMPACT
     guard = guard and compact
+    scales = slots.get(SCALES) if table.dtype in SCALED else None  # (N, 1) an 8-bit row's
+    if scales is not None:
+        slots = {k: v for k, v in slots.items() if k != SCALES}
     summed = (row_gradients(grad, workspace, backend) if isinstance(grad, OutputGrads)
               else grad)  # (U, D)
     if gradient_multiplier is None and in_place_supported(optimizer, table):
@@ -111,6 +117,8 @@ def update_torch(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torc
         full[rows] = summed
         rows, summed = torch.arange(table.shape[0], device=table.device), full
     w = table[rows]
+    if scales is not None:
+        w = rounding.widen(w, scales[rows])  # (U, D) float32
     new_w, new_slots = optimizer.update(w.float() if compact else w, summed,
                                         {k: v[rows] for k, v in slots.items()}, lr=lr, step=step,
                                         gradient_multiplier=gradient_multiplier)
@@ -123,7 +131,12 @@ def update_torch(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torc
                 left, kept = rows[over], ~over
                 rows, new_w = rows[kept], new_w[kept]
                 new_slots = {k: v[kept] for k, v in new_slots.items()}
-    table.index_copy_(0, rows, new_w)
+    if scales is not None:  # new codes and scales (no torch index_copy_ of 8-bit floats)
+        codes, new_scales = (round_to or _NEAREST).quantize(new_w, rows, table.dtype)
+        table.view(torch.uint8).index_copy_(0, rows, codes.view(torch.uint8))
+        scales.index_copy_(0, rows, new_scales)
+    else:
+        table.index_copy_(0, rows, new_w)
     for k, v in new_slots.items():
         slots[k].index_copy_(0, rows, v)
     return left

@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..config.dtypes import row_bytes
-from ..config.optimizers import Optimizer
+from ..config.dtypes import SCALED, row_bytes
+from ..config.optimizers import Optimizer, table_slots
 from ..config.tables import (
     INDEX_BYTES_PER_ROW,
     LOG_BYTES_PER_ROW,
@@ -113,7 +113,7 @@ class PhysicalTable:
     @property
     def bytes_per_row(self) -> int:
         slots = self.optimizer.slots if self.optimizer is not None else ()
-        return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])
+        return row_bytes(self.dim, self.dtype, [s.rowwise for s in slots])  # (scales included)
 
     # What the step asks of a physical table, whatever its kind (step/ reads no kind flag).
 
@@ -122,6 +122,12 @@ class PhysicalTable:
         """The bound of its batch's ids shifted to physical rows (a radix sort's range), or
         None for raw ids (a dynamic table's: any int64)."""
         return None if self.dynamic else self.rows
+
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of its rows as the exchange sends them: its own, float32 for an 8-bit
+        table (rows widened with their scales)."""
+        return torch.float32 if self.dtype in SCALED else self.dtype
 
     @property
     def by_member(self) -> bool:
@@ -249,6 +255,22 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
+def _check_scaled(name: str, cfg: TableConfig, split: bool, offloaded: bool) -> None:
+    """Refuses what an 8-bit table (float8_e4m3fn, float8_e5m2) does not take yet: the
+    slow tier (a memory_budget that offloads it), a column split over several processes (its
+    scales are row-wise, as a row-wise optimizer's slot)."""
+    if cfg.dtype not in SCALED:
+        return
+    kind = str(cfg.dtype).removeprefix("torch.")
+    what = ("the slow tier (its rows beyond the memory_budget)" if offloaded else
+            "a column split over several processes" if split else None)
+    if what is not None:
+        raise ValueError(f"table {name!r}: {kind} rows do not take {what} yet; give it "
+                         f"dtype=torch.float16 or torch.bfloat16, or "
+                         + ("a larger memory_budget" if offloaded else
+                            "a row strategy (row_div, row_mod, table, replicated)"))
+
+
 def _row_bytes(cfg: TableConfig, opt: Optimizer | None) -> int:
     """Parameter + slot bytes of one whole row of a table."""
     slots = opt.slots if opt is not None else ()
@@ -352,7 +374,8 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         The frozen plan; physical tables in order of their first logical table.
 
     Raises:
-        ValueError: unknown strategies, or a column split wider than a table's dim.
+        ValueError: unknown strategies, a column split wider than a table's dim, or what 8-bit
+            tables do not take yet (``_check_scaled``).
     """
     strategies = table_strategies(tables, world_size, sharding)
     for name, cfg, opt in tables:
@@ -362,9 +385,12 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
                                    owners.get(name, 0)) for name, cfg, _ in tables}
     caches = _tiers(tables, placed, world_size, memory_budget, lookups or {}, curves or {})
     offloaded = set(caches)
+    for name, cfg, _ in tables:
+        _check_scaled(name, cfg, placed[name].splits_columns and world_size > 1,
+                      name in offloaded)
     groups: dict[tuple[Any, ...], list[tuple[str, TableConfig, Optimizer | None]]] = {}
     for name, cfg, opt in tables:
-        rounds = cfg.dtype.itemsize == 2 and cfg.stochastic_rounding
+        rounds = cfg.dtype.itemsize <= 2 and cfg.stochastic_rounding
         alone = cfg.dynamic is not None and world_size > 1 and strategies[name] == "replicated"
         key = (cfg.dim, cfg.dtype, rounds, opt.stacking_key() if opt is not None else None,
                strategies[name], owners.get(name, 0),
@@ -380,7 +406,7 @@ def make_plan(tables: Sequence[tuple[str, TableConfig, Optimizer | None]], world
         strategy = strategies[members[0][0]]
         first = placed[members[0][0]]  # (all members share the strategy)
         for name, cfg, opt in members:
-            slots = tuple(s.name for s in opt.slots) if opt is not None else ()
+            slots = tuple(s.name for s in table_slots(opt, cfg.dtype))
             placement = placed[name]
             rows = tuple(placement.held_count(r) for r in range(world_size))
             placements[name] = LogicalTable(name, strategy, index, offset, cfg.vocabulary_size,

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..config.dtypes import SCALED
 from ..config.tables import TableConfig
 
 Precision = Literal["fp16", "int8"]
@@ -137,6 +138,7 @@ def quantize_table(table: torch.Tensor, precision: str, *, name: str = "table",
     if table.dim() != 2 or not table.is_floating_point():
         raise ValueError(f"table {name!r}: expected (N, D) floating-point rows, got "
                          f"{tuple(table.shape)} {table.dtype}")
+    check_not_scaled(table, name)
     table = table.detach()
 
     def row_of(i: int) -> int:  # (the table's row, for messages)
@@ -208,3 +210,12 @@ def resolve_quantize(quantize: Any, names: Mapping[TableConfig, str]
             check_precision(precision, names[table])
         out[table] = precision
     return out
+
+
+def check_not_scaled(table: torch.Tensor, name: str) -> None:
+    """Refuses 8-bit codes given without their scales (an 8-bit table's parameters alone)."""
+    if table.dtype in SCALED:
+        raise ValueError(f"table {name!r}: {str(table.dtype).removeprefix('torch.')} rows are "
+                         f"codes whose values are code * scale; pass the values (codes.float() "
+                         f"* scales, the state_dict's '{name}/scales'), or serve the layer with "
+                         f"for_serving(), which widens them")

@@ -32,7 +32,7 @@ from ..numerics.rounding import clamp_fix, narrowed_for_load
 from ..ops.backend import choose
 from ..ops.combine import combine
 from .package import package_program
-from .quantize import QuantizedTable, quantize_table, resolve_quantize
+from .quantize import QuantizedTable, check_not_scaled, quantize_table, resolve_quantize
 
 Table = torch.Tensor | QuantizedTable  # (N, D) rows, plain or quantized
 
@@ -234,6 +234,8 @@ def serving_embedding_lookup(inputs: Any, weights: Any, tables: Mapping[Any, tor
         vocab = None
         if f.table.dynamic is not None:
             table, vocab = _dynamic_entry(table, names[f.table])
+        if isinstance(table, torch.Tensor):
+            check_not_scaled(table, names[f.table])
         out.append(lookup_feature(f, f.name or path, names[f.table], table, ids, w, vocab))
     return unflatten_like(feature_config, out, _is_feature)
 

@@ -7,7 +7,9 @@ table, mapped.py). The kind is not asked again: the step calls the object's verb
 
 Static tables get their initial values here (per row, a function of the seed, the table and the
 row: config/tables.py); a dynamic table's rows are zeros until ids are admitted, with one zero
-row after them. A float16 / bfloat16 table gets its rounding (numerics/rounding.py).
+row after them. A float16 / bfloat16 table gets its rounding (numerics/rounding.py); an 8-bit
+table gets it too, and its row scales (``"scales"``, a row-wise float32 companion of the slots):
+its initial values are quantized to nearest, a scale per row of the shard's columns.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ..config.dtypes import slot_dtype
+from ..config.dtypes import SCALED, SCALES, slot_dtype
+from ..config.optimizers import table_slots
 from ..config.tables import INIT_BLOCK_ROWS, TableConfig, initial_rows
-from ..numerics.rounding import COMPACT, Rounding, Segments, shard_segments, table_key
+from ..numerics.rounding import COMPACT, Rounding, Segments, quantize, shard_segments, table_key
 from ..ops.backend import Backend
 from ..ops.memory import empty_table
 from ..ops.workspace import Workspace
@@ -123,7 +126,7 @@ class RowsBuilder:
 
     def _rows(self, p: PhysicalTable) -> Rows:
         """Physical table ``p``'s rows object: its kind, chosen here once."""
-        rounding = self._rounding(p) if p.dtype in COMPACT else None
+        rounding = self._rounding(p) if p.dtype in COMPACT + SCALED else None
         storage: Rows
         if p.offloaded:
             storage = OffloadedRows(p.index, self._offloaded(p), rounding, self.workspace,
@@ -142,7 +145,7 @@ class RowsBuilder:
             [m.local_offsets[rank] for m in members], p.row_counts[rank])
         keys = (torch.tensor([table_key(self.seed, n) for n in p.tables], dtype=torch.int64)
                 if rounding is not None and len(p.tables) > 1 else None)
-        fills = {s.name: s.initial_value for s in (p.optimizer.slots if p.optimizer else ())}
+        fills = {s.name: s.initial_value for s in table_slots(p.optimizer, p.dtype)}
         return MappedRows(stack, storage, p.columns[rank], fills, keys)
 
     def _rounding(self, p: PhysicalTable) -> Rounding:
@@ -176,6 +179,8 @@ class RowsBuilder:
         c0, c1 = p.columns[rank]
         n_local = p.row_counts[rank] + (1 if p.dynamic else 0)  # (a dynamic table's zero row)
         w = empty_table((n_local, c1 - c0), p.dtype, device)  # (N_r, D_r)
+        scaled = p.dtype in SCALED
+        scales = torch.ones(n_local, 1, device=device) if scaled else None  # (N_r, 1)
         if p.dynamic:  # rows get values at admission
             w.zero_()
         for name in (p.tables if not p.dynamic else ()):
@@ -184,7 +189,12 @@ class RowsBuilder:
             for i, j in init_blocks(*place.placement.span(rank)):
                 rows = place.placement.held_block(rank, i, j)
                 at = slice(start + i, start + j)
-                if (c0, c1) == (0, p.dim):  # whole rows: initialised in place
+                if scales is not None:  # 8-bit rows: quantized to nearest, a scale each
+                    values = initial_rows(configs[name], name, self.seed, rows,
+                                          out=torch.empty(len(rows), p.dim))  # (n, D)
+                    codes, scales[at] = quantize(values[:, c0:c1], p.dtype)
+                    w[at] = codes.to(device)
+                elif (c0, c1) == (0, p.dim):  # whole rows: initialised in place
                     initial_rows(configs[name], name, self.seed, rows, out=w[at])
                 else:
                     values = initial_rows(configs[name], name, self.seed, rows)  # (n, D)
@@ -194,6 +204,8 @@ class RowsBuilder:
         slots = (opt.init_slots(n_local, c1 - c0, dtype=slots_in, device=device,
                                 allocate=lambda shape, dtype, _: empty_table(shape, dtype, device))
                  if opt is not None else {})
+        if scales is not None:
+            slots[SCALES] = scales
         return w, slots
 
     def _fields(self, p: PhysicalTable) -> list[tuple[torch.dtype, int]]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
+from ..config.dtypes import SCALES
 from ..config.optimizers import Optimizer
 from ..numerics.rounding import Rounding
 from ..ops.backend import Backend
@@ -42,6 +43,7 @@ class MappedRows(Rows):
     """
 
     maps = True
+    may_refuse = True  # (a map's training step admits at most its capacity)
 
     def __init__(self, stack: DynamicStack, storage: Rows, columns: tuple[int, int],
                  fills: dict[str, float], member_keys: torch.Tensor | None = None) -> None:
@@ -150,15 +152,15 @@ class MappedRows(Rows):
 
             def write(table: torch.Tensor, slots: dict[str, torch.Tensor],
                       at: torch.Tensor) -> None:
+                for name, value in self.fills.items():
+                    slots[name].index_fill_(0, at, value)
                 # (masked entries, from maps on the device: the rows not taken are the zero
                 # row, whose slots keep their initial values, and whose values are not written)
                 for entry, at_m in zip(new, at.split(counts)):
-                    dyn = stack.members[entry[0]]
+                    dyn = stack.members[entry[0]]  # (an 8-bit table's scales set here)
                     initialize_rows(dyn.table, dyn.name, dyn.seed, entry[1], at_m, table,
-                                    self.columns, self.backend,
+                                    self.columns, self.backend, slots.get(SCALES),
                                     entry[3] if len(entry) == 4 else None)
-                for name, value in self.fills.items():
-                    slots[name].index_fill_(0, at, value)
 
             self.storage.renew(torch.cat([n[2] for n in new]) if len(new) > 1
                                else new[0][2], write)

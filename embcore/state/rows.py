@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
+from ..config.dtypes import SCALES
 from ..config.optimizers import Optimizer
 from ..kernels import cpu
-from ..numerics.rounding import Rounding
+from ..numerics.rounding import Rounding, widen
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine
@@ -59,6 +60,9 @@ class Rows:
     """
 
     maps = False  # whether a batch's ids are raw ids that a map turns into rows
+    # Whether a training ``resolve`` can refuse a batch (a map with more new ids than it holds):
+    # the step then agrees on the outcome across processes before any row or map changes.
+    may_refuse = False
 
     def __init__(self, p: int, rounding: Rounding | None, workspace: Workspace,
                  backend: Backend) -> None:
@@ -84,7 +88,8 @@ class Rows:
         raise NotImplementedError
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, D_r) shard rows ``rows`` (into ``out`` when given)."""
+        """(n, D_r) shard rows ``rows`` (into ``out`` when given); an 8-bit table's widened to
+        float32 with their scales (what the exchange sends)."""
         raise NotImplementedError
 
     def held(self, rows: torch.Tensor, count: bool = True, write: bool = False
@@ -205,7 +210,7 @@ class MemoryRows(Rows):
                  rounding: Rounding | None, workspace: Workspace, backend: Backend) -> None:
         super().__init__(p, rounding, workspace, backend)
         self._table, self.slots = table, slots
-        self._combine = TableCombine(table, backend)
+        self._combine = TableCombine(table, backend, slots.get(SCALES))
 
     @property
     def table(self) -> torch.Tensor:
@@ -222,6 +227,10 @@ class MemoryRows(Rows):
         return self._combine(bags.ids, bags), None  # (Rows.lookup, a call less: every step)
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        scales = self.slots.get(SCALES)
+        if scales is not None:  # (n, D_r) float32
+            got = widen(self._table[rows], scales[rows])
+            return got if out is None else out.copy_(got)
         if out is None:
             return self._table[rows]
         return torch.index_select(self._table, 0, rows, out=out)
@@ -257,7 +266,7 @@ class MemoryRows(Rows):
         super().to(device, workspace, backend)
         self._table = self._table.to(device)
         self.slots = {k: v.to(device) for k, v in self.slots.items()}
-        self._combine = TableCombine(self._table, backend)
+        self._combine = TableCombine(self._table, backend, self.slots.get(SCALES))
 
 
 class OffloadedRows(Rows):

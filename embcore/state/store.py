@@ -62,6 +62,7 @@ class RowStore:
         self._rows = builder.build()
         self._offload = builder.offload  # (the slow tier's directory lives as long as the store)
         self.maps = any(rows.maps for rows in self._rows)  # (a raw-id table: maps step)
+        self.may_refuse = any(rows.may_refuse for rows in self._rows)  # (Rows.may_refuse)
 
     def __getitem__(self, p: int) -> Rows:
         """Physical table ``p``'s rows object."""

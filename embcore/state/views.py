@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from ..base.comm import Communicator
+from ..config.optimizers import table_slots
 from ..numerics.rounding import narrowed_for_load
 from ..planning.plan import ShardingPlan
 from .changes import ChangedRows
@@ -42,9 +43,9 @@ def state_shapes(store: RowStore) -> dict[str, tuple[int, ...]]:
     vocabulary keys too: ``(N, 1)`` per row state, ``()`` for its step and seed)."""
     out: dict[str, tuple[int, ...]] = {}
     for place in store.plan.tables:
-        opt = store.plan.physical[place.physical].optimizer
+        phys = store.plan.physical[place.physical]
         out[f"{place.name}/parameters"] = (place.rows, place.dim)
-        for spec in (opt.slots if opt is not None else ()):
+        for spec in table_slots(phys.optimizer, phys.dtype):
             out[f"{place.name}/{spec.name}"] = (place.rows, 1 if spec.rowwise else place.dim)
         if store[place.physical].maps:
             for k in ROW_STATE:
@@ -161,8 +162,8 @@ def _load_maps(store: RowStore, values: Mapping[str, Any],
                            f"{[prefix + k for k in missing]}")
         rows_state = {k: new.pop(prefix + k)[:, 0] for k in ROW_STATE}
         pending = new.pop(prefix + PENDING, None)
-        opt = store.plan.physical[place.physical].optimizer
-        fills = {sp.name: sp.initial_value for sp in (opt.slots if opt is not None else ())}
+        phys = store.plan.physical[place.physical]
+        fills = {sp.name: sp.initial_value for sp in table_slots(phys.optimizer, phys.dtype)}
         floats = {k: new[f"{place.name}/{k}"] for k in ("parameters", *fills)
                   if f"{place.name}/{k}" in new}
         step = int(torch.as_tensor(values[prefix + "step"]))

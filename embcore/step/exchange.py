@@ -66,17 +66,18 @@ def fetch_rows(comm: Communicator, p: PhysicalTable, store: RowStore, tb: TableB
     if asked is None:
         asked = comm.all_to_all(rt.send_ids, count=(p.tables, "ids"))  # asked of this rank
     rows_here = store[p.index]
-    if rows_here.maps:  # raw ids: an owner's map step may fail
+    if rows_here.may_refuse:  # (raw ids: an owner's map step may refuse the batch)
         return _fetch_mapped(comm, p, store, tb, asked, training)
     answered, since = rows_here.resolve(asked, training)
     answers = [rows_here.gather(rows) for rows in answered]  # W x (n_s, D_r)
-    wire = comm.codec.rows_wire(p.dtype) if comm.codec is not None else None
+    dtype = p.rows_dtype  # (an 8-bit table's rows gathered widened)
+    wire = comm.codec.rows_wire(dtype) if comm.codec is not None else None
     if p.placement.splits_columns:
         widths = [c1 - c0 for c0, c1 in p.columns]
-        back = _rows_to_all(comm, wire, answers, rt.counts, widths, p.dtype,
+        back = _rows_to_all(comm, wire, answers, rt.counts, widths, dtype,
                             p.tables)  # W x (U, D_d)
         return torch.cat(back, dim=1), answered, since
-    back = _rows_to_all(comm, wire, answers, rt.counts, None, p.dtype, p.tables)  # W x (n_d, D)
+    back = _rows_to_all(comm, wire, answers, rt.counts, None, dtype, p.tables)  # W x (n_d, D)
     rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=back[0].dtype,
                        device=back[0].device)  # (U, D)
     assert rt.order is not None
@@ -101,10 +102,11 @@ def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Tab
     except ValueError as e:  # nothing changed here; the other processes learn it below
         failure, answered, since = e, [], None
     table = rows_here.table
+    dtype = p.rows_dtype  # (an 8-bit table's rows gathered widened)
     answers = []
     for s, ids in enumerate(asked):
         n = ids.numel() - rt.header  # (a stack's ids come after the count of each member's)
-        out = torch.empty(n + 1, table.shape[1], dtype=table.dtype,
+        out = torch.empty(n + 1, table.shape[1], dtype=dtype,
                           device=table.device)  # (n_s + 1, D): the rows, then the status
         if failure is None:
             rows_here.gather(answered[s], out=out[:-1])
@@ -113,9 +115,9 @@ def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Tab
             out.zero_()
             out[-1, 0] = 1
         answers.append(out)
-    wire = comm.codec.rows_wire(table.dtype) if comm.codec is not None else None
+    wire = comm.codec.rows_wire(dtype) if comm.codec is not None else None
     back = _rows_to_all(comm, wire, answers, [c + 1 for c in rt.counts], None,
-                        table.dtype, p.tables)  # W x (n_d + 1, D); (a status of 1: non-zero)
+                        dtype, p.tables)  # W x (n_d + 1, D); (a status of 1: non-zero)
     if failure is not None:
         raise failure
     status = torch.stack([b[-1, 0] for b in back])  # (W,)
@@ -125,7 +127,7 @@ def _fetch_mapped(comm: Communicator, p: PhysicalTable, store: RowStore, tb: Tab
             f"tables {list(p.tables)}: the training step of the map on process(es) {failed} "
             f"must admit more new ids than its shard holds (that process's error says how "
             f"many); every process drops this batch")
-    rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=table.dtype,
+    rows = torch.empty(tb.dedup.unique.numel(), p.dim, dtype=dtype,
                        device=table.device)  # (U, D)
     assert rt.order is not None
     rows[rt.order] = torch.cat([b[:-1] for b in back])

@@ -55,9 +55,9 @@ def check_map_steps(prepared: Prepared, store: RowStore,
     dynamic tables first (the collectives their lookups would make, whose results it returns
     for them: ``{physical: what each process asked}``) and agrees on the outcome (one small
     all_reduce), so every process raises, before any step, when one would fail."""
-    if not store.maps:  # (no raw-id table: no map steps)
+    if not store.may_refuse:  # (no table whose step can refuse a batch: nothing to agree on)
         return {}
-    dynamic = [tb for tb in prepared.tables if store[tb.physical].maps]
+    dynamic = [tb for tb in prepared.tables if store[tb.physical].may_refuse]
     if len(dynamic) < 2 and (comm.world_size == 1 or not dynamic or dynamic[0].segments is None
                              or len(dynamic[0].segments) < 2):
         return {}  # one table (one process's stack checks its own members: DynamicStack)

@@ -711,6 +711,12 @@ def read_all(path: str | Path, **kwargs) -> Batch:
 def count_distinct(path: str | Path, **kwargs) -> np.ndarray:
     """Distinct ids per feature over the (part of the) file read: (26,) int64. One whole pass;
     memory grows with the distinct ids (8 bytes each), not with the file."""
+    return np.asarray([s.size for s in distinct_ids(path, **kwargs)], dtype=np.int64)
+
+
+def distinct_ids(path: str | Path, **kwargs) -> list[np.ndarray]:
+    """Each feature's distinct ids over the (part of the) file read, ascending: 26 int64 arrays.
+    One whole pass (``count_distinct`` counts them)."""
     seen: list[np.ndarray] = [np.zeros(0, np.int64) for _ in range(NUM_SPARSE)]
     pending: list[list[np.ndarray]] = [[] for _ in range(NUM_SPARSE)]
     for i, batch in enumerate(read_batches(path, 65536, **kwargs)):
@@ -720,6 +726,4 @@ def count_distinct(path: str | Path, **kwargs) -> np.ndarray:
             for j in range(NUM_SPARSE):
                 seen[j] = np.unique(np.concatenate([seen[j], *pending[j]]))
                 pending[j] = []
-    for j in range(NUM_SPARSE):
-        seen[j] = np.unique(np.concatenate([seen[j], *pending[j]]))
-    return np.asarray([s.size for s in seen], dtype=np.int64)
+    return [np.unique(np.concatenate([seen[j], *pending[j]])) for j in range(NUM_SPARSE)]

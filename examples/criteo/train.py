@@ -71,8 +71,8 @@ from criteo.data import (  # noqa: E402
     NUM_SPARSE,
     DataError,
     ReadStats,
-    count_distinct,
     count_lines,
+    distinct_ids,
     has_labels,
     read_batches,
 )
@@ -117,7 +117,8 @@ TABLE_FLAGS = {"dim": MLPERF["dim"], "dtype": "float32", "stochastic_rounding": 
 FLAG_NAMES = {"stochastic_rounding": "--no-stochastic-rounding",
               "error_feedback": "--no-error-feedback"}  # (else --name-with-dashes)
 # --dtype: the tables' rows, float32 or compact 16-bit ones (TableConfig(dtype=...)).
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,7 +170,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--dtype", choices=tuple(DTYPES), **table,
                    help="the tables' rows (default float32): float16 or bfloat16 are compact "
                         "16-bit rows (half the bytes; activations stay float32, each update is "
-                        "computed in float32 and rounded back into the rows)")
+                        "computed in float32 and rounded back into the rows); float8_e4m3fn or "
+                        "float8_e5m2 are 8-bit rows with a float32 scale each (static tables: "
+                        "with --hash-buckets)")
     m.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
                    **table, help="--dtype float16 / bfloat16: round updates to nearest instead "
                                  "of stochastically (an update below half a unit in the last "
@@ -196,8 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(0, 1] of each feature's distinct training ids (counted by one extra "
                         "pass over the data; never below the batch size, or the feature's "
                         "distinct ids if fewer); beyond it the least recently used ids are "
-                        "evicted. A step needs a row per distinct id: an integer below "
-                        "--batch-size may stop the run. Default 1.0")
+                        "evicted; with several processes, of the ids each owns, times the "
+                        "processes. A step needs a row per distinct id: an integer below "
+                        "--batch-size (times the processes) may stop the run. Default 1.0")
     t = p.add_argument_group("training")
     t.add_argument("--epochs", type=int, default=1, help="passes over train.txt")
     t.add_argument("--batch-size", type=int, **derived,
@@ -545,8 +549,13 @@ def choose_settings(args: argparse.Namespace, data: Dataset | None, root: Path,
     return chosen
 
 
-def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
-               ) -> tuple[int, ...]:
+def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None],
+               world: int = 1) -> tuple[int, ...]:
+    """The tables' rows: ``--hash-buckets``, an integer ``--capacity``, or a fraction of each
+    feature's distinct training ids. With ``world`` processes a fraction is taken of the ids each
+    process owns (``splitmix64(id) % world``, the engine's ``"hash"`` sharding, where each holds
+    ``capacity / world`` rows): the most any process needs, times ``world``. Hashing splits ids
+    unevenly, so the distinct ids counted over all processes would leave the busiest one short."""
     if not args.raw_ids:
         sizes = args.hash_buckets * (NUM_SPARSE if len(args.hash_buckets) == 1 else 1)
         return tuple(int(s) for s in sizes)
@@ -559,11 +568,15 @@ def capacities(args: argparse.Namespace, data: Dataset | None, say: Callable[...
     say(f"counting the distinct ids of each feature for --capacity {args.capacity} (one pass; "
         f"pass an integer --capacity to skip it)", flush=True)
     part = {"part": "train", **data.holdout} if data.holdout else {}
-    distinct = count_distinct(data.train_path, labeled=True, **data.common, **part)
-    # A step must find a row for each of its distinct ids: never fewer rows than one batch can
-    # bring (the batch size), unless the feature has fewer distinct ids than that.
-    return tuple(max(1, math.ceil(round(args.capacity * int(n), 9)),
-                     min(int(n), args.batch_size)) for n in distinct)
+    caps = []
+    for ids in distinct_ids(data.train_path, labeled=True, **data.common, **part):
+        owners = ec.numerics.hashing.owner(torch.from_numpy(ids), world)
+        # A step must find a row for each of its distinct ids on their owner: never fewer rows
+        # there than one batch can bring (the batch size), unless it owns fewer ids than that.
+        caps.append(world * max(max(1, math.ceil(round(args.capacity * int(n), 9)),
+                                    min(int(n), args.batch_size))
+                                for n in torch.bincount(owners, minlength=world).tolist()))
+    return tuple(caps)
 
 
 # --------------------------------------------------------------------------------- the tables
@@ -573,10 +586,11 @@ def dense_sizes(args: argparse.Namespace) -> dict[str, Any]:
             "cross_rank": args.cross_rank, "top": tuple(args.top_mlp), "arch": args.model}
 
 
-def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None]
-               ) -> tuple[ModelConfig, ec.EmbeddingSpec]:
-    """The model config and the tables' spec that the flags describe."""
-    config = ModelConfig(capacities=capacities(args, data, say), dim=args.dim,
+def flags_spec(args: argparse.Namespace, data: Dataset | None, say: Callable[..., None],
+               world: int = 1) -> tuple[ModelConfig, ec.EmbeddingSpec]:
+    """The model config and the tables' spec that the flags describe (for ``world``
+    processes: a fractional ``--capacity``'s rows, ``capacities``)."""
+    config = ModelConfig(capacities=capacities(args, data, say, world), dim=args.dim,
                          raw_ids=args.raw_ids, **dense_sizes(args))
     # Accumulators start at 0 as torch's Adagrad (MLPerf's reference), not at TF's 0.1.
     opt_class = ec.Adagrad if args.embedding_optimizer == "adagrad" else ec.RowwiseAdagrad
@@ -947,7 +961,7 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
     root = out / "checkpoints"
     settings = choose_settings(args, data, root, say)
     if spec is None:
-        config, spec = flags_spec(args, data, say)
+        config, spec = flags_spec(args, data, say, world)
     else:
         config = config_from_spec(spec, **dense_sizes(args))
     if args.write_spec is not None:
@@ -1028,8 +1042,10 @@ def _run(args: argparse.Namespace, directory: Path | None, synthetic: dict | Non
                 if "new ids but the shard holds" not in str(e):
                     raise
                 raise ValueError(f"{e}: a dynamic table needs a row for every distinct id of "
-                                 f"a step; raise --capacity (--batch-size rows are always "
-                                 f"enough) or lower --batch-size") from e
+                                 f"a step on the process owning it; raise --capacity "
+                                 f"({args.batch_size * world} rows, --batch-size on each of "
+                                 f"{world} process(es), are always enough) or lower "
+                                 f"--batch-size") from e
             # sum / global batch: the engine sums row gradients over processes and the dense
             # gradients are summed below, so a step equals the one-process step on the batch
             loss = torch.nn.functional.binary_cross_entropy_with_logits(

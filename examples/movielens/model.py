@@ -37,7 +37,8 @@ import embcore as ec
 USER_TABLE, MOVIE_TABLE = "users", "movies"  # table names: checkpoint keys are "users/parameters"
 FEATURES = ("user_id", "movie_id")
 # The tables' row dtypes (ModelConfig.dtype, the job's --dtype): float32, or 16-bit compact rows.
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
                    help="the tables' rows: float32, or compact 16-bit rows (float16, bfloat16: "
                         "half the bytes; activations stay float32, each update is computed in "
-                        "float32 and rounded back into the rows)")
+                        "float32 and rounded back into the rows); float8_e4m3fn, float8_e5m2: "
+                        "8-bit rows with a float32 scale each")
     m.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_false",
                    help="--dtype float16 / bfloat16: round updates to nearest instead of "
                         "stochastically (an update below half a unit in the last place is then "

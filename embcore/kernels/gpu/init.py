@@ -8,7 +8,7 @@ table) with the default initial values of raw id ``ids[i]`` (``vocabulary.initia
 - ``key = splitmix64(splitmix64(id) ^ seed)``, ``bits = splitmix64(key + column) >> 11`` (53
   bits), ``u = (bits + 0.5) 2**-53`` (numerics/hashing.py's ``uniform``);
 - ``p = lo + u * span``; ``x = inverse_normal(p)`` (Acklam's approximation, the coefficients and
-  the order of operations of ``vocabulary.inverse_normal``), all in float64;
+  the order of operations of numerics/normal.py's ``inverse_normal``), all in float64;
 - ``out = float32(x / div)``, then the table's dtype, rounded to nearest (even) as
   ``Tensor.to`` rounds (a bfloat16 table, ``BF16``, is written as int16: its rounding done on the
   float32 bits, the same compiled and interpreted).

@@ -28,7 +28,11 @@ from ...base.comm import Communicator
 from ...config.tables import TableConfig, default_initializer, init_seed
 from ...kernels import cpu, gpu
 from ...numerics import hashing
-from ...numerics.rounding import COMPACT
+from ...numerics.normal import KERNEL as _KERNEL
+from ...numerics.normal import PHI_HI as _PHI_HI
+from ...numerics.normal import PHI_LO as _PHI_LO
+from ...numerics.normal import inverse_normal
+from ...numerics.rounding import COMPACT, quantize
 from ...ops.backend import Backend
 from ...planning.placement import Placement
 from .device_map import DeviceVocabMap, train_together
@@ -47,48 +51,11 @@ SCALARS = ("step", "seed")
 # seen in (P varies: the same on every process, written once). Absent from older checkpoints.
 PENDING = "pending"
 
-# Truncated normal cut at two standard deviations: the CDF of the cut points.
-_PHI_LO = 0.5 * math.erfc(2 / math.sqrt(2))
-_PHI_HI = 1.0 - _PHI_LO
 
 
 def table_seed(base_seed: int, name: str) -> int:
     """A dynamic table's seed: new rows' values depend on it and the id alone."""
     return init_seed(base_seed, name, -1)
-
-
-# Acklam's rational approximation of the standard normal's inverse CDF (relative error below
-# 1.15e-9): csrc/vocab.h's ``inverse_normal`` holds the same coefficients and operation order.
-_A = (-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
-      1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00)
-_B = (-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
-      6.680131188771972e+01, -1.328068155288572e+01)
-_C = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
-      -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00)
-_D = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
-      3.754408661907416e+00)
-_P_LOW = 0.02425
-_KERNEL = _A + _B + _C + _D + (_P_LOW, 1.0 - _P_LOW, _PHI_LO, _PHI_HI - _PHI_LO)  # (gpu.init_rows)
-
-
-def _poly(x: torch.Tensor, coefficients: tuple[float, ...]) -> torch.Tensor:
-    out = torch.full_like(x, coefficients[0])
-    for c in coefficients[1:]:
-        out = out * x + c
-    return out
-
-
-def inverse_normal(p: torch.Tensor) -> torch.Tensor:
-    """The standard normal's inverse CDF of float64 ``p`` in (0, 1) (Acklam: relative error
-    below 1.15e-9), in torch ops: the twin of the fused kernel's, operation for operation."""
-    q = p - 0.5
-    r = q * q
-    central = _poly(r, _A) * q / (_poly(r, _B) * r + 1.0)
-    lower = p < _P_LOW
-    t = torch.sqrt(-2.0 * torch.log(torch.where(lower, p, 1.0 - p)))
-    tail = _poly(t, _C) / (_poly(t, _D) * t + 1.0)
-    tail = torch.where(lower, tail, -tail)
-    return torch.where(lower | (p > 1.0 - _P_LOW), tail, central)
 
 
 def initial_values(table: TableConfig, name: str, seed: int, ids: torch.Tensor) -> torch.Tensor:
@@ -182,19 +149,27 @@ def _named_values(init: object, seed: int, ids: torch.Tensor,
 
 def initialize_rows(table: TableConfig, name: str, seed: int, ids: torch.Tensor,
                     rows: torch.Tensor, out: torch.Tensor, columns: tuple[int, int],
-                    backend: Backend, take: torch.Tensor | None = None) -> None:
+                    backend: Backend, scales: torch.Tensor | None = None,
+                    take: torch.Tensor | None = None) -> None:
     """Writes ``initial_values`` of ids (A,) where ``take`` (A,) bool (None: all) into rows (A,)
     of ``out`` (columns ``columns`` of the table), by the fused kernels on their backend (Triton:
-    one kernel on the device, ``gpu.init_rows``; elsewhere the ids taken are compacted first)."""
+    one kernel on the device, ``gpu.init_rows``; elsewhere the ids taken are compacted first);
+    an 8-bit table's quantized to nearest, their new scales into ``scales`` ((N, 1))."""
     if table.initializer is None and backend.triton and gpu.lookup_supported(out):
         dev = out.device
         gpu.init_rows(ids.to(dev), rows.to(dev), torch.ones_like(ids, dtype=torch.bool, device=dev)
                       if take is None else take.to(dev), out, columns[0],
-                      hashing._signed(seed & hashing.MASK64),
-                      _KERNEL + (math.sqrt(table.dim),))
+                      hashing._signed(seed & hashing.MASK64), _KERNEL + (math.sqrt(table.dim),))
         return
     if take is not None:
         ids, rows = ids[take], rows[take]
+    if scales is not None:
+        values = initial_values(table, name, seed, ids.cpu())[:, columns[0]:columns[1]]  # (A, C)
+        codes, new_scales = quantize(values, out.dtype)
+        at = rows.to(out.device)
+        out.view(torch.uint8).index_copy_(0, at, codes.to(out.device).view(torch.uint8))
+        scales.index_copy_(0, at, new_scales.to(scales.device))
+        return
     direct = out.dtype == torch.float32 and out.is_contiguous()
     if table.initializer is None and (direct or out.dtype in COMPACT) and backend.fused_cpu:
         # into the float32 table, or float32 values rounded to nearest as below
@@ -411,7 +386,10 @@ class DynamicRows:
         moved = {}
         for k, v in floats.items():
             out = torch.full_like(v, (fills or {}).get(k, 0.0))
-            out[rows] = vals[k].to(out.dtype)
+            if out.element_size() == 1:  # 8-bit codes: moved as bytes
+                out.view(torch.uint8)[rows] = vals[k].to(out.dtype).view(torch.uint8)
+            else:
+                out[rows] = vals[k].to(out.dtype)
             moved[k] = out
         return vmap, moved
 
