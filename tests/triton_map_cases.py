@@ -341,7 +341,7 @@ def test_one_kernel_writes_the_new_rows_initial_values_bit_for_bit(ids, seed, di
     previous = gpu.force_on_cpu(True) if not CUDA else None
     try:
         with no_sync():
-            initialize_rows(t, "t", seed, x.to(DEVICE), rows, out, (c0, c1), TRITON, take)
+            initialize_rows(t, "t", seed, x.to(DEVICE), rows, out, (c0, c1), TRITON, take=take)
     finally:
         if previous is not None:
             gpu.force_on_cpu(previous)
