@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from ..kernels import cpu, gpu
-from .bags import Dedup, bag_index, combiner_scales, dedup
+from .bags import Dedup, bag_index, combiner_scales, dedup, dedup_padded
 from .checksum import move_summed_fused, move_summed_torch
 
 Name = Literal["fused CPU", "Triton", "torch ops"]
@@ -127,10 +127,12 @@ class Backend:
         return bag_index(offsets, nnz)
 
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
-              num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """Concatenates ``parts[i] + adds[i]`` ((nnz_i,) int64 ids of each feature, shifted by
         its table's first row) and deduplicates the result: ``(ids (nnz,), dedup)``.
-        ``num_rows``: an upper bound of the shifted ids, or None for raw ids (any int64)."""
+        ``num_rows``: an upper bound of the shifted ids, or None for raw ids (any int64).
+        ``padded``: the caller's kernels take a dedup of fixed capacity (``bags.dedup_padded``),
+        which the Triton backend then gives (its size read back from no value)."""
         shifted = [t + a if a else t for t, a in zip(parts, adds)]
         ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
         return ids, dedup(ids)
@@ -204,7 +206,7 @@ class _FusedCPU(Backend):
         return cpu.bag_of(offsets.contiguous(), nnz)
 
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
-              num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """On the kernels in one call: row ids by a radix sort (it needs the bound), raw ids by
         hashing (their distinct ids then come in order of first occurrence, and the inverse
         comes with them)."""
@@ -251,6 +253,34 @@ class _Triton(Backend):
 
     def host(self) -> Backend:
         return host()
+
+    def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
+        """Row ids for kernels that take it deduplicated with a fixed capacity
+        (``bags.dedup_padded``: no synchronisation); else the torch ops'."""
+        if not padded or num_rows is None or _traced():
+            return super().dedup(parts, adds, num_rows)
+        if len(parts) == 1:
+            ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
+        else:  # one add of every part's shift (kept per layout), not one a part
+            ids = torch.cat(parts)  # (nnz,)
+            if any(adds):
+                ids += self._shifts(parts, adds)
+        return ids, dedup_padded(ids)
+
+    _kept: tuple[tuple[int, ...], tuple[int, ...], torch.device, torch.Tensor] | None = None
+
+    def _shifts(self, parts: Sequence[torch.Tensor], adds: Sequence[int]) -> torch.Tensor:
+        """(nnz,) int64 ``adds[i]`` at each id of ``parts[i]`` (the last layout's kept)."""
+        sizes, shifts = tuple(t.numel() for t in parts), tuple(adds)
+        device = parts[0].device
+        kept = self._kept
+        if kept is None or kept[:3] != (sizes, shifts, device):
+            made = torch.repeat_interleave(torch.tensor(shifts, device=device),
+                                           torch.tensor(sizes, device=device),
+                                           output_size=sum(sizes))  # (nnz,)
+            kept = self._kept = (sizes, shifts, device, made)
+        return kept[3]
 
 
 FUSED_CPU: Backend = _FusedCPU()

@@ -237,7 +237,7 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
         gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
                           g.dedup.unique_offsets, g.dedup.order,
                           None if g.bags.unit else g.bags.bag_of(TRITON), g.bags.scales,
-                          round_to)
+                          round_to, g.bags.verdict)
     else:
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
 

@@ -28,7 +28,7 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
-from ..kernels import cpu
+from ..kernels import cpu, gpu
 from ..numerics.rounding import Rounding
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
@@ -138,6 +138,12 @@ class Rows:
     def check_step(self, ids: list[torch.Tensor], segments: Segments | None = None) -> None:
         """Raises what ``resolve``'s training step over ``ids`` would (nothing here)."""
 
+    def takes_padded(self, optimizer: Optimizer | None) -> bool:
+        """Whether a batch's lookup and its update under ``optimizer`` (None: no update) take
+        a dedup of fixed capacity (ops/bags.py ``dedup_padded``): only the Triton kernels of
+        a table held whole in fast memory (``MemoryRows``), which skip its padding rows."""
+        return False
+
     def update(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,
                gradient_multiplier: float | None = None, since: Any = None,
@@ -214,6 +220,11 @@ class MemoryRows(Rows):
     def combine(self, index: torch.Tensor, bags: Bags, dedup: Dedup | None = None
                 ) -> torch.Tensor:
         return self._combine(index, bags)
+
+    def takes_padded(self, optimizer: Optimizer | None) -> bool:
+        table = self._table
+        return (self.backend.triton and gpu.lookup_supported(table)
+                and (optimizer is None or gpu.update_supported(optimizer, table, self.slots)))
 
     def lookup(self, bags: Bags, dedup: Dedup, training: bool,
                segments: Segments | None = None, comm: Communicator | None = None,
