@@ -263,7 +263,7 @@ class _Triton(Backend):
         if len(parts) == 1:
             ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
         else:  # one add of every part's shift (kept per layout), not one a part
-            ids = torch.cat(parts)  # (nnz,)
+            ids = torch.cat(list(parts))  # (nnz,)
             if any(adds):
                 ids += self._shifts(parts, adds)
         return ids, dedup_padded(ids)
