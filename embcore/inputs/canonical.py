@@ -249,10 +249,15 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
             if w_offsets.dtype not in INT_DTYPES:
                 raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
                                 f"{w_offsets.dtype}; {same}")
-            if tuple(w_offsets.shape) != tuple(offsets.shape) or (not tracing() and not torch.equal(
-                    w_offsets.to(device=offsets.device, dtype=torch.int64),
-                    given.to(device=offsets.device, dtype=torch.int64))):  # (as given)
+            if tuple(w_offsets.shape) != tuple(offsets.shape):
                 raise ValueError(same)
+            if not tracing():
+                mine = w_offsets.to(device=offsets.device, dtype=torch.int64)
+                theirs = given.to(device=offsets.device, dtype=torch.int64)  # (as given)
+                if checks is not None and checks.verdicts is not None:
+                    checks.add_same(mine, theirs, where)
+                elif not torch.equal(mine, theirs):
+                    raise ValueError(same)
         if w.dim() != 1 or w.shape[0] != values.numel():
             raise ValueError(f"{where}: weights hold {w.numel()} values of shape "
                              f"{list(w.shape)} but the ids hold {values.numel()}; {same} and "
@@ -475,6 +480,7 @@ class BatchChecks:
         self._pairs: list[tuple[tuple[torch.Tensor, torch.Tensor], int, str, str]] = []
         self._jagged: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
         self._weights: list[tuple[torch.Tensor, str]] = []
+        self._same: list[tuple[torch.Tensor, torch.Tensor, str]] = []
 
     def add(self, ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
         """``check_ids(ids, ...)``, answered by ``done``."""
@@ -494,6 +500,11 @@ class BatchChecks:
         """``check_weights(weights, where)``, judged on the device (with ``verdicts`` only)."""
         if weights.numel() and not tracing():
             self._weights.append((weights, where))
+
+    def add_same(self, offsets: torch.Tensor, given: torch.Tensor, where: str) -> None:
+        """The weights' jagged ``offsets`` equal to the ids' (``given``), judged on the device
+        (with ``verdicts`` only)."""
+        self._same.append((offsets, given, where))
 
     def done(self) -> torch.Tensor | None:
         """Raises the first malformed offsets' ``ValueError``, else the first bad id's; with
@@ -518,13 +529,16 @@ class BatchChecks:
     def _judged(self, verdicts: Verdicts) -> torch.Tensor | None:
         values: list[torch.Tensor] = [v for v, _, _, _ in self._jagged]
         layout: list[Entry] = [("offsets", where, 0, "") for _, _, _, where in self._jagged]
+        for mine, theirs, where in self._same:
+            values.append((mine != theirs).any())
+            layout.append(("same", where, 0, ""))
         for w, where in self._weights:
             values.append(torch.isfinite(w).all())
             layout.append(("weights", where, 0, ""))
         for bounds, vocab, where, table in self._pairs:
             values.extend(bounds)
             layout.append(("ids", where, vocab, table))
-        self._pairs, self._jagged, self._weights = [], [], []
+        self._pairs, self._jagged, self._weights, self._same = [], [], [], []
         if not values:
             return None
         report = torch.stack(values)  # (L,) int64: the values that judge the batch
@@ -532,7 +546,8 @@ class BatchChecks:
 
 
 # One check of a batch's report: (kind, where, vocabulary size, table): "offsets" (a 0 / 1
-# value: 1 malformed), "weights" (1: every weight finite) or "ids" (two values: min, max).
+# value: 1 malformed), "same" (1: the weights' jagged offsets differ from the ids'),
+# "weights" (1: every weight finite) or "ids" (two values: min, max).
 Entry = tuple[str, str, int, str]
 Layout = tuple[Entry, ...]
 
@@ -634,6 +649,9 @@ def _refuse_report(layout: Layout, values: list[int], count: int) -> None:
         if kind == "offsets" and values[at]:
             errors.append(f"{where}: jagged offsets must start at 0, never decrease and end "
                           f"at the number of values; {_JAGGED_FIX}")
+        elif kind == "same" and values[at]:
+            errors.append(f"{where}: weights must be a jagged tensor with the same offsets as "
+                          f"the ids")
         elif kind == "weights" and not values[at]:
             errors.append(f"{where} has a non-finite weight; weights must be finite")
         elif kind == "ids":
