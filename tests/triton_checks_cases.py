@@ -22,9 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 from sync_guard import Counts  # noqa: E402
 
 import embcore as ec  # noqa: E402
-from embcore.inputs.canonical import Verdicts  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
-from embcore.ops.bags import dedup, dedup_padded  # noqa: E402
+from embcore.ops.bags import dedup  # noqa: E402
 
 if CUDA:
     pytest.skip("run on the CPU's emulation of the device step", allow_module_level=True)
@@ -140,6 +139,7 @@ def test_good_batches_around_a_bad_one_train_as_the_host_checked_engine(optimize
 
 
 def test_check_reports_the_first_bad_batch_and_how_many_across_folds(monkeypatch):
+    from embcore.inputs.canonical import Verdicts
     monkeypatch.setattr(Verdicts, "FOLD", 2)
     emb = _engine(ec.Adagrad(learning_rate=0.1))
     kinds = [None, "negative", None, "id", "weight", None, None]
@@ -183,6 +183,7 @@ def test_lookups_and_the_host_mode_still_raise_at_once():
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(0, 12), max_size=40))
 def test_the_dedup_of_fixed_capacity_is_the_dedup_padded(ids):
+    from embcore.ops.bags import dedup_padded
     ids = torch.tensor(ids, dtype=torch.int64)
     want, got = dedup(ids), dedup_padded(ids)
     n, u = ids.numel(), want.unique.numel()
