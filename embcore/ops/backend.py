@@ -268,6 +268,33 @@ class _Triton(Backend):
                 ids += self._shifts(parts, adds)
         return ids, dedup_padded(ids)
 
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+                        ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """The torch ops' answer in fewer launches: one clamp between bounds of 0 first and
+        ``nnz`` last (``nnz`` times a kept pattern per batch size), then the running max."""
+        n = offsets.numel()
+        kept = self._patterns
+        if kept is None or kept[0] != n or kept[1] != offsets.device:
+            lo = torch.zeros(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
+            lo[-1] = 1
+            hi = torch.ones(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
+            hi[0] = 0
+            kept = self._patterns = (n, offsets.device, lo, hi)
+        safe = torch.cummax(offsets.clamp(kept[2] * nnz, kept[3] * nnz), 0).values  # (B + 1,)
+        return safe, (safe != offsets).any()
+
+    def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
+                        combiner: str, nnz: int, seg: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """The torch ops' scales; a mean over unweighted bags in fewer launches: each bag's
+        ``1 / length`` repeated over its ids (the same bits: one correctly rounded division)."""
+        if combiner != "mean" or weights is not None or seg is not None or _traced():
+            return combiner_scales(offsets, weights, combiner, nnz, seg)
+        lengths = offsets[1:] - offsets[:-1]  # (R,)
+        return torch.repeat_interleave(lengths.float().reciprocal_(), lengths,
+                                       output_size=nnz)  # (nnz,) float32
+
+    _patterns: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
     _kept: tuple[tuple[int, ...], tuple[int, ...], torch.device, torch.Tensor] | None = None
 
     def _shifts(self, parts: Sequence[torch.Tensor], adds: Sequence[int]) -> torch.Tensor:
