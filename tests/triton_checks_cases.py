@@ -222,3 +222,16 @@ def test_the_triton_backends_offsets_and_scales_are_the_torch_ops(lengths, nudge
         got = TRITON.combiner_scales(offsets, weights, combiner, nnz)
         want = TORCH_OPS.combiner_scales(offsets, weights, combiner, nnz)
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_the_layer_masks_a_bad_batch_or_raises_at_once_with_host_checks():
+    t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+    layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad")
+    before = layer.embedding_tables[t].clone()
+    layer({"f": torch.tensor([1, 10])})["f"].sum().backward()  # masked: nothing moves
+    assert torch.equal(layer.embedding_tables[t], before)
+    with pytest.raises(ValueError, match="feature 'f' has id 10"):
+        layer.engine.check()
+    host = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad", host_checks=True)
+    with pytest.raises(ValueError, match="feature 'f' has id 10"):
+        host({"f": torch.tensor([1, 10])})
