@@ -235,3 +235,19 @@ def test_the_layer_masks_a_bad_batch_or_raises_at_once_with_host_checks():
     host = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad", host_checks=True)
     with pytest.raises(ValueError, match="feature 'f' has id 10"):
         host({"f": torch.tensor([1, 10])})
+
+
+def test_a_masked_batch_beside_a_publish_flags_no_row_outside_the_table(tmp_path):
+    """Change tracking (a publish) beside a masked batch whose ids are out of range: the step
+    runs, no row moves, the next delta holds only rows inside the table."""
+    emb = _engine(ec.SGD(learning_rate=0.1))
+    _step(emb, *_batch(0))
+    ec.publish(tmp_path / "pub", emb)
+    before = _state(emb)
+    ids, weights = _batch(1)
+    ids["d"] = torch.tensor([1, 1000, -7, 2])  # (outside the stacked physical table too)
+    _step(emb, ids, weights)
+    assert all(torch.equal(before[k], v) for k, v in _state(emb).items())
+    ec.publish(tmp_path / "pub", emb)
+    with pytest.raises(ValueError, match="has id -7"):
+        emb.check()

@@ -255,6 +255,10 @@ class MemoryRows(Rows):
             rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
             round_to=round_to, guard=True)
         if self.changes is not None:
+            if isinstance(grad, OutputGrads) and grad.bags.verdict is not None:
+                # (a batch judged on the device may be masked, its ids out of range: flagged
+                # within the table, a few unchanged rows at most)
+                rows = rows.clamp(0, self._table.shape[0] - 1)
             self.written(rows, every=optimizer.updates_every_row)
 
     def full(self, key: str) -> torch.Tensor:
