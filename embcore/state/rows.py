@@ -28,12 +28,12 @@ import torch
 
 from ..base.comm import Communicator
 from ..config.optimizers import Optimizer
-from ..kernels import cpu, gpu
+from ..kernels import cpu
 from ..numerics.rounding import Rounding
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine
-from ..ops.update import TableUpdate
+from ..ops.update import TableUpdate, on_triton
 from ..ops.workspace import Workspace
 from .changes import ChangedRows
 from .tier.cache import CachedRows
@@ -222,9 +222,7 @@ class MemoryRows(Rows):
         return self._combine(index, bags)
 
     def takes_padded(self, optimizer: Optimizer | None) -> bool:
-        table = self._table
-        return (self.backend.triton and gpu.lookup_supported(table)
-                and (optimizer is None or gpu.update_supported(optimizer, table, self.slots)))
+        return on_triton(self.backend, self._table, self.slots, optimizer)
 
     def lookup(self, bags: Bags, dedup: Dedup, training: bool,
                segments: Segments | None = None, comm: Communicator | None = None,
