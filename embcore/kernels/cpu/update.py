@@ -67,7 +67,7 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", INT64, [
     ("step_key", INT64),
     ("overflow", written(U8, optional=True)),  # (U,) 16-bit rows: flags of rows left alone
     ("nt", INT),
-])
+], packed=True)
 
 
 _RULES = {int(r): r.name for r in sorted(NATIVE)}  # the kernel's rules by id
