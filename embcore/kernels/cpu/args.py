@@ -488,8 +488,8 @@ class Kernel:
             elif isinstance(kind, ArrayArg):  # an array of its type, or None (as ctypes checks)
                 lines += [f"    if {arg} is None:",
                           f"        _s[{i}] = 0",
-                          f"    elif isinstance({arg}, _Array) and {arg}._type_ is "
-                          f"kinds[{i}].ctype._type_:",
+                          (f"    elif isinstance({arg}, _Array) and {arg}._type_ is "
+                           f"kinds[{i}].ctype._type_:"),
                           f"        _s[{i}] = _addressof({arg})",
                           "    else:",
                           f"        raise kernel.slot_error({i}, {arg})"]
