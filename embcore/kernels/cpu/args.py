@@ -10,6 +10,9 @@ array the wrapper builds), ``allocated`` (an address inside the wrapper's own ne
 ``HYPER`` (a ``Hyper``), and the scalars ``INT64``, ``INT``, ``DOUBLE``. A tensor of the wrong
 dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and the
 argument, raised before the kernel runs; a scalar of the wrong type, a ``TypeError`` naming it.
+A kernel declared ``packed=True`` (the step's hot kernels) is also exported as
+``<name>_packed(slots)`` (csrc/packed.h), which ``Kernel.partial``'s calls use: the arguments in
+one array of int64 slots, one ctypes conversion a call.
 """
 
 from __future__ import annotations
@@ -436,7 +439,9 @@ class Kernel:
         checks it (a tensor as ``(tensor, n)``), and kept (a tensor stays referenced: its
         address stays valid). Returns a function of the other arguments, in order, that
         checks those at every call: for a kernel called every step with the same table,
-        whose checks would otherwise be repeated on every call. Loads the library."""
+        whose checks would otherwise be repeated on every call. A ``packed`` kernel's function
+        then passes every argument in one array of slots (``_packed_source``: one ctypes
+        conversion instead of one per argument). Loads the library."""
         unknown = sorted(set(fixed) - {arg for arg, _ in self.args})
         if unknown:
             raise TypeError(f"{self.name}: no argument(s) {unknown}; it takes "
