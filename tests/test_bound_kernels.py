@@ -295,3 +295,23 @@ def test_a_bound_call_keeps_its_slots_per_thread():
     for t in threads:
         t.join()
     assert not wrong
+
+
+def test_a_one_off_dedup_binds_nothing_and_a_layout_binds_at_its_second_call(monkeypatch):
+    """``dedup`` / ``concat_dedup`` (a new ``ConcatDedup`` each call) take the unbound call:
+    binding compiles a function, which a one-off call would pay every time; a ``ConcatDedup``
+    called again (a batch layout's, every step) binds, with the same results."""
+    ids = torch.tensor([5, 1, 5, 3])
+    bound = []
+    partial = cpu.batch._CONCAT_DEDUP.partial
+    monkeypatch.setattr(cpu.batch._CONCAT_DEDUP, "partial",
+                        lambda **fixed: bound.append(1) or partial(**fixed))
+    unique, order, uoff = cpu.dedup(ids, 8)
+    assert unique.tolist() == [1, 3, 5] and uoff.tolist() == [0, 1, 2, 4] and not bound
+    layout = cpu.batch.ConcatDedup([2, 2], [0, 8], 16, [8, 8])
+    first = layout([ids[:2], ids[2:]])
+    assert not bound
+    again = layout([ids[:2], ids[2:]])
+    assert len(bound) == 1 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    layout([ids[:2], ids[2:]])
+    assert len(bound) == 1

@@ -123,21 +123,31 @@ class ConcatDedup:
         self.lens, self.adds, self._longs = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
         self.bits = max(int(num_rows) - 1, 1).bit_length()
-        self._call: Any = None  # the kernel with the fixed arguments bound, at the first call
+        # the kernel with the fixed arguments bound (``Kernel.partial``), from the second call
+        # on: binding compiles a function, which a one-off ``concat_dedup`` would pay each time
+        self._call: Any = None
+        self._called = False
 
     def __call__(self, parts: Sequence[torch.Tensor], steps: Sequence[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
         """``parts``: int64 CPU tensors of the lengths given, contiguous, or ``steps[i]``
         elements apart (e.g. a column of a wider batch) when ``steps`` are given."""
         n, call = self.n, self._call
-        if call is None:
-            call = self._call = _CONCAT_DEDUP.partial(lens=self.lens, adds=self.adds,
-                                                      limits=self.limits, nparts=self.k,
-                                                      bits=self.bits)
         buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
         base = buf.data_ptr()
-        u = call((parts, self.sizes, steps), None if steps is None else self._longs(*steps),
-                 base, base + 8 * n, base + 16 * n, base + 24 * n, threads())
+        stepped = None if steps is None else self._longs(*steps)
+        if call is None and not self._called:  # the first call: unbound
+            self._called = True
+            u = _CONCAT_DEDUP.call((parts, self.sizes, steps), self.lens, stepped, self.adds,
+                                   self.limits, self.k, self.bits, base, base + 8 * n,
+                                   base + 16 * n, base + 24 * n, threads())
+        else:
+            if call is None:  # (called again: a batch layout's, every step)
+                call = self._call = _CONCAT_DEDUP.partial(lens=self.lens, adds=self.adds,
+                                                          limits=self.limits, nparts=self.k,
+                                                          bits=self.bits)
+            u = call((parts, self.sizes, steps), stepped, base, base + 8 * n, base + 16 * n,
+                     base + 24 * n, threads())
         if u < 0:
             return -1 - u
         # the four tensors in one call (a view costs about a microsecond: this runs every step;
