@@ -144,6 +144,41 @@ inline bool fused_block(const RowStep& s, uint16_t* row, const float* g, float* 
   return false;
 }
 
+#if defined(__AVX512F__)
+// fused_block on the float16 columns [c, c + 16) with AVX-512, in registers: step_columns's
+// arithmetic (x - lr * q is one fused multiply-add there too, as the compiler contracts it;
+// std::max(x, lo) is max(lo, x), NaN kept) and f16_*_v16's rounding. ``input``: the random
+// bits' hash inputs of the 16 columns (stochastic). Returns the lanes that overflowed.
+inline __mmask16 fused_f16_x16(const RowStep& s, uint16_t* row, const float* g, float* a, i64 c,
+                               bool stochastic, __m512i input, uint16_t* before) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+  if (before) _mm256_storeu_si256(reinterpret_cast<__m256i*>(before + c), h);
+  const __m512 w = _mm512_cvtph_ps(h);  // (exact)
+  const __m512 gv = _mm512_loadu_ps(g + c);
+  const __m512 lr = _mm512_set1_ps(s.lr);
+  __m512 x = w;
+  if (s.rule == kSGD) {
+    x = _mm512_fnmadd_ps(lr, gv, x);
+  } else if (s.rule == kAdagrad) {
+    const __m512 an = _mm512_fmadd_ps(gv, gv, _mm512_loadu_ps(a + c));
+    _mm512_storeu_ps(a + c, an);
+    const __m512 empty = _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(an, _mm512_setzero_ps(), _CMP_LE_OQ), _mm512_set1_ps(1.f));
+    x = _mm512_fnmadd_ps(lr, _mm512_div_ps(gv, _mm512_sqrt_ps(_mm512_add_ps(an, empty))), x);
+  } else if (s.stepped) {  // kRowwiseAdagrad
+    x = _mm512_fnmadd_ps(lr, _mm512_div_ps(gv, _mm512_set1_ps(s.root)), x);
+  }
+  if (s.decayed) x = _mm512_fnmadd_ps(_mm512_set1_ps(s.wd), w, x);
+  if (s.bounded)
+    x = _mm512_min_ps(_mm512_set1_ps(s.wmax), _mm512_max_ps(_mm512_set1_ps(s.wmin), x));
+  __mmask16 over = 0;
+  const __m256i r = stochastic ? f16_stochastic_v16(x, lowbias32_x16(input), &over)
+                               : f16_nearest_v16(x, &over);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), r);
+  return over;
+}
+#endif
+
 // Steps 3-6 on a 16-bit row (d columns) in one pass, kBlock columns at a time: the same bits as
 // widening the whole row, stepping it and rounding it back (the random bits of column col0 + c
 // are column c's whatever the block). ``before`` (d,): the guard's copy of the row, nullptr
@@ -154,6 +189,18 @@ inline bool fused_row16(const RowStep& s, uint16_t* row, const float* g, float* 
                         bool stochastic, uint32_t key32, i64 col0, uint16_t* before) {
   bool over = false;
   i64 c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (T == kF16) {  // 16 columns at a time in registers
+    __mmask16 lanes = 0;
+    __m512i input = hash_inputs_x16(key32, uint32_t(col0));
+    const __m512i step = _mm512_set1_epi32(int32_t(16U * kGolden32));
+    for (; c0 + 16 <= d; c0 += 16) {
+      lanes |= fused_f16_x16(s, row, g, a, c0, stochastic, input, before);
+      input = _mm512_add_epi32(input, step);
+    }
+    over = before != nullptr && lanes != 0;
+  }
+#endif
   for (; c0 + kBlock <= d; c0 += kBlock)  // whole blocks (their width a constant)
     over |= fused_block<T>(s, row, g, a, c0, kBlock, stochastic, key32, col0, before);
   if (c0 < d)
