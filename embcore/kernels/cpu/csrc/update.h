@@ -393,7 +393,7 @@ extern "C" {
 // w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
 // accumulator take no step (0 / 0).
 // Rows of 16-bit type ``type`` (kF16, kBF16; kF32: float32) are widened, updated in float32 and
-// rounded back (half.h): stochastically when ``stochastic``, the identity of row rows[u] from
+// rounded back (half.h) in one pass, a block of columns at a time (fused_row16): stochastically when ``stochastic``, the identity of row rows[u] from
 // key_rows[rows[u]] (rows[u] itself from n_keys on; key_rows nullptr: n_keys 0) through the
 // segments (seg_starts
 // (nseg + 1,), seg_bases, seg_muls (nseg,)), columns col0 + c and ``step_key`` =
