@@ -29,6 +29,7 @@ from .config.exchange import ExchangeCompression
 from .config.optimizers import Optimizer
 from .config.spec import EmbeddingSpec, from_spec
 from .config.tables import TableConfig
+from .inputs.canonical import Verdicts
 from .inputs.features import Features, Shapes, is_feature
 from .ops.backend import choose
 from .planning.plan import ShardingPlan
@@ -135,6 +136,11 @@ class Embedding:
             ``"bf16"``, ``"fp16"`` or ``"fp8"`` both ways, or an ``ec.ExchangeCompression``
             per direction (docs/semantics.md section 5). Ids travel exact; one process
             exchanges nothing.
+        host_checks: check every batch's ids, jagged offsets and weights on the host, each
+            error raised at once (debugging). False (the default): where the step runs on
+            the Triton backend (a GPU), a training batch is checked on the device without
+            waiting, a bad one changes nothing, and ``check()`` raises its error
+            (docs/semantics.md section 2); every other backend checks on the host anyway.
 
     Raises:
         ValueError / TypeError: invalid structures, names, optimizers or arguments.
@@ -158,7 +164,8 @@ class Embedding:
                  memory_budget: int | str | None = None,
                  offload_dir: str | os.PathLike | None = None,
                  profile: LookupProfile | str | os.PathLike | None = None,
-                 exchange_compression: ExchangeCompression | str | None = None) -> None:
+                 exchange_compression: ExchangeCompression | str | None = None,
+                 host_checks: bool = False) -> None:
         self._lock = threading.RLock()  # see _serialized
         budget, profile = parse_budget(memory_budget), LookupProfile.of(profile)
         compression = ExchangeCompression.of(exchange_compression)
@@ -182,6 +189,8 @@ class Embedding:
         self._path: StepPath | None = None
         self._queue = StepQueue(self.pipeline_execution)
         self._step = 0
+        # the verdicts of training batches checked on the device, read by ``check``
+        self._verdicts = None if host_checks else Verdicts()
 
     @property
     def plan(self) -> ShardingPlan:
@@ -298,7 +307,8 @@ class Embedding:
             self._store = RowStore(self._plan, configs, self._seed, self._comm, self.device,
                                    self._offload_dir)
         if self._path is None:
-            self._path = StepPath(self._features, self._plan, self._store, self._comm)
+            self._path = StepPath(self._features, self._plan, self._store, self._comm,
+                                  self._verdicts)
         return self._path
 
     @contextlib.contextmanager
@@ -336,6 +346,30 @@ class Embedding:
             self._queue.put(training, background=path.staged(features, weights, training))
         else:
             self._queue.put(training, path.prepare(features, weights, training, Shapes.FIX))
+
+    @_serialized
+    def check(self) -> None:
+        """Raises the error of the first training batch since the last ``check`` that failed
+        its input checks on the device (an id out of range, malformed jagged offsets, a
+        non-finite weight), naming the feature and the value, with how many batches failed.
+        Such a batch changed nothing: its activations were zeros, its ``apply_gradients``
+        left every row and slot as they were (the step still counted). Only the Triton
+        backend defers these checks (``host_checks=False``); elsewhere a bad batch raises at
+        its ``enqueue`` and this returns at once. One read from the device, where some
+        batches were checked there; call it where the step may wait (every few hundred
+        steps, before a checkpoint, at the end of an epoch).
+
+        Raises:
+            ValueError: a batch failed its checks (forgotten once raised).
+
+        Example:
+            >>> import torch, embcore as ec
+            >>> t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+            >>> emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+            >>> emb.check()  # (on the CPU a bad batch raises at its enqueue: nothing pending)
+        """
+        if self._verdicts is not None:
+            self._verdicts.check()
 
     @_serialized
     def dequeue(self, name: str | None = None) -> Any:

@@ -67,7 +67,8 @@ class EmbeddingLayer(torch.nn.Module):
             None: the tables are ``nn.Parameter``s trained by your own torch optimizer.
 
     The keyword-only args (pipeline_execution, sharding, process_group, device, timeout,
-    memory_budget, offload_dir, profile, exchange_compression) are those of ``ec.Embedding``.
+    memory_budget, offload_dir, profile, exchange_compression, host_checks) are those of
+    ``ec.Embedding`` (``layer.engine.check()`` reads the checks a GPU made on the device).
 
     A training forward's ``backward()`` applies its batch's update (each forward carries its own
     step; a forward never backpropagated changes nothing). The batch size may vary between
@@ -93,7 +94,7 @@ class EmbeddingLayer(torch.nn.Module):
                  timeout: float | timedelta | None = None,
                  memory_budget: int | str | None = None,
                  offload_dir: Any = None, profile: Any = None,
-                 exchange_compression: Any = None) -> None:
+                 exchange_compression: Any = None, host_checks: bool = False) -> None:
         super().__init__()
         self.feature_config = feature_config
         opt = resolve_optimizer(optimizer) if optimizer is not None else None
@@ -101,7 +102,8 @@ class EmbeddingLayer(torch.nn.Module):
                                 sharding=sharding, process_group=process_group, device=device,
                                 timeout=timeout, memory_budget=memory_budget,
                                 offload_dir=offload_dir, profile=profile,
-                                exchange_compression=exchange_compression)
+                                exchange_compression=exchange_compression,
+                                host_checks=host_checks)
         self._parameters_mode = optimizer is None
         dynamic = sorted(n for t, n in self.engine.table_names().items() if t.dynamic is not None)
         if self._parameters_mode and dynamic:

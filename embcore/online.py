@@ -29,7 +29,7 @@ import torch
 from .base.comm import CollectiveError, everywhere, from_rank0, summed
 from .base.nest import leaves_with_paths, unflatten_like
 from .base.version import __version__
-from .config.dtypes import SCALED
+from .config.dtypes import SCALED, SCALES
 from .config.spec import EmbeddingSpec
 from .config.tables import FeatureConfig
 from .engine import Embedding
@@ -109,6 +109,9 @@ def _serving_spec(engine: Embedding) -> dict[str, Any]:
     return EmbeddingSpec(served, None).to_dict()
 
 
+SCALED_NAMES = {str(d).removeprefix("torch.") for d in SCALED}  # (as manifests name them)
+
+
 # ------------------------------------------------------------------------------------ publish
 def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, *,
             slots: bool = False, snapshot: bool | None = None,
@@ -139,7 +142,6 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
 
     Raises:
         TypeError: ``obj`` is not an engine or layer with an optimizer.
-        ValueError: a table has 8-bit rows (float8_e4m3fn, float8_e5m2: not published yet).
         RuntimeError: another trainer publishes to ``directory``.
         FileExistsError: ``directory`` exists and is neither empty nor a publish directory.
         PublishError (a ValueError): the directory changed under this trainer (an entry it did
@@ -165,11 +167,6 @@ def publish(directory: str | os.PathLike[str], obj: Embedding | EmbeddingLayer, 
     """
     engine = _engine(obj, "ec.publish")
     _check_publish_args(slots, snapshot, keep_snapshots, compact_ratio)
-    scaled = sorted(n for t, n in engine.table_names().items() if t.dtype in SCALED)
-    if scaled:
-        raise ValueError(f"ec.publish: tables {scaled} have 8-bit rows, which publishes do not "
-                         f"carry yet (their scales); save them with ec.save, serve them with "
-                         f"for_serving(), or give them dtype=torch.float16 or torch.bfloat16")
     start = time.perf_counter()
     directory = Path(os.fspath(directory))
     with engine.quiescent() as store:
@@ -433,6 +430,8 @@ def _chunks(store: RowStore, place: Any, local: torch.Tensor, slots: bool, dynam
     c0, c1 = place.placement.columns(rank)
     keys = ["parameters"] + ([s.name for s in phys.optimizer.slots]
                              if slots and phys.optimizer is not None else [])
+    if phys.dtype in SCALED and SCALES not in keys:  # 8-bit rows: codes with their scales
+        keys.append(SCALES)
     width = 8 + (c1 - c0) * 4 * len(keys)
     step = max(1, writer.PART_BYTES // width)
     held = place.placement.held_rows(rank)
@@ -525,13 +524,20 @@ def resume(directory: Path, obj: Embedding | EmbeddingLayer, *, slots: bool = Tr
                                  f"{' dynamic' if got.get('dynamic') else ''} in {directory} "
                                  f"but [{want['vocabulary_size']}, {want['dim']}]"
                                  f"{' dynamic' if want.get('dynamic') else ''} in the target")
+            if got.get("dtype") != want["dtype"] and SCALED_NAMES & {got.get("dtype"),
+                                                                     want["dtype"]}:
+                raise ValueError(f"table {n!r} has {got.get('dtype')} rows in {directory} but "
+                                 f"{want['dtype']} rows in the target; 8-bit rows resume into "
+                                 f"a table of the same dtype only (ec.save and ec.load convert "
+                                 f"them)")
         complete = slots and not missing  # (the step needs every table with all its slots)
         keys: dict[str, tuple[int, ...]] = {}
         for k, shape in shapes.items():
             n, _, what = k.partition("/")
             if n not in names:
                 continue
-            if what == "parameters" or what.startswith(VOCAB):
+            if what == "parameters" or what.startswith(VOCAB) or (
+                    what == SCALES and own[n]["dtype"] in SCALED_NAMES):  # (part of the rows)
                 keys[k] = shape
             elif not slots:
                 continue

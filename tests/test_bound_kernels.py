@@ -205,3 +205,113 @@ def test_output_grads_is_what_the_update_reads():
     again = OutputGrads(*grad)
     assert (again.parts, again.starts, again.bags, again.dedup) == tuple(grad)
     assert again.parts is grad.parts and again.dedup is grad.dedup
+
+
+# ------------------------------------------------------------- the packed calls (csrc/packed.h)
+_PACKED = {"ec_concat_dedup", "ec_lookup", "ec_sparse_update"}
+
+
+def test_the_hot_kernels_are_declared_packed_as_packed_h_exports_them():
+    """The kernels declared ``packed`` are those csrc/packed.h exports as ``<name>_packed``, and
+    the loaded library has each entry. Needs the library (requires_native)."""
+    import re
+    declared = {k.name for k in cpu.args.kernels() if k.packed}
+    text = (cpu.CSRC / "packed.h").read_text()
+    assert set(re.findall(r"^EC_PACKED\((ec_\w+)\)$", text, re.M)) == declared == _PACKED
+    lib = cpu.library._load()
+    for name in declared:
+        assert getattr(lib, f"{name}_packed") is not None
+
+
+def test_a_bound_call_of_a_packed_kernel_passes_one_argument(monkeypatch):
+    """A bound hot kernel (``Kernel.partial``) calls ``<name>_packed`` with its arguments in
+    slots, not the ctypes call of every argument: with the per-argument entry gone, the bound
+    lookup, update and dedup still give the results of the unbound calls."""
+    gen = torch.Generator().manual_seed(3)
+    table, acc = torch.randn(6, 4, generator=gen), torch.rand(6, 4, generator=gen) + 0.1
+    ids = torch.tensor([4, 1, 4, 0])
+    want_out = cpu.lookup(table, ids, None, None, torch.empty(4, 4))
+    grads = [torch.randn(4, 4, generator=gen)]
+    t2, a2 = table.clone(), acc.clone()
+    unique, order, uoff = cpu.dedup(ids, 6)
+    hyper = cpu.Hyper(learning_rate=0.5)
+    cpu.sparse_update(cpu.ADAGRAD, t2, a2, unique, hyper, grads, [0, 4], uoff, order)
+    want_dedup = cpu.concat_dedup([ids[:2], ids[2:]], [0, 2], 8, [6, 6])
+    for name in _PACKED:  # (each kernel's per-argument entry fails from here on)
+        kernel = next(k for k in cpu.args.kernels() if k.name == name)
+        monkeypatch.setattr(kernel, "_fn", None)
+    out = cpu.TableLookup(table)(ids, None, None, torch.empty(4, 4))
+    assert torch.equal(out, want_out)
+    cpu.SparseUpdate(cpu.ADAGRAD, table, acc)(unique, hyper, grads, [0, 4], uoff, order)
+    assert torch.equal(table, t2) and torch.equal(acc, a2)
+    got = cpu.batch.ConcatDedup([2, 2], [0, 2], 8, [6, 6])([ids[:2], ids[2:]])
+    assert all(torch.equal(a, b) for a, b in zip(got, want_dedup, strict=True))
+    assert cpu.batch.ConcatDedup([2, 2], [0, 2], 8, [6, 6])([ids[:2], ids[2:] + 3]) == 1
+
+
+def test_a_packed_bound_call_names_a_wrong_argument_and_changes_nothing():
+    """An argument of the wrong type to a bound packed kernel is the TypeError of the unbound
+    call, naming the kernel and the argument; the table is left as it was."""
+    table = torch.randn(5, 3)
+    acc = torch.ones(5, 3)
+    before = table.clone()
+    update = cpu.SparseUpdate(cpu.ADAGRAD, table, acc)
+    rows, grads = torch.tensor([1, 2]), [torch.ones(2, 3)]
+    with pytest.raises(TypeError, match="ec_sparse_update: argument 'hyper' must be"):
+        update(rows, 0.5, grads)
+    with pytest.raises(TypeError, match="ec_sparse_update: argument 'rows' must be"):
+        update(rows.int(), cpu.Hyper(learning_rate=0.5), grads)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), d=3)
+    out = torch.zeros(2, 3)
+    with pytest.raises(TypeError, match="ec_lookup: argument 'r_rows' must be int64: wrong "
+                                        "type float"):
+        call((rows, 2), (None, 3), (None, 2), 2.0, (out, 6), 1)
+    with pytest.raises(TypeError, match="ec_lookup: argument 'nt' must be int: wrong type"):
+        call((rows, 2), (None, 3), (None, 2), 2, (out, 6), None)
+    assert torch.equal(table, before) and out.eq(0).all() and acc.eq(1).all()
+    call((rows, 2), (None, 3), (None, 2), 2, (out, 6), 1)  # and the right call runs
+    assert torch.equal(out, table[rows])
+
+
+def test_a_bound_call_keeps_its_slots_per_thread():
+    """Threads calling one bound kernel at once each write their own slots: every thread's
+    lookups give its own rows."""
+    import threading
+    table = torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), d=8)
+    wrong = []
+
+    def worker(k: int) -> None:
+        ids = torch.full((16,), k, dtype=torch.int64)
+        for _ in range(300):
+            out = torch.empty(16, 8)
+            call((ids, 16), (None, 17), (None, 16), 16, (out, 128), 1)
+            if not torch.equal(out, table[ids]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
+
+
+def test_a_one_off_dedup_binds_nothing_and_a_layout_binds_at_its_second_call(monkeypatch):
+    """``dedup`` / ``concat_dedup`` (a new ``ConcatDedup`` each call) take the unbound call:
+    binding compiles a function, which a one-off call would pay every time; a ``ConcatDedup``
+    called again (a batch layout's, every step) binds, with the same results."""
+    ids = torch.tensor([5, 1, 5, 3])
+    bound = []
+    partial = cpu.batch._CONCAT_DEDUP.partial
+    monkeypatch.setattr(cpu.batch._CONCAT_DEDUP, "partial",
+                        lambda **fixed: bound.append(1) or partial(**fixed))
+    unique, order, uoff = cpu.dedup(ids, 8)
+    assert unique.tolist() == [1, 3, 5] and uoff.tolist() == [0, 1, 2, 4] and not bound
+    layout = cpu.batch.ConcatDedup([2, 2], [0, 8], 16, [8, 8])
+    first = layout([ids[:2], ids[2:]])
+    assert not bound
+    again = layout([ids[:2], ids[2:]])
+    assert len(bound) == 1 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    layout([ids[:2], ids[2:]])
+    assert len(bound) == 1

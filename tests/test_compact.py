@@ -630,3 +630,71 @@ def test_the_planner_counts_compact_rows_at_their_bytes():
         return emb.plan.bytes_per_rank()[0]
     assert plan_bytes(torch.float32) == 1000 * (64 * 4 + 4)
     assert plan_bytes(torch.float16) == plan_bytes(torch.bfloat16) == 1000 * (64 * 2 + 4)
+
+
+@requires_native
+@settings(max_examples=examples(40), deadline=None)
+@given(st.sampled_from(COMPACT), st.sampled_from(["sgd", "adagrad"]), st.booleans(),
+       st.booleans(), st.integers(1, 140), st.data())
+def test_a_row_updated_in_two_column_splits_is_the_row_updated_whole(dtype, kind, stochastic,
+                                                                     options, d, data):
+    """The update takes a 16-bit row's columns a block at a time (16 in registers, then the
+    rest): each column's result depends on its own values and its column number only, so a
+    table updated whole and in two column splits (the second with its first column's number)
+    have the same bits, wherever the blocks fall."""
+    k = data.draw(st.integers(0, d))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    kw = dict(clipvalue=1.0, weight_decay_factor=0.01, clip_weight_min=-2.0,
+              clip_weight_max=1.5, gradient_multiplier=lambda step: 0.5) if options else {}
+    opt = {"sgd": ec.SGD, "adagrad": ec.Adagrad}[kind](learning_rate=0.3, **kw)
+    n = 24
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    slots = {s.name: torch.rand(n, d, generator=gen) for s in opt.slots}
+    rows = torch.randperm(n, generator=gen)[:16]
+    grad = torch.randn(16, d, generator=gen)
+    seg = rounding.shard_segments([("t", 0, torch.arange(n))], 3, n)
+    parts = [(0, k), (k, d)] if 0 < k < d else [(0, d)]
+    split = [(table[:, a:b].clone(), {s: v[:, a:b].clone() for s, v in slots.items()}, a, b)
+             for a, b in parts]
+    update(table, slots, rows, grad, opt, 0.3, 5, round_to=rounding.Rounding(stochastic, seg).at(5),
+           gradient_multiplier=0.5 if options else None)
+    for t, s, a, b in split:
+        r = rounding.Rounding(stochastic, seg, col0=a).at(5)
+        update(t, s, rows, grad[:, a:b].contiguous(), opt, 0.3, 5, round_to=r,
+               gradient_multiplier=0.5 if options else None)
+        assert same_bits(t, table[:, a:b])
+        assert all(torch.equal(s[name], slots[name][:, a:b]) for name in s)
+
+
+@requires_native
+@settings(max_examples=examples(40), deadline=None)
+@given(st.sampled_from(COMPACT), st.sampled_from(["sgd", "adagrad", "rowwise"]), st.booleans(),
+       st.booleans(), st.integers(1, 140), st.integers(0, 2**31 - 1))
+def test_every_rule_on_rows_of_any_width_is_the_float32_rule_rounded(dtype, kind, stochastic,
+                                                                      options, d, seed):
+    """Rows of any width (whole 16-column blocks and a tail, or a tail only), every rule, to
+    nearest or stochastically: the rounded float32 result or, where float32 noise crosses a
+    16-bit boundary, its neighbour, never further (as the test of every rule above, width 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(clipvalue=1.0, weight_decay_factor=0.01, clip_weight_min=-2.0,
+              clip_weight_max=1.5, gradient_multiplier=lambda step: 0.5) if options else {}
+    opt = {"sgd": ec.SGD, "adagrad": ec.Adagrad, "rowwise": ec.RowwiseAdagrad}[kind](
+        learning_rate=0.3, **kw)
+    n = 24
+    table = torch.randn(n, d, generator=gen).to(dtype)
+    slots = {s.name: torch.rand(n, 1 if s.rowwise else d, generator=gen) + 0.1 for s in opt.slots}
+    rows = torch.randperm(n, generator=gen)[:16]
+    grad = torch.randn(16, d, generator=gen)
+    seg = rounding.shard_segments([("t", 0, torch.arange(n))], 3, n)
+    new_w, _ = reference_update(opt, table[rows].float(), grad,
+                                {k: v[rows] for k, v in slots.items()}, lr=0.3, step=0)
+    want = oracle_round(torch.tensor(new_w, dtype=torch.float32), dtype, stochastic,
+                        identities(seg, rows), 11).float()
+    update(table, slots, rows, grad, opt, 0.3, 0,
+           round_to=rounding.Rounding(stochastic, seg).at(11),
+           gradient_multiplier=0.5 if options else None)
+    got = table[rows].float()
+    ulp = (torch.nextafter(want.to(dtype), torch.full_like(want, torch.inf).to(dtype)).float()
+           - want).abs()
+    assert bool(((got - want).abs() <= ulp * 1.01).all())
+    assert float((got == want).float().mean()) > 0.9

@@ -416,7 +416,7 @@ def test_checkpoints_keep_codes_and_scales_and_convert_on_load(tmp_path):
 @pytest.mark.parametrize("dtype", FP8)
 def test_8_bit_rows_serve_their_values_and_quantize(dtype):
     """``for_serving()`` serves the rows' values (code * scale, float32), or int8 / fp16 codes
-    quantized from them; publishing and plain nn.Parameters are refused by name."""
+    quantized from them; plain nn.Parameters are refused by name."""
     t = ec.TableConfig(vocabulary_size=50, dim=8, dtype=dtype, name="t")
     layer = ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, "adagrad")
     ids = torch.tensor([0, 3, 49, 3])
@@ -437,10 +437,72 @@ def test_8_bit_rows_serve_their_values_and_quantize(dtype):
         ec.serving_embedding_lookup({"f": ids}, None, {t: codes}, layer.feature_config)
     with pytest.raises(ValueError, match=r"table 't': float8_\w+ rows are codes"):
         ec.quantize_table(codes, "int8", name="t")
-    with pytest.raises(ValueError, match=r"ec.publish: tables \['t'\] have 8-bit rows"):
-        ec.publish("/nonexistent-never-written", layer)
     with pytest.raises(ValueError, match=r"tables \['t'\] have 8-bit rows.*pass an optimizer"):
         ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, optimizer=None)
+
+
+def _fp8_layer(dtype, seed=0):
+    torch.manual_seed(seed)
+    tables = {"a": ec.TableConfig(vocabulary_size=40, dim=8, dtype=dtype, name="a"),
+              "b": ec.TableConfig(vocabulary_size=32, dim=8, dtype=dtype, name="b",
+                                  dynamic=ec.DynamicVocabulary()),
+              "c": ec.TableConfig(vocabulary_size=20, dim=8, name="c")}
+    return ec.EmbeddingLayer({k: ec.FeatureConfig(table=t) for k, t in tables.items()},
+                             ec.Adagrad(learning_rate=0.25))
+
+
+def _fp8_steps(layer, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        out = layer({"a": torch.randint(0, 40, (16,), generator=g),
+                     "b": torch.randint(0, 24, (16,), generator=g) * 1000003,
+                     "c": torch.randint(0, 20, (16,), generator=g)})
+        sum((o * torch.randn(o.shape, generator=g)).sum() for o in out.values()).backward()
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_a_publish_of_8_bit_rows_serves_what_for_serving_serves(dtype, tmp_path):
+    """A publish carries an 8-bit table's codes with their scales: a follower (from the snapshot,
+    refreshed by deltas, or loaded anew) serves the values ``code * scale`` exactly as
+    ``for_serving()`` does; ``ec.load`` of the directory resumes codes and scales bit for bit
+    (the scales with ``slots=False`` too), and into a table of another dtype is refused."""
+    layer = _fp8_layer(dtype)
+    _fp8_steps(layer, 2, 1)
+    d = tmp_path / "pub"
+    assert ec.publish(d, layer)["kind"] == "snapshot"
+    follower = ec.load_published(d)
+    ask = {"a": torch.arange(40), "b": torch.arange(30) * 1000003, "c": torch.arange(20)}
+    want = first = layer.for_serving()(ask)
+    got = follower(ask)
+    for k in ask:
+        assert torch.equal(got[k], want[k]), k
+    _fp8_steps(layer, 3, 2)
+    info = ec.publish(d, layer, slots=True)
+    assert info["kind"] == "snapshot"  # (a change of slots)
+    _fp8_steps(layer, 2, 3)
+    info = ec.publish(d, layer, slots=True)
+    assert info["kind"] == "delta" and info["rows"]["a"] > 0
+    assert follower.refresh() == 2
+    want = layer.for_serving()(ask)
+    for served in (follower, ec.load_published(d)):
+        got = served(ask)
+        for k in ask:
+            assert torch.equal(got[k], want[k]), k
+    assert not torch.equal(want["a"], first["a"])  # (the deltas changed what is served)
+    sd = layer.engine.state_dict()
+    back = _fp8_layer(dtype, seed=9)
+    ec.load(d, back)
+    _same_state(sd, back.engine.state_dict(),
+                ["a/parameters", "a/scales", "a/accumulators", "b/parameters", "b/scales",
+                 "c/parameters"])
+    rows = _fp8_layer(dtype, seed=9)
+    ec.load(d, rows, slots=False)
+    _same_state(sd, rows.engine.state_dict(), ["a/parameters", "a/scales", "b/scales"])
+    wide = _fp8_layer(torch.float32, seed=9)
+    before = wide.engine.state_dict()
+    with pytest.raises(ValueError, match=r"table 'a' has float8_\w+ rows in .* but float32 rows"):
+        ec.load(d, wide)
+    _same_state(before, wide.engine.state_dict())
 
 
 @pytest.mark.parametrize("dtype", FP8)

@@ -117,6 +117,23 @@ def test_the_follower_answers_from_one_version_and_follows(tmp_path):
     assert all(torch.equal(got[k], v) for k, v in state["dense_arch"].items())
 
 
+def test_8_bit_rows_train_publish_and_serve(tmp_path):
+    """``--dtype float8_e4m3fn``: the tables hold 8-bit rows, published as codes and scales; the
+    follower scores as the trainer's model restored from the entry does."""
+    _run(tmp_path, "--hours", "2", "--frozen-after", "0", "--dtype", "float8_e4m3fn")
+    run = tmp_path / "run"
+    follower = serve.Follower(run)
+    lines = (run / "stream" / "part-00001.txt").read_text().splitlines()[:50]
+    scores, _, _ = follower.score(lines)
+    job = train.Job(train.parse_args(["--out", str(run), *TINY, "--dtype", "float8_e4m3fn"]))
+    job.resume()
+    state = job.model.embedding.engine.state_dict()
+    assert state["C1/parameters"].dtype == torch.float8_e4m3fn and "C1/scales" in state
+    batch = next(train.read_batches(run / "stream" / "part-00001.txt", 50, labeled=True))
+    want = job.score(job.model, torch.from_numpy(batch.dense), torch.from_numpy(batch.sparse))
+    np.testing.assert_allclose(scores, want, rtol=1e-6, atol=1e-7)
+
+
 def _call(application, method, path, body=None):
     data = json.dumps(body).encode() if body is not None else b""
     environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "CONTENT_LENGTH": str(len(data)),

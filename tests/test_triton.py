@@ -6,7 +6,8 @@ triton indirectly (torch.compile, torch.export), so the cases run in a fresh int
 ``TRITON_INTERPRET=1`` (``python -m pytest tests/triton_cases.py``), and this test reports its
 result; likewise tests/triton_map_cases.py (the raw-id map on the device) and
 tests/triton_cache_cases.py (the cache of tables beyond device memory) and
-tests/step_budget_cases.py (the syncs and ops of a steady device step, within a ceiling); and
+tests/step_budget_cases.py (the syncs and ops of a steady device step, within a ceiling) and
+tests/triton_checks_cases.py (its input checks on the device, its dedup of fixed capacity); and
 tests/triton_compile_cases.py compiles kernels for sm_90 without the interpreter. Skipped when
 triton is not installed.
 """
@@ -28,6 +29,7 @@ MAP_CASES = Path(__file__).with_name("triton_map_cases.py")  # the raw-id map on
 CACHE_CASES = Path(__file__).with_name("triton_cache_cases.py")  # the cache on the device
 COMPILE_CASES = Path(__file__).with_name("triton_compile_cases.py")  # compiled for sm_90
 BUDGET_CASES = Path(__file__).with_name("step_budget_cases.py")  # the device step's budget
+CHECKS_CASES = Path(__file__).with_name("triton_checks_cases.py")  # its checks, its dedup
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install -e '.[gpu-test]')", allow_module_level=True)
@@ -45,7 +47,8 @@ else:
                                "-p", "no:cacheprovider", "-p", "no:warnings",
                                *(["--hypothesis-profile", profile] if profile else []),
                                str(CASES), str(MAP_CASES),
-                               str(CACHE_CASES), str(BUDGET_CASES)], capture_output=True, text=True,
+                               str(CACHE_CASES), str(BUDGET_CASES), str(CHECKS_CASES)],
+                              capture_output=True, text=True,
                               env=env, cwd=CASES.parents[1], timeout=900)
         check_fresh_run(proc)
 

@@ -68,8 +68,9 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         device: where the canonical tensors live (jagged offsets and sparse indices are moved
             there before they are checked).
         backend: ``device``'s backend.
-        checks: where the checks that read values back go (jagged offsets, the ids' range),
-            answered for the whole batch at once (``BatchChecks.done``); None: checked here.
+        checks: where the checks that read values back go (jagged offsets, the ids' range;
+            weights too where it judges on the device), answered for the whole batch at once
+            (``BatchChecks.done``); None: checked here.
 
     Raises:
         TypeError: unsupported tensor kinds or dtypes.
@@ -103,8 +104,8 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         shape = tuple(ids.shape[:-1]) if ids.dim() >= 2 and ids.shape[-1] == 1 else tuple(ids.shape)
         if ids.dtype not in INT_DTYPES:
             raise TypeError(f"{where}: ids must be int32 or int64, got {ids.dtype}")
-        flat = ids.reshape(-1).to(device=device, dtype=torch.int64,
-                                  non_blocking=True).contiguous()  # (nnz,)
+        flat = (ids if ids.dim() == 1 else ids.reshape(-1)).to(
+            device=device, dtype=torch.int64, non_blocking=True).contiguous()  # (nnz,)
         if table.dynamic is None:  # raw ids of a dynamic table may be any int64
             _check_ids(flat, table.vocabulary_size, where, table_name, backend, checks)
         return Bags(flat, None, None, shape)
@@ -130,7 +131,10 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
     if table.dynamic is None:  # raw ids of a dynamic table may be any int64
         _check_ids(values, table.vocabulary_size, where, table_name, backend, checks)
     if w is not None and feature.validate_weights_and_indices:
-        check_weights(w, where)
+        if checks is not None and checks.verdicts is not None:
+            checks.add_weights(w, where)
+        else:
+            check_weights(w, where)
     if seq > 0:
         if positions is not None:
             positions = positions.to(device=device, non_blocking=True)
@@ -245,10 +249,15 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
             if w_offsets.dtype not in INT_DTYPES:
                 raise TypeError(f"{where}: weights' jagged offsets must be int32 or int64, got "
                                 f"{w_offsets.dtype}; {same}")
-            if tuple(w_offsets.shape) != tuple(offsets.shape) or (not tracing() and not torch.equal(
-                    w_offsets.to(device=offsets.device, dtype=torch.int64),
-                    given.to(device=offsets.device, dtype=torch.int64))):  # (as given)
+            if tuple(w_offsets.shape) != tuple(offsets.shape):
                 raise ValueError(same)
+            if not tracing():
+                mine = w_offsets.to(device=offsets.device, dtype=torch.int64)
+                theirs = given.to(device=offsets.device, dtype=torch.int64)  # (as given)
+                if checks is not None and checks.verdicts is not None:
+                    checks.add_same(mine, theirs, where)
+                elif not torch.equal(mine, theirs):
+                    raise ValueError(same)
         if w.dim() != 1 or w.shape[0] != values.numel():
             raise ValueError(f"{where}: weights hold {w.numel()} values of shape "
                              f"{list(w.shape)} but the ids hold {values.numel()}; {same} and "
@@ -458,27 +467,53 @@ class BatchChecks:
     lookups come after the batch is made), so a bad batch still changes nothing. ``done``
     raises the first malformed offsets' error, then the first bad id's, in the batch's order
     (docs/semantics.md section 2). The fused CPU kernels answer at once (nothing is left to
-    ``done`` but the ids)."""
+    ``done`` but the ids).
 
-    def __init__(self, backend: Backend) -> None:
+    With ``verdicts`` (a training batch on the Triton backend) nothing is read back: ``done``
+    reduces the checks, finite weights included, to a report on the device and returns the
+    batch's verdict there (``Verdicts.judge``), which its kernels read (``Bags.verdict``)."""
+
+    def __init__(self, backend: Backend, verdicts: Verdicts | None = None) -> None:
         self.backend = backend
+        self.verdicts = verdicts
         self._ids: list[tuple[torch.Tensor, int, str, str]] = []
+        self._pairs: list[tuple[tuple[torch.Tensor, torch.Tensor], int, str, str]] = []
         self._jagged: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
+        self._weights: list[tuple[torch.Tensor, str]] = []
+        self._same: list[tuple[torch.Tensor, torch.Tensor, str]] = []
 
     def add(self, ids: torch.Tensor, vocab: int, where: str, table: str) -> None:
         """``check_ids(ids, ...)``, answered by ``done``."""
         if ids.numel() and not tracing():
-            self._ids.append((self.backend.bounds(ids), vocab, where, table))
+            if self.verdicts is None:
+                self._ids.append((self.backend.bounds(ids), vocab, where, table))  # (2,)
+            else:  # () min, () max
+                lo, hi = torch.aminmax(ids)
+                self._pairs.append(((lo, hi), vocab, where, table))
 
     def add_offsets(self, verdict: torch.Tensor, offsets: torch.Tensor, nnz: int,
                     where: str) -> None:
         """Offsets whose ``verdict`` (0-d, nonzero: malformed) ``done`` reads."""
         self._jagged.append((verdict, offsets, nnz, where))
 
-    def done(self) -> None:
-        """Raises the first malformed offsets' ``ValueError``, else the first bad id's."""
+    def add_weights(self, weights: torch.Tensor, where: str) -> None:
+        """``check_weights(weights, where)``, judged on the device (with ``verdicts`` only)."""
+        if weights.numel() and not tracing():
+            self._weights.append((weights, where))
+
+    def add_same(self, offsets: torch.Tensor, given: torch.Tensor, where: str) -> None:
+        """The weights' jagged ``offsets`` equal to the ids' (``given``), judged on the device
+        (with ``verdicts`` only)."""
+        self._same.append((offsets, given, where))
+
+    def done(self) -> torch.Tensor | None:
+        """Raises the first malformed offsets' ``ValueError``, else the first bad id's; with
+        ``verdicts``, returns the batch's verdict on the device instead (None: nothing to
+        judge)."""
+        if self.verdicts is not None:
+            return self._judged(self.verdicts)
         if not self._ids and not self._jagged:
-            return
+            return None
         ids, self._ids = self._ids, []
         jagged, self._jagged = self._jagged, []
         got = torch.cat([*(v.reshape(1).to(torch.int64) for v, _, _, _ in jagged),
@@ -489,6 +524,143 @@ class BatchChecks:
         at = len(jagged)
         for k, (_, vocab, where, table) in enumerate(ids):
             _refuse_ids(got[at + 2 * k], got[at + 2 * k + 1], vocab, where, table)
+        return None
+
+    def _judged(self, verdicts: Verdicts) -> torch.Tensor | None:
+        values: list[torch.Tensor] = [v for v, _, _, _ in self._jagged]
+        layout: list[Entry] = [("offsets", where, 0, "") for _, _, _, where in self._jagged]
+        for mine, theirs, where in self._same:
+            values.append((mine != theirs).any())
+            layout.append(("same", where, 0, ""))
+        for w, where in self._weights:
+            values.append(torch.isfinite(w).all())
+            layout.append(("weights", where, 0, ""))
+        for bounds, vocab, where, table in self._pairs:
+            values.extend(bounds)
+            layout.append(("ids", where, vocab, table))
+        self._pairs, self._jagged, self._weights, self._same = [], [], [], []
+        if not values:
+            return None
+        report = torch.stack(values)  # (L,) int64: the values that judge the batch
+        return verdicts.judge(tuple(layout), report)
+
+
+# One check of a batch's report: (kind, where, vocabulary size, table): "offsets" (a 0 / 1
+# value: 1 malformed), "same" (1: the weights' jagged offsets differ from the ids'),
+# "weights" (1: every weight finite) or "ids" (two values: min, max).
+Entry = tuple[str, str, int, str]
+Layout = tuple[Entry, ...]
+
+
+class Verdicts:
+    """The verdicts of an engine's training batches checked on the device (the Triton backend),
+    read at one point: ``check`` (``Embedding.check``; docs/semantics.md section 2).
+
+    ``judge`` gives a batch its verdict without reading a value: () int64, nonzero when an id
+    is out of range, its jagged offsets are malformed or a weight is not finite. The batch's
+    kernels read it and then change nothing: its activations are zeros and its update leaves
+    every row and slot as they were (``Bags.verdict``, kernels/gpu/rows.py). The reports are
+    kept until ``check``; every ``FOLD`` batches they are folded on the device into the first
+    bad one's and a count (a few ops, no value read), so that they take bounded memory.
+    ``check`` reads what is kept once and raises the error the host's checks would have
+    raised for the first bad batch, with how many were dropped.
+    """
+
+    FOLD = 64
+
+    def __init__(self) -> None:
+        self._reports: list[tuple[Layout, torch.Tensor]] = []  # since the last fold
+        self._kept: dict[Layout, torch.Tensor] = {}  # (1 + L,): bad batches, first's report
+        self._limits: dict[Layout, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _bounds(self, layout: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L,) int64 lowest and highest value of a good batch's report, per entry."""
+        got = self._limits.get(layout)
+        if got is None or got[0].device != device:
+            lo: list[int] = []
+            hi: list[int] = []
+            for kind, _, vocab, _ in layout:
+                if kind == "ids":
+                    lo += [0, 0]
+                    hi += [vocab - 1, vocab - 1]
+                else:
+                    good = int(kind == "weights")
+                    lo.append(good)
+                    hi.append(good)
+            got = self._limits[layout] = (torch.tensor(lo, device=device),
+                                          torch.tensor(hi, device=device))
+        return got
+
+    def judge(self, layout: Layout, report: torch.Tensor) -> torch.Tensor:
+        """The verdict of a batch whose checks gave ``report`` ((L,) int64, as ``layout``
+        says), kept for ``check``: () int64 on the device, nonzero when the batch is bad."""
+        lo, hi = self._bounds(layout, report.device)
+        self._reports.append((layout, report))
+        if len(self._reports) >= self.FOLD:
+            self._fold()
+        return (report.clamp(lo, hi) != report).sum()
+
+    def _fold(self) -> None:
+        """The reports since the last fold, merged on the device into ``_kept``."""
+        reports, self._reports = self._reports, []
+        by: dict[Layout, list[torch.Tensor]] = {}
+        for layout, r in reports:
+            by.setdefault(layout, []).append(r)
+        for layout, rs in by.items():
+            lo, hi = self._bounds(layout, rs[0].device)
+            stacked = torch.stack(rs)  # (n, L)
+            bad = (stacked.clamp(lo, hi) != stacked).any(1)  # (n,)
+            new = torch.cat([bad.sum().reshape(1),
+                             stacked[bad.to(torch.int64).argmax()]])  # (1 + L,)
+            old = self._kept.get(layout)
+            if old is not None:  # the earlier first bad batch stays the first
+                count = old[:1] + new[:1]
+                new = torch.cat([count, torch.where(old[0] != 0, old[1:], new[1:])])
+            self._kept[layout] = new
+
+    def check(self) -> None:
+        """Raises the ``ValueError`` of the first batch judged bad since the last check (one
+        read back, none when no batch was judged); forgets them either way."""
+        self._fold()
+        kept, self._kept = self._kept, {}
+        if not kept:
+            return
+        got = torch.cat(list(kept.values())).tolist()  # one read back
+        at = 0
+        for layout in kept:
+            count, values = got[at], got[at + 1:at + 1 + _width(layout)]
+            at += 1 + _width(layout)
+            if count:
+                _refuse_report(layout, values, count)
+
+
+def _width(layout: Layout) -> int:
+    return sum(2 if kind == "ids" else 1 for kind, _, _, _ in layout)
+
+
+def _refuse_report(layout: Layout, values: list[int], count: int) -> None:
+    """The ``ValueError`` of a batch judged bad on the device from its report ``values``."""
+    dropped = (f"{count} training batch{'es' if count > 1 else ''} since the last check "
+               f"failed the input checks on the device and changed nothing (masked); the "
+               f"first: ")
+    at = 0
+    errors: list[str] = []
+    for kind, where, vocab, table in layout:
+        if kind == "offsets" and values[at]:
+            errors.append(f"{where}: jagged offsets must start at 0, never decrease and end "
+                          f"at the number of values; {_JAGGED_FIX}")
+        elif kind == "same" and values[at]:
+            errors.append(f"{where}: weights must be a jagged tensor with the same offsets as "
+                          f"the ids")
+        elif kind == "weights" and not values[at]:
+            errors.append(f"{where} has a non-finite weight; weights must be finite")
+        elif kind == "ids":
+            try:
+                _refuse_ids(values[at], values[at + 1], vocab, where, table)
+            except ValueError as e:
+                errors.append(str(e))
+        at += 2 if kind == "ids" else 1
+    raise ValueError(dropped + (errors[0] if errors else "a check failed"))
 
 
 def check_weights(weights: torch.Tensor, where: str) -> None:

@@ -25,7 +25,13 @@ from ..config.optimizers import Optimizer
 from ..config.tables import FeatureConfig, TableConfig, resolve_table_names
 from ..ops.backend import Backend
 from ..ops.bags import Bags
-from .canonical import BatchChecks, canonicalize, output_shape_from_input_shape, resolve_shape
+from .canonical import (
+    BatchChecks,
+    Verdicts,
+    canonicalize,
+    output_shape_from_input_shape,
+    resolve_shape,
+)
 from .kjt import from_keyed_jagged, is_keyed_jagged
 
 
@@ -197,9 +203,12 @@ class Features:
         return out, tables
 
     def bags(self, features: Any, weights: Any, device: torch.device, backend: Backend,
-             shapes: Shapes) -> list[Bags | None]:
+             shapes: Shapes, verdicts: Verdicts | None = None) -> list[Bags | None]:
         """One ``Bags`` per feature of a batch, its shapes as ``shapes`` says (``Shapes.ANY``:
-        ``serving_bags`` of these features). Nothing changes unless the whole batch is valid.
+        ``serving_bags`` of these features). Nothing changes unless the whole batch is valid;
+        with ``verdicts`` (a training batch on the Triton backend) the values it would read
+        back are judged on the device instead: each ``Bags`` carries the batch's verdict,
+        and a bad batch changes nothing (``Verdicts``).
 
         Raises:
             ValueError / TypeError: bad structures, ids, weights or shapes, naming the feature.
@@ -207,10 +216,12 @@ class Features:
         if shapes is Shapes.ANY:
             return self.serving_bags(self.template, features, weights, device, backend)[0]
         flat_ids, flat_w = _flat_inputs(self.template, features, weights, len(self._all))
-        checks = BatchChecks(backend)  # (offsets and ids, read back once for the batch)
+        checks = BatchChecks(backend, verdicts)  # (offsets and ids, read back once a batch)
         made = [canonicalize(self.configs[i], self.names[i], self.tables[i], ids, w, device,
                              backend, checks) for i, ids, w in zip(self._all, flat_ids, flat_w)]
-        checks.done()  # (then the shapes: a bad id is named before a shape that differs)
+        verdict = checks.done()  # (then the shapes: a bad id is named before a shape that differs)
+        if verdict is not None:  # (judged on the device: each feature's bags carry it)
+            made = [replace(b, verdict=verdict) for b in made]
         out: list[Bags | None] = [_shaped(self.configs[i], self.names[i], ids, b,
                                           self.shapes[i], self.declared[i])
                                   for i, ids, b in zip(self._all, flat_ids, made)]

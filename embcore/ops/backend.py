@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from ..kernels import cpu, gpu
-from .bags import Dedup, bag_index, combiner_scales, dedup
+from .bags import Dedup, bag_index, combiner_scales, dedup, dedup_padded
 from .checksum import move_summed_fused, move_summed_torch
 
 Name = Literal["fused CPU", "Triton", "torch ops"]
@@ -127,10 +127,12 @@ class Backend:
         return bag_index(offsets, nnz)
 
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
-              num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """Concatenates ``parts[i] + adds[i]`` ((nnz_i,) int64 ids of each feature, shifted by
         its table's first row) and deduplicates the result: ``(ids (nnz,), dedup)``.
-        ``num_rows``: an upper bound of the shifted ids, or None for raw ids (any int64)."""
+        ``num_rows``: an upper bound of the shifted ids, or None for raw ids (any int64).
+        ``padded``: the caller's kernels take a dedup of fixed capacity (``bags.dedup_padded``),
+        which the Triton backend then gives (its size read back from no value)."""
         shifted = [t + a if a else t for t, a in zip(parts, adds)]
         ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
         return ids, dedup(ids)
@@ -204,7 +206,7 @@ class _FusedCPU(Backend):
         return cpu.bag_of(offsets.contiguous(), nnz)
 
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
-              num_rows: int | None) -> tuple[torch.Tensor, Dedup]:
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """On the kernels in one call: row ids by a radix sort (it needs the bound), raw ids by
         hashing (their distinct ids then come in order of first occurrence, and the inverse
         comes with them)."""
@@ -251,6 +253,61 @@ class _Triton(Backend):
 
     def host(self) -> Backend:
         return host()
+
+    def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
+              num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
+        """Row ids for kernels that take it deduplicated with a fixed capacity
+        (``bags.dedup_padded``: no synchronisation); else the torch ops'."""
+        if not padded or num_rows is None or _traced():
+            return super().dedup(parts, adds, num_rows)
+        if len(parts) == 1:
+            ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
+        else:  # one add of every part's shift (kept per layout), not one a part
+            ids = torch.cat(list(parts))  # (nnz,)
+            if any(adds):
+                ids += self._shifts(parts, adds)
+        return ids, dedup_padded(ids)
+
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+                        ) -> tuple[torch.Tensor, int | torch.Tensor]:
+        """The torch ops' answer in fewer launches: one clamp between bounds of 0 first and
+        ``nnz`` last (``nnz`` times a kept pattern per batch size), then the running max."""
+        n = offsets.numel()
+        kept = self._patterns
+        if kept is None or kept[0] != n or kept[1] != offsets.device:
+            lo = torch.zeros(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
+            lo[-1] = 1
+            hi = torch.ones(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
+            hi[0] = 0
+            kept = self._patterns = (n, offsets.device, lo, hi)
+        safe = torch.cummax(offsets.clamp(kept[2] * nnz, kept[3] * nnz), 0).values  # (B + 1,)
+        return safe, (safe != offsets).any()
+
+    def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
+                        combiner: str, nnz: int, seg: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """The torch ops' scales; a mean over unweighted bags in fewer launches: each bag's
+        ``1 / length`` repeated over its ids (the same bits: one correctly rounded division)."""
+        if combiner != "mean" or weights is not None or seg is not None or _traced():
+            return combiner_scales(offsets, weights, combiner, nnz, seg)
+        lengths = offsets[1:] - offsets[:-1]  # (R,)
+        return torch.repeat_interleave(lengths.float().reciprocal_(), lengths,
+                                       output_size=nnz)  # (nnz,) float32
+
+    _patterns: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
+    _kept: tuple[tuple[int, ...], tuple[int, ...], torch.device, torch.Tensor] | None = None
+
+    def _shifts(self, parts: Sequence[torch.Tensor], adds: Sequence[int]) -> torch.Tensor:
+        """(nnz,) int64 ``adds[i]`` at each id of ``parts[i]`` (the last layout's kept)."""
+        sizes, shifts = tuple(t.numel() for t in parts), tuple(adds)
+        device = parts[0].device
+        kept = self._kept
+        if kept is None or kept[:3] != (sizes, shifts, device):
+            made = torch.repeat_interleave(torch.tensor(shifts, device=device),
+                                           torch.tensor(sizes, device=device),
+                                           output_size=sum(sizes))  # (nnz,)
+            kept = self._kept = (sizes, shifts, device, made)
+        return kept[3]
 
 
 FUSED_CPU: Backend = _FusedCPU()

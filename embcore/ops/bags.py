@@ -39,6 +39,9 @@ class Bags:
     offsets: torch.Tensor | None   # (R + 1,) int64 bag boundaries; None when unit
     scales: torch.Tensor | None    # (nnz,) float32 combiner scale times weight; None when unit
     shape: tuple[int, ...] = ()    # leading shape of the activation (without D)
+    # () int64 on the device, the batch's verdict of its checks there (inputs/verdicts.py):
+    # nonzero, the Triton kernels read and write no row of it; None: checked on the host
+    verdict: torch.Tensor | None = None
 
     @property
     def unit(self) -> bool:
@@ -126,6 +129,30 @@ class Dedup:
         inverse = torch.empty_like(self.order)
         inverse[self.order] = rank
         return inverse
+
+
+_RANGE: dict[tuple[int, torch.device], torch.Tensor] = {}  # ``dedup_padded``'s last arange
+
+
+def dedup_padded(ids: torch.Tensor) -> Dedup:
+    """``dedup(ids)`` with sizes from the input alone, as FBGEMM's table-batched kernels: no
+    value is read back (no ``unique_consecutive``, whose size is the data's). ``unique`` holds
+    nnz entries and ``unique_offsets`` nnz + 1: the first U are ``dedup``'s, bit for bit; the
+    rest pad them, each an empty run of occurrences (``unique_offsets[u] == nnz``) of the
+    largest id. Kernels launched over all nnz rows skip a row with no occurrence
+    (kernels/gpu/rows.py); only a caller that does may take these (step/preprocess.py)."""
+    n = ids.numel()
+    sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
+    rank = torch.zeros(n, dtype=torch.int64, device=ids.device)  # (nnz,) distinct row of each
+    torch.cumsum(sorted_ids[1:] != sorted_ids[:-1], 0, out=rank[1:])
+    key = (n, ids.device)
+    steps = _RANGE.get(key)
+    if steps is None:  # (kept: one arange a batch size, not an op a step)
+        _RANGE.clear()
+        steps = _RANGE[key] = torch.arange(n + 1, device=ids.device)  # (nnz + 1,)
+    unique_offsets = torch.searchsorted(rank, steps)  # (nnz + 1,) first occurrence of each
+    unique = sorted_ids[unique_offsets[:-1].clamp(max=max(n - 1, 0))]  # (nnz,)
+    return Dedup(unique, order, unique_offsets)
 
 
 def dedup(ids: torch.Tensor) -> Dedup:

@@ -121,7 +121,8 @@ class TableCombine:
             out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)
             return self._fused(index.contiguous(), bags.offsets, bags.scales, out)
         if self._triton:
-            return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
+            return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows,
+                              bags.verdict)
         return combine_torch(table, index, bags)
 
 

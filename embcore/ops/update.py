@@ -250,9 +250,17 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
         gpu.sparse_update(optimizer, table, slots, g.dedup.unique, hyper, out,
                           g.dedup.unique_offsets, g.dedup.order,
                           None if g.bags.unit else g.bags.bag_of(TRITON), g.bags.scales,
-                          round_to)
+                          round_to, g.bags.verdict)
     else:
         gpu.sparse_update(optimizer, table, slots, rows, hyper, grad, round_to=round_to)
+
+
+def on_triton(backend: Backend, table: torch.Tensor, slots: dict[str, torch.Tensor],
+              optimizer: Optimizer | None) -> bool:
+    """Whether ``table``'s lookup (``TableCombine``) and its update under ``optimizer`` (None:
+    no update) are the Triton kernels on ``backend``."""
+    return (backend.triton and gpu.lookup_supported(table)
+            and (optimizer is None or gpu.update_supported(optimizer, table, slots)))
 
 
 def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:

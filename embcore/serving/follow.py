@@ -37,9 +37,11 @@ from typing import Any
 import torch
 
 from ..base.nest import leaves_with_paths
+from ..config.dtypes import SCALED, SCALES
 from ..config.spec import EmbeddingSpec
 from ..config.tables import FeatureConfig, resolve_table_names
 from ..formats import published as fmt
+from ..numerics.rounding import widen
 from ..state.vocab.vocabulary import VOCAB
 from .quantize import quantize_table
 from .serve import ServingModule, padded_map
@@ -130,6 +132,8 @@ class PublishedModule(ServingModule):
             shapes: dict[str, tuple[int, ...]] = {}
             for t, n in names.items():
                 shapes[f"{n}/parameters"] = (t.vocabulary_size, t.dim)
+                if t.dtype in SCALED:  # 8-bit rows: their codes and a scale per row
+                    shapes[f"{n}/{SCALES}"] = (t.vocabulary_size, 1)
                 if t.dynamic is not None:
                     shapes[f"{n}/{VOCAB}ids"] = (t.vocabulary_size, 1)
                     shapes[f"{n}/{VOCAB}last_use"] = (t.vocabulary_size, 1)
@@ -144,7 +148,7 @@ class PublishedModule(ServingModule):
                 ids, used = state[f"{n}/{VOCAB}ids"][:, 0], state[f"{n}/{VOCAB}last_use"][:, 0] > 0
                 self_maps[n] = (ids, used)
                 vocabularies[t] = _resident(ids, used)
-        super().__init__(template, {t: state[f"{n}/parameters"] for t, n in names.items()},
+        super().__init__(template, {t: _served_rows(state, n) for t, n in names.items()},
                          names, vocabularies, quantize=quantize)
         self.directory = directory
         self.version: int = last["seq"]
@@ -291,7 +295,7 @@ class PublishedModule(ServingModule):
                 cols = part.get(f"{name}/columns")
                 pieces.setdefault(name, []).append(
                     (rows, None if cols is None else (int(cols[0]), int(cols[1])),
-                     part[f"{name}/parameters"]))
+                     _served_rows(part, name)))
                 if name in self._maps:
                     maps.setdefault(name, []).append(
                         (rows, part[f"{name}/{VOCAB}ids"][:, 0],
@@ -335,6 +339,19 @@ class PublishedModule(ServingModule):
             writes.append((name, getattr(self, self.buffer_name(name, "__rows")), None,
                            padded[1]))
         return writes, new_maps, overlays
+
+
+def _served_rows(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Table ``name``'s rows in ``state`` (an entry's part or the replayed whole) as served: an
+    8-bit table's codes widened with their scales (``code * scale``, float32)."""
+    rows = state[f"{name}/parameters"]
+    if rows.dtype not in SCALED:
+        return rows
+    scales = state.get(f"{name}/{SCALES}")
+    if scales is None:
+        raise fmt.PublishError(f"table {name!r}: its {str(rows.dtype).removeprefix('torch.')} "
+                               f"rows came without their scales ({name}/{SCALES})")
+    return widen(rows, scales)
 
 
 def _resident(ids: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from ..numerics.rounding import Rounding, widen
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..ops.combine import OutputGrads, TableCombine
-from ..ops.update import TableUpdate
+from ..ops.update import TableUpdate, on_triton
 from ..ops.workspace import Workspace
 from .changes import ChangedRows
 from .tier.cache import CachedRows
@@ -143,6 +143,12 @@ class Rows:
     def check_step(self, ids: list[torch.Tensor], segments: Segments | None = None) -> None:
         """Raises what ``resolve``'s training step over ``ids`` would (nothing here)."""
 
+    def takes_padded(self, optimizer: Optimizer | None) -> bool:
+        """Whether a batch's lookup and its update under ``optimizer`` (None: no update) take
+        a dedup of fixed capacity (ops/bags.py ``dedup_padded``): only the Triton kernels of
+        a table held whole in fast memory (``MemoryRows``), which skip its padding rows."""
+        return False
+
     def update(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads,
                optimizer: Optimizer, lr: float, step: int, *,
                gradient_multiplier: float | None = None, since: Any = None,
@@ -220,6 +226,9 @@ class MemoryRows(Rows):
                 ) -> torch.Tensor:
         return self._combine(index, bags)
 
+    def takes_padded(self, optimizer: Optimizer | None) -> bool:
+        return on_triton(self.backend, self._table, self.slots, optimizer)
+
     def lookup(self, bags: Bags, dedup: Dedup, training: bool,
                segments: Segments | None = None, comm: Communicator | None = None,
                everyone: list[torch.Tensor] | None = None
@@ -253,6 +262,10 @@ class MemoryRows(Rows):
             rows, grad, lr, step, self.workspace, gradient_multiplier=gradient_multiplier,
             round_to=round_to, guard=True)
         if self.changes is not None:
+            if isinstance(grad, OutputGrads) and grad.bags.verdict is not None:
+                # (a batch judged on the device may be masked, its ids out of range: flagged
+                # within the table, a few unchanged rows at most)
+                rows = rows.clamp(0, self._table.shape[0] - 1)
             self.written(rows, every=optimizer.updates_every_row)
 
     def full(self, key: str) -> torch.Tensor:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..base.comm import Communicator
+from ..inputs.canonical import Verdicts
 from ..inputs.features import Features, Shapes
 from ..kernels import cpu
 from ..planning.plan import ShardingPlan
@@ -64,13 +65,23 @@ class StepPath:
     Args:
         features: the engine's features (their shapes are read and fixed as ``Shapes`` says).
         plan, store, comm: the engine's plan, rows and communicator.
+        verdicts: where training batches are judged on the device (inputs/canonical.py
+            ``Verdicts``) when every table's kernels read a verdict (the Triton kernels of
+            static tables held here, one process); None: on the host, as every other path.
     """
 
     def __init__(self, features: Features, plan: ShardingPlan, store: RowStore,
-                 comm: Communicator) -> None:
+                 comm: Communicator, verdicts: Verdicts | None = None) -> None:
         self.features, self.plan, self.store, self.comm = features, plan, store, comm
         # the native preprocess, where this engine's configuration allows it (else None)
         self.native = NativePrepare.of(features, plan, store, comm)
+        # the physical tables whose kernels take a dedup of fixed capacity (one process)
+        self.padded = frozenset(
+            p for p, phys in enumerate(plan.physical)
+            if comm.world_size == 1 and phys.id_bound is not None
+            and store[p].takes_padded(phys.optimizer))
+        self.verdicts = (verdicts if len(self.padded) == len(plan.physical) and plan.physical
+                         and store.backend.triton else None)
 
     def _native(self, features: Any, weights: Any, training: bool, shapes: Shapes,
                 template: Any = None) -> Prepared | None:
@@ -90,12 +101,13 @@ class StepPath:
         if prepared is None:
             device, backend = self.store.device, self.store.backend
             if template is None:
-                bags = self.features.bags(features, weights, device, backend, shapes)
+                bags = self.features.bags(features, weights, device, backend, shapes,
+                                          self.verdicts if training else None)
                 tables = self.features.tables
             else:
                 bags, tables = self.features.serving_bags(template, features, weights, device,
                                                           backend)
-            prepared = preprocess(bags, tables, self.plan, training, backend)
+            prepared = preprocess(bags, tables, self.plan, training, backend, self.padded)
         return Batch(self, prepared)
 
     def staged(self, features: Any, weights: Any,
@@ -105,7 +117,7 @@ class StepPath:
         now (one kernel call per table: its validation)."""
         prepared = self._native(features, weights, training, Shapes.FIX)
         bags = (self.features.bags(features, weights, self.store.device, self.store.backend,
-                                   Shapes.FIX)
+                                   Shapes.FIX, self.verdicts if training else None)
                 if prepared is None else None)
 
         def stage() -> tuple[Batch, Activations | None, Answers]:
@@ -114,7 +126,7 @@ class StepPath:
                 if prepared is None:
                     assert bags is not None  # (validated when the native preprocess declined)
                     batch = Batch(self, preprocess(bags, self.features.tables, self.plan,
-                                                   training, self.store.backend))
+                                                   training, self.store.backend, self.padded))
                 else:
                     batch = Batch(self, prepared)
                 if self.comm.world_size > 1:  # collectives stay on the caller's thread

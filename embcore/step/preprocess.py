@@ -11,7 +11,7 @@ maps turn them into rows at the lookup (vocabulary.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +90,8 @@ class Prepared:
 
 
 def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
-               plan: ShardingPlan, training: bool, backend: Backend) -> Prepared:
+               plan: ShardingPlan, training: bool, backend: Backend,
+               padded: Collection[int] = ()) -> Prepared:
     """Groups, deduplicates and routes a batch (pure: reads its arguments only).
 
     Args:
@@ -100,6 +101,8 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
         plan: the sharding plan.
         training: whether ``apply_gradients`` will follow.
         backend: the engine's backend (ops/backend.py), which deduplicates.
+        padded: the physical tables whose kernels take a dedup of fixed capacity
+            (``Rows.takes_padded``), which the backend may then give (``Backend.dedup``).
     """
     members: dict[int, list[int]] = {}
     for f, b in enumerate(features):
@@ -115,14 +118,14 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
         (bags, dd), slices, segments = _concatenate(
             [(f, features[f]) for f in fs], [plan.table(feature_tables[f]).row_offset
                                             for f in fs],
-            phys.id_bound, backend, of)
+            phys.id_bound, backend, of, p in padded)
         tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
                                  segments))
     return Prepared(training, tuple(tables), len(features))
 
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows: int | None,
-                 backend: Backend, of: list[int] | None = None
+                 backend: Backend, of: list[int] | None = None, padded: bool = False
                  ) -> tuple[tuple[Bags, Dedup], Slices,
                             tuple[tuple[int, int], ...] | None]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
@@ -143,14 +146,15 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     id_parts = [b.ids for _, b in parts if b is not None]
     segments = None
     if of is None:
-        ids, dd = backend.dedup(id_parts, adds, num_rows)
+        ids, dd = backend.dedup(id_parts, adds, num_rows, padded)
     else:
         ids, dd, segments = dedup_members(id_parts, of, backend)
+    verdict = parts[0][1].verdict if parts[0][1] is not None else None  # (the batch's)
     if unit:
-        return (Bags(ids, None, None), dd), Slices(slices), segments
+        return (Bags(ids, None, None, verdict=verdict), dd), Slices(slices), segments
     offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return ((Bags(ids, cpu.concat(offsets), cpu.concat(scales)), dd), Slices(slices),
-            segments)
+    return ((Bags(ids, cpu.concat(offsets), cpu.concat(scales), verdict=verdict), dd),
+            Slices(slices), segments)
 
 
 def dedup_members(parts: list[torch.Tensor], of: list[int], backend: Backend

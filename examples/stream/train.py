@@ -65,6 +65,9 @@ except ImportError:
     tqdm = None
 
 DENSE_KEPT = 8  # dense files kept beside the published entries
+# --dtype: the tables' rows (TableConfig(dtype=...)), as examples/criteo/train.py's
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="the tables' rows: float16 / bfloat16 compact 16-bit rows, "
+                        "float8_e4m3fn / float8_e5m2 8-bit rows with a float32 scale each "
+                        "(published as codes and scales; the follower serves their values)")
     p.add_argument("--capacity", type=int, default=20000, help="ids resident per table")
     p.add_argument("--ttl-steps", type=int, default=2000,
                    help="ids unused for this many steps are evicted")
@@ -125,7 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def spec_of(args: argparse.Namespace) -> ec.EmbeddingSpec:
     vocab = ec.DynamicVocabulary(eviction="lru", ttl_steps=args.ttl_steps)
     features = {name: ec.FeatureConfig(table=ec.TableConfig(
-        vocabulary_size=args.capacity, dim=args.dim, name=name, dynamic=vocab), name=name)
+        vocabulary_size=args.capacity, dim=args.dim, name=name, dynamic=vocab,
+        dtype=DTYPES[args.dtype]), name=name)
         for name in FEATURES}
     return ec.EmbeddingSpec(features, ec.Adagrad(learning_rate=args.embedding_lr,
                                                  initial_accumulator_value=0.0))

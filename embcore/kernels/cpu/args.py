@@ -10,12 +10,17 @@ array the wrapper builds), ``allocated`` (an address inside the wrapper's own ne
 ``HYPER`` (a ``Hyper``), and the scalars ``INT64``, ``INT``, ``DOUBLE``. A tensor of the wrong
 dtype, layout, device or length is a ``TypeError`` / ``ValueError`` naming the kernel and the
 argument, raised before the kernel runs; a scalar of the wrong type, a ``TypeError`` naming it.
+A kernel declared ``packed=True`` (the step's hot kernels) is also exported as
+``<name>_packed(slots)`` (csrc/packed.h), which ``Kernel.partial``'s calls use: the arguments in
+one array of int64 slots, one ctypes conversion a call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -341,15 +346,19 @@ class Kernel:
     """
 
     def __init__(self, name: str, result: Scalar | None,
-                 args: Sequence[tuple[str, Kind]]) -> None:
+                 args: Sequence[tuple[str, Kind]], *, packed: bool = False) -> None:
         self.name, self.result, self.args = name, result, tuple(args)
         names = [arg for arg, _ in self.args]
         if len(set(names)) != len(names) or any(not arg.isidentifier() or arg.startswith("_")
                                                 for arg in names):
             raise RuntimeError(f"{name}: argument names must be distinct identifiers without a "
                                f"leading underscore, got {names}")
+        if packed and any(kind in (DOUBLE, STRING) for _, kind in self.args):
+            raise RuntimeError(f"{name}: a packed kernel takes pointers and integers only")
+        self.packed = packed  # the library exports ``<name>_packed`` (csrc/packed.h)
         self.source = self._source()
         self._fn: Any = None  # the library's function, once bound
+        self._packed_fn: Any = None  # its ``<name>_packed``, once bound (``packed``)
         self.call: Any = self._first_call  # the compiled call once the library has loaded
         _KERNELS.append(self)
 
@@ -400,14 +409,28 @@ class Kernel:
         fn.argtypes = [kind.ctype for _, kind in self.args]
         return fn
 
-    def bind(self, fn: Any) -> None:
-        """Compiles ``call`` around the library's function ``fn``."""
-        self._fn = fn
+    def packed_signature(self, lib: ctypes.CDLL) -> Any:
+        """The library's ``<name>_packed`` (its arguments in one array of int64 slots), or None
+        when the kernel is not ``packed``."""
+        if not self.packed:
+            return None
+        fn = getattr(lib, f"{self.name}_packed")
+        fn.restype = None if self.result is None else self.result.ctype
+        fn.argtypes = [ctypes.c_void_p]
+        return fn
+
+    def bind(self, fn: Any, packed: Any = None) -> None:
+        """Compiles ``call`` around the library's function ``fn`` (``packed``: its
+        ``<name>_packed``, which ``partial`` then calls)."""
+        self._fn, self._packed_fn = fn, packed
         self.call = self._compile(self.source, {})
 
     def _compile(self, source: str, fixed: dict[str, Any]) -> Any:
         scope = dict(_CHECK_SCOPE, fn=self._fn, kinds=[kind for _, kind in self.args],
                      kernel=self, ArgumentError=ctypes.ArgumentError, _fixed=fixed)
+        if "_template" in fixed:  # (``_packed_source``'s)
+            scope.update(fixed, fn=self._packed_fn, _addressof=ctypes.addressof,
+                         _Array=ctypes.Array)
         exec(compile(source, f"<kernel {self.name}>", "exec"), scope)
         return scope[self.name]
 
@@ -416,7 +439,9 @@ class Kernel:
         checks it (a tensor as ``(tensor, n)``), and kept (a tensor stays referenced: its
         address stays valid). Returns a function of the other arguments, in order, that
         checks those at every call: for a kernel called every step with the same table,
-        whose checks would otherwise be repeated on every call. Loads the library."""
+        whose checks would otherwise be repeated on every call. A ``packed`` kernel's function
+        then passes every argument in one array of slots (``_packed_source``: one ctypes
+        conversion instead of one per argument). Loads the library."""
         unknown = sorted(set(fixed) - {arg for arg, _ in self.args})
         if unknown:
             raise TypeError(f"{self.name}: no argument(s) {unknown}; it takes "
@@ -432,7 +457,55 @@ class Kernel:
                 v = kind.address(self.name, arg, v)  # (a check of each, as ``call``'s)
             values[arg] = v
         values["_kept"] = fixed  # (the tensors behind the addresses)
-        return self._compile(self._source([a for a, _ in self.args if a in fixed]), values)
+        bound = [a for a, _ in self.args if a in fixed]
+        if self._packed_fn is None:
+            return self._compile(self._source(bound), values)
+        slots = ctypes_array(ctypes.c_int64, len(self.args))()
+        for i, (arg, kind) in enumerate(self.args):
+            if arg in values:  # (the fixed slots, written once; the others at every call)
+                slots[i] = _slot(kind, values[arg], self, arg)
+        return self._compile(self._packed_source(bound), {"_template": slots, "_kept": fixed,
+                                                            "_local": threading.local()})
+
+    def _packed_source(self, fixed: Sequence[str]) -> str:
+        """``partial``'s call through ``<name>_packed``: the arguments not ``fixed`` checked as
+        ``_source`` checks them, then written into this thread's slots (the fixed ones already
+        there, copied from ``_template``), and one ctypes argument passed: the slots' address."""
+        params = [arg for arg, _ in self.args if arg not in fixed]
+        lines = [f"def {self.name}({', '.join(params)}):"]
+        given = [arg for arg, kind in self.args if arg not in fixed and kind.checked]
+        if given:  # (kept until the kernel returns, as ``_source``'s)
+            lines.append(f"    _given = ({', '.join(given)},)")
+        lines += ["    try:",  # the slots of this thread (a kernel may run on several)
+                  "        _s = _local.s",
+                  "    except AttributeError:",
+                  "        _s = _local.s = type(_template).from_buffer_copy(_template)"]
+        body = self._source(fixed).split("\n")  # the checks, as ``call``'s
+        checks = body[2 if given else 1:len(body) - 1 - body[::-1].index("    try:")]
+        lines += checks
+        for i, (arg, kind) in enumerate(self.args):
+            if arg in fixed:
+                continue
+            if isinstance(kind, TensorArg | RowsArg):  # (an address, or None: optional)
+                lines.append(f"    _s[{i}] = {arg} or 0")
+            elif isinstance(kind, HyperArg | PartsArg):  # (a PartsArg's new array lives on
+                lines.append(f"    _s[{i}] = _addressof({arg})")  # in the local until return)
+            elif isinstance(kind, ArrayArg):  # an array of its type, or None (as ctypes checks)
+                lines += [f"    if {arg} is None:",
+                          f"        _s[{i}] = 0",
+                          (f"    elif isinstance({arg}, _Array) and {arg}._type_ is "
+                           f"kinds[{i}].ctype._type_:"),
+                          f"        _s[{i}] = _addressof({arg})",
+                          "    else:",
+                          f"        raise kernel.slot_error({i}, {arg})"]
+            else:  # a scalar or an address: an integer (None: nullptr for an address)
+                value = f"0 if {arg} is None else {arg}" if isinstance(kind, AllocatedArg) else arg
+                lines += ["    try:",
+                          f"        _s[{i}] = {value}",
+                          "    except TypeError:",
+                          f"        raise kernel.slot_error({i}, {arg}) from None"]
+        lines.append("    return fn(_addressof(_s))")
+        return "\n".join(lines)
 
     def _first_call(self, *values: Any) -> Any:
         self._load()
@@ -445,6 +518,12 @@ class Kernel:
             raise RuntimeError(f"{self.name}: the fused CPU kernels are not available "
                                f"({problem}); callers check cpu.usable() first")
 
+    def slot_error(self, i: int, value: Any) -> TypeError:
+        """A value that argument ``i``'s slot cannot hold, as ``argument_error`` names it."""
+        arg, kind = self.args[i]
+        return TypeError(f"{self.name}: argument {arg!r} must be {kind!r}: wrong type "
+                         f"{type(value).__name__}")
+
     def argument_error(self, e: ctypes.ArgumentError) -> TypeError:
         """ctypes' "argument 3: TypeError: ..." as a TypeError naming the argument."""
         found = re.match(r"argument (\d+): (.*)", str(e))
@@ -452,6 +531,24 @@ class Kernel:
             return TypeError(f"{self.name}: {e}")
         arg, kind = self.args[int(found[1]) - 1]
         return TypeError(f"{self.name}: argument {arg!r} must be {kind!r}: {found[2]}")
+
+
+def _slot(kind: Kind, value: Any, kernel: Kernel, arg: str) -> int:
+    """A fixed argument's value (as ``partial`` checked it) as its slot's integer: an address
+    (0: nullptr) or a number."""
+    if value is None:
+        return 0
+    if isinstance(kind, HyperArg | PartsArg):
+        return ctypes.addressof(value)
+    if isinstance(kind, ArrayArg):
+        if isinstance(value, ctypes.Array) and value._type_ is kind.ctype._type_:
+            return ctypes.addressof(value)
+    else:
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise kernel.slot_error([a for a, _ in kernel.args].index(arg), value)
 
 
 def hyper_layout_errors(lib: ctypes.CDLL, cls: type[ctypes.Structure] = Hyper) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -104,7 +105,7 @@ _CONCAT_DEDUP = Kernel("ec_concat_dedup", INT64, [
     ("unique", allocated(I64)),          # (U,)
     ("uoff", allocated(I64)),            # (U + 1,)
     ("nt", INT),
-])
+], packed=True)
 
 
 class ConcatDedup:
@@ -122,22 +123,37 @@ class ConcatDedup:
         self.lens, self.adds, self._longs = longs(*lens), longs(*adds), longs
         self.limits = None if limits is None else longs(*limits)
         self.bits = max(int(num_rows) - 1, 1).bit_length()
+        # the kernel with the fixed arguments bound (``Kernel.partial``), from the second call
+        # on: binding compiles a function, which a one-off ``concat_dedup`` would pay each time
+        self._call: Any = None
+        self._called = False
 
     def __call__(self, parts: Sequence[torch.Tensor], steps: Sequence[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | int:
         """``parts``: int64 CPU tensors of the lengths given, contiguous, or ``steps[i]``
         elements apart (e.g. a column of a wider batch) when ``steps`` are given."""
-        n = self.n
+        n, call = self.n, self._call
         buf = torch.empty(4 * n + 1, dtype=torch.int64)  # [ids | order | unique | uoff]
         base = buf.data_ptr()
-        u = _CONCAT_DEDUP.call((parts, self.sizes, steps), self.lens,
-                               None if steps is None else self._longs(*steps), self.adds,
-                               self.limits, self.k, self.bits, base, base + 8 * n, base + 16 * n,
-                               base + 24 * n, threads())
+        stepped = None if steps is None else self._longs(*steps)
+        if call is None and not self._called:  # the first call: unbound
+            self._called = True
+            u = _CONCAT_DEDUP.call((parts, self.sizes, steps), self.lens, stepped, self.adds,
+                                   self.limits, self.k, self.bits, base, base + 8 * n,
+                                   base + 16 * n, base + 24 * n, threads())
+        else:
+            if call is None:  # (called again: a batch layout's, every step)
+                call = self._call = _CONCAT_DEDUP.partial(lens=self.lens, adds=self.adds,
+                                                          limits=self.limits, nparts=self.k,
+                                                          bits=self.bits)
+            u = call((parts, self.sizes, steps), stepped, base, base + 8 * n, base + 16 * n,
+                     base + 24 * n, threads())
         if u < 0:
             return -1 - u
-        # the four views in one call (a view costs about a microsecond: this runs every step)
-        ids, order, unique, _, uoff, _ = buf.split_with_sizes([n, n, u, n - u, u + 1, n - u])
+        # the four tensors in one call (a view costs about a microsecond: this runs every step;
+        # not views that autograd tracks: int64 buffers that only the kernels write)
+        ids, order, unique, _, uoff, _ = buf.unsafe_split_with_sizes(
+            [n, n, u, n - u, u + 1, n - u])
         return ids, unique, order, uoff
 
 
@@ -151,7 +167,7 @@ _LOOKUP = Kernel("ec_lookup", None, [
     ("r_rows", INT64),
     ("out", written(F32, dim=2)),             # (r_rows, d)
     ("nt", INT),
-])
+], packed=True)
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,

@@ -56,8 +56,9 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno",
 # no row_used, the rows held apart from the capacity; ec_vocab_grow), 13: ec_vocab_find_many,
 # ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
 # 16: ec_sparse_update's overflow flags and count, 17: ec_sparse_update's rules numbered by
-# kernels/rules.py, 18: ec_copy_rows_summed's versions, ec_cache_step's version, ec_row_versions.
-ABI_VERSION = 18
+# kernels/rules.py, 18: ec_copy_rows_summed's versions, ec_cache_step's version, ec_row_versions,
+# 19: the hot kernels' ``_packed`` entries (csrc/packed.h).
+ABI_VERSION = 19
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *RULE_DEFINES,
            *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
 
@@ -184,15 +185,16 @@ def _load() -> ctypes.CDLL | None:
             return _lib
         try:
             lib = ctypes.CDLL(str(_build()))
-            functions = [(kernel, kernel.signature(lib)) for kernel in kernels()]
+            functions = [(kernel, kernel.signature(lib), kernel.packed_signature(lib))
+                         for kernel in kernels()]
             if lib.ec_abi_version() != ABI_VERSION:
                 raise OSError(f"stale kernel library (ABI version {lib.ec_abi_version()}, "
                               f"expected {ABI_VERSION})")
             mismatch = hyper_layout_errors(lib)
             if mismatch:
                 raise OSError("Hyper and the kernels' EcHyper disagree: " + "; ".join(mismatch))
-            for kernel, fn in functions:
-                kernel.bind(fn)
+            for kernel, fn, packed in functions:
+                kernel.bind(fn, packed)
             _lib = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             _error = f"{type(e).__name__}: {e}"

@@ -67,7 +67,7 @@ _SPARSE_UPDATE = Kernel("ec_sparse_update", INT64, [
     ("step_key", INT64),
     ("overflow", written(U8, optional=True)),  # (U,) 16-bit rows: flags of rows left alone
     ("nt", INT),
-])
+], packed=True)
 
 
 _RULES = {int(r): r.name for r in sorted(NATIVE)}  # the kernel's rules by id
@@ -192,7 +192,13 @@ def _gradient_args(table: torch.Tensor, d: int, u: int, grads: Sequence[torch.Te
                              f"gradient parts), got {len(starts)}")
         like = table if table.dtype is torch.float32 else None
         for i, g in enumerate(grads):  # (one pass: this runs once per table and step)
-            slices[i] = _GRADIENT_ROWS.address(name, "slices", (g, like), i)
+            try:  # (_GRADIENT_ROWS's check written out for the usual part: it runs every step)
+                ok = (g.dtype is torch.float32 and g.layout is torch.strided and g.is_cpu
+                      and g.dim() == 2 and g.stride(1) == 1)
+            except AttributeError:
+                ok = False
+            slices[i] = (g.data_ptr() if ok and (like is None or g.shape[1] == like.shape[1])
+                         else _GRADIENT_ROWS.address(name, "slices", (g, like), i))
             shape = g.shape
             if shape[1] != d and g.numel():
                 raise ValueError(f"{name}: gradient part {i} must have {d} columns (as the "

@@ -141,7 +141,8 @@ def lookup_supported(table: torch.Tensor) -> bool:
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
-           scales: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+           scales: torch.Tensor | None, num_rows: int,
+           skip: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
 
     Args:
@@ -150,12 +151,13 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
         offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
         scales: (nnz,) float32, or None for 1.
         num_rows: R.
+        skip: the batch's verdict of its checks on the device (``Bags.verdict``), or None.
 
     Returns:
-        (R, D) float32.
+        (R, D) float32 (zeros, no row read, where ``skip`` is nonzero).
     """
     _load()
-    return _op("lookup", table)(table, ids, offsets, scales, num_rows)
+    return _op("lookup", table)(table, ids, offsets, scales, num_rows, skip)
 
 
 # -- the fused backward + update ------------------------------------------------------------------
@@ -187,7 +189,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
                   rows: torch.Tensor, hyper: Hyper, grad: torch.Tensor,
                   unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
                   bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                  round_to: Rounding | None = None) -> None:
+                  round_to: Rounding | None = None, skip: torch.Tensor | None = None) -> None:
     """Updates ``table[rows]`` and its slots in place, each row once (``cpu.sparse_update``'s
     contract, for every optimizer ``update_supported`` accepts).
 
@@ -204,6 +206,8 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         scales: (nnz,) float32 scale of each occurrence; None for 1.
         round_to: a 16-bit table's rounding (None: to nearest); the rows' keys, their bits and
             the rounding are computed in the kernel (its segments kept on the device).
+        skip: the batch's verdict of its checks on the device (``Bags.verdict``): nonzero,
+            nothing is written; None: no verdict.
     """
     _load()
     got = update_rule(opt)
@@ -220,7 +224,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         r.key_of_step if r is not None else 0, r.col0 if r is not None else 0,
         float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
         float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
-        float(hyper.weight_max), rule, list(h), f1, f2)
+        float(hyper.weight_max), rule, list(h), f1, f2, skip)
 
 
 def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,

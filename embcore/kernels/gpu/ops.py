@@ -84,15 +84,20 @@ def _registered(op: Any, fake: Any) -> Any:
 LOOKUP = Launch(lookup_kernel, [
     ("table_ptr", tensor(ROWS)), ("ids_ptr", tensor(I64)),
     ("offsets_ptr", tensor(I64, optional=True)), ("scales_ptr", tensor(F32, optional=True)),
+    ("skip_ptr", tensor(I64, optional=True)),
     ("out_ptr", tensor(F32, writes=True)), ("R", INT), ("D", INT),
-    ("UNIT", CONSTEXPR), ("SCALED", CONSTEXPR), ("BLOCK_R", CONSTEXPR), ("BLOCK_D", CONSTEXPR),
+    ("UNIT", CONSTEXPR), ("SCALED", CONSTEXPR), ("CHECKED", CONSTEXPR),
+    ("BLOCK_R", CONSTEXPR), ("BLOCK_D", CONSTEXPR),
 ], stand_in="ids_ptr")
 
 
 def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
-            scales: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+            scales: torch.Tensor | None, num_rows: int,
+            skip: torch.Tensor | None = None) -> torch.Tensor:
     """``embcore::lookup``: ``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r
-    (``offsets`` None: row ``ids[r]``); (R, D) float32. FBGEMM: the pooled forward
+    (``offsets`` None: row ``ids[r]``); (R, D) float32; zeros, nothing read, where the
+    one-value int64 ``skip`` (the batch's verdict of its checks on the device) is nonzero.
+    FBGEMM: the pooled forward
     ``fbgemm::split_embedding_codegen_forward_{unweighted,weighted}_pt2_wrapper`` (``scales``
     its ``indice_weights``) for one table, ``..._nobag_...`` for unit bags."""
     d = table.shape[1]
@@ -109,13 +114,14 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None
         table_ptr=table, ids_ptr=ids.contiguous(), offsets_ptr=offsets,
         scales_ptr=scales.to(torch.float32).contiguous() if scaled and scales is not None
         else None,
-        out_ptr=out, R=num_rows, D=d, UNIT=unit, SCALED=scaled,
-        BLOCK_R=block_r, BLOCK_D=block_d))
+        skip_ptr=skip, out_ptr=out, R=num_rows, D=d, UNIT=unit, SCALED=scaled,
+        CHECKED=skip is not None, BLOCK_R=block_r, BLOCK_D=block_d))
     return out
 
 
 def _lookup_fake(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
-                 scales: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+                 scales: torch.Tensor | None, num_rows: int,
+                 skip: torch.Tensor | None = None) -> torch.Tensor:
     return table.new_empty((num_rows, table.shape[1]), dtype=torch.float32)  # (R, D)
 
 
@@ -131,6 +137,7 @@ SPARSE_UPDATE = Launch(sparse_update_kernel, [
     ("rows_ptr", tensor(I64, optional=True)), ("U", INT), ("D", INT), ("grad_ptr", tensor(F32)),
     ("uoff_ptr", tensor(I64, optional=True)), ("order_ptr", tensor(I64, optional=True)),
     ("bags_ptr", tensor(I64, optional=True)), ("scales_ptr", tensor(F32, optional=True)),
+    ("skip_ptr", tensor(I64, optional=True)),
     ("out_ptr", tensor(F32, writes=True, optional=True)),
     ("keyrows_ptr", tensor(I64, optional=True)), ("n_keys", INT),
     ("seg_ptr", tensor(I64, optional=True)), ("nseg", INT), ("step_key", INT), ("col0", INT),
@@ -140,7 +147,7 @@ SPARSE_UPDATE = Launch(sparse_update_kernel, [
     ("RULE", CONSTEXPR), ("F1", CONSTEXPR), ("F2", CONSTEXPR), ("DIRECT", CONSTEXPR),
     ("UNIT", CONSTEXPR), ("SCALED", CONSTEXPR), ("MULTIPLIED", CONSTEXPR),
     ("CLIPPED", CONSTEXPR), ("DECAYED", CONSTEXPR), ("BOUNDED", CONSTEXPR), ("ROWS", CONSTEXPR),
-    ("STOCHASTIC", CONSTEXPR), ("KEYED", CONSTEXPR), ("BLOCK_U", CONSTEXPR),
+    ("STOCHASTIC", CONSTEXPR), ("KEYED", CONSTEXPR), ("CHECKED", CONSTEXPR), ("BLOCK_U", CONSTEXPR),
     ("BLOCK_D", CONSTEXPR),
 ], stand_in="grad_ptr")
 
@@ -154,16 +161,20 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
                    segments: torch.Tensor | None, step_key: int, col0: int,
                    learning_rate: float, gradient_multiplier: float, clip_min: float,
                    clip_max: float, weight_decay: float, weight_min: float, weight_max: float,
-                   rule: int, rule_args: list[float], flag1: bool, flag2: bool) -> None:
+                   rule: int, rule_args: list[float], flag1: bool, flag2: bool,
+                   skip: torch.Tensor | None = None) -> None:
     """``embcore::sparse_update``: updates ``table[rows]`` and its slots in place, each row
     once, by the optimizer rule ``rule`` (kernels/rules.py) with its hyper-parameters
     ``rule_args`` (h1..h5) and flags, after the update step's options (docs/semantics.md
     section 3). ``grad``: (U, D) summed row gradients, or with ``unique_offsets`` / ``order``
     (a ``Dedup``'s) the (R, D) output gradients, ``bags`` / ``scales`` each occurrence's
     output row and scale. ``segments`` (3, T) int64 and ``key_rows``: a 16-bit table's
-    stochastic rounding (numerics/rounding.py; None: to nearest). FBGEMM: the fused backward +
-    optimizer ``fbgemm::split_embedding_backward_codegen_{optimizer}_{unweighted,weighted}_
-    pt2_wrapper`` (its ``dev_weights`` ``Tensor(b!)``, ``momentum1`` / ``momentum2``
+    stochastic rounding (numerics/rounding.py; None: to nearest). A nonzero one-value int64
+    ``skip`` (the batch's verdict of its checks on the device) leaves everything as it was;
+    a row without occurrences (the padding of ``bags.dedup_padded``) too. FBGEMM: the fused
+    backward + optimizer
+    ``fbgemm::split_embedding_backward_codegen_{optimizer}_{unweighted,weighted}_pt2_wrapper``
+    (its ``dev_weights`` ``Tensor(b!)``, ``momentum1`` / ``momentum2``
     ``Tensor(g!)`` / ``Tensor(j!)``: here ``table``, ``slot1``, ``slot2``)."""
     u, d = rows.numel(), table.shape[1]
     if u == 0 or d == 0:
@@ -179,7 +190,7 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
         grad_ptr=grad.to(torch.float32).contiguous(), uoff_ptr=unique_offsets,
         order_ptr=order, bags_ptr=bags,
         scales_ptr=None if scales is None else scales.to(torch.float32).contiguous(),
-        out_ptr=None, keyrows_ptr=key_rows,
+        skip_ptr=skip, out_ptr=None, keyrows_ptr=key_rows,
         n_keys=key_rows.numel() if key_rows is not None else 0, seg_ptr=segments,
         nseg=segments.shape[1] if segments is not None else 0, step_key=step_key, col0=col0,
         lr=learning_rate, gmul=gradient_multiplier, clip_lo=clip_min, clip_hi=clip_max,
@@ -189,7 +200,8 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
         SCALED=scales is not None, MULTIPLIED=gradient_multiplier != 1.0,
         CLIPPED=clip_min != -inf or clip_max != inf, DECAYED=weight_decay != 0.0,
         BOUNDED=weight_min != -inf or weight_max != inf, ROWS=_ROW_CODES[table.dtype],
-        STOCHASTIC=stochastic, KEYED=key_rows is not None, BLOCK_U=block_u, BLOCK_D=block_d))
+        STOCHASTIC=stochastic, KEYED=key_rows is not None, CHECKED=skip is not None,
+        BLOCK_U=block_u, BLOCK_D=block_d))
 
 
 def _sparse_update_fake(*args: Any, **kwargs: Any) -> None:
@@ -219,12 +231,13 @@ def _row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torc
         grad_ptr=grad.to(torch.float32).contiguous(), uoff_ptr=unique_offsets.contiguous(),
         order_ptr=order.contiguous(), bags_ptr=None if bags is None else bags.contiguous(),
         scales_ptr=None if scales is None else scales.to(torch.float32).contiguous(),
-        out_ptr=out, keyrows_ptr=None, n_keys=0, seg_ptr=None, nseg=0, step_key=0, col0=0,
+        skip_ptr=None, out_ptr=out, keyrows_ptr=None, n_keys=0, seg_ptr=None, nseg=0,
+        step_key=0, col0=0,
         lr=0.0, gmul=1.0, clip_lo=0.0, clip_hi=0.0, wd=0.0, wmin=0.0, wmax=0.0,
         h1=0.0, h2=0.0, h3=0.0, h4=0.0, h5=0.0,
         RULE=int(Rule.NONE), F1=False, F2=False, DIRECT=False, UNIT=bags is None,
         SCALED=scales is not None, MULTIPLIED=False, CLIPPED=False, DECAYED=False,
-        BOUNDED=False, ROWS=0, STOCHASTIC=False, KEYED=False, BLOCK_U=block_u,
+        BOUNDED=False, ROWS=0, STOCHASTIC=False, KEYED=False, CHECKED=False, BLOCK_U=block_u,
         BLOCK_D=block_d))
     return out
 

@@ -40,19 +40,24 @@ NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = (
 
 
 @jit
-def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
-                  UNIT: tl.constexpr, SCALED: tl.constexpr,
+def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, skip_ptr, out_ptr, R, D,
+                  UNIT: tl.constexpr, SCALED: tl.constexpr, CHECKED: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = sum over bag r of scale * table[id], for a BLOCK_R x BLOCK_D tile of ``out``.
 
     UNIT: bag r is the single id ``ids[r]`` with scale 1 (no offsets, no scales).
     SCALED: per-occurrence ``scales`` (else 1).
+    CHECKED: ``skip`` (int64, one value) is the batch's verdict of its checks on the device;
+    nonzero, no row is read (its ids may be out of range) and every output row is zero.
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)                 # (BLOCK_R,)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # (BLOCK_D,)
     live_r = r < R
-    live_c = cols < D
+    out_r = live_r
     r64 = r.to(tl.int64)
+    if CHECKED:
+        live_r = live_r & (tl.load(skip_ptr + r64 * 0) == 0)  # (the one value, per lane)
+    live_c = cols < D
     if UNIT:
         row = tl.load(ids_ptr + r64, mask=live_r, other=0)                 # (BLOCK_R,) int64
         tile = live_r[:, None] & live_c[None, :]
@@ -77,7 +82,7 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, out_ptr, R, D,
                 x = tl.load(scales_ptr + k, mask=live, other=0.0) * x
             acc += x
     tl.store(out_ptr + r64[:, None] * D + cols[None, :], acc,
-             mask=live_r[:, None] & live_c[None, :])
+             mask=out_r[:, None] & live_c[None, :])
 
 
 # -- the optimizer rules on a tile (step 3 of the update): (w, slot 1, slot 2) -> new ones ---------
@@ -228,6 +233,7 @@ def sparse_update_kernel(
         rows_ptr, U, D,                       # (U,) distinct rows
         grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
         uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
+        skip_ptr,                             # CHECKED: the batch's verdict (nonzero: skip)
         out_ptr,                              # (U, D) summed gradients (RULE == NONE)
         keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,  # STOCHASTIC: the rows' keys
         lr, gmul, clip_lo, clip_hi, wd, wmin, wmax,  # the update's steps 1-5
@@ -236,16 +242,25 @@ def sparse_update_kernel(
         DIRECT: tl.constexpr, UNIT: tl.constexpr, SCALED: tl.constexpr,
         MULTIPLIED: tl.constexpr, CLIPPED: tl.constexpr, DECAYED: tl.constexpr,
         BOUNDED: tl.constexpr, ROWS: tl.constexpr, STOCHASTIC: tl.constexpr,
-        KEYED: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_D: tl.constexpr):
+        KEYED: tl.constexpr, CHECKED: tl.constexpr, BLOCK_U: tl.constexpr,
+        BLOCK_D: tl.constexpr):
     """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place.
     ROWS: the table's rows (0 float32, 1 float16, 2 bfloat16: widened, updated in float32 and
-    rounded back, stochastically with STOCHASTIC)."""
+    rounded back, stochastically with STOCHASTIC). CHECKED: a nonzero ``skip`` (the batch
+    failed its checks on the device) leaves every row and slot as it was."""
     u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)                 # (BLOCK_U,)
     cols = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
     live_u = u < U
     live_c = cols < D
-    tile = live_u[:, None] & live_c[None, :]
     u64 = u.to(tl.int64)
+    if CHECKED:
+        live_u = live_u & (tl.load(skip_ptr + u64 * 0) == 0)  # (the one value, per lane)
+    if not DIRECT and RULE != NONE:
+        # a row without occurrences pads a dedup of fixed capacity (ops/bags.py
+        # ``dedup_padded``): nothing of it is read or written
+        live_u = live_u & (tl.load(uoff_ptr + u64 + 1, mask=live_u, other=0)
+                           > tl.load(uoff_ptr + u64, mask=live_u, other=0))
+    tile = live_u[:, None] & live_c[None, :]
 
     # 1. the summed gradient of each row
     if DIRECT:

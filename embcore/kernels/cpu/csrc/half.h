@@ -199,39 +199,44 @@ inline __m512i hash_inputs_x16(uint32_t key32, uint32_t c0) {
                           _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int32_t(kGolden32))));
 }
 
+// 16 float32 values (x's lanes) rounded to float16 stochastically with the random bits u: the
+// lanes that overflowed (finite, rounded to an infinity) are or-ed into *overflow.
+inline __m256i f16_stochastic_v16(__m512 x, __m512i u, __mmask16* overflow) {
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i a = _mm512_and_si512(b, abs_mask);
+  const __m512i t = _mm512_add_epi32(a, _mm512_srli_epi32(u, 19));  // a normal result
+  __m512i y = t;
+  const __mmask16 normal = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x387FFFFF));
+  if (normal != 0xFFFF) {  // a subnormal result (a branch: most rows have none)
+    const __m512 sub = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 8)),
+                                       _mm512_set1_ps(3.552713678800501e-15f),  // 2**-48
+                                       _mm512_castsi512_ps(a));  // (an exact product)
+    y = _mm512_mask_blend_epi32(normal, _mm512_castps_si512(sub), t);
+  }
+  // |x| above 65504 (infinities and NaN too): 65536 and up infinite, NaN a quiet NaN
+  if (_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FE000))) {
+    const __mmask16 inf = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(0x477FFFFF));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+    *overflow |= inf & _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));  // (finite)
+    y = _mm512_mask_mov_epi32(y, inf, _mm512_set1_epi32(0x7F800000));
+    y = _mm512_mask_mov_epi32(y, nan, _mm512_set1_epi32(0x7FC00000));
+  }
+  y = _mm512_ternarylogic_epi32(b, y, abs_mask, 0xD8);  // y's magnitude, b's sign
+  return _mm512_cvtps_ph(_mm512_castsi512_ps(y), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+}
+
 inline i64 f16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t key32,
                               uint32_t c0, bool* over) {
   __mmask16 overflow = 0;
-  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i input = hash_inputs_x16(key32, c0);
   const __m512i step = _mm512_set1_epi32(int32_t(16U * kGolden32));
-  const __m512 two_m48 = _mm512_set1_ps(3.552713678800501e-15f);
   i64 c = 0;
   for (; c + 16 <= d; c += 16) {
     const __m512i u = lowbias32_x16(input);
     input = _mm512_add_epi32(input, step);
-    const __m512i b = _mm512_castps_si512(_mm512_loadu_ps(src + c));
-    const __m512i a = _mm512_and_si512(b, abs_mask);
-    const __m512i t = _mm512_add_epi32(a, _mm512_srli_epi32(u, 19));  // a normal result
-    __m512i y = t;
-    const __mmask16 normal = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x387FFFFF));
-    if (normal != 0xFFFF) {  // a subnormal result (a branch: most rows have none)
-      const __m512 sub = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(u, 8)), two_m48,
-                                         _mm512_castsi512_ps(a));  // (an exact product)
-      y = _mm512_mask_blend_epi32(normal, _mm512_castps_si512(sub), t);
-    }
-    // |x| above 65504 (infinities and NaN too): 65536 and up infinite, NaN a quiet NaN
-    if (_mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FE000))) {
-      const __mmask16 inf = _mm512_cmpgt_epi32_mask(t, _mm512_set1_epi32(0x477FFFFF));
-      const __mmask16 nan = _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
-      overflow |= inf & _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));  // (finite)
-      y = _mm512_mask_mov_epi32(y, inf, _mm512_set1_epi32(0x7F800000));
-      y = _mm512_mask_mov_epi32(y, nan, _mm512_set1_epi32(0x7FC00000));
-    }
-    y = _mm512_ternarylogic_epi32(b, y, abs_mask, 0xD8);  // y's magnitude, b's sign
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                        _mm512_cvtps_ph(_mm512_castsi512_ps(y),
-                                        _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+                        f16_stochastic_v16(_mm512_loadu_ps(src + c), u, &overflow));
   }
   *over = overflow != 0;
   return c;
@@ -269,18 +274,23 @@ inline i64 bf16_stochastic_x16(const float* src, uint16_t* dst, i64 d, uint32_t 
   return c;
 }
 
+// 16 float32 values rounded to float16 to nearest even; the lanes that overflowed (65520 and
+// up, finite) are or-ed into *overflow.
+inline __m256i f16_nearest_v16(__m512 x, __mmask16* overflow) {
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+  *overflow |= _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FEFFF)) &  // 65520 and up,
+               _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));   // finite
+  __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+  __asm__("" : "+v"(h));  // kept in a register: no conversion stored straight to memory
+  return h;
+}
+
 inline i64 f16_nearest_x16(const float* src, uint16_t* dst, i64 d, bool* over) {
   __mmask16 overflow = 0;
   i64 c = 0;
-  for (; c + 16 <= d; c += 16) {
-    const __m512 x = _mm512_loadu_ps(src + c);
-    const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
-    overflow |= _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x477FEFFF)) &  // 65520 and up,
-                _mm512_cmplt_epi32_mask(a, _mm512_set1_epi32(0x7F800000));   // finite
-    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-    __asm__("" : "+v"(h));  // kept in a register: no conversion stored straight to memory
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), h);
-  }
+  for (; c + 16 <= d; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        f16_nearest_v16(_mm512_loadu_ps(src + c), &overflow));
   *over = overflow != 0;
   return c;
 }

@@ -27,6 +27,8 @@
 //   vocab.h        ec_vocab_* (ec_vocab_find_many, ec_vocab_step_many: a stack's maps at
 //                  once), ec_init_normal
 //   cache_index.h  ec_cache_step, ec_row_versions, ec_set_flags
+//   packed.h       ec_concat_dedup_packed, ec_lookup_packed, ec_sparse_update_packed: the
+//                  hot kernels with their arguments in one array of slots
 // kernels/cpu/library.py declares every exported function's arguments by name and kind (its ctypes
 // signature and per-call checks come from that table): a change of a signature here changes the
 // table there and bumps ABI_VERSION there.
@@ -41,6 +43,7 @@
 #include "rows.h"
 #include "vocab.h"
 #include "cache_index.h"
+#include "packed.h"
 
 // The ABI version has one source: kernels/cpu/library.py's ABI_VERSION, passed as
 // -DEC_ABI_VERSION=N by its build (and part of the build's cache key); the loader refuses a

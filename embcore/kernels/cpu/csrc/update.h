@@ -86,6 +86,128 @@ inline void copy_floats(float* dst, const float* src, i64 n) {
     std::memcpy(dst, src, sizeof(float) * size_t(n));
 }
 
+// One row's rule with its step size known (row-wise Adagrad's from the whole gradient), its
+// weight decay and weight clipping: update_rows's steps 3-5, on a block of a 16-bit row.
+struct RowStep {
+  int rule;
+  float lr;
+  float root;    // kRowwiseAdagrad: the root of the row's new accumulator
+  bool stepped;  // kRowwiseAdagrad: whether the row steps (its new accumulator is not 0)
+  float wd, wmin, wmax;
+  bool decayed, bounded;
+};
+
+// Columns of a 16-bit row widened, stepped and rounded together: they stay in registers (or L1)
+// between the three, where whole-row passes wrote and read a float32 copy of the row.
+constexpr i64 kBlock = 32;
+
+// Steps 3-5 on columns [0, n) (n <= kBlock): x the row's values in float32 (updated in place), g
+// its gradient, a its Adagrad accumulators (kAdagrad; updated in place). The same float
+// arithmetic, in the same order, as update_rows's float32 rows.
+inline void step_columns(const RowStep& s, float* x, const float* g, float* a, i64 n) {
+  float before[kBlock];
+  if (s.decayed)
+    for (i64 c = 0; c < n; ++c) before[c] = x[c];
+  if (s.rule == kSGD) {
+#pragma omp simd
+    for (i64 c = 0; c < n; ++c) x[c] -= s.lr * g[c];
+  } else if (s.rule == kAdagrad) {
+#pragma omp simd
+    for (i64 c = 0; c < n; ++c) {
+      const float an = a[c] + g[c] * g[c];
+      a[c] = an;
+      const float empty = float(an <= 0.f);  // (as update_rows: a zero step, no branch)
+      x[c] -= s.lr * (g[c] / std::sqrt(an + empty));
+    }
+  } else if (s.stepped) {  // kRowwiseAdagrad
+#pragma omp simd
+    for (i64 c = 0; c < n; ++c) x[c] -= s.lr * (g[c] / s.root);
+  }
+  if (s.decayed)
+    for (i64 c = 0; c < n; ++c) x[c] -= s.wd * before[c];
+  if (s.bounded)
+    for (i64 c = 0; c < n; ++c) x[c] = std::min(std::max(x[c], s.wmin), s.wmax);
+}
+
+// Columns [c0, c0 + n) of a 16-bit row: widened, stepped and rounded back in place; with
+// ``before``, the row's 16-bit values are kept there first. Returns whether the rounding
+// overflowed (narrow_overflowed; checked only with ``before``).
+template <int T>
+inline bool fused_block(const RowStep& s, uint16_t* row, const float* g, float* a, i64 c0,
+                        i64 n, bool stochastic, uint32_t key32, i64 col0, uint16_t* before) {
+  float x[kBlock];
+  if (before) std::memcpy(before + c0, row + c0, sizeof(uint16_t) * size_t(n));
+  widen<T>(row + c0, x, n);
+  step_columns(s, x, g + c0, a ? a + c0 : nullptr, n);
+  if (before) return narrow_overflowed<T>(x, row + c0, n, stochastic, key32, col0 + c0);
+  narrow<T>(x, row + c0, n, stochastic, key32, col0 + c0);
+  return false;
+}
+
+#if defined(__AVX512F__)
+// fused_block on the float16 columns [c, c + 16) with AVX-512, in registers: step_columns's
+// arithmetic (x - lr * q is one fused multiply-add there too, as the compiler contracts it;
+// std::max(x, lo) is max(lo, x), NaN kept) and f16_*_v16's rounding. ``input``: the random
+// bits' hash inputs of the 16 columns (stochastic). Returns the lanes that overflowed.
+inline __mmask16 fused_f16_x16(const RowStep& s, uint16_t* row, const float* g, float* a, i64 c,
+                               bool stochastic, __m512i input, uint16_t* before) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+  if (before) _mm256_storeu_si256(reinterpret_cast<__m256i*>(before + c), h);
+  const __m512 w = _mm512_cvtph_ps(h);  // (exact)
+  const __m512 gv = _mm512_loadu_ps(g + c);
+  const __m512 lr = _mm512_set1_ps(s.lr);
+  __m512 x = w;
+  if (s.rule == kSGD) {
+    x = _mm512_fnmadd_ps(lr, gv, x);
+  } else if (s.rule == kAdagrad) {
+    const __m512 an = _mm512_fmadd_ps(gv, gv, _mm512_loadu_ps(a + c));
+    _mm512_storeu_ps(a + c, an);
+    const __m512 empty = _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(an, _mm512_setzero_ps(), _CMP_LE_OQ), _mm512_set1_ps(1.f));
+    x = _mm512_fnmadd_ps(lr, _mm512_div_ps(gv, _mm512_sqrt_ps(_mm512_add_ps(an, empty))), x);
+  } else if (s.stepped) {  // kRowwiseAdagrad
+    x = _mm512_fnmadd_ps(lr, _mm512_div_ps(gv, _mm512_set1_ps(s.root)), x);
+  }
+  if (s.decayed) x = _mm512_fnmadd_ps(_mm512_set1_ps(s.wd), w, x);
+  if (s.bounded)
+    x = _mm512_min_ps(_mm512_set1_ps(s.wmax), _mm512_max_ps(_mm512_set1_ps(s.wmin), x));
+  __mmask16 over = 0;
+  const __m256i r = stochastic ? f16_stochastic_v16(x, lowbias32_x16(input), &over)
+                               : f16_nearest_v16(x, &over);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), r);
+  return over;
+}
+#endif
+
+// Steps 3-6 on a 16-bit row (d columns) in one pass, kBlock columns at a time: the same bits as
+// widening the whole row, stepping it and rounding it back (the random bits of column col0 + c
+// are column c's whatever the block). ``before`` (d,): the guard's copy of the row, nullptr
+// for none. Returns whether the rounding overflowed (with ``before`` only); the caller restores
+// the row from ``before`` then.
+template <int T>
+inline bool fused_row16(const RowStep& s, uint16_t* row, const float* g, float* a, i64 d,
+                        bool stochastic, uint32_t key32, i64 col0, uint16_t* before) {
+  bool over = false;
+  i64 c0 = 0;
+#if defined(__AVX512F__)
+  if constexpr (T == kF16) {  // 16 columns at a time in registers
+    __mmask16 lanes = 0;
+    __m512i input = hash_inputs_x16(key32, uint32_t(col0));
+    const __m512i step = _mm512_set1_epi32(int32_t(16U * kGolden32));
+    for (; c0 + 16 <= d; c0 += 16) {
+      lanes |= fused_f16_x16(s, row, g, a, c0, stochastic, input, before);
+      input = _mm512_add_epi32(input, step);
+    }
+    over = before != nullptr && lanes != 0;
+  }
+#endif
+  for (; c0 + kBlock <= d; c0 += kBlock)  // whole blocks (their width a constant)
+    over |= fused_block<T>(s, row, g, a, c0, kBlock, stochastic, key32, col0, before);
+  if (c0 < d)
+    over |= fused_block<T>(s, row, g, a, c0, d - c0, stochastic, key32, col0, before);
+  return over;
+}
+
 template <int T>
 i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
                 const i64* uoff, const i64* order, const i64* bags, const float* scales,
@@ -130,13 +252,12 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
   // chunks of rows of about equal cost
   parallel_ranges(chunks, nt, u_rows, uoff, 2, [&](i64, i64 lo, i64 hi) {
     const i64 j_end = uoff ? uoff[hi] : 0;
-    thread_local std::vector<float> gbuf, wbuf, wide, acc_before;
-    thread_local std::vector<uint16_t> row_rounded;
+    thread_local std::vector<float> gbuf, wbuf, acc_before;
+    thread_local std::vector<uint16_t> row_before;
     gbuf.resize(static_cast<size_t>(d));
-    if (decayed) wbuf.resize(static_cast<size_t>(d));
-    if (T != kF32) wide.resize(static_cast<size_t>(d));
+    if (decayed && T == kF32) wbuf.resize(static_cast<size_t>(d));
     if (guarded) {
-      row_rounded.resize(static_cast<size_t>(d));
+      row_before.resize(static_cast<size_t>(d));
       acc_before.resize(static_cast<size_t>(d));
     }
     i64 mine = 0;  // rows of this range left alone (overflow)
@@ -176,16 +297,42 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
       if (clipped)
         for (i64 c = 0; c < d; ++c) g[c] = std::min(std::max(g[c], clo), chi);
       void* stored = w + rows[u] * d * esize;
-      float* wr;  // the row in float32: the table's own, or a 16-bit row widened
-      if constexpr (T == kF32) {
-        wr = static_cast<float*>(stored);
-      } else {
-        wr = wide.data();
-        widen<T>(stored, wr, d);
-      }
       float* a_row = acc ? acc + rows[u] * acc_d : nullptr;
       if (guarded && a_row)  // the accumulators before, kept in case the row overflows
         copy_floats(acc_before.data(), a_row, acc_d);
+      if constexpr (T != kF32) {
+        // 3-6 for a 16-bit row in one pass (fused_row16): row-wise Adagrad's step size first,
+        // from the whole gradient
+        RowStep step{rule, lr, 1.f, true, wd, wmin, wmax, decayed, bounded};
+        if (rule == kRowwiseAdagrad) {
+          float sq = 0.f;
+#pragma omp simd reduction(+ : sq)
+          for (i64 c = 0; c < d; ++c) sq += g[c] * g[c];
+          const float an = a_row[0] + sq / float(d);
+          a_row[0] = an;
+          // (a NaN accumulator steps too: NaN propagates, as in every path)
+          step.stepped = !(an <= 0.f);
+          if (step.stepped) step.root = std::sqrt(an);
+        }
+        uint32_t key32 = 0;
+        if (rounding.stochastic) {
+          const i64 r = rows[u];
+          const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
+          key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
+        }
+        uint16_t* row = static_cast<uint16_t*>(stored);
+        const bool over = fused_row16<T>(step, row, g, rule == kAdagrad ? a_row : nullptr, d,
+                                         rounding.stochastic, key32, rounding.col0,
+                                         guarded ? row_before.data() : nullptr);
+        if (over) {  // the row left as it was, its accumulators restored
+          std::memcpy(row, row_before.data(), sizeof(uint16_t) * size_t(d));
+          if (a_row) copy_floats(a_row, acc_before.data(), acc_d);
+          ++mine;
+        }
+        if (guarded) overflow[u] = uint8_t(over);
+        continue;
+      }
+      float* wr = static_cast<float*>(stored);  // the row in float32
       if (decayed) std::memcpy(wbuf.data(), wr, sizeof(float) * d);
       // 3. the rule
       if (rule == kSGD) {
@@ -220,32 +367,6 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
         for (i64 c = 0; c < d; ++c) wr[c] -= wd * wbuf[c];
       if (bounded)
         for (i64 c = 0; c < d; ++c) wr[c] = std::min(std::max(wr[c], wmin), wmax);
-      // 6. a 16-bit row: rounded back
-      if constexpr (T != kF32) {
-        uint32_t key32 = 0;
-        if (rounding.stochastic) {
-          const i64 r = rows[u];
-          const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
-          key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
-        }
-        bool over = false;
-        if (guarded) {  // rounded aside, kept only if it did not overflow
-          const uint16_t* h = row_rounded.data();
-          over = narrow_overflowed<T>(wr, row_rounded.data(), d, rounding.stochastic, key32,
-                                      rounding.col0);
-          if (over) {  // the row left as it was, its accumulators restored
-            if (a_row) copy_floats(a_row, acc_before.data(), acc_d);
-            ++mine;
-          } else {
-            uint16_t* row = static_cast<uint16_t*>(stored);
-#pragma omp simd
-            for (i64 c = 0; c < d; ++c) row[c] = h[c];
-          }
-        } else {
-          narrow<T>(wr, stored, d, rounding.stochastic, key32, rounding.col0);
-        }
-        if (guarded) overflow[u] = uint8_t(over);
-      }
     }
     if (mine) __atomic_fetch_add(&overflows, mine, __ATOMIC_RELAXED);
   });
@@ -272,7 +393,7 @@ extern "C" {
 // w -= weight_decay * w_before; w = clip(w, weight_min, weight_max). Adagrad variants with a zero
 // accumulator take no step (0 / 0).
 // Rows of 16-bit type ``type`` (kF16, kBF16; kF32: float32) are widened, updated in float32 and
-// rounded back (half.h): stochastically when ``stochastic``, the identity of row rows[u] from
+// rounded back (half.h) in one pass, a block of columns at a time (fused_row16): stochastically when ``stochastic``, the identity of row rows[u] from
 // key_rows[rows[u]] (rows[u] itself from n_keys on; key_rows nullptr: n_keys 0) through the
 // segments (seg_starts
 // (nseg + 1,), seg_bases, seg_muls (nseg,)), columns col0 + c and ``step_key`` =
