@@ -166,6 +166,9 @@ class Embedding:
                  profile: LookupProfile | str | os.PathLike | None = None,
                  exchange_compression: ExchangeCompression | str | None = None,
                  host_checks: bool = False) -> None:
+        if not isinstance(host_checks, bool):  # (a truthy string would silently switch modes)
+            raise TypeError(f"Embedding: host_checks must be True or False, got "
+                            f"{host_checks!r}")
         self._lock = threading.RLock()  # see _serialized
         budget, profile = parse_budget(memory_budget), LookupProfile.of(profile)
         compression = ExchangeCompression.of(exchange_compression)

@@ -443,3 +443,14 @@ def test_load_state_dict_refuses_negative_accumulators_and_changes_nothing():
             emb.load_state_dict(bad)
         assert all(torch.equal(v, before[k]) for k, v in emb.state_dict().items())
         emb.load_state_dict({k: v.abs() if k == key else v for k, v in bad.items()})
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_host_checks_must_be_a_bool(bad):
+    t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+    with pytest.raises(TypeError, match="host_checks must be True or False"):
+        ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                     host_checks=bad)
+    with pytest.raises(TypeError, match="host_checks must be True or False"):
+        ec.EmbeddingLayer({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1),
+                          host_checks=bad)
