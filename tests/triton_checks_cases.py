@@ -198,6 +198,54 @@ def test_the_dedup_of_fixed_capacity_is_the_dedup_padded(ids):
     assert counted.syncs == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(-2**40, 2**40) | st.integers(-3, 40), max_size=70),
+                max_size=5),
+       st.lists(st.integers(-50, 10**6), min_size=5, max_size=5),
+       st.lists(st.integers(1, 40), min_size=5, max_size=5))
+def test_the_batch_kernels_are_their_torch_references(parts, shifts, vocabs):
+    """One launch each (kernels/gpu/batch.py) for what torch ops did: the Triton backend's
+    dedup (the parts concatenated and shifted, then ``dedup_padded``), its ids' bounds and
+    verdict (``Backend.id_bounds`` of the torch ops; the verdict nonzero exactly when an id is
+    outside ``[0, vocab)``), bit for bit, across the blocks of the scan (up to 350 ids)."""
+    from embcore.ops.backend import TORCH_OPS, TRITON
+    from embcore.ops.bags import dedup_padded
+    ts = [torch.tensor(p, dtype=torch.int64) for p in parts]
+    adds = shifts[:len(ts)]
+    if ts:
+        ids, got = TRITON.dedup(ts, adds, 1, padded=True)
+        want_ids = torch.cat([t + a for t, a in zip(ts, adds)])
+        want = dedup_padded(want_ids)
+        assert torch.equal(ids, want_ids)
+        for name in ("unique", "order", "unique_offsets"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(got.inverse, want.inverse)
+    full = [t for t in ts if t.numel()]
+    if full:
+        vs = vocabs[:len(full)]
+        bounds, verdict = TRITON.id_bounds(full, vs)
+        want_bounds, none = TORCH_OPS.id_bounds(full, vs)
+        assert none is None and torch.equal(bounds, want_bounds)
+        outside = any(int(t.min()) < 0 or int(t.max()) >= v for t, v in zip(full, vs))
+        assert verdict.dtype == torch.int64 and int(verdict) == int(outside)
+
+
+def test_the_batch_kernels_span_many_blocks():
+    """The scan's blocks (1024 ids each) continue one another's ranks."""
+    from embcore.ops.backend import TRITON
+    from embcore.ops.bags import dedup_padded
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 900, (n,), generator=g) for n in (1500, 0, 1023, 2049)]
+    ids, got = TRITON.dedup(parts, [0, 5, 1000, 3000], 1, padded=True)
+    want = dedup_padded(ids)
+    for name in ("unique", "order", "unique_offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    bounds, verdict = TRITON.id_bounds([parts[0], parts[3]], [900, 899])
+    assert bounds.tolist() == [int(parts[0].min()), int(parts[0].max()),
+                               int(parts[3].min()), int(parts[3].max())]
+    assert int(verdict) == int(int(parts[3].max()) >= 899)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(-2, 2),
        st.integers(0, 12), st.booleans())

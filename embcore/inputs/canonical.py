@@ -477,7 +477,7 @@ class BatchChecks:
         self.backend = backend
         self.verdicts = verdicts
         self._ids: list[tuple[torch.Tensor, int, str, str]] = []
-        self._pairs: list[tuple[tuple[torch.Tensor, torch.Tensor], int, str, str]] = []
+        self._pairs: list[tuple[torch.Tensor, int, str, str]] = []  # (ids judged on the device)
         self._jagged: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
         self._weights: list[tuple[torch.Tensor, str]] = []
         self._same: list[tuple[torch.Tensor, torch.Tensor, str]] = []
@@ -487,9 +487,8 @@ class BatchChecks:
         if ids.numel() and not tracing():
             if self.verdicts is None:
                 self._ids.append((self.backend.bounds(ids), vocab, where, table))  # (2,)
-            else:  # () min, () max
-                lo, hi = torch.aminmax(ids)
-                self._pairs.append(((lo, hi), vocab, where, table))
+            else:  # (their min and max: ``Backend.id_bounds``, the batch's at once)
+                self._pairs.append((ids, vocab, where, table))
 
     def add_offsets(self, verdict: torch.Tensor, offsets: torch.Tensor, nnz: int,
                     where: str) -> None:
@@ -535,13 +534,21 @@ class BatchChecks:
         for w, where in self._weights:
             values.append(torch.isfinite(w).all())
             layout.append(("weights", where, 0, ""))
-        for bounds, vocab, where, table in self._pairs:
-            values.extend(bounds)
+        for _, vocab, where, table in self._pairs:
             layout.append(("ids", where, vocab, table))
+        pairs = self._pairs
         self._pairs, self._jagged, self._weights, self._same = [], [], [], []
-        if not values:
+        if not layout:
             return None
-        report = torch.stack(values)  # (L,) int64: the values that judge the batch
+        # (L,) int64: the values that judge the batch, the ids' min and max last
+        report = torch.stack(values) if values else None
+        if pairs:
+            bounds, verdict = self.backend.id_bounds([t for t, _, _, _ in pairs],
+                                                     [v for _, v, _, _ in pairs])
+            if report is None and verdict is not None:  # (judged in the same launch)
+                return verdicts.keep(tuple(layout), bounds, verdict)
+            report = bounds if report is None else torch.cat([report, bounds])
+        assert report is not None
         return verdicts.judge(tuple(layout), report)
 
 
@@ -599,6 +606,14 @@ class Verdicts:
         if len(self._reports) >= self.FOLD:
             self._fold()
         return (report.clamp(lo, hi) != report).sum()
+
+    def keep(self, layout: Layout, report: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
+        """``judge``'s, for a ``report`` whose ``verdict`` was computed with it (nonzero exactly
+        where ``judge``'s would be: ``Backend.id_bounds``): kept for ``check``, returned."""
+        self._reports.append((layout, report))
+        if len(self._reports) >= self.FOLD:
+            self._fold()
+        return verdict
 
     def _fold(self) -> None:
         """The reports since the last fold, merged on the device into ``_kept``."""

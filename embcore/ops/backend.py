@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from ..kernels import cpu, gpu
-from .bags import Dedup, bag_index, combiner_scales, dedup, dedup_padded
+from .bags import Dedup, bag_index, combiner_scales, dedup
 from .checksum import move_summed_fused, move_summed_torch
 
 Name = Literal["fused CPU", "Triton", "torch ops"]
@@ -83,6 +83,14 @@ class Backend:
     def bounds(self, ids: torch.Tensor) -> torch.Tensor:
         """(2,) int64 ``[min, max]`` of non-empty ``ids``, where they are (not read back)."""
         return torch.stack(torch.aminmax(ids))
+
+    def id_bounds(self, parts: Sequence[torch.Tensor], vocabs: Sequence[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """((2 N,) int64 ``[min, max]`` of each of the N non-empty int64 ``parts``, where they
+        are; the verdict, () int64 nonzero where an id of part i is outside ``[0, vocabs[i])``,
+        when computed in the same launch, else None: inputs/canonical.py's ``Verdicts`` judges
+        the bounds)."""
+        return torch.stack([b for t in parts for b in torch.aminmax(t)]), None
 
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         """-1 when (B + 1,) int64 ``offsets`` start at 0, never decrease and end at ``nnz``;
@@ -246,7 +254,9 @@ class _FusedCPU(Backend):
 
 
 class _Triton(Backend):
-    """The Triton kernels (kernels/gpu/), bound per table; the batch verbs are torch ops."""
+    """The Triton kernels (kernels/gpu/), bound per table; the batch verbs are torch ops, or
+    kernels/gpu/batch.py's launches where one replaces several (the ids' bounds, the dedup of
+    fixed capacity)."""
 
     name: Name = "Triton"
     triton = True
@@ -257,16 +267,25 @@ class _Triton(Backend):
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
               num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """Row ids for kernels that take it deduplicated with a fixed capacity
-        (``bags.dedup_padded``: no synchronisation); else the torch ops'."""
+        (``bags.dedup_padded``'s results, no synchronisation: the parts concatenated and
+        shifted in one launch, a stable sort, the runs in one launch); else the torch ops'."""
         if not padded or num_rows is None or _traced():
             return super().dedup(parts, adds, num_rows)
         if len(parts) == 1:
             ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
-        else:  # one add of every part's shift (kept per layout), not one a part
-            ids = torch.cat(list(parts))  # (nnz,)
-            if any(adds):
-                ids += self._shifts(parts, adds)
-        return ids, dedup_padded(ids)
+        else:  # the parts concatenated and shifted in one launch
+            ids = gpu.concat_shift(list(parts), list(adds))  # (nnz,)
+        # ``dedup_padded``'s: a stable sort, then its runs in one launch
+        sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
+        unique, unique_offsets = gpu.dedup_runs(sorted_ids)  # (nnz,), (nnz + 1,)
+        return ids, Dedup(unique, order, unique_offsets)
+
+    def id_bounds(self, parts: Sequence[torch.Tensor], vocabs: Sequence[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bounds and the verdict in one launch (``gpu.id_bounds``)."""
+        if _traced():
+            return super().id_bounds(parts, vocabs)
+        return gpu.id_bounds(list(parts), list(vocabs))
 
     def offsets_verdict(self, offsets: torch.Tensor, nnz: int
                         ) -> tuple[torch.Tensor, int | torch.Tensor]:
@@ -295,19 +314,6 @@ class _Triton(Backend):
                                        output_size=nnz)  # (nnz,) float32
 
     _patterns: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
-    _kept: tuple[tuple[int, ...], tuple[int, ...], torch.device, torch.Tensor] | None = None
-
-    def _shifts(self, parts: Sequence[torch.Tensor], adds: Sequence[int]) -> torch.Tensor:
-        """(nnz,) int64 ``adds[i]`` at each id of ``parts[i]`` (the last layout's kept)."""
-        sizes, shifts = tuple(t.numel() for t in parts), tuple(adds)
-        device = parts[0].device
-        kept = self._kept
-        if kept is None or kept[:3] != (sizes, shifts, device):
-            made = torch.repeat_interleave(torch.tensor(shifts, device=device),
-                                           torch.tensor(sizes, device=device),
-                                           output_size=sum(sizes))  # (nnz,)
-            kept = self._kept = (sizes, shifts, device, made)
-        return kept[3]
 
 
 FUSED_CPU: Backend = _FusedCPU()

@@ -21,7 +21,9 @@ kernel back as it is), so a tracer keeps each operator whole there (``_keep_whol
 index's operators (``hash_find``, ``hash_insert``, ``hash_delete``) are opaque ``custom_op``s:
 their kernels reach the index's slots and keys through the addresses in ``maps``, which no
 tracer can follow, so none may look inside; ``hash_insert`` and ``hash_delete`` declare
-``maps`` written, so that a tracer keeps them, in order.
+``maps`` written, so that a tracer keeps them, in order. The batch's operators (``id_bounds``,
+``concat_shift``, ``dedup_runs``) are opaque ``custom_op``s too: their kernels take the parts as
+a tuple of pointers, which ``wrap_triton`` does not trace.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.library import custom_op, triton_op, wrap_triton
 from ...base import compat
 from ..rules import Rule
 from .args import BITS, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
+from .batch import concat_shift_kernel, id_bounds_kernel, runs_kernel
 from .index import hash_delete_kernel, hash_find_kernel, hash_insert_kernel
 from .init import CONSTANTS, init_rows_kernel
 from .move import move_rows_kernel
@@ -416,9 +419,98 @@ def _init_rows_fake(ids: torch.Tensor, rows: torch.Tensor, take: torch.Tensor,
     return None
 
 
+# -- a batch's preparation (ops/backend.py, inputs/canonical.py) ----------------------------------
+#
+# Opaque ``custom_op``s: their kernels take the parts as a tuple of pointers, which
+# ``wrap_triton`` does not trace; a tracer keeps each whole (their fake implementations give the
+# shapes, from the inputs' alone).
+
+_BATCH_BLOCK = 1024
+
+
+def _parts(parts: list[torch.Tensor], what: str) -> tuple[torch.Tensor, ...]:
+    for t in parts:
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise TypeError(f"embcore::{what}: parts must be 1-d int64 tensors, got "
+                            f"{t.dtype} of shape {tuple(t.shape)}")
+    return tuple(t.contiguous() for t in parts)
+
+
+def _id_bounds(parts: list[torch.Tensor], vocabs: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embcore::id_bounds``: ((2 N,) int64 each non-empty part's min and max, () int64 1 when
+    an id of part i is outside ``[0, vocabs[i])``, else 0); inputs/canonical.py's checks of a
+    batch's ids on the device, one launch for the batch."""
+    got = _parts(parts, "id_bounds")
+    if len(vocabs) != len(got) or any(t.numel() == 0 for t in got) or not got:
+        raise ValueError("embcore::id_bounds: one vocabulary size per non-empty part")
+    report = torch.empty(2 * len(got), dtype=torch.int64, device=got[0].device)
+    verdict = torch.empty((), dtype=torch.int64, device=got[0].device)
+    id_bounds_kernel[(1,)](got, tuple(t.numel() for t in got), tuple(int(v) for v in vocabs),
+                           report, verdict, N=len(got), BLOCK=_BATCH_BLOCK)
+    return report, verdict
+
+
+id_bounds = custom_op(f"{NAMESPACE}::id_bounds", _id_bounds, mutates_args=())
+
+
+@id_bounds.register_fake
+def _id_bounds_fake(parts: list[torch.Tensor], vocabs: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (parts[0].new_empty(2 * len(parts), dtype=torch.int64),
+            parts[0].new_empty((), dtype=torch.int64))
+
+
+def _concat_shift(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
+    """``embcore::concat_shift``: (sum of sizes,) int64, the parts concatenated, part i's ids
+    plus ``shifts[i]`` (a physical table's features' rows: ops/backend.py)."""
+    got = _parts(parts, "concat_shift")
+    if len(shifts) != len(got) or not got:
+        raise ValueError("embcore::concat_shift: one shift per part")
+    sizes = tuple(t.numel() for t in got)
+    starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+    out = torch.empty(sum(sizes), dtype=torch.int64, device=got[0].device)
+    if max(sizes):
+        concat_shift_kernel[(_cdiv(max(sizes), _BATCH_BLOCK), len(got))](
+            got, sizes, starts, tuple(int(v) for v in shifts), out, N=len(got),
+            BLOCK=_BATCH_BLOCK)
+    return out
+
+
+concat_shift = custom_op(f"{NAMESPACE}::concat_shift", _concat_shift, mutates_args=())
+
+
+@concat_shift.register_fake
+def _concat_shift_fake(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
+    return parts[0].new_empty(sum(t.shape[0] for t in parts), dtype=torch.int64)
+
+
+def _dedup_runs(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embcore::dedup_runs``: ((n,) int64 unique, (n + 1,) int64 unique offsets) of (n,)
+    sorted int64 ids, padded as ``bags.dedup_padded`` pads them (FBGEMM's
+    ``fbgemm::jagged_unique_indices`` keeps its counts on the device likewise)."""
+    (ids,) = _parts([sorted_ids], "dedup_runs")
+    n = ids.numel()
+    unique = torch.empty(n, dtype=torch.int64, device=ids.device)
+    uoff = torch.empty(n + 1, dtype=torch.int64, device=ids.device)
+    runs_kernel[(1,)](ids, unique, uoff, n, BLOCK=_BATCH_BLOCK)
+    return unique, uoff
+
+
+dedup_runs = custom_op(f"{NAMESPACE}::dedup_runs", _dedup_runs, mutates_args=())
+
+
+@dedup_runs.register_fake
+def _dedup_runs_fake(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = sorted_ids.shape[0]
+    return sorted_ids.new_empty(n, dtype=torch.int64), sorted_ids.new_empty(n + 1,
+                                                                             dtype=torch.int64)
+
+
 OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse_update,
        "move_rows": move_rows, "hash_find": hash_find, "hash_insert": hash_insert,
-       "hash_delete": hash_delete, "init_rows": init_rows}
+       "hash_delete": hash_delete, "init_rows": init_rows, "id_bounds": id_bounds,
+       "concat_shift": concat_shift, "dedup_runs": dedup_runs}
 
 
 def _eager(body: Any) -> Any:
@@ -436,4 +528,5 @@ def _eager(body: Any) -> Any:
 DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
           "sparse_update": _eager(_sparse_update), "move_rows": _eager(_move_rows),
           "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete,
-          "init_rows": _init_rows}
+          "init_rows": _init_rows, "id_bounds": _id_bounds, "concat_shift": _concat_shift,
+          "dedup_runs": _dedup_runs}
