@@ -228,6 +228,10 @@ def test_the_batch_kernels_are_their_torch_references(parts, shifts, vocabs):
         assert none is None and torch.equal(bounds, want_bounds)
         outside = any(int(t.min()) < 0 or int(t.max()) >= v for t, v in zip(full, vs))
         assert verdict.dtype == torch.int64 and int(verdict) == int(outside)
+        flags = [torch.tensor(0), torch.tensor(bool(len(full) % 2))]  # (the offsets' flags)
+        report, verdict = TRITON.id_bounds(full, vs, flags)
+        assert torch.equal(report, TORCH_OPS.id_bounds(full, vs, flags)[0])
+        assert int(verdict) == int(outside or len(full) % 2 == 1)
 
 
 def test_the_batch_kernels_span_many_blocks():
@@ -259,17 +263,28 @@ def test_the_triton_backends_offsets_and_scales_are_the_torch_ops(lengths, nudge
     bad = offsets.clone()
     bad[at % bad.numel()] += nudge
     for given_ in (offsets, bad):
-        safe, verdict = TRITON.offsets_verdict(given_, nnz)
+        safe, verdict = TRITON.offsets_verdict(given_, nnz, mean=True)
         malformed = TORCH_OPS.offsets_error(given_, nnz) >= 0
         assert bool(verdict) == malformed
         # safe to index with: 0 first, nnz last, never decreasing; the given ones when valid
         assert safe[0] == 0 and safe[-1] == nnz and (safe[1:] >= safe[:-1]).all()
         assert malformed or torch.equal(safe, given_)
+        want_safe, _ = TORCH_OPS.offsets_verdict(given_, nnz)
+        assert torch.equal(safe, want_safe)
+        # the mean scales computed with them, kept for the combiner's call
+        got = TRITON.combiner_scales(safe, None, "mean", nnz)
+        assert torch.equal(got, TORCH_OPS.combiner_scales(safe, None, "mean", nnz))
+        assert torch.equal(TRITON.bag_index(safe, nnz), TORCH_OPS.bag_index(safe, nnz))
     weights = torch.rand(nnz) if weighted else None
     for combiner in ("sum", "mean", "sqrtn"):
         got = TRITON.combiner_scales(offsets, weights, combiner, nnz)
         want = TORCH_OPS.combiner_scales(offsets, weights, combiner, nnz)
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    parts = [offsets, torch.tensor([0]), offsets[:2] - offsets[0]]
+    shifts = [0, nnz, nnz]
+    total = nnz + int(parts[2][-1])
+    assert torch.equal(TRITON.concat_offsets(parts, shifts, total),
+                       TORCH_OPS.concat_offsets(parts, shifts, total))
 
 
 def test_the_layer_masks_a_bad_batch_or_raises_at_once_with_host_checks():

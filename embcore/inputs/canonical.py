@@ -114,7 +114,9 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
     elif kind == "jagged":
-        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend, checks)
+        mean = table.combiner == "mean" and weights is None and seq == 0
+        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend, checks,
+                                                mean)
         positions = None
     else:
         values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where, device,
@@ -219,7 +221,7 @@ def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 
 
 def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend,
-            checks: BatchChecks | None):
+            checks: BatchChecks | None, mean: bool = False):
     if not isinstance(ids, tuple):
         if ids.layout != torch.jagged:
             raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
@@ -235,7 +237,7 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
         raise ValueError(f"{where}: jagged ids must hold 1-D values, got shape "
                          f"{list(values.shape)}")
     offsets = check_offsets(given.to(device, non_blocking=True), values.numel(), where,
-                            backend, checks)  # (B + 1,) int64, contiguous, on the device
+                            backend, checks, mean)  # (B + 1,) int64, contiguous, on the device
     w = None
     if weights is not None:
         same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
@@ -340,11 +342,12 @@ def tracing() -> bool:
 
 
 def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend,
-                  checks: BatchChecks | None = None) -> torch.Tensor:
+                  checks: BatchChecks | None = None, mean: bool = False) -> torch.Tensor:
     """Jagged offsets as (B + 1,) contiguous int64, after one pass checking that they start at 0,
     never decrease and end at ``nnz`` (so every bag lies inside the values). With ``checks``,
     a backend that would wait for the answer returns the offsets made safe and leaves the
-    verdict to ``checks.done()``.
+    verdict to ``checks.done()``. ``mean``: the mean combiner's scales of these bags, unweighted,
+    will be asked for (``Backend.offsets_verdict``).
 
     Raises:
         TypeError: offsets that are not int32 / int64.
@@ -362,7 +365,7 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend,
     if checks is None or offsets.numel() == 1:  # (no bag: nothing to make safe, answer now)
         bad = backend.offsets_error(offsets, nnz)
     else:
-        safe, verdict = backend.offsets_verdict(offsets, nnz)
+        safe, verdict = backend.offsets_verdict(offsets, nnz, mean)
         if not isinstance(verdict, int):  # read with the batch's other checks
             checks.add_offsets(verdict, offsets, nnz, where)
             return safe
@@ -526,6 +529,8 @@ class BatchChecks:
         return None
 
     def _judged(self, verdicts: Verdicts) -> torch.Tensor | None:
+        # the offsets' and the weights' offsets' values are flags, 0 good; a weights' is 1 good
+        flags = not self._weights
         values: list[torch.Tensor] = [v for v, _, _, _ in self._jagged]
         layout: list[Entry] = [("offsets", where, 0, "") for _, _, _, where in self._jagged]
         for mine, theirs, where in self._same:
@@ -540,15 +545,18 @@ class BatchChecks:
         self._pairs, self._jagged, self._weights, self._same = [], [], [], []
         if not layout:
             return None
-        # (L,) int64: the values that judge the batch, the ids' min and max last
-        report = torch.stack(values) if values else None
+        # (L,) int64: the values that judge the batch, the ids' min and max last; flags go with
+        # the ids' bounds, judged in the same launch where the backend can
         if pairs:
-            bounds, verdict = self.backend.id_bounds([t for t, _, _, _ in pairs],
-                                                     [v for _, v, _, _ in pairs])
-            if report is None and verdict is not None:  # (judged in the same launch)
-                return verdicts.keep(tuple(layout), bounds, verdict)
-            report = bounds if report is None else torch.cat([report, bounds])
-        assert report is not None
+            report, verdict = self.backend.id_bounds(
+                [t for t, _, _, _ in pairs], [v for _, v, _, _ in pairs],
+                values if flags else ())
+            if verdict is not None and flags:  # (judged in the same launch)
+                return verdicts.keep(tuple(layout), report, verdict)
+            if not flags:
+                report = torch.cat([torch.stack(values), report]) if values else report
+        else:
+            report = torch.stack(values)
         return verdicts.judge(tuple(layout), report)
 
 

@@ -298,17 +298,41 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
 
 # -- a batch's preparation (ops/backend.py, inputs/canonical.py) ---------------------------------
 
-def id_bounds(parts: list[torch.Tensor], vocabs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """((2 N,) int64 ``[min, max]`` of each of the N non-empty int64 ``parts``, () int64 verdict:
-    1 where an id of part i is outside ``[0, vocabs[i])``), one launch (kernels/gpu/batch.py)."""
+def id_bounds(parts: list[torch.Tensor], vocabs: list[int],
+              flags: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((F + 2 N,) int64 the F one-value ``flags`` (0: good) then ``[min, max]`` of each of the
+    N non-empty int64 ``parts``, () int64 verdict: 1 where a flag is nonzero or an id of part
+    i is outside ``[0, vocabs[i])``), one launch (kernels/gpu/batch.py)."""
     _load()
-    return _op("id_bounds", parts[0])(parts, vocabs)
+    return _op("id_bounds", parts[0])(parts, vocabs, flags or [])
 
 
 def concat_shift(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
     """The int64 ``parts`` concatenated, part i's ids plus ``shifts[i]``, one launch."""
     _load()
     return _op("concat_shift", parts[0])(parts, shifts)
+
+
+def concat_offsets(parts: list[torch.Tensor], shifts: list[int], total: int) -> torch.Tensor:
+    """Jagged offsets concatenated: each part's but its last plus ``shifts[i]``, then ``total``;
+    one launch."""
+    _load()
+    return _op("concat_offsets", parts[0])(parts, shifts, total)
+
+
+def jagged_offsets(offsets: torch.Tensor, nnz: int, mean: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the offsets made safe to index with, their verdict, with ``mean`` each id's mean scale)
+    of (n >= 2,) int64 jagged ``offsets`` over ``nnz`` ids, one launch."""
+    _load()
+    return _op("jagged_offsets", offsets)(offsets, nnz, mean)
+
+
+def bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """(nnz,) int64 the bag of each id of valid (n >= 1,) int64 jagged ``offsets``, one
+    launch."""
+    _load()
+    return _op("bag_index", offsets)(offsets, nnz)
 
 
 def dedup_runs(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
