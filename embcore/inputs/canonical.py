@@ -223,7 +223,9 @@ def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend,
             checks: BatchChecks | None, mean: bool = False):
     if not isinstance(ids, tuple):
-        if ids.layout != torch.jagged:
+        # (torch's jagged class is always of the jagged layout: its ``layout`` is a dispatched
+        # call, an op a feature on a device step, asked only of other nested tensors)
+        if type(ids).__name__ != "NestedTensor" and ids.layout != torch.jagged:
             raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
                             f"{ids.layout}")
         if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
