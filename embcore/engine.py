@@ -51,6 +51,8 @@ def _serialized(method: F) -> F:
     out of order raises as usual)."""
     @functools.wraps(method)
     def wrapper(self: Embedding, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # (a traced step: one thread's, see docs/semantics.md)
+            return method(self, *args, **kwargs)
         with self._lock:
             return method(self, *args, **kwargs)
     return cast(F, wrapper)

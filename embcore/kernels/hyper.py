@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from typing import NamedTuple
 
 
 class Hyper(ctypes.Structure):
@@ -53,3 +54,17 @@ class Hyper(ctypes.Structure):
         return self.as_dict() == other.as_dict()
 
     # (__eq__ without __hash__: unhashable, mutable like every ctypes.Structure)
+
+
+class HyperValues(NamedTuple):
+    """``Hyper``'s fields as a plain tuple, by the same names: what the Triton kernel takes
+    (scalars read by name), built in traced code (``torch.compile`` cannot build a ctypes
+    structure)."""
+
+    learning_rate: float
+    gradient_multiplier: float = 1.0
+    clip_min: float = -math.inf
+    clip_max: float = math.inf
+    weight_decay: float = 0.0
+    weight_min: float = -math.inf
+    weight_max: float = math.inf

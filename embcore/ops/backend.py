@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from ..kernels import cpu, gpu
-from .bags import Dedup, bag_index, combiner_scales, dedup
+from .bags import Dedup, bag_index, combiner_scales, dedup, dedup_padded
 from .checksum import move_summed_fused, move_summed_torch
 
 Name = Literal["fused CPU", "Triton", "torch ops"]
@@ -281,8 +281,12 @@ class _Triton(Backend):
         """Row ids for kernels that take it deduplicated with a fixed capacity
         (``bags.dedup_padded``'s results, no synchronisation: the parts concatenated and
         shifted in one launch, a stable sort, the runs in one launch); else the torch ops'."""
-        if not padded or num_rows is None or _traced():
+        if not padded or num_rows is None:
             return super().dedup(parts, adds, num_rows)
+        if _traced():  # the same results in torch ops: sizes from the input alone (traceable)
+            shifted = [t + a if a else t for t, a in zip(parts, adds)]
+            ids = torch.cat(shifted) if len(shifted) > 1 else shifted[0]  # (nnz,)
+            return ids, dedup_padded(ids)
         if len(parts) == 1:
             ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
         else:  # the parts concatenated and shifted in one launch

@@ -44,6 +44,7 @@ import torch
 from ..config.dtypes import SCALED, SCALES, is_working
 from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
+from ..kernels.hyper import HyperValues
 from ..numerics import rounding
 from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
 from .backend import FUSED_CPU, TRITON, Backend, choose
@@ -243,7 +244,7 @@ def _gpu_update(table: torch.Tensor, slots: dict[str, torch.Tensor], rows: torch
                 gradient_multiplier: float | None, round_to: Rounding | None) -> None:
     """The Triton kernel (CUDA): the fused kernel's contract, for every rule ``gpu`` supports."""
     optimizer._check_lr(lr)  # as Optimizer.update (FTRL refuses lr = 0)
-    hyper = _hyper(optimizer, lr, gradient_multiplier=gradient_multiplier)
+    hyper = _hyper_values(optimizer, lr, gradient_multiplier=gradient_multiplier)
     if isinstance(grad, OutputGrads):  # the backward fused into the update
         g = grad
         out = g.parts[0].contiguous() if len(g.parts) == 1 else torch.cat(g.parts)  # (R, D)
@@ -276,13 +277,19 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
 def _hyper(opt: Optimizer, lr: float, *, gradient_multiplier: float | None) -> cpu.Hyper:
     """The fused kernel's hyper-parameters of ``opt`` by name, with this step's learning rate and
     evaluated gradient multiplier (``opt.current_gradient_multiplier(step)``; None: 1)."""
+    return cpu.Hyper(**_hyper_values(opt, lr, gradient_multiplier=gradient_multiplier)._asdict())
+
+
+def _hyper_values(opt: Optimizer, lr: float, *, gradient_multiplier: float | None
+                  ) -> HyperValues:
+    """``_hyper``'s fields as a plain tuple (the Triton kernel's: traceable)."""
     inf = float("inf")
     gmul = 1.0 if gradient_multiplier is None else float(gradient_multiplier)
     lo, hi = opt.clip_bounds
     wd = float(opt.weight_decay_factor or 0.0)
     if opt.multiply_weight_decay_factor_by_learning_rate:
         wd *= lr
-    return cpu.Hyper(
+    return HyperValues(
         learning_rate=lr, gradient_multiplier=gmul,
         clip_min=-inf if lo is None else float(lo), clip_max=inf if hi is None else float(hi),
         weight_decay=wd,

@@ -42,7 +42,7 @@ from ...base import compat
 from ...config.optimizers import Optimizer, record_of
 from ...numerics.rounding import ROW_TYPES, Rounding
 from .. import rules
-from ..hyper import Hyper
+from ..hyper import Hyper, HyperValues
 
 _kernels: Any = None   # the module kernels/gpu/rows.py once imported; False: triton missing
 _ops: Any = None       # kernels/gpu/ops.py (the operators, ``torch.ops.embcore.*``) once imported
@@ -189,7 +189,7 @@ def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch
 
 
 def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor],
-                  rows: torch.Tensor, hyper: Hyper, grad: torch.Tensor,
+                  rows: torch.Tensor, hyper: Hyper | HyperValues, grad: torch.Tensor,
                   unique_offsets: torch.Tensor | None = None, order: torch.Tensor | None = None,
                   bags: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                   round_to: Rounding | None = None, skip: torch.Tensor | None = None) -> None:
