@@ -136,6 +136,18 @@ class Backend:
         cut.append(torch.tensor([total], dtype=torch.int64, device=parts[0].device))
         return cpu.concat(cut)
 
+    def concat_bags(self, ids: Sequence[torch.Tensor], adds: Sequence[int],
+                    offsets: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    shifts: Sequence[int], total: int, bags: bool = False
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None]:
+        """A physical table's features' bags as one: ``(ids, offsets, scales, bag)``, the
+        offsets ``concat_offsets``', the (nnz_i,) float32 ``scales`` concatenated and, where
+        the backend computes them with these, the ``ids`` concatenated with part i's plus
+        ``adds[i]`` (for ``dedup``) and, asked with ``bags``, each id's bag (``bag_index`` of
+        the offsets); None: left to those verbs."""
+        return None, self.concat_offsets(offsets, shifts, total), cpu.concat(scales), None
+
     def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
                         combiner: str, nnz: int, seg: torch.Tensor | None = None
                         ) -> torch.Tensor:
@@ -338,6 +350,19 @@ class _Triton(Backend):
         if _traced() or min(p.numel() for p in parts) == 0:
             return super().concat_offsets(parts, shifts, total)
         return gpu.concat_offsets(list(parts), list(shifts), total)
+
+    def concat_bags(self, ids: Sequence[torch.Tensor], adds: Sequence[int],
+                    offsets: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    shifts: Sequence[int], total: int, bags: bool = False
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None]:
+        """The ids, the offsets, the scales and with ``bags`` each id's bag in one launch
+        (``gpu.concat_bags``; the offsets are valid or made safe by ``offsets_verdict``)."""
+        if (_traced() or len(ids) != len(offsets)
+                or any(s.dtype != torch.float32 for s in scales)):
+            return super().concat_bags(ids, adds, offsets, scales, shifts, total, bags)
+        got = gpu.concat_bags(list(ids), list(adds), list(offsets), list(scales), bags)
+        return got[0], got[1], got[2], got[3] if bags else None
 
     def __init__(self) -> None:
         # the mean scales ``offsets_verdict`` computed, by the safe offsets' id (with them)
