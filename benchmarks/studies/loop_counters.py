@@ -13,6 +13,8 @@ far less than wall time:
 - the CPU time of each thread (its per-thread CPU clock, nanoseconds), grouped as the caller,
   torch's intra-op workers (threads that exist after a parallel torch op, before the engine) and
   the kernels' pool helpers (threads that appear with the engine's first step);
+- the caller's CPU time inside the engine's calls (enqueue, dequeue, apply) and, in the loop,
+  inside the concatenation of the activations;
 - the process's minor page faults (getrusage) and each group's voluntary and involuntary context
   switches (/proc/self/task/*/status);
 - the ops that allocate from torch's CPU allocator in a step (a separate profiled step: the
@@ -122,6 +124,7 @@ def child(system: str, steps: int, threads: int, batch_size: int) -> dict[str, A
                    for b in make_batches(wl, 8)]
         fixed = {f"f{t}": torch.randn(batch_size, wl.dim) * 0.01 for t in range(wl.tables)}
         done = [0]
+        in_calls, in_cat = [0], [0]  # the caller's CPU ns in the engine's calls, in the cat
 
         def engine() -> None:
             emb.enqueue(batches[done[0] % len(batches)])
@@ -130,14 +133,23 @@ def child(system: str, steps: int, threads: int, batch_size: int) -> dict[str, A
             emb.apply_gradients(fixed)
 
         def both() -> None:
+            t0 = time.thread_time_ns()
             emb.enqueue(batches[done[0] % len(batches)])
             done[0] += 1
             acts = emb.dequeue()
-            mlp_step(torch.cat([acts[f"f{t}"] for t in range(wl.tables)], dim=1))
+            t1 = time.thread_time_ns()
+            x = torch.cat([acts[f"f{t}"] for t in range(wl.tables)], dim=1)
+            t2 = time.thread_time_ns()
+            mlp_step(x)
+            t3 = time.thread_time_ns()
             emb.apply_gradients({k: a.grad for k, a in acts.items()})
+            in_calls[0] += t1 - t0 + time.thread_time_ns() - t3
+            in_cat[0] += t2 - t1
         step = engine if system == "engine" else both
     for _ in range(3):
         step()
+    if system == "loop":
+        in_calls[0] = in_cat[0] = 0
     pool = _tids() - torch_workers - {caller}
     groups = {"caller": {caller}, "torch workers": torch_workers, "pool helpers": pool}
     wall0 = time.perf_counter()
@@ -146,6 +158,13 @@ def child(system: str, steps: int, threads: int, batch_size: int) -> dict[str, A
         step()
     after = _snapshot(groups)
     wall = time.perf_counter() - wall0
+    if system == "engine":
+        after["caller cpu ms in engine calls"] = after["caller cpu ms"]
+        before["caller cpu ms in engine calls"] = before["caller cpu ms"]
+    elif system == "loop":
+        after["caller cpu ms in engine calls"] = in_calls[0] / 1e6
+        after["caller cpu ms in the cat"] = in_cat[0] / 1e6
+        before["caller cpu ms in engine calls"] = before["caller cpu ms in the cat"] = 0.0
     out: dict[str, Any] = {k: (after[k] - before[k]) / steps for k in before}
     out["wall ms"] = wall / steps * 1e3
     out["threads"] = {k: len(v) for k, v in groups.items()}
@@ -182,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             runs[system].append(json.loads(res.stdout.strip().splitlines()[-1]))
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds of {args.steps} steps, "
           f"{args.threads} torch threads; medians a step")
-    keys = [k for k in runs["loop"][0] if k != "threads"]
+    keys = [k for k in runs["loop"][0] if k != "threads"]  # (the loop's has every key)
     print(f"| counter | {' | '.join(SYSTEMS)} | loop - (engine + mlp) |")
     print("|---|" + "---|" * (len(SYSTEMS) + 1))
     for k in keys:
