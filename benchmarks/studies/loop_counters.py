@@ -175,7 +175,7 @@ def child(system: str, steps: int, threads: int, batch_size: int) -> dict[str, A
         step()
     allocs = [e for e in prof.events() if e.self_cpu_memory_usage > 0]  # ops that allocate
     out["allocating ops"] = len(allocs)
-    out["allocated MB"] = sum(e.self_cpu_memory_usage for e in allocs) / 2**20
+    out["allocated MiB"] = sum(e.self_cpu_memory_usage for e in allocs) / 2**20
     return out
 
 
