@@ -250,6 +250,28 @@ def test_the_batch_kernels_span_many_blocks():
     assert int(verdict) == int(int(parts[3].max()) >= 899)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.lists(st.sampled_from([-2**63, -5, 0, 1, 2, 7, 2**40, 2**63 - 1]),
+                                  min_size=0, max_size=6), min_size=1, max_size=3),
+                min_size=2, max_size=4))
+def test_the_raw_ids_runs_dedup_in_one_pass_is_the_torch_ops_per_run(runs):
+    """Stacked raw-id tables' runs (each one or more features' ids) deduplicated in one pass by
+    the Triton backend: the torch ops' dedup of each run, concatenated, bit for bit (ids
+    ascending in a run, one id in two runs twice), with one read back for all the runs."""
+    from embcore.ops.backend import TORCH_OPS, TRITON
+    from embcore.step.preprocess import dedup_members
+    parts = [torch.tensor(p, dtype=torch.int64) for run in runs for p in run]
+    of = [m for m, run in enumerate(runs) for _ in run]
+    want = dedup_members(parts, of, TORCH_OPS)
+    with Counts() as counted:
+        got = dedup_members(parts, of, TRITON)
+    assert torch.equal(got[0], want[0]) and got[2] == want[2]
+    for name in ("unique", "order", "unique_offsets", "inverse"):
+        assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+    if all(sum(len(p) for p in run) for run in runs):  # (a run without ids: run by run)
+        assert counted.syncs == 1, counted.why
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(-2, 2),
        st.integers(0, 12), st.booleans())

@@ -187,19 +187,16 @@ def dedup_members(parts: list[torch.Tensor], of: list[int], backend: Backend
     segments = tuple((m, d.unique.numel()) for (m, _), (_, d) in zip(runs, done))
     if len(done) == 1:
         return done[0][0], done[0][1], segments
-    at = u = 0
+    at = 0
     orders: list[torch.Tensor] = []
     uoffs: list[torch.Tensor] = []
-    inverses: list[torch.Tensor] = []
     for i, d in done:  # each run's positions shifted past the runs before it
         orders.append(d.order + at if at else d.order)
         uoffs.append(d.unique_offsets[:-1] + at if at else d.unique_offsets[:-1])
-        inverses.append(d.inverse + u if u else d.inverse)
-        at, u = at + i.numel(), u + d.unique.numel()
+        at += i.numel()
     ids = torch.cat([i for i, _ in done])
     dd = Dedup(torch.cat([d.unique for _, d in done]), torch.cat(orders),
                torch.cat(uoffs + [ids.new_tensor([at])]))
-    dd.__dict__["inverse"] = torch.cat(inverses)  # (the cached_property's value, known)
     return ids, dd, segments
 
 
