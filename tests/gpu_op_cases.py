@@ -39,7 +39,7 @@ if not CUDA and not gpu.interpreted():
 OPS = gpu.operators()
 NAMES = ["lookup", "row_gradients", "sparse_update", "move_rows", "hash_find", "hash_insert",
          "hash_delete", "init_rows", "id_bounds", "concat_shift", "concat_offsets",
-         "jagged_offsets", "bag_index", "dedup_runs"]
+         "jagged_offsets", "bag_index", "dedup_runs", "concat_bags"]
 
 
 def _t(*args, **kwargs):
@@ -60,7 +60,8 @@ def test_every_kernel_entry_point_is_an_operator_of_the_embcore_namespace():
                        "sparse_update": ["slot1", "slot2", "table"], "move_rows": ["dst"],
                        "hash_insert": ["maps"], "hash_delete": ["maps"], "init_rows": ["out"],
                        "id_bounds": [], "concat_shift": [], "concat_offsets": [],
-                       "jagged_offsets": [], "bag_index": [], "dedup_runs": []}
+                       "jagged_offsets": [], "bag_index": [], "dedup_runs": [],
+                       "concat_bags": []}
 
 
 # -- (a) fake implementations: shapes and dtypes from the inputs', nothing run ------------------
@@ -235,6 +236,15 @@ def test_opcheck_the_batch_operators():
     torch.library.opcheck(torch.ops.embcore.jagged_offsets.default, (offsets, 5, True))
     torch.library.opcheck(torch.ops.embcore.bag_index.default, (offsets, 5))
     torch.library.opcheck(torch.ops.embcore.dedup_runs.default, (_t([0, 0, 3, 5, 5, 5]),))
+    scales = [_t([0.5, 0.5, 1.0, 1.0, 1.0]), _t([1.0])]
+    for bags in (True, False):
+        torch.library.opcheck(torch.ops.embcore.concat_bags.default,
+                              ([_t([4, 0, 9, 7, 2]), _t([3])],
+                               [0, 10], [offsets, _t([0, 1])], scales, bags))
+    ids, off, sc, bag = torch.ops.embcore.concat_bags([_t([4, 0, 9, 7, 2]), _t([3])], [0, 10],
+                                                      [offsets, _t([0, 0, 1])], scales, True)
+    assert ids.tolist() == [4, 0, 9, 7, 2, 13] and off.tolist() == [0, 2, 2, 5, 5, 6]
+    assert sc.tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 1.0] and bag.tolist() == [0, 0, 2, 2, 2, 4]
     report, verdict = torch.ops.embcore.id_bounds(parts, [10, 8, 12], flags)
     assert report.tolist() == [0, 0, 0, 9, 7, 7, 2, 11] and int(verdict) == 0
     assert int(torch.ops.embcore.id_bounds(parts, [10, 7, 12], [])[1]) == 1  # (7 >= 7)
@@ -258,6 +268,10 @@ def test_opcheck_the_batch_operators():
         assert torch.ops.embcore.concat_shift(fake, [0, 4]).shape == (8,)
         u, o = torch.ops.embcore.dedup_runs(fake[1])
         assert u.shape == (5,) and o.shape == (6,)
+        f_scales = [torch.empty(n, device=DEVICE) for n in (3, 5)]
+        got = torch.ops.embcore.concat_bags(fake, [0, 4], [fake[0], fake[1]], f_scales, True)
+        assert [tuple(t.shape) for t in got] == [(8,), (7,), (8,), (8,)]
+        assert [t.dtype for t in got] == [torch.int64, torch.int64, torch.float32, torch.int64]
 
 
 def test_opcheck_the_hash_index():

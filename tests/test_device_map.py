@@ -48,6 +48,8 @@ def test_smallest_ordered_is_the_head_of_the_sorted_valid_entries(entries, data)
     got = smallest_ordered(score, key, valid, torch.tensor(k), kmax)
     assert got.shape == (kmax,)
     assert got[:k].tolist() == want[:k]
+    # k known on the host (the device map's steps that read their counts): the same
+    assert smallest_ordered(score, key, valid, k, kmax)[:k].tolist() == want[:k]
 
 
 def test_smallest_ordered_of_nothing():

@@ -250,6 +250,28 @@ def test_the_batch_kernels_span_many_blocks():
     assert int(verdict) == int(int(parts[3].max()) >= 899)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.lists(st.sampled_from([-2**63, -5, 0, 1, 2, 7, 2**40, 2**63 - 1]),
+                                  min_size=0, max_size=6), min_size=1, max_size=3),
+                min_size=2, max_size=4))
+def test_the_raw_ids_runs_dedup_in_one_pass_is_the_torch_ops_per_run(runs):
+    """Stacked raw-id tables' runs (each one or more features' ids) deduplicated in one pass by
+    the Triton backend: the torch ops' dedup of each run, concatenated, bit for bit (ids
+    ascending in a run, one id in two runs twice), with one read back for all the runs."""
+    from embcore.ops.backend import TORCH_OPS, TRITON
+    from embcore.step.preprocess import dedup_members
+    parts = [torch.tensor(p, dtype=torch.int64) for run in runs for p in run]
+    of = [m for m, run in enumerate(runs) for _ in run]
+    want = dedup_members(parts, of, TORCH_OPS)
+    with Counts() as counted:
+        got = dedup_members(parts, of, TRITON)
+    assert torch.equal(got[0], want[0]) and got[2] == want[2]
+    for name in ("unique", "order", "unique_offsets", "inverse"):
+        assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+    if all(sum(len(p) for p in run) for run in runs):  # (a run without ids: run by run)
+        assert counted.syncs == 1, counted.why
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(-2, 2),
        st.integers(0, 12), st.booleans())
@@ -285,6 +307,61 @@ def test_the_triton_backends_offsets_and_scales_are_the_torch_ops(lengths, nudge
     total = nnz + int(parts[2][-1])
     assert torch.equal(TRITON.concat_offsets(parts, shifts, total),
                        TORCH_OPS.concat_offsets(parts, shifts, total))
+    # the offsets, the scales and each id's bag in one launch: the torch ops' bit for bit
+    scales = [torch.rand(int(p[-1] - p[0])) for p in parts]
+    want_offsets = TORCH_OPS.concat_offsets(parts, shifts, total)
+    ids = [torch.arange(int(p[-1] - p[0])) for p in parts]
+    for bags in (False, True):
+        got_ids, got_offsets, got_scales, got_bags = TRITON.concat_bags(
+            ids, [0, 7, 3], parts, scales, shifts, total, bags)
+        assert got_ids is not None and torch.equal(got_ids, torch.cat(
+            [t + a for t, a in zip(ids, [0, 7, 3])]))
+        assert torch.equal(got_offsets, want_offsets)
+        assert torch.equal(got_scales, torch.cat(scales))
+        if bags:
+            assert got_bags is not None
+            assert torch.equal(got_bags, TORCH_OPS.bag_index(want_offsets, total))
+        else:
+            assert got_bags is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=9), min_size=1, max_size=5),
+       st.lists(st.integers(0, 2000), min_size=5, max_size=5), st.booleans(), st.integers(0, 99))
+def test_a_tables_bags_as_one_in_one_launch_are_the_torch_ops(lengths, adds, bags, seed):
+    """``concat_bags`` (a physical table's features' ids, offsets, scales and each id's bag in
+    one launch) gives the torch ops' results bit for bit: features without bags, empty bags,
+    ids past 1024 (two blocks)."""
+    from embcore.ops.backend import TORCH_OPS, TRITON
+    from embcore.ops.bags import bag_index
+    g = torch.Generator().manual_seed(seed)
+    ids, offsets, scales, shifts = [], [], [], []
+    nnz = 0
+    for k, ls in enumerate(lengths):
+        big = 700 if k == 0 and seed % 3 == 0 else 1  # (one feature of blocks of ids)
+        off = torch.tensor([0] + [sum(ls[:i + 1]) * big for i in range(len(ls))],
+                           dtype=torch.int64)
+        n = int(off[-1])
+        ids.append(torch.randint(0, 1000, (n,), generator=g))
+        offsets.append(off)
+        scales.append(torch.rand(n, generator=g))
+        shifts.append(nnz)
+        nnz += n
+    adds = adds[:len(ids)]
+    got_ids, got_offsets, got_scales, got_bag = TRITON.concat_bags(
+        ids, adds, offsets, scales, shifts, nnz, bags)
+    want_offsets = TORCH_OPS.concat_offsets(offsets, shifts, nnz)
+    assert got_ids is not None
+    assert torch.equal(got_ids, torch.cat([t + a for t, a in zip(ids, adds)]))
+    assert torch.equal(got_offsets, want_offsets)
+    assert got_scales.dtype == torch.float32 and torch.equal(got_scales, torch.cat(scales))
+    if bags:
+        assert got_bag is not None and torch.equal(got_bag, bag_index(want_offsets, nnz))
+    else:
+        assert got_bag is None
+    # the torch ops leave the ids and the bags to their verbs
+    assert TORCH_OPS.concat_bags(ids, adds, offsets, scales, shifts, nnz, True)[::3] == (
+        None, None)
 
 
 def test_the_layer_masks_a_bad_batch_or_raises_at_once_with_host_checks():

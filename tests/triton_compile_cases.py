@@ -96,3 +96,20 @@ def test_the_new_rows_initializer_compiles_for_sm90_without_fused_multiply_adds(
     ptx = compiled.asm["ptx"]  # products and sums rounded each (".rn": ptxas fuses none of
     assert "mul.rn.f64" in ptx and "add.rn.f64" in ptx  # them; the fused ones left are inside
     assert "\tmul.f64" not in ptx and "\tadd.f64" not in ptx  # libdevice's log)
+
+
+@pytest.mark.parametrize("bags", [True, False], ids=["with the bags", "without"])
+def test_the_batch_kernel_of_a_tables_bags_compiles_for_sm90(bags):
+    """``concat_bags_kernel`` (kernels/gpu/batch.py) takes its parts as tuples of pointers and
+    sizes, as ``embcore::concat_bags`` launches it (two parts here)."""
+    from embcore.kernels.gpu import batch as triton_batch
+    two = ("*i64", "*i64")
+    sizes = ("i64", "i64")
+    signature = {"ids": two, "adds": sizes, "offsets": two, "counts": sizes, "rows": sizes,
+                 "shifts": ("i64", "i64", "i64"), "scales": ("*fp32", "*fp32"),
+                 "out_ids": "*i64", "out_offsets": "*i64", "out_scales": "*fp32",
+                 "out_bags": "*i64", "total": "i64", "N": "constexpr", "BAGS": "constexpr",
+                 "LOG": "constexpr", "BLOCK": "constexpr"}
+    compiled = _compile(triton_batch.concat_bags_kernel, signature,
+                        {"N": 2, "BAGS": bags, "LOG": 4, "BLOCK": 1024})
+    assert compiled.asm["cubin"]

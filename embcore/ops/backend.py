@@ -136,6 +136,18 @@ class Backend:
         cut.append(torch.tensor([total], dtype=torch.int64, device=parts[0].device))
         return cpu.concat(cut)
 
+    def concat_bags(self, ids: Sequence[torch.Tensor], adds: Sequence[int],
+                    offsets: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    shifts: Sequence[int], total: int, bags: bool = False
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None]:
+        """A physical table's features' bags as one: ``(ids, offsets, scales, bag)``, the
+        offsets ``concat_offsets``', the (nnz_i,) float32 ``scales`` concatenated and, where
+        the backend computes them with these, the ``ids`` concatenated with part i's plus
+        ``adds[i]`` (for ``dedup``) and, asked with ``bags``, each id's bag (``bag_index`` of
+        the offsets); None: left to those verbs."""
+        return None, self.concat_offsets(offsets, shifts, total), cpu.concat(scales), None
+
     def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
                         combiner: str, nnz: int, seg: torch.Tensor | None = None
                         ) -> torch.Tensor:
@@ -303,6 +315,64 @@ class _Triton(Backend):
             return super().id_bounds(parts, vocabs, flags)
         return gpu.id_bounds(list(parts), list(vocabs), list(flags))
 
+    def dedup_runs(self, parts: Sequence[torch.Tensor], runs: Sequence[int]
+                   ) -> tuple[torch.Tensor, Dedup, list[int]] | None:
+        """The torch ops' per-run dedups (ascending ids in each run, the same bits) in one pass
+        and one read back: a stable sort by id, then by run; the distinct ids counted over the
+        sorted ids and the runs' first places (where a run starts, the same places whatever
+        the ids); the runs' distinct counts read at once (each run's ``unique_consecutive`` a
+        read of its own). None where a run has no ids (each run by ``dedup``)."""
+        if _traced():
+            return None
+        ids = torch.cat(list(parts))  # (nnz,)
+        kept = self._run_layout(parts, runs, ids.device)
+        if kept is None:
+            return None
+        run_of, starts, lasts, steps = kept
+        sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,)
+        by_run = torch.sort(run_of[order], stable=True).indices  # (nnz,)
+        order, sorted_ids = order[by_run], sorted_ids[by_run]
+        n = ids.numel()
+        rank = torch.zeros(n, dtype=torch.int64, device=ids.device)  # (nnz,) distinct of each
+        torch.cumsum((sorted_ids[1:] != sorted_ids[:-1]) | starts, 0, out=rank[1:])
+        ends = rank[lasts].tolist()  # (runs,) the last distinct of each run: the one read
+        counts = [e - b for e, b in zip(ends, [-1, *ends[:-1]])]
+        unique_offsets = torch.searchsorted(rank, steps[:ends[-1] + 2])  # (U + 1,)
+        dd = Dedup(sorted_ids[unique_offsets[:-1]], order, unique_offsets)
+        inverse = torch.empty_like(order)
+        inverse[order] = rank
+        dd.__dict__["inverse"] = inverse  # (the cached_property's value, known)
+        return ids, dd, counts
+
+    _layout: tuple[tuple[int, ...], tuple[int, ...], torch.device,
+                   tuple[torch.Tensor, ...]] | None = None
+
+    def _run_layout(self, parts: Sequence[torch.Tensor], runs: Sequence[int],
+                    device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """``(run of each id (nnz,), a run starts at each id past the first (nnz - 1,) bool,
+        each run's last id (runs,), arange(nnz + 1))`` of a layout (the last one's kept); None
+        where a run has no ids."""
+        sizes, shape = tuple(t.numel() for t in parts), tuple(runs)
+        kept = self._layout
+        if kept is not None and kept[:3] == (sizes, shape, device):
+            return kept[3]
+        per_run, at = [], 0
+        for r in runs:
+            per_run.append(sum(sizes[at:at + r]))
+            at += r
+        if min(per_run) == 0:
+            return None
+        n = sum(per_run)
+        run_of = torch.repeat_interleave(  # (int32: a cheaper sort by it)
+            torch.arange(len(per_run), dtype=torch.int32, device=device),
+            torch.tensor(per_run, device=device), output_size=n)
+        lasts = torch.tensor(per_run, device=device).cumsum(0) - 1  # (runs,)
+        starts = torch.zeros(n, dtype=torch.bool, device=device)
+        starts[(lasts + 1)[:-1]] = True
+        made = (run_of, starts[1:], lasts, torch.arange(n + 1, device=device))
+        self._layout = (sizes, shape, device, made)
+        return made
+
     def offsets_verdict(self, offsets: torch.Tensor, nnz: int, mean: bool = False
                         ) -> tuple[torch.Tensor, int | torch.Tensor]:
         """The torch ops' answer in one launch (``gpu.jagged_offsets``), which with ``mean``
@@ -342,6 +412,19 @@ class _Triton(Backend):
         if _traced() or min(p.numel() for p in parts) == 0:
             return super().concat_offsets(parts, shifts, total)
         return gpu.concat_offsets(list(parts), list(shifts), total)
+
+    def concat_bags(self, ids: Sequence[torch.Tensor], adds: Sequence[int],
+                    offsets: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                    shifts: Sequence[int], total: int, bags: bool = False
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor,
+                               torch.Tensor | None]:
+        """The ids, the offsets, the scales and with ``bags`` each id's bag in one launch
+        (``gpu.concat_bags``; the offsets are valid or made safe by ``offsets_verdict``)."""
+        if (_traced() or len(ids) != len(offsets)
+                or any(s.dtype != torch.float32 for s in scales)):
+            return super().concat_bags(ids, adds, offsets, scales, shifts, total, bags)
+        got = gpu.concat_bags(list(ids), list(adds), list(offsets), list(scales), bags)
+        return got[0], got[1], got[2], got[3] if bags else None
 
     def __init__(self) -> None:
         # the mean scales ``offsets_verdict`` computed, by the safe offsets' id (with them)

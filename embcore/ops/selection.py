@@ -29,14 +29,15 @@ _BIG = 2**63 - 1
 
 
 def smallest_ordered(score: torch.Tensor, key: torch.Tensor, valid: torch.Tensor,
-                     k: torch.Tensor, kmax: int) -> torch.Tensor:
+                     k: torch.Tensor | int, kmax: int) -> torch.Tensor:
     """The indices of the ``k`` valid entries smallest by (score, key), in that order.
 
     Args:
         score: (n,) int64 below ``2**63 - 1`` where valid.
         key: (n,) int64, distinct among the valid entries.
         valid: (n,) bool.
-        k: 0-d int64 on the device, ``0 <= k <= min(kmax, valid entries)``.
+        k: 0-d int64 on the device, ``0 <= k <= min(kmax, valid entries)``; or an int, where
+            the host knows it (fewer ops: no 0-d index to gather by).
         kmax: the host's bound on k, ``0 <= kmax <= n``.
 
     Returns:
@@ -47,8 +48,10 @@ def smallest_ordered(score: torch.Tensor, key: torch.Tensor, valid: torch.Tensor
         return torch.empty(0, dtype=torch.int64, device=score.device)
     s = torch.where(valid, score, _BIG)  # (n,)
     vals, idx = torch.topk(s, kmax, largest=False, sorted=True)  # (kmax,)
-    # (1,): the k-th smallest score, when k >= 1 (gathered: indexing by a 0-d tensor reads it)
-    s_k = vals.index_select(0, (k - 1).clamp(0, kmax - 1).reshape(1))
+    if isinstance(k, int):  # (1,): the k-th smallest score, when k >= 1
+        s_k = vals[min(max(k - 1, 0), kmax - 1):][:1]
+    else:  # (gathered: indexing by a 0-d tensor reads it)
+        s_k = vals.index_select(0, (k - 1).clamp(0, kmax - 1).reshape(1))
     below = vals < s_k  # (kmax,) the entries certainly taken: a prefix of fewer than k
     c_below = below.sum()  # 0-d
     b_key = torch.where(below, key[idx], _BIG)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import cpu
 from ..ops.backend import Backend
 from ..ops.bags import Bags, Dedup
 from ..planning.plan import ShardingPlan
@@ -118,19 +117,20 @@ def preprocess(features: Sequence[Bags | None], feature_tables: Sequence[str],
         (bags, dd), slices, segments = _concatenate(
             [(f, features[f]) for f in fs], [plan.table(feature_tables[f]).row_offset
                                             for f in fs],
-            phys.id_bound, backend, of, p in padded)
+            phys.id_bound, backend, of, p in padded, training)
         tables.append(TableBatch(p, bags, dd, slices, route(plan, p, dd.unique, segments),
                                  segments))
     return Prepared(training, tuple(tables), len(features))
 
 
 def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows: int | None,
-                 backend: Backend, of: list[int] | None = None, padded: bool = False
-                 ) -> tuple[tuple[Bags, Dedup], Slices,
+                 backend: Backend, of: list[int] | None = None, padded: bool = False,
+                 bags: bool = False) -> tuple[tuple[Bags, Dedup], Slices,
                             tuple[tuple[int, int], ...] | None]:
     """One physical table's features as one ``Bags`` (ids shifted by ``adds``), deduplicated;
     for stacked dynamic tables (``of``: each part's member index, ascending) the raw ids are
-    deduplicated per member (``dedup_members``), which also gives the segments."""
+    deduplicated per member (``dedup_members``), which also gives the segments. ``bags``: each
+    id's bag will be asked for (training), which a backend may give with the offsets."""
     unit = all(b is not None and b.unit for _, b in parts)
     offsets, scales, slices = [], [], []
     shifts: list[int] = []
@@ -147,16 +147,24 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
         rows += b.num_rows
     id_parts = [b.ids for _, b in parts if b is not None]
     segments = None
-    if of is None:
+    joined_ids = bag = None
+    if not unit:  # (a backend may concatenate the ids with the bags: then deduplicated as one)
+        joined_ids, cat_offsets, cat_scales, bag = backend.concat_bags(
+            id_parts if of is None else [], adds if of is None else [], offsets, scales, shifts,
+            nnz, bags)
+    if joined_ids is not None:
+        ids, dd = backend.dedup([joined_ids], [0], num_rows, padded)
+    elif of is None:
         ids, dd = backend.dedup(id_parts, adds, num_rows, padded)
     else:
         ids, dd, segments = dedup_members(id_parts, of, backend)
     verdict = parts[0][1].verdict if parts[0][1] is not None else None  # (the batch's)
     if unit:
         return (Bags(ids, None, None, verdict=verdict), dd), Slices(slices), segments
-    return ((Bags(ids, backend.concat_offsets(offsets, shifts, nnz), cpu.concat(scales),
-                  verdict=verdict), dd),
-            Slices(slices), segments)
+    joined = Bags(ids, cat_offsets, cat_scales, verdict=verdict)
+    if bag is not None:  # (each id's bag, computed with them: ``Bags.bag_of``'s)
+        joined.__dict__["_bag_of"] = bag
+    return (joined, dd), Slices(slices), segments
 
 
 def dedup_members(parts: list[torch.Tensor], of: list[int], backend: Backend
@@ -179,19 +187,16 @@ def dedup_members(parts: list[torch.Tensor], of: list[int], backend: Backend
     segments = tuple((m, d.unique.numel()) for (m, _), (_, d) in zip(runs, done))
     if len(done) == 1:
         return done[0][0], done[0][1], segments
-    at = u = 0
+    at = 0
     orders: list[torch.Tensor] = []
     uoffs: list[torch.Tensor] = []
-    inverses: list[torch.Tensor] = []
     for i, d in done:  # each run's positions shifted past the runs before it
         orders.append(d.order + at if at else d.order)
         uoffs.append(d.unique_offsets[:-1] + at if at else d.unique_offsets[:-1])
-        inverses.append(d.inverse + u if u else d.inverse)
-        at, u = at + i.numel(), u + d.unique.numel()
+        at += i.numel()
     ids = torch.cat([i for i, _ in done])
     dd = Dedup(torch.cat([d.unique for _, d in done]), torch.cat(orders),
                torch.cat(uoffs + [ids.new_tensor([at])]))
-    dd.__dict__["inverse"] = torch.cat(inverses)  # (the cached_property's value, known)
     return ids, dd, segments
 
 

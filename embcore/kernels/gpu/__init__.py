@@ -20,6 +20,7 @@ from __future__ import annotations
 from .launch import (
     available,
     bag_index,
+    concat_bags,
     concat_offsets,
     concat_shift,
     dedup_runs,
@@ -43,8 +44,8 @@ from .launch import (
     usable,
 )
 
-__all__ = ['available', 'bag_index', 'concat_offsets', 'concat_shift', 'dedup_runs', 'error',
-           'force_on_cpu', 'hash_delete', 'hash_find', 'hash_insert', 'id_bounds', 'init_rows',
-           'interpreted', 'jagged_offsets', 'lookup', 'lookup_supported', 'move_rows',
-           'operators', 'row_gradients', 'sparse_update', 'update_rule', 'update_supported',
-           'usable']
+__all__ = ['available', 'bag_index', 'concat_bags', 'concat_offsets', 'concat_shift',
+           'dedup_runs', 'error', 'force_on_cpu', 'hash_delete', 'hash_find', 'hash_insert',
+           'id_bounds', 'init_rows', 'interpreted', 'jagged_offsets', 'lookup',
+           'lookup_supported', 'move_rows', 'operators', 'row_gradients', 'sparse_update',
+           'update_rule', 'update_supported', 'usable']

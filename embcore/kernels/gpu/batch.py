@@ -13,6 +13,10 @@ their readable references):
 - ``jagged_offsets_kernel``: a feature's jagged offsets made safe to index with, their verdict,
   and the mean combiner's scales of its unweighted bags;
 - ``bag_index_kernel``: each id's bag (``bags.bag_index``);
+- ``concat_bags_kernel``: a physical table's features' bags as one: their ids concatenated and
+  shifted (as ``concat_shift_kernel``), their offsets concatenated and shifted, their scales
+  concatenated and (in training) each id's bag, found in its own feature's offsets
+  (step/preprocess.py);
 - ``runs_kernel``: the runs of equal ids in sorted ids, as ``bags.dedup_padded`` gives them
   (the distinct ids and each one's first occurrence, padded to the ids' count).
 
@@ -164,3 +168,35 @@ def jagged_offsets_kernel(offsets_ptr, n, nnz, safe_ptr, verdict_ptr, scales_ptr
             length = (end - start).to(tl.float32)
             tl.store(scales_ptr + k, tl.div_rn(tl.full((BLOCK,), 1.0, tl.float32), length),
                      mask=live)
+
+
+@jit
+def concat_bags_kernel(ids, adds, offsets, counts, rows, shifts, scales, out_ids, out_offsets,
+                       out_scales, out_bags, total, N: tl.constexpr, BAGS: tl.constexpr,
+                       LOG: tl.constexpr, BLOCK: tl.constexpr):
+    """Part i's ``nnz_i`` = ``shifts[i + 1] - shifts[i]`` int64 ``ids[i]`` with their
+    (``counts[i]`` + 1,) valid int64 ``offsets[i]`` and float32 ``scales[i]`` (``shifts[N]``:
+    ``total``) as the ids ``shifts[i]`` on and the bags ``rows[i]`` on of one table's:
+    ``out_ids[shifts[i] + k] = ids[i][k] + adds[i]`` and ``out_scales[shifts[i] + k] =
+    scales[i][k]`` for k < nnz_i; ``out_offsets[rows[i] + r] = offsets[i][r] + shifts[i]`` for
+    r < ``counts[i]``, then ``total``; with ``BAGS``, ``out_bags[shifts[i] + k]`` = ``rows[i]``
+    + the bag of id k in ``offsets[i]`` (``LOG`` halvings: 2**LOG >= each part's entries).
+    Program (b, i) writes block b of part i."""
+    b = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    if (b == 0) & (which == 0):
+        tl.store(out_offsets + rows[N - 1] + counts[N - 1], total.to(tl.int64))
+    for i in tl.static_range(N):
+        if which == i:
+            o = b * BLOCK + tl.arange(0, BLOCK)
+            live = o < counts[i]
+            v = tl.load(offsets[i] + o, mask=live, other=0)
+            tl.store(out_offsets + rows[i] + o, v + shifts[i], mask=live)
+            held = o < shifts[i + 1] - shifts[i]
+            x = tl.load(ids[i] + o, mask=held, other=0)
+            tl.store(out_ids + shifts[i] + o, x + adds[i], mask=held)
+            w = tl.load(scales[i] + o, mask=held, other=0.0)
+            tl.store(out_scales + shifts[i] + o, w, mask=held)
+            if BAGS:
+                bag = _bag_of(o, held, offsets[i], counts[i] + 1, LOG, BLOCK)
+                tl.store(out_bags + shifts[i] + o, bag + rows[i], mask=held)

@@ -320,6 +320,16 @@ def concat_offsets(parts: list[torch.Tensor], shifts: list[int], total: int) -> 
     return _op("concat_offsets", parts[0])(parts, shifts, total)
 
 
+def concat_bags(ids: list[torch.Tensor], adds: list[int], offsets: list[torch.Tensor],
+                scales: list[torch.Tensor], bags: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A physical table's features' int64 ``ids`` (part i's plus ``adds[i]``), valid jagged
+    ``offsets`` (shifted by the ids before them, ended by the ids' count) and float32
+    ``scales`` as one, with ``bags`` each id's bag too (else (0,)); one launch."""
+    _load()
+    return _op("concat_bags", offsets[0])(ids, adds, offsets, scales, bags)
+
+
 def jagged_offsets(offsets: torch.Tensor, nnz: int, mean: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the offsets made safe to index with, their verdict, with ``mean`` each id's mean scale)

@@ -22,7 +22,8 @@ index's operators (``hash_find``, ``hash_insert``, ``hash_delete``) are opaque `
 their kernels reach the index's slots and keys through the addresses in ``maps``, which no
 tracer can follow, so none may look inside; ``hash_insert`` and ``hash_delete`` declare
 ``maps`` written, so that a tracer keeps them, in order. The batch's operators (``id_bounds``,
-``concat_shift``, ``concat_offsets``, ``jagged_offsets``, ``bag_index``, ``dedup_runs``:
+``concat_shift``, ``concat_offsets``, ``jagged_offsets``, ``bag_index``, ``dedup_runs``,
+``concat_bags``:
 kernels/gpu/batch.py) are opaque ``custom_op``s too: some of their kernels take the parts as a
 tuple of pointers, which ``wrap_triton`` does not trace, and all are launched alike.
 """
@@ -39,6 +40,7 @@ from ..rules import Rule
 from .args import BITS, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
 from .batch import (
     bag_index_kernel,
+    concat_bags_kernel,
     concat_shift_kernel,
     id_bounds_kernel,
     jagged_offsets_kernel,
@@ -569,6 +571,57 @@ def _bag_index_fake(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
     return offsets.new_empty(nnz, dtype=torch.int64)
 
 
+def _concat_bags(ids: list[torch.Tensor], adds: list[int], offsets: list[torch.Tensor],
+                 scales: list[torch.Tensor], bags: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``embcore::concat_bags``: a physical table's features' bags as one (step/preprocess.py):
+    (nnz,) int64 the ``ids`` concatenated, part i's plus ``adds[i]`` (``concat_shift``'s);
+    ((sum of B_i) + 1,) int64 offsets, each part's valid (B_i + 1,) ``offsets`` but its last
+    plus the ids before it, then nnz (``concat_offsets``'); (nnz,) float32 the ``scales``
+    concatenated (one (nnz_i,) float32 part a part of ids); with ``bags`` (nnz,) int64 each
+    id's bag (``bags.bag_index`` of those offsets), else (0,). One launch."""
+    got = _parts(offsets, "concat_bags")
+    parts = _parts(ids, "concat_bags")
+    if (not got or len(parts) != len(got) or len(adds) != len(got) or len(scales) != len(got)
+            or min(t.numel() for t in got) == 0):
+        raise ValueError("embcore::concat_bags: one ids part, shift and scales part per offsets "
+                         "part, each offsets part of one entry or more")
+    for t, i in zip(scales, parts):
+        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != i.numel():
+            raise TypeError("embcore::concat_bags: scales must be 1-d float32 tensors, one "
+                            "scale an id")
+    sc = tuple(t.contiguous() for t in scales)
+    counts = tuple(t.numel() - 1 for t in got)
+    rows = tuple(sum(counts[:i]) for i in range(len(counts)))
+    sizes = [t.numel() for t in parts]
+    shifts = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+    total = shifts[-1]
+    device = got[0].device
+    out_ids = torch.empty(total, dtype=torch.int64, device=device)
+    out = torch.empty(sum(counts) + 1, dtype=torch.int64, device=device)
+    out_scales = torch.empty(total, dtype=torch.float32, device=device)
+    out_bags = torch.empty(total if bags else 0, dtype=torch.int64, device=device)
+    concat_bags_kernel[(max(1, _cdiv(max(max(counts), max(sizes)), _BATCH_BLOCK)), len(got))](
+        parts, tuple(int(a) for a in adds), got, counts, rows, shifts, sc, out_ids, out,
+        out_scales, out_bags, total, N=len(got), BAGS=bags,
+        LOG=max(1, max(counts).bit_length()), BLOCK=_BATCH_BLOCK)
+    return out_ids, out, out_scales, out_bags
+
+
+concat_bags = custom_op(f"{NAMESPACE}::concat_bags", _concat_bags, mutates_args=())
+
+
+@concat_bags.register_fake
+def _concat_bags_fake(ids: list[torch.Tensor], adds: list[int], offsets: list[torch.Tensor],
+                      scales: list[torch.Tensor], bags: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    nnz = sum(t.shape[0] for t in ids)
+    return (offsets[0].new_empty(nnz, dtype=torch.int64),
+            offsets[0].new_empty(sum(t.shape[0] - 1 for t in offsets) + 1, dtype=torch.int64),
+            offsets[0].new_empty(nnz, dtype=torch.float32),
+            offsets[0].new_empty(nnz if bags else 0, dtype=torch.int64))
+
+
 def _dedup_runs(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``embcore::dedup_runs``: ((n,) int64 unique, (n + 1,) int64 unique offsets) of (n,)
     sorted int64 ids, padded as ``bags.dedup_padded`` pads them (FBGEMM's
@@ -595,7 +648,8 @@ OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse
        "move_rows": move_rows, "hash_find": hash_find, "hash_insert": hash_insert,
        "hash_delete": hash_delete, "init_rows": init_rows, "id_bounds": id_bounds,
        "concat_shift": concat_shift, "concat_offsets": concat_offsets,
-       "jagged_offsets": jagged_offsets, "bag_index": bag_index, "dedup_runs": dedup_runs}
+       "jagged_offsets": jagged_offsets, "bag_index": bag_index, "dedup_runs": dedup_runs,
+       "concat_bags": concat_bags}
 
 
 def _eager(body: Any) -> Any:
@@ -615,4 +669,4 @@ DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
           "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete,
           "init_rows": _init_rows, "id_bounds": _id_bounds, "concat_shift": _concat_shift,
           "concat_offsets": _concat_offsets, "jagged_offsets": _jagged_offsets,
-          "bag_index": _bag_index, "dedup_runs": _dedup_runs}
+          "bag_index": _bag_index, "dedup_runs": _dedup_runs, "concat_bags": _concat_bags}

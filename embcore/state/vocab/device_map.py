@@ -68,13 +68,14 @@ class _Plan(NamedTuple):
     live: torch.Tensor       # (C,) rows resident after the TTL
     expire: bool             # whether the TTL frees rows this step (some may be)
     hit: torch.Tensor        # (U,) resident and live
-    row: torch.Tensor        # (U,) its row where hit, else clamped garbage
+    row: torch.Tensor        # (U,) its row where hit, else C (the buffers' spare index)
     admit: torch.Tensor      # (U,) admitted (before the overflow mask)
     new_row: torch.Tensor    # (U,) the row it takes where admitted
     from_free: torch.Tensor  # (U,) that row was free (else a victim's)
     entry: torch.Tensor | None   # (U,) its counted entry, -1 where none (admit_after > 1)
     counted: torch.Tensor | None  # (U,) its count with this step
-    ok: torch.Tensor         # 0-d bool: no overflow (and no earlier unconfirmed one)
+    ok: torch.Tensor | None  # 0-d bool: no overflow (and no earlier unconfirmed one); None:
+    #                          known true on the host (the counts read back before any change)
     counts: torch.Tensor     # (3,) admitted, free, evictable
     rank: torch.Tensor       # (U,) the admitted ids' ranks, in id order
     free: torch.Tensor       # (C,) the rows free after the TTL
@@ -201,9 +202,10 @@ class DeviceVocabMap(VocabMap):
 
     # ------------------------------------------------------------------------------- a step
     def _plan(self, u: torch.Tensor, found: torch.Tensor | None = None,
-              counted: torch.Tensor | None = None) -> _Plan:
+              counted: torch.Tensor | None = None, read: bool = False) -> _Plan:
         """The decisions of training step ``step + 1`` over (U,) sorted distinct ids (their
-        rows and counted entries found already where given: ``train_together``)."""
+        rows and counted entries found already where given: ``train_together``); ``read``: the
+        caller reads the counts back and raises an overflow before any change (``ok`` None)."""
         t, c, dev = self.step + 1, self.capacity, self.device
         live = self.row_used
         cut = None if self.ttl_steps is None else t - self.ttl_steps  # last uses below expire
@@ -212,7 +214,7 @@ class DeviceVocabMap(VocabMap):
             live = live & (self.last_use >= cut)
         row = self.index.find(u) if found is None else found  # (U,)
         hit = (row >= 0) & live[row.clamp(min=0)]
-        row = row.clamp(min=0)
+        row = torch.where(hit, row, c)  # (U,) c: no row used
         miss = ~hit
         entry = counted = None
         if self.admit_after == 1:
@@ -226,11 +228,10 @@ class DeviceVocabMap(VocabMap):
         free = ~live
         n_free = free.sum()
         used = torch.zeros(c + 1, dtype=torch.bool, device=dev)
-        used.index_fill_(0, torch.where(hit, row, c), True)
+        used.index_fill_(0, row, True)
         evictable = live & ~used[:c]
         n_evictable = evictable.sum()
-        overflow = n_admit > n_free + n_evictable
-        ok = ~overflow & ~self._bad
+        ok = None if read else ~(n_admit > n_free + n_evictable) & ~self._bad
         counts = torch.stack([n_admit, n_free, n_evictable])
         return _Plan(t, u, live, expire, hit, row, admit, rank, rank, entry, counted, ok,
                      counts, rank, free, evictable)
@@ -252,14 +253,14 @@ class DeviceVocabMap(VocabMap):
                 return p._replace(new_row=new_row, from_free=p.admit)
             if n_free == 0:  # every admitted id takes a victim
                 kmax = min(n_admit, c)
-                victims = smallest_ordered(score, self.row_key, p.evictable, p.counts[0],
+                victims = smallest_ordered(score, self.row_key, p.evictable, kmax,
                                            kmax)  # (kmax,)
                 return p._replace(new_row=victims[p.rank.clamp(0, kmax - 1)],
                                   from_free=~p.admit)
         admitted, free = p.counts[0], p.counts[1]  # (0-d)
         free_rows = first_set(p.free, n)  # (U + 1,)
         kmax = min(n, c) if known is None else min(known[0] - known[1], c)
-        k = (admitted - free).clamp(0, kmax)
+        k = (admitted - free).clamp(0, kmax) if known is None else kmax
         victims = smallest_ordered(score, self.row_key, p.evictable, k, kmax)  # (kmax,)
         from_free = p.rank < free
         new_row = torch.where(from_free, free_rows[p.rank.clamp(0, n)],
@@ -268,22 +269,25 @@ class DeviceVocabMap(VocabMap):
         return p._replace(new_row=new_row, from_free=from_free)
 
     def _apply(self, p: _Plan, later: list[tuple[torch.Tensor, ...]] | None = None) -> None:
-        """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing). With
+        """Makes a plan's changes, masked by ``p.ok`` (an overflow changes nothing; None: no
+        mask). With
         ``later``, the index's deletions and insertions are appended to it instead (``(keys,
         places, take)`` of each), for one launch over several maps: the deletions first."""
         c, t, ok, u = self.capacity, p.t, p.ok, p.ids
         if p.expire:  # the TTL's rows are freed
-            gone = self.row_used & ~p.live & ok  # (C,)
+            gone = self.row_used & ~p.live  # (C,)
+            if ok is not None:
+                gone &= ok
             self.index.delete(self.row_key, torch.arange(c, device=self.device), gone)
             self.row_key.masked_fill_(gone, 0)
             self.last_use.masked_fill_(gone, 0)
             self.frequency.masked_fill_(gone, 0)
             self.born.masked_fill_(gone, -1)
             self.row_used.masked_fill_(gone, False)
-        hits = torch.where(p.hit & ok, p.row, c)  # (U,) the rows used (c: none)
+        hits = p.row if ok is None else torch.where(p.hit & ok, p.row, c)  # (U,) used (c: none)
         self._last_buf.index_fill_(0, hits, t)
         self._freq_buf.index_put_((hits,), self._freq_buf[hits] + 1)
-        adm = p.admit & ok
+        adm = p.admit if ok is None else p.admit & ok
         new = torch.where(adm, p.new_row, c)  # (U,) the rows taken (c: none)
         old, out = self._key_buf[new], adm & ~p.from_free  # the victims' ids leave
         if later is None:
@@ -312,14 +316,17 @@ class DeviceVocabMap(VocabMap):
         n, ok, u, t = self._plen, p.ok, p.ids, p.t
         counted = ~p.hit & (p.entry >= 0)  # (U,) counted before this step
         entry = p.entry.clamp(min=0)
-        known = torch.where(counted & ~p.admit & ok, entry, n)  # still counted
+        stay = counted & ~p.admit if ok is None else counted & ~p.admit & ok
+        known = torch.where(stay, entry, n)  # still counted
         self.p_count.index_put_((known,), p.counted)
         self.p_seen.index_fill_(0, known, t)
         leave = counted & adm  # admitted: no longer counted
         left = torch.where(leave, entry, n)
         self.pindex.delete(u, left, leave)
         self.p_used.index_fill_(0, left, False)
-        fresh = ~p.hit & (p.entry < 0) & ~p.admit & ok  # (U,) first counted now
+        fresh = ~p.hit & (p.entry < 0) & ~p.admit  # (U,) first counted now
+        if ok is not None:
+            fresh &= ok
         spot = first_set(~self.p_used[:n], u.numel())  # (U + 1,)
         at = torch.where(fresh, spot[(fresh.cumsum(0) - 1).clamp(min=0)], n)  # (U,)
         self.p_id.index_put_((at,), u)
@@ -354,7 +361,7 @@ class DeviceVocabMap(VocabMap):
         (the overflow's error before any change), the changes."""
         self.confirm()
         self._room_for(distinct.numel())
-        p = self._plan(distinct)
+        p = self._plan(distinct, read=True)
         counts = p.counts.tolist()
         if counts[0] > counts[1] + counts[2]:
             raise self._overflow_error(p.t, counts)
@@ -381,6 +388,7 @@ class DeviceVocabMap(VocabMap):
         self._room_for(distinct.numel())
         ordered, perm = torch.sort(self._step_ids(distinct))  # (an integer 1-D tensor)
         p = self._place(self._plan(ordered))
+        assert p.ok is not None  # (not read: masked by the device's flag)
         overflow = ~p.ok & ~self._bad
         step = torch.full((1,), p.t, dtype=_I64, device=self.device)
         self._bad_info.copy_(torch.where(overflow, torch.cat([step, p.counts]), self._bad_info))
@@ -490,7 +498,7 @@ def train_together(maps: list[DeviceVocabMap], runs: list[torch.Tensor], *,
         got = counted_index.find(torch.cat([ordered[k] for k in counting]))
         for k, e in zip(counting, got.split([counts[k] for k in counting])):
             entries[k] = e
-    plans = [m._plan(o, f, e) for m, o, f, e in zip(maps, ordered, found, entries)]
+    plans = [m._plan(o, f, e, read=True) for m, o, f, e in zip(maps, ordered, found, entries)]
     read = torch.stack([p.counts for p in plans]).tolist() if plans else []
     for m, p, c in zip(maps, plans, read):
         if c[0] > c[1] + c[2]:
