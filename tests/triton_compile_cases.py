@@ -96,3 +96,35 @@ def test_the_new_rows_initializer_compiles_for_sm90_without_fused_multiply_adds(
     ptx = compiled.asm["ptx"]  # products and sums rounded each (".rn": ptxas fuses none of
     assert "mul.rn.f64" in ptx and "add.rn.f64" in ptx  # them; the fused ones left are inside
     assert "\tmul.f64" not in ptx and "\tadd.f64" not in ptx  # libdevice's log)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("rows", [3, 4], ids=["float8_e4m3fn", "float8_e5m2"])
+def test_the_8_bit_row_kernels_compile_for_sm90(rows, stochastic):
+    """The lookup and the sparse update of 8-bit rows (ROWS 3, 4: uint8 codes, float32 row
+    scales; kernels/gpu/rows.py) compile, every rule of the update."""
+    from embcore.kernels.gpu import rows as triton_rows
+    lookup = {"table_ptr": "*u8", "rs_ptr": "*fp32", "ids_ptr": "*i64", "offsets_ptr": "*i64",
+              "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
+              "D": "i32"}
+    consts = {"UNIT": False, "SCALED": True, "CHECKED": True, "ROWS": rows, "BLOCK_R": 16,
+              "BLOCK_D": 128}
+    compiled = _compile(triton_rows.lookup_kernel,
+                        {**lookup, **dict.fromkeys(consts, "constexpr")}, consts)
+    assert compiled.asm["cubin"]
+    update = {"w_ptr": "*u8", "s1_ptr": "*fp32", "s2_ptr": "*fp32", "rs_ptr": "*fp32",
+              "rows_ptr": "*i64", "U": "i32", "D": "i32", "grad_ptr": "*fp32",
+              "uoff_ptr": "*i64", "order_ptr": "*i64", "bags_ptr": "*i64",
+              "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32",
+              "keyrows_ptr": "*i64", "n_keys": "i32", "seg_ptr": "*i64", "nseg": "i32",
+              "step_key": "i64", "col0": "i32"}
+    update.update(dict.fromkeys(["lr", "gmul", "clip_lo", "clip_hi", "wd", "wmin", "wmax",
+                                 "h1", "h2", "h3", "h4", "h5"], "fp32"))
+    for rule in range(1, 7):
+        consts = {"RULE": rule, "F1": False, "F2": False, "DIRECT": False, "UNIT": False,
+                  "SCALED": True, "MULTIPLIED": True, "CLIPPED": True, "DECAYED": True,
+                  "BOUNDED": True, "ROWS": rows, "STOCHASTIC": stochastic, "KEYED": True,
+                  "CHECKED": True, "BLOCK_U": 16, "BLOCK_D": 128}
+        compiled = _compile(triton_rows.sparse_update_kernel,
+                            {**update, **dict.fromkeys(consts, "constexpr")}, consts)
+        assert compiled.asm["cubin"]

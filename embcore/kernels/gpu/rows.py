@@ -327,8 +327,8 @@ def sparse_update_kernel(
     ROWS: the table's rows (0 float32, 1 float16, 2 bfloat16: widened, updated in float32 and
     rounded back, stochastically with STOCHASTIC; 3 float8_e4m3fn, 4 float8_e5m2: uint8 codes
     widened with their row's scale ``rs`` (N,) float32, updated in float32 and written back as
-    new codes and a new scale, numerics/rounding.py's ``quantize``). CHECKED: a nonzero ``skip`` (the batch
-    failed its checks on the device) leaves every row and slot as it was."""
+    new codes and a new scale, numerics/rounding.py's ``quantize``). CHECKED: a nonzero
+    ``skip`` (the batch failed its checks on the device) leaves every row and slot as it was."""
     u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)                 # (BLOCK_U,)
     cols = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
     live_u = u < U
