@@ -68,20 +68,13 @@ def _narrow8(q, u, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr):
     b = q.to(tl.uint32, bitcast=True)
     a = b & 0x7FFFFFFF
     sign = (b >> 24) & 0x80
-    if ROWS == 3:
-        DROP: tl.constexpr = 20
-        NORMAL: tl.constexpr = 0x3C800000      # 2**-6
-        INV_SPACING: tl.constexpr = 512.0      # 1 / 2**-9
-        SPACING_BITS: tl.constexpr = 1.1641532182693481e-10  # 2**-24 * 2**-9
-        OFFSET: tl.constexpr = 960             # (127 - 7) << 3
-        TOP: tl.constexpr = 0x7E               # 448
-    else:
-        DROP: tl.constexpr = 21
-        NORMAL: tl.constexpr = 0x38800000      # 2**-14
-        INV_SPACING: tl.constexpr = 65536.0    # 1 / 2**-16
-        SPACING_BITS: tl.constexpr = 9.094947017729282e-13  # 2**-24 * 2**-16
-        OFFSET: tl.constexpr = 448             # (127 - 15) << 2
-        TOP: tl.constexpr = 0x7B               # 57344
+    E4M3 = ROWS == 3
+    DROP = 20 if E4M3 else 21                  # float32 mantissa bits below a normal result's
+    NORMAL = 0x3C800000 if E4M3 else 0x38800000  # the smallest normal: 2**-6, 2**-14
+    INV_SPACING = 512.0 if E4M3 else 65536.0   # 1 / the subnormal spacing, 2**-9 or 2**-16
+    SPACING_BITS = 1.1641532182693481e-10 if E4M3 else 9.094947017729282e-13  # 2**-24 spacing
+    OFFSET = 960 if E4M3 else 448              # (127 - bias) << mantissa bits
+    TOP = 0x7E if E4M3 else 0x7B               # max_finite's code: 448, 57344
     mag = a.to(tl.float32, bitcast=True)
     if STOCHASTIC:
         hn = (a + (u >> (32 - DROP))) >> DROP
@@ -415,10 +408,7 @@ def sparse_update_kernel(
     if ROWS == 0:
         tl.store(w_ptr + at, w, mask=tile)
     elif ROWS >= 3:  # new scales (max |w| of the finite values / max_finite) and codes
-        if ROWS == 3:
-            TOP: tl.constexpr = 448.0
-        else:
-            TOP: tl.constexpr = 57344.0
+        TOP = 448.0 if ROWS == 3 else 57344.0  # max_finite
         finite = tl.abs(w) <= 3.4028234663852886e38
         s = tl.div_rn(tl.max(tl.where(finite & tile, tl.abs(w), 0.0), axis=1), TOP)  # (BLOCK_U,)
         s = tl.where(s > 0.0, s, 1.0)
