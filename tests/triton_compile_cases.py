@@ -98,13 +98,21 @@ def test_the_new_rows_initializer_compiles_for_sm90_without_fused_multiply_adds(
     assert "\tmul.f64" not in ptx and "\tadd.f64" not in ptx  # libdevice's log)
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("rows", [3, 4], ids=["float8_e4m3fn", "float8_e5m2"])
-def test_the_8_bit_row_kernels_compile_for_sm90(rows, stochastic):
-    """The lookup and the sparse update of 8-bit rows (ROWS 3, 4: uint8 codes, float32 row
-    scales; kernels/gpu/rows.py) compile, every rule of the update."""
+ROW_CASES = [(0, False), (2, True), (3, False), (3, True), (4, False), (4, True)]
+ROW_POINTERS = {0: "*fp32", 2: "*bf16", 3: "*u8", 4: "*u8"}
+
+
+@pytest.mark.parametrize(("rows", "stochastic"), ROW_CASES,
+                         ids=["float32", "bfloat16 stochastic", "float8_e4m3fn nearest",
+                              "float8_e4m3fn stochastic", "float8_e5m2 nearest",
+                              "float8_e5m2 stochastic"])
+def test_the_row_kernels_compile_for_sm90(rows, stochastic):
+    """The lookup and the sparse update (kernels/gpu/rows.py) compile, every rule of the update:
+    8-bit rows (ROWS 3, 4: uint8 codes, float32 row scales) and, beside them, float32 and
+    bfloat16 rows."""
     from embcore.kernels.gpu import rows as triton_rows
-    lookup = {"table_ptr": "*u8", "rs_ptr": "*fp32", "ids_ptr": "*i64", "offsets_ptr": "*i64",
+    table = ROW_POINTERS[rows]
+    lookup = {"table_ptr": table, "rs_ptr": "*fp32", "ids_ptr": "*i64", "offsets_ptr": "*i64",
               "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
               "D": "i32"}
     consts = {"UNIT": False, "SCALED": True, "CHECKED": True, "ROWS": rows, "BLOCK_R": 16,
@@ -112,7 +120,7 @@ def test_the_8_bit_row_kernels_compile_for_sm90(rows, stochastic):
     compiled = _compile(triton_rows.lookup_kernel,
                         {**lookup, **dict.fromkeys(consts, "constexpr")}, consts)
     assert compiled.asm["cubin"]
-    update = {"w_ptr": "*u8", "s1_ptr": "*fp32", "s2_ptr": "*fp32", "rs_ptr": "*fp32",
+    update = {"w_ptr": table, "s1_ptr": "*fp32", "s2_ptr": "*fp32", "rs_ptr": "*fp32",
               "rows_ptr": "*i64", "U": "i32", "D": "i32", "grad_ptr": "*fp32",
               "uoff_ptr": "*i64", "order_ptr": "*i64", "bags_ptr": "*i64",
               "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32",
