@@ -38,7 +38,8 @@ if not CUDA and not gpu.interpreted():
 
 OPS = gpu.operators()
 NAMES = ["lookup", "row_gradients", "sparse_update", "move_rows", "hash_find", "hash_insert",
-         "hash_delete", "init_rows"]
+         "hash_delete", "init_rows", "id_bounds", "concat_shift", "concat_offsets",
+         "jagged_offsets", "bag_index", "dedup_runs"]
 
 
 def _t(*args, **kwargs):
@@ -57,7 +58,9 @@ def test_every_kernel_entry_point_is_an_operator_of_the_embcore_namespace():
                for name in NAMES}
     assert written == {"lookup": [], "row_gradients": [], "hash_find": [],
                        "sparse_update": ["slot1", "slot2", "table"], "move_rows": ["dst"],
-                       "hash_insert": ["maps"], "hash_delete": ["maps"], "init_rows": ["out"]}
+                       "hash_insert": ["maps"], "hash_delete": ["maps"], "init_rows": ["out"],
+                       "id_bounds": [], "concat_shift": [], "concat_offsets": [],
+                       "jagged_offsets": [], "bag_index": [], "dedup_runs": []}
 
 
 # -- (a) fake implementations: shapes and dtypes from the inputs', nothing run ------------------
@@ -220,6 +223,41 @@ def test_opcheck_init_rows():
     want = initial_values(t, "t", 11, ids.cpu()).to(DEVICE)
     assert torch.equal(out[2], want[0]) and torch.equal(out[3], want[2])
     assert not out[0].any() and not out[1].any()
+
+
+def test_opcheck_the_batch_operators():
+    parts = [_t([4, 0, 9]), _t([7]), _t([2, 2, 11, 3])]
+    flags = [_t(0), _t(False)]
+    offsets = _t([0, 2, 2, 5])
+    torch.library.opcheck(torch.ops.embcore.id_bounds.default, (parts, [10, 8, 12], flags))
+    torch.library.opcheck(torch.ops.embcore.concat_shift.default, (parts, [0, 10, 18]))
+    torch.library.opcheck(torch.ops.embcore.concat_offsets.default, ([offsets, offsets], [0, 5], 10))
+    torch.library.opcheck(torch.ops.embcore.jagged_offsets.default, (offsets, 5, True))
+    torch.library.opcheck(torch.ops.embcore.bag_index.default, (offsets, 5))
+    torch.library.opcheck(torch.ops.embcore.dedup_runs.default, (_t([0, 0, 3, 5, 5, 5]),))
+    report, verdict = torch.ops.embcore.id_bounds(parts, [10, 8, 12], flags)
+    assert report.tolist() == [0, 0, 0, 9, 7, 7, 2, 11] and int(verdict) == 0
+    assert int(torch.ops.embcore.id_bounds(parts, [10, 7, 12], [])[1]) == 1  # (7 >= 7)
+    assert int(torch.ops.embcore.id_bounds(parts, [10, 8, 12], [_t(0), _t(True)])[1]) == 1
+    assert torch.ops.embcore.concat_offsets([offsets, offsets], [0, 5], 10).tolist() == [
+        0, 2, 2, 5, 7, 7, 10]
+    safe, bad, means = torch.ops.embcore.jagged_offsets(_t([0, 2, 1, 5]), 5, True)
+    assert safe.tolist() == [0, 2, 2, 5] and int(bad) == 1
+    assert torch.equal(means, torch.tensor([0.5, 0.5] + [1 / 3] * 3, device=DEVICE))
+    assert torch.ops.embcore.bag_index(offsets, 5).tolist() == [0, 0, 2, 2, 2]
+    assert torch.ops.embcore.concat_shift(parts, [0, 10, 18]).tolist() == [
+        4, 0, 9, 17, 20, 20, 29, 21]
+    unique, uoff = torch.ops.embcore.dedup_runs(_t([0, 0, 3, 5, 5, 5]))
+    assert unique.tolist() == [0, 3, 5, 5, 5, 5] and uoff.tolist() == [0, 2, 3, 6, 6, 6, 6]
+    with pytest.raises(TypeError, match="1-d int64"):
+        torch.ops.embcore.concat_shift([_t([1.0])], [0])
+    with FakeTensorMode():
+        fake = [torch.empty(n, dtype=torch.int64, device=DEVICE) for n in (3, 5)]
+        r, v = torch.ops.embcore.id_bounds(fake, [4, 4], [])
+        assert r.shape == (4,) and v.shape == ()
+        assert torch.ops.embcore.concat_shift(fake, [0, 4]).shape == (8,)
+        u, o = torch.ops.embcore.dedup_runs(fake[1])
+        assert u.shape == (5,) and o.shape == (6,)
 
 
 def test_opcheck_the_hash_index():

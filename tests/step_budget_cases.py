@@ -38,7 +38,7 @@ if not gpu.interpreted():
                 allow_module_level=True)
 
 # (syncs, ops) of a steady step, per input kind, for every optimizer family below
-CEILING = {"dense": (0, 29), "jagged": (0, 101), "raw": (5, 369)}
+CEILING = {"dense": (0, 12), "jagged": (0, 19), "raw": (5, 369)}
 TARGET = {"dense": (0, 12), "jagged": (0, 16), "raw": (0, 40)}
 OPTIMIZERS = {"SGD": ec.SGD, "Adagrad": ec.Adagrad, "Adam": ec.Adam, "FTRL": ec.FTRL}
 

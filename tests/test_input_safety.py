@@ -621,3 +621,19 @@ if __name__ == "__main__":
     with fallbacks("--fallbacks" in sys.argv):
         for kind, c in fuzz(n, seed=int(args[1]) if len(args) > 1 else 0).items():
             print(kind, dict(c))
+
+
+def test_a_strided_nested_tensor_is_refused_with_the_layout_to_use():
+    """A nested tensor of the strided layout (torch.nested's default) is not a jagged batch:
+    refused naming the layout, before anything changes; its jagged twin trains."""
+    t = ec.TableConfig(vocabulary_size=10, dim=4, name="t")
+    emb = ec.Embedding({"f": ec.FeatureConfig(table=t)}, ec.SGD(learning_rate=0.1))
+    before = emb.embedding_tables["t"].clone()
+    strided = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])])
+    with pytest.raises(TypeError, match="layout=torch.jagged"):
+        emb.enqueue({"f": strided}, training=True)
+    assert torch.equal(emb.embedding_tables["t"], before)
+    jagged = torch.nested.nested_tensor([torch.tensor([1, 2]), torch.tensor([3])],
+                                        layout=torch.jagged)
+    emb.enqueue({"f": jagged}, training=True)
+    assert emb.dequeue()["f"].shape == (2, 4)

@@ -198,6 +198,58 @@ def test_the_dedup_of_fixed_capacity_is_the_dedup_padded(ids):
     assert counted.syncs == 0
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(-2**40, 2**40) | st.integers(-3, 40), max_size=70),
+                max_size=5),
+       st.lists(st.integers(-50, 10**6), min_size=5, max_size=5),
+       st.lists(st.integers(1, 40), min_size=5, max_size=5))
+def test_the_batch_kernels_are_their_torch_references(parts, shifts, vocabs):
+    """One launch each (kernels/gpu/batch.py) for what torch ops did: the Triton backend's
+    dedup (the parts concatenated and shifted, then ``dedup_padded``), its ids' bounds and
+    verdict (``Backend.id_bounds`` of the torch ops; the verdict nonzero exactly when an id is
+    outside ``[0, vocab)``), bit for bit, across the blocks of the scan (up to 350 ids)."""
+    from embcore.ops.backend import TORCH_OPS, TRITON
+    from embcore.ops.bags import dedup_padded
+    ts = [torch.tensor(p, dtype=torch.int64) for p in parts]
+    adds = shifts[:len(ts)]
+    if ts:
+        ids, got = TRITON.dedup(ts, adds, 1, padded=True)
+        want_ids = torch.cat([t + a for t, a in zip(ts, adds)])
+        want = dedup_padded(want_ids)
+        assert torch.equal(ids, want_ids)
+        for name in ("unique", "order", "unique_offsets"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(got.inverse, want.inverse)
+    full = [t for t in ts if t.numel()]
+    if full:
+        vs = vocabs[:len(full)]
+        bounds, verdict = TRITON.id_bounds(full, vs)
+        want_bounds, none = TORCH_OPS.id_bounds(full, vs)
+        assert none is None and torch.equal(bounds, want_bounds)
+        outside = any(int(t.min()) < 0 or int(t.max()) >= v for t, v in zip(full, vs))
+        assert verdict.dtype == torch.int64 and int(verdict) == int(outside)
+        flags = [torch.tensor(0), torch.tensor(bool(len(full) % 2))]  # (the offsets' flags)
+        report, verdict = TRITON.id_bounds(full, vs, flags)
+        assert torch.equal(report, TORCH_OPS.id_bounds(full, vs, flags)[0])
+        assert int(verdict) == int(outside or len(full) % 2 == 1)
+
+
+def test_the_batch_kernels_span_many_blocks():
+    """The scan's blocks (1024 ids each) continue one another's ranks."""
+    from embcore.ops.backend import TRITON
+    from embcore.ops.bags import dedup_padded
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 900, (n,), generator=g) for n in (1500, 0, 1023, 2049)]
+    ids, got = TRITON.dedup(parts, [0, 5, 1000, 3000], 1, padded=True)
+    want = dedup_padded(ids)
+    for name in ("unique", "order", "unique_offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    bounds, verdict = TRITON.id_bounds([parts[0], parts[3]], [900, 899])
+    assert bounds.tolist() == [int(parts[0].min()), int(parts[0].max()),
+                               int(parts[3].min()), int(parts[3].max())]
+    assert int(verdict) == int(int(parts[3].max()) >= 899)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(-2, 2),
        st.integers(0, 12), st.booleans())
@@ -211,17 +263,28 @@ def test_the_triton_backends_offsets_and_scales_are_the_torch_ops(lengths, nudge
     bad = offsets.clone()
     bad[at % bad.numel()] += nudge
     for given_ in (offsets, bad):
-        safe, verdict = TRITON.offsets_verdict(given_, nnz)
+        safe, verdict = TRITON.offsets_verdict(given_, nnz, mean=True)
         malformed = TORCH_OPS.offsets_error(given_, nnz) >= 0
         assert bool(verdict) == malformed
         # safe to index with: 0 first, nnz last, never decreasing; the given ones when valid
         assert safe[0] == 0 and safe[-1] == nnz and (safe[1:] >= safe[:-1]).all()
         assert malformed or torch.equal(safe, given_)
+        want_safe, _ = TORCH_OPS.offsets_verdict(given_, nnz)
+        assert torch.equal(safe, want_safe)
+        # the mean scales computed with them, kept for the combiner's call
+        got = TRITON.combiner_scales(safe, None, "mean", nnz)
+        assert torch.equal(got, TORCH_OPS.combiner_scales(safe, None, "mean", nnz))
+        assert torch.equal(TRITON.bag_index(safe, nnz), TORCH_OPS.bag_index(safe, nnz))
     weights = torch.rand(nnz) if weighted else None
     for combiner in ("sum", "mean", "sqrtn"):
         got = TRITON.combiner_scales(offsets, weights, combiner, nnz)
         want = TORCH_OPS.combiner_scales(offsets, weights, combiner, nnz)
         assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+    parts = [offsets, torch.tensor([0]), offsets[:2] - offsets[0]]
+    shifts = [0, nnz, nnz]
+    total = nnz + int(parts[2][-1])
+    assert torch.equal(TRITON.concat_offsets(parts, shifts, total),
+                       TORCH_OPS.concat_offsets(parts, shifts, total))
 
 
 def test_the_layer_masks_a_bad_batch_or_raises_at_once_with_host_checks():

@@ -114,7 +114,9 @@ def canonicalize(feature: FeatureConfig, name: str, table_name: str, ids: torch.
         values, offsets, bag_shape, positions = _dense(ids, seq, where)
         w = None
     elif kind == "jagged":
-        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend, checks)
+        mean = table.combiner == "mean" and weights is None and seq == 0
+        values, offsets, bag_shape, w = _jagged(ids, weights, where, device, backend, checks,
+                                                mean)
         positions = None
     else:
         values, offsets, bag_shape, w, positions, bag = _sparse(ids, weights, where, device,
@@ -219,9 +221,11 @@ def _parts(x: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 
 
 def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: Backend,
-            checks: BatchChecks | None):
+            checks: BatchChecks | None, mean: bool = False):
     if not isinstance(ids, tuple):
-        if ids.layout != torch.jagged:
+        # (torch's jagged class is always of the jagged layout: its ``layout`` is a dispatched
+        # call, an op a feature on a device step, asked only of other nested tensors)
+        if type(ids).__name__ != "NestedTensor" and ids.layout != torch.jagged:
             raise TypeError(f"{where}: nested tensors must use layout=torch.jagged, got "
                             f"{ids.layout}")
         if ids.dim() != 2:  # (a rank-2 jagged tensor is always ragged in dim 1)
@@ -235,7 +239,7 @@ def _jagged(ids: Any, weights: Any, where: str, device: torch.device, backend: B
         raise ValueError(f"{where}: jagged ids must hold 1-D values, got shape "
                          f"{list(values.shape)}")
     offsets = check_offsets(given.to(device, non_blocking=True), values.numel(), where,
-                            backend, checks)  # (B + 1,) int64, contiguous, on the device
+                            backend, checks, mean)  # (B + 1,) int64, contiguous, on the device
     w = None
     if weights is not None:
         same = f"{where}: weights must be a jagged tensor with the same offsets as the ids"
@@ -340,11 +344,12 @@ def tracing() -> bool:
 
 
 def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend,
-                  checks: BatchChecks | None = None) -> torch.Tensor:
+                  checks: BatchChecks | None = None, mean: bool = False) -> torch.Tensor:
     """Jagged offsets as (B + 1,) contiguous int64, after one pass checking that they start at 0,
     never decrease and end at ``nnz`` (so every bag lies inside the values). With ``checks``,
     a backend that would wait for the answer returns the offsets made safe and leaves the
-    verdict to ``checks.done()``.
+    verdict to ``checks.done()``. ``mean``: the mean combiner's scales of these bags, unweighted,
+    will be asked for (``Backend.offsets_verdict``).
 
     Raises:
         TypeError: offsets that are not int32 / int64.
@@ -362,7 +367,7 @@ def check_offsets(offsets: torch.Tensor, nnz: int, where: str, backend: Backend,
     if checks is None or offsets.numel() == 1:  # (no bag: nothing to make safe, answer now)
         bad = backend.offsets_error(offsets, nnz)
     else:
-        safe, verdict = backend.offsets_verdict(offsets, nnz)
+        safe, verdict = backend.offsets_verdict(offsets, nnz, mean)
         if not isinstance(verdict, int):  # read with the batch's other checks
             checks.add_offsets(verdict, offsets, nnz, where)
             return safe
@@ -477,7 +482,7 @@ class BatchChecks:
         self.backend = backend
         self.verdicts = verdicts
         self._ids: list[tuple[torch.Tensor, int, str, str]] = []
-        self._pairs: list[tuple[tuple[torch.Tensor, torch.Tensor], int, str, str]] = []
+        self._pairs: list[tuple[torch.Tensor, int, str, str]] = []  # (ids judged on the device)
         self._jagged: list[tuple[torch.Tensor, torch.Tensor, int, str]] = []
         self._weights: list[tuple[torch.Tensor, str]] = []
         self._same: list[tuple[torch.Tensor, torch.Tensor, str]] = []
@@ -487,9 +492,8 @@ class BatchChecks:
         if ids.numel() and not tracing():
             if self.verdicts is None:
                 self._ids.append((self.backend.bounds(ids), vocab, where, table))  # (2,)
-            else:  # () min, () max
-                lo, hi = torch.aminmax(ids)
-                self._pairs.append(((lo, hi), vocab, where, table))
+            else:  # (their min and max: ``Backend.id_bounds``, the batch's at once)
+                self._pairs.append((ids, vocab, where, table))
 
     def add_offsets(self, verdict: torch.Tensor, offsets: torch.Tensor, nnz: int,
                     where: str) -> None:
@@ -527,6 +531,8 @@ class BatchChecks:
         return None
 
     def _judged(self, verdicts: Verdicts) -> torch.Tensor | None:
+        # the offsets' and the weights' offsets' values are flags, 0 good; a weights' is 1 good
+        flags = not self._weights
         values: list[torch.Tensor] = [v for v, _, _, _ in self._jagged]
         layout: list[Entry] = [("offsets", where, 0, "") for _, _, _, where in self._jagged]
         for mine, theirs, where in self._same:
@@ -535,13 +541,24 @@ class BatchChecks:
         for w, where in self._weights:
             values.append(torch.isfinite(w).all())
             layout.append(("weights", where, 0, ""))
-        for bounds, vocab, where, table in self._pairs:
-            values.extend(bounds)
+        for _, vocab, where, table in self._pairs:
             layout.append(("ids", where, vocab, table))
+        pairs = self._pairs
         self._pairs, self._jagged, self._weights, self._same = [], [], [], []
-        if not values:
+        if not layout:
             return None
-        report = torch.stack(values)  # (L,) int64: the values that judge the batch
+        # (L,) int64: the values that judge the batch, the ids' min and max last; flags go with
+        # the ids' bounds, judged in the same launch where the backend can
+        if pairs:
+            report, verdict = self.backend.id_bounds(
+                [t for t, _, _, _ in pairs], [v for _, v, _, _ in pairs],
+                values if flags else ())
+            if verdict is not None and flags:  # (judged in the same launch)
+                return verdicts.keep(tuple(layout), report, verdict)
+            if not flags:
+                report = torch.cat([torch.stack(values), report]) if values else report
+        else:
+            report = torch.stack(values)
         return verdicts.judge(tuple(layout), report)
 
 
@@ -599,6 +616,14 @@ class Verdicts:
         if len(self._reports) >= self.FOLD:
             self._fold()
         return (report.clamp(lo, hi) != report).sum()
+
+    def keep(self, layout: Layout, report: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor:
+        """``judge``'s, for a ``report`` whose ``verdict`` was computed with it (nonzero exactly
+        where ``judge``'s would be: ``Backend.id_bounds``): kept for ``check``, returned."""
+        self._reports.append((layout, report))
+        if len(self._reports) >= self.FOLD:
+            self._fold()
+        return verdict
 
     def _fold(self) -> None:
         """The reports since the last fold, merged on the device into ``_kept``."""

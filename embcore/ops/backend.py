@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 from ..kernels import cpu, gpu
-from .bags import Dedup, bag_index, combiner_scales, dedup, dedup_padded
+from .bags import Dedup, bag_index, combiner_scales, dedup
 from .checksum import move_summed_fused, move_summed_torch
 
 Name = Literal["fused CPU", "Triton", "torch ops"]
@@ -84,6 +84,16 @@ class Backend:
         """(2,) int64 ``[min, max]`` of non-empty ``ids``, where they are (not read back)."""
         return torch.stack(torch.aminmax(ids))
 
+    def id_bounds(self, parts: Sequence[torch.Tensor], vocabs: Sequence[int],
+                  flags: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """((F + 2 N,) int64: the F one-value ``flags`` of the batch's other checks, 0 good,
+        then ``[min, max]`` of each of the N non-empty int64 ``parts``, where they are; the
+        verdict, () int64 nonzero where a flag is or an id of part i is outside
+        ``[0, vocabs[i])``, when computed in the same launch, else None: inputs/canonical.py's
+        ``Verdicts`` judges the report)."""
+        return torch.stack([*(f.reshape(()).to(torch.int64) for f in flags),
+                            *(b for t in parts for b in torch.aminmax(t))]), None
+
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         """-1 when (B + 1,) int64 ``offsets`` start at 0, never decrease and end at ``nnz``;
         else the first entry breaking that (0: the first is not 0; i: ``offsets[i] <
@@ -94,12 +104,14 @@ class Backend:
         n = offsets.numel()
         return 0 if first else (int(falls.nonzero()[0]) + 1 if fall else (n - 1 if last else -1))
 
-    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int, mean: bool = False
                         ) -> tuple[torch.Tensor, int | torch.Tensor]:
         """``(offsets to use, verdict)`` on (B + 1,) int64 ``offsets`` without waiting: the
         verdict a 0-d tensor, nonzero when they are malformed (``offsets_error`` then names the
         entry), and the offsets made safe to index with meanwhile (in [0, ``nnz``], never
-        decreasing, 0 first and ``nnz`` last: the given ones when they are valid)."""
+        decreasing, 0 first and ``nnz`` last: the given ones when they are valid). ``mean``: the
+        caller will ask ``combiner_scales`` for the mean of their unweighted bags (a backend may
+        compute it now)."""
         safe = torch.cummax(offsets.clamp(0, nnz), 0).values  # (B + 1,)
         safe[0] = 0
         safe[-1] = nnz
@@ -115,6 +127,14 @@ class Backend:
         return not bool((lin[1:] <= lin[:-1]).any())
 
     # ---- the batch
+
+    def concat_offsets(self, parts: Sequence[torch.Tensor], shifts: Sequence[int], total: int
+                       ) -> torch.Tensor:
+        """Jagged offsets as one: ((sum of B_i) + 1,) int64, each part's (B_i + 1,) offsets but
+        its last plus ``shifts[i]`` (the ids before it), then ``total``."""
+        cut = [p[:-1] + a if a else p[:-1] for p, a in zip(parts, shifts)]
+        cut.append(torch.tensor([total], dtype=torch.int64, device=parts[0].device))
+        return cpu.concat(cut)
 
     def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
                         combiner: str, nnz: int, seg: torch.Tensor | None = None
@@ -184,7 +204,7 @@ class _FusedCPU(Backend):
     def offsets_error(self, offsets: torch.Tensor, nnz: int) -> int:
         return cpu.offsets_error(offsets.contiguous(), nnz)
 
-    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int, mean: bool = False
                         ) -> tuple[torch.Tensor, int | torch.Tensor]:
         return offsets, cpu.offsets_error(offsets.contiguous(), nnz)  # (known at once)
 
@@ -246,7 +266,9 @@ class _FusedCPU(Backend):
 
 
 class _Triton(Backend):
-    """The Triton kernels (kernels/gpu/), bound per table; the batch verbs are torch ops."""
+    """The Triton kernels (kernels/gpu/), bound per table; the batch verbs are torch ops, or
+    kernels/gpu/batch.py's launches where one replaces several (the ids' bounds, the dedup of
+    fixed capacity)."""
 
     name: Name = "Triton"
     triton = True
@@ -257,57 +279,69 @@ class _Triton(Backend):
     def dedup(self, parts: Sequence[torch.Tensor], adds: Sequence[int],
               num_rows: int | None, padded: bool = False) -> tuple[torch.Tensor, Dedup]:
         """Row ids for kernels that take it deduplicated with a fixed capacity
-        (``bags.dedup_padded``: no synchronisation); else the torch ops'."""
+        (``bags.dedup_padded``'s results, no synchronisation: the parts concatenated and
+        shifted in one launch, a stable sort, the runs in one launch); else the torch ops'."""
         if not padded or num_rows is None or _traced():
             return super().dedup(parts, adds, num_rows)
         if len(parts) == 1:
             ids = parts[0] + adds[0] if adds[0] else parts[0]  # (nnz,)
-        else:  # one add of every part's shift (kept per layout), not one a part
-            ids = torch.cat(list(parts))  # (nnz,)
-            if any(adds):
-                ids += self._shifts(parts, adds)
-        return ids, dedup_padded(ids)
+        else:  # the parts concatenated and shifted in one launch
+            ids = gpu.concat_shift(list(parts), list(adds))  # (nnz,)
+        # ``dedup_padded``'s: a stable sort, then its runs in one launch
+        sorted_ids, order = torch.sort(ids, stable=True)  # (nnz,), (nnz,)
+        unique, unique_offsets = gpu.dedup_runs(sorted_ids)  # (nnz,), (nnz + 1,)
+        return ids, Dedup(unique, order, unique_offsets)
 
-    def offsets_verdict(self, offsets: torch.Tensor, nnz: int
+    def id_bounds(self, parts: Sequence[torch.Tensor], vocabs: Sequence[int],
+                  flags: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The report and the verdict in one launch (``gpu.id_bounds``)."""
+        if _traced():
+            return super().id_bounds(parts, vocabs, flags)
+        return gpu.id_bounds(list(parts), list(vocabs), list(flags))
+
+    def offsets_verdict(self, offsets: torch.Tensor, nnz: int, mean: bool = False
                         ) -> tuple[torch.Tensor, int | torch.Tensor]:
-        """The torch ops' answer in fewer launches: one clamp between bounds of 0 first and
-        ``nnz`` last (``nnz`` times a kept pattern per batch size), then the running max."""
-        n = offsets.numel()
-        kept = self._patterns
-        if kept is None or kept[0] != n or kept[1] != offsets.device:
-            lo = torch.zeros(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
-            lo[-1] = 1
-            hi = torch.ones(n, dtype=torch.int64, device=offsets.device)  # (B + 1,)
-            hi[0] = 0
-            kept = self._patterns = (n, offsets.device, lo, hi)
-        safe = torch.cummax(offsets.clamp(kept[2] * nnz, kept[3] * nnz), 0).values  # (B + 1,)
-        return safe, (safe != offsets).any()
+        """The torch ops' answer in one launch (``gpu.jagged_offsets``), which with ``mean``
+        also gives the mean scales of unweighted bags over the safe offsets, kept for
+        ``combiner_scales``."""
+        if _traced():
+            return super().offsets_verdict(offsets, nnz)
+        safe, verdict, means = gpu.jagged_offsets(offsets, nnz, mean)
+        if mean:
+            means_of = self._means
+            if len(means_of) >= 256:  # (never asked for: a batch that failed its checks)
+                means_of.clear()
+            means_of[id(safe)] = (safe, means)
+        return safe, verdict
 
     def combiner_scales(self, offsets: torch.Tensor, weights: torch.Tensor | None,
                         combiner: str, nnz: int, seg: torch.Tensor | None = None
                         ) -> torch.Tensor:
-        """The torch ops' scales; a mean over unweighted bags in fewer launches: each bag's
-        ``1 / length`` repeated over its ids (the same bits: one correctly rounded division)."""
-        if combiner != "mean" or weights is not None or seg is not None or _traced():
-            return combiner_scales(offsets, weights, combiner, nnz, seg)
-        lengths = offsets[1:] - offsets[:-1]  # (R,)
-        return torch.repeat_interleave(lengths.float().reciprocal_(), lengths,
-                                       output_size=nnz)  # (nnz,) float32
+        """The torch ops' scales; a mean over unweighted bags whose offsets ``offsets_verdict``
+        made safe: the scales it computed with them (the same bits: each bag's ``1 / length``,
+        one correctly rounded division)."""
+        if combiner == "mean" and weights is None and seg is None:
+            kept = self._means.pop(id(offsets), None)
+            if kept is not None and kept[0] is offsets:
+                return kept[1]
+        return combiner_scales(offsets, weights, combiner, nnz, seg)
 
-    _patterns: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
-    _kept: tuple[tuple[int, ...], tuple[int, ...], torch.device, torch.Tensor] | None = None
+    def bag_index(self, offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+        """The torch ops' result in one launch (``gpu.bag_index``)."""
+        if _traced():
+            return bag_index(offsets, nnz)
+        return gpu.bag_index(offsets, nnz)
 
-    def _shifts(self, parts: Sequence[torch.Tensor], adds: Sequence[int]) -> torch.Tensor:
-        """(nnz,) int64 ``adds[i]`` at each id of ``parts[i]`` (the last layout's kept)."""
-        sizes, shifts = tuple(t.numel() for t in parts), tuple(adds)
-        device = parts[0].device
-        kept = self._kept
-        if kept is None or kept[:3] != (sizes, shifts, device):
-            made = torch.repeat_interleave(torch.tensor(shifts, device=device),
-                                           torch.tensor(sizes, device=device),
-                                           output_size=sum(sizes))  # (nnz,)
-            kept = self._kept = (sizes, shifts, device, made)
-        return kept[3]
+    def concat_offsets(self, parts: Sequence[torch.Tensor], shifts: Sequence[int], total: int
+                       ) -> torch.Tensor:
+        """The torch ops' result in one launch (``gpu.concat_offsets``)."""
+        if _traced() or min(p.numel() for p in parts) == 0:
+            return super().concat_offsets(parts, shifts, total)
+        return gpu.concat_offsets(list(parts), list(shifts), total)
+
+    def __init__(self) -> None:
+        # the mean scales ``offsets_verdict`` computed, by the safe offsets' id (with them)
+        self._means: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 FUSED_CPU: Backend = _FusedCPU()

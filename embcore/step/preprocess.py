@@ -133,12 +133,14 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     deduplicated per member (``dedup_members``), which also gives the segments."""
     unit = all(b is not None and b.unit for _, b in parts)
     offsets, scales, slices = [], [], []
+    shifts: list[int] = []
     nnz = rows = 0
     for f, b in parts:
         assert b is not None
         if not unit:
             b_offsets, b_scales = b.offsets_and_scales()
-            offsets.append(b_offsets[:-1] + nnz if nnz else b_offsets[:-1])  # (R_f,)
+            offsets.append(b_offsets)  # (R_f + 1,)
+            shifts.append(nnz)
             scales.append(b_scales)
         slices.append(FeatureSlice(f, rows, b.num_rows, b.shape))
         nnz += b.ids.numel()
@@ -152,8 +154,8 @@ def _concatenate(parts: list[tuple[int, Bags | None]], adds: list[int], num_rows
     verdict = parts[0][1].verdict if parts[0][1] is not None else None  # (the batch's)
     if unit:
         return (Bags(ids, None, None, verdict=verdict), dd), Slices(slices), segments
-    offsets.append(torch.tensor([nnz], dtype=torch.int64, device=ids.device))
-    return ((Bags(ids, cpu.concat(offsets), cpu.concat(scales), verdict=verdict), dd),
+    return ((Bags(ids, backend.concat_offsets(offsets, shifts, nnz), cpu.concat(scales),
+                  verdict=verdict), dd),
             Slices(slices), segments)
 
 

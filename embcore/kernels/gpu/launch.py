@@ -21,8 +21,11 @@ What the kernels cover (everything else falls back to the torch-ops paths, on an
   gradients or from the output gradients' occurrences;
 - ``init_rows``: a dynamic table's new rows, the default initializer's values (the CPU's bits)
   into float32, float16 and bfloat16 tables;
-- deduplication stays torch ops on the GPU (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``,
-  stable, so the occurrence order is the CPU's).
+- a batch's preparation (kernels/gpu/batch.py): every feature's ids' bounds and verdict
+  (``id_bounds``), a physical table's features' ids concatenated and shifted (``concat_shift``)
+  and, after a stable ``torch.sort`` (the occurrence order is the CPU's), the runs of a dedup of
+  fixed capacity (``dedup_runs``, ``bags.dedup_padded``'s); the exact dedup elsewhere stays
+  torch ops (``bags.dedup``: ``torch.sort`` + ``unique_consecutive``).
 
 Each kernel runs as a torch operator, ``torch.ops.embcore.<name>`` (kernels/gpu/ops.py,
 registered when the kernels load; ``operators()``): the wrappers here turn the callers' objects
@@ -312,3 +315,49 @@ def move_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     _load()
     assert src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()
     _op("move_rows", dst)(src, src_idx, dst, dst_idx, take)
+
+
+# -- a batch's preparation (ops/backend.py, inputs/canonical.py) ---------------------------------
+
+def id_bounds(parts: list[torch.Tensor], vocabs: list[int],
+              flags: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """((F + 2 N,) int64 the F one-value ``flags`` (0: good) then ``[min, max]`` of each of the
+    N non-empty int64 ``parts``, () int64 verdict: 1 where a flag is nonzero or an id of part
+    i is outside ``[0, vocabs[i])``), one launch (kernels/gpu/batch.py)."""
+    _load()
+    return _op("id_bounds", parts[0])(parts, vocabs, flags or [])
+
+
+def concat_shift(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
+    """The int64 ``parts`` concatenated, part i's ids plus ``shifts[i]``, one launch."""
+    _load()
+    return _op("concat_shift", parts[0])(parts, shifts)
+
+
+def concat_offsets(parts: list[torch.Tensor], shifts: list[int], total: int) -> torch.Tensor:
+    """Jagged offsets concatenated: each part's but its last plus ``shifts[i]``, then ``total``;
+    one launch."""
+    _load()
+    return _op("concat_offsets", parts[0])(parts, shifts, total)
+
+
+def jagged_offsets(offsets: torch.Tensor, nnz: int, mean: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the offsets made safe to index with, their verdict, with ``mean`` each id's mean scale)
+    of (n >= 2,) int64 jagged ``offsets`` over ``nnz`` ids, one launch."""
+    _load()
+    return _op("jagged_offsets", offsets)(offsets, nnz, mean)
+
+
+def bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """(nnz,) int64 the bag of each id of valid (n >= 1,) int64 jagged ``offsets``, one
+    launch."""
+    _load()
+    return _op("bag_index", offsets)(offsets, nnz)
+
+
+def dedup_runs(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique (n,), unique_offsets (n + 1,))`` of (n,) sorted int64 ids, padded as
+    ``bags.dedup_padded`` pads them, one launch."""
+    _load()
+    return _op("dedup_runs", sorted_ids)(sorted_ids)

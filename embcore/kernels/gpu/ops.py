@@ -21,7 +21,10 @@ kernel back as it is), so a tracer keeps each operator whole there (``_keep_whol
 index's operators (``hash_find``, ``hash_insert``, ``hash_delete``) are opaque ``custom_op``s:
 their kernels reach the index's slots and keys through the addresses in ``maps``, which no
 tracer can follow, so none may look inside; ``hash_insert`` and ``hash_delete`` declare
-``maps`` written, so that a tracer keeps them, in order.
+``maps`` written, so that a tracer keeps them, in order. The batch's operators (``id_bounds``,
+``concat_shift``, ``concat_offsets``, ``jagged_offsets``, ``bag_index``, ``dedup_runs``:
+kernels/gpu/batch.py) are opaque ``custom_op``s too: some of their kernels take the parts as a
+tuple of pointers, which ``wrap_triton`` does not trace, and all are launched alike.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from torch.library import custom_op, triton_op, wrap_triton
 from ...base import compat
 from ..rules import Rule
 from .args import BITS, CODED, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
+from .batch import (
+    bag_index_kernel,
+    concat_shift_kernel,
+    id_bounds_kernel,
+    jagged_offsets_kernel,
+    runs_kernel,
+)
 from .index import hash_delete_kernel, hash_find_kernel, hash_insert_kernel
 from .init import CONSTANTS, init_rows_kernel
 from .move import move_rows_kernel
@@ -432,9 +442,176 @@ def _init_rows_fake(ids: torch.Tensor, rows: torch.Tensor, take: torch.Tensor,
     return None
 
 
+# -- a batch's preparation (ops/backend.py, inputs/canonical.py) ----------------------------------
+#
+# Opaque ``custom_op``s: their kernels take the parts as a tuple of pointers, which
+# ``wrap_triton`` does not trace; a tracer keeps each whole (their fake implementations give the
+# shapes, from the inputs' alone).
+
+_BATCH_BLOCK = 1024
+
+
+def _parts(parts: list[torch.Tensor], what: str) -> tuple[torch.Tensor, ...]:
+    for t in parts:
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise TypeError(f"embcore::{what}: parts must be 1-d int64 tensors, got "
+                            f"{t.dtype} of shape {tuple(t.shape)}")
+    return tuple(t.contiguous() for t in parts)
+
+
+def _id_bounds(parts: list[torch.Tensor], vocabs: list[int], flags: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embcore::id_bounds``: ((F + 2 N,) int64 the F one-value ``flags`` (0: good), then each
+    non-empty part's min and max, () int64 1 when a flag is nonzero or an id of part i is
+    outside ``[0, vocabs[i])``, else 0); inputs/canonical.py's checks of a batch on the device,
+    one launch for the batch."""
+    got = _parts(parts, "id_bounds")
+    if len(vocabs) != len(got) or any(t.numel() == 0 for t in got) or not got:
+        raise ValueError("embcore::id_bounds: one vocabulary size per non-empty part")
+    for f in flags:
+        if f.numel() != 1 or f.dtype not in (torch.int64, torch.bool):
+            raise TypeError("embcore::id_bounds: flags must be one-value int64 or bool tensors")
+    report = torch.empty(len(flags) + 2 * len(got), dtype=torch.int64, device=got[0].device)
+    verdict = torch.empty((), dtype=torch.int64, device=got[0].device)
+    id_bounds_kernel[(1,)](got, tuple(t.numel() for t in got), tuple(int(v) for v in vocabs),
+                           tuple(f.to(torch.int64) for f in flags), report, verdict,
+                           N=len(got), F=len(flags), BLOCK=_BATCH_BLOCK)
+    return report, verdict
+
+
+id_bounds = custom_op(f"{NAMESPACE}::id_bounds", _id_bounds, mutates_args=())
+
+
+@id_bounds.register_fake
+def _id_bounds_fake(parts: list[torch.Tensor], vocabs: list[int], flags: list[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    return (parts[0].new_empty(len(flags) + 2 * len(parts), dtype=torch.int64),
+            parts[0].new_empty((), dtype=torch.int64))
+
+
+def _concatenated(parts: list[torch.Tensor], shifts: list[int], what: str,
+                  tail: int | None) -> torch.Tensor:
+    got = _parts(parts, what)
+    if len(shifts) != len(got) or not got or (tail is not None and min(
+            t.numel() for t in got) == 0):
+        raise ValueError(f"embcore::{what}: one shift per part"
+                         + ("" if tail is None else ", each part of one entry or more"))
+    sizes = tuple(t.numel() - (tail is not None) for t in got)
+    starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+    out = torch.empty(sum(sizes) + (tail is not None), dtype=torch.int64, device=got[0].device)
+    if max(sizes) or tail is not None:
+        concat_shift_kernel[(max(1, _cdiv(max(sizes), _BATCH_BLOCK)), len(got))](
+            got, sizes, starts, tuple(int(v) for v in shifts), out,
+            0 if tail is None else int(tail), N=len(got), TAIL=tail is not None,
+            BLOCK=_BATCH_BLOCK)
+    return out
+
+
+def _concat_shift(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
+    """``embcore::concat_shift``: (sum of sizes,) int64, the parts concatenated, part i's ids
+    plus ``shifts[i]`` (a physical table's features' rows: ops/backend.py)."""
+    return _concatenated(parts, shifts, "concat_shift", None)
+
+
+concat_shift = custom_op(f"{NAMESPACE}::concat_shift", _concat_shift, mutates_args=())
+
+
+@concat_shift.register_fake
+def _concat_shift_fake(parts: list[torch.Tensor], shifts: list[int]) -> torch.Tensor:
+    return parts[0].new_empty(sum(t.shape[0] for t in parts), dtype=torch.int64)
+
+
+def _concat_offsets(parts: list[torch.Tensor], shifts: list[int], total: int) -> torch.Tensor:
+    """``embcore::concat_offsets``: jagged offsets concatenated, ((sum of B_i) + 1,) int64: each
+    part's (B_i + 1,) offsets but its last, plus ``shifts[i]`` (the ids before it), then
+    ``total`` (step/preprocess.py: a physical table's features' bags as one)."""
+    return _concatenated(parts, shifts, "concat_offsets", total)
+
+
+concat_offsets = custom_op(f"{NAMESPACE}::concat_offsets", _concat_offsets, mutates_args=())
+
+
+@concat_offsets.register_fake
+def _concat_offsets_fake(parts: list[torch.Tensor], shifts: list[int], total: int
+                         ) -> torch.Tensor:
+    return parts[0].new_empty(sum(t.shape[0] - 1 for t in parts) + 1, dtype=torch.int64)
+
+
+def _jagged_offsets(offsets: torch.Tensor, nnz: int, mean: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``embcore::jagged_offsets``: ((n,) int64 the offsets made safe to index with, () int64
+    1 where the given ones are malformed, else 0, and with ``mean`` (nnz,) float32 each id's
+    mean scale of unweighted bags, else (0,)) of (n >= 2,) int64 ``offsets`` over ``nnz`` ids
+    (``Backend.offsets_verdict`` and ``combiner_scales``' in one launch)."""
+    (given,) = _parts([offsets], "jagged_offsets")
+    n = given.numel()
+    if n < 2:
+        raise ValueError("embcore::jagged_offsets: offsets of one bag or more (2 entries)")
+    safe = torch.empty_like(given)
+    verdict = torch.empty((), dtype=torch.int64, device=given.device)
+    scales = torch.empty(nnz if mean else 0, dtype=torch.float32, device=given.device)
+    jagged_offsets_kernel[(1,)](given, n, nnz, safe, verdict, scales, MEAN=mean,
+                                LOG=max(1, (n - 1).bit_length()), BLOCK=_BATCH_BLOCK)
+    return safe, verdict, scales
+
+
+jagged_offsets = custom_op(f"{NAMESPACE}::jagged_offsets", _jagged_offsets, mutates_args=())
+
+
+@jagged_offsets.register_fake
+def _jagged_offsets_fake(offsets: torch.Tensor, nnz: int, mean: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(offsets), offsets.new_empty((), dtype=torch.int64),
+            offsets.new_empty(nnz if mean else 0, dtype=torch.float32))
+
+
+def _bag_index(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    """``embcore::bag_index``: (nnz,) int64 the bag of each id of valid (n >= 1,) int64 jagged
+    ``offsets`` over ``nnz`` ids (``bags.bag_index``'s, one launch)."""
+    (given,) = _parts([offsets], "bag_index")
+    out = torch.empty(nnz, dtype=torch.int64, device=given.device)
+    if nnz:
+        n = given.numel()
+        bag_index_kernel[(_cdiv(nnz, _BATCH_BLOCK),)](
+            given, n, nnz, out, LOG=max(1, (n - 1).bit_length()), BLOCK=_BATCH_BLOCK)
+    return out
+
+
+bag_index = custom_op(f"{NAMESPACE}::bag_index", _bag_index, mutates_args=())
+
+
+@bag_index.register_fake
+def _bag_index_fake(offsets: torch.Tensor, nnz: int) -> torch.Tensor:
+    return offsets.new_empty(nnz, dtype=torch.int64)
+
+
+def _dedup_runs(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embcore::dedup_runs``: ((n,) int64 unique, (n + 1,) int64 unique offsets) of (n,)
+    sorted int64 ids, padded as ``bags.dedup_padded`` pads them (FBGEMM's
+    ``fbgemm::jagged_unique_indices`` keeps its counts on the device likewise)."""
+    (ids,) = _parts([sorted_ids], "dedup_runs")
+    n = ids.numel()
+    unique = torch.empty(n, dtype=torch.int64, device=ids.device)
+    uoff = torch.empty(n + 1, dtype=torch.int64, device=ids.device)
+    runs_kernel[(1,)](ids, unique, uoff, n, BLOCK=_BATCH_BLOCK)
+    return unique, uoff
+
+
+dedup_runs = custom_op(f"{NAMESPACE}::dedup_runs", _dedup_runs, mutates_args=())
+
+
+@dedup_runs.register_fake
+def _dedup_runs_fake(sorted_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = sorted_ids.shape[0]
+    return sorted_ids.new_empty(n, dtype=torch.int64), sorted_ids.new_empty(n + 1,
+                                                                             dtype=torch.int64)
+
+
 OPS = {"lookup": lookup, "row_gradients": row_gradients, "sparse_update": sparse_update,
        "move_rows": move_rows, "hash_find": hash_find, "hash_insert": hash_insert,
-       "hash_delete": hash_delete, "init_rows": init_rows}
+       "hash_delete": hash_delete, "init_rows": init_rows, "id_bounds": id_bounds,
+       "concat_shift": concat_shift, "concat_offsets": concat_offsets,
+       "jagged_offsets": jagged_offsets, "bag_index": bag_index, "dedup_runs": dedup_runs}
 
 
 def _eager(body: Any) -> Any:
@@ -452,4 +629,6 @@ def _eager(body: Any) -> Any:
 DIRECT = {"lookup": _eager(_lookup), "row_gradients": _eager(_row_gradients),
           "sparse_update": _eager(_sparse_update), "move_rows": _eager(_move_rows),
           "hash_find": _hash_find, "hash_insert": _hash_insert, "hash_delete": _hash_delete,
-          "init_rows": _init_rows}
+          "init_rows": _init_rows, "id_bounds": _id_bounds, "concat_shift": _concat_shift,
+          "concat_offsets": _concat_offsets, "jagged_offsets": _jagged_offsets,
+          "bag_index": _bag_index, "dedup_runs": _dedup_runs}
