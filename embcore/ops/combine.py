@@ -14,7 +14,8 @@ on CUDA (those tables, float32 gradients) both directions are the Triton kernels
 ``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``). An 8-bit table (float8_e4m3fn, float8_e5m2) is read with its row-wise
-scales (``scales=``) in torch ops on every device: the occurrences' rows gathered, widened and
+scales (``scales=``): on CUDA by the Triton lookup (each code widened and multiplied by its
+row's scale as it is read), elsewhere in torch ops: the occurrences' rows gathered, widened and
 multiplied by their scales, then summed as above (float32 activations).
 """
 
@@ -25,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..config.dtypes import is_working
+from ..config.dtypes import SCALED, is_working
 from ..kernels import cpu, gpu
 from ..numerics.rounding import ROW_TYPES
 from .backend import Backend, choose
@@ -41,6 +42,11 @@ def _differentiable(table: torch.Tensor) -> bool:
 def _fused(table: torch.Tensor) -> bool:
     """Whether the fused CPU lookup takes ``table`` (the rows' dtype and layout)."""
     return table.dtype in ROW_TYPES and table.is_contiguous()
+
+
+def _coded(table: torch.Tensor) -> bool:
+    """Whether ``table`` holds 8-bit codes (read with their row scales)."""
+    return table.dtype in SCALED
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -62,15 +68,16 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
         activations of compact rows are float32); differentiable with respect to ``table`` when
         it requires grad.
     """
-    if _differentiable(table) or scales is not None:
+    if _differentiable(table):
         return combine_torch(table, index, bags, scales)
     backend = backend if backend is not None else choose(table.device)
     if backend.fused_cpu and _fused(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return cpu.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
-    if backend.triton and gpu.lookup_supported(table):
-        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    return combine_torch(table, index, bags)
+    if backend.triton and gpu.lookup_supported(table) and (scales is not None) == _coded(table):
+        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows,
+                          row_scales=scales)
+    return combine_torch(table, index, bags, scales)
 
 
 def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -110,20 +117,21 @@ class TableCombine:
         self.table, self.scales = table, scales
         self.backend = backend = backend if backend is not None else choose(table.device)
         self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
-        self._triton = backend.triton and gpu.lookup_supported(table)
+        self._triton = (backend.triton and gpu.lookup_supported(table)
+                        and (scales is not None) == _coded(table))
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
         table = self.table
-        if _differentiable(table) or self.scales is not None:
+        if _differentiable(table):
             return combine_torch(table, index, bags, self.scales)
         if self._fused is not None:
             out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)
             return self._fused(index.contiguous(), bags.offsets, bags.scales, out)
         if self._triton:
             return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows,
-                              bags.verdict)
-        return combine_torch(table, index, bags)
+                              bags.verdict, self.scales)
+        return combine_torch(table, index, bags, self.scales)
 
 
 def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,

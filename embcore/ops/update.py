@@ -19,7 +19,8 @@ kernels kernels/rules.py gives):
    summed in the same pass (no ``(U, D)`` temporary at all);
 2. on CUDA, the Triton kernel (``gpu.sparse_update``, the records' ``rule`` in ``rules.TRITON``):
    the same contract for SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with
-   every option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU), float32
+   every option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU) and
+   8-bit tables (new codes and row scales as ``rounding.quantize``, in the same pass), float32
    slots (the output gradients' parts are concatenated first);
 3. torch ops in place (``apply_in_place``, the records' ``in_place``: SGD, Adagrad and
    RowwiseAdagrad) without options (two gathers, the arithmetic in the gathered buffers, two
@@ -27,7 +28,7 @@ kernels kernels/rules.py gives):
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
    (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). 8-bit tables
-   (float8_e4m3fn, float8_e5m2) take this path on every device: a row is widened with its
+   (float8_e4m3fn, float8_e5m2) take this path off CUDA: a row is widened with its
    scale (``slots["scales"]``), updated, and written back as new codes and a new scale
    (``rounding.quantize``). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
