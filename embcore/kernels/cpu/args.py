@@ -41,7 +41,8 @@ U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as th
 ANY = None  # any dtype (row moves: bytes)
 _DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
                 torch.uint8: "_uint8", torch.bool: "_bool", torch.float16: "_float16",
-                torch.bfloat16: "_bfloat16", torch.int16: "_int16"}
+                torch.bfloat16: "_bfloat16", torch.int16: "_int16",
+                torch.float8_e4m3fn: "_float8_e4m3fn", torch.float8_e5m2: "_float8_e5m2"}
 _CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
 
 
