@@ -17,6 +17,8 @@ from profiles import examples
 import embcore as ec
 from embcore.kernels import cpu
 from embcore.numerics import rounding
+from embcore.ops.bags import Bags
+from embcore.ops.combine import TableCombine, combine_torch
 from embcore.ops.update import TableUpdate, native_rule
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler for the kernels")
@@ -137,3 +139,32 @@ def test_an_8_bit_table_takes_the_fused_update_and_its_scales(dtype):
         cpu.SparseUpdate(cpu.SGD, codes, None)
     with pytest.raises(ValueError, match="row_scales"):
         cpu.SparseUpdate(cpu.SGD, torch.zeros(4, 8), None, torch.ones(4, 1))
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.sampled_from(FP8), st.sampled_from([1, 5, 8, 24, 128]), st.sampled_from(["one", "sum",
+       "weighted"]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_the_fused_8_bit_lookup_is_the_torch_path_bit_for_bit(dtype, d, bags_kind, nonfinite,
+                                                              seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = 30
+    codes, scales = rounding.quantize(torch.randn(n, d, generator=gen) * 5, dtype)
+    scales.mul_(torch.rand(n, 1, generator=gen) * 1e3)
+    if nonfinite:
+        codes.view(torch.uint8)[2, 0] = 0xFF  # NaN
+        scales[4] = float("inf")
+    nnz = 50
+    index = torch.randint(0, n, (nnz,), generator=gen)
+    if bags_kind == "one":
+        bags = Bags(index, None, None)
+    else:
+        cuts = torch.randint(0, nnz + 1, (9,), generator=gen).sort().values
+        offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([nnz])])
+        weights = (torch.randn(nnz, generator=gen) if bags_kind == "weighted"
+                   else torch.ones(nnz))
+        bags = Bags(index, offsets, weights)
+    combined = TableCombine(codes, scales=scales)
+    assert combined._fused is not None
+    got = combined(index, bags)
+    want = combine_torch(codes, index, bags, scales)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -14,8 +14,9 @@ on CUDA (those tables, float32 gradients) both directions are the Triton kernels
 ``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``). An 8-bit table (float8_e4m3fn, float8_e5m2) is read with its row-wise
-scales (``scales=``) in torch ops on every device: the occurrences' rows gathered, widened and
-multiplied by their scales, then summed as above (float32 activations).
+scales (``scales=``): the occurrences' rows gathered, widened and multiplied by their scales,
+then summed as above (float32 activations), in torch ops, or on the CPU by a ``TableCombine``'s
+fused lookup, which widens and scales each row as it reads it (the same bits).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def _differentiable(table: torch.Tensor) -> bool:
 def _fused(table: torch.Tensor) -> bool:
     """Whether the fused CPU lookup takes ``table`` (the rows' dtype and layout)."""
     return table.dtype in ROW_TYPES and table.is_contiguous()
+
+
+def _scaled(table: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the fused CPU lookup reads this 8-bit table and its (N, 1) row scales."""
+    return (table.dtype in cpu.UPDATE_ROW_TYPES and table.is_contiguous()
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and scales.numel() == table.shape[0])
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -102,20 +110,22 @@ class TableCombine:
     Args:
         table: (N, D) the rows to read, held by the caller for this object's life.
         backend: its device's backend (None: ``backend.choose(table.device)``).
-        scales: (N, 1) an 8-bit table's row scales (torch ops, ``combine``), else None.
+        scales: (N, 1) an 8-bit table's row scales (``combine``'s; the fused CPU lookup widens
+            and scales its rows as torch ops do, bit for bit), else None.
     """
 
     def __init__(self, table: torch.Tensor, backend: Backend | None = None,
                  scales: torch.Tensor | None = None) -> None:
         self.table, self.scales = table, scales
         self.backend = backend = backend if backend is not None else choose(table.device)
-        self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
+        fused = backend.fused_cpu and (_fused(table) if scales is None else _scaled(table, scales))
+        self._fused = cpu.TableLookup(table, scales) if fused else None
         self._triton = backend.triton and gpu.lookup_supported(table)
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
         table = self.table
-        if _differentiable(table) or self.scales is not None:
+        if _differentiable(table) or (self.scales is not None and self._fused is None):
             return combine_torch(table, index, bags, self.scales)
         if self._fused is not None:
             out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)

@@ -24,9 +24,11 @@ from .args import (
     INT64,
     ROWS,
     U8,
+    UPDATE_ROW_TYPES,
     Hyper,
     Kernel,
     array,
+    check_row_scales,
     ctypes_array,
     read,
     read_rows,
@@ -36,11 +38,6 @@ from .library import threads
 
 # Optimizer rules of ec_sparse_update (the enum in csrc/update.h).
 SGD, ADAGRAD, ROWWISE_ADAGRAD = Rule.SGD, Rule.ADAGRAD, Rule.ROWWISE_ADAGRAD
-
-# The row types of ec_sparse_update: ROW_TYPES's and the 8-bit ones (csrc/fp8.h's RowType8),
-# which have a float32 scale per row.
-ROW_TYPES8 = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-UPDATE_ROW_TYPES = ROW_TYPES | ROW_TYPES8
 
 _GRADIENT_ROWS = read_rows(F32)  # a part of the output gradient (occurrences)
 _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
@@ -122,7 +119,7 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
     """
     _check_rule(rule, acc)
     _check_sources(unique_offsets, order)
-    _check_scales(table, row_scales)
+    check_row_scales(_SPARSE_UPDATE.name, table, row_scales)
     n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
     nnz = order.numel() if order is not None else None
     return _SPARSE_UPDATE.call(
@@ -141,14 +138,6 @@ def _check_rule(rule: int, acc: torch.Tensor | None) -> None:
     if acc is None and rule != SGD:
         raise ValueError(f"{name}: rule {rule} ({_RULES[rule]}) needs the accumulators 'acc', "
                          f"got None")
-
-
-def _check_scales(table: torch.Tensor, row_scales: torch.Tensor | None) -> None:
-    name = _SPARSE_UPDATE.name
-    if (table.dtype in SCALED) != (row_scales is not None):
-        raise ValueError(f"{name}: an 8-bit table takes its rows' float32 scales "
-                         f"'row_scales' (N, 1), other tables none; got a {table.dtype} table "
-                         f"and row_scales {'None' if row_scales is None else 'given'}")
 
 
 def _check_sources(unique_offsets: torch.Tensor | None, order: torch.Tensor | None) -> None:
@@ -259,7 +248,7 @@ class SparseUpdate:
     def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None,
                  row_scales: torch.Tensor | None = None) -> None:
         _check_rule(rule, acc)
-        _check_scales(table, row_scales)
+        check_row_scales(_SPARSE_UPDATE.name, table, row_scales)
         self.rule, self.table, self.acc, self.row_scales = rule, table, acc, row_scales
         self._arrays = _Arrays()
         self._bind()

@@ -41,7 +41,7 @@ inline float fp8_to_f32(uint8_t h) {
   } else {
     const uint32_t sign = uint32_t(h & 0x80U) << 24;
     const uint32_t em = h & 0x7FU;
-    if (em == 0x7FU) return bits_f32(sign | 0x7FC00000U);
+    if (em == 0x7FU) return bits_f32(sign | 0x7FF00000U);  // (torch's NaN bits)
     const uint32_t mag = em < 8U ? f32_bits(float(em) * Fp8<T>::spacing)
                                  : ((em + Fp8<T>::rebias) << Fp8<T>::drop);
     return bits_f32(sign | mag);
