@@ -48,6 +48,29 @@ inline float fp8_to_f32(uint8_t h) {
   }
 }
 
+// float32(code) of every code, built once (a table look-up: the widening's branches out of the
+// row loops).
+template <int T>
+struct Fp8Values {
+  float v[256];
+  Fp8Values() {
+    for (int h = 0; h < 256; ++h) v[h] = fp8_to_f32<T>(uint8_t(h));
+  }
+};
+
+template <int T>
+inline const float* fp8_values() {
+  static const Fp8Values<T> table;
+  return table.v;
+}
+
+// dst[c] = float32(codes[c]) * scale for c < n (one rounding: torch's code.float() * scale).
+template <int T>
+inline void fp8_widen(const uint8_t* codes, float* dst, i64 n, float scale) {
+  const float* v = fp8_values<T>();
+  for (i64 c = 0; c < n; ++c) dst[c] = v[codes[c]] * scale;
+}
+
 // The code of float32 q to nearest even: q finite within +-top, an infinity or NaN.
 template <int T>
 inline uint8_t fp8_nearest(float q) {
@@ -104,11 +127,44 @@ template <int T>
 inline void fp8_narrow(const float* x, float scale, uint8_t* codes, i64 d, bool stochastic,
                        uint32_t key32, i64 col0) {
   constexpr float top = Fp8<T>::top;
-  for (i64 c = 0; c < d; ++c) {
-    float q = x[c] / scale;
-    if (std::isfinite(q)) q = std::min(std::max(q, -top), top);
-    codes[c] = stochastic ? fp8_stochastic<T>(q, column_bits(key32, uint32_t(col0 + c)))
-                          : fp8_nearest<T>(q);
+  constexpr i64 kB = 64;  // columns a block: quotients and random bits first (vectorized)
+  float q[kB];
+  uint32_t u[kB];
+  for (i64 c0 = 0; c0 < d; c0 += kB) {
+    const i64 n = std::min(kB, d - c0);
+#pragma omp simd
+    for (i64 c = 0; c < n; ++c) {
+      const float v = x[c0 + c] / scale;  // (NaN and infinities kept: the clamp's select)
+      const bool finite = (f32_bits(v) & 0x7F800000U) != 0x7F800000U;
+      q[c] = finite ? std::min(std::max(v, -top), top) : v;
+    }
+    // a normal finite quotient's code without a branch (vectorized): the kept bits after
+    // adding the random bits (or half an ulp less one plus the lowest kept bit), rebiased,
+    // capped at top's code, the quotient's sign; the other lanes (subnormal, infinite, NaN:
+    // rare) redone by the scalar rules after
+    constexpr int drop = Fp8<T>::drop;
+    constexpr uint32_t normal_bits = T == kE4M3 ? 0x3C800000U : 0x38800000U;
+    constexpr uint32_t top_code = T == kE4M3 ? 0x7EU : 0x7BU;
+    uint32_t rare = 0;
+    if (stochastic) {
+#pragma omp simd
+      for (i64 c = 0; c < n; ++c) u[c] = column_bits(key32, uint32_t(col0 + c0 + c));
+    }
+#pragma omp simd reduction(| : rare)
+    for (i64 c = 0; c < n; ++c) {
+      const uint32_t b = f32_bits(q[c]), a = b & 0x7FFFFFFFU;
+      const uint32_t below = stochastic ? u[c] >> (32 - drop)
+                                        : (1U << (drop - 1)) - 1U + ((a >> drop) & 1U);
+      const uint32_t code = std::min(((a + below) >> drop) - Fp8<T>::rebias, top_code);
+      codes[c0 + c] = uint8_t(((b >> 24) & 0x80U) | code);
+      rare |= uint32_t(a < normal_bits) | uint32_t(a >= 0x7F800000U);
+    }
+    if (rare)
+      for (i64 c = 0; c < n; ++c) {
+        const uint32_t a = f32_bits(q[c]) & 0x7FFFFFFFU;
+        if (a < normal_bits || a >= 0x7F800000U)
+          codes[c0 + c] = stochastic ? fp8_stochastic<T>(q[c], u[c]) : fp8_nearest<T>(q[c]);
+      }
   }
 }
 

@@ -19,8 +19,7 @@ constexpr i64 kRowBytes = T == kF32 ? 4 : (T == kE4M3 || T == kE5M2 ? 1 : 2);
 template <int T>
 inline void widen_row(const void* src, float* dst, i64 n, float scale) {
   if constexpr (T == kE4M3 || T == kE5M2) {
-    const uint8_t* codes = static_cast<const uint8_t*>(src);
-    for (i64 c = 0; c < n; ++c) dst[c] = fp8_to_f32<T>(codes[c]) * scale;
+    fp8_widen<T>(static_cast<const uint8_t*>(src), dst, n, scale);
   } else {
     (void)scale;
     widen<T>(src, dst, n);

@@ -216,7 +216,7 @@ template <int T>
 inline void fused_row8(const RowStep& s, uint8_t* row, float* scale, const float* g, float* a,
                        i64 d, bool stochastic, uint32_t key32, i64 col0, float* x) {
   const float old = *scale;
-  for (i64 c = 0; c < d; ++c) x[c] = fp8_to_f32<T>(row[c]) * old;
+  fp8_widen<T>(row, x, d, old);
   for (i64 c0 = 0; c0 < d; c0 += kBlock)
     step_columns(s, x + c0, g + c0, a ? a + c0 : nullptr, std::min(kBlock, d - c0));
   const float fresh = fp8_scale<T>(x, d);
