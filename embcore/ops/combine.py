@@ -15,8 +15,9 @@ on CUDA (those tables, float32 gradients) both directions are the Triton kernels
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``). An 8-bit table (float8_e4m3fn, float8_e5m2) is read with its row-wise
 scales (``scales=``): on CUDA by the Triton lookup (each code widened and multiplied by its
-row's scale as it is read), elsewhere in torch ops: the occurrences' rows gathered, widened and
-multiplied by their scales, then summed as above (float32 activations).
+row's scale as it is read), on the CPU by a ``TableCombine``'s fused lookup (likewise, the same
+bits), elsewhere in torch ops: the occurrences' rows gathered, widened and multiplied by their
+scales, then summed as above (float32 activations).
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _fused(table: torch.Tensor) -> bool:
 def _coded(table: torch.Tensor) -> bool:
     """Whether ``table`` holds 8-bit codes (read with their row scales)."""
     return table.dtype in SCALED
+
+
+def _scaled(table: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the fused CPU lookup reads this 8-bit table and its (N, 1) row scales."""
+    return (table.dtype in cpu.UPDATE_ROW_TYPES and table.is_contiguous()
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and scales.numel() == table.shape[0])
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -109,14 +117,16 @@ class TableCombine:
     Args:
         table: (N, D) the rows to read, held by the caller for this object's life.
         backend: its device's backend (None: ``backend.choose(table.device)``).
-        scales: (N, 1) an 8-bit table's row scales (torch ops, ``combine``), else None.
+        scales: (N, 1) an 8-bit table's row scales (``combine``'s; the fused CPU lookup widens
+            and scales its rows as torch ops do, bit for bit), else None.
     """
 
     def __init__(self, table: torch.Tensor, backend: Backend | None = None,
                  scales: torch.Tensor | None = None) -> None:
         self.table, self.scales = table, scales
         self.backend = backend = backend if backend is not None else choose(table.device)
-        self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
+        fused = backend.fused_cpu and (_fused(table) if scales is None else _scaled(table, scales))
+        self._fused = cpu.TableLookup(table, scales) if fused else None
         self._triton = (backend.triton and gpu.lookup_supported(table)
                         and (scales is not None) == _coded(table))
 

@@ -46,7 +46,7 @@ from ..config.dtypes import SCALED, SCALES, is_working
 from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
 from ..numerics import rounding
-from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
+from ..numerics.rounding import COMPACT, Rounding
 from .backend import FUSED_CPU, TRITON, Backend, choose
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
@@ -186,7 +186,8 @@ class TableUpdate:
         self._hypers: dict[tuple[float, float | None], cpu.Hyper] = {}
         rule = native_rule(optimizer, table) if backend.fused_cpu else None
         self._kernel = (None if rule is None else
-                        cpu.SparseUpdate(rule, table, slots.get("accumulators")))
+                        cpu.SparseUpdate(rule, table, slots.get("accumulators"),
+                                         slots.get(SCALES) if table.dtype in SCALED else None))
         self._triton = backend.triton and gpu.update_supported(optimizer, table, slots)
 
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
@@ -269,7 +270,7 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     the kernel implements it, for the table's dtype and layout), or None."""
     record = record_of(opt)
     rule = None if record is None or opt.updates_every_row else rules.of(record.rule, rules.NATIVE)
-    if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
+    if rule is None or table.dtype not in cpu.UPDATE_ROW_TYPES or not table.is_contiguous():
         return None
     return rule
 
