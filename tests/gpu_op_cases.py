@@ -57,8 +57,9 @@ def test_every_kernel_entry_point_is_an_operator_of_the_embcore_namespace():
                             .arguments if a.alias_info is not None and a.alias_info.is_write)
                for name in NAMES}
     assert written == {"lookup": [], "row_gradients": [], "hash_find": [],
-                       "sparse_update": ["slot1", "slot2", "table"], "move_rows": ["dst"],
-                       "hash_insert": ["maps"], "hash_delete": ["maps"], "init_rows": ["out"],
+                       "sparse_update": ["row_scales", "slot1", "slot2", "table"],
+                       "move_rows": ["dst"], "hash_insert": ["maps"], "hash_delete": ["maps"],
+                       "init_rows": ["out"],
                        "id_bounds": [], "concat_shift": [], "concat_offsets": [],
                        "jagged_offsets": [], "bag_index": [], "dedup_runs": [],
                        "concat_bags": []}

@@ -43,7 +43,7 @@ def test_partial_checks_its_fixed_arguments_once_and_the_others_every_call():
         kernel.partial(table=(torch.zeros(3, 4).t(), None))
     with pytest.raises(TypeError, match=r"ec_lookup: no argument\(s\) \['tabel'\]"):
         kernel.partial(tabel=(table, None))
-    call = kernel.partial(type=0, table=(table, None), d=3)
+    call = kernel.partial(type=0, table=(table, None), row_scales=(None, 0), d=3)
     out = torch.empty(2, 3)
     with pytest.raises(TypeError, match="ec_lookup: argument 'ids' must be"):
         call((torch.tensor([0, 1], dtype=torch.int32), 2), (None, 3), (None, 2), 2, (out, 6), 1)
@@ -190,7 +190,8 @@ def test_kernel_partial_keeps_its_tensors_alive():
     """The bound addresses stay valid while the bound call lives, whatever the caller drops; a
     tensor passed inline (``ids`` here) lives until the kernel returns (its address was taken
     before the other arguments' checks: it segfaulted before the call kept what it was given)."""
-    call = cpu.batch._LOOKUP.partial(type=0, table=(torch.arange(6.0).view(2, 3), None), d=3)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(torch.arange(6.0).view(2, 3), None),
+                                     row_scales=(None, 0), d=3)
     gc.collect()
     torch.full((2, 3), -1.0)  # (memory a freed table would give next)
     out = torch.empty(1, 3)
@@ -261,7 +262,7 @@ def test_a_packed_bound_call_names_a_wrong_argument_and_changes_nothing():
         update(rows, 0.5, grads)
     with pytest.raises(TypeError, match="ec_sparse_update: argument 'rows' must be"):
         update(rows.int(), cpu.Hyper(learning_rate=0.5), grads)
-    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), d=3)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), row_scales=(None, 0), d=3)
     out = torch.zeros(2, 3)
     with pytest.raises(TypeError, match="ec_lookup: argument 'r_rows' must be int64: wrong "
                                         "type float"):
@@ -278,7 +279,7 @@ def test_a_bound_call_keeps_its_slots_per_thread():
     lookups give its own rows."""
     import threading
     table = torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
-    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), d=8)
+    call = cpu.batch._LOOKUP.partial(type=0, table=(table, None), row_scales=(None, 0), d=8)
     wrong = []
 
     def worker(k: int) -> None:

@@ -44,9 +44,9 @@ from embcore.inputs.canonical import canonicalize  # noqa: E402
 from embcore.kernels import gpu  # noqa: E402
 from embcore.ops.backend import TRITON  # noqa: E402
 from embcore.ops.bags import Bags, dedup  # noqa: E402
-from embcore.ops.combine import combine, combine_backward  # noqa: E402
+from embcore.ops.combine import combine, combine_backward, combine_torch  # noqa: E402
 from embcore.ops.reference import reference_lookup, reference_row_gradients  # noqa: E402
-from embcore.ops.update import update  # noqa: E402
+from embcore.ops.update import update, update_torch  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
@@ -408,40 +408,168 @@ def test_compact_rounding_of_every_kind_of_float_as_the_reference(dtype):
     assert bool(((got.view(torch.int16) == want.view(torch.int16)) | nan).all())
 
 
-# -- 8-bit rows (float8_e4m3fn / float8_e5m2): the torch path on the device ---------------------
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_8_bit_tables_take_the_torch_path_on_the_device(dtype):
-    """The kernels refuse 8-bit tables (``lookup_supported``, ``update_supported``), which take
-    torch ops on the device: with the kernels forced or not, the same activations, codes and
-    scales."""
-    t8 = torch.zeros(4, 3, dtype=dtype, device=DEVICE)
-    opt = ec.RowwiseAdagrad(learning_rate=0.5)
-    with triton_path():
-        assert not gpu.lookup_supported(t8)
-        assert not gpu.update_supported(opt, t8, opt.init_slots(4, 3, device=DEVICE))
-    results = []
-    for forced in (True, False):
-        torch.manual_seed(0)
-        t = ec.TableConfig(vocabulary_size=20, dim=5, combiner="mean", name="t", dtype=dtype)
-        fc = {"d": ec.FeatureConfig(table=t), "j": ec.FeatureConfig(table=t)}
-        emb = ec.Embedding(fc, opt, device=DEVICE)
-        acts_seen = []
-        with triton_path(forced), spy("sparse_update", "lookup") as calls:
-            for step in range(2):
-                ids = {"d": torch.tensor([1, 5, 1, step]).to(DEVICE),
-                       "j": jagged([[5, 7, 5], [], [2], [step, 19]], torch.int64).to(DEVICE)}
-                emb.enqueue(ids)
-                acts = emb.dequeue()
-                acts_seen.append({k: a.detach().cpu() for k, a in acts.items()})
-                emb.apply_gradients({k: torch.full(a.shape, 0.1 * (step + 1), device=DEVICE)
-                                     for k, a in acts.items()})
-        assert calls == {"sparse_update": 0, "lookup": 0}
-        sd = emb.state_dict()
-        results.append((acts_seen, sd["t/parameters"].cpu().view(torch.uint8),
-                        sd["t/scales"].cpu()))
-    (acts_a, codes_a, scales_a), (acts_b, codes_b, scales_b) = results
-    for a, b in zip(acts_a, acts_b):
-        for k in a:
-            assert torch.equal(a[k], b[k])
-    assert torch.equal(codes_a, codes_b) and torch.equal(scales_a, scales_b)
-    assert not torch.equal(scales_a, torch.ones_like(scales_a))
+# -- 8-bit rows (float8_e4m3fn / float8_e5m2): the kernels, the torch path's bits ----------------
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _codes_equal(got, want):
+    """8-bit tables equal code for code (a NaN's sign aside: not kept across devices)."""
+    nan = torch.isnan(got.float()) & torch.isnan(want.float())
+    return bool(((got.view(torch.uint8) == want.view(torch.uint8)) | nan).all())
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_8_bit_lookup_widens_every_code_with_its_row_scale(dtype):
+    """Every one of the 256 codes, widened and multiplied by its row's scale, unit bags (a copy:
+    the torch path's bits) and weighted bags (the same sums within float rounding)."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.arange(256, dtype=torch.uint8).reshape(32, 8).view(dtype)
+    scales = torch.rand(32, 1, generator=gen) + 0.5
+    ids = torch.randint(0, 32, (40,), generator=gen)
+    for bags in (Bags(torch.arange(32), None, None),
+                 Bags(ids, torch.tensor([0, 3, 3, 17, 40]), torch.rand(40, generator=gen))):
+        with triton_path(), spy("lookup") as calls:
+            got = combine(codes.to(DEVICE), bags.ids.to(DEVICE), Bags(
+                bags.ids.to(DEVICE), None if bags.offsets is None else bags.offsets.to(DEVICE),
+                None if bags.scales is None else bags.scales.to(DEVICE)),
+                scales=scales.to(DEVICE))
+        assert calls["lookup"] == 1 and got.dtype == torch.float32
+        want = combine_torch(codes, bags.ids, bags, scales)
+        if bags.offsets is None:
+            assert torch.equal(got.cpu().nan_to_num(9.0), want.nan_to_num(9.0))
+        else:
+            torch.testing.assert_close(got.cpu(), want, equal_nan=True, **SUM_TOL)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_8_bit_rounding_of_every_kind_of_float_as_the_torch_path(dtype, stochastic):
+    """SGD at rate 1 from zero rows stores quantize(0 - (-x)) for any float32 x (subnormal, huge,
+    infinite, NaN, ties, past max_finite): the kernel's new codes and scales are the torch
+    path's (numerics/rounding.py's ``quantize``), bit for bit."""
+    from embcore.numerics import rounding
+    g = torch.Generator().manual_seed(2)
+    bits = torch.randint(-2**31, 2**31 - 1, (3000,), generator=g).to(torch.int32)
+    top = torch.finfo(dtype).max
+    x = torch.cat([bits.view(torch.float32), torch.randn(1000, generator=g) * 1e-6,
+                   torch.randn(1000, generator=g),
+                   torch.tensor([0.0, -0.0, top, -top, top * 1.03, top * 1.07, 2.0**-9, 2.0**-10,
+                                 3 * 2.0**-11, 2.0**-16, 2.0**-17, 3 * 2.0**-18, float("nan"),
+                                 float("inf"), -float("inf"), 1e-45, -1e-45, 0.0])])
+    d = 16
+    x = x[: x.numel() // d * d].reshape(-1, d)
+    x[-1] = torch.tensor([top, 2.5 * 2.0**-9 * top / 448, 3.5, -3.25, 0.5 * top / 448, 1.125,
+                          1.0625, 1.1875, 240.0, 232.0, -0.0, 1e-30, 7.0, 0.0, 5.0, 6.5])  # ties
+    n = x.shape[0]
+    r = rounding.Rounding(stochastic, rounding.shard_segments([("t", 0, torch.arange(n))], 4, n),
+                          col0=3).at(17)
+    got = torch.zeros(n, d, dtype=dtype, device=DEVICE)
+    got_scales = torch.ones(n, 1, device=DEVICE)
+    with triton_path(), spy("sparse_update") as calls:
+        update(got, {"scales": got_scales}, torch.arange(n, device=DEVICE), (-x).to(DEVICE),
+               ec.SGD(learning_rate=1.0), 1.0, 17, round_to=r)
+    assert calls["sparse_update"] == 1
+    want, want_scales = torch.zeros(n, d, dtype=dtype), torch.ones(n, 1)
+    update_torch(want, {"scales": want_scales}, torch.arange(n), -x, ec.SGD(learning_rate=1.0),
+                 1.0, 17, round_to=r)
+    assert _codes_equal(got.cpu(), want) and torch.equal(got_scales.cpu(), want_scales)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(any_optimizer(dense_adam=False), st.sampled_from(FP8), st.booleans(),
+       st.sampled_from(["summed", "outputs"]), st.integers(1, 12), st.sampled_from([1, 3, 16]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_8_bit_update_is_the_float32_update_quantized(opt_case, dtype, stochastic, source, n, d,
+                                                      nonfinite, seed):
+    """Every optimizer, both formats, to nearest or stochastically, from summed gradients or
+    the output gradients' occurrences (some NaN or infinite): the fused update of an 8-bit
+    table gives its rows the codes and scales of ``rounding.quantize`` (the torch path's rule)
+    of the kernel's own float32 update of the widened rows, bit for bit, and the same slots."""
+    from embcore.numerics import rounding
+    opt, lr, step = opt_case
+    gen = torch.Generator().manual_seed(seed)
+    codes, scales = rounding.quantize(torch.randn(n, d, generator=gen) * 3, dtype)
+    slots = {s.name: (torch.full((n, 1 if s.rowwise else d), s.initial_value)
+                      + (torch.rand(n, 1 if s.rowwise else d, generator=gen)
+                         if s.name in ("accumulators", "velocities")
+                         and not getattr(opt, "allow_zero_accumulator", False) else 0.0))
+             for s in opt.slots}
+    if source == "summed":
+        rows = torch.randperm(n, generator=gen)[:int(torch.randint(1, n + 1, (1,), generator=gen))]
+        grad = torch.randn(len(rows), d, generator=gen)
+        if nonfinite:
+            grad.view(-1)[torch.randint(0, grad.numel(), (2,), generator=gen)] = torch.tensor(
+                [float("nan"), float("inf")])
+        dev_rows = grad_rows = rows.to(DEVICE)
+        grad = grad.to(DEVICE)
+    else:
+        grad, _, rows = occurrences(gen, n, d, int(torch.randint(1, 3 * n, (1,), generator=gen)),
+                                    bool(seed % 2), True, DEVICE)
+        if nonfinite:
+            grad.parts[0].view(-1)[:1] = float("inf")
+        dev_rows = grad_rows = grad.dedup.unique
+    seg = rounding.shard_segments([("t", 0, torch.arange(n))], 5, n)
+    r = rounding.Rounding(stochastic, seg, col0=seed % 3).at(step)
+    wide = rounding.widen(codes, scales)  # (n, d) float32
+    wide_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
+    got, got_scales = codes.to(DEVICE, copy=True), scales.to(DEVICE, copy=True)
+    got_slots = {k: v.to(DEVICE, copy=True) for k, v in slots.items()}
+    with triton_path(), spy("sparse_update") as calls:
+        update(got, {**got_slots, "scales": got_scales}, dev_rows, grad, opt, lr, step,
+               round_to=r)
+        wide_dev = wide.to(DEVICE, copy=True)
+        update(wide_dev, wide_slots, dev_rows, grad, opt, lr, step)
+    assert calls["sparse_update"] == 2  # the kernel ran both, not a fallback
+    rows = grad_rows.cpu()
+    want, want_scales = codes.clone(), scales.clone()
+    new_codes, new_scales = r.quantize(wide_dev.cpu()[rows], rows, dtype)
+    want.view(torch.uint8)[rows] = new_codes.view(torch.uint8)
+    want_scales[rows] = new_scales
+    assert _codes_equal(got.cpu(), want)
+    assert torch.equal(got_scales.cpu(), want_scales)
+    for k, v in got_slots.items():
+        assert torch.equal(v.cpu().nan_to_num(7.0), wide_slots[k].cpu().nan_to_num(7.0)), k
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_8_bit_tables_take_the_fused_kernels_on_the_device(dtype):
+    """An engine's 8-bit table on the device runs the Triton lookup and update (not the torch
+    fallback) and trains as the same engine on the CPU (no Triton kernel there): the same
+    activations within float rounding, the rows' values within a code (the kernel's float32
+    arithmetic may round differently from the CPU's: its row mean's order, a fused
+    multiply-add)."""
+    step_of_code = 2.0 ** -(3 if dtype == torch.float8_e4m3fn else 2)
+    for opt in (ec.SGD(learning_rate=0.5), ec.RowwiseAdagrad(learning_rate=0.5)):
+        t8 = torch.zeros(4, 3, dtype=dtype, device=DEVICE)
+        with triton_path():
+            assert gpu.lookup_supported(t8)
+            assert gpu.update_supported(opt, t8, {**opt.init_slots(4, 3, device=DEVICE),
+                                                  "scales": torch.ones(4, 1, device=DEVICE)})
+            assert not gpu.update_supported(opt, t8, opt.init_slots(4, 3, device=DEVICE))
+        results = []
+        for device in (DEVICE, torch.device("cpu")):
+            torch.manual_seed(0)
+            t = ec.TableConfig(vocabulary_size=20, dim=5, combiner="mean", name="t", dtype=dtype)
+            fc = {"d": ec.FeatureConfig(table=t), "j": ec.FeatureConfig(table=t)}
+            acts_seen = []
+            with triton_path(device == DEVICE), spy("sparse_update", "lookup") as calls:
+                emb = ec.Embedding(fc, opt, device=device)  # (its kernels chosen here)
+                for step in range(2):
+                    ids = {"d": torch.tensor([1, 5, 1, step]).to(device),
+                           "j": jagged([[5, 7, 5], [], [2], [step, 19]], torch.int64).to(device)}
+                    emb.enqueue(ids)
+                    acts = emb.dequeue()
+                    acts_seen.append({k: a.detach().cpu() for k, a in acts.items()})
+                    emb.apply_gradients({k: torch.full(a.shape, 0.1 * (step + 1), device=device)
+                                         for k, a in acts.items()})
+            assert (calls["sparse_update"] == 2 and calls["lookup"] > 0) == (device == DEVICE)
+            sd = emb.state_dict()
+            results.append((acts_seen, sd["t/parameters"].cpu(), sd["t/scales"].cpu()))
+        (acts_a, codes_a, scales_a), (acts_b, codes_b, scales_b) = results
+        for a, b in zip(acts_a, acts_b):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], **SUM_TOL)
+        assert not torch.equal(scales_a, torch.ones_like(scales_a))
+        torch.testing.assert_close(codes_a.float() * scales_a, codes_b.float() * scales_b,
+                                   rtol=step_of_code, atol=1e-6)

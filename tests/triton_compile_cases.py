@@ -113,3 +113,43 @@ def test_the_batch_kernel_of_a_tables_bags_compiles_for_sm90(bags):
     compiled = _compile(triton_batch.concat_bags_kernel, signature,
                         {"N": 2, "BAGS": bags, "LOG": 4, "BLOCK": 1024})
     assert compiled.asm["cubin"]
+
+
+ROW_CASES = [(0, False), (2, True), (3, False), (3, True), (4, False), (4, True)]
+ROW_POINTERS = {0: "*fp32", 2: "*bf16", 3: "*u8", 4: "*u8"}
+
+
+@pytest.mark.parametrize(("rows", "stochastic"), ROW_CASES,
+                         ids=["float32", "bfloat16 stochastic", "float8_e4m3fn nearest",
+                              "float8_e4m3fn stochastic", "float8_e5m2 nearest",
+                              "float8_e5m2 stochastic"])
+def test_the_row_kernels_compile_for_sm90(rows, stochastic):
+    """The lookup and the sparse update (kernels/gpu/rows.py) compile, every rule of the update:
+    8-bit rows (ROWS 3, 4: uint8 codes, float32 row scales) and, beside them, float32 and
+    bfloat16 rows."""
+    from embcore.kernels.gpu import rows as triton_rows
+    table = ROW_POINTERS[rows]
+    lookup = {"table_ptr": table, "rs_ptr": "*fp32", "ids_ptr": "*i64", "offsets_ptr": "*i64",
+              "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32", "R": "i32",
+              "D": "i32"}
+    consts = {"UNIT": False, "SCALED": True, "CHECKED": True, "ROWS": rows, "BLOCK_R": 16,
+              "BLOCK_D": 128}
+    compiled = _compile(triton_rows.lookup_kernel,
+                        {**lookup, **dict.fromkeys(consts, "constexpr")}, consts)
+    assert compiled.asm["cubin"]
+    update = {"w_ptr": table, "s1_ptr": "*fp32", "s2_ptr": "*fp32", "rs_ptr": "*fp32",
+              "rows_ptr": "*i64", "U": "i32", "D": "i32", "grad_ptr": "*fp32",
+              "uoff_ptr": "*i64", "order_ptr": "*i64", "bags_ptr": "*i64",
+              "scales_ptr": "*fp32", "skip_ptr": "*i64", "out_ptr": "*fp32",
+              "keyrows_ptr": "*i64", "n_keys": "i32", "seg_ptr": "*i64", "nseg": "i32",
+              "step_key": "i64", "col0": "i32"}
+    update.update(dict.fromkeys(["lr", "gmul", "clip_lo", "clip_hi", "wd", "wmin", "wmax",
+                                 "h1", "h2", "h3", "h4", "h5"], "fp32"))
+    for rule in range(1, 7):
+        consts = {"RULE": rule, "F1": False, "F2": False, "DIRECT": False, "UNIT": False,
+                  "SCALED": True, "MULTIPLIED": True, "CLIPPED": True, "DECAYED": True,
+                  "BOUNDED": True, "ROWS": rows, "STOCHASTIC": stochastic, "KEYED": True,
+                  "CHECKED": True, "BLOCK_U": 16, "BLOCK_D": 128}
+        compiled = _compile(triton_rows.sparse_update_kernel,
+                            {**update, **dict.fromkeys(consts, "constexpr")}, consts)
+        assert compiled.asm["cubin"]

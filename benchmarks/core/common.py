@@ -61,7 +61,8 @@ class System(Protocol):
 Build = Callable[..., System]  # (workload, optimizer, grads, init[, dtype=...]) -> System
 
 # --dtype: the tables' storage dtype; float32 (the default) calls build without a dtype argument
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 DEFAULT_DTYPE = "float32"
 
 

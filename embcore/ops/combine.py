@@ -14,8 +14,10 @@ on CUDA (those tables, float32 gradients) both directions are the Triton kernels
 ``kernels/gpu/launch.py`` (the same sums in the same order, within float rounding:
 tests/triton_cases.py); the training backward of a local table is fused into the optimizer update
 (``ops/update.py``). An 8-bit table (float8_e4m3fn, float8_e5m2) is read with its row-wise
-scales (``scales=``) in torch ops on every device: the occurrences' rows gathered, widened and
-multiplied by their scales, then summed as above (float32 activations).
+scales (``scales=``): on CUDA by the Triton lookup (each code widened and multiplied by its
+row's scale as it is read), on the CPU by a ``TableCombine``'s fused lookup (likewise, the same
+bits), elsewhere in torch ops: the occurrences' rows gathered, widened and multiplied by their
+scales, then summed as above (float32 activations).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..config.dtypes import is_working
+from ..config.dtypes import SCALED, is_working
 from ..kernels import cpu, gpu
 from ..numerics.rounding import ROW_TYPES
 from .backend import Backend, choose
@@ -41,6 +43,18 @@ def _differentiable(table: torch.Tensor) -> bool:
 def _fused(table: torch.Tensor) -> bool:
     """Whether the fused CPU lookup takes ``table`` (the rows' dtype and layout)."""
     return table.dtype in ROW_TYPES and table.is_contiguous()
+
+
+def _coded(table: torch.Tensor) -> bool:
+    """Whether ``table`` holds 8-bit codes (read with their row scales)."""
+    return table.dtype in SCALED
+
+
+def _scaled(table: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the fused CPU lookup reads this 8-bit table and its (N, 1) row scales."""
+    return (table.dtype in cpu.UPDATE_ROW_TYPES and table.is_contiguous()
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and scales.numel() == table.shape[0])
 
 
 def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -62,15 +76,16 @@ def combine(table: torch.Tensor, index: torch.Tensor, bags: Bags,
         activations of compact rows are float32); differentiable with respect to ``table`` when
         it requires grad.
     """
-    if _differentiable(table) or scales is not None:
+    if _differentiable(table):
         return combine_torch(table, index, bags, scales)
     backend = backend if backend is not None else choose(table.device)
     if backend.fused_cpu and _fused(table):
         out = torch.empty(bags.num_rows, table.shape[1], dtype=torch.float32)  # (R, D)
         return cpu.lookup(table, index.contiguous(), bags.offsets, bags.scales, out)
-    if backend.triton and gpu.lookup_supported(table):
-        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows)
-    return combine_torch(table, index, bags)
+    if backend.triton and gpu.lookup_supported(table) and (scales is not None) == _coded(table):
+        return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows,
+                          row_scales=scales)
+    return combine_torch(table, index, bags, scales)
 
 
 def combine_torch(table: torch.Tensor, index: torch.Tensor, bags: Bags,
@@ -102,28 +117,31 @@ class TableCombine:
     Args:
         table: (N, D) the rows to read, held by the caller for this object's life.
         backend: its device's backend (None: ``backend.choose(table.device)``).
-        scales: (N, 1) an 8-bit table's row scales (torch ops, ``combine``), else None.
+        scales: (N, 1) an 8-bit table's row scales (``combine``'s; the fused CPU lookup widens
+            and scales its rows as torch ops do, bit for bit), else None.
     """
 
     def __init__(self, table: torch.Tensor, backend: Backend | None = None,
                  scales: torch.Tensor | None = None) -> None:
         self.table, self.scales = table, scales
         self.backend = backend = backend if backend is not None else choose(table.device)
-        self._fused = cpu.TableLookup(table) if backend.fused_cpu and _fused(table) else None
-        self._triton = backend.triton and gpu.lookup_supported(table)
+        fused = backend.fused_cpu and (_fused(table) if scales is None else _scaled(table, scales))
+        self._fused = cpu.TableLookup(table, scales) if fused else None
+        self._triton = (backend.triton and gpu.lookup_supported(table)
+                        and (scales is not None) == _coded(table))
 
     def __call__(self, index: torch.Tensor, bags: Bags) -> torch.Tensor:
         """``combine(table, index, bags)``."""
         table = self.table
-        if _differentiable(table) or self.scales is not None:
+        if _differentiable(table):
             return combine_torch(table, index, bags, self.scales)
         if self._fused is not None:
             out = torch.empty(bags.num_rows, self._fused.d, dtype=torch.float32)  # (R, D)
             return self._fused(index.contiguous(), bags.offsets, bags.scales, out)
         if self._triton:
             return gpu.lookup(table, index, bags.offsets, bags.scales, bags.num_rows,
-                              bags.verdict)
-        return combine_torch(table, index, bags)
+                              bags.verdict, self.scales)
+        return combine_torch(table, index, bags, self.scales)
 
 
 def combine_backward(grad: torch.Tensor, bags: Bags, dedup: Dedup,

@@ -19,7 +19,8 @@ kernels kernels/rules.py gives):
    summed in the same pass (no ``(U, D)`` temporary at all);
 2. on CUDA, the Triton kernel (``gpu.sparse_update``, the records' ``rule`` in ``rules.TRITON``):
    the same contract for SGD, Adagrad, RowwiseAdagrad, AdagradMomentum, lazy Adam and FTRL with
-   every option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU), float32
+   every option, float32, float16 and bfloat16 tables (16-bit rows rounded as on the CPU) and
+   8-bit tables (new codes and row scales as ``rounding.quantize``, in the same pass), float32
    slots (the output gradients' parts are concatenated first);
 3. torch ops in place (``apply_in_place``, the records' ``in_place``: SGD, Adagrad and
    RowwiseAdagrad) without options (two gathers, the arithmetic in the gathered buffers, two
@@ -27,7 +28,7 @@ kernels kernels/rules.py gives):
 4. the optimizer's own math (``Optimizer.update``, pure): every optimizer and option, any float
    dtype, any device; the rows are gathered (16-bit ones widened), updated and written back
    (rounded by ``numerics/rounding.py``, the kernels' rule bit for bit). 8-bit tables
-   (float8_e4m3fn, float8_e5m2) take this path on every device: a row is widened with its
+   (float8_e4m3fn, float8_e5m2) take this path off CUDA: a row is widened with its
    scale (``slots["scales"]``), updated, and written back as new codes and a new scale
    (``rounding.quantize``). ``Adam(lazy_adam=False)``
    updates every row, untouched ones with a zero gradient.
@@ -46,7 +47,7 @@ from ..config.optimizers import Optimizer, record_of
 from ..kernels import cpu, gpu, rules
 from ..kernels.hyper import HyperValues
 from ..numerics import rounding
-from ..numerics.rounding import COMPACT, ROW_TYPES, Rounding
+from ..numerics.rounding import COMPACT, Rounding
 from .backend import FUSED_CPU, TRITON, Backend, choose
 from .combine import OutputGrads, row_gradients
 from .workspace import Workspace
@@ -186,7 +187,8 @@ class TableUpdate:
         self._hypers: dict[tuple[float, float | None], cpu.Hyper] = {}
         rule = native_rule(optimizer, table) if backend.fused_cpu else None
         self._kernel = (None if rule is None else
-                        cpu.SparseUpdate(rule, table, slots.get("accumulators")))
+                        cpu.SparseUpdate(rule, table, slots.get("accumulators"),
+                                         slots.get(SCALES) if table.dtype in SCALED else None))
         self._triton = backend.triton and gpu.update_supported(optimizer, table, slots)
 
     def __call__(self, rows: torch.Tensor, grad: torch.Tensor | OutputGrads, lr: float,
@@ -269,7 +271,7 @@ def native_rule(opt: Optimizer, table: torch.Tensor) -> int | None:
     the kernel implements it, for the table's dtype and layout), or None."""
     record = record_of(opt)
     rule = None if record is None or opt.updates_every_row else rules.of(record.rule, rules.NATIVE)
-    if rule is None or table.dtype not in ROW_TYPES or not table.is_contiguous():
+    if rule is None or table.dtype not in cpu.UPDATE_ROW_TYPES or not table.is_contiguous():
         return None
     return rule
 

@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ...config.dtypes import SCALED
+from ...numerics.rounding import ROW_TYPES
 from ..hyper import Hyper
 
 # ---- the kernels' arguments, by name and kind --------------------------------------------------
@@ -37,11 +39,15 @@ from ..hyper import Hyper
 F32, I64, I32 = (torch.float32,), (torch.int64,), (torch.int32,)
 ROWS = (torch.float32, torch.float16, torch.bfloat16)  # a table's rows: float32 or 16-bit
 I16 = (torch.int16,)
+# The row types of ec_lookup and ec_sparse_update: numerics/rounding.py's ROW_TYPES and the
+# 8-bit ones (csrc/fp8.h's RowType8), which have a float32 scale per row ("row_scales").
+UPDATE_ROW_TYPES = ROW_TYPES | {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 U8 = (torch.uint8, torch.bool)  # a byte per flag: bool tensors are passed as they are
 ANY = None  # any dtype (row moves: bytes)
 _DTYPE_NAMES = {torch.float32: "_float32", torch.int64: "_int64", torch.int32: "_int32",
                 torch.uint8: "_uint8", torch.bool: "_bool", torch.float16: "_float16",
-                torch.bfloat16: "_bfloat16", torch.int16: "_int16"}
+                torch.bfloat16: "_bfloat16", torch.int16: "_int16",
+                torch.float8_e4m3fn: "_float8_e4m3fn", torch.float8_e5m2: "_float8_e5m2"}
 _CHECK_SCOPE = {name: dtype for dtype, name in _DTYPE_NAMES.items()} | {"_strided": torch.strided}
 
 
@@ -49,6 +55,15 @@ def rejected(kernel: str, arg: str, what: str, got: str, expected: object,
               error: type[Exception] = ValueError) -> Exception:
     """The error of every failed check: the kernel, the argument, what it must be and what came."""
     return error(f"{kernel}: argument {arg!r} must be {what}, got {got} (expected {expected})")
+
+
+def check_row_scales(kernel: str, table: torch.Tensor, row_scales: torch.Tensor | None) -> None:
+    """An 8-bit ``table`` comes with its rows' scales ``row_scales``, another without
+    (ValueError naming ``kernel``)."""
+    if (table.dtype in SCALED) != (row_scales is not None):
+        raise ValueError(f"{kernel}: an 8-bit table takes its rows' float32 scales "
+                         f"'row_scales' (N, 1), other tables none; got a {table.dtype} table "
+                         f"and row_scales {'None' if row_scales is None else 'given'}")
 
 
 def _shape(t: torch.Tensor) -> str:

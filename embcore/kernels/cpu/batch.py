@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...numerics.rounding import ROW_TYPES
+from ...config.dtypes import SCALED
 from .args import (
     ANY,
     F32,
@@ -20,10 +20,12 @@ from .args import (
     INT,
     INT64,
     ROWS,
+    UPDATE_ROW_TYPES,
     Kernel,
     PartsArg,
     allocated,
     array,
+    check_row_scales,
     ctypes_array,
     read,
     read_rows,
@@ -158,8 +160,9 @@ class ConcatDedup:
 
 
 _LOOKUP = Kernel("ec_lookup", None, [
-    ("type", INT),                            # ROW_TYPES[table.dtype]
-    ("table", read(ROWS, dim=2)),             # (N, d) float32, float16 or bfloat16
+    ("type", INT),                            # UPDATE_ROW_TYPES[table.dtype]
+    ("table", read(ROWS + SCALED, dim=2)),    # (N, d) float32, 16-bit or 8-bit
+    ("row_scales", read(F32, optional=True)),  # (N,) an 8-bit table's row scales; else None
     ("d", INT64),
     ("ids", read(I64)),                       # (nnz,) rows of table
     ("offsets", read(I64, optional=True)),    # (r_rows + 1,); None: bag r is ids[r] alone
@@ -171,18 +174,24 @@ _LOOKUP = Kernel("ec_lookup", None, [
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
-           scales: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+           scales: torch.Tensor | None, out: torch.Tensor,
+           row_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
 
     Args:
-        table: (N, D) contiguous float32, float16 or bfloat16 (rows widened to float32).
+        table: (N, D) contiguous float32, float16, bfloat16 (rows widened to float32),
+            float8_e4m3fn or float8_e5m2 (a row's value ``float32(code) * row_scales[row]``).
         ids: (nnz,) int64 rows of ``table``.
         offsets: (R + 1,) int64 bag boundaries, or None for one id per row with scale 1.
         scales: (nnz,) float32, or None for 1.
         out: (R, D) contiguous float32, written.
+        row_scales: (N, 1) contiguous float32 scales of an 8-bit table's rows; None for the
+            other tables.
     """
+    check_row_scales(_LOOKUP.name, table, row_scales)
     d, r = table.shape[-1], out.shape[0]
-    _LOOKUP.call(ROW_TYPES.get(table.dtype, 0), (table, None), d,
+    _LOOKUP.call(UPDATE_ROW_TYPES.get(table.dtype, 0), (table, None),
+                 (row_scales, table.shape[0]), d,
                  (ids, r if offsets is None else None), (offsets, r + 1),
                  (scales, ids.numel()), r, (out, r * d), threads())
     return out
@@ -195,25 +204,27 @@ class TableLookup:
     objects, which read the same table every step.
 
     Args:
-        table: as ``lookup``'s (kept referenced).
+        table, row_scales: as ``lookup``'s (kept referenced).
     """
 
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
+    def __init__(self, table: torch.Tensor, row_scales: torch.Tensor | None = None) -> None:
+        check_row_scales(_LOOKUP.name, table, row_scales)
+        self.table, self.row_scales = table, row_scales
         self._bind()
 
     def _bind(self) -> None:
-        table = self.table
+        table, sc = self.table, self.row_scales
         self.d = table.shape[-1]
-        self._at = table.data_ptr()
-        self._call = _LOOKUP.partial(type=ROW_TYPES.get(table.dtype, 0), table=(table, None),
+        self._at = (table.data_ptr(), None if sc is None else sc.data_ptr())
+        self._call = _LOOKUP.partial(type=UPDATE_ROW_TYPES.get(table.dtype, 0),
+                                     table=(table, None), row_scales=(sc, table.shape[0]),
                                      d=self.d)
 
     def __call__(self, ids: torch.Tensor, offsets: torch.Tensor | None,
                  scales: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """``lookup(table, ids, offsets, scales, out)``."""
-        table = self.table
-        if table.data_ptr() != self._at:
+        table, sc = self.table, self.row_scales
+        if table.data_ptr() != self._at[0] or (sc is not None and sc.data_ptr() != self._at[1]):
             self._bind()  # (its storage was replaced since: checked and bound again)
         d, r = self.d, out.shape[0]
         self._call((ids, r if offsets is None else None), (offsets, r + 1),

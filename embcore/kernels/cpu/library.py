@@ -57,8 +57,9 @@ FLAGS = ("-O3", f"-march={ARCH}", "-fno-math-errno",
 # ec_vocab_step_many, 14: ec_vocab_find_many's shard rows, 15: ec_copy_rows_summed,
 # 16: ec_sparse_update's overflow flags and count, 17: ec_sparse_update's rules numbered by
 # kernels/rules.py, 18: ec_copy_rows_summed's versions, ec_cache_step's version, ec_row_versions,
-# 19: the hot kernels' ``_packed`` entries (csrc/packed.h).
-ABI_VERSION = 19
+# 19: the hot kernels' ``_packed`` entries (csrc/packed.h), 20: 8-bit rows in ec_sparse_update
+# (its row_scales).
+ABI_VERSION = 20
 DEFINES = (f"-DEC_ABI_VERSION={ABI_VERSION}", *RULE_DEFINES,
            *(("-DEC_POOL_OMP",) if POOL == "omp" else ()))
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...config.dtypes import SCALED
 from ...numerics import rounding
 from ...numerics.rounding import ROW_TYPES
 from ..rules import NATIVE, Rule
@@ -23,9 +24,11 @@ from .args import (
     INT64,
     ROWS,
     U8,
+    UPDATE_ROW_TYPES,
     Hyper,
     Kernel,
     array,
+    check_row_scales,
     ctypes_array,
     read,
     read_rows,
@@ -41,9 +44,10 @@ _SUMMED_GRADIENT = read(F32, dim=2)  # the (U, D) summed gradient (direct)
 
 _SPARSE_UPDATE = Kernel("ec_sparse_update", INT64, [
     ("rule", INT),                            # SGD, ADAGRAD or ROWWISE_ADAGRAD
-    ("type", INT),                            # ROW_TYPES[w.dtype]
-    ("w", written(ROWS, dim=2)),              # (N, d) float32, float16 or bfloat16
+    ("type", INT),                            # UPDATE_ROW_TYPES[w.dtype]
+    ("w", written(ROWS + SCALED, dim=2)),     # (N, d) float32, 16-bit or 8-bit
     ("acc", written(F32, optional=True)),     # (N, d) or (N, 1); None for SGD
+    ("row_scales", written(F32, optional=True)),  # (N,) 8-bit rows' scales; else None
     ("d", INT64),
     ("rows", read(I64)),                      # (U,) distinct
     ("u_rows", INT64),
@@ -80,14 +84,17 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
                   order: torch.Tensor | None = None, bags: torch.Tensor | None = None,
                   scales: torch.Tensor | None = None,
                   round_to: rounding.Rounding | None = None,
-                  overflow: torch.Tensor | None = None) -> int:
+                  overflow: torch.Tensor | None = None,
+                  row_scales: torch.Tensor | None = None) -> int:
     """Updates ``table[rows]`` (and ``acc[rows]``) in place, each row once; returns how many
     rows ``overflow`` flagged.
 
     Args:
         rule: ``SGD``, ``ADAGRAD`` or ``ROWWISE_ADAGRAD``.
-        table: (N, D) contiguous float32, float16 or bfloat16 parameters (16-bit rows are
-            widened, updated in float32 and rounded back by ``round_to``: numerics/rounding.py).
+        table: (N, D) contiguous float32, float16, bfloat16, float8_e4m3fn or float8_e5m2
+            parameters (16-bit rows are widened, updated in float32 and rounded back by
+            ``round_to``: numerics/rounding.py; 8-bit ones widened with ``row_scales`` and
+            quantized back, a new scale per row: ``rounding.quantize``).
         acc: (N, D) or (N, 1) contiguous float32 accumulators; None for SGD.
         rows: (U,) distinct int64 rows.
         hyper: the optimizer's hyper-parameters by name (``Hyper``; infinities for no bound).
@@ -103,18 +110,21 @@ def sparse_update(rule: int, table: torch.Tensor, acc: torch.Tensor | None, rows
         overflow: (U,) uint8 or bool flags (16-bit tables; None: no guard): a row whose rounded
             result holds an infinity or NaN where its float32 result is finite (the rounding
             overflowed the 16-bit type) is left as it was, its accumulators too, and its flag
-            set (the others' set to 0). Unused for a float32 table.
+            set (the others' set to 0). Unused for a float32 or 8-bit table.
+        row_scales: (N, 1) contiguous float32 scales of an 8-bit table's rows (its "scales"
+            slot; updated in place); None for other tables.
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named).
     """
     _check_rule(rule, acc)
     _check_sources(unique_offsets, order)
+    check_row_scales(_SPARSE_UPDATE.name, table, row_scales)
     n_rows, d, u = table.shape[0], table.shape[-1], rows.numel()
     nnz = order.numel() if order is not None else None
     return _SPARSE_UPDATE.call(
-        rule, ROW_TYPES.get(table.dtype, 0), (table, None),
-        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), d,
+        rule, UPDATE_ROW_TYPES.get(table.dtype, 0), (table, None),
+        (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else d)), (row_scales, n_rows), d,
         (rows, None), u, (unique_offsets, u + 1), (order, None), (bags, nnz), (scales, nnz),
         *_gradient_args(table, d, u, grads, starts, unique_offsets), hyper,
         *_rounding_args(_NEAREST if round_to is None else round_to), (overflow, u), threads())
@@ -229,23 +239,28 @@ class SparseUpdate:
 
     Args:
         rule, table, acc: as ``sparse_update``'s (kept referenced: the kernel writes them).
+        row_scales: an 8-bit table's scales (as ``sparse_update``'s; kept referenced too).
 
     Raises:
         TypeError, ValueError: an argument the kernel cannot take (named), here or at a call.
     """
 
-    def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None) -> None:
+    def __init__(self, rule: int, table: torch.Tensor, acc: torch.Tensor | None,
+                 row_scales: torch.Tensor | None = None) -> None:
         _check_rule(rule, acc)
-        self.rule, self.table, self.acc = rule, table, acc
+        check_row_scales(_SPARSE_UPDATE.name, table, row_scales)
+        self.rule, self.table, self.acc, self.row_scales = rule, table, acc, row_scales
         self._arrays = _Arrays()
         self._bind()
 
     def _bind(self) -> None:
-        rule, table, acc = self.rule, self.table, self.acc
+        rule, table, acc, sc = self.rule, self.table, self.acc, self.row_scales
         n_rows, self.d = table.shape[0], table.shape[-1]
-        self._at = (table.data_ptr(), None if acc is None else acc.data_ptr())
-        fixed = {"rule": rule, "type": ROW_TYPES.get(table.dtype, 0), "w": (table, None),
-                 "acc": (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else self.d)), "d": self.d}
+        self._at = (table.data_ptr(), None if acc is None else acc.data_ptr(),
+                    None if sc is None else sc.data_ptr())
+        fixed = {"rule": rule, "type": UPDATE_ROW_TYPES.get(table.dtype, 0), "w": (table, None),
+                 "acc": (acc, n_rows * (1 if rule == ROWWISE_ADAGRAD else self.d)),
+                 "row_scales": (sc, n_rows), "d": self.d}
         self._call = _SPARSE_UPDATE.partial(**fixed)
         self._nearest = _SPARSE_UPDATE.partial(
             **fixed, **dict(zip(_ROUNDING, _rounding_args(_NEAREST))))
@@ -257,9 +272,10 @@ class SparseUpdate:
                  round_to: rounding.Rounding | None = None,
                  overflow: torch.Tensor | None = None) -> int:
         """``sparse_update(rule, table, acc, rows, hyper, grads, ...)``."""
-        table, acc = self.table, self.acc
+        table, acc, sc = self.table, self.acc, self.row_scales
         if table.data_ptr() != self._at[0] or (acc is not None and
-                                               acc.data_ptr() != self._at[1]):
+                                               acc.data_ptr() != self._at[1]) or (
+                sc is not None and sc.data_ptr() != self._at[2]):
             self._bind()  # (their storage was replaced since: checked and bound again)
         _check_sources(unique_offsets, order)
         u = rows.numel()

@@ -118,6 +118,7 @@ CONSTEXPR = ScalarKind("an int or a bool (a tl.constexpr)", frozenset({int, bool
 
 F32, I64, I32, I8 = (torch.float32,), (torch.int64,), (torch.int32,), (torch.int8,)
 ROWS = (torch.float32, torch.float16, torch.bfloat16)  # a table's rows: float32 or 16-bit
+CODED = ROWS + (torch.uint8,)  # or an 8-bit table's codes (its uint8 view)
 BITS = (torch.int8, torch.int16, torch.int32, torch.int64)  # rows moved as integers of a size
 
 

@@ -9,9 +9,12 @@ optimizer update); on the CPU nothing here runs.
 What the kernels cover (everything else falls back to the torch-ops paths, on any device):
 
 - ``lookup``: float32, float16 and bfloat16 tables (16-bit rows widened: float32 activations),
-  unit bags or bags with offsets and optional scales;
+  and 8-bit tables (float8_e4m3fn, float8_e5m2: codes widened times their row's scale), unit
+  bags or bags with offsets and optional scales;
 - ``sparse_update``: float32, float16 and bfloat16 tables (16-bit rows rounded back as
-  numerics/rounding.py says, bit for bit) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
+  numerics/rounding.py says, bit for bit), 8-bit tables (new codes and row scales as
+  ``rounding.quantize``, bit for bit, its codes decoded and encoded by integer arithmetic on
+  their uint8 view) and float32 slots, SGD, Adagrad, RowwiseAdagrad,
   AdagradMomentum, Adam (lazy; ``lazy_adam=False`` moves every row and takes the torch path) and
   FTRL, each with every option of the update step (docs/semantics.md section 3: gradient
   multiplier, gradient clipping, decoupled weight decay, weight clipping), from summed row
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 
 from ...base import compat
+from ...config.dtypes import SCALED, SCALES
 from ...config.optimizers import Optimizer, record_of
 from ...numerics.rounding import ROW_TYPES, Rounding
 from .. import rules
@@ -140,12 +144,26 @@ def usable(*tensors: torch.Tensor) -> bool:
 # -- lookup ----------------------------------------------------------------------------------
 
 def lookup_supported(table: torch.Tensor) -> bool:
-    return table.dtype in ROW_TYPES and table.dim() == 2 and table.is_contiguous()
+    """Whether ``lookup`` reads ``table`` (an 8-bit one with its ``row_scales``)."""
+    return ((table.dtype in ROW_TYPES or table.dtype in SCALED) and table.dim() == 2
+            and table.is_contiguous())
+
+
+def _codes(table: torch.Tensor, row_scales: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``(table, None, 0)``, or an 8-bit table's uint8 view, its (N,) float32 scales and the
+    kernels' code of its dtype (3 float8_e4m3fn, 4 float8_e5m2)."""
+    if table.dtype not in SCALED:
+        return table, None, 0
+    assert row_scales is not None and row_scales.dtype == torch.float32, "8-bit rows' scales"
+    return (table.view(torch.uint8), row_scales.reshape(-1),
+            3 if table.dtype == torch.float8_e4m3fn else 4)
 
 
 def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
            scales: torch.Tensor | None, num_rows: int,
-           skip: torch.Tensor | None = None) -> torch.Tensor:
+           skip: torch.Tensor | None = None,
+           row_scales: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r (``offsets`` None: row ids[r]).
 
     Args:
@@ -155,12 +173,14 @@ def lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
         scales: (nnz,) float32, or None for 1.
         num_rows: R.
         skip: the batch's verdict of its checks on the device (``Bags.verdict``), or None.
+        row_scales: (N, 1) float32 scales of an 8-bit table's rows; None for the others.
 
     Returns:
         (R, D) float32 (zeros, no row read, where ``skip`` is nonzero).
     """
     _load()
-    return _op("lookup", table)(table, ids, offsets, scales, num_rows, skip)
+    codes, rs, dtype8 = _codes(table, row_scales)
+    return _op("lookup", table)(codes, ids, offsets, scales, num_rows, skip, rs, dtype8)
 
 
 # -- the fused backward + update ------------------------------------------------------------------
@@ -180,7 +200,7 @@ def update_rule(opt: Optimizer) -> tuple[int, tuple[float, ...], bool, bool] | N
 
 def update_supported(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Tensor]) -> bool:
     """Whether ``sparse_update`` handles this optimizer, table and slots."""
-    if table.dtype not in ROW_TYPES or table.dim() != 2 or not table.is_contiguous():
+    if not lookup_supported(table) or (table.dtype in SCALED and SCALES not in slots):
         return False
     for s in slots.values():
         if s.dtype != torch.float32 or not s.is_contiguous():
@@ -198,8 +218,8 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
 
     Args:
         opt: the rule and its own hyper-parameters.
-        table: (N, D) contiguous float32, float16 or bfloat16; slots: ``{name: (N, D) or
-            (N, 1)}`` contiguous float32.
+        table: (N, D) contiguous float32, float16, bfloat16 or 8-bit; slots: ``{name: (N, D)
+            or (N, 1)}`` contiguous float32 (an 8-bit table's row scales among them, ``scales``).
         rows: (U,) distinct int64 rows.
         hyper: learning rate and the update step's options (``update._hyper``).
         grad: with ``unique_offsets``, the (R, D) output gradients; without, (U, D) row u the
@@ -207,7 +227,7 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
         unique_offsets, order: a ``Dedup``'s (occurrences of each row, sorted).
         bags: (nnz,) the output row of each occurrence; None when occurrence k is row k.
         scales: (nnz,) float32 scale of each occurrence; None for 1.
-        round_to: a 16-bit table's rounding (None: to nearest); the rows' keys, their bits and
+        round_to: a 16- or 8-bit table's rounding (None: to nearest); the rows' keys, their bits and
             the rounding are computed in the kernel (its segments kept on the device).
         skip: the batch's verdict of its checks on the device (``Bags.verdict``): nonzero,
             nothing is written; None: no verdict.
@@ -220,14 +240,15 @@ def sparse_update(opt: Optimizer, table: torch.Tensor, slots: dict[str, torch.Te
     stochastic = table.dtype != torch.float32 and round_to is not None and round_to.stochastic
     r = round_to if stochastic else None  # (to nearest: the kernel's own cast)
     key_rows = r.key_rows.to(rows.device) if r is not None and r.key_rows is not None else None
+    codes, rs, dtype8 = _codes(table, slots.get(SCALES))
     _op("sparse_update", table)(
-        table, slots[names[0]] if len(names) > 0 else None,
+        codes, slots[names[0]] if len(names) > 0 else None,
         slots[names[1]] if len(names) > 1 else None, rows, grad, unique_offsets, order, bags,
         scales, key_rows, r.segments.packed(rows.device) if r is not None else None,
         r.key_of_step if r is not None else 0, r.col0 if r is not None else 0,
         float(hyper.learning_rate), float(hyper.gradient_multiplier), float(hyper.clip_min),
         float(hyper.clip_max), float(hyper.weight_decay), float(hyper.weight_min),
-        float(hyper.weight_max), rule, list(h), f1, f2, skip)
+        float(hyper.weight_max), rule, list(h), f1, f2, skip, rs, dtype8)
 
 
 def row_gradients(grad: torch.Tensor, unique_offsets: torch.Tensor, order: torch.Tensor,

@@ -37,7 +37,7 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from ...base import compat
 from ..rules import Rule
-from .args import BITS, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
+from .args import BITS, CODED, CONSTEXPR, F32, FLOAT, I8, I32, I64, INT, ROWS, Launch, tensor
 from .batch import (
     bag_index_kernel,
     concat_bags_kernel,
@@ -94,21 +94,33 @@ def _registered(op: Any, fake: Any) -> Any:
 # -- lookup ------------------------------------------------------------------------------------
 
 LOOKUP = Launch(lookup_kernel, [
-    ("table_ptr", tensor(ROWS)), ("ids_ptr", tensor(I64)),
+    ("table_ptr", tensor(CODED)), ("rs_ptr", tensor(F32, optional=True)), ("ids_ptr", tensor(I64)),
     ("offsets_ptr", tensor(I64, optional=True)), ("scales_ptr", tensor(F32, optional=True)),
     ("skip_ptr", tensor(I64, optional=True)),
     ("out_ptr", tensor(F32, writes=True)), ("R", INT), ("D", INT),
-    ("UNIT", CONSTEXPR), ("SCALED", CONSTEXPR), ("CHECKED", CONSTEXPR),
+    ("UNIT", CONSTEXPR), ("SCALED", CONSTEXPR), ("CHECKED", CONSTEXPR), ("ROWS", CONSTEXPR),
     ("BLOCK_R", CONSTEXPR), ("BLOCK_D", CONSTEXPR),
 ], stand_in="ids_ptr")
+
+# The kernels' ROWS: a table's rows (an 8-bit table's by its codes' uint8 view and the dtype
+# of its rows, given by the presence of its (N,) row scales: float8_e4m3fn 3, float8_e5m2 4).
+_ROW_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_CODES_8 = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
+def _rows_code(table: torch.Tensor, row_scales: torch.Tensor | None, dtype8: int) -> int:
+    return _ROW_CODES[table.dtype] if row_scales is None else dtype8
 
 
 def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
             scales: torch.Tensor | None, num_rows: int,
-            skip: torch.Tensor | None = None) -> torch.Tensor:
+            skip: torch.Tensor | None = None, row_scales: torch.Tensor | None = None,
+            dtype8: int = 0) -> torch.Tensor:
     """``embcore::lookup``: ``out[r] = sum_k scales[k] * table[ids[k]]`` over bag r
     (``offsets`` None: row ``ids[r]``); (R, D) float32; zeros, nothing read, where the
     one-value int64 ``skip`` (the batch's verdict of its checks on the device) is nonzero.
+    An 8-bit table comes as its uint8 codes with ``row_scales`` (N,) float32 and ``dtype8``
+    (3 float8_e4m3fn, 4 float8_e5m2): row i is ``float32(code) * row_scales[i]``.
     FBGEMM: the pooled forward
     ``fbgemm::split_embedding_codegen_forward_{unweighted,weighted}_pt2_wrapper`` (``scales``
     its ``indice_weights``) for one table, ``..._nobag_...`` for unit bags."""
@@ -127,13 +139,15 @@ def _lookup(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None
         scales_ptr=scales.to(torch.float32).contiguous() if scaled and scales is not None
         else None,
         skip_ptr=skip, out_ptr=out, R=num_rows, D=d, UNIT=unit, SCALED=scaled,
-        CHECKED=skip is not None, BLOCK_R=block_r, BLOCK_D=block_d))
+        CHECKED=skip is not None, ROWS=_rows_code(table, row_scales, dtype8), BLOCK_R=block_r,
+        BLOCK_D=block_d, rs_ptr=row_scales))
     return out
 
 
 def _lookup_fake(table: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor | None,
                  scales: torch.Tensor | None, num_rows: int,
-                 skip: torch.Tensor | None = None) -> torch.Tensor:
+                 skip: torch.Tensor | None = None, row_scales: torch.Tensor | None = None,
+                 dtype8: int = 0) -> torch.Tensor:
     return table.new_empty((num_rows, table.shape[1]), dtype=torch.float32)  # (R, D)
 
 
@@ -143,9 +157,10 @@ lookup = _registered(triton_op(f"{NAMESPACE}::lookup", _lookup, mutates_args=())
 # -- the fused backward + update, and the summed row gradients ---------------------------------
 
 SPARSE_UPDATE = Launch(sparse_update_kernel, [
-    ("w_ptr", tensor(ROWS, writes=True, optional=True)),
+    ("w_ptr", tensor(CODED, writes=True, optional=True)),
     ("s1_ptr", tensor(F32, writes=True, optional=True)),
     ("s2_ptr", tensor(F32, writes=True, optional=True)),
+    ("rs_ptr", tensor(F32, writes=True, optional=True)),
     ("rows_ptr", tensor(I64, optional=True)), ("U", INT), ("D", INT), ("grad_ptr", tensor(F32)),
     ("uoff_ptr", tensor(I64, optional=True)), ("order_ptr", tensor(I64, optional=True)),
     ("bags_ptr", tensor(I64, optional=True)), ("scales_ptr", tensor(F32, optional=True)),
@@ -163,8 +178,6 @@ SPARSE_UPDATE = Launch(sparse_update_kernel, [
     ("BLOCK_D", CONSTEXPR),
 ], stand_in="grad_ptr")
 
-_ROW_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's ROWS
-
 
 def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch.Tensor | None,
                    rows: torch.Tensor, grad: torch.Tensor, unique_offsets: torch.Tensor | None,
@@ -174,7 +187,8 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
                    learning_rate: float, gradient_multiplier: float, clip_min: float,
                    clip_max: float, weight_decay: float, weight_min: float, weight_max: float,
                    rule: int, rule_args: list[float], flag1: bool, flag2: bool,
-                   skip: torch.Tensor | None = None) -> None:
+                   skip: torch.Tensor | None = None, row_scales: torch.Tensor | None = None,
+                   dtype8: int = 0) -> None:
     """``embcore::sparse_update``: updates ``table[rows]`` and its slots in place, each row
     once, by the optimizer rule ``rule`` (kernels/rules.py) with its hyper-parameters
     ``rule_args`` (h1..h5) and flags, after the update step's options (docs/semantics.md
@@ -183,7 +197,9 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
     output row and scale. ``segments`` (3, T) int64 and ``key_rows``: a 16-bit table's
     stochastic rounding (numerics/rounding.py; None: to nearest). A nonzero one-value int64
     ``skip`` (the batch's verdict of its checks on the device) leaves everything as it was;
-    a row without occurrences (the padding of ``bags.dedup_padded``) too. FBGEMM: the fused
+    a row without occurrences (the padding of ``bags.dedup_padded``) too. An 8-bit table comes
+    as ``_lookup``'s (uint8 codes, ``row_scales``, ``dtype8``): its rows get new codes and
+    scales. FBGEMM: the fused
     backward + optimizer
     ``fbgemm::split_embedding_backward_codegen_{optimizer}_{unweighted,weighted}_pt2_wrapper``
     (its ``dev_weights`` ``Tensor(b!)``, ``momentum1`` / ``momentum2``
@@ -198,7 +214,7 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
     h = [float(x) for x in rule_args] + [0.0] * (5 - len(rule_args))
     stochastic = segments is not None
     wrap_triton(sparse_update_kernel)[(_cdiv(u, block_u),)](*SPARSE_UPDATE.declared(
-        w_ptr=table, s1_ptr=slot1, s2_ptr=slot2, rows_ptr=rows, U=u, D=d,
+        w_ptr=table, s1_ptr=slot1, s2_ptr=slot2, rs_ptr=row_scales, rows_ptr=rows, U=u, D=d,
         grad_ptr=grad.to(torch.float32).contiguous(), uoff_ptr=unique_offsets,
         order_ptr=order, bags_ptr=bags,
         scales_ptr=None if scales is None else scales.to(torch.float32).contiguous(),
@@ -211,7 +227,7 @@ def _sparse_update(table: torch.Tensor, slot1: torch.Tensor | None, slot2: torch
         RULE=rule, F1=flag1, F2=flag2, DIRECT=direct, UNIT=bags is None,
         SCALED=scales is not None, MULTIPLIED=gradient_multiplier != 1.0,
         CLIPPED=clip_min != -inf or clip_max != inf, DECAYED=weight_decay != 0.0,
-        BOUNDED=weight_min != -inf or weight_max != inf, ROWS=_ROW_CODES[table.dtype],
+        BOUNDED=weight_min != -inf or weight_max != inf, ROWS=_rows_code(table, row_scales, dtype8),
         STOCHASTIC=stochastic, KEYED=key_rows is not None, CHECKED=skip is not None,
         BLOCK_U=block_u, BLOCK_D=block_d))
 
@@ -221,7 +237,7 @@ def _sparse_update_fake(*args: Any, **kwargs: Any) -> None:
 
 
 sparse_update = _registered(triton_op(f"{NAMESPACE}::sparse_update", _sparse_update,
-                                      mutates_args=("table", "slot1", "slot2")),
+                                      mutates_args=("table", "slot1", "slot2", "row_scales")),
                             _sparse_update_fake)
 
 

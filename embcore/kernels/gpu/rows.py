@@ -39,16 +39,88 @@ NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD, MOMENTUM, ADAM, FTRL = (
     tl.constexpr(int(r)) if tl is not None else int(r) for r in Rule)
 
 
+# -- 8-bit rows: codes widened and rounded by integer arithmetic (numerics/rounding.py's rule) ----
+
 @jit
-def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, skip_ptr, out_ptr, R, D,
+def _widen8(c, ROWS: tl.constexpr):
+    """uint8 codes -> their float32 values: float8_e4m3fn (ROWS 3) or float8_e5m2 (ROWS 4)."""
+    c = c.to(tl.uint32)
+    sign = (c & 0x80) << 24
+    if ROWS == 3:  # 4 exponent bits (bias 7), 3 mantissa bits; 0x7F / 0xFF NaN
+        e = (c >> 3) & 0xF
+        m = c & 0x7
+        normal = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, ((e + 120) << 23) | (m << 20))
+        sub = m.to(tl.float32) * 0.001953125  # m * 2**-9
+    else:  # 5 exponent bits (bias 15), 2 mantissa bits; exponent 31 infinite or NaN
+        e = (c >> 2) & 0x1F
+        m = c & 0x3
+        normal = tl.where(e == 31, 0x7F800000 | (m << 21), ((e + 112) << 23) | (m << 21))
+        sub = m.to(tl.float32) * 1.52587890625e-05  # m * 2**-16
+    mag = tl.where(e == 0, sub.to(tl.uint32, bitcast=True), normal)
+    return (sign | mag).to(tl.float32, bitcast=True)
+
+
+@jit
+def _narrow8(q, u, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr):
+    """float32 tile ``q`` (finite values within +-max_finite) -> uint8 codes of float8_e4m3fn
+    (ROWS 3) / float8_e5m2 (ROWS 4), to nearest even or stochastically with the uint32 random
+    bits ``u``: numerics/rounding.py's ``quantize`` bit for bit (a NaN's sign aside)."""
+    b = q.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    sign = (b >> 24) & 0x80
+    E4M3 = ROWS == 3
+    DROP = 20 if E4M3 else 21                  # float32 mantissa bits below a normal result's
+    NORMAL = 0x3C800000 if E4M3 else 0x38800000  # the smallest normal: 2**-6, 2**-14
+    INV_SPACING = 512.0 if E4M3 else 65536.0   # 1 / the subnormal spacing, 2**-9 or 2**-16
+    SPACING_BITS = 1.1641532182693481e-10 if E4M3 else 9.094947017729282e-13  # 2**-24 spacing
+    OFFSET = 960 if E4M3 else 448              # (127 - bias) << mantissa bits
+    TOP = 0x7E if E4M3 else 0x7B               # max_finite's code: 448, 57344
+    mag = a.to(tl.float32, bitcast=True)
+    if STOCHASTIC:
+        hn = (a + (u >> (32 - DROP))) >> DROP
+        # a subnormal result: |q| + (u >> 8) * 2**-24 * spacing, truncated to the spacing
+        sub = (mag + (u >> 8).to(tl.float32) * SPACING_BITS) * INV_SPACING
+        k = sub.to(tl.int32).to(tl.uint32)
+    else:  # to nearest even: in bits (normal), by the exact quotient's fraction (subnormal)
+        hn = (a + ((1 << (DROP - 1)) - 1) + ((a >> DROP) & 1)) >> DROP
+        x = mag * INV_SPACING
+        k0 = x.to(tl.int32)
+        frac = x - k0.to(tl.float32)
+        k = (k0 + ((frac > 0.5) | ((frac == 0.5) & ((k0 & 1) == 1))).to(tl.int32)).to(tl.uint32)
+    finite_sign = sign
+    if STOCHASTIC:  # (the reference's sign: of q < 0, so -0.0 becomes +0.0)
+        finite_sign = tl.where(q < 0.0, 0x80, 0).to(tl.uint32)
+    code = finite_sign | tl.where(a >= NORMAL, tl.minimum(hn - OFFSET, TOP), k)
+    if ROWS == 3:  # no infinity: NaN (an infinity's NaN is positive, as the reference's)
+        code = tl.where(a > 0x7F800000, sign | 0x7F, tl.where(a == 0x7F800000, 0x7F, code))
+    else:
+        code = tl.where(a > 0x7F800000, sign | 0x7F, tl.where(a == 0x7F800000, sign | 0x7C, code))
+    return code.to(tl.uint8)
+
+
+@jit
+def _read_rows(table_ptr, rs_ptr, row, cols, D, mask, ROWS: tl.constexpr):
+    """The float32 values of ``table[row, cols]`` (broadcast tiles), 8-bit rows (ROWS 3, 4)
+    widened and multiplied by their scale ``rs[row]``."""
+    if ROWS >= 3:
+        c = tl.load(table_ptr + row * D + cols, mask=mask, other=0)
+        return _widen8(c, ROWS) * tl.load(rs_ptr + row, mask=mask, other=1.0)
+    else:
+        return tl.load(table_ptr + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@jit
+def lookup_kernel(table_ptr, rs_ptr, ids_ptr, offsets_ptr, scales_ptr, skip_ptr, out_ptr, R, D,
                   UNIT: tl.constexpr, SCALED: tl.constexpr, CHECKED: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                  ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[r] = sum over bag r of scale * table[id], for a BLOCK_R x BLOCK_D tile of ``out``.
 
     UNIT: bag r is the single id ``ids[r]`` with scale 1 (no offsets, no scales).
     SCALED: per-occurrence ``scales`` (else 1).
     CHECKED: ``skip`` (int64, one value) is the batch's verdict of its checks on the device;
     nonzero, no row is read (its ids may be out of range) and every output row is zero.
+    ROWS: the table's rows, as ``sparse_update_kernel``'s; 8-bit rows (3, 4) are read as their
+    uint8 codes, widened and multiplied by their row's scale ``rs`` (N,) float32.
     """
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)                 # (BLOCK_R,)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)              # (BLOCK_D,)
@@ -61,8 +133,7 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, skip_ptr, out_ptr
     if UNIT:
         row = tl.load(ids_ptr + r64, mask=live_r, other=0)                 # (BLOCK_R,) int64
         tile = live_r[:, None] & live_c[None, :]
-        acc = tl.load(table_ptr + row[:, None] * D + cols[None, :], mask=tile,
-                      other=0.0).to(tl.float32)
+        acc = _read_rows(table_ptr, rs_ptr, row[:, None], cols[None, :], D, tile, ROWS)
     else:
         # The bags' bounds as (BLOCK_R, 1) columns, so that everything in the loop is one 2-D
         # layout (Triton 3.6's layout pass fails on 1-D loads in this loop mixed with the 2-D
@@ -76,8 +147,8 @@ def lookup_kernel(table_ptr, ids_ptr, offsets_ptr, scales_ptr, skip_ptr, out_ptr
             k = start + j                                                  # (BLOCK_R, 1)
             live = k < end
             row = tl.load(ids_ptr + k, mask=live, other=0)                 # (BLOCK_R, 1)
-            x = tl.load(table_ptr + row * D + cols[None, :],
-                        mask=live & live_c[None, :], other=0.0).to(tl.float32)
+            x = _read_rows(table_ptr, rs_ptr, row, cols[None, :], D, live & live_c[None, :],
+                           ROWS)
             if SCALED:
                 x = tl.load(scales_ptr + k, mask=live, other=0.0) * x
             acc += x
@@ -230,6 +301,7 @@ def _round_stochastic(x, u, ROWS: tl.constexpr):
   else (lambda fn: fn))
 def sparse_update_kernel(
         w_ptr, s1_ptr, s2_ptr,                # (N, D) table; its slots (N, D) or (N, 1)
+        rs_ptr,                               # (N,) 8-bit rows' scales (ROWS 3, 4)
         rows_ptr, U, D,                       # (U,) distinct rows
         grad_ptr,                             # (U, D) summed (DIRECT) or (R, D) output grads
         uoff_ptr, order_ptr, bags_ptr, scales_ptr,  # occurrences of each row (not DIRECT)
@@ -246,8 +318,10 @@ def sparse_update_kernel(
         BLOCK_D: tl.constexpr):
     """Updates BLOCK_U distinct rows (whole rows: BLOCK_D >= D) and their slots, in place.
     ROWS: the table's rows (0 float32, 1 float16, 2 bfloat16: widened, updated in float32 and
-    rounded back, stochastically with STOCHASTIC). CHECKED: a nonzero ``skip`` (the batch
-    failed its checks on the device) leaves every row and slot as it was."""
+    rounded back, stochastically with STOCHASTIC; 3 float8_e4m3fn, 4 float8_e5m2: uint8 codes
+    widened with their row's scale ``rs`` (N,) float32, updated in float32 and written back as
+    new codes and a new scale, numerics/rounding.py's ``quantize``). CHECKED: a nonzero
+    ``skip`` (the batch failed its checks on the device) leaves every row and slot as it was."""
     u = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)                 # (BLOCK_U,)
     cols = tl.arange(0, BLOCK_D)                                           # (BLOCK_D,)
     live_u = u < U
@@ -298,7 +372,7 @@ def sparse_update_kernel(
     # 3. the rule
     row = tl.load(rows_ptr + u64, mask=live_u, other=0)                   # (BLOCK_U,) int64
     at = row[:, None] * D + cols[None, :]                                  # (BLOCK_U, BLOCK_D)
-    w_before = tl.load(w_ptr + at, mask=tile, other=0.0).to(tl.float32)
+    w_before = _read_rows(w_ptr, rs_ptr, row[:, None], cols[None, :], D, tile, ROWS)
     if RULE == SGD:
         w = w_before - lr * g
     elif RULE == ADAGRAD:
@@ -333,6 +407,22 @@ def sparse_update_kernel(
         w = tl.minimum(tl.maximum(w, wmin), wmax)
     if ROWS == 0:
         tl.store(w_ptr + at, w, mask=tile)
+    elif ROWS >= 3:  # new scales (max |w| of the finite values / max_finite) and codes
+        TOP = 448.0 if ROWS == 3 else 57344.0  # max_finite
+        finite = tl.abs(w) <= 3.4028234663852886e38
+        s = tl.div_rn(tl.max(tl.where(finite & tile, tl.abs(w), 0.0), axis=1), TOP)  # (BLOCK_U,)
+        s = tl.where(s > 0.0, s, 1.0)
+        q = tl.div_rn(w, s[:, None])
+        q = tl.where(tl.abs(q) <= 3.4028234663852886e38,
+                     tl.minimum(tl.maximum(q, -TOP), TOP), q)
+        if STOCHASTIC:
+            key = _row_keys(row, live_u, keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,
+                            KEYED)                                         # (BLOCK_U,) uint32
+            bits = _lowbias32(key[:, None] + cols[None, :].to(tl.uint32) * 0x9E3779B9)
+        else:
+            bits = tl.zeros([BLOCK_U, BLOCK_D], dtype=tl.uint32)
+        tl.store(w_ptr + at, _narrow8(q, bits, STOCHASTIC, ROWS), mask=tile)
+        tl.store(rs_ptr + row, s, mask=live_u)
     elif STOCHASTIC:
         key = _row_keys(row, live_u, keyrows_ptr, n_keys, seg_ptr, nseg, step_key, col0,
                         KEYED)                                             # (BLOCK_U,) uint32

@@ -20,6 +20,7 @@
 //   pool.h         the thread pool and the parallel loops over it
 //   dedup.h        ec_dedup, ec_concat_dedup, ec_dedup_raw, ec_dedup_raw_runs, ec_expand
 //   half.h         16-bit rows: widening, rounding (to nearest, stochastic), ec_round16
+//   fp8.h          8-bit rows with a scale a row: widening, the row's scale, rounding
 //   lookup.h       ec_lookup
 //   update.h       EcHyper, ec_hyper_*, ec_sparse_update
 //   inputs.h       ec_minmax, ec_offsets_error, ec_first_unordered, ec_combiner_scales, ec_bag_of
@@ -36,6 +37,7 @@
 #include "common.h"
 #include "pool.h"
 #include "half.h"
+#include "fp8.h"
 #include "dedup.h"
 #include "lookup.h"
 #include "update.h"

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common.h"
+#include "fp8.h"
 #include "half.h"
 #include "pool.h"
 
@@ -208,14 +209,30 @@ inline bool fused_row16(const RowStep& s, uint16_t* row, const float* g, float* 
   return over;
 }
 
+// Steps 3-6 on an 8-bit row (d codes, its scale *scale) in one pass over the row: widened into
+// x (d,) (code * scale), stepped a block at a time (step_columns: the 16-bit rows' arithmetic),
+// then its new scale and codes (fp8.h), the random bits of column col0 + c.
 template <int T>
-i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_rows,
+inline void fused_row8(const RowStep& s, uint8_t* row, float* scale, const float* g, float* a,
+                       i64 d, bool stochastic, uint32_t key32, i64 col0, float* x) {
+  const float old = *scale;
+  fp8_widen<T>(row, x, d, old);
+  for (i64 c0 = 0; c0 < d; c0 += kBlock)
+    step_columns(s, x + c0, g + c0, a ? a + c0 : nullptr, std::min(kBlock, d - c0));
+  const float fresh = fp8_scale<T>(x, d);
+  fp8_narrow<T>(x, fresh, row, d, stochastic, key32, col0);
+  *scale = fresh;
+}
+
+template <int T>
+i64 update_rows(int rule, void* w_, float* acc, float* wscale, i64 d, const i64* rows, i64 u_rows,
                 const i64* uoff, const i64* order, const i64* bags, const float* scales,
                 const float* const* slices, const i64* starts, const i64* strides,
                 i64 nslices, const EcHyper* hyper, const Rounding& rounding,
                 uint8_t* overflow, int nt) {
-  constexpr i64 esize = T == kF32 ? 4 : 2;
-  const bool guarded = T != kF32 && overflow != nullptr;
+  constexpr bool eight = T == kE4M3 || T == kE5M2;
+  constexpr i64 esize = T == kF32 ? 4 : (eight ? 1 : 2);
+  const bool guarded = T != kF32 && !eight && overflow != nullptr;
   i64 overflows = 0;
   char* w = static_cast<char*>(w_);
 
@@ -255,7 +272,7 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
     thread_local std::vector<float> gbuf, wbuf, acc_before;
     thread_local std::vector<uint16_t> row_before;
     gbuf.resize(static_cast<size_t>(d));
-    if (decayed && T == kF32) wbuf.resize(static_cast<size_t>(d));
+    if ((decayed && T == kF32) || eight) wbuf.resize(static_cast<size_t>(d));
     if (guarded) {
       row_before.resize(static_cast<size_t>(d));
       acc_before.resize(static_cast<size_t>(d));
@@ -265,7 +282,9 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
     for (i64 u = lo; u < hi; ++u) {
       if (u + kPrefetch < hi) {
         const i64 ahead = rows[u + kPrefetch];
-        prefetch_write(reinterpret_cast<const float*>(w + ahead * d * esize), d * esize / 4);
+        prefetch_write(reinterpret_cast<const float*>(w + ahead * d * esize),
+                       (d * esize + 3) / 4);
+        if (eight) prefetch_write(wscale + ahead, 1);
         if (acc) prefetch_write(acc + ahead * acc_d, acc_d);
         if (!uoff) prefetch_read(slices[0] + (u + kPrefetch) * d, d);
       }
@@ -319,6 +338,12 @@ i64 update_rows(int rule, void* w_, float* acc, i64 d, const i64* rows, i64 u_ro
           const i64 r = rows[u];
           const i64 k = r < rounding.n_keys ? rounding.key_rows[r] : r;
           key32 = row_key32(rounding.segments.identity(k), rounding.step_key);
+        }
+        if constexpr (eight) {
+          fused_row8<T>(step, static_cast<uint8_t*>(stored), wscale + rows[u], g,
+                        rule == kAdagrad ? a_row : nullptr, d, rounding.stochastic, key32,
+                        rounding.col0, wbuf.data());
+          continue;
         }
         uint16_t* row = static_cast<uint16_t*>(stored);
         const bool over = fused_row16<T>(step, row, g, rule == kAdagrad ? a_row : nullptr, d,
@@ -402,7 +427,11 @@ extern "C" {
 // an infinity or NaN where its float32 result is finite (the rounding overflowed the 16-bit type)
 // is left as it was, its accumulators too, and flagged (overflow[u] = 1; every other row's 0).
 // Returns how many rows were left so (0 without ``overflow``).
-i64 ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* rows,
+// Rows of 8-bit type kE4M3 / kE5M2 (fp8.h) have a float32 scale each, ``row_scales`` (N,):
+// widened (code * scale), updated in float32, then a new scale and codes (to nearest or
+// stochastically, as 16-bit rows), in one pass over the row; no guard (a scaled row does not
+// overflow). nullptr row_scales with them: nothing is written, -1 returned.
+i64 ec_sparse_update(int rule, int type, void* w, float* acc, float* row_scales, i64 d, const i64* rows,
                       i64 u_rows, const i64* uoff, const i64* order, const i64* bags,
                       const float* scales, const float* const* slices, const i64* starts,
                       const i64* strides, i64 nslices, const EcHyper* hyper, int stochastic,
@@ -413,14 +442,24 @@ i64 ec_sparse_update(int rule, int type, void* w, float* acc, i64 d, const i64* 
   const Rounding rounding{stochastic != 0, key_rows, key_rows ? n_keys : 0,
                           Segments{seg_starts, seg_bases, seg_muls, nseg}, col0,
                           uint64_t(step_key)};
+  if (type == kE4M3 || type == kE5M2) {
+    if (row_scales == nullptr) return -1;  // (kernels/cpu/update.py checks it first)
+    if (type == kE4M3)
+      return update_rows<kE4M3>(rule, w, acc, row_scales, d, rows, u_rows, uoff, order, bags,
+                                scales, slices, starts, strides, nslices, hyper, rounding,
+                                nullptr, nt);
+    return update_rows<kE5M2>(rule, w, acc, row_scales, d, rows, u_rows, uoff, order, bags,
+                              scales, slices, starts, strides, nslices, hyper, rounding,
+                              nullptr, nt);
+  }
   if (type == kF16)
-    return update_rows<kF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
-                             starts, strides, nslices, hyper, rounding, overflow, nt);
+    return update_rows<kF16>(rule, w, acc, nullptr, d, rows, u_rows, uoff, order, bags, scales,
+                             slices, starts, strides, nslices, hyper, rounding, overflow, nt);
   if (type == kBF16)
-    return update_rows<kBF16>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
-                              starts, strides, nslices, hyper, rounding, overflow, nt);
-  return update_rows<kF32>(rule, w, acc, d, rows, u_rows, uoff, order, bags, scales, slices,
-                           starts, strides, nslices, hyper, rounding, overflow, nt);
+    return update_rows<kBF16>(rule, w, acc, nullptr, d, rows, u_rows, uoff, order, bags, scales,
+                              slices, starts, strides, nslices, hyper, rounding, overflow, nt);
+  return update_rows<kF32>(rule, w, acc, nullptr, d, rows, u_rows, uoff, order, bags, scales,
+                           slices, starts, strides, nslices, hyper, rounding, overflow, nt);
 }
 
 }  // extern "C"
